@@ -1,0 +1,55 @@
+"""kvcache: fast, bounded and persistent key/value caches for LLM inference in PyTorch.
+
+    import kvcache
+    cache = kvcache.make_cache(model)                 # growable, the default
+    out = model.generate(ids, past_key_values=cache)
+    cache.save("chat.kv"); cache = kvcache.load_cache("chat.kv", model)
+
+Importing kvcache registers the ``"kvcache"`` attention implementation with ``transformers``.
+"""
+
+from .attention import attend
+from .cache import CacheSnapshot, KVCache, make_cache
+from .errors import (
+    CacheFileError,
+    CacheFullError,
+    CorruptedFileError,
+    DTypeError,
+    ForeignFileError,
+    KVCacheError,
+    ModelMismatchError,
+    ShapeError,
+    SpecError,
+    TruncatedFileError,
+    UnsupportedOperation,
+)
+from .hf import register_attention
+from .persist import load_cache, save_cache
+from .spec import CacheSpec, parse_spec
+
+__version__ = "0.1.0"
+
+register_attention()
+
+__all__ = [
+    "CacheFileError",
+    "CacheFullError",
+    "CacheSnapshot",
+    "CacheSpec",
+    "CorruptedFileError",
+    "DTypeError",
+    "ForeignFileError",
+    "KVCache",
+    "KVCacheError",
+    "ModelMismatchError",
+    "ShapeError",
+    "SpecError",
+    "TruncatedFileError",
+    "UnsupportedOperation",
+    "attend",
+    "load_cache",
+    "make_cache",
+    "parse_spec",
+    "register_attention",
+    "save_cache",
+]

@@ -1,0 +1,211 @@
+"""The model-level cache: one storage layer per transformer layer, as a ``transformers.Cache``.
+
+``make_cache(model, spec)`` reads the model's config (``layer_types``, ``sliding_window``) and
+builds the right layer for each: the spec's kind for full-attention layers, a ``SlidingLayer``
+(Hugging Face's own sliding semantics, stored in place) for sliding ones. The result goes straight
+into ``model.generate(..., past_key_values=cache)`` or a plain forward loop.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import PretrainedConfig
+from transformers.cache_utils import Cache, DummyLayer, get_layer_types_and_kwargs
+
+from .errors import ShapeError, SpecError, UnsupportedOperation
+from .hf import HFLayer, crop_count
+from .layers import ConcatLayer, GrowableLayer, KVLayer, LayerState, SlidingLayer, StaticLayer
+from .spec import CacheSpec, parse_spec
+
+#: Config fields that decide whether a saved cache fits a model.
+FINGERPRINT_FIELDS = (
+    "model_type",
+    "num_hidden_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "layer_types",
+    "sliding_window",
+    "rope_theta",
+    "rope_parameters",
+    "max_position_embeddings",
+)
+
+SLIDING_TYPES = ("sliding_attention", "chunked_attention")
+
+
+@dataclass
+class CacheSnapshot:
+    """An in-process copy of a cache's content, for ``KVCache.restore``."""
+
+    states: list[LayerState | None]
+
+
+class KVCache(Cache):
+    """A ``transformers.Cache`` whose layers are kvcache storage layers.
+
+    ``stores[i]`` is layer i's ``KVLayer`` (None for layers that keep no cache). Everything
+    ``generate`` uses is here: ``get_seq_length``, ``get_mask_sizes``, ``crop``, ``reorder_cache``,
+    ``batch_repeat_interleave``, ``batch_select_indices``, ``reset``.
+    """
+
+    def __init__(
+        self,
+        stores: list[KVLayer | None],
+        spec: CacheSpec,
+        config_summary: dict[str, Any] | None = None,
+    ) -> None:
+        self.stores = list(stores)
+        self.spec = spec
+        self.config_summary = config_summary
+        super().__init__(layers=[DummyLayer() if s is None else HFLayer(s) for s in self.stores])
+
+    # ---- sizes ----------------------------------------------------------------------------
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated for keys and values across all layers."""
+        return sum(s.nbytes for s in self._live())
+
+    @property
+    def reallocations(self) -> int:
+        """Store allocations across all layers (the first allocation of each counts)."""
+        return sum(s.reallocations for s in self._live())
+
+    @property
+    def seen(self) -> int:
+        """Tokens appended so far: the position of the next token."""
+        return self.get_seq_length()
+
+    @property
+    def fingerprint(self) -> str | None:
+        return None if self.config_summary is None else fingerprint_of(self.config_summary)
+
+    def _live(self) -> list[KVLayer]:
+        return [s for s in self.stores if s is not None]
+
+    # ---- rollback, snapshots, forks -------------------------------------------------------
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Hugging Face semantics: ``crop(-n)`` removes the last n tokens; ``crop(0)`` does nothing.
+
+        Raises, changing nothing, if any layer cannot remove them (more than stored, or tokens a
+        sliding window already dropped).
+        """
+        live = self._live()
+        n = crop_count(tokens_to_remove, min((s.length for s in live), default=0))
+        for store in live:
+            store.check_trim(n)
+        for store in live:
+            store.trim(n)
+
+    def snapshot(self) -> CacheSnapshot:
+        """A copy of the content that ``restore`` brings back bit-exactly."""
+        return CacheSnapshot([None if s is None else s.state().clone() for s in self.stores])
+
+    def restore(self, snapshot: CacheSnapshot) -> None:
+        """Put back the content of ``snapshot`` (taken from this cache or one of the same layout)."""
+        if len(snapshot.states) != len(self.stores):
+            raise ShapeError(f"snapshot has {len(snapshot.states)} layers, this cache {len(self.stores)}")
+        for i, (store, state) in enumerate(zip(self.stores, snapshot.states)):
+            if (store is None) != (state is None) or (store is not None and store.kind != state.kind):
+                raise ShapeError(
+                    f"snapshot layer {i} is {getattr(state, 'kind', None)!r}, "
+                    f"this cache's is {getattr(store, 'kind', None)!r}"
+                )
+            if store is not None:
+                store.check_state(state)
+        for store, state in zip(self.stores, snapshot.states):
+            if store is not None:
+                store.load_state(state)
+
+    def fork(self) -> KVCache:
+        """An independent copy: appending to one never changes the other."""
+        return KVCache([None if s is None else s.fork() for s in self.stores], self.spec, self.config_summary)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write this cache to one safetensors file (atomically: a failed save keeps the old file)."""
+        from .persist import save_cache
+
+        save_cache(self, path)
+
+    def __repr__(self) -> str:
+        return f"KVCache(spec={str(self.spec)!r}, seen={self.seen}, nbytes={self.nbytes}, layers={len(self.stores)})"
+
+
+def text_config(model_or_config: Any) -> PretrainedConfig:
+    """The decoder config of a model, or of a config."""
+    config = getattr(model_or_config, "config", model_or_config)
+    if not isinstance(config, PretrainedConfig):
+        raise TypeError(f"expected a transformers model or config, got {type(model_or_config).__name__}")
+    return config.get_text_config(decoder=True)
+
+
+def config_summary(config: PretrainedConfig) -> dict[str, Any]:
+    """The fields of ``config`` that a saved cache must agree with (JSON-safe)."""
+    out = {}
+    for name in FINGERPRINT_FIELDS:
+        value = getattr(config, name, None)
+        out[name] = json.loads(json.dumps(value, default=str, sort_keys=True))
+    return out
+
+
+def fingerprint_of(summary: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(summary, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def make_cache(model: Any, spec: str | CacheSpec = "growable", **options: Any) -> KVCache:
+    """A cache for ``model`` (a ``transformers`` model or config), ready for ``generate``.
+
+    ``spec`` is ``"growable"`` (default), ``"static:capacity=N"`` or ``"concat"``; keyword options
+    override the spec's, e.g. ``make_cache(model, "static", capacity=4096)``. Static caches also take
+    ``buffers=[(keys, values), ...]``, one caller-owned pair ``[B, Hkv, C, D]`` per full-attention
+    layer, written in place.
+    """
+    config = text_config(model)
+    parsed = parse_spec(spec, **options)
+    layer_types, per_layer = get_layer_types_and_kwargs(config)
+    buffers = parsed.options.get("buffers")
+    n_full = sum(t == "full_attention" for t in layer_types)
+    if buffers is not None and len(buffers) != n_full:
+        raise SpecError(f"buffers: expected one (keys, values) pair per full-attention layer ({n_full}), got {len(buffers)}")
+
+    stores: list[KVLayer | None] = []
+    full_seen = 0
+    for i, (layer_type, kwargs) in enumerate(zip(layer_types, per_layer)):
+        if layer_type == "dummy":
+            stores.append(None)
+        elif layer_type in SLIDING_TYPES:
+            stores.append(SlidingLayer(window=kwargs["sliding_window"]))
+        elif layer_type == "full_attention":
+            pair = None if buffers is None else buffers[full_seen]
+            stores.append(_full_layer(parsed, pair))
+            full_seen += 1
+        else:
+            raise UnsupportedOperation(
+                f"layer {i} of this model has type {layer_type!r}; kvcache handles "
+                f"'full_attention' and {' and '.join(repr(t) for t in SLIDING_TYPES)} layers"
+            )
+    return KVCache(stores, parsed, config_summary(config))
+
+
+def _full_layer(spec: CacheSpec, buffers: tuple[torch.Tensor, torch.Tensor] | None) -> KVLayer:
+    opts = {k: v for k, v in spec.options.items() if k != "buffers"}
+    if spec.kind == "growable":
+        return GrowableLayer(**opts)
+    if spec.kind == "static":
+        if buffers is not None:
+            keys, values = buffers
+            return StaticLayer(opts.get("capacity"), keys=keys, values=values)
+        return StaticLayer(**opts)
+    if spec.kind == "concat":
+        return ConcatLayer()
+    raise SpecError(f"no full-attention layer for kind {spec.kind!r}")

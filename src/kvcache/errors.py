@@ -1,0 +1,51 @@
+"""Errors raised by kvcache. Every error says what was expected and what came.
+
+Bad input raises a ``ValueError`` or ``TypeError`` subclass, so callers that already catch the
+built-in types keep working. A call that raises leaves the cache exactly as it was.
+"""
+
+from __future__ import annotations
+
+
+class KVCacheError(Exception):
+    """Base class of every error kvcache raises on purpose."""
+
+
+class ShapeError(KVCacheError, ValueError):
+    """A key/value tensor has the wrong rank, batch, head count, head dim or length."""
+
+
+class DTypeError(KVCacheError, TypeError):
+    """A key/value tensor has the wrong dtype or device, or is not a tensor."""
+
+
+class CacheFullError(KVCacheError, ValueError):
+    """An append would pass a fixed capacity. Nothing was written."""
+
+
+class UnsupportedOperation(KVCacheError, ValueError):
+    """The cache kind cannot do this, e.g. crop past what a window already dropped."""
+
+
+class SpecError(KVCacheError, ValueError):
+    """A cache spec string or its options are not valid."""
+
+
+class CacheFileError(KVCacheError, ValueError):
+    """A cache file cannot be loaded: truncated, corrupted, foreign or from another model."""
+
+
+class TruncatedFileError(CacheFileError):
+    """The file ends before the data its header announces."""
+
+
+class CorruptedFileError(CacheFileError):
+    """A tensor's checksum does not match: the bytes changed after saving."""
+
+
+class ForeignFileError(CacheFileError):
+    """The file is not a kvcache file, or has an unknown format version."""
+
+
+class ModelMismatchError(CacheFileError):
+    """The file was saved for a model with a different configuration."""

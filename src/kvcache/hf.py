@@ -1,0 +1,139 @@
+"""The bridge to ``transformers``: a per-layer adapter and the ``"kvcache"`` attention registration.
+
+``HFLayer`` wraps one of our storage layers in the interface that ``transformers.Cache`` and the
+models call (``update``, ``get_mask_sizes``, ``crop``, ...). Our storage returns keys in order, the
+kept past then the new tokens, so the mask ``transformers`` builds from ``get_mask_sizes`` is
+``kv_length = length + query_length`` starting at absolute position ``seen - length``.
+
+``register_attention()`` adds ``"kvcache"`` to the attention implementations (the one documented
+piece of global state): ``model.set_attn_implementation("kvcache")`` then runs ``attend``.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from .attention import attend
+from .errors import UnsupportedOperation
+from .layers import KVLayer
+
+ATTENTION_NAME = "kvcache"
+
+
+class HFLayer(CacheLayerMixin):
+    """One ``transformers`` cache layer backed by a ``KVLayer`` store."""
+
+    is_compileable = False
+    is_croppable = True
+    supports_early_init = True
+
+    def __init__(self, store: KVLayer) -> None:  # no super().__init__: keys/values are properties
+        self.store = store
+
+    def __repr__(self) -> str:
+        return f"HFLayer({self.store!r})"
+
+    @property
+    def is_sliding(self) -> bool:
+        return self.store.is_sliding
+
+    @property
+    def is_initialized(self) -> bool:
+        return self.store.initialized
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return self.store.view()[0]
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return self.store.view()[1]
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        # `early_initialization` passes empty [B, H, 0, D] tensors: an empty append fixes the geometry
+        # (and allocates a static layer's buffers up front).
+        if not self.store.initialized:
+            self.store.update(key_states[:, :, :0], value_states[:, :, :0])
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return self.store.update(key_states, value_states)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.store.length + query_length, self.store.seen - self.store.length
+
+    def get_seq_length(self) -> int:
+        return self.store.seen
+
+    def get_max_length(self) -> int:
+        return getattr(self.store, "max_length", -1)
+
+    def reset(self) -> None:
+        self.store.reset()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self.store.trim(crop_count(tokens_to_remove, self.store.length))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.store.reorder(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.store.repeat(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.store.select(indices)
+
+    def offload(self) -> None:
+        raise UnsupportedOperation("kvcache layers do not support offloading to CPU")
+
+    def prefetch(self) -> None:
+        raise UnsupportedOperation("kvcache layers do not support offloading to CPU")
+
+
+def crop_count(tokens_to_remove: int, length: int) -> int:
+    """Hugging Face ``crop`` semantics: a negative count removes that many tokens, 0 does nothing.
+
+    Returns the number of tokens to trim. A positive count (the old "crop to this length") is
+    refused, as ``transformers`` 5 refuses it.
+    """
+    n = int(tokens_to_remove)
+    if n > 0:
+        raise ValueError(
+            f"crop({n}): pass a negative number of tokens to remove (e.g. crop(-{n})); "
+            "cropping to an absolute length is not supported, as in transformers 5"
+        )
+    return -n
+
+
+def hf_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """``transformers`` attention interface over ``attend``: returns ``[B, Sq, Hq, Dv]``."""
+    if kwargs.get("softcap") is not None:
+        raise UnsupportedOperation("kvcache attention does not support logit softcapping; use 'eager'")
+    if kwargs.get("s_aux") is not None:
+        raise UnsupportedOperation("kvcache attention does not support attention sinks (s_aux); use 'eager'")
+    if dropout and module.training:
+        raise UnsupportedOperation("kvcache attention is for inference: dropout is not supported")
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    causal = bool(causal) and attention_mask is None and query.shape[2] > 1
+    out = attend(query, key, value, scale=scaling, mask=attention_mask, causal=causal)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_attention() -> str:
+    """Register ``attend`` as the ``"kvcache"`` attention implementation; returns the name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTENTION_NAME, hf_attention_forward)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    return ATTENTION_NAME

@@ -1,0 +1,23 @@
+"""Storage layers: one strategy per module, all behind the contract in ``base.py``."""
+
+from .base import Geometry, KVLayer, LayerState
+from .concat import ConcatLayer
+from .growable import GrowableLayer
+from .sliding import SlidingLayer
+from .static import StaticLayer
+
+#: Every layer kind by its name, as used in specs and saved files.
+LAYER_KINDS: dict[str, type[KVLayer]] = {
+    cls.kind: cls for cls in (ConcatLayer, GrowableLayer, StaticLayer, SlidingLayer)
+}
+
+__all__ = [
+    "LAYER_KINDS",
+    "ConcatLayer",
+    "Geometry",
+    "GrowableLayer",
+    "KVLayer",
+    "LayerState",
+    "SlidingLayer",
+    "StaticLayer",
+]

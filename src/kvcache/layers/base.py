@@ -1,0 +1,288 @@
+"""The contract every storage layer keeps, and the checks they share.
+
+A layer stores the keys and values of one transformer layer as ``[B, Hkv, L, D]`` (values may
+have their own head dim ``Dv``). ``update`` appends ``[B, Hkv, S, D]`` and returns what attention
+reads, as views of the store. Invariants (see DESIGN.md):
+
+- a call that raises changes nothing;
+- returned views stay valid until the next mutating call;
+- ``seen`` counts tokens ever appended (the position of the next token); ``length`` counts slots
+  stored. They differ only for bounded layers.
+"""
+
+from __future__ import annotations
+
+import copy
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from ..errors import DTypeError, ShapeError, UnsupportedOperation
+
+
+@dataclass
+class LayerState:
+    """A layer's content, detached from the layer: what save/load and snapshots carry.
+
+    ``tensors`` holds ``keys`` ``[B, Hkv, L, D]`` and ``values`` ``[B, Hkv, L, Dv]`` (and whatever
+    else a kind needs); ``options`` are the constructor's keyword arguments.
+    """
+
+    kind: str
+    options: dict[str, Any]
+    seen: int
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def clone(self) -> LayerState:
+        return LayerState(
+            self.kind, dict(self.options), self.seen, {k: t.clone() for k, t in self.tensors.items()}
+        )
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What every append to a layer must agree on, fixed by the first append."""
+
+    batch: int
+    heads: int
+    key_dim: int
+    value_dim: int
+    dtype: torch.dtype
+    device: torch.device
+
+    @classmethod
+    def of(cls, key: torch.Tensor, value: torch.Tensor) -> Geometry:
+        return cls(key.shape[0], key.shape[1], key.shape[3], value.shape[3], key.dtype, key.device)
+
+
+def check_kv(key: Any, value: Any, expected: Geometry | None) -> None:
+    """Raise a clear error unless ``key``/``value`` are a valid append for ``expected``.
+
+    key: ``[B, Hkv, S, D]``; value: ``[B, Hkv, S, Dv]``. ``expected`` is None for a fresh layer.
+    """
+    for name, t in (("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise DTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ShapeError(
+                f"{name} must have rank 4 [batch, kv_heads, seq, head_dim], got shape {tuple(t.shape)}"
+            )
+        if not t.is_floating_point():
+            raise DTypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if key.shape[:3] != value.shape[:3]:
+        raise ShapeError(
+            f"key and value must agree on [batch, kv_heads, seq]: key {tuple(key.shape)}, "
+            f"value {tuple(value.shape)}"
+        )
+    if key.dtype != value.dtype:
+        raise DTypeError(f"key and value must share a dtype: key {key.dtype}, value {value.dtype}")
+    if key.device != value.device:
+        raise DTypeError(f"key and value must share a device: key {key.device}, value {value.device}")
+    if expected is None:
+        return
+    got = Geometry.of(key, value)
+    for what in ("batch", "heads", "key_dim", "value_dim"):
+        want, came = getattr(expected, what), getattr(got, what)
+        if want != came:
+            raise ShapeError(
+                f"{what.replace('_', ' ')} mismatch: this cache holds {want}, the new "
+                f"key/value have {came} (key {tuple(key.shape)}, value {tuple(value.shape)})"
+            )
+    if got.dtype != expected.dtype:
+        raise DTypeError(f"dtype mismatch: this cache holds {expected.dtype}, the new key/value are {got.dtype}")
+    if got.device != expected.device:
+        raise DTypeError(
+            f"device mismatch: this cache lives on {expected.device}, the new key/value are on {got.device}"
+        )
+
+
+def as_index(index: torch.Tensor | list[int] | range, batch: int, device: torch.device) -> torch.Tensor:
+    """A batch index as a 1-D long tensor on ``device``, bounds-checked against ``batch``."""
+    idx = torch.as_tensor(index, device=device)
+    if idx.dtype == torch.bool:
+        if idx.shape != (batch,):
+            raise ShapeError(f"a boolean batch mask must have shape ({batch},), got {tuple(idx.shape)}")
+        idx = idx.nonzero().flatten()
+    if idx.dim() != 1 or idx.dtype not in (torch.int32, torch.int64):
+        raise ShapeError(f"a batch index must be a 1-D integer tensor, got {idx.dtype} of shape {tuple(idx.shape)}")
+    idx = idx.long()
+    if idx.numel() and (int(idx.min()) < -batch or int(idx.max()) >= batch):
+        raise ShapeError(f"batch index out of range for batch size {batch}: {idx.tolist()}")
+    return idx % batch if idx.numel() else idx
+
+
+class KVLayer(ABC):
+    """One transformer layer's key/value store. Subclasses choose how storage grows or is bounded."""
+
+    kind: ClassVar[str]
+    #: True for layers that keep only a recent window (mask sizes differ, see ``hf.py``).
+    is_sliding: ClassVar[bool] = False
+
+    def __init__(self) -> None:
+        self.geometry: Geometry | None = None
+        self._seen = 0
+        #: How many times the store was (re)allocated: the first allocation counts.
+        self.reallocations = 0
+
+    # ---- the hot path -------------------------------------------------------------------
+
+    def update(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``key`` ``[B, Hkv, S, D]`` and ``value`` ``[B, Hkv, S, Dv]``.
+
+        Returns the keys and values attention reads, as views of the store (not copies).
+        """
+        check_kv(key, value, self.geometry)
+        return self._append(key, value)
+
+    @abstractmethod
+    def _append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append already-validated tensors. Must raise before changing anything."""
+
+    # ---- sizes --------------------------------------------------------------------------
+
+    @property
+    def seen(self) -> int:
+        """Tokens ever appended (minus trimmed): the absolute position of the next token."""
+        return self._seen
+
+    @property
+    @abstractmethod
+    def length(self) -> int:
+        """Slots stored now."""
+
+    @property
+    @abstractmethod
+    def capacity(self) -> int:
+        """Slots the current allocation can hold without reallocating."""
+
+    @property
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Bytes allocated for this layer's keys and values (the honest memory figure)."""
+
+    @property
+    def initialized(self) -> bool:
+        return self.geometry is not None
+
+    @abstractmethod
+    def view(self) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
+        """The stored keys ``[B, Hkv, L, D]`` and values ``[B, Hkv, L, Dv]`` as views; (None, None) if empty."""
+
+    def positions(self) -> torch.Tensor:
+        """Absolute position of each stored slot, ``[B, Hkv, L]`` (an expanded view)."""
+        g = self.geometry
+        if g is None:
+            return torch.empty(0, 0, 0, dtype=torch.long)
+        pos = torch.arange(self.seen - self.length, self.seen, device=g.device)
+        return pos.expand(g.batch, g.heads, self.length)
+
+    # ---- rollback and reuse -------------------------------------------------------------
+
+    def check_trim(self, n: int) -> None:
+        """Raise unless ``trim(n)`` can be done; changes nothing."""
+        if int(n) < 0:
+            raise ValueError(f"trim takes a token count >= 0, got {n}")
+        if int(n) > self.length:
+            raise UnsupportedOperation(
+                f"cannot remove {n} tokens from a {self.kind} layer holding {self.length}"
+            )
+
+    def trim(self, n: int) -> None:
+        """Drop the last ``n`` tokens (rollback, e.g. rejected speculative tokens)."""
+        self.check_trim(n)
+        n = int(n)
+        if n:
+            self._trim(n)
+            self._seen -= n
+
+    @abstractmethod
+    def _trim(self, n: int) -> None:
+        """Drop the last ``n`` stored slots; ``0 < n <= length`` is already checked."""
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Forget every token. Kinds that own fixed buffers keep them."""
+
+    # ---- batch and beam work ------------------------------------------------------------
+
+    def select(self, index: torch.Tensor | list[int]) -> None:
+        """Keep only the batch rows in ``index`` (a long index or a boolean mask), in that order."""
+        if self.geometry is None:
+            return
+        idx = as_index(index, self.geometry.batch, self.geometry.device)
+        self._rebatch(lambda t: t.index_select(0, idx))
+
+    def repeat(self, n: int) -> None:
+        """Repeat every batch row ``n`` times in place order (``repeat_interleave``), e.g. for beams."""
+        n = int(n)
+        if n < 1:
+            raise ValueError(f"repeat count must be >= 1, got {n}")
+        if self.geometry is None or n == 1:
+            return
+        self._rebatch(lambda t: t.repeat_interleave(n, dim=0))
+
+    def reorder(self, beam_idx: torch.Tensor) -> None:
+        """Beam search: row ``i`` becomes old row ``beam_idx[i]``. The batch size stays."""
+        if self.geometry is None:
+            return
+        idx = as_index(beam_idx, self.geometry.batch, self.geometry.device)
+        if idx.numel() != self.geometry.batch:
+            raise ShapeError(
+                f"reorder needs one index per batch row ({self.geometry.batch}), got {idx.numel()}"
+            )
+        self._rebatch(lambda t: t.index_select(0, idx))
+
+    @abstractmethod
+    def _rebatch(self, fn) -> None:
+        """Replace the stored rows by ``fn(rows)`` for each stored tensor (``[B, ...]`` to ``[B', ...]``)."""
+
+    # ---- state ----------------------------------------------------------------------------
+
+    @abstractmethod
+    def options(self) -> dict[str, Any]:
+        """Constructor keyword arguments that rebuild an empty layer like this one."""
+
+    def state(self) -> LayerState:
+        """The content as plain tensors (views; clone them to keep a copy)."""
+        keys, values = self.view()
+        tensors = {} if keys is None else {"keys": keys, "values": values}
+        return LayerState(self.kind, self.options(), self.seen, tensors)
+
+    @classmethod
+    def from_state(cls, state: LayerState) -> KVLayer:
+        """A new layer holding ``state``'s content (copied, never aliased)."""
+        if state.kind != cls.kind:
+            raise ValueError(f"state of kind {state.kind!r} cannot build a {cls.kind!r} layer")
+        layer = cls(**state.options)
+        layer.load_state(state)
+        return layer
+
+    def check_state(self, state: LayerState) -> None:
+        """Raise unless ``load_state(state)`` would succeed; changes nothing."""
+        if state.kind != self.kind:
+            raise ValueError(f"state of kind {state.kind!r} cannot load into a {self.kind!r} layer")
+        if "keys" in state.tensors:
+            keys, values = state.tensors["keys"], state.tensors["values"]
+            check_kv(keys, values, None)
+            if int(state.seen) < keys.shape[2]:
+                raise ValueError(f"state has {keys.shape[2]} slots but only {state.seen} tokens seen")
+
+    def load_state(self, state: LayerState) -> None:
+        """Replace this layer's content with ``state``'s (copied). Raises before changing anything."""
+        self.check_state(state)
+        self.reset()
+        if "keys" in state.tensors:
+            self.update(state.tensors["keys"], state.tensors["values"])
+        self._seen = int(state.seen)
+
+    def fork(self) -> KVLayer:
+        """An independent copy: appending to either never changes the other."""
+        return copy.deepcopy(self)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(length={self.length}, seen={self.seen}, "
+            f"capacity={self.capacity}, nbytes={self.nbytes})"
+        )

@@ -1,0 +1,100 @@
+"""A fixed capacity, allocated once (or buffers the caller owns). Never reallocates on append.
+
+Appending past the capacity raises ``CacheFullError`` and writes nothing. With caller-owned
+buffers ``[B, Hkv, C, D]`` the cache writes into them and returns views of them, so their
+identity is kept (a batch-size change, e.g. ``repeat`` for beams, needs new buffers).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..errors import CacheFullError, DTypeError, ShapeError
+from .base import Geometry
+from .growable import BufferLayer
+
+
+class StaticLayer(BufferLayer):
+    kind = "static"
+
+    def __init__(
+        self,
+        capacity: int | None = None,
+        *,
+        keys: torch.Tensor | None = None,
+        values: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        if (keys is None) != (values is None):
+            raise ValueError("pass both keys and values buffers, or neither")
+        if keys is not None:
+            _check_buffers(keys, values, capacity)
+            capacity = keys.shape[2]
+            self._kbuf, self._vbuf = keys, values
+            self.geometry = Geometry.of(keys, values)
+            self.reallocations = 0
+        if capacity is None or int(capacity) < 1:
+            raise ValueError(f"a static layer needs a capacity >= 1 (tokens), got {capacity}")
+        self._capacity = int(capacity)
+
+    def _make_room(self, need, key, value):
+        if self._kbuf is not None:
+            raise CacheFullError(
+                f"static cache is full: capacity {self._capacity} tokens, {self._len} stored, "
+                f"{key.shape[-2]} more requested (needs {need}). Nothing was written; "
+                f"make the cache with a larger capacity."
+            )
+        if need > self._capacity:
+            raise CacheFullError(
+                f"static cache capacity {self._capacity} tokens is smaller than the first "
+                f"append of {need} tokens. Nothing was written."
+            )
+        self._allocate(self._capacity, key.shape[0], key, value)
+        self._kbuf.zero_()
+        self._vbuf.zero_()
+
+    def _static_capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def max_length(self) -> int:
+        return self._capacity
+
+    def check_state(self, state) -> None:
+        super().check_state(state)
+        stored = state.tensors["keys"].shape[2] if "keys" in state.tensors else 0
+        if stored > self._capacity:
+            raise CacheFullError(f"state holds {stored} tokens, more than this static layer's capacity {self._capacity}")
+
+    def load_state(self, state) -> None:
+        self.check_state(state)
+        keys = state.tensors.get("keys")
+        if keys is not None and self.geometry is not None and self.geometry != Geometry.of(keys, state.tensors["values"]):
+            self._kbuf = self._vbuf = None  # another batch size or dtype: new buffers
+            self.geometry = None
+        super().load_state(state)
+
+    def reset(self) -> None:
+        # Keeps the buffers (they may be the caller's) and so the geometry.
+        self._len = 0
+        self._seen = 0
+
+    def options(self) -> dict[str, Any]:
+        return {"capacity": self._capacity}
+
+
+def _check_buffers(keys: torch.Tensor, values: torch.Tensor, capacity: int | None) -> None:
+    for name, t in (("keys", keys), ("values", values)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ShapeError(f"{name} buffer must be a 4-D tensor [batch, kv_heads, capacity, head_dim]")
+    if keys.shape[:3] != values.shape[:3]:
+        raise ShapeError(
+            f"keys and values buffers must agree on [batch, kv_heads, capacity]: "
+            f"{tuple(keys.shape)} vs {tuple(values.shape)}"
+        )
+    if keys.dtype != values.dtype or keys.device != values.device:
+        raise DTypeError("keys and values buffers must share dtype and device")
+    if capacity is not None and int(capacity) != keys.shape[2]:
+        raise ShapeError(f"capacity {capacity} does not match the buffers' capacity {keys.shape[2]}")

@@ -1,0 +1,159 @@
+"""Cache files: one safetensors file per cache, checked on load.
+
+Layout: tensors ``layer.{i}.{name}`` (``keys`` ``[B, Hkv, L, D]``, ``values``, ...), and string
+metadata: ``format`` = ``kvcache``, ``format_version``, ``spec``, ``dtype``, ``config`` (the model
+fields a cache must agree with) and its ``fingerprint``, ``layers`` (per layer: kind, options,
+``seen``, ``length``) and ``checksums`` (SHA-256 of each tensor's bytes).
+
+Saving writes a temporary file beside the target, flushes it to disk and renames it into place, so
+a failed save leaves the old file intact. Loading refuses, with an error naming the problem, a
+file that is truncated, has a changed byte, is not a kvcache file (or of an unknown version), or
+was saved for a model with another configuration.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from .errors import CorruptedFileError, ForeignFileError, ModelMismatchError, TruncatedFileError
+from .layers import LAYER_KINDS, LayerState
+
+if TYPE_CHECKING:
+    from .cache import KVCache
+
+FORMAT = "kvcache"
+FORMAT_VERSION = 1
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.detach().contiguous().view(torch.uint8).reshape(-1).numpy())
+
+
+def checksum(t: torch.Tensor) -> str:
+    """SHA-256 of a CPU tensor's bytes."""
+    return hashlib.sha256(_tensor_bytes(t)).hexdigest()
+
+
+def save_cache(cache: KVCache, path: str | os.PathLike) -> None:
+    """Write ``cache`` to ``path`` atomically (temporary file, fsync, rename)."""
+    tensors: dict[str, torch.Tensor] = {}
+    layers: list[dict[str, Any] | None] = []
+    dtype = None
+    for i, store in enumerate(cache.stores):
+        if store is None:
+            layers.append(None)
+            continue
+        state = store.state()
+        names = []
+        for name, t in state.tensors.items():
+            # .contiguous() alone would keep a view of a larger buffer; safetensors wants owned data.
+            tensors[f"layer.{i}.{name}"] = t.detach().to("cpu").contiguous().clone()
+            names.append(name)
+            dtype = dtype or str(t.dtype).removeprefix("torch.")
+        length = state.tensors["keys"].shape[2] if "keys" in state.tensors else 0
+        layers.append({"kind": state.kind, "options": state.options, "seen": state.seen, "length": length, "tensors": names})
+    metadata = {
+        "format": FORMAT,
+        "format_version": str(FORMAT_VERSION),
+        "spec": str(cache.spec),
+        "dtype": dtype or "none",
+        "config": json.dumps(cache.config_summary, sort_keys=True),
+        "fingerprint": cache.fingerprint or "",
+        "layers": json.dumps(layers),
+        "checksums": json.dumps({name: checksum(t) for name, t in tensors.items()}, sort_keys=True),
+    }
+    data = st_save(tensors, metadata=metadata)
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent or Path("."))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_header(raw: bytes, path: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """Parse and check a safetensors header: returns (tensor entries, metadata)."""
+    if len(raw) < 8:
+        raise TruncatedFileError(f"{path}: {len(raw)} bytes is too short for a cache file (a header needs 8)")
+    (header_len,) = struct.unpack("<Q", raw[:8])
+    if header_len > len(raw) - 8:
+        if raw[8:9] != b"{":
+            raise ForeignFileError(f"{path}: not a safetensors file (no JSON header)")
+        raise TruncatedFileError(
+            f"{path}: header announces {header_len} bytes but the file has only {len(raw) - 8} after the length"
+        )
+    try:
+        header = json.loads(raw[8 : 8 + header_len])
+        meta = header.pop("__metadata__", None) or {}
+    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+        raise CorruptedFileError(f"{path}: the header is not valid JSON ({e}); the file is damaged or foreign") from None
+    if meta.get("format") != FORMAT:
+        raise ForeignFileError(f"{path}: not a kvcache file (metadata format={meta.get('format')!r}, expected {FORMAT!r})")
+    if meta.get("format_version") != str(FORMAT_VERSION):
+        raise ForeignFileError(
+            f"{path}: kvcache format version {meta.get('format_version')!r}; this kvcache reads version {FORMAT_VERSION}"
+        )
+    data_len = len(raw) - 8 - header_len
+    end = max((entry["data_offsets"][1] for entry in header.values()), default=0)
+    if end > data_len:
+        raise TruncatedFileError(f"{path}: tensor data needs {end} bytes but only {data_len} are present (truncated)")
+    return header, meta
+
+
+def load_cache(path: str | os.PathLike, model: Any, *, device: str | torch.device | None = None) -> KVCache:
+    """Load a cache saved by ``KVCache.save`` for ``model`` (a model or its config).
+
+    Tensors go to ``device`` (default: the model's device, else CPU). Raises a ``CacheFileError``
+    subclass naming the problem for truncated, corrupted, foreign or other-model files.
+    """
+    from .cache import KVCache, config_summary, fingerprint_of, text_config
+    from .spec import parse_spec
+
+    path = str(path)
+    raw = Path(path).read_bytes()
+    _, meta = read_header(raw, path)
+    try:
+        tensors = st_load(raw)
+    except Exception as e:  # safetensors raises its own error types
+        raise CorruptedFileError(f"{path}: tensor data cannot be read ({e})") from None
+    for name, want in json.loads(meta["checksums"]).items():
+        if name not in tensors:
+            raise CorruptedFileError(f"{path}: tensor {name!r} listed in the checksums is missing")
+        if checksum(tensors[name]) != want:
+            raise CorruptedFileError(f"{path}: checksum mismatch in tensor {name!r}: its bytes changed after saving")
+
+    summary = config_summary(text_config(model))
+    saved = json.loads(meta["config"])
+    if saved is not None and fingerprint_of(saved) != fingerprint_of(summary):
+        diffs = [f"{k}: file {saved.get(k)!r}, model {summary.get(k)!r}" for k in summary if saved.get(k) != summary.get(k)]
+        raise ModelMismatchError(f"{path}: saved for another model configuration ({'; '.join(diffs)})")
+
+    if device is None:
+        device = next((p.device for p in getattr(model, "parameters", lambda: iter(()))()), torch.device("cpu"))
+    stores = []
+    for i, entry in enumerate(json.loads(meta["layers"])):
+        if entry is None:
+            stores.append(None)
+            continue
+        kind = entry["kind"]
+        if kind not in LAYER_KINDS:
+            raise ForeignFileError(f"{path}: layer {i} has unknown kind {kind!r}")
+        layer_tensors = {n: tensors[f"layer.{i}.{n}"].to(device) for n in entry["tensors"]}
+        state = LayerState(kind, entry["options"], int(entry["seen"]), layer_tensors)
+        stores.append(LAYER_KINDS[kind].from_state(state))
+    return KVCache(stores, parse_spec(meta["spec"]), summary)

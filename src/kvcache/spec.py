@@ -1,0 +1,94 @@
+"""Cache specs: ``"growable"``, ``"static:capacity=8192"``, ``"concat"``.
+
+A spec is a kind, then optionally ``:`` and comma-separated ``name=value`` options. The same parser
+serves ``make_cache(model, spec, **options)`` and the CLI's ``--cache``; keyword options override
+those in the string.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import SpecError
+
+#: Option name -> type, per kind. Options typed ``object`` are Python-only (not from a string).
+SPEC_OPTIONS: dict[str, dict[str, type]] = {
+    "growable": {"initial_capacity": int, "growth": float},
+    "static": {"capacity": int, "buffers": object},
+    "concat": {},
+}
+
+_REQUIRED: dict[str, tuple[str, ...]] = {"static": ("capacity|buffers",)}
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    kind: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        text = [f"{k}={v}" for k, v in self.options.items() if SPEC_OPTIONS[self.kind][k] is not object]
+        return self.kind + (":" + ",".join(text) if text else "")
+
+
+def valid_specs() -> str:
+    """One line per kind with its options, for error messages and ``--help``."""
+    lines = []
+    for kind, opts in SPEC_OPTIONS.items():
+        names = ", ".join(f"{n}=<{t.__name__}>" for n, t in opts.items() if t is not object)
+        lines.append(f"  {kind}" + (f" (options: {names})" if names else " (no options)"))
+    return "\n".join(lines)
+
+
+def parse_spec(spec: str | CacheSpec = "growable", **overrides: Any) -> CacheSpec:
+    """Parse ``spec`` and merge keyword ``overrides``; raise ``SpecError`` listing valid choices."""
+    if isinstance(spec, CacheSpec):
+        kind, options = spec.kind, dict(spec.options)
+    elif isinstance(spec, str):
+        kind, _, rest = spec.strip().partition(":")
+        kind = kind.strip()
+        options = _parse_options(rest, spec) if rest.strip() else {}
+    else:
+        raise SpecError(f"a cache spec must be a string like 'growable', got {type(spec).__name__}")
+    if kind not in SPEC_OPTIONS:
+        raise SpecError(f"unknown cache kind {kind!r} in spec {spec!r}. Valid kinds:\n{valid_specs()}")
+    options.update(overrides)
+    allowed = SPEC_OPTIONS[kind]
+    for name, value in list(options.items()):
+        if name not in allowed:
+            raise SpecError(
+                f"unknown option {name!r} for cache kind {kind!r}. Valid:\n{valid_specs()}"
+            )
+        options[name] = _coerce(kind, name, value, allowed[name])
+    for need in _REQUIRED.get(kind, ()):
+        if not any(n in options for n in need.split("|")):
+            raise SpecError(
+                f"cache kind {kind!r} needs option {need.replace('|', ' or ')}, "
+                f"e.g. '{kind}:{need.split('|')[0]}=4096'"
+            )
+    return CacheSpec(kind, options)
+
+
+def _parse_options(text: str, spec: str) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for item in text.split(","):
+        name, eq, value = item.partition("=")
+        name, value = name.strip(), value.strip()
+        if not eq or not name or not value:
+            raise SpecError(f"spec option {item.strip()!r} in {spec!r} is not of the form name=value")
+        options[name] = value
+    return options
+
+
+def _coerce(kind: str, name: str, value: Any, typ: type) -> Any:
+    if typ is object:
+        if isinstance(value, str):
+            raise SpecError(f"option {name!r} of {kind!r} cannot be given in a spec string; pass it as a keyword")
+        return value
+    try:
+        if typ is int and isinstance(value, float) and not value.is_integer():
+            raise ValueError
+        return typ(value)
+    except (TypeError, ValueError):
+        raise SpecError(f"option {name!r} of cache kind {kind!r} must be {typ.__name__}, got {value!r}") from None
