@@ -1,8 +1,8 @@
 """The default store: a capacity buffer written at a cursor, doubled when full.
 
 Appending S tokens copies only those S tokens, except when the buffer is full: then a buffer of
-twice the capacity (or just enough for a chunk larger than that) is allocated and the past copied
-once. Over T tokens that is at most ceil(log2(T / initial)) + 1 allocations and amortised O(1)
+twice the capacity (or, for a chunk larger than that, the next multiple of the initial capacity
+above it) is allocated and the past copied once. Over T tokens that is at most ceil(log2(T / initial)) + 1 allocations and amortised O(1)
 copying per token. ``update`` returns zero-copy views of ``[0, length)``.
 """
 
@@ -110,12 +110,20 @@ class GrowableLayer(BufferLayer):
 
     def _make_room(self, need, key, value):
         if self._kbuf is None:
-            capacity = max(self.initial_capacity, need)
-            batch = key.shape[0]
+            capacity, batch = self._fit(need), key.shape[0]
         else:
-            capacity = max(int(self.capacity * self.growth), need)
+            grown = int(self.capacity * self.growth)
+            capacity = grown if grown >= need else self._fit(need)
             batch = self.geometry.batch
         self._allocate(capacity, batch, key, value)
+
+    def _fit(self, need: int) -> int:
+        """Room for ``need`` slots plus headroom: the next multiple of ``initial_capacity`` above it.
+
+        A prompt that exactly fills an allocation would otherwise force a reallocation on the
+        first decode step.
+        """
+        return (need // self.initial_capacity + 1) * self.initial_capacity
 
     def reset(self) -> None:
         self._kbuf = self._vbuf = None

@@ -1,0 +1,213 @@
+"""Suite ``decode``: end-to-end ``generate`` tokens/s at long contexts, and identical tokens.
+
+The model is Llama-shaped where the cache is concerned (8 KV heads x 128 per layer, fp32) but has
+a small hidden size, so that on a CPU the cache, not the weights, dominates each decode step, as it
+does for a real model at long context. Two variants: MHA (8 query heads) and GQA (32 query heads on
+8 KV heads). Weights are random; tokens are compared between contenders, not judged.
+
+Contenders: Hugging Face ``DynamicCache`` and ``StaticCache``; ours ``growable`` and ``static``
+with the model's default attention (sdpa), and ``growable+attend`` with ``kvcache.attend`` as the
+attention implementation. For each context length a prompt is prefilled (untimed, one token
+generated), then ``new_tokens`` more are generated and timed. Contenders alternate per repeat; the
+report gives median tokens/s, the ratio to ``DynamicCache``, and whether every contender's tokens
+equal ``DynamicCache``'s.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import DynamicCache, StaticCache
+
+from ..cache import make_cache
+from ..hf import register_attention
+from ..tiny import tiny_model
+from .common import clock, human_bytes, machine_info, markdown_table, median, write_json
+
+CONTENDERS = ("dynamic", "hf_static", "growable", "static", "growable+attend")
+VARIANTS = {"mha": 8, "gqa": 32}  # query heads over 8 KV heads
+
+
+def build_model(query_heads: int, layers: int = 4, device: str = "cpu"):
+    model = tiny_model(
+        "llama",
+        num_hidden_layers=layers,
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=query_heads,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=65536,
+    )
+    return model.to(device)
+
+
+def make_contender(name: str, model, capacity: int):
+    if name == "dynamic":
+        return DynamicCache(config=model.config)
+    if name == "hf_static":
+        return StaticCache(config=model.config, max_cache_len=capacity)
+    if name in ("growable", "growable+attend"):
+        return make_cache(model)
+    if name == "static":
+        return make_cache(model, "static", capacity=capacity)
+    raise ValueError(f"unknown contender {name!r}; valid: {', '.join(CONTENDERS)}")
+
+
+def cache_bytes(cache) -> int:
+    if hasattr(cache, "nbytes"):
+        return int(cache.nbytes)
+    return sum(
+        layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if getattr(layer, "keys", None) is not None
+    )
+
+
+def decode_once(model, name: str, prompt: torch.Tensor, new_tokens: int) -> tuple[float, torch.Tensor, int]:
+    """(seconds for ``new_tokens`` decode steps, all tokens, cache bytes) for one contender."""
+    capacity = prompt.shape[1] + new_tokens + 8
+    cache = make_contender(name, model, capacity)
+    attn = "kvcache" if name.endswith("+attend") else "sdpa"
+    model.set_attn_implementation(attn)
+    try:
+        greedy = dict(do_sample=False, past_key_values=cache)
+        first = model.generate(prompt, max_new_tokens=1, min_new_tokens=1, **greedy)
+        result = {}
+
+        def decode() -> None:
+            result["out"] = model.generate(first, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **greedy)
+
+        seconds = clock(decode, prompt.device)
+    finally:
+        model.set_attn_implementation("sdpa")
+    return seconds, result["out"], cache_bytes(cache)
+
+
+def run(
+    quick: bool = False,
+    out: Path | None = None,
+    device: str = "cpu",
+    repeats: int | None = None,
+    contexts: list[int] | None = None,
+    new_tokens: int | None = None,
+    variants: list[str] | None = None,
+    layers: int = 4,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Run the suite; write ``decode.json``/``decode.md``/``decode.png`` into ``out`` if given."""
+    from tqdm.auto import tqdm
+
+    register_attention()
+    contexts = contexts or ([1024, 4096] if quick else [1024, 4096, 8192, 16384])
+    new_tokens = new_tokens or (16 if quick else 32)
+    repeats = repeats or (1 if quick else 3)
+    variants = variants or list(VARIANTS)
+    bar = tqdm(total=len(variants) * len(contexts) * repeats * len(CONTENDERS), desc="decode", disable=not progress)
+    rows = []
+    for variant in variants:
+        model = build_model(VARIANTS[variant], layers, device)
+        gen = torch.Generator().manual_seed(0)
+        for ctx in contexts:
+            prompt = torch.randint(3, model.config.vocab_size, (1, ctx), generator=gen).to(device)
+            seconds: dict[str, list[float]] = {n: [] for n in CONTENDERS}
+            outs, nbytes = {}, {}
+            for r in range(repeats):
+                order = CONTENDERS[r % len(CONTENDERS) :] + CONTENDERS[: r % len(CONTENDERS)]
+                for name in order:
+                    s, tokens, nb = decode_once(model, name, prompt, new_tokens)
+                    seconds[name].append(s)
+                    outs[name], nbytes[name] = tokens, nb
+                    bar.update()
+            base = new_tokens / median(seconds["dynamic"])
+            for name in CONTENDERS:
+                tps = new_tokens / median(seconds[name])
+                rows.append(
+                    {
+                        "variant": variant,
+                        "query_heads": VARIANTS[variant],
+                        "context": ctx,
+                        "contender": name,
+                        "tokens_per_s": tps,
+                        "speedup_vs_dynamic": tps / base,
+                        "identical_to_dynamic": bool(torch.equal(outs[name], outs["dynamic"])),
+                        "cache_bytes": nbytes[name],
+                        "samples_s": seconds[name],
+                    }
+                )
+    bar.close()
+    result = {
+        "suite": "decode",
+        "machine": machine_info(device),
+        "config": {
+            "model": "llama-shaped, hidden 256, 8 KV heads x 128, fp32, random weights",
+            "layers": layers,
+            "contexts": contexts,
+            "new_tokens": new_tokens,
+            "repeats": repeats,
+            "variants": {v: VARIANTS[v] for v in variants},
+            "quick": quick,
+        },
+        "rows": rows,
+    }
+    if out is not None:
+        write_outputs(result, Path(out))
+    return result
+
+
+def table(result: dict[str, Any]) -> str:
+    header = ["variant", "context", "contender", "tokens/s", "x DynamicCache", "identical", "cache bytes"]
+    body = [
+        [
+            r["variant"],
+            r["context"],
+            r["contender"],
+            r["tokens_per_s"],
+            r["speedup_vs_dynamic"],
+            "yes" if r["identical_to_dynamic"] else "NO",
+            human_bytes(r["cache_bytes"]),
+        ]
+        for r in result["rows"]
+    ]
+    return markdown_table(header, body)
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    variants = list(result["config"]["variants"])
+    fig, axes = plt.subplots(1, len(variants), figsize=(6 * len(variants), 4.5), squeeze=False)
+    for ax, variant in zip(axes[0], variants):
+        for name in CONTENDERS:
+            pts = [(r["context"], r["tokens_per_s"]) for r in result["rows"] if r["variant"] == variant and r["contender"] == name]
+            ax.plot(*zip(*pts), marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context tokens")
+        ax.set_ylabel("decode tokens/s")
+        ax.set_title(f"generate decode, {variant} ({result['config']['variants'][variant]} q heads / 8 KV heads)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_outputs(result: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "decode.json", result)
+    (out / "decode.md").write_text(table(result))
+    plot(result, out / "decode.png")
+
+
+if __name__ == "__main__":
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--contexts", type=lambda s: [int(x) for x in s.split(",")])
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = p.parse_args()
+    print(table(run(quick=args.quick, out=args.out, contexts=args.contexts)))

@@ -1,0 +1,273 @@
+"""Suite ``update``: the cost of appending one token to a cache, no attention.
+
+Contenders (B=1, 8 KV heads x 128, fp32 unless told otherwise):
+
+- ``concat``: Hugging Face ``DynamicLayer`` (``torch.cat`` on every append);
+- ``step256``: a buffer grown by a fixed 256 slots when full, the scheme mlx-lm uses;
+- ``hf_static``: Hugging Face ``StaticLayer`` (``index_copy_`` into a preallocated buffer);
+- ``growable`` and ``static``: ours.
+
+How the cost per token at T is measured: the cache is brought to T/2 tokens through its own
+growth path (single-token appends, untimed), then the T/2 appends from T/2 to T are timed, one
+token at a time, so every reallocation a scheme makes on the way is in the average. ``concat``
+is the exception: its per-append cost is the same at every step (it copies the whole past), so
+it is prefilled to 3T/4 in one chunk and 32 appends are timed there, at the midpoint of the window
+the others average over. Reallocations and peak bytes come from a separate untimed run from 0 to
+T that watches the storage tensors: a reallocation is a change of their address, and the peak
+counts the old and new storage alive together during it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import StaticLayer as HFStaticLayer
+
+from ..layers import GrowableLayer, StaticLayer
+from .common import clock, human_bytes, machine_info, markdown_table, median, write_json
+
+CONTENDERS = ("concat", "step256", "hf_static", "growable", "static")
+CONCAT_WINDOW = 32
+
+
+class Step256:
+    """A buffer grown by a fixed number of slots when full (mlx-lm's scheme), for comparison."""
+
+    def __init__(self, step: int = 256) -> None:
+        self.step = step
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.length = 0
+
+    def update(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        need = self.length + key.shape[2]
+        if self.keys is None or need > self.keys.shape[2]:
+            grow = math.ceil((need - self.length) / self.step) * self.step
+            b, h, _, d = key.shape
+            pad = torch.zeros(b, h, grow, d, dtype=key.dtype, device=key.device)
+            if self.keys is None:
+                self.keys, self.values = pad, pad.clone()
+            else:
+                kept = slice(0, self.length)
+                self.keys = torch.cat([self.keys[:, :, kept], pad], dim=2)
+                self.values = torch.cat([self.values[:, :, kept], pad], dim=2)
+        self.keys[:, :, self.length : need] = key
+        self.values[:, :, self.length : need] = value
+        self.length = need
+
+
+@dataclass
+class Shape:
+    batch: int = 1
+    kv_heads: int = 8
+    head_dim: int = 128
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+
+    def token(self) -> torch.Tensor:
+        return torch.randn(self.batch, self.kv_heads, 1, self.head_dim, dtype=self.dtype, device=self.device)
+
+    def chunk(self, n: int) -> torch.Tensor:
+        return torch.randn(self.batch, self.kv_heads, n, self.head_dim, dtype=self.dtype, device=self.device)
+
+
+def make_contender(name: str, max_tokens: int):
+    """A fresh store and a function returning its storage tensors ``(keys, values)``."""
+    if name == "concat":
+        layer = DynamicLayer()
+        return layer, lambda: (layer.keys, layer.values)
+    if name == "step256":
+        layer = Step256()
+        return layer, lambda: (layer.keys, layer.values)
+    if name == "hf_static":
+        layer = HFStaticLayer(max_cache_len=max_tokens)
+        return layer, lambda: (layer.keys, layer.values)
+    if name == "growable":
+        layer = GrowableLayer()
+        return layer, lambda: (layer._kbuf, layer._vbuf)
+    if name == "static":
+        layer = StaticLayer(max_tokens)
+        return layer, lambda: (layer._kbuf, layer._vbuf)
+    raise ValueError(f"unknown contender {name!r}; valid: {', '.join(CONTENDERS)}")
+
+
+def _held(tensors) -> tuple[int, int]:
+    keys, values = tensors
+    if keys is None:
+        return 0, 0
+    return keys.nbytes + values.nbytes, keys.untyped_storage().data_ptr()
+
+
+def time_per_token(name: str, total: int, shape: Shape, max_tokens: int) -> float:
+    """Seconds per appended token around ``total`` tokens (see the module docstring)."""
+    layer, _ = make_contender(name, max_tokens)
+    k, v = shape.token(), shape.token()
+    if name == "concat":
+        start = 3 * total // 4
+        layer.update(shape.chunk(start), shape.chunk(start))
+        steps = CONCAT_WINDOW
+    else:
+        start = total // 2
+        for _ in range(start):
+            layer.update(k, v)
+        steps = total - start
+
+    def appends() -> None:
+        for _ in range(steps):
+            layer.update(k, v)
+
+    return clock(appends, shape.device) / steps
+
+
+def growth_profile(name: str, total: int, shape: Shape, max_tokens: int) -> dict[str, int]:
+    """Reallocations and peak bytes on the way from 0 to ``total`` tokens (untimed)."""
+    layer, tensors = make_contender(name, max_tokens)
+    k, v = shape.token(), shape.token()
+    if name == "concat":
+        # Every torch.cat allocates: check that on the last append, which is also the peak.
+        layer.update(shape.chunk(total - 1), shape.chunk(total - 1))
+        before, ptr = _held(tensors())
+        layer.update(k, v)
+        after, new_ptr = _held(tensors())
+        assert new_ptr != ptr, "expected torch.cat to allocate new storage"
+        return {"reallocations": total, "peak_bytes": before + after, "final_bytes": after}
+    reallocs, peak, ptr = 0, 0, None
+    for _ in range(total):
+        before, _ = _held(tensors())
+        layer.update(k, v)
+        after, new_ptr = _held(tensors())
+        if new_ptr != ptr:
+            reallocs += 1
+            peak = max(peak, before + after)
+            ptr = new_ptr
+        peak = max(peak, after)
+    return {"reallocations": reallocs, "peak_bytes": peak, "final_bytes": after}
+
+
+def run(
+    quick: bool = False,
+    out: Path | None = None,
+    device: str = "cpu",
+    repeats: int | None = None,
+    lengths: list[int] | None = None,
+    shape: Shape | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Run the suite; write ``update.json``/``update.md``/``update.png`` into ``out`` if given."""
+    from tqdm.auto import tqdm
+
+    shape = shape or Shape(device=device)
+    if lengths is None:
+        top = 4096 if quick else 16384
+        lengths = [2**i for i in range(8, int(math.log2(top)) + 1)]
+    repeats = repeats or (3 if quick else 5)
+    max_tokens = max(lengths)
+    times: dict[tuple[str, int], list[float]] = {}
+    bar = tqdm(total=len(lengths) * repeats * len(CONTENDERS), desc="update", disable=not progress)
+    for total in lengths:
+        for r in range(repeats):
+            order = CONTENDERS[r % len(CONTENDERS) :] + CONTENDERS[: r % len(CONTENDERS)]
+            for name in order:
+                times.setdefault((name, total), []).append(time_per_token(name, total, shape, max_tokens))
+                bar.update()
+    bar.close()
+
+    rows = []
+    for total in lengths:
+        concat_us = median(times[("concat", total)]) * 1e6
+        for name in CONTENDERS:
+            us = median(times[(name, total)]) * 1e6
+            rows.append(
+                {
+                    "contender": name,
+                    "tokens": total,
+                    "us_per_token": us,
+                    "speedup_vs_concat": concat_us / us,
+                    "samples_us": [t * 1e6 for t in times[(name, total)]],
+                    **growth_profile(name, total, shape, max_tokens),
+                }
+            )
+    flat = {}
+    for name in CONTENDERS:
+        per = [r["us_per_token"] for r in rows if r["contender"] == name]
+        flat[name] = max(per) / min(per)
+    result = {
+        "suite": "update",
+        "machine": machine_info(device),
+        "config": {
+            "batch": shape.batch,
+            "kv_heads": shape.kv_heads,
+            "head_dim": shape.head_dim,
+            "dtype": str(shape.dtype),
+            "repeats": repeats,
+            "lengths": lengths,
+            "quick": quick,
+        },
+        "rows": rows,
+        "flatness_max_over_min": flat,
+    }
+    if out is not None:
+        write_outputs(result, Path(out))
+    return result
+
+
+def table(result: dict[str, Any]) -> str:
+    header = ["tokens", "contender", "us/token", "x faster than concat", "reallocations", "peak bytes"]
+    body = [
+        [
+            r["tokens"],
+            r["contender"],
+            r["us_per_token"],
+            r["speedup_vs_concat"],
+            r["reallocations"],
+            human_bytes(r["peak_bytes"]),
+        ]
+        for r in result["rows"]
+    ]
+    flat = ", ".join(f"{k} {v:.2f}x" for k, v in result["flatness_max_over_min"].items())
+    return markdown_table(header, body) + f"\nPer-token cost max/min over T: {flat}\n"
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in CONTENDERS:
+        pts = [(r["tokens"], r["us_per_token"]) for r in result["rows"] if r["contender"] == name]
+        ax.plot(*zip(*pts), marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens in cache (T)")
+    ax.set_ylabel("microseconds per appended token")
+    c = result["config"]
+    ax.set_title(f"Append cost per token (B={c['batch']}, {c['kv_heads']} KV heads x {c['head_dim']}, {c['dtype']})")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_outputs(result: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "update.json", result)
+    (out / "update.md").write_text(table(result))
+    plot(result, out / "update.png")
+
+
+if __name__ == "__main__":
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = p.parse_args()
+    print(table(run(quick=args.quick, out=args.out)))
