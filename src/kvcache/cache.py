@@ -66,7 +66,17 @@ class KVCache(Cache):
         self.stores = list(stores)
         self.spec = spec
         self.config_summary = config_summary
+        self._first_live = next((i for i, s in enumerate(self.stores) if s is not None), -1)
         super().__init__(layers=[DummyLayer() if s is None else HFLayer(s) for s in self.stores])
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        """Append to layer ``layer_idx``. Before the first layer of a forward pass writes, every
+        layer is asked whether the new tokens fit, so a full static layer raises before any layer
+        has changed (layers stay in step)."""
+        if layer_idx == self._first_live and key_states is not None:
+            for store in self._live():
+                store.check_append(key_states.shape[-2])
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     # ---- sizes ----------------------------------------------------------------------------
 

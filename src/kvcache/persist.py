@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from .errors import CorruptedFileError, ForeignFileError, ModelMismatchError, TruncatedFileError
+from .errors import CacheFileError, CorruptedFileError, ForeignFileError, ModelMismatchError, TruncatedFileError
 from .layers import LAYER_KINDS, LayerState
 
 if TYPE_CHECKING:
@@ -42,6 +42,12 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
 def checksum(t: torch.Tensor) -> str:
     """SHA-256 of a CPU tensor's bytes."""
     return hashlib.sha256(_tensor_bytes(t)).hexdigest()
+
+
+def metadata_checksum(meta: dict[str, str]) -> str:
+    """SHA-256 of every metadata field but itself, so no header byte can change unnoticed."""
+    fields = {k: v for k, v in meta.items() if k != "meta_checksum"}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
 
 def save_cache(cache: KVCache, path: str | os.PathLike) -> None:
@@ -72,6 +78,7 @@ def save_cache(cache: KVCache, path: str | os.PathLike) -> None:
         "layers": json.dumps(layers),
         "checksums": json.dumps({name: checksum(t) for name, t in tensors.items()}, sort_keys=True),
     }
+    metadata["meta_checksum"] = metadata_checksum(metadata)
     data = st_save(tensors, metadata=metadata)
     target = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent or Path("."))
@@ -92,7 +99,7 @@ def read_header(raw: bytes, path: str) -> tuple[dict[str, Any], dict[str, str]]:
         raise TruncatedFileError(f"{path}: {len(raw)} bytes is too short for a cache file (a header needs 8)")
     (header_len,) = struct.unpack("<Q", raw[:8])
     if header_len > len(raw) - 8:
-        if raw[8:9] != b"{":
+        if raw[8:9] not in (b"{", b""):
             raise ForeignFileError(f"{path}: not a safetensors file (no JSON header)")
         raise TruncatedFileError(
             f"{path}: header announces {header_len} bytes but the file has only {len(raw) - 8} after the length"
@@ -108,8 +115,13 @@ def read_header(raw: bytes, path: str) -> tuple[dict[str, Any], dict[str, str]]:
         raise ForeignFileError(
             f"{path}: kvcache format version {meta.get('format_version')!r}; this kvcache reads version {FORMAT_VERSION}"
         )
+    if meta.get("meta_checksum") != metadata_checksum(meta):
+        raise CorruptedFileError(f"{path}: metadata checksum mismatch: the header changed after saving")
     data_len = len(raw) - 8 - header_len
-    end = max((entry["data_offsets"][1] for entry in header.values()), default=0)
+    try:
+        end = max((int(entry["data_offsets"][1]) for entry in header.values()), default=0)
+    except (KeyError, TypeError, ValueError, IndexError):
+        raise CorruptedFileError(f"{path}: the tensor table in the header is malformed") from None
     if end > data_len:
         raise TruncatedFileError(f"{path}: tensor data needs {end} bytes but only {data_len} are present (truncated)")
     return header, meta
@@ -121,12 +133,27 @@ def load_cache(path: str | os.PathLike, model: Any, *, device: str | torch.devic
     Tensors go to ``device`` (default: the model's device, else CPU). Raises a ``CacheFileError``
     subclass naming the problem for truncated, corrupted, foreign or other-model files.
     """
-    from .cache import KVCache, config_summary, fingerprint_of, text_config
-    from .spec import parse_spec
+    from .cache import config_summary, text_config
 
+    summary = config_summary(text_config(model))  # a wrong `model` is the caller's error, not the file's
     path = str(path)
     raw = Path(path).read_bytes()
     _, meta = read_header(raw, path)
+    if device is None:
+        device = next((p.device for p in getattr(model, "parameters", lambda: iter(()))()), torch.device("cpu"))
+    try:
+        return _build(raw, meta, path, summary, device)
+    except CacheFileError:
+        raise
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        # The header checksum passed, so this is a file written by another tool or version.
+        raise CorruptedFileError(f"{path}: the cache metadata cannot be used ({type(e).__name__}: {e})") from None
+
+
+def _build(raw: bytes, meta: dict[str, str], path: str, summary: dict[str, Any], device) -> KVCache:
+    from .cache import KVCache, fingerprint_of
+    from .spec import parse_spec
+
     try:
         tensors = st_load(raw)
     except Exception as e:  # safetensors raises its own error types
@@ -137,14 +164,11 @@ def load_cache(path: str | os.PathLike, model: Any, *, device: str | torch.devic
         if checksum(tensors[name]) != want:
             raise CorruptedFileError(f"{path}: checksum mismatch in tensor {name!r}: its bytes changed after saving")
 
-    summary = config_summary(text_config(model))
     saved = json.loads(meta["config"])
     if saved is not None and fingerprint_of(saved) != fingerprint_of(summary):
         diffs = [f"{k}: file {saved.get(k)!r}, model {summary.get(k)!r}" for k in summary if saved.get(k) != summary.get(k)]
         raise ModelMismatchError(f"{path}: saved for another model configuration ({'; '.join(diffs)})")
 
-    if device is None:
-        device = next((p.device for p in getattr(model, "parameters", lambda: iter(()))()), torch.device("cpu"))
     stores = []
     for i, entry in enumerate(json.loads(meta["layers"])):
         if entry is None:

@@ -180,6 +180,9 @@ class KVLayer(ABC):
 
     # ---- rollback and reuse -------------------------------------------------------------
 
+    def check_append(self, n: int) -> None:
+        """Raise unless ``n`` more tokens fit (only fixed-capacity kinds ever refuse); changes nothing."""
+
     def check_trim(self, n: int) -> None:
         """Raise unless ``trim(n)`` can be done; changes nothing."""
         if int(n) < 0:

@@ -39,18 +39,17 @@ class StaticLayer(BufferLayer):
             raise ValueError(f"a static layer needs a capacity >= 1 (tokens), got {capacity}")
         self._capacity = int(capacity)
 
-    def _make_room(self, need, key, value):
-        if self._kbuf is not None:
-            raise CacheFullError(
-                f"static cache is full: capacity {self._capacity} tokens, {self._len} stored, "
-                f"{key.shape[-2]} more requested (needs {need}). Nothing was written; "
-                f"make the cache with a larger capacity."
-            )
+    def check_append(self, n: int) -> None:
+        need = self._len + int(n)
         if need > self._capacity:
             raise CacheFullError(
-                f"static cache capacity {self._capacity} tokens is smaller than the first "
-                f"append of {need} tokens. Nothing was written."
+                f"static cache is full: capacity {self._capacity} tokens, {self._len} stored, "
+                f"{n} more requested (needs {need}). Nothing was written; "
+                f"make the cache with a larger capacity."
             )
+
+    def _make_room(self, need, key, value):
+        self.check_append(need - self._len)
         self._allocate(self._capacity, key.shape[0], key, value)
         self._kbuf.zero_()
         self._vbuf.zero_()
