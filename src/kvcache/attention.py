@@ -2,8 +2,9 @@
 
 ``attend`` takes the SDPA layout and never expands K/V for grouped-query attention: the query heads
 that share a KV head are packed into that head's rows (``[B, Hkv, group * Sq, D]``), so each key
-and value is read once per KV head. Keys and values may be strided views into larger buffers
-(a growable cache's ``[0, length)``); they are read in place, never made contiguous.
+and value is read once per KV head. Keys and values laid out as a cache stores them, views
+``[:, :, :T]`` of a ``[B, Hkv, C, D]`` buffer, are read in place, never made contiguous. (Other
+layouts, e.g. a transposed ``[B, C, Hkv, D]`` buffer with B > 1, may be copied by ``matmul``.)
 
 Long prefills are processed in blocks of query rows, so the score matrix never exceeds about
 ``_BLOCK_BYTES``; a ``max_len x max_len`` mask is never built (``causal=True`` makes it per block).
@@ -49,6 +50,8 @@ def attend(
 
     row_bytes = batch * q_heads * kv_len * 4
     block = max(1, min(q_len, _BLOCK_BYTES // max(row_bytes, 1)))
+    if q_len == 0:
+        return query.new_empty(batch, q_heads, 0, value_dim)
     outs = []
     for start in range(0, q_len, block):
         stop = min(q_len, start + block)

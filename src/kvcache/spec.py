@@ -21,6 +21,13 @@ SPEC_OPTIONS: dict[str, dict[str, type]] = {
 
 _REQUIRED: dict[str, tuple[str, ...]] = {"static": ("capacity|buffers",)}
 
+#: Lower bounds per option: (smallest allowed, whether the bound itself is allowed).
+_BOUNDS: dict[str, tuple[float, bool]] = {
+    "capacity": (1, True),
+    "initial_capacity": (1, True),
+    "growth": (1.0, False),
+}
+
 
 @dataclass(frozen=True)
 class CacheSpec:
@@ -30,6 +37,10 @@ class CacheSpec:
     def __str__(self) -> str:
         text = [f"{k}={v}" for k, v in self.options.items() if SPEC_OPTIONS[self.kind][k] is not object]
         return self.kind + (":" + ",".join(text) if text else "")
+
+
+def _spec_error(message: str) -> SpecError:
+    return SpecError(f"{message}\nValid cache specs:\n{valid_specs()}")
 
 
 def valid_specs() -> str:
@@ -50,20 +61,18 @@ def parse_spec(spec: str | CacheSpec = "growable", **overrides: Any) -> CacheSpe
         kind = kind.strip()
         options = _parse_options(rest, spec) if rest.strip() else {}
     else:
-        raise SpecError(f"a cache spec must be a string like 'growable', got {type(spec).__name__}")
+        raise _spec_error(f"a cache spec must be a string like 'growable', got {type(spec).__name__}")
     if kind not in SPEC_OPTIONS:
-        raise SpecError(f"unknown cache kind {kind!r} in spec {spec!r}. Valid kinds:\n{valid_specs()}")
+        raise _spec_error(f"unknown cache kind {kind!r} in spec {spec!r}")
     options.update(overrides)
     allowed = SPEC_OPTIONS[kind]
     for name, value in list(options.items()):
         if name not in allowed:
-            raise SpecError(
-                f"unknown option {name!r} for cache kind {kind!r}. Valid:\n{valid_specs()}"
-            )
+            raise _spec_error(f"unknown option {name!r} for cache kind {kind!r}")
         options[name] = _coerce(kind, name, value, allowed[name])
     for need in _REQUIRED.get(kind, ()):
         if not any(n in options for n in need.split("|")):
-            raise SpecError(
+            raise _spec_error(
                 f"cache kind {kind!r} needs option {need.replace('|', ' or ')}, "
                 f"e.g. '{kind}:{need.split('|')[0]}=4096'"
             )
@@ -76,7 +85,7 @@ def _parse_options(text: str, spec: str) -> dict[str, Any]:
         name, eq, value = item.partition("=")
         name, value = name.strip(), value.strip()
         if not eq or not name or not value:
-            raise SpecError(f"spec option {item.strip()!r} in {spec!r} is not of the form name=value")
+            raise _spec_error(f"spec option {item.strip()!r} in {spec!r} is not of the form name=value")
         options[name] = value
     return options
 
@@ -84,11 +93,17 @@ def _parse_options(text: str, spec: str) -> dict[str, Any]:
 def _coerce(kind: str, name: str, value: Any, typ: type) -> Any:
     if typ is object:
         if isinstance(value, str):
-            raise SpecError(f"option {name!r} of {kind!r} cannot be given in a spec string; pass it as a keyword")
+            raise _spec_error(f"option {name!r} of {kind!r} cannot be given in a spec string; pass it as a keyword")
         return value
     try:
         if typ is int and isinstance(value, float) and not value.is_integer():
             raise ValueError
-        return typ(value)
+        coerced = typ(value)
     except (TypeError, ValueError):
-        raise SpecError(f"option {name!r} of cache kind {kind!r} must be {typ.__name__}, got {value!r}") from None
+        raise _spec_error(f"option {name!r} of cache kind {kind!r} must be {typ.__name__}, got {value!r}") from None
+    if name in _BOUNDS:
+        least, inclusive = _BOUNDS[name]
+        if coerced < least or (coerced == least and not inclusive):
+            relation = ">=" if inclusive else ">"
+            raise _spec_error(f"option {name!r} of cache kind {kind!r} must be {relation} {least}, got {value!r}")
+    return coerced
