@@ -8,7 +8,6 @@ a manual forward loop. Tiny models: 4 layers, 2 KV heads, head_dim 16, sliding w
 
 from __future__ import annotations
 
-import functools
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 
 import kvcache
 from kvcache.layers import SlidingLayer, StaticLayer
+from helpers import model_for, prompt
 from kvcache.tiny import DEFAULT_SLIDING_WINDOW, FAMILIES, PAD_TOKEN_ID, tiny_model
 
 SPECS = ("growable", "static:capacity=80", "concat")
@@ -28,24 +28,6 @@ RAGGED_LENGTHS = (40, 23, 9)
 # ---- shared helpers ---------------------------------------------------------------------------
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models are overhead-bound: one intra-op thread is much faster on a busy 2-core box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@functools.lru_cache(maxsize=None)
-def model_for(family: str, **overrides):
-    return tiny_model(family, **overrides)
-
-
-def prompt(length: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
-    """Random token ids in [3, 256): no pad, bos or eos."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 256, (batch, length), generator=g)
 
 
 def ragged_batch(lengths=RAGGED_LENGTHS, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:

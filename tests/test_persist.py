@@ -7,7 +7,6 @@ by cutting or flipping bytes of a real saved file, foreign ones with ``safetenso
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import re
@@ -22,6 +21,7 @@ from transformers import DynamicCache
 
 import kvcache
 from kvcache.layers import SlidingLayer
+from helpers import model_for, prompt
 from kvcache.tiny import tiny_model
 
 SPECS = ("growable", "static:capacity=96", "concat")
@@ -32,24 +32,6 @@ PROMPT_LEN = 40  # longer than the sliding window (16)
 # ---- shared helpers ---------------------------------------------------------------------------
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models are overhead-bound: one intra-op thread is much faster on a busy 2-core box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@functools.lru_cache(maxsize=None)
-def model_for(family: str, **overrides):
-    return tiny_model(family, **overrides)
-
-
-def prompt(length: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
-    """Random token ids in [3, 256): no pad, bos or eos."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 256, (batch, length), generator=g)
 
 
 def feed(model, cache, ids: torch.Tensor) -> torch.Tensor:

@@ -75,12 +75,12 @@ def add_demo(subparsers: argparse._SubParsersAction) -> None:
     )
     count = {"type": _int_at_least(1), "metavar": "N"}
     p.add_argument("--family", choices=FAMILIES, default="llama", help="model family (default: %(default)s)")
-    p.add_argument("--prompt-tokens", **count, default=512, help="prompt length (default: %(default)s)")
+    p.add_argument("--prompt-tokens", **count, default=2048, help="prompt length (default: %(default)s)")
     p.add_argument(
         "--new-tokens",
         type=_int_at_least(2),
         metavar="N",
-        default=128,
+        default=64,
         help="tokens to generate, at least 2 (default: %(default)s)",
     )
     p.add_argument("--repeats", **count, default=3, help="runs per cache (default: %(default)s)")

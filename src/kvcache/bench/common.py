@@ -12,6 +12,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -90,3 +91,47 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} GiB"
+
+
+@contextmanager
+def figure(path: Path, panels: int = 1, size: tuple[float, float] = (7, 4.5)):
+    """Axes for ``panels`` side-by-side plots, saved to ``path`` (PNG) and closed on exit."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, panels, figsize=(size[0] * panels, size[1]), squeeze=False)
+    try:
+        yield list(axes[0])
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+    finally:
+        plt.close(fig)
+
+
+def finish_axes(ax, xlabel: str, ylabel: str, title: str, log_y: bool = False) -> None:
+    """The house style: log2 x axis (sizes), grid, legend."""
+    ax.set_xscale("log", base=2)
+    if log_y:
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+
+
+def write_outputs(
+    result: dict[str, Any],
+    out: Path,
+    table: Callable[[dict[str, Any]], str],
+    plot: Callable[[dict[str, Any], Path], None],
+) -> None:
+    """Write ``<suite>.json``, ``<suite>.md`` and ``<suite>.png`` into ``out``."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = result["suite"]
+    write_json(out / f"{name}.json", result)
+    (out / f"{name}.md").write_text(table(result))
+    plot(result, out / f"{name}.png")

@@ -24,7 +24,7 @@ from transformers import DynamicCache, StaticCache
 from ..cache import make_cache
 from ..hf import register_attention
 from ..tiny import tiny_model
-from .common import clock, human_bytes, machine_info, markdown_table, median, write_json
+from .common import clock, figure, finish_axes, human_bytes, machine_info, markdown_table, median, write_outputs
 
 CONTENDERS = ("dynamic", "hf_static", "growable", "static", "growable+attend")
 VARIANTS = {"mha": 8, "gqa": 32}  # query heads over 8 KV heads
@@ -151,7 +151,7 @@ def run(
         "rows": rows,
     }
     if out is not None:
-        write_outputs(result, Path(out))
+        write_outputs(result, Path(out), table, plot)
     return result
 
 
@@ -173,33 +173,14 @@ def table(result: dict[str, Any]) -> str:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    variants = list(result["config"]["variants"])
-    fig, axes = plt.subplots(1, len(variants), figsize=(6 * len(variants), 4.5), squeeze=False)
-    for ax, variant in zip(axes[0], variants):
-        for name in CONTENDERS:
-            pts = [(r["context"], r["tokens_per_s"]) for r in result["rows"] if r["variant"] == variant and r["contender"] == name]
-            ax.plot(*zip(*pts), marker="o", label=name)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("context tokens")
-        ax.set_ylabel("decode tokens/s")
-        ax.set_title(f"generate decode, {variant} ({result['config']['variants'][variant]} q heads / 8 KV heads)")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def write_outputs(result: dict[str, Any], out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "decode.json", result)
-    (out / "decode.md").write_text(table(result))
-    plot(result, out / "decode.png")
+    variants = result["config"]["variants"]
+    with figure(path, panels=len(variants), size=(6, 4.5)) as axes:
+        for ax, (variant, heads) in zip(axes, variants.items()):
+            for name in CONTENDERS:
+                pts = [(r["context"], r["tokens_per_s"]) for r in result["rows"] if (r["variant"], r["contender"]) == (variant, name)]
+                ax.plot(*zip(*pts), marker="o", label=name)
+            title = f"generate decode, {variant} ({heads} q heads / 8 KV heads)"
+            finish_axes(ax, "context tokens", "decode tokens/s", title)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from transformers.cache_utils import DynamicLayer
 from transformers.cache_utils import StaticLayer as HFStaticLayer
 
 from ..layers import GrowableLayer, StaticLayer
-from .common import clock, human_bytes, machine_info, markdown_table, median, write_json
+from .common import clock, figure, finish_axes, human_bytes, machine_info, markdown_table, median, write_outputs
 
 CONTENDERS = ("concat", "step256", "hf_static", "growable", "static")
 CONCAT_WINDOW = 32
@@ -212,7 +212,7 @@ def run(
         "flatness_max_over_min": flat,
     }
     if out is not None:
-        write_outputs(result, Path(out))
+        write_outputs(result, Path(out), table, plot)
     return result
 
 
@@ -234,33 +234,13 @@ def table(result: dict[str, Any]) -> str:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name in CONTENDERS:
-        pts = [(r["tokens"], r["us_per_token"]) for r in result["rows"] if r["contender"] == name]
-        ax.plot(*zip(*pts), marker="o", label=name)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("tokens in cache (T)")
-    ax.set_ylabel("microseconds per appended token")
     c = result["config"]
-    ax.set_title(f"Append cost per token (B={c['batch']}, {c['kv_heads']} KV heads x {c['head_dim']}, {c['dtype']})")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def write_outputs(result: dict[str, Any], out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "update.json", result)
-    (out / "update.md").write_text(table(result))
-    plot(result, out / "update.png")
+    with figure(path) as (ax,):
+        for name in CONTENDERS:
+            pts = [(r["tokens"], r["us_per_token"]) for r in result["rows"] if r["contender"] == name]
+            ax.plot(*zip(*pts), marker="o", label=name)
+        title = f"Append cost per token (B={c['batch']}, {c['kv_heads']} KV heads x {c['head_dim']}, {c['dtype']})"
+        finish_axes(ax, "tokens in cache (T)", "microseconds per appended token", title, log_y=True)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Storage layers: one strategy per module, all behind the contract in ``base.py``."""
 
 from .base import Geometry, KVLayer, LayerState
+from .buffer import BufferLayer
 from .concat import ConcatLayer
 from .growable import GrowableLayer
 from .sliding import SlidingLayer
@@ -13,6 +14,7 @@ LAYER_KINDS: dict[str, type[KVLayer]] = {
 
 __all__ = [
     "LAYER_KINDS",
+    "BufferLayer",
     "ConcatLayer",
     "Geometry",
     "GrowableLayer",

@@ -133,8 +133,31 @@ class KVLayer(ABC):
 
         Returns the keys and values attention reads, as views of the store (not copies).
         """
-        check_kv(key, value, self.geometry)
+        if not self._fits(key, value):
+            check_kv(key, value, self.geometry)  # raises with a message, or accepts a first append
         return self._append(key, value)
+
+    def _fits(self, key: Any, value: Any) -> bool:
+        """Fast path of ``check_kv`` for the common case: an append like the previous ones."""
+        g = self.geometry
+        if g is None or not isinstance(key, torch.Tensor) or not isinstance(value, torch.Tensor):
+            return False
+        ks, vs = key.shape, value.shape
+        return (
+            len(ks) == 4
+            and len(vs) == 4
+            and ks[0] == g.batch
+            and ks[1] == g.heads
+            and ks[3] == g.key_dim
+            and vs[0] == g.batch
+            and vs[1] == g.heads
+            and vs[2] == ks[2]
+            and vs[3] == g.value_dim
+            and key.dtype == g.dtype
+            and value.dtype == g.dtype
+            and key.device == g.device
+            and value.device == g.device
+        )
 
     @abstractmethod
     def _append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,13 +13,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from ..errors import UnsupportedOperation
-from .base import Geometry, KVLayer
+from .buffer import BufferLayer
 
 
-class SlidingLayer(KVLayer):
+class SlidingLayer(BufferLayer):
     kind = "sliding"
     is_sliding = True
 
@@ -28,78 +26,36 @@ class SlidingLayer(KVLayer):
         if int(window) < 1:
             raise ValueError(f"window must be >= 1 token, got {window}")
         self.window = int(window)
-        self._kbuf: torch.Tensor | None = None  # [B, Hkv, C, D]
-        self._vbuf: torch.Tensor | None = None  # [B, Hkv, C, Dv]
-        self._start = 0  # first kept slot
-        self._len = 0  # kept slots, at most window - 1 between updates
 
     @property
     def keep(self) -> int:
         """Tokens kept between updates."""
         return self.window - 1
 
-    def _append(self, key, value):
-        new = key.shape[-2]
-        need = self._len + new
-        if self._kbuf is None or self._start + need > self.capacity:
-            self._compact(need, key, value)
-        end = self._start + need
-        self._kbuf[:, :, self._start + self._len : end].copy_(key)
-        self._vbuf[:, :, self._start + self._len : end].copy_(value)
-        out = self._kbuf[:, :, self._start : end], self._vbuf[:, :, self._start : end]
-        drop = max(0, need - self.keep)
-        self._start += drop
-        self._len = need - drop
-        self._seen += new
-        return out
-
-    def _compact(self, need: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Move the kept slots to the front, reallocating if the buffer is too small or far too big."""
-        target = max(2 * self.window, need)
-        cap = self.capacity
-        if self._kbuf is None or target > cap or cap > 2 * target:
-            self._reallocate(target, key.shape[0] if self._kbuf is None else self.geometry.batch, key, value)
-            return
-        src = slice(self._start, self._start + self._len)
-        for buf in (self._kbuf, self._vbuf):
-            kept = buf[:, :, src]
-            # Overlapping ranges need a temporary; the usual case (cursor at the end) does not.
-            buf[:, :, : self._len].copy_(kept if self._start >= self._len else kept.clone())
-        self._start = 0
-
-    def _reallocate(self, capacity: int, batch: int, like_key, like_value) -> None:
-        g = self.geometry or Geometry.of(like_key, like_value)
-        kbuf = torch.empty(batch, g.heads, capacity, g.key_dim, dtype=g.dtype, device=g.device)
-        vbuf = torch.empty(batch, g.heads, capacity, g.value_dim, dtype=g.dtype, device=g.device)
-        if self._kbuf is not None and self._len and batch == g.batch:
-            keys, values = self.view()
-            kbuf[:, :, : self._len].copy_(keys)
-            vbuf[:, :, : self._len].copy_(values)
-        self._kbuf, self._vbuf, self._start = kbuf, vbuf, 0
-        self.geometry = Geometry(batch, g.heads, g.key_dim, g.value_dim, g.dtype, g.device)
-        self.reallocations += 1
-
-    @property
-    def length(self) -> int:
-        return self._len
-
-    @property
-    def capacity(self) -> int:
-        return 0 if self._kbuf is None else self._kbuf.shape[-2]
-
-    @property
-    def nbytes(self) -> int:
-        return 0 if self._kbuf is None else self._kbuf.nbytes + self._vbuf.nbytes
-
     @property
     def max_length(self) -> int:
         return self.window
 
-    def view(self):
-        if self._kbuf is None:
-            return None, None
-        s = slice(self._start, self._start + self._len)
-        return self._kbuf[:, :, s], self._vbuf[:, :, s]
+    def _append(self, key, value):
+        out = super()._append(key, value)
+        surplus = max(0, self._len - self.keep)
+        self._start += surplus
+        self._len -= surplus
+        return out
+
+    def _make_room(self, need, key, value) -> None:
+        """Move the kept slots to the front, reallocating if the buffer is too small or far too big."""
+        target = max(2 * self.window, need)
+        cap = self.capacity
+        if self._kbuf is None or target > cap or cap > 2 * target:
+            batch = key.shape[0] if self._kbuf is None else self.geometry.batch
+            self._allocate(target, batch, key, value)
+            return
+        for buf in (self._kbuf, self._vbuf):
+            kept = buf.narrow(2, self._start, self._len)
+            # Overlapping ranges need a temporary; the usual case (cursor at the end) does not.
+            buf.narrow(2, 0, self._len).copy_(kept if self._start >= self._len else kept.clone())
+        self._start = 0
 
     def check_trim(self, n: int) -> None:
         # After the trim the next update needs the `keep` tokens before the new end; those must
@@ -121,18 +77,7 @@ class SlidingLayer(KVLayer):
         self._len -= surplus
 
     def reset(self) -> None:
-        self._kbuf = self._vbuf = None
-        self.geometry = None
-        self._start = self._len = 0
-        self._seen = 0
-
-    def _rebatch(self, fn) -> None:
-        if self._kbuf is None:
-            return
-        keys, values = (fn(t) for t in self.view())
-        self._reallocate(self.capacity, keys.shape[0], keys, values)
-        self._kbuf[:, :, : self._len].copy_(keys)
-        self._vbuf[:, :, : self._len].copy_(values)
+        self._drop_buffers()
 
     def options(self) -> dict[str, Any]:
         return {"window": self.window}

@@ -13,7 +13,7 @@ import torch
 
 from ..errors import CacheFullError, DTypeError, ShapeError
 from .base import Geometry
-from .growable import BufferLayer
+from .buffer import BufferLayer
 
 
 class StaticLayer(BufferLayer):
@@ -54,7 +54,7 @@ class StaticLayer(BufferLayer):
         self._kbuf.zero_()
         self._vbuf.zero_()
 
-    def _static_capacity(self) -> int:
+    def _rebatch_capacity(self) -> int:
         return self._capacity
 
     @property
