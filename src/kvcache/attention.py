@@ -19,6 +19,7 @@ import torch
 from .errors import DTypeError, ShapeError
 
 _BLOCK_BYTES = 64 * 2**20  # score bytes per query block
+_DECODE_ROWS = 16  # at most this many query rows per KV head (group * Sq) take the decode path
 
 
 def attend(
@@ -52,6 +53,8 @@ def attend(
     block = max(1, min(q_len, _BLOCK_BYTES // max(row_bytes, 1)))
     if q_len == 0:
         return query.new_empty(batch, q_heads, 0, value_dim)
+    if group * q_len <= _DECODE_ROWS:
+        return _decode(q5, key, value, mask5, causal, scale).reshape(batch, q_heads, q_len, value_dim)
     outs = []
     for start in range(0, q_len, block):
         stop = min(q_len, start + block)
@@ -74,6 +77,35 @@ def attend(
         outs.append(torch.matmul(probs, value).view(batch, kv_heads, group, rows, value_dim))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)
     return out.reshape(batch, q_heads, q_len, value_dim)
+
+
+def _decode(q5, key, value, mask5, causal: bool, scale: float) -> torch.Tensor:
+    """Few query rows per KV head (decode): scores as ``K @ q^T``, ``[B, Hkv, T, rows]``.
+
+    With T rows and a handful of columns, that product streams K in its stored order, which BLAS
+    does at close to memory speed; ``q @ K^T`` (the transposed product) measured about half that
+    on a 2-core CPU. The softmax runs along T, then ``p^T @ V`` reads V once. Returns
+    ``[B, Hkv, group, Sq, Dv]``.
+    """
+    batch, kv_heads, group, q_len, head_dim = q5.shape
+    kv_len = key.shape[2]
+    rows = group * q_len
+    q_t = (q5 * scale).reshape(batch, kv_heads, rows, head_dim).transpose(-1, -2)  # [B, Hkv, D, rows]
+    scores = torch.matmul(key, q_t)  # [B, Hkv, T, rows]
+    masked = mask5 is not None or causal
+    if mask5 is not None:
+        mb, mh = mask5.shape[0], mask5.shape[1]
+        m = mask5.expand(mb, mh, group, q_len, kv_len).reshape(mb, mh, rows, kv_len).transpose(-1, -2)
+        scores = scores.masked_fill(~m, -math.inf) if m.dtype == torch.bool else scores + m
+    if causal:
+        q_pos = torch.arange(q_len, device=key.device).repeat(group) + (kv_len - q_len)  # [rows]
+        future = torch.arange(kv_len, device=key.device).view(-1, 1) > q_pos  # [T, rows]
+        scores = scores.masked_fill(future, -math.inf)
+    probs = torch.softmax(scores, dim=-2, dtype=torch.float32)
+    if masked:
+        probs = probs.nan_to_num(0.0)
+    out = torch.matmul(probs.to(value.dtype).transpose(-1, -2), value)  # [B, Hkv, rows, Dv]
+    return out.view(batch, kv_heads, group, q_len, value.shape[3])
 
 
 def _check_inputs(query, key, value, mask) -> tuple[int, int, int, int]:

@@ -1,0 +1,21 @@
+"""Benchmark suites, run by ``kvcache bench SUITE``.
+
+Each suite is a module with ``run(quick=False, out=None, device="cpu", progress=True, tiny=False)``
+returning a JSON-able dict (``suite``, ``machine``, ``config``, ``rows``, ...) and, given ``out``,
+writing ``<suite>.json``, ``<suite>.md`` and ``<suite>.png`` there. ``quick`` finishes in under
+two minutes on 2 cores; ``tiny`` in seconds, for tests (its numbers mean nothing).
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+SUITES: tuple[str, ...] = ("update", "decode", "attention", "memory", "resume")
+
+
+def get_suite(name: str) -> ModuleType:
+    """The module of suite ``name``; ``ValueError`` listing the suites if unknown."""
+    if name not in SUITES:
+        raise ValueError(f"unknown benchmark suite {name!r}; valid suites: {', '.join(SUITES)}")
+    return importlib.import_module(f"{__name__}.{name}")

@@ -94,14 +94,16 @@ def run(
     variants: list[str] | None = None,
     layers: int = 4,
     progress: bool = True,
+    tiny: bool = False,
 ) -> dict[str, Any]:
     """Run the suite; write ``decode.json``/``decode.md``/``decode.png`` into ``out`` if given."""
     from tqdm.auto import tqdm
 
     register_attention()
-    contexts = contexts or ([1024, 4096] if quick else [1024, 4096, 8192, 16384])
-    new_tokens = new_tokens or (16 if quick else 32)
-    repeats = repeats or (1 if quick else 3)
+    contexts = contexts or ([64] if tiny else [1024, 4096] if quick else [1024, 4096, 8192, 16384])
+    new_tokens = new_tokens or (4 if tiny else 16 if quick else 32)
+    repeats = repeats or (1 if tiny or quick else 3)
+    layers = 1 if tiny else layers
     variants = variants or list(VARIANTS)
     bar = tqdm(total=len(variants) * len(contexts) * repeats * len(CONTENDERS), desc="decode", disable=not progress)
     rows = []

@@ -157,15 +157,16 @@ def run(
     lengths: list[int] | None = None,
     shape: Shape | None = None,
     progress: bool = True,
+    tiny: bool = False,
 ) -> dict[str, Any]:
     """Run the suite; write ``update.json``/``update.md``/``update.png`` into ``out`` if given."""
     from tqdm.auto import tqdm
 
-    shape = shape or Shape(device=device)
+    shape = shape or (Shape(kv_heads=2, head_dim=16, device=device) if tiny else Shape(device=device))
     if lengths is None:
-        top = 4096 if quick else 16384
+        top = 512 if tiny else 4096 if quick else 16384
         lengths = [2**i for i in range(8, int(math.log2(top)) + 1)]
-    repeats = repeats or (3 if quick else 5)
+    repeats = repeats or (1 if tiny else 3 if quick else 5)
     max_tokens = max(lengths)
     times: dict[tuple[str, int], list[float]] = {}
     bar = tqdm(total=len(lengths) * repeats * len(CONTENDERS), desc="update", disable=not progress)
