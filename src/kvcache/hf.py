@@ -6,7 +6,8 @@ kept past then the new tokens, so the mask ``transformers`` builds from ``get_ma
 ``kv_length = length + query_length`` starting at absolute position ``seen - length``.
 
 ``register_attention()`` adds ``"kvcache"`` to the attention implementations (the one documented
-piece of global state): ``model.set_attn_implementation("kvcache")`` then runs ``attend``.
+piece of global state): ``model.set_attn_implementation("kvcache")`` then runs ``attend`` for
+decode steps (where packing grouped heads beats SDPA on the CPU) and torch's SDPA for prefill.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+import torch.nn.functional as F
+
+from .attention import _DECODE_ROWS as DECODE_ROWS
 from .attention import attend
 from .errors import UnsupportedOperation
 from .layers import KVLayer
@@ -125,7 +129,15 @@ def hf_attention_forward(
         raise UnsupportedOperation("kvcache attention is for inference: dropout is not supported")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = bool(causal) and attention_mask is None and query.shape[2] > 1
-    out = attend(query, key, value, scale=scaling, mask=attention_mask, causal=causal)
+    group = query.shape[1] // key.shape[1]
+    if query.shape[2] * group <= DECODE_ROWS:
+        out = attend(query, key, value, scale=scaling, mask=attention_mask, causal=causal)
+    else:
+        # Prefill: torch's fused kernel is the faster one here. transformers passes no mask only
+        # when the pattern is plain causal with queries and keys aligned, so is_causal is right.
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, scale=scaling, is_causal=causal, enable_gqa=group > 1
+        )
     return out.transpose(1, 2).contiguous(), None
 
 
