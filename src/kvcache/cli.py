@@ -1,4 +1,4 @@
-"""The ``kvcache`` command line: ``kvcache demo`` (more subcommands to come).
+"""The ``kvcache`` command line: ``kvcache demo``, ``kvcache generate``, ``kvcache bench``.
 
 Each subcommand is one ``add_<name>(subparsers)`` function that builds its parser and sets
 ``handler`` to a ``cmd_<name>(args) -> int`` function; :data:`SUBCOMMANDS` lists them in ``--help``
@@ -11,13 +11,20 @@ Exit codes: 0 success, 2 bad arguments or a ``kvcache`` error (printed as one li
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
+import tempfile
+import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
 from . import __version__
-from .errors import KVCacheError
+from .bench import SUITES
+from .errors import KVCacheError, SpecError
+from .spec import CacheSpec, parse_spec, valid_specs
 from .tiny import FAMILIES
 
 PROG = "kvcache"
@@ -57,6 +64,38 @@ def _write_json(path: str, payload: object) -> None:
             f.write("\n")
     except OSError as e:
         raise KVCacheError(f"cannot write {path}: {e.strerror or e}") from e
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text}")
+    return value
+
+
+def _probability(text: str) -> float:
+    value = _positive_float(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text}")
+    return value
+
+
+def _cache_spec(text: str) -> CacheSpec:
+    try:
+        return parse_spec(text)
+    except SpecError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _check_device(device: str) -> None:
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        why = "this torch was built without CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+        raise KVCacheError(f"--device cuda: CUDA is not available ({why}; torch {torch.__version__}); use --device cpu")
 
 
 # ---- kvcache demo --------------------------------------------------------------------------
@@ -105,10 +144,293 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- kvcache generate ----------------------------------------------------------------------
+
+TINY = "tiny"
+#: Suffix of the file beside a saved cache that holds the conversation's token ids.
+IDS_SUFFIX = ".ids.json"
+IDS_FORMAT = "kvcache-ids"
+IDS_VERSION = 1
+
+
+def load_model(name_or_dir: str, device: str = "cpu") -> tuple[Any, Any]:
+    """``(model, tokenizer)`` for ``--model``: ``"tiny"`` or a local Hugging Face checkpoint folder.
+
+    ``"tiny"`` is the random-weight tiny llama with the byte-level tokenizer (vocabulary 256).
+    A folder is loaded with ``AutoTokenizer`` / ``AutoModelForCausalLM``, never from the hub.
+    """
+    if name_or_dir == TINY:
+        from .tiny import tiny_model
+        from .tokenizer import ByteTokenizer
+
+        return tiny_model("llama").to(device), ByteTokenizer()
+    if not os.path.isdir(name_or_dir):
+        raise KVCacheError(f"--model: {name_or_dir!r} is neither {TINY!r} nor a model directory")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_dir, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(name_or_dir, local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        reason = " ".join(str(e).split())
+        raise KVCacheError(f"cannot load a model and tokenizer from {name_or_dir}: {reason}") from e
+    return model.to(device).eval(), tokenizer
+
+
+def ids_path(cache_path: str | os.PathLike) -> str:
+    """Where ``--save-cache FILE`` keeps the token ids: ``FILE.ids.json``."""
+    return os.fspath(cache_path) + IDS_SUFFIX
+
+
+def _sha256_file(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def save_conversation(cache: Any, path: str, ids: list[int]) -> None:
+    """Save ``cache`` to ``path`` and the conversation's token ids to ``path + IDS_SUFFIX``.
+
+    ``ids`` is every token so far; the cache holds the first ``cache.seen`` of them (``generate``
+    never feeds its last token back). Both files are written atomically; the ids file records the
+    cache file's SHA-256 so a mismatched pair is refused on load.
+    """
+    try:
+        cache.save(path)
+        payload = {
+            "format": IDS_FORMAT,
+            "version": IDS_VERSION,
+            "cached": cache.seen,
+            "cache_sha256": _sha256_file(path),
+            "ids": ids,
+        }
+        target = Path(ids_path(path))
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(payload, f)
+                f.write("\n")
+            os.replace(tmp, target)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError as e:
+        raise KVCacheError(f"cannot save the cache to {path}: {e.strerror or e}") from e
+
+
+def load_conversation(path: str, model: Any) -> tuple[Any, list[int]]:
+    """The cache saved at ``path`` for ``model`` and the token ids saved beside it."""
+    from .persist import load_cache
+
+    side = ids_path(path)
+    if not os.path.isfile(path):
+        raise KVCacheError(f"--load-cache: {path} does not exist")
+    if not os.path.isfile(side):
+        raise KVCacheError(
+            f"--load-cache: {side} is missing; a cache can only be continued with the token ids that "
+            f"--save-cache writes beside it"
+        )
+    try:
+        with open(side, encoding="utf-8") as f:
+            payload = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise KVCacheError(f"--load-cache: cannot read {side}: {e}") from e
+    ids = payload.get("ids") if isinstance(payload, dict) else None
+    cached = payload.get("cached") if isinstance(payload, dict) else None
+    if (
+        payload.get("format") != IDS_FORMAT
+        or payload.get("version") != IDS_VERSION
+        or not isinstance(ids, list)
+        or not all(type(i) is int and i >= 0 for i in ids)
+        or type(cached) is not int
+        or not 0 <= cached <= len(ids)
+    ):
+        raise KVCacheError(f"--load-cache: {side} is not a {IDS_FORMAT} v{IDS_VERSION} file written by --save-cache")
+    if payload.get("cache_sha256") != _sha256_file(path):
+        raise KVCacheError(f"--load-cache: {side} belongs to another version of {path} (checksum differs)")
+    cache = load_cache(path, model)
+    if cache.seen != cached:
+        raise KVCacheError(f"--load-cache: {path} holds {cache.seen} tokens but {side} says {cached}")
+    vocab = model.config.get_text_config().vocab_size
+    if ids and max(ids) >= vocab:
+        raise KVCacheError(f"--load-cache: {side} has token id {max(ids)}, outside this model's vocabulary ({vocab})")
+    return cache, ids
+
+
+def add_generate(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "generate",
+        help="generate text with a kvcache cache, streaming tokens as they come",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=(
+            "Generate a continuation of --prompt, printing text as each token arrives, then a summary\n"
+            "line on stderr. --save-cache keeps the cache (and FILE.ids.json, the token ids) so a\n"
+            "later --load-cache can continue the conversation: the new prompt is appended to it.\n\n"
+            f"Cache specs (--cache):\n{valid_specs()}"
+        ),
+    )
+    p.add_argument(
+        "--model",
+        default=TINY,
+        metavar="DIR|tiny",
+        help="a local Hugging Face checkpoint folder, or 'tiny': a random tiny llama with a byte "
+        "tokenizer (default: %(default)s)",
+    )
+    source = p.add_mutually_exclusive_group()
+    source.add_argument(
+        "--cache", type=_cache_spec, default=None, metavar="SPEC", help="cache spec, e.g. growable, "
+        "static:capacity=4096, concat (default: growable)"
+    )
+    source.add_argument(
+        "--load-cache", default=None, metavar="FILE", help="continue from a cache saved with --save-cache "
+        "(its spec is the one it was saved with)"
+    )
+    p.add_argument("--prompt", required=True, metavar="TEXT", help="prompt text (appended to a loaded cache)")
+    p.add_argument(
+        "--max-new-tokens", type=_int_at_least(1), default=64, metavar="N", help="tokens to generate (default: %(default)s)"
+    )
+    p.add_argument(
+        "--save-cache", type=_output_file, default=None, metavar="FILE", help="save the cache afterwards (and FILE.ids.json)"
+    )
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--greedy", dest="sample", action="store_false", help="greedy decoding (the default)")
+    mode.add_argument("--sample", dest="sample", action="store_true", help="sample from the model's distribution")
+    p.add_argument(
+        "--temperature", type=_positive_float, default=None, metavar="T", help="sampling temperature (with --sample; default 1.0)"
+    )
+    p.add_argument(
+        "--top-p", type=_probability, default=None, metavar="P", help="nucleus sampling mass (with --sample; default 1.0)"
+    )
+    p.add_argument("--seed", type=int, default=None, metavar="N", help="seed torch's random generator (for --sample)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="(default: %(default)s)")
+    p.set_defaults(handler=cmd_generate, sample=False)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from .bench.common import human_bytes
+    from .cache import make_cache
+    from .tokenizer import TokenStreamer
+
+    if not args.sample and (args.temperature is not None or args.top_p is not None):
+        raise KVCacheError("--temperature and --top-p apply only with --sample")
+    _check_device(args.device)
+    if args.seed is not None:
+        torch.manual_seed(args.seed)
+    model, tokenizer = load_model(args.model, args.device)
+    if args.load_cache:
+        cache, ids = load_conversation(args.load_cache, model)
+    else:
+        cache, ids = make_cache(model, args.cache or parse_spec("growable")), []
+    ids = ids + list(tokenizer.encode(args.prompt, add_special_tokens=not ids))
+    cached = cache.seen
+    if len(ids) <= cached:
+        raise KVCacheError("the prompt is empty and there is nothing left to feed the model")
+
+    options: dict[str, Any] = {"do_sample": args.sample}
+    if args.sample:
+        options |= {"temperature": args.temperature or 1.0, "top_p": args.top_p or 1.0, "top_k": None}
+    config = model.generation_config
+    pad = config.pad_token_id if config.pad_token_id is not None else getattr(tokenizer, "pad_token_id", None)
+    if pad is None:
+        eos = config.eos_token_id
+        pad = eos[0] if isinstance(eos, list) else eos
+    input_ids = torch.tensor([ids], dtype=torch.long, device=args.device)
+    streamer = TokenStreamer(tokenizer, sys.stdout)
+    start = time.perf_counter()
+    try:
+        out = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            past_key_values=cache,
+            max_new_tokens=args.max_new_tokens,
+            streamer=streamer,
+            pad_token_id=pad,
+            **options,
+        )
+    except (KVCacheError, KeyboardInterrupt):
+        if streamer.tokens:  # end the streamed line before the error message
+            print(flush=True)
+        raise
+    seconds = time.perf_counter() - start
+    new = out[0, len(ids) :].tolist()
+    saved = ""
+    if args.save_cache:
+        save_conversation(cache, args.save_cache, ids + new)
+        saved = f"; saved {args.save_cache} (+ {IDS_SUFFIX})"
+    rate = len(new) / seconds if seconds > 0 else float("inf")
+    decode = ""
+    if streamer.first_token_at is not None and len(new) > 1 and streamer.last_token_at > streamer.first_token_at:
+        decode_rate = (len(new) - 1) / (streamer.last_token_at - streamer.first_token_at)
+        decode = f", decode {decode_rate:.1f} tokens/s after a {streamer.first_token_at - start:.3f} s prefill"
+    print(
+        f"{PROG}: {len(new)} tokens in {seconds:.2f} s ({rate:.1f} tokens/s{decode}); "
+        f"prefill {len(ids) - cached} tokens ({cached} already cached); "
+        f"cache {cache.spec}, {human_bytes(cache.nbytes)} ({cache.nbytes} bytes){saved}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+# ---- kvcache bench -------------------------------------------------------------------------
+
+
+def add_bench(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "bench",
+        help="run a benchmark suite and write its JSON, table and plot",
+        description=(
+            "Run one benchmark suite, print its table and write SUITE.json, SUITE.md and SUITE.png into "
+            "--out. Suites: " + ", ".join(SUITES) + "."
+        ),
+    )
+    p.add_argument("suite", choices=SUITES, metavar="SUITE", help="one of: %(choices)s")
+    p.add_argument("--quick", action="store_true", help="a smaller run (about two minutes on 2 cores)")
+    p.add_argument(
+        "--out", default=os.path.join("benchmarks", "results"), metavar="DIR", help="output folder (default: %(default)s)"
+    )
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="(default: %(default)s)")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # seconds-long run for tests
+    p.set_defaults(handler=cmd_bench)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import get_suite
+
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise KVCacheError(f"--out: {out} exists and is not a directory")
+    _check_device(args.device)
+    try:
+        suite = get_suite(args.suite)
+    except ModuleNotFoundError as e:
+        if e.name != f"kvcache.bench.{args.suite}":
+            raise
+        raise KVCacheError(f"benchmark suite {args.suite!r} is not available in this version of kvcache") from e
+    try:
+        result = suite.run(quick=args.quick, out=out, device=args.device, progress=args.progress, tiny=args.tiny)
+    except ModuleNotFoundError as e:
+        if e.name != "matplotlib":
+            raise
+        raise KVCacheError("benchmark plots need matplotlib: pip install 'kvcache[bench]'") from e
+    text = suite.table(result)
+    print(text, end="" if text.endswith("\n") else "\n", flush=True)
+    name = result.get("suite", args.suite)
+    for ext in ("json", "md", "png"):
+        path = out / f"{name}.{ext}"
+        if path.is_file():
+            print(f"wrote {path}")
+    return 0
+
+
 # ---- the parser and the entry point --------------------------------------------------------
 
 #: One ``add_<name>`` per subcommand, in ``--help`` order.
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_demo]
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_demo, add_generate, add_bench]
 
 
 def build_parser() -> argparse.ArgumentParser:
