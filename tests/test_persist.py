@@ -549,28 +549,6 @@ def _raise(*args, **kwargs):
     raise _Boom("simulated failure")
 
 
-class _HalfWriter:
-    """A file object that writes half of what it is given, then fails."""
-
-    def __init__(self, f):
-        self.f = f
-
-    def write(self, data):
-        self.f.write(bytes(data[: len(data) // 2]))
-        self.f.flush()
-        raise _Boom("disk full (simulated)")
-
-    def __getattr__(self, name):
-        return getattr(self.f, name)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.f.close()
-        return False
-
-
 @pytest.mark.parametrize("failure", ("replace", "fsync", "write", "interrupt"))
 def test_failed_save_keeps_previous_file(failure, tmp_path, monkeypatch):
     model = model_for("gemma2")
@@ -589,8 +567,16 @@ def test_failed_save_keeps_previous_file(failure, tmp_path, monkeypatch):
     elif failure == "fsync":
         monkeypatch.setattr(os, "fsync", _raise)
     elif failure == "write":
-        real_fdopen = os.fdopen
-        monkeypatch.setattr(os, "fdopen", lambda *a, **k: _HalfWriter(real_fdopen(*a, **k)))
+        real_save_file = kvcache.persist.save_file
+
+        def half_written(tensors, filename, metadata=None):
+            # The real bytes, cut in half on disk, then the failure (a full disk, say).
+            real_save_file(tensors, filename, metadata=metadata)
+            with open(filename, "rb+") as f:
+                f.truncate(os.path.getsize(filename) // 2)
+            raise _Boom("disk full (simulated)")
+
+        monkeypatch.setattr(kvcache.persist, "save_file", half_written)
     else:
 
         def interrupt(*args, **kwargs):

@@ -22,8 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
+from safetensors.torch import load_file, save_file
 
 from .errors import CacheFileError, CorruptedFileError, ForeignFileError, ModelMismatchError, TruncatedFileError
 from .layers import LAYER_KINDS, LayerState
@@ -44,6 +43,12 @@ def checksum(t: torch.Tensor) -> str:
     return hashlib.sha256(_tensor_bytes(t)).hexdigest()
 
 
+def _owned(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU tensor owning its storage: a cache view copied once, never twice."""
+    t = t.detach().to("cpu").contiguous()
+    return t if t.untyped_storage().nbytes() == t.nbytes else t.clone()
+
+
 def metadata_checksum(meta: dict[str, str]) -> str:
     """SHA-256 of every metadata field but itself, so no header byte can change unnoticed."""
     fields = {k: v for k, v in meta.items() if k != "meta_checksum"}
@@ -62,8 +67,7 @@ def save_cache(cache: KVCache, path: str | os.PathLike) -> None:
         state = store.state()
         names = []
         for name, t in state.tensors.items():
-            # .contiguous() alone would keep a view of a larger buffer; safetensors wants owned data.
-            tensors[f"layer.{i}.{name}"] = t.detach().to("cpu").contiguous().clone()
+            tensors[f"layer.{i}.{name}"] = _owned(t)
             names.append(name)
             dtype = dtype or str(t.dtype).removeprefix("torch.")
         length = state.tensors["keys"].shape[2] if "keys" in state.tensors else 0
@@ -79,13 +83,12 @@ def save_cache(cache: KVCache, path: str | os.PathLike) -> None:
         "checksums": json.dumps({name: checksum(t) for name, t in tensors.items()}, sort_keys=True),
     }
     metadata["meta_checksum"] = metadata_checksum(metadata)
-    data = st_save(tensors, metadata=metadata)
     target = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent or Path("."))
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
+        os.close(fd)
+        save_file(tensors, tmp, metadata=metadata)
+        with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, target)
     except BaseException:
@@ -93,16 +96,30 @@ def save_cache(cache: KVCache, path: str | os.PathLike) -> None:
         raise
 
 
-def read_header(raw: bytes, path: str) -> tuple[dict[str, Any], dict[str, str]]:
-    """Parse and check a safetensors header: returns (tensor entries, metadata)."""
+def _head_bytes(path: str) -> bytes:
+    """The length prefix and JSON header of a safetensors file (not its tensor data)."""
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            return prefix
+        (header_len,) = struct.unpack("<Q", prefix)
+        return prefix + f.read(min(header_len, 100 * 2**20))
+
+
+def read_header(raw: bytes, path: str, file_size: int | None = None) -> tuple[dict[str, Any], dict[str, str]]:
+    """Parse and check a safetensors header from the file's first bytes ``raw``.
+
+    ``file_size`` is the whole file's size (default ``len(raw)``). Returns (tensor entries, metadata).
+    """
+    file_size = len(raw) if file_size is None else file_size
     if len(raw) < 8:
         raise TruncatedFileError(f"{path}: {len(raw)} bytes is too short for a cache file (a header needs 8)")
     (header_len,) = struct.unpack("<Q", raw[:8])
-    if header_len > len(raw) - 8:
+    if header_len > file_size - 8:
         if raw[8:9] not in (b"{", b""):
             raise ForeignFileError(f"{path}: not a safetensors file (no JSON header)")
         raise TruncatedFileError(
-            f"{path}: header announces {header_len} bytes but the file has only {len(raw) - 8} after the length"
+            f"{path}: header announces {header_len} bytes but the file has only {file_size - 8} after the length"
         )
     try:
         header = json.loads(raw[8 : 8 + header_len])
@@ -117,7 +134,7 @@ def read_header(raw: bytes, path: str) -> tuple[dict[str, Any], dict[str, str]]:
         )
     if meta.get("meta_checksum") != metadata_checksum(meta):
         raise CorruptedFileError(f"{path}: metadata checksum mismatch: the header changed after saving")
-    data_len = len(raw) - 8 - header_len
+    data_len = file_size - 8 - header_len
     try:
         end = max((int(entry["data_offsets"][1]) for entry in header.values()), default=0)
     except (KeyError, TypeError, ValueError, IndexError):
@@ -137,12 +154,11 @@ def load_cache(path: str | os.PathLike, model: Any, *, device: str | torch.devic
 
     summary = config_summary(text_config(model))  # a wrong `model` is the caller's error, not the file's
     path = str(path)
-    raw = Path(path).read_bytes()
-    _, meta = read_header(raw, path)
+    _, meta = read_header(_head_bytes(path), path, os.path.getsize(path))
     if device is None:
         device = next((p.device for p in getattr(model, "parameters", lambda: iter(()))()), torch.device("cpu"))
     try:
-        return _build(raw, meta, path, summary, device)
+        return _build(meta, path, summary, device)
     except CacheFileError:
         raise
     except (KeyError, TypeError, ValueError, IndexError) as e:
@@ -150,12 +166,12 @@ def load_cache(path: str | os.PathLike, model: Any, *, device: str | torch.devic
         raise CorruptedFileError(f"{path}: the cache metadata cannot be used ({type(e).__name__}: {e})") from None
 
 
-def _build(raw: bytes, meta: dict[str, str], path: str, summary: dict[str, Any], device) -> KVCache:
+def _build(meta: dict[str, str], path: str, summary: dict[str, Any], device) -> KVCache:
     from .cache import KVCache, fingerprint_of
     from .spec import parse_spec
 
     try:
-        tensors = st_load(raw)
+        tensors = load_file(path)
     except Exception as e:  # safetensors raises its own error types
         raise CorruptedFileError(f"{path}: tensor data cannot be read ({e})") from None
     for name, want in json.loads(meta["checksums"]).items():
