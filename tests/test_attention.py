@@ -409,3 +409,12 @@ def test_tiny_llama_decode_with_cache_matches_sdpa():
     with torch.no_grad(), Recorder() as rec:
         model(input_ids=steps[0], attention_mask=m, past_key_values=cache, use_cache=True)
     assert not any("scaled_dot_product" in name for name, _, _ in rec.ops)
+
+
+def test_kvcache_attention_picks_attend_for_decode_where_it_measured_faster():
+    from kvcache.hf import MHA_ATTEND_FROM, prefer_attend
+
+    assert prefer_attend(q_len=1, group=4, kv_len=64)  # grouped heads: attend at any length
+    assert not prefer_attend(q_len=1, group=1, kv_len=MHA_ATTEND_FROM - 1)  # short MHA: SDPA
+    assert prefer_attend(q_len=1, group=1, kv_len=MHA_ATTEND_FROM)
+    assert not prefer_attend(q_len=512, group=4, kv_len=512)  # prefill: SDPA

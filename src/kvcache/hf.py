@@ -7,7 +7,8 @@ kept past then the new tokens, so the mask ``transformers`` builds from ``get_ma
 
 ``register_attention()`` adds ``"kvcache"`` to the attention implementations (the one documented
 piece of global state): ``model.set_attn_implementation("kvcache")`` then runs ``attend`` for
-decode steps (where packing grouped heads beats SDPA on the CPU) and torch's SDPA for prefill.
+decode steps where it measured faster (grouped heads; long multi-head caches) and torch's SDPA
+otherwise, prefill included.
 """
 
 from __future__ import annotations
@@ -130,7 +131,7 @@ def hf_attention_forward(
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = bool(causal) and attention_mask is None and query.shape[2] > 1
     group = query.shape[1] // key.shape[1]
-    if query.shape[2] * group <= DECODE_ROWS:
+    if prefer_attend(query.shape[2], group, key.shape[2]):
         out = attend(query, key, value, scale=scaling, mask=attention_mask, causal=causal)
     else:
         # Prefill: torch's fused kernel is the faster one here. transformers passes no mask only
@@ -139,6 +140,17 @@ def hf_attention_forward(
             query, key, value, attn_mask=attention_mask, scale=scaling, is_causal=causal, enable_gqa=group > 1
         )
     return out.transpose(1, 2).contiguous(), None
+
+
+#: Below this many cached tokens, torch's SDPA is faster than ``attend`` for plain multi-head
+#: decode on the CPU (``kvcache bench attention``: at 1K, 106% vs 55% of read bandwidth; from 4K
+#: on, ``attend`` is level or ahead). With grouped heads ``attend`` is ahead at every length.
+MHA_ATTEND_FROM = 4096
+
+
+def prefer_attend(q_len: int, group: int, kv_len: int) -> bool:
+    """Whether ``attend`` is the faster choice for this call (decode shapes), per the benchmarks."""
+    return q_len * group <= DECODE_ROWS and (group > 1 or kv_len >= MHA_ATTEND_FROM)
 
 
 def register_attention() -> str:

