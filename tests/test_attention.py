@@ -418,3 +418,52 @@ def test_kvcache_attention_picks_attend_for_decode_where_it_measured_faster():
     assert not prefer_attend(q_len=1, group=1, kv_len=MHA_ATTEND_FROM - 1)  # short MHA: SDPA
     assert prefer_attend(q_len=1, group=1, kv_len=MHA_ATTEND_FROM)
     assert not prefer_attend(q_len=512, group=4, kv_len=512)  # prefill: SDPA
+
+
+@pytest.mark.parametrize("q_len,kv_len", [(1, 70), (6, 6), (3, 40)])
+@pytest.mark.parametrize("group", [1, 2])
+def test_softcap_matches_gemma2_eager_attention(q_len, kv_len, group):
+    from types import SimpleNamespace
+
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    g = torch.Generator().manual_seed(q_len * 100 + kv_len + group)
+    kv_heads, dim, cap, scale = 2, 16, 5.0, 0.7  # a small cap and a large scale: the cap really bites
+    q = torch.randn(2, kv_heads * group, q_len, dim, generator=g) * 3
+    k = torch.randn(2, kv_heads, kv_len + 9, dim, generator=g)[:, :, :kv_len] * 3
+    v = torch.randn(2, kv_heads, kv_len, dim, generator=g)
+    additive = torch.where(torch.rand(2, 1, q_len, kv_len, generator=g) > 0.3, 0.0, -1e9)
+    additive[..., 0] = 0.0
+    module = SimpleNamespace(num_key_value_groups=group, training=False, head_dim=dim)
+    ref, _ = eager_attention_forward(module, q, k, v, additive, scaling=scale, softcap=cap)
+    out = kvcache.attend(q, k, v, scale=scale, mask=additive, softcap=cap)
+    torch.testing.assert_close(out.transpose(1, 2), ref, atol=1e-5, rtol=1e-5)
+    uncapped = kvcache.attend(q, k, v, scale=scale, mask=additive)
+    assert (uncapped - out).abs().max() > 1e-3  # the cap changed the result: the test can fail
+
+
+def test_softcap_must_be_positive():
+    q, k, v = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    with pytest.raises(ValueError, match="softcap"):
+        kvcache.attend(q, k, v, softcap=0.0)
+
+
+def test_gemma2_with_kvcache_attention_matches_eager_and_dynamic_cache():
+    from transformers import DynamicCache
+
+    from kvcache.tiny import tiny_model
+
+    model = tiny_model("gemma2", seed=2)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, 256, (2, 40), generator=g)  # longer than the sliding window (16)
+    mask = torch.ones_like(ids)
+    mask[1, :9], ids[1, :9] = 0, 0
+    greedy = dict(attention_mask=mask, max_new_tokens=24, do_sample=False)
+    try:
+        model.set_attn_implementation("eager")
+        ref = model.generate(ids, past_key_values=DynamicCache(config=model.config), **greedy)
+        model.set_attn_implementation("kvcache")
+        out = model.generate(ids, past_key_values=kvcache.make_cache(model), **greedy)
+    finally:
+        model.set_attn_implementation("eager")
+    assert torch.equal(out, ref)

@@ -30,6 +30,7 @@ def attend(
     scale: float | None = None,
     mask: torch.Tensor | None = None,
     causal: bool = False,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention with grouped-query heads, reading K/V in place.
 
@@ -38,6 +39,8 @@ def attend(
     attend) or additive float, broadcastable to ``[B, Hq, Sq, T]``. ``causal`` masks key ``j`` for
     query ``i`` unless ``j <= T - Sq + i`` (aligned to the end, as for queries that follow a cache;
     equal to SDPA's ``is_causal`` when ``Sq == T``). Rows with every key masked return zeros.
+    ``softcap`` caps the scaled scores as ``softcap * tanh(score / softcap)`` before the mask
+    (gemma2's attention logit softcapping).
     """
     batch, q_heads, q_len, head_dim = _check_inputs(query, key, value, mask)
     kv_heads, kv_len, value_dim = key.shape[1], key.shape[2], value.shape[3]
@@ -53,14 +56,16 @@ def attend(
     block = max(1, min(q_len, _BLOCK_BYTES // max(row_bytes, 1)))
     if q_len == 0:
         return query.new_empty(batch, q_heads, 0, value_dim)
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be a positive number or None, got {softcap}")
     if group * q_len <= _DECODE_ROWS:
-        return _decode(q5, key, value, mask5, causal, scale).reshape(batch, q_heads, q_len, value_dim)
+        return _decode(q5, key, value, mask5, causal, scale, softcap).reshape(batch, q_heads, q_len, value_dim)
     outs = []
     for start in range(0, q_len, block):
         stop = min(q_len, start + block)
         rows = stop - start
         q = (q5[:, :, :, start:stop] * scale).reshape(batch, kv_heads, group * rows, head_dim)
-        scores = torch.matmul(q, keys_t).view(batch, kv_heads, group, rows, kv_len)
+        scores = _cap(torch.matmul(q, keys_t), softcap).view(batch, kv_heads, group, rows, kv_len)
         blocked = mask5 is not None or causal
         if mask5 is not None:
             m = mask5[..., start:stop, :] if mask5.shape[-2] != 1 else mask5
@@ -79,7 +84,11 @@ def attend(
     return out.reshape(batch, q_heads, q_len, value_dim)
 
 
-def _decode(q5, key, value, mask5, causal: bool, scale: float) -> torch.Tensor:
+def _cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
+
+
+def _decode(q5, key, value, mask5, causal: bool, scale: float, softcap: float | None = None) -> torch.Tensor:
     """Few query rows per KV head (decode): scores as ``K @ q^T``, ``[B, Hkv, T, rows]``.
 
     With T rows and a handful of columns, that product streams K in its stored order, which BLAS
@@ -91,7 +100,7 @@ def _decode(q5, key, value, mask5, causal: bool, scale: float) -> torch.Tensor:
     kv_len = key.shape[2]
     rows = group * q_len
     q_t = (q5 * scale).reshape(batch, kv_heads, rows, head_dim).transpose(-1, -2)  # [B, Hkv, D, rows]
-    scores = torch.matmul(key, q_t)  # [B, Hkv, T, rows]
+    scores = _cap(torch.matmul(key, q_t), softcap)  # [B, Hkv, T, rows]
     masked = mask5 is not None or causal
     if mask5 is not None:
         mb, mh = mask5.shape[0], mask5.shape[1]

@@ -122,8 +122,6 @@ def hf_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """``transformers`` attention interface over ``attend``: returns ``[B, Sq, Hq, Dv]``."""
-    if kwargs.get("softcap") is not None:
-        raise UnsupportedOperation("kvcache attention does not support logit softcapping; use 'eager'")
     if kwargs.get("s_aux") is not None:
         raise UnsupportedOperation("kvcache attention does not support attention sinks (s_aux); use 'eager'")
     if dropout and module.training:
@@ -131,8 +129,9 @@ def hf_attention_forward(
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = bool(causal) and attention_mask is None and query.shape[2] > 1
     group = query.shape[1] // key.shape[1]
-    if prefer_attend(query.shape[2], group, key.shape[2]):
-        out = attend(query, key, value, scale=scaling, mask=attention_mask, causal=causal)
+    softcap = kwargs.get("softcap")
+    if softcap is not None or prefer_attend(query.shape[2], group, key.shape[2]):  # SDPA has no softcap
+        out = attend(query, key, value, scale=scaling, mask=attention_mask, causal=causal, softcap=softcap)
     else:
         # Prefill: torch's fused kernel is the faster one here. transformers passes no mask only
         # when the pattern is plain causal with queries and keys aligned, so is_causal is right.
