@@ -89,31 +89,31 @@ def _cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
 
 
 def _decode(q5, key, value, mask5, causal: bool, scale: float, softcap: float | None = None) -> torch.Tensor:
-    """Few query rows per KV head (decode): scores as ``K @ q^T``, ``[B, Hkv, T, rows]``.
+    """Few query rows per KV head (decode): scores computed as ``K @ q^T``.
 
     With T rows and a handful of columns, that product streams K in its stored order, which BLAS
-    does at close to memory speed; ``q @ K^T`` (the transposed product) measured about half that
-    on a 2-core CPU. The softmax runs along T, then ``p^T @ V`` reads V once. Returns
-    ``[B, Hkv, group, Sq, Dv]``.
+    does close to memory speed; ``q @ K^T`` (the same numbers, transposed) measured slower on a
+    2-core CPU. The scores are then viewed as ``[rows, T]`` for the softmax, whose output is
+    contiguous, so ``p @ V`` reads V once in order. Returns ``[B, Hkv, group, Sq, Dv]``.
     """
     batch, kv_heads, group, q_len, head_dim = q5.shape
     kv_len = key.shape[2]
     rows = group * q_len
     q_t = (q5 * scale).reshape(batch, kv_heads, rows, head_dim).transpose(-1, -2)  # [B, Hkv, D, rows]
-    scores = _cap(torch.matmul(key, q_t), softcap)  # [B, Hkv, T, rows]
+    scores = _cap(torch.matmul(key, q_t), softcap).transpose(-1, -2)  # [B, Hkv, rows, T], a view
     masked = mask5 is not None or causal
     if mask5 is not None:
         mb, mh = mask5.shape[0], mask5.shape[1]
-        m = mask5.expand(mb, mh, group, q_len, kv_len).reshape(mb, mh, rows, kv_len).transpose(-1, -2)
+        m = mask5.expand(mb, mh, group, q_len, kv_len).reshape(mb, mh, rows, kv_len)
         scores = scores.masked_fill(~m, -math.inf) if m.dtype == torch.bool else scores + m
     if causal:
         q_pos = torch.arange(q_len, device=key.device).repeat(group) + (kv_len - q_len)  # [rows]
-        future = torch.arange(kv_len, device=key.device).view(-1, 1) > q_pos  # [T, rows]
+        future = torch.arange(kv_len, device=key.device).view(1, -1) > q_pos.view(-1, 1)  # [rows, T]
         scores = scores.masked_fill(future, -math.inf)
-    probs = torch.softmax(scores, dim=-2, dtype=torch.float32)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
     if masked:
         probs = probs.nan_to_num(0.0)
-    out = torch.matmul(probs.to(value.dtype).transpose(-1, -2), value)  # [B, Hkv, rows, Dv]
+    out = torch.matmul(probs.to(value.dtype), value)  # [B, Hkv, rows, Dv]
     return out.view(batch, kv_heads, group, q_len, value.shape[3])
 
 
