@@ -16,3 +16,18 @@ def prompt(length: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
     """Random token ids in [3, 256): no pad, bos or eos."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, 256, (batch, length), generator=g)
+
+
+def layer_fingerprint(layer) -> tuple:
+    """Everything observable about a layer but its content: what a failed call must leave as it was."""
+    k, v = layer.view()
+    return (
+        layer.initialized,
+        layer.length,
+        layer.seen,
+        layer.capacity,
+        layer.nbytes,
+        layer.reallocations,
+        layer.geometry,
+        None if k is None else (k.data_ptr(), tuple(k.shape), v.data_ptr(), tuple(v.shape)),
+    )

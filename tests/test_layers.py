@@ -11,6 +11,7 @@ import re
 import pytest
 import torch
 
+from helpers import layer_fingerprint
 from kvcache import CacheFullError, DTypeError, ShapeError, UnsupportedOperation
 from kvcache.layers import ConcatLayer, GrowableLayer, SlidingLayer, StaticLayer
 
@@ -39,17 +40,7 @@ def snapshot(layer) -> tuple:
     """Everything observable about a layer, content cloned."""
     k, v = layer.view()
     content = None if k is None else (k.clone(), v.clone())
-    pos = layer.positions().clone()
-    return (
-        layer.initialized,
-        layer.length,
-        layer.seen,
-        layer.capacity,
-        layer.nbytes,
-        layer.reallocations,
-        layer.geometry,
-        None if k is None else (k.data_ptr(), v.data_ptr()),
-    ), content, pos
+    return layer_fingerprint(layer), content, layer.positions().clone()
 
 
 def assert_same(layer, before) -> None:

@@ -25,6 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from helpers import layer_fingerprint
 from kvcache import CacheFullError, DTypeError, ShapeError, UnsupportedOperation
 from kvcache.layers import ConcatLayer, GrowableLayer, SlidingLayer, StaticLayer
 
@@ -156,21 +157,6 @@ class RefLayer:
 # ---- comparisons ----------------------------------------------------------------------------
 
 
-def fingerprint(layer) -> tuple:
-    """Everything a failed call must leave as it was (content is compared against the reference)."""
-    k, v = layer.view()
-    return (
-        layer.initialized,
-        layer.length,
-        layer.seen,
-        layer.capacity,
-        layer.nbytes,
-        layer.reallocations,
-        layer.geometry,
-        None if k is None else (k.data_ptr(), tuple(k.shape), v.data_ptr(), tuple(v.shape)),
-    )
-
-
 def assert_matches(layer, ref: RefLayer) -> None:
     assert layer.initialized == ref.initialized
     assert layer.length == ref.length, (layer.length, ref.length)
@@ -253,10 +239,10 @@ class LayerMachine(RuleBasedStateMachine):
         return pair.ref.batch if pair.ref.initialized else self.batch
 
     def expect_unchanged(self, pair: Pair, exc: type[Exception], fn) -> None:
-        before = fingerprint(pair.layer)
+        before = layer_fingerprint(pair.layer)
         with pytest.raises(exc):
             fn()
-        assert fingerprint(pair.layer) == before
+        assert layer_fingerprint(pair.layer) == before
         assert_matches(pair.layer, pair.ref)
 
     # -- rules
@@ -328,9 +314,9 @@ class LayerMachine(RuleBasedStateMachine):
     @rule(who=st.integers(0, MAX_PAIRS - 1))
     def snapshot(self, who):
         pair = self.pick(who)
-        before = fingerprint(pair.layer)
+        before = layer_fingerprint(pair.layer)
         state = pair.layer.state().clone()
-        assert fingerprint(pair.layer) == before  # taking a state changes nothing
+        assert layer_fingerprint(pair.layer) == before  # taking a state changes nothing
         k, v = pair.layer.view()
         if k is not None and k.numel():  # the clone is a copy, not a view of the store
             assert state.tensors["keys"].untyped_storage().data_ptr() != k.untyped_storage().data_ptr()
@@ -362,9 +348,9 @@ class LayerMachine(RuleBasedStateMachine):
     @rule(who=st.integers(0, MAX_PAIRS - 1))
     def fork(self, who):
         pair = self.pick(who)
-        before = fingerprint(pair.layer)
+        before = layer_fingerprint(pair.layer)
         child = pair.fork()
-        assert fingerprint(pair.layer) == before
+        assert layer_fingerprint(pair.layer) == before
         k0, _ = pair.layer.view()
         k1, _ = child.layer.view()
         if k0 is not None and k0.numel():
