@@ -66,6 +66,9 @@ class KVCache(Cache):
         self.stores = list(stores)
         self.spec = spec
         self.config_summary = config_summary
+        self._live = [s for s in self.stores if s is not None]
+        # Only fixed-capacity kinds can refuse an append; the others need no check per step.
+        self._can_refuse = [s for s in self._live if type(s).check_append is not KVLayer.check_append]
         self._first_live = next((i for i, s in enumerate(self.stores) if s is not None), -1)
         super().__init__(layers=[DummyLayer() if s is None else HFLayer(s) for s in self.stores])
 
@@ -74,7 +77,7 @@ class KVCache(Cache):
         layer is asked whether the new tokens fit, so a full static layer raises before any layer
         has changed (layers stay in step)."""
         if layer_idx == self._first_live and key_states is not None:
-            for store in self._live():
+            for store in self._can_refuse:
                 store.check_append(key_states.shape[-2])
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
@@ -83,12 +86,12 @@ class KVCache(Cache):
     @property
     def nbytes(self) -> int:
         """Bytes allocated for keys and values across all layers."""
-        return sum(s.nbytes for s in self._live())
+        return sum(s.nbytes for s in self._live)
 
     @property
     def reallocations(self) -> int:
         """Store allocations across all layers (the first allocation of each counts)."""
-        return sum(s.reallocations for s in self._live())
+        return sum(s.reallocations for s in self._live)
 
     @property
     def seen(self) -> int:
@@ -99,9 +102,6 @@ class KVCache(Cache):
     def fingerprint(self) -> str | None:
         return None if self.config_summary is None else fingerprint_of(self.config_summary)
 
-    def _live(self) -> list[KVLayer]:
-        return [s for s in self.stores if s is not None]
-
     # ---- rollback, snapshots, forks -------------------------------------------------------
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -110,11 +110,10 @@ class KVCache(Cache):
         Raises, changing nothing, if any layer cannot remove them (more than stored, or tokens a
         sliding window already dropped).
         """
-        live = self._live()
-        n = crop_count(tokens_to_remove, min((s.length for s in live), default=0))
-        for store in live:
+        n = crop_count(tokens_to_remove)
+        for store in self._live:
             store.check_trim(n)
-        for store in live:
+        for store in self._live:
             store.trim(n)
 
     def snapshot(self) -> CacheSnapshot:

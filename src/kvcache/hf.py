@@ -77,7 +77,7 @@ class HFLayer(CacheLayerMixin):
         self.store.reset()
 
     def crop(self, tokens_to_remove: int) -> None:
-        self.store.trim(crop_count(tokens_to_remove, self.store.length))
+        self.store.trim(crop_count(tokens_to_remove))
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.store.reorder(beam_idx)
@@ -95,7 +95,7 @@ class HFLayer(CacheLayerMixin):
         raise UnsupportedOperation("kvcache layers do not support offloading to CPU")
 
 
-def crop_count(tokens_to_remove: int, length: int) -> int:
+def crop_count(tokens_to_remove: int) -> int:
     """Hugging Face ``crop`` semantics: a negative count removes that many tokens, 0 does nothing.
 
     Returns the number of tokens to trim. A positive count (the old "crop to this length") is

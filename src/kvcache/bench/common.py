@@ -55,6 +55,20 @@ def clock(fn: Callable[[], Any], device: str | torch.device = "cpu") -> float:
     return time.perf_counter() - start
 
 
+def cache_config(layers: int, kv_heads: int, head_dim: int, max_tokens: int):
+    """A Llama config whose cache is ``layers`` x ``kv_heads`` x ``head_dim`` (no model is built)."""
+    from ..tiny import tiny_config
+
+    return tiny_config(
+        "llama",
+        num_hidden_layers=layers,
+        num_attention_heads=kv_heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max(4096, max_tokens),
+    )
+
+
 def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 

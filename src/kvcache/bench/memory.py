@@ -60,7 +60,7 @@ from typing import Any
 
 import torch
 
-from .common import figure, human_bytes, machine_info, markdown_table, write_outputs
+from .common import cache_config, figure, human_bytes, machine_info, markdown_table, write_outputs
 from .update import Step256
 
 CONTENDERS = ("concat", "step256", "growable", "static")
@@ -105,22 +105,9 @@ class Step256Cache:
         return layer.keys[:, :, : layer.length], layer.values[:, :, : layer.length]
 
 
-def config_for(setup: Setup):
-    from ..tiny import tiny_config
-
-    return tiny_config(
-        "llama",
-        num_hidden_layers=setup.layers,
-        num_attention_heads=setup.kv_heads,
-        num_key_value_heads=setup.kv_heads,
-        head_dim=setup.head_dim,
-        max_position_embeddings=max(4096, setup.tokens),
-    )
-
-
 def make_contender(name: str, setup: Setup):
     """A fresh cache and a function giving layer i's storage tensors ``(keys, values)`` (or Nones)."""
-    config = config_for(setup)
+    config = cache_config(setup.layers, setup.kv_heads, setup.head_dim, setup.tokens)
     if name == "concat":
         from transformers import DynamicCache
 

@@ -38,22 +38,10 @@ from safetensors.torch import load_file, save_file
 
 from ..cache import make_cache
 from ..persist import checksum, load_cache
-from ..tiny import tiny_config
-from .common import clock, figure, finish_axes, human_bytes, machine_info, markdown_table, median, write_outputs
+from .common import cache_config, clock, figure, finish_axes, human_bytes, machine_info, markdown_table, median, write_outputs
 
 CONTENDERS = ("kvcache", "safetensors", "safetensors+fsync")
 FLOOR = "safetensors"
-
-
-def config_for(layers: int, kv_heads: int, head_dim: int, max_tokens: int):
-    return tiny_config(
-        "llama",
-        num_hidden_layers=layers,
-        num_attention_heads=kv_heads,
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
-        max_position_embeddings=max(4096, max_tokens),
-    )
 
 
 def filled_cache(config, tokens: int, dtype: torch.dtype, device: str, seed: int = 0):
@@ -141,7 +129,7 @@ def run(
 
     lengths = lengths or ([16, 32] if tiny else [256, 1024, 4096] if quick else [256, 1024, 4096, 16384])
     repeats = repeats or (1 if tiny else 5 if quick else 7)
-    config = config_for(layers, kv_heads, head_dim, max(lengths))
+    config = cache_config(layers, kv_heads, head_dim, max(lengths))
     bar = tqdm(total=len(lengths) * repeats * len(CONTENDERS), desc="resume", disable=not progress)
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvcache-resume-", dir=workdir) as tmp:

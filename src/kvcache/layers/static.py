@@ -34,7 +34,6 @@ class StaticLayer(BufferLayer):
             capacity = keys.shape[2]
             self._kbuf, self._vbuf = keys, values
             self.geometry = Geometry.of(keys, values)
-            self.reallocations = 0
         if capacity is None or int(capacity) < 1:
             raise ValueError(f"a static layer needs a capacity >= 1 (tokens), got {capacity}")
         self._capacity = int(capacity)
