@@ -1,10 +1,11 @@
 """Helpers shared by the model-level tests."""
 
+import contextlib
 import functools
 
 import torch
 
-from kvcache.tiny import tiny_model
+from kvcache.tiny import _DEFAULT_ATTN, tiny_model
 
 
 @functools.lru_cache(maxsize=None)
@@ -31,3 +32,18 @@ def layer_fingerprint(layer) -> tuple:
         layer.geometry,
         None if k is None else (k.data_ptr(), tuple(k.shape), v.data_ptr(), tuple(v.shape)),
     )
+
+
+@contextlib.contextmanager
+def hf_attention(model):
+    """Run ``model`` with Hugging Face's own attention (sdpa, or eager for gemma2) inside the block.
+
+    ``make_cache`` switches models with bounded layers to the ``"kvcache"`` attention; references
+    must not run on our code.
+    """
+    before = model.config._attn_implementation
+    model.set_attn_implementation(_DEFAULT_ATTN.get(model.config.model_type, "sdpa"))
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(before)

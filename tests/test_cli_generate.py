@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from kvcache import cli
 from kvcache.cli import main
+from helpers import hf_attention
 from kvcache.tiny import tiny_model
 from kvcache.tokenizer import ByteTokenizer, TokenStreamer, stream_decoder
 
@@ -31,14 +32,15 @@ KINDS = ("growable", "static", "concat")
 def reference(model, ids: list[int], new_tokens: int, **options) -> list[int]:
     """The tokens Hugging Face's own cache gives: greedy unless options say otherwise."""
     options.setdefault("do_sample", False)
-    out = model.generate(
-        torch.tensor([ids]),
-        attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-        past_key_values=DynamicCache(config=model.config),
-        max_new_tokens=new_tokens,
-        pad_token_id=model.config.pad_token_id,
-        **options,
-    )
+    with hf_attention(model):
+        out = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            past_key_values=DynamicCache(config=model.config),
+            max_new_tokens=new_tokens,
+            pad_token_id=model.config.pad_token_id,
+            **options,
+        )
     return out[0, len(ids) :].tolist()
 
 

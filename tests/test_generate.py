@@ -9,14 +9,16 @@ a manual forward loop. Tiny models: 4 layers, 2 KV heads, head_dim 16, sliding w
 from __future__ import annotations
 
 
+import contextlib
+
 import pytest
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 import kvcache
-from kvcache.layers import SlidingLayer, StaticLayer
-from helpers import model_for, prompt
+from kvcache.layers import WindowLayer, StaticLayer
+from helpers import hf_attention, model_for, prompt
 from kvcache.tiny import DEFAULT_SLIDING_WINDOW, FAMILIES, PAD_TOKEN_ID, tiny_model
 
 SPECS = ("growable", "static:capacity=80", "concat")
@@ -46,9 +48,12 @@ def reference_cache(model) -> DynamicCache:
 
 
 def greedy(model, input_ids, cache, max_new_tokens=NEW_TOKENS, **kwargs):
-    return model.generate(
-        input_ids, past_key_values=cache, max_new_tokens=max_new_tokens, do_sample=False, **kwargs
-    )
+    """Greedy generate; a reference (non-kvcache) cache runs with Hugging Face's own attention."""
+    context = contextlib.nullcontext() if isinstance(cache, kvcache.KVCache) else hf_attention(model)
+    with context:
+        return model.generate(
+            input_ids, past_key_values=cache, max_new_tokens=max_new_tokens, do_sample=False, **kwargs
+        )
 
 
 def assert_same_tokens(ours: torch.Tensor, ref: torch.Tensor, what: str = "") -> None:
@@ -61,14 +66,33 @@ def assert_same_tokens(ours: torch.Tensor, ref: torch.Tensor, what: str = "") ->
         )
 
 
+def assert_same_stored(store, layer) -> None:
+    """``store`` holds what the DynamicCache ``layer`` holds, matched by absolute position.
+
+    A window layer holds its ``window`` last tokens as a ring; DynamicCache's sliding layer keeps
+    ``window - 1`` in order: they must agree on every position both hold."""
+    keys, values = store.view()
+    if not isinstance(store, WindowLayer):
+        assert keys.shape == layer.keys.shape
+        torch.testing.assert_close(keys, layer.keys, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(values, layer.values, rtol=1e-5, atol=1e-5)
+        return
+    pos = store.positions()[0, 0]
+    assert sorted(pos.tolist()) == list(range(max(0, store.seen - store.window), store.seen))
+    first_ref = store.seen - layer.keys.shape[2]
+    both = (pos >= first_ref).nonzero().flatten()
+    torch.testing.assert_close(keys[:, :, both], layer.keys[:, :, pos[both] - first_ref], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(values[:, :, both], layer.values[:, :, pos[both] - first_ref], rtol=1e-5, atol=1e-5)
+
+
 def check_cache_shape_after(cache: kvcache.KVCache, total: int) -> None:
     """The cache really was used: it saw every token but the last generated one."""
     assert cache.seen == total - 1
     for store in cache.stores:
         assert store is not None
         assert store.seen == total - 1
-        if isinstance(store, SlidingLayer):
-            assert store.length == store.window - 1
+        if isinstance(store, WindowLayer):
+            assert store.length == min(store.window, total - 1)
         else:
             assert store.length == total - 1
 
@@ -106,7 +130,7 @@ def test_optional_sliding_layouts_match_dynamic_cache(family, spec):
     """Families whose sliding window is opt-in: qwen2/qwen3 upper half, phi3 all, smollm3 NoPE layers."""
     model = model_for(family, sliding_window=DEFAULT_SLIDING_WINDOW)
     cache = kvcache.make_cache(model, spec)
-    assert any(isinstance(s, SlidingLayer) for s in cache.stores)
+    assert any(isinstance(s, WindowLayer) for s in cache.stores)
     ids = prompt(PROMPT_LEN, seed=2)
     assert_same_tokens(greedy(model, ids, cache), greedy(model, ids, reference_cache(model)), f"{family} sliding")
     check_cache_shape_after(cache, PROMPT_LEN + NEW_TOKENS)
@@ -169,7 +193,8 @@ def test_continue_generate_from_existing_cache():
 def forward_logits(model, ids: torch.Tensor, cache, feed: torch.Tensor) -> list[torch.Tensor]:
     """Prefill ``ids`` then feed ``feed`` one token at a time; the last-position logits of each call."""
     out = []
-    with torch.no_grad():
+    context = contextlib.nullcontext() if isinstance(cache, kvcache.KVCache) else hf_attention(model)
+    with torch.no_grad(), context:
         logits = model(ids, past_key_values=cache, use_cache=True).logits
         out.append(logits[:, -1])
         for t in range(feed.shape[1]):
@@ -208,11 +233,8 @@ def test_manual_loop_cache_contents_match_dynamic_cache(family):
     forward_logits(model, ids, ref, feed)
     cache = kvcache.make_cache(model)
     forward_logits(model, ids, cache, feed)
-    for i, (store, layer) in enumerate(zip(cache.stores, ref.layers)):
-        keys, values = store.view()
-        assert keys.shape == layer.keys.shape, f"layer {i}"
-        torch.testing.assert_close(keys, layer.keys, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(values, layer.values, rtol=1e-5, atol=1e-5)
+    for store, layer in zip(cache.stores, ref.layers):
+        assert_same_stored(store, layer)
 
 
 # ---- the "kvcache" attention implementation ----------------------------------------------------
@@ -345,15 +367,14 @@ def test_sliding_layers_memory_bounded_while_generating(family):
     assert_same_tokens(after_150, ref, f"{family} 150 tokens")
 
     per_token = 2 * model.config.num_key_value_heads * 16 * 4  # keys + values, fp32, batch 1
-    bound = per_token * max(2 * DEFAULT_SLIDING_WINDOW, PROMPT_LEN)
-    sliding = [i for i, s in enumerate(cache.stores) if isinstance(s, SlidingLayer)]
+    bound = per_token * DEFAULT_SLIDING_WINDOW  # the ring: exactly the window, whatever the prompt
+    sliding = [i for i, s in enumerate(cache.stores) if isinstance(s, WindowLayer)]
     assert sliding
     if family == "mistral":
         assert len(sliding) == len(cache.stores)
     for i in sliding:
-        assert bytes_150[i] <= bytes_50[i], f"layer {i}: {bytes_50[i]} bytes after 50 tokens, {bytes_150[i]} after 150"
-        assert 0 < bytes_150[i] <= bound, f"layer {i}: {bytes_150[i]} bytes, bound {bound}"
-        assert cache.stores[i].length == DEFAULT_SLIDING_WINDOW - 1
+        assert bytes_150[i] == bytes_50[i] == bound, f"layer {i}: {bytes_50[i]}, {bytes_150[i]} bytes, bound {bound}"
+        assert cache.stores[i].length == DEFAULT_SLIDING_WINDOW
     for i, store in enumerate(cache.stores):
         if i not in sliding:  # full layers keep everything
             assert store.length == PROMPT_LEN + 150 - 1

@@ -1,4 +1,4 @@
-"""Targeted tests of the storage layers: bad input, zero-copy growth, static limits, sliding bounds.
+"""Targeted tests of the storage layers: bad input, zero-copy growth, static limits.
 
 The reference for content is always plain ``torch.cat`` of what was appended.
 """
@@ -13,7 +13,7 @@ import torch
 
 from helpers import layer_fingerprint
 from kvcache import CacheFullError, DTypeError, ShapeError, UnsupportedOperation
-from kvcache.layers import ConcatLayer, GrowableLayer, SlidingLayer, StaticLayer
+from kvcache.layers import ConcatLayer, GrowableLayer, WindowLayer, StaticLayer
 
 B, H, D, DV = 2, 3, 4, 5
 
@@ -21,7 +21,7 @@ KINDS = {
     "concat": lambda: ConcatLayer(),
     "growable": lambda: GrowableLayer(initial_capacity=4),
     "static": lambda: StaticLayer(64),
-    "sliding": lambda: SlidingLayer(6),
+    "window": lambda: WindowLayer(6, sinks=1),
 }
 
 
@@ -169,7 +169,7 @@ def test_bad_buffers_and_options_are_refused():
     with pytest.raises(ValueError):
         GrowableLayer(growth=1.0)
     with pytest.raises(ValueError):
-        SlidingLayer(0)
+        WindowLayer(0)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -358,61 +358,3 @@ def test_static_reset_keeps_own_buffers():
     assert layer.reallocations == 1
 
 
-# ---- sliding: bounded memory, absolute positions ------------------------------------------
-
-
-@pytest.mark.parametrize("window", [1, 2, 5, 16])
-def test_sliding_memory_bounded_and_positions_absolute(window):
-    layer = SlidingLayer(window)
-    keep = window - 1
-    total = 10 * window + 3
-    history_k = []
-    peak = 0
-    slot_bytes = B * H * (D + DV) * 4
-    for t in range(total):
-        k, v = kv(1, start=t)
-        history_k.append(k)
-        got_k, _ = layer.update(k, v)
-        # HF semantics: the kept past plus the new token.
-        assert torch.equal(got_k, torch.cat(history_k[max(0, t - keep) :], dim=2))
-        assert layer.length == min(keep, t + 1)
-        assert layer.seen == t + 1
-        pos = layer.positions()
-        assert pos.shape == (B, H, layer.length)
-        assert torch.equal(pos[0, 0], torch.arange(t + 1 - layer.length, t + 1))
-        # The stored keys are exactly the tokens at those absolute positions.
-        stored_k, _ = layer.view()
-        assert torch.equal(stored_k[..., 0], pos.to(stored_k.dtype))
-        peak = max(peak, layer.nbytes)
-    # Bounded by the window, not the number of tokens: ~2 windows of slots.
-    assert peak <= 2 * max(window, 1) * slot_bytes, (peak, window)
-    assert layer.nbytes <= 2 * window * slot_bytes
-
-
-def test_sliding_memory_shrinks_after_a_large_chunk():
-    window = 4
-    layer = SlidingLayer(window)
-    slot_bytes = B * H * (D + DV) * 4
-    big_k, big_v = kv(40 * window)
-    got_k, _ = layer.update(big_k, big_v)
-    assert torch.equal(got_k, big_k)  # a prefill sees all of its own tokens
-    assert layer.length == window - 1
-    assert torch.equal(layer.positions()[0, 0], torch.arange(40 * window - window + 1, 40 * window))
-    for t in range(3):
-        layer.update(*kv(1, start=40 * window + t))
-    assert layer.nbytes <= 4 * window * slot_bytes, layer.nbytes
-    assert layer.seen == 40 * window + 3
-
-
-def test_sliding_trim_rules():
-    layer = SlidingLayer(4)
-    layer.update(*kv(2))
-    layer.trim(1)  # nothing dropped yet: rollback allowed
-    assert layer.length == 1 and layer.seen == 1
-    layer.update(*kv(5, start=1))  # seen 6: tokens 0..2 dropped
-    before = snapshot(layer)
-    with pytest.raises(UnsupportedOperation):
-        layer.trim(1)
-    assert_same(layer, before)
-    layer.trim(0)
-    assert_same(layer, before)

@@ -20,8 +20,8 @@ from safetensors.torch import save_file as st_save_file
 from transformers import DynamicCache
 
 import kvcache
-from kvcache.layers import SlidingLayer
-from helpers import model_for, prompt
+from kvcache.layers import WindowLayer
+from helpers import hf_attention, model_for, prompt
 from kvcache.tiny import tiny_model
 
 SPECS = ("growable", "static:capacity=96", "concat")
@@ -58,9 +58,10 @@ def forced_logits(model, cache, first: torch.Tensor, then: torch.Tensor) -> list
 
 def reference_generate(model, ids: torch.Tensor, n: int) -> torch.Tensor:
     """Uninterrupted greedy generation with Hugging Face's DynamicCache: ids + n new tokens."""
-    return model.generate(
-        ids, past_key_values=DynamicCache(config=model.config), max_new_tokens=n, do_sample=False
-    )
+    with hf_attention(model):
+        return model.generate(
+            ids, past_key_values=DynamicCache(config=model.config), max_new_tokens=n, do_sample=False
+        )
 
 
 def content(cache: kvcache.KVCache) -> list:
@@ -286,7 +287,8 @@ def test_fork_is_independent(family, spec):
     # Each branch computes what a fresh DynamicCache run on its own sequence computes.
     prefix = torch.cat([ids, first[:, :-1]], dim=1)
     for name, branch, ours in (("a", branch_a, logits_a), ("b", branch_b, logits_b)):
-        ref = forced_logits(model, DynamicCache(config=model.config), prefix, torch.cat([first[:, -1:], branch], 1))
+        with hf_attention(model):
+            ref = forced_logits(model, DynamicCache(config=model.config), prefix, torch.cat([first[:, -1:], branch], 1))
         assert_close_logits(ours, ref[1:], f"branch {name}")
 
 
@@ -363,9 +365,9 @@ def test_crop_on_sliding_layer_past_dropped_tokens_raises_and_changes_nothing(fa
     cache = kvcache.make_cache(model)
     first = greedy_loop(model, cache, ids, 6)
     before = content(cache)
-    assert any(isinstance(s, SlidingLayer) and s.seen > s.length for s in cache.stores)
+    assert any(isinstance(s, WindowLayer) and s.seen > s.length for s in cache.stores)
     for k in (1, 3, 20):
-        with pytest.raises(kvcache.UnsupportedOperation, match="sliding"):
+        with pytest.raises(kvcache.UnsupportedOperation, match="window"):
             cache.crop(-k)
         # No layer changed, the full-attention ones (which could have cropped) included.
         assert_same_content(content(cache), before, f"after refused crop(-{k})")

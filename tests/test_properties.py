@@ -5,8 +5,6 @@ forks, resets, batch selects, repeats and beam reorders against one layer (and i
 after every step compares the layer with a reference model that knows nothing of buffers:
 
 - the reference keeps keys/values as plain tensors and appends with ``torch.cat``;
-- a sliding reference keeps the last ``window - 1`` tokens after each update and returns
-  kept + new (Hugging Face ``DynamicSlidingWindowLayer`` semantics);
 - a static reference refuses an append that would pass its capacity.
 
 Checked after every step: tensors returned by ``update``, ``view()``, ``length``, ``seen``,
@@ -27,7 +25,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from helpers import layer_fingerprint
 from kvcache import CacheFullError, DTypeError, ShapeError, UnsupportedOperation
-from kvcache.layers import ConcatLayer, GrowableLayer, SlidingLayer, StaticLayer
+from kvcache.layers import ConcatLayer, GrowableLayer, StaticLayer
 
 MAX_CHUNK = 10
 MAX_PAIRS = 3  # the original layer plus at most two forks
@@ -94,12 +92,7 @@ class RefLayer:
             full_k = torch.cat([self.keys, key], dim=2)
             full_v = torch.cat([self.values, value], dim=2)
         self.seen += key.shape[2]
-        if self.kind == "sliding":
-            keep = self.window - 1
-            drop = max(0, full_k.shape[2] - keep)
-            self.keys, self.values = full_k[:, :, drop:].clone(), full_v[:, :, drop:].clone()
-        else:
-            self.keys, self.values = full_k, full_v
+        self.keys, self.values = full_k, full_v
         return full_k, full_v
 
     # -- trims
@@ -109,14 +102,6 @@ class RefLayer:
             return ValueError
         if n > self.length:
             return UnsupportedOperation
-        if self.kind == "sliding" and n > 0:
-            # After removing n tokens the window must still hold the `window - 1` tokens before
-            # the new end: positions [max(0, seen - n - keep), seen - n) must all be stored.
-            keep = self.window - 1
-            first_needed = max(0, self.seen - n - keep)
-            first_stored = self.seen - self.length
-            if first_stored > first_needed:
-                return UnsupportedOperation
         return None
 
     def trim(self, n: int) -> None:
@@ -501,17 +486,6 @@ class StaticSmallMachine(LayerMachine):
         return StaticLayer(option), RefLayer("static", capacity=option)
 
 
-class SlidingMachine(LayerMachine):
-    kind = "sliding"
-
-    @initialize(option=st.integers(1, 8), **GEOMETRY)
-    def init(self, batch, heads, key_dim, value_dim, dtype, seed, option):
-        self.setup_pairs(batch, heads, key_dim, value_dim, dtype, seed, option)
-
-    def make(self, option):
-        return SlidingLayer(option), RefLayer("sliding", window=option)
-
-
 def _settings(examples: int) -> settings:
     return settings(
         max_examples=examples,
@@ -529,8 +503,6 @@ TestStaticLayerLarge = StaticLargeMachine.TestCase
 TestStaticLayerLarge.settings = _settings(120)
 TestStaticLayerFull = StaticSmallMachine.TestCase
 TestStaticLayerFull.settings = _settings(120)
-TestSlidingLayer = SlidingMachine.TestCase
-TestSlidingLayer.settings = _settings(200)
 
 
 # ---- a pure-append run: the growable reallocation bound at every length --------------------

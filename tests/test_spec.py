@@ -7,7 +7,7 @@ import torch
 
 import kvcache
 from kvcache import CacheSpec, SpecError, make_cache, parse_spec
-from kvcache.layers import ConcatLayer, GrowableLayer, SlidingLayer, StaticLayer
+from kvcache.layers import ConcatLayer, GrowableLayer, WindowLayer, StaticLayer
 from kvcache.tiny import tiny_config
 
 VALID_KINDS = ("growable", "static", "concat")
@@ -164,7 +164,7 @@ def test_make_cache_string_equals_keywords(family, text, kwargs):
     assert layout(by_string) == layout(by_keywords)
     expected_full = {"growable": GrowableLayer, "static": StaticLayer, "concat": ConcatLayer}[kind]
     types = {type(s) for s in by_string.stores if s is not None}
-    assert types <= {expected_full, SlidingLayer}
+    assert types <= {expected_full, WindowLayer}
     # Behaviour agrees too: same content, memory and capacity after the same appends.
     g = torch.Generator().manual_seed(0)
     for layer_a, layer_b in zip(by_string.stores, by_keywords.stores):

@@ -13,6 +13,7 @@ Long prefills are processed in blocks of query rows, so the score matrix never e
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -42,6 +43,40 @@ def attend(
     ``softcap`` caps the scaled scores as ``softcap * tanh(score / softcap)`` before the mask
     (gemma2's attention logit softcapping).
     """
+    out, _ = attend_weighted(query, key, value, scale=scale, mask=mask, causal=causal, softcap=softcap)
+    return out
+
+
+#: What ``attend_weighted`` can report about the attention weights, per KV head and key:
+#: ``"sum"`` over every query row (and the query heads of the group), ``"last"`` for the last query only.
+WEIGHTS = ("sum", "last")
+
+
+def attend_weighted(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    scale: float | None = None,
+    mask: torch.Tensor | None = None,
+    causal: bool = False,
+    softcap: float | None = None,
+    mask_rows: Callable[[int, int], torch.Tensor] | None = None,
+    weights: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``attend``, plus masks made per block of query rows and reduced attention weights.
+
+    ``mask_rows(start, stop)`` returns a boolean mask ``[B|1, Hkv|1, stop - start, T]`` (True =
+    attend) for query rows ``start:stop``; it is called once per block, so a mask for a long prefill
+    is never built whole. It combines (AND) with ``mask`` and ``causal``.
+
+    ``weights`` is None, ``"sum"`` or ``"last"``: returns, besides the output ``[B, Hq, Sq, Dv]``,
+    the softmax weights summed over the query heads of each KV head and over every query
+    (``"sum"``) or the last query only (``"last"``), as float32 ``[B, Hkv, T]``; never the full
+    ``[B, Hq, Sq, T]``.
+    """
+    if weights is not None and weights not in WEIGHTS:
+        raise ValueError(f"weights must be None or one of {WEIGHTS}, got {weights!r}")
     batch, q_heads, q_len, head_dim = _check_inputs(query, key, value, mask)
     kv_heads, kv_len, value_dim = key.shape[1], key.shape[2], value.shape[3]
     group = q_heads // kv_heads
@@ -55,66 +90,67 @@ def attend(
     row_bytes = batch * q_heads * kv_len * 4
     block = max(1, min(q_len, _BLOCK_BYTES // max(row_bytes, 1)))
     if q_len == 0:
-        return query.new_empty(batch, q_heads, 0, value_dim)
+        return query.new_empty(batch, q_heads, 0, value_dim), _no_weights(weights, key)
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be a positive number or None, got {softcap}")
     if group * q_len <= _DECODE_ROWS:
-        return _decode(q5, key, value, mask5, causal, scale, softcap).reshape(batch, q_heads, q_len, value_dim)
+        block = q_len
     outs = []
+    reduced = _no_weights(weights, key)
     for start in range(0, q_len, block):
         stop = min(q_len, start + block)
+        probs = _block_probs(q5, key, keys_t, mask5, mask_rows, causal, scale, softcap, start, stop)
+        if weights == "sum":
+            reduced += probs.sum(dim=(2, 3))
+        elif weights == "last" and stop == q_len:
+            reduced += probs[:, :, :, -1].sum(dim=2)
         rows = stop - start
-        q = (q5[:, :, :, start:stop] * scale).reshape(batch, kv_heads, group * rows, head_dim)
-        scores = _cap(torch.matmul(q, keys_t), softcap).view(batch, kv_heads, group, rows, kv_len)
-        blocked = mask5 is not None or causal
-        if mask5 is not None:
-            m = mask5[..., start:stop, :] if mask5.shape[-2] != 1 else mask5
-            scores = scores.masked_fill(~m, -math.inf) if m.dtype == torch.bool else scores + m
-        if causal:
-            offset = kv_len - q_len
-            q_pos = torch.arange(start, stop, device=key.device).view(-1, 1) + offset
-            future = torch.arange(kv_len, device=key.device).view(1, -1) > q_pos  # [rows, T]
-            scores = scores.masked_fill(future, -math.inf)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
-        if blocked:
-            probs = probs.nan_to_num(0.0)  # a row with every key masked: zeros, not NaN
-        probs = probs.to(value.dtype).view(batch, kv_heads, group * rows, kv_len)
-        outs.append(torch.matmul(probs, value).view(batch, kv_heads, group, rows, value_dim))
+        flat = probs.to(value.dtype).reshape(batch, kv_heads, group * rows, kv_len)
+        outs.append(torch.matmul(flat, value).view(batch, kv_heads, group, rows, value_dim))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)
-    return out.reshape(batch, q_heads, q_len, value_dim)
+    return out.reshape(batch, q_heads, q_len, value_dim), reduced
+
+
+def _no_weights(weights: str | None, key: torch.Tensor) -> torch.Tensor | None:
+    if weights is None:
+        return None
+    return torch.zeros(key.shape[0], key.shape[1], key.shape[2], dtype=torch.float32, device=key.device)
+
+
+def _block_probs(q5, key, keys_t, mask5, mask_rows, causal, scale, softcap, start, stop) -> torch.Tensor:
+    """Softmax weights of query rows ``start:stop`` as float32 ``[B, Hkv, group, rows, T]``.
+
+    A decode-sized block (few rows per KV head) computes its scores as ``K @ q^T``: with T rows
+    and a handful of columns that product streams K in its stored order, which BLAS does close to
+    memory speed (``q @ K^T``, the same numbers transposed, measured slower on a 2-core CPU). The
+    scores are then viewed as ``[rows, T]`` for the softmax, whose output is contiguous, so the
+    caller's ``p @ V`` reads V once in order. Larger blocks use ``q @ K^T``.
+    """
+    batch, kv_heads, group, q_len, head_dim = q5.shape
+    kv_len = key.shape[2]
+    rows = stop - start
+    q = (q5[:, :, :, start:stop] * scale).reshape(batch, kv_heads, group * rows, head_dim)
+    if group * rows <= _DECODE_ROWS:
+        scores = torch.matmul(key, q.transpose(-1, -2)).transpose(-1, -2)  # [B, Hkv, group*rows, T], a view
+    else:
+        scores = torch.matmul(q, keys_t)
+    scores = _cap(scores, softcap).view(batch, kv_heads, group, rows, kv_len)
+    masked = mask5 is not None or causal or mask_rows is not None
+    if mask5 is not None:
+        m = mask5[..., start:stop, :] if mask5.shape[-2] != 1 else mask5
+        scores = scores.masked_fill(~m, -math.inf) if m.dtype == torch.bool else scores + m
+    if mask_rows is not None:
+        scores = scores.masked_fill(~mask_rows(start, stop).unsqueeze(2), -math.inf)
+    if causal:
+        q_pos = torch.arange(start, stop, device=key.device).view(-1, 1) + (kv_len - q_len)
+        future = torch.arange(kv_len, device=key.device).view(1, -1) > q_pos  # [rows, T]
+        scores = scores.masked_fill(future, -math.inf)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    return probs.nan_to_num(0.0) if masked else probs  # a row with every key masked: zeros, not NaN
 
 
 def _cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
     return scores if softcap is None else torch.tanh(scores / softcap) * softcap
-
-
-def _decode(q5, key, value, mask5, causal: bool, scale: float, softcap: float | None = None) -> torch.Tensor:
-    """Few query rows per KV head (decode): scores computed as ``K @ q^T``.
-
-    With T rows and a handful of columns, that product streams K in its stored order, which BLAS
-    does close to memory speed; ``q @ K^T`` (the same numbers, transposed) measured slower on a
-    2-core CPU. The scores are then viewed as ``[rows, T]`` for the softmax, whose output is
-    contiguous, so ``p @ V`` reads V once in order. Returns ``[B, Hkv, group, Sq, Dv]``.
-    """
-    batch, kv_heads, group, q_len, head_dim = q5.shape
-    kv_len = key.shape[2]
-    rows = group * q_len
-    q_t = (q5 * scale).reshape(batch, kv_heads, rows, head_dim).transpose(-1, -2)  # [B, Hkv, D, rows]
-    scores = _cap(torch.matmul(key, q_t), softcap).transpose(-1, -2)  # [B, Hkv, rows, T], a view
-    masked = mask5 is not None or causal
-    if mask5 is not None:
-        mb, mh = mask5.shape[0], mask5.shape[1]
-        m = mask5.expand(mb, mh, group, q_len, kv_len).reshape(mb, mh, rows, kv_len)
-        scores = scores.masked_fill(~m, -math.inf) if m.dtype == torch.bool else scores + m
-    if causal:
-        q_pos = torch.arange(q_len, device=key.device).repeat(group) + (kv_len - q_len)  # [rows]
-        future = torch.arange(kv_len, device=key.device).view(1, -1) > q_pos.view(-1, 1)  # [rows, T]
-        scores = scores.masked_fill(future, -math.inf)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
-    if masked:
-        probs = probs.nan_to_num(0.0)
-    out = torch.matmul(probs.to(value.dtype), value)  # [B, Hkv, rows, Dv]
-    return out.view(batch, kv_heads, group, q_len, value.shape[3])
 
 
 def _check_inputs(query, key, value, mask) -> tuple[int, int, int, int]:

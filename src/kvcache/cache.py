@@ -1,8 +1,8 @@
 """The model-level cache: one storage layer per transformer layer, as a ``transformers.Cache``.
 
 ``make_cache(model, spec)`` reads the model's config (``layer_types``, ``sliding_window``) and
-builds the right layer for each: the spec's kind for full-attention layers, a ``SlidingLayer``
-(Hugging Face's own sliding semantics, stored in place) for sliding ones. The result goes straight
+builds the right layer for each: the spec's kind for full-attention layers, a ``WindowLayer`` (a
+ring buffer of the model's own window, attended exactly as Hugging Face does) for sliding ones. The result goes straight
 into ``model.generate(..., past_key_values=cache)`` or a plain forward loop.
 """
 
@@ -19,8 +19,8 @@ from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, DummyLayer, get_layer_types_and_kwargs
 
 from .errors import ShapeError, SpecError, UnsupportedOperation
-from .hf import HFLayer, crop_count
-from .layers import ConcatLayer, GrowableLayer, KVLayer, LayerState, SlidingLayer, StaticLayer
+from .hf import ATTENTION_NAME, HFLayer, crop_count
+from .layers import ConcatLayer, GrowableLayer, KVLayer, LayerState, StaticLayer, WindowLayer
 from .spec import CacheSpec, parse_spec
 
 #: Config fields that decide whether a saved cache fits a model.
@@ -193,7 +193,7 @@ def make_cache(model: Any, spec: str | CacheSpec = "growable", **options: Any) -
         if layer_type == "dummy":
             stores.append(None)
         elif layer_type in SLIDING_TYPES:
-            stores.append(SlidingLayer(window=kwargs["sliding_window"]))
+            stores.append(WindowLayer(window=kwargs["sliding_window"]))
         elif layer_type == "full_attention":
             pair = None if buffers is None else buffers[full_seen]
             stores.append(_full_layer(parsed, pair))
@@ -203,7 +203,19 @@ def make_cache(model: Any, spec: str | CacheSpec = "growable", **options: Any) -
                 f"layer {i} of this model has type {layer_type!r}; kvcache handles "
                 f"'full_attention' and {' and '.join(repr(t) for t in SLIDING_TYPES)} layers"
             )
+    if any(s is not None and s.needs_own_attention for s in stores):
+        use_kvcache_attention(model)
     return KVCache(stores, parsed, config_summary(config))
+
+
+def use_kvcache_attention(model: Any) -> None:
+    """Switch ``model`` (or a config) to the ``"kvcache"`` attention implementation, which bounded
+    layers need (their slots are not the past in order; see ``layers/bounded.py``)."""
+    if hasattr(model, "set_attn_implementation"):
+        if model.config._attn_implementation != ATTENTION_NAME:
+            model.set_attn_implementation(ATTENTION_NAME)
+    else:
+        text_config(model)._attn_implementation = ATTENTION_NAME
 
 
 def _full_layer(spec: CacheSpec, buffers: tuple[torch.Tensor, torch.Tensor] | None) -> KVLayer:

@@ -62,9 +62,23 @@ class HFLayer(CacheLayerMixin):
             self.store.update(key_states[:, :, :0], value_states[:, :, :0])
 
     def update(self, key_states, value_states, *args, **kwargs):
-        return self.store.update(key_states, value_states)
+        store = self.store
+        if not store.needs_own_attention:
+            return store.update(key_states, value_states)
+        if store.awaiting_attention:
+            raise UnsupportedOperation(
+                f"a {store.kind} cache layer needs the 'kvcache' attention implementation, and the last "
+                f"forward pass attended without it; call model.set_attn_implementation('kvcache') "
+                f"(make_cache does this when given the model)"
+            )
+        keys, values = store.update(key_states, value_states)
+        keys.kvcache_layer = store  # hf_attention_forward hands the queries to the store
+        return keys, values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self.store.needs_own_attention:
+            # Bounded stores mask by each slot's absolute position: ask for every column.
+            return self.store.seen + query_length, 0
         return self.store.length + query_length, self.store.seen - self.store.length
 
     def get_seq_length(self) -> int:
@@ -126,10 +140,14 @@ def hf_attention_forward(
         raise UnsupportedOperation("kvcache attention does not support attention sinks (s_aux); use 'eager'")
     if dropout and module.training:
         raise UnsupportedOperation("kvcache attention is for inference: dropout is not supported")
+    softcap = kwargs.get("softcap")
+    store = getattr(key, "kvcache_layer", None)
+    if store is not None:  # a bounded layer: it knows its slots' positions
+        out = store.attend(query, scale=scaling, softcap=softcap, mask=attention_mask)
+        return out.transpose(1, 2).contiguous(), None
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = bool(causal) and attention_mask is None and query.shape[2] > 1
     group = query.shape[1] // key.shape[1]
-    softcap = kwargs.get("softcap")
     if softcap is not None or prefer_attend(query.shape[2], group, key.shape[2]):  # SDPA has no softcap
         out = attend(query, key, value, scale=scaling, mask=attention_mask, causal=causal, softcap=softcap)
     else:

@@ -4,12 +4,12 @@ from .base import Geometry, KVLayer, LayerState
 from .buffer import BufferLayer
 from .concat import ConcatLayer
 from .growable import GrowableLayer
-from .sliding import SlidingLayer
 from .static import StaticLayer
+from .window import WindowLayer
 
 #: Every layer kind by its name, as used in specs and saved files.
 LAYER_KINDS: dict[str, type[KVLayer]] = {
-    cls.kind: cls for cls in (ConcatLayer, GrowableLayer, StaticLayer, SlidingLayer)
+    cls.kind: cls for cls in (ConcatLayer, GrowableLayer, StaticLayer, WindowLayer)
 }
 
 __all__ = [
@@ -20,6 +20,6 @@ __all__ = [
     "GrowableLayer",
     "KVLayer",
     "LayerState",
-    "SlidingLayer",
     "StaticLayer",
+    "WindowLayer",
 ]

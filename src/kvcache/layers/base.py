@@ -119,6 +119,8 @@ class KVLayer(ABC):
     kind: ClassVar[str]
     #: True for layers that keep only a recent window (mask sizes differ, see ``hf.py``).
     is_sliding: ClassVar[bool] = False
+    #: True for bounded kinds, whose attention must run through their own ``attend`` (``bounded.py``).
+    needs_own_attention: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self.geometry: Geometry | None = None

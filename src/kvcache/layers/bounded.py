@@ -1,0 +1,153 @@
+"""What bounded layers share: attention that knows where every stored slot sits in the sequence.
+
+A bounded layer (window, eviction, quantized storage) keeps slots out of position order, drops
+some positions, or stores codes instead of keys. The keys ``update`` returns are then not "the
+past, in order" that a plain attention call and Hugging Face's mask expect. So the layer runs its
+own attention: ``update(key, value)`` records the set the new queries must attend, and
+``attend(query)`` runs attention over it with a mask made from absolute positions
+(``position_mask``) and hands the attention weights to whatever needs them (an eviction policy).
+
+Through ``transformers`` this takes the ``"kvcache"`` attention implementation, which
+``make_cache`` switches on for models with bounded layers (``hf.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..attention import attend_weighted
+from ..errors import UnsupportedOperation
+from .base import KVLayer
+
+
+@dataclass
+class AttentionSet:
+    """What the queries of the last update attend: keys ``[B, Hkv, N, D]``, values
+    ``[B, Hkv, N, Dv]``, the absolute position of each ``[B|1, Hkv|1, N]`` (-1 for an empty slot),
+    the position of the first new token, and whether every slot is visible to every query."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor | Callable[[], torch.Tensor]  # a callable when only a masked step needs it
+    first_query: int
+    all_visible: bool = False
+
+
+class BoundedLayer(KVLayer):
+    """A layer whose attention goes through ``attend`` (see the module docstring)."""
+
+    needs_own_attention = True
+    #: What the layer needs from the attention pass: None, "sum" or "last" (see ``attend_weighted``).
+    attention_weights: str | None = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._pending: AttentionSet | None = None
+
+    @property
+    def awaiting_attention(self) -> bool:
+        """True between an ``update`` and the ``attend`` of its queries."""
+        return self._pending is not None
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        *,
+        scale: float | None = None,
+        softcap: float | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention of the last update's queries ``[B, Hq, Sq, D]`` over what they may see.
+
+        ``mask`` is optional extra masking in Hugging Face's layout, ``[B|1, 1, Sq|1, P]`` over
+        absolute positions ``0..P-1`` (boolean, True = attend; an additive float mask counts as
+        masked where it is very negative): it carries the padding of a left-padded batch.
+        Returns ``[B, Hq, Sq, Dv]``.
+        """
+        pending = self._pending
+        if pending is None:
+            raise UnsupportedOperation(f"{self.kind} layer: attend() needs an update() first, for its queries")
+        if query.shape[2] != self._pending_queries:
+            raise UnsupportedOperation(
+                f"{self.kind} layer: the last update appended {self._pending_queries} tokens, "
+                f"but attend() got {query.shape[2]} queries"
+            )
+        rows = None
+        if mask is not None or not pending.all_visible:
+            positions = pending.positions() if callable(pending.positions) else pending.positions
+            rows = position_mask(pending.first_query, positions, mask, self._visible)
+        out, weights = attend_weighted(
+            query,
+            pending.keys,
+            pending.values,
+            scale=scale,
+            softcap=softcap,
+            mask_rows=rows,
+            weights=self.attention_weights,
+        )
+        self._pending = None
+        self._attended(weights)
+        return out
+
+    def _set_pending(self, pending: AttentionSet, queries: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self._pending = pending
+        self._pending_queries = queries
+        return pending.keys, pending.values
+
+    def _visible(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        """Which keys each query may see, by position: ``[rows, 1]`` x ``[..., 1, N]`` -> bool.
+
+        Causal by default; the window layer adds its window and sinks."""
+        return (k_pos >= 0) & (k_pos <= q_pos)
+
+    def _attended(self, weights: torch.Tensor | None) -> None:
+        """Called after attention with the weights asked for in ``attention_weights``."""
+
+    def reset(self) -> None:
+        self._pending = None
+
+    def check_trim(self, n: int) -> None:
+        super().check_trim(n)
+        if int(n) and self._pending is not None:
+            raise UnsupportedOperation(f"{self.kind} layer: cannot trim between an update and its attention")
+
+
+def position_mask(
+    first_query: int,
+    k_pos: torch.Tensor,
+    hf_mask: torch.Tensor | None,
+    visible: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> Callable[[int, int], torch.Tensor]:
+    """A ``mask_rows`` function for ``attend_weighted``: query row ``i`` sits at absolute position
+    ``first_query + i``, key slot ``j`` at ``k_pos[..., j]`` (``[B|1, Hkv|1, N]`` or ``[N]``, -1 = empty).
+
+    Returns, for rows ``start:stop``, ``visible(q_pos, k_pos)`` AND the columns of ``hf_mask``
+    (``[B|1, 1, Sq|1, P]`` over absolute positions) picked at each slot's position:
+    ``[B|1, Hkv|1, rows, N]`` booleans.
+    """
+    while k_pos.dim() < 3:
+        k_pos = k_pos.unsqueeze(0)
+    kp = k_pos.unsqueeze(-2)  # [B|1, Hkv|1, 1, N]
+    if hf_mask is not None:
+        if hf_mask.dtype != torch.bool:
+            hf_mask = hf_mask > torch.finfo(hf_mask.dtype).min / 2
+        while hf_mask.dim() < 4:
+            hf_mask = hf_mask.unsqueeze(0)
+        columns = kp.clamp(0, hf_mask.shape[-1] - 1)
+
+    def rows(start: int, stop: int) -> torch.Tensor:
+        q_pos = torch.arange(first_query + start, first_query + stop, device=k_pos.device).view(-1, 1)
+        allowed = visible(q_pos, kp)
+        if hf_mask is None:
+            return allowed
+        m = hf_mask[:, :, start:stop] if hf_mask.shape[-2] != 1 else hf_mask
+        batch = max(m.shape[0], kp.shape[0])
+        heads = max(m.shape[1], kp.shape[1])
+        m = m.expand(batch, heads, stop - start, m.shape[-1])
+        idx = columns.expand(batch, heads, stop - start, kp.shape[-1])
+        return allowed & torch.gather(m, -1, idx)
+
+    return rows

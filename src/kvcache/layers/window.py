@@ -1,0 +1,154 @@
+"""Sliding window with attention sinks: a ring buffer of the last ``window`` tokens plus the first
+``sinks`` (StreamingLLM). Memory and per-token cost are constant once the window is full.
+
+Slots ``0..sinks-1`` hold the first tokens; the token at position ``p >= sinks`` lives in slot
+``sinks + (p - sinks) % window``. The ring is never un-rotated: a decode step writes its token
+over the one leaving the window and attends the buffer as stored, since decode attention does not
+depend on key order. Keys keep the rotary positions they arrived with (absolute positions).
+
+A query at position ``q`` sees key ``k`` when ``k <= q`` and (``k > q - window`` or ``k < sinks``):
+``window`` keys counting itself, plus the sinks. With ``sinks=0`` that is exactly Hugging Face's
+sliding-window attention (mistral, gemma2 sliding layers), so ``make_cache`` uses this layer for a
+model's own sliding layers. An update of several tokens that would overwrite slots some of its
+own queries still need (a prefill longer than the window) attends a copy of the old slots followed
+by the new tokens, masked by position, and then keeps the last ``window``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..errors import UnsupportedOperation
+from .base import LayerState
+from .bounded import AttentionSet, BoundedLayer
+from .buffer import BufferLayer
+
+
+class WindowLayer(BoundedLayer, BufferLayer):
+    kind = "window"
+    is_sliding = True
+
+    def __init__(self, window: int, sinks: int = 0, initial_capacity: int = 256) -> None:
+        super().__init__()
+        if int(window) < 1:
+            raise ValueError(f"window must be >= 1 token, got {window}")
+        if int(sinks) < 0:
+            raise ValueError(f"sinks must be >= 0 tokens, got {sinks}")
+        if int(initial_capacity) < 1:
+            raise ValueError(f"initial_capacity must be >= 1, got {initial_capacity}")
+        self.window = int(window)
+        self.sinks = int(sinks)
+        self.initial_capacity = int(initial_capacity)
+
+    @property
+    def max_length(self) -> int:
+        """Slots the layer ever holds: sinks plus window."""
+        return self.sinks + self.window
+
+    # ---- positions ----------------------------------------------------------------------
+
+    def _slot(self, pos: torch.Tensor) -> torch.Tensor:
+        s = self.sinks
+        return torch.where(pos < s, pos, s + (pos - s).remainder(self.window))
+
+    def _slot_positions(self, seen: int, count: int, device) -> torch.Tensor:
+        """Absolute position held by each of slots ``0..count-1`` after ``seen`` tokens: ``[count]``."""
+        j = torch.arange(count, device=device)
+        if seen <= self.max_length:
+            return j
+        last, s = seen - 1, self.sinks
+        return torch.where(j < s, j, last - (last - j).remainder(self.window))
+
+    def positions(self) -> torch.Tensor:
+        g = self.geometry
+        if g is None:
+            return torch.empty(0, 0, 0, dtype=torch.long)
+        return self._slot_positions(self.seen, self._len, g.device).expand(g.batch, g.heads, self._len)
+
+    def _visible(self, q_pos, k_pos):
+        return (k_pos >= 0) & (k_pos <= q_pos) & ((k_pos > q_pos - self.window) | (k_pos < self.sinks))
+
+    # ---- appending ------------------------------------------------------------------------
+
+    def _append(self, key, value):
+        n, seen, cap = key.shape[2], self.seen, self.max_length
+        device = key.device
+        if seen + n <= cap:  # nothing leaves the window: write in order at the cursor
+            keys, values = BufferLayer._append(self, key, value)
+            pos = torch.arange(seen + n, device=device)
+            return self._set_pending(AttentionSet(keys, values, pos, seen, all_visible=n == 1), n)
+        self._ensure_full_buffers(key, value)
+        if n == 1:  # decode: the slot taken is the one leaving the window, which this query cannot see
+            slot = seen if seen < self.sinks else self.sinks + (seen - self.sinks) % self.window
+            self._kbuf.narrow(2, slot, 1).copy_(key)
+            self._vbuf.narrow(2, slot, 1).copy_(value)
+            self._seen, self._len = seen + 1, cap
+            pos = lambda: self._slot_positions(seen + 1, cap, device)  # noqa: E731 (only a masked step needs it)
+            return self._set_pending(AttentionSet(self._kbuf, self._vbuf, pos, seen, all_visible=True), 1)
+        # Several tokens, some of whose queries need slots this update overwrites: attend a copy.
+        old_k, old_v = self.view()
+        old_pos = self._slot_positions(seen, self._len, device)
+        keys, values = torch.cat([old_k, key], dim=2), torch.cat([old_v, value], dim=2)
+        new_pos = torch.arange(seen, seen + n, device=device)
+        keep = new_pos[(new_pos < self.sinks) | (new_pos >= seen + n - self.window)]
+        slots = self._slot(keep)
+        self._kbuf.index_copy_(2, slots, key.index_select(2, keep - seen))
+        self._vbuf.index_copy_(2, slots, value.index_select(2, keep - seen))
+        self._seen, self._len = seen + n, cap
+        return self._set_pending(AttentionSet(keys, values, torch.cat([old_pos, new_pos]), seen), n)
+
+    def _ensure_full_buffers(self, key, value) -> None:
+        if self.capacity < self.max_length:
+            batch = key.shape[0] if self._kbuf is None else self.geometry.batch
+            self._allocate(self.max_length, batch, key, value)
+
+    def _make_room(self, need, key, value) -> None:
+        """Grow geometrically (from ``initial_capacity``) up to ``sinks + window`` slots."""
+        if self._kbuf is None:
+            capacity, batch = max(need, self.initial_capacity), key.shape[0]
+        else:
+            capacity, batch = max(need, 2 * self.capacity), self.geometry.batch
+        self._allocate(min(capacity, self.max_length), batch, key, value)
+
+    # ---- rollback and state ---------------------------------------------------------------
+
+    def check_trim(self, n: int) -> None:
+        super().check_trim(n)
+        if int(n) and self.seen > self.max_length:
+            raise UnsupportedOperation(
+                f"cannot remove {n} tokens from a window of {self.window} (+{self.sinks} sinks) that has "
+                f"seen {self.seen}: the tokens the shorter sequence needs, before position "
+                f"{self.seen - self.window}, were already overwritten"
+            )
+
+    def _trim(self, n: int) -> None:
+        self._len -= n  # never wrapped (check_trim): slots are positions, in order
+
+    def reset(self) -> None:
+        BoundedLayer.reset(self)
+        self._drop_buffers()
+
+    def options(self) -> dict[str, Any]:
+        return {"window": self.window, "sinks": self.sinks, "initial_capacity": self.initial_capacity}
+
+    def check_state(self, state: LayerState) -> None:
+        super().check_state(state)
+        stored = state.tensors["keys"].shape[2] if "keys" in state.tensors else 0
+        if stored != min(int(state.seen), self.max_length):
+            raise ValueError(
+                f"window state holds {stored} slots after {state.seen} tokens; a window of "
+                f"{self.window} with {self.sinks} sinks holds {min(int(state.seen), self.max_length)}"
+            )
+
+    def load_state(self, state: LayerState) -> None:
+        self.check_state(state)
+        self.reset()
+        if "keys" in state.tensors:
+            keys, values = state.tensors["keys"], state.tensors["values"]
+            self._allocate(max(keys.shape[2], 1), keys.shape[0], keys, values)
+            self._kbuf.narrow(2, 0, keys.shape[2]).copy_(keys)
+            self._vbuf.narrow(2, 0, keys.shape[2]).copy_(values)
+            self._len = keys.shape[2]
+        self._seen = int(state.seen)

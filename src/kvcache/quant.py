@@ -1,0 +1,303 @@
+"""KIVI-style asymmetric uniform quantization of key/value tensors to 8 or 4 bits.
+
+Each group of values ``x`` is stored as integer codes in ``[0, levels]`` (``levels = 2**bits - 1``)
+plus an affine pair, so that ``x ~= codes * scale + minimum``:
+
+- values are grouped per token (``group`` consecutive channels of one token, KIVI's layout for
+  values), keys per channel (one pair per channel over a block of tokens: keys have outlier
+  channels, so a channel's range is much narrower than a token's);
+- codes are uint8; 4-bit codes are packed two a byte, element ``2i`` in the low nibble and
+  ``2i + 1`` in the high nibble of byte ``i``;
+- ``scale`` and ``minimum`` are stored in the input's dtype (fp32, fp16 or bf16).
+
+``minimum`` is the group's minimum itself, so it is stored exactly. ``scale`` is
+``(max - min) / levels``, computed in float64 from the (small) per-group statistics and rounded
+*up* to the storage dtype, so ``minimum + levels * scale`` always reaches the group's maximum and
+no code is clamped: every element is within ``scale / 2`` of its code's value (round to
+nearest). The stored scale is at most one storage ulp above the exact ``(max - min) / levels``:
+that is all the storage rounding costs. Codes are computed, and values dequantized, in float32.
+A constant group has scale 0 and round-trips exactly. :func:`error_bound` adds the float32
+arithmetic and the rounding of the dequantized values to their dtype, which for bf16 is as
+large as ``scale / 2`` itself.
+
+Non-finite input raises ``ValueError``, as does input of magnitude 2**126 (~8.5e37) or more,
+where float32 dequantization could overflow. fp16 results saturate at +-65504: the top code of a
+group that reaches 65504 can lie up to ``scale / 2`` beyond it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import DTypeError, ShapeError
+
+BITS = (8, 4)
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+_U32 = 2.0**-24  # float32 unit roundoff
+# Unit roundoff and smallest positive (subnormal) value of the dtypes a result can be rounded to.
+_ROUNDING = {
+    torch.float16: (2.0**-11, 2.0**-24),
+    torch.bfloat16: (2.0**-8, 2.0**-133),
+    torch.float32: (2.0**-24, 2.0**-149),
+}
+# Inputs stay below this in magnitude so that codes * scale + minimum, computed in float32, can
+# neither overflow float32 nor round past bf16's largest value (range <= 2**127, top < 2**128).
+_LIMIT = 2.0**126
+_FP16_MAX = torch.finfo(torch.float16).max
+_SAME_WIDTH_INT = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+
+
+@dataclass
+class Quantized:
+    """Codes plus the per-group affine parameters: ``x ~= codes * scale + minimum``.
+
+    codes: uint8; last dim ``D`` for 8 bits, ``D // 2`` for 4 bits (two codes a byte).
+    scale, minimum: the input's dtype; ``[..., T, D // group]`` per token, ``[..., 1, D]`` per channel.
+    """
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    minimum: torch.Tensor
+    bits: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of codes, scale and minimum together."""
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.minimum))
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack uint8 codes ``[..., D]`` (values < ``2**bits``) into ``[..., D * bits // 8]`` bytes.
+
+    8 bits: the codes themselves, not a copy. 4 bits: ``D`` must be even.
+    """
+    _check_bits(bits)
+    if codes.dtype != torch.uint8:
+        raise DTypeError(f"codes must be uint8, got {codes.dtype}")
+    if codes.dim() < 1:
+        raise ShapeError(f"codes need at least one dimension, got a {codes.dim()}-d tensor")
+    if bits == 8:
+        return codes
+    _check_even(codes.shape[-1])
+    if codes.numel() and bool((codes >> 4).any()):
+        raise ValueError(f"4-bit codes must be < 16, got a maximum of {int(codes.max())}")
+    return _pack4(codes)
+
+
+def unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """Unpack bytes ``[..., dim * bits // 8]`` from :func:`pack` into uint8 codes ``[..., dim]``."""
+    _check_bits(bits)
+    if packed.dtype != torch.uint8:
+        raise DTypeError(f"packed codes must be uint8, got {packed.dtype}")
+    if packed.dim() < 1:
+        raise ShapeError(f"packed codes need at least one dimension, got a {packed.dim()}-d tensor")
+    if bits == 4:
+        _check_even(dim)
+    expected = dim * bits // 8
+    if packed.shape[-1] != expected:
+        raise ShapeError(
+            f"{bits}-bit codes for dim {dim} need a last dim of {expected} bytes, got {packed.shape[-1]}"
+        )
+    return packed if bits == 8 else _unpack4(packed)
+
+
+def quantize_per_token(x: torch.Tensor, bits: int, group: int) -> Quantized:
+    """Quantize ``x`` ``[..., T, D]`` in groups of ``group`` consecutive channels of each token.
+
+    Returns codes ``[..., T, D * bits // 8]``, scale and minimum ``[..., T, D // group]``.
+    """
+    _check_bits(bits)
+    _check_input(x)
+    if int(group) < 1:
+        raise ValueError(f"group must be a positive number of channels, got {group}")
+    d = x.shape[-1]
+    if d % group:
+        raise ShapeError(f"head dim {d} is not a multiple of the group size {group}")
+    if bits == 4:
+        _check_even(d)
+    grouped = x.reshape(*x.shape[:-1], d // group, group)
+    mn, mx = torch.aminmax(grouped, dim=-1, keepdim=True)
+    codes, scale = _encode(grouped, mn, mx, bits)
+    codes = codes.reshape(x.shape)
+    return Quantized(_pack(codes, bits), scale.squeeze(-1), mn.squeeze(-1), bits)
+
+
+def dequantize_per_token(q: Quantized, group: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Values ``[..., T, D]`` of per-token codes, in ``dtype`` (default: the scale's dtype)."""
+    _check_bits(q.bits)
+    d = q.codes.shape[-1] * 8 // q.bits
+    if int(group) < 1 or q.scale.shape[-1] * group != d:
+        raise ShapeError(
+            f"codes of head dim {d} with {q.scale.shape[-1]} groups a token do not match group size {group}"
+        )
+    codes = _unpack(q.codes, q.bits)
+    grouped = codes.reshape(*codes.shape[:-1], d // group, group)
+    out = _decode(grouped, q.scale.unsqueeze(-1), q.minimum.unsqueeze(-1), dtype or q.scale.dtype)
+    return out.reshape(codes.shape)
+
+
+def quantize_per_channel(x: torch.Tensor, bits: int) -> Quantized:
+    """Quantize ``x`` ``[..., G, D]`` with one scale and minimum per channel over the G tokens.
+
+    Returns codes ``[..., G, D * bits // 8]``, scale and minimum ``[..., 1, D]``.
+    """
+    _check_bits(bits)
+    _check_input(x)
+    if x.shape[-2] == 0:
+        raise ShapeError(f"per-channel quantization needs a block of at least one token, got shape {tuple(x.shape)}")
+    if bits == 4:
+        _check_even(x.shape[-1])
+    mn, mx = torch.aminmax(x, dim=-2, keepdim=True)
+    codes, scale = _encode(x, mn, mx, bits)
+    return Quantized(_pack(codes, bits), scale, mn, bits)
+
+
+def dequantize_per_channel(q: Quantized, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Values ``[..., G, D]`` of per-channel codes, in ``dtype`` (default: the scale's dtype)."""
+    _check_bits(q.bits)
+    codes = _unpack(q.codes, q.bits)
+    if q.scale.shape[-2] != 1 or q.scale.shape[-1] != codes.shape[-1]:
+        raise ShapeError(
+            f"per-channel scale must be [..., 1, {codes.shape[-1]}] for these codes, got {tuple(q.scale.shape)}"
+        )
+    return _decode(codes, q.scale, q.minimum, dtype or q.scale.dtype)
+
+
+def error_bound(q: Quantized, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Worst-case ``|dequantize(q) - x|`` per group, float32, shaped like ``q.scale``.
+
+    Holds for either layout, dequantized to ``dtype`` (default: the input's dtype). Per group,
+    with ``s``, ``m`` the stored scale and minimum and ``L = 2**bits - 1``:
+
+    - codes: ``x`` lies in ``[m, m + L*s]`` (scale rounded up), so the nearest code is within
+      ``s/2``; computing ``(x - m) / s`` in float32 (two roundings, ``|x - m| <= L*s``) can move
+      it by ``2*L*u32*s`` and ``code * s`` by ``L*u32*s`` more: ``s * (1/2 + 3.001*L*u32)``;
+    - ``+ m`` in float32 rounds by at most ``u32 * Y``, ``Y = max(|m|, |m + L*s|)`` the largest
+      magnitude a dequantized value can have;
+    - rounding the float32 result to a narrower dtype adds ``u * Y`` (``u`` its unit roundoff:
+      2**-11 fp16, 2**-8 bf16) plus half its smallest subnormal.
+
+    The last term is why the bound needs ``m``, not only ``s``: a bf16 value near 3 is only
+    known to 2**-7, about ``s/2`` of int8 on N(0, 1) data. A constant group (``s == 0``) is
+    exact whenever ``dtype`` can hold its value, and its bound is then 0. For a ``dtype``
+    narrower than the input's, the bound assumes the values lie within its finite range.
+    """
+    _check_bits(q.bits)
+    dtype = _check_out_dtype(dtype or q.scale.dtype)
+    levels = 2**q.bits - 1
+    s = q.scale.double()
+    m = q.minimum.double()
+    top = m + levels * s * (1 + _U32)
+    y = torch.maximum(m.abs(), top.abs())
+    bound = s * (0.5 + 3.001 * levels * _U32) + _U32 * y + 2.0**-149
+    if dtype not in (torch.float32, torch.float64):
+        unit, tiniest = _ROUNDING[dtype]
+        bound = bound + unit * y * (1 + _U32) + tiniest / 2
+    constant = (q.minimum.to(dtype).double() - m).abs()
+    bound = torch.where(s == 0, constant, bound)
+    # Some slack so that rounding the float64 bound to float32 cannot pull it below the error.
+    return (bound * (1 + 2.0**-20)).float()
+
+
+def _encode(x: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes of ``x`` (uint8, x's shape) and the stored scale for groups with min/max ``mn``/``mx``.
+
+    ``mn``/``mx`` broadcast against ``x``. The statistics are small, so the scale is computed in
+    float64 (no float32 overflow of ``max - min``, no subnormal precision loss) and then rounded
+    up to x's dtype; the codes are computed in float32.
+    """
+    _check_range(mn, mx)
+    levels = 2**bits - 1
+    # The 2**-40 margin covers float64's own rounding of max - min and of the division, so that
+    # levels * scale >= max - min holds exactly after the upward rounding below.
+    exact = (mx.double() - mn.double()) / levels * (1 + 2.0**-40)
+    scale = _round_up(exact, x.dtype)
+    divisor = torch.where(scale == 0, torch.ones_like(scale), scale).float()
+    codes = (x.float() - mn.float()).div_(divisor).round_().clamp_(0, levels)
+    return codes.to(torch.uint8), scale
+
+
+def _check_range(mn: torch.Tensor, mx: torch.Tensor) -> None:
+    """Every group's min and max are finite and below ``_LIMIT`` in magnitude (one sync)."""
+    largest = torch.maximum(mn.abs(), mx.abs())
+    if bool((largest < _LIMIT).all()):  # False for nan too
+        return
+    # aminmax propagates nan, and an infinity is a group's max or min: the statistics show them.
+    if not bool(torch.isfinite(largest).all()):
+        raise ValueError("cannot quantize non-finite values (inf or nan) in the input")
+    raise ValueError(
+        f"cannot quantize values of magnitude 2**126 (~8.5e37) or more, got {float(largest.max()):.4g}: "
+        f"dequantizing them in float32 could overflow"
+    )
+
+
+def _decode(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``codes * scale + minimum`` in float32 (they broadcast), returned in ``dtype``."""
+    _check_out_dtype(dtype)
+    out = codes.float().mul_(scale.float()).add_(minimum.float())
+    if dtype == torch.float16:
+        # The rounded-up scale can put the top code up to scale / 2 past a group's max, and so
+        # past 65504 for groups that reach it: saturate instead of overflowing to inf. This only
+        # moves values towards the input's range, so it never adds error.
+        out.clamp_(-_FP16_MAX, _FP16_MAX)
+    return out.to(dtype)
+
+
+def _round_up(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The smallest ``dtype`` number >= each of the non-negative float64 ``value``."""
+    rounded = value.to(dtype)
+    # For non-negative finite floats the next representable number up is the next bit pattern.
+    ints = _SAME_WIDTH_INT[dtype]
+    up = (rounded.view(ints) + 1).view(dtype)
+    return torch.where(rounded.double() < value, up, rounded)
+
+
+def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    return codes if bits == 8 else _pack4(codes)
+
+
+def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    return packed if bits == 8 else _unpack4(packed)
+
+
+def _pack4(codes: torch.Tensor) -> torch.Tensor:
+    """``[..., D]`` codes < 16 -> ``[..., D // 2]``: element 2i low nibble, 2i + 1 high nibble."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def _unpack4(packed: torch.Tensor) -> torch.Tensor:
+    """``[..., n]`` bytes -> ``[..., 2n]`` codes, the inverse of :func:`_pack4`."""
+    pairs = torch.stack((packed & 0x0F, packed >> 4), dim=-1)
+    return pairs.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+
+
+def _check_bits(bits: int) -> None:
+    if bits not in BITS:
+        raise ValueError(f"bits must be one of {BITS}, got {bits!r}")
+
+
+def _check_even(d: int) -> None:
+    if d % 2:
+        raise ShapeError(f"4-bit codes pack two a byte, so the head dim must be even, got {d}")
+
+
+def _check_input(x: torch.Tensor) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise DTypeError(f"expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise DTypeError(f"can quantize {_names(FLOAT_DTYPES)} tensors, got {x.dtype}")
+    if x.dim() < 2:
+        raise ShapeError(f"expected a [..., T, D] tensor of at least 2 dims, got shape {tuple(x.shape)}")
+
+
+def _check_out_dtype(dtype: torch.dtype) -> torch.dtype:
+    if dtype not in FLOAT_DTYPES + (torch.float64,):
+        raise DTypeError(f"can dequantize to {_names(FLOAT_DTYPES + (torch.float64,))}, got {dtype}")
+    return dtype
+
+
+def _names(dtypes) -> str:
+    return ", ".join(str(d).removeprefix("torch.") for d in dtypes)
