@@ -336,9 +336,7 @@ def test_static_cache_full_error_during_generate(family):
     for i, store in enumerate(cache.stores):
         if isinstance(store, StaticLayer):
             assert store.length == capacity
-        keys, values = store.view()
-        torch.testing.assert_close(keys, ref_cache.layers[i].keys, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(values, ref_cache.layers[i].values, rtol=1e-5, atol=1e-5)
+        assert_same_stored(store, ref_cache.layers[i])
 
 
 def test_static_cache_smaller_than_prompt_raises():
