@@ -20,8 +20,8 @@ from transformers.cache_utils import Cache, DummyLayer, get_layer_types_and_kwar
 
 from .errors import ShapeError, SpecError, UnsupportedOperation
 from .hf import ATTENTION_NAME, HFLayer, crop_count
-from .layers import ConcatLayer, GrowableLayer, KVLayer, LayerState, StaticLayer, WindowLayer
-from .spec import CacheSpec, parse_spec
+from .layers import ConcatLayer, EvictingLayer, GrowableLayer, KVLayer, LayerState, StaticLayer, WindowLayer
+from .spec import EVICTION_KINDS, CacheSpec, parse_spec
 
 #: Config fields that decide whether a saved cache fits a model.
 FINGERPRINT_FIELDS = (
@@ -229,4 +229,8 @@ def _full_layer(spec: CacheSpec, buffers: tuple[torch.Tensor, torch.Tensor] | No
         return StaticLayer(**opts)
     if spec.kind == "concat":
         return ConcatLayer()
+    if spec.kind == "window":
+        return WindowLayer(**opts)
+    if spec.kind in EVICTION_KINDS:
+        return EvictingLayer(policy=spec.kind, **opts)
     raise SpecError(f"no full-attention layer for kind {spec.kind!r}")

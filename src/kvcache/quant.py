@@ -265,7 +265,7 @@ def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
 
 def _pack4(codes: torch.Tensor) -> torch.Tensor:
     """``[..., D]`` codes < 16 -> ``[..., D // 2]``: element 2i low nibble, 2i + 1 high nibble."""
-    return codes[..., 1::2] | (codes[..., 0::2] << 4)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
 
 def _unpack4(packed: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,6 @@
-"""Cache specs: ``"growable"``, ``"static:capacity=8192"``, ``"concat"``.
+"""Cache specs: ``"growable"``, ``"static:capacity=8192"``, ``"window:window=1024,sinks=4"``,
+``"h2o:budget=1024"`` (or ``tova``, ``lastrec``; a budget below 1 is a fraction of the tokens
+seen), ``"concat"``.
 
 A spec is a kind, then optionally ``:`` and comma-separated ``name=value`` options. The same parser
 serves ``make_cache(model, spec, **options)`` and the CLI's ``--cache``; keyword options override
@@ -12,20 +14,40 @@ from typing import Any
 
 from .errors import SpecError
 
+def number(value: Any) -> int | float:
+    """A token count (int) or, below 1, a fraction (float): ``"1024"`` -> 1024, ``"0.25"`` -> 0.25."""
+    out = float(value)
+    return int(out) if out.is_integer() else out
+
+
+#: The eviction policies, each a spec kind of its own (``policies.py``).
+EVICTION_KINDS = ("h2o", "tova", "lastrec")
+_EVICTION_OPTIONS: dict[str, type] = {"budget": number, "recent": int, "sinks": int}
+
 #: Option name -> type, per kind. Options typed ``object`` are Python-only (not from a string).
 SPEC_OPTIONS: dict[str, dict[str, type]] = {
     "growable": {"initial_capacity": int, "growth": float},
     "static": {"capacity": int, "buffers": object},
+    "window": {"window": int, "sinks": int},
+    **{kind: dict(_EVICTION_OPTIONS) for kind in EVICTION_KINDS},
     "concat": {},
 }
 
-_REQUIRED: dict[str, tuple[str, ...]] = {"static": ("capacity|buffers",)}
+_REQUIRED: dict[str, tuple[str, ...]] = {
+    "static": ("capacity|buffers",),
+    "window": ("window",),
+    **{kind: ("budget",) for kind in EVICTION_KINDS},
+}
 
 #: Lower bounds per option: (smallest allowed, whether the bound itself is allowed).
 _BOUNDS: dict[str, tuple[float, bool]] = {
     "capacity": (1, True),
     "initial_capacity": (1, True),
     "growth": (1.0, False),
+    "window": (1, True),
+    "sinks": (0, True),
+    "recent": (0, True),
+    "budget": (0, False),
 }
 
 

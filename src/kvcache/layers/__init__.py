@@ -3,19 +3,21 @@
 from .base import Geometry, KVLayer, LayerState
 from .buffer import BufferLayer
 from .concat import ConcatLayer
+from .evicting import EvictingLayer
 from .growable import GrowableLayer
 from .static import StaticLayer
 from .window import WindowLayer
 
 #: Every layer kind by its name, as used in specs and saved files.
 LAYER_KINDS: dict[str, type[KVLayer]] = {
-    cls.kind: cls for cls in (ConcatLayer, GrowableLayer, StaticLayer, WindowLayer)
+    cls.kind: cls for cls in (ConcatLayer, GrowableLayer, StaticLayer, WindowLayer, EvictingLayer)
 }
 
 __all__ = [
     "LAYER_KINDS",
     "BufferLayer",
     "ConcatLayer",
+    "EvictingLayer",
     "Geometry",
     "GrowableLayer",
     "KVLayer",

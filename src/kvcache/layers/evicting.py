@@ -1,0 +1,292 @@
+"""A fixed budget of slots per batch row and KV head, the rest evicted by a scoring policy.
+
+Each (row, KV head) keeps its own ``budget`` slots: which positions survive differs per head,
+and memory really is ``budget`` slots (plus one for the incoming token), not a mask over a full
+cache. Bookkeeping per slot: its absolute position (for masks and the protected ranges) and its
+score (``policies.py``). The first ``sinks`` positions and the last ``recent`` are never evicted.
+
+One decode step: the new token goes into the spare slot, attention runs over ``budget + 1``
+slots and reports its weights, the policy updates the scores, and the lowest-scoring unprotected
+slot of each head is overwritten by the spare one (O(1) copying). A chunk of several tokens that
+does not fit (a prefill) is attended as a temporary concatenation of the kept slots and the new
+tokens, masked causally by position; then the best ``budget`` of them are kept.
+
+With a budget at least the sequence length nothing is evicted and attention sees exactly the full
+cache. Trimming works only while nothing has been evicted: evicted tokens cannot come back.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ..errors import UnsupportedOperation
+from ..policies import Policy, get_policy
+from .base import Geometry, LayerState
+from .bounded import AttentionSet, BoundedLayer
+
+_SLOT_TENSORS = ("keys", "values", "positions", "scores")
+
+
+class EvictingLayer(BoundedLayer):
+    kind = "evicting"
+
+    def __init__(
+        self,
+        budget: int | float,
+        policy: str | Policy = "h2o",
+        recent: int | None = None,
+        sinks: int = 0,
+    ) -> None:
+        super().__init__()
+        self.policy = get_policy(policy) if isinstance(policy, str) else policy
+        self.budget = _check_budget(budget)
+        self.sinks = int(sinks)
+        if self.sinks < 0:
+            raise ValueError(f"sinks must be >= 0 tokens, got {sinks}")
+        if recent is not None and int(recent) < 0:
+            raise ValueError(f"recent must be >= 0 tokens, got {recent}")
+        self.recent = None if recent is None else int(recent)
+        if isinstance(self.budget, int) and self.sinks + (self.recent or 0) >= self.budget:
+            raise ValueError(
+                f"sinks ({self.sinks}) + recent ({self.recent}) must be less than the budget "
+                f"({self.budget}), or nothing is left for the policy to choose"
+            )
+        self.attention_weights = self.policy.weights
+        self._slots: dict[str, torch.Tensor] | None = None  # name -> [B, Hkv, C(, D)]
+        self._len = 0
+        self._set: dict[str, torch.Tensor] | None = None  # the attended set of an overflowing chunk
+
+    # ---- sizes ----------------------------------------------------------------------------
+
+    def budget_now(self, seen: int | None = None) -> int:
+        """Slots kept after ``seen`` tokens (default: now): the budget, or its fraction of ``seen``."""
+        seen = self.seen if seen is None else seen
+        if isinstance(self.budget, int):
+            return self.budget
+        return max(1, math.ceil(self.budget * seen))
+
+    def recent_now(self, seen: int | None = None) -> int:
+        if self.recent is not None:
+            return self.recent
+        return int(self.policy.default_recent * self.budget_now(seen))
+
+    @property
+    def length(self) -> int:
+        return self._len
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self._slots is None else self._slots["keys"].shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        """Keys, values and the per-slot position and score."""
+        return 0 if self._slots is None else sum(t.nbytes for t in self._slots.values())
+
+    def view(self):
+        if self._slots is None:
+            return None, None
+        return self._slots["keys"][:, :, : self._len], self._slots["values"][:, :, : self._len]
+
+    def positions(self) -> torch.Tensor:
+        if self._slots is None:
+            return torch.empty(0, 0, 0, dtype=torch.long)
+        return self._slots["positions"][:, :, : self._len]
+
+    def scores(self) -> torch.Tensor:
+        """The policy's score of each stored slot, float32 ``[B, Hkv, length]``."""
+        if self._slots is None:
+            return torch.empty(0, 0, 0)
+        return self._slots["scores"][:, :, : self._len]
+
+    # ---- appending ------------------------------------------------------------------------
+
+    def _append(self, key, value):
+        if self._set is not None or self._len > self.budget_now():
+            self._attended(None)  # the last update was never attended (direct use): evict now
+        batch, heads, n = key.shape[:3]
+        seen = self.seen
+        pos = torch.arange(seen, seen + n, device=key.device).expand(batch, heads, n)
+        new = {"keys": key, "values": value, "positions": pos, "scores": self.policy.initial(pos)}
+        if self._len + n <= max(self.capacity, self._capacity_for(seen + n)):
+            self._ensure_capacity(self._len + n, key, value)
+            for name, t in new.items():
+                self._slots[name][:, :, self._len : self._len + n].copy_(t)
+            self._len += n
+            self._seen = seen + n
+            keys, values = self.view()
+            return self._set_pending(AttentionSet(keys, values, self.positions(), seen, all_visible=n == 1), n)
+        # Too many new tokens for the spare room: attend a temporary concatenation, keep the best.
+        if self._slots is None:
+            self.geometry = Geometry.of(key, value)
+        kept = {name: self._slots[name][:, :, : self._len] if self._slots else None for name in new}
+        self._set = {name: t if kept[name] is None else torch.cat([kept[name], t], dim=2) for name, t in new.items()}
+        self._seen = seen + n
+        s = self._set
+        return self._set_pending(AttentionSet(s["keys"], s["values"], s["positions"], seen), n)
+
+    def _capacity_for(self, seen: int) -> int:
+        """Slots allocated for ``seen`` tokens: the budget then and one spare for a decode step."""
+        return self.budget_now(seen) + 1
+
+    def _ensure_capacity(self, need: int, key, value) -> None:
+        if self.capacity >= need:
+            return
+        target = self._capacity_for(self.seen + key.shape[2])
+        if isinstance(self.budget, float):  # a fraction grows with the sequence: grow geometrically
+            target = max(target, 2 * self.capacity)
+        self._allocate(max(need, target), key.shape[0] if self._slots is None else self.geometry.batch, key, value)
+
+    def _allocate(self, capacity: int, batch: int, key, value) -> None:
+        g = self.geometry or Geometry.of(key, value)
+        shapes = {
+            "keys": ((batch, g.heads, capacity, g.key_dim), g.dtype),
+            "values": ((batch, g.heads, capacity, g.value_dim), g.dtype),
+            "positions": ((batch, g.heads, capacity), torch.long),
+            "scores": ((batch, g.heads, capacity), torch.float32),
+        }
+        slots = {name: torch.empty(shape, dtype=dtype, device=g.device) for name, (shape, dtype) in shapes.items()}
+        if self._slots is not None and self._len and batch == g.batch:
+            for name, t in slots.items():
+                t[:, :, : self._len].copy_(self._slots[name][:, :, : self._len])
+        self._slots = slots
+        self.geometry = Geometry(batch, g.heads, g.key_dim, g.value_dim, g.dtype, g.device)
+        self.reallocations += 1
+
+    # ---- after attention: score, then evict ------------------------------------------------
+
+    def _attended(self, weights: torch.Tensor | None) -> None:
+        if self._set is not None:
+            s, self._set = self._set, None
+            if weights is not None:
+                s["scores"] = self.policy.observe(s["scores"], weights, s["positions"])
+            self._keep_best(s, self.budget_now())
+            return
+        if weights is not None:
+            live = self._slots["scores"][:, :, : self._len]
+            live.copy_(self.policy.observe(live, weights, self._slots["positions"][:, :, : self._len]))
+        if self._len > self.budget_now():
+            self._evict(self._len - self.budget_now())
+
+    def _eviction_key(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Scores with the protected slots (sinks, recent tokens) raised above everything."""
+        protected = (positions < self.sinks) | (positions >= self.seen - self.recent_now())
+        return scores.masked_fill(protected, math.inf)
+
+    def _evict(self, count: int) -> None:
+        live = {name: t[:, :, : self._len] for name, t in self._slots.items()}
+        if count != 1:
+            self._keep_best({name: t.clone() for name, t in live.items()}, self._len - count)
+            return
+        # One too many (a decode step): the last slot overwrites each head's weakest one.
+        weakest = self._eviction_key(live["scores"], live["positions"]).argmin(dim=-1, keepdim=True)  # [B, H, 1]
+        last = self._len - 1
+        for name, t in live.items():
+            index = weakest if t.dim() == 3 else weakest.unsqueeze(-1).expand(*weakest.shape, t.shape[-1])
+            t.scatter_(2, index, t[:, :, last : last + 1])
+        self._len = last
+
+    def _keep_best(self, slots: dict[str, torch.Tensor], keep: int) -> None:
+        """Store the ``keep`` best of ``slots`` (tensors ``[B, H, N(, D)]``, not views of the store)."""
+        n = slots["keys"].shape[2]
+        if n > keep:
+            key = self._eviction_key(slots["scores"], slots["positions"])
+            index = key.topk(keep, dim=-1).indices.sort(dim=-1).values  # [B, H, keep], in slot order
+            slots = {
+                name: t.gather(2, index if t.dim() == 3 else index.unsqueeze(-1).expand(*index.shape, t.shape[-1]))
+                for name, t in slots.items()
+            }
+        kept = slots["keys"].shape[2]
+        target = self._capacity_for(self.seen)
+        if self._slots is None or self.capacity < kept or self.capacity > 2 * target:
+            self._len = 0
+            self._slots = None
+            self._allocate(max(target, kept), slots["keys"].shape[0], slots["keys"], slots["values"])
+        for name, t in slots.items():
+            self._slots[name][:, :, :kept].copy_(t)
+        self._len = kept
+
+    # ---- rollback, reuse, batch work ------------------------------------------------------
+
+    def check_trim(self, n: int) -> None:
+        super().check_trim(n)
+        if int(n) and self._len != self.seen:
+            raise UnsupportedOperation(
+                f"cannot remove {n} tokens from a {self.policy.name} cache that has evicted "
+                f"{self.seen - self._len} of its {self.seen}: evicted tokens cannot come back"
+            )
+
+    def _trim(self, n: int) -> None:
+        self._len -= n  # nothing evicted (check_trim): slots are positions 0..len-1 in order
+
+    def reset(self) -> None:
+        super().reset()
+        self._slots = None
+        self._set = None
+        self._len = 0
+        self._seen = 0
+        self.geometry = None
+
+    def _rebatch(self, fn) -> None:
+        if self._slots is None:
+            return
+        live = {name: fn(t[:, :, : self._len]) for name, t in self._slots.items()}
+        batch = live["keys"].shape[0]
+        if batch == self.geometry.batch:
+            for name, t in live.items():
+                self._slots[name][:, :, : self._len].copy_(t)
+            return
+        length, self._slots = self._len, None
+        self._len = 0
+        self._allocate(max(self._capacity_for(self.seen), length), batch, live["keys"], live["values"])
+        for name, t in live.items():
+            self._slots[name][:, :, :length].copy_(t)
+        self._len = length
+
+    # ---- state ----------------------------------------------------------------------------
+
+    def options(self) -> dict[str, Any]:
+        return {"budget": self.budget, "policy": self.policy.name, "recent": self.recent, "sinks": self.sinks}
+
+    def state(self) -> LayerState:
+        tensors = {} if self._slots is None else {name: t[:, :, : self._len] for name, t in self._slots.items()}
+        return LayerState(self.kind, self.options(), self.seen, tensors)
+
+    def check_state(self, state: LayerState) -> None:
+        super().check_state(state)
+        if "keys" not in state.tensors:
+            return
+        length = state.tensors["keys"].shape[:3]
+        for name in ("positions", "scores"):
+            t = state.tensors.get(name)
+            if t is None or tuple(t.shape) != tuple(length):
+                raise ValueError(
+                    f"evicting layer state needs {name!r} of shape {tuple(length)}, got "
+                    f"{None if t is None else tuple(t.shape)}"
+                )
+
+    def load_state(self, state: LayerState) -> None:
+        self.check_state(state)
+        self.reset()
+        if "keys" in state.tensors:
+            t = state.tensors
+            self._seen = int(state.seen)
+            self._keep_best(
+                {"keys": t["keys"], "values": t["values"], "positions": t["positions"].long(),
+                 "scores": t["scores"].float()},
+                t["keys"].shape[2],
+            )
+        self._seen = int(state.seen)
+
+
+def _check_budget(budget: int | float) -> int | float:
+    if isinstance(budget, float) and not budget.is_integer():
+        if not 0 < budget < 1:
+            raise ValueError(f"a fractional budget must be in (0, 1) (a share of the tokens seen), got {budget}")
+        return budget
+    if int(budget) < 1:
+        raise ValueError(f"budget must be >= 1 token (or a fraction in (0, 1)), got {budget}")
+    return int(budget)
