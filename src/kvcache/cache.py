@@ -20,7 +20,7 @@ from transformers.cache_utils import Cache, DummyLayer, get_layer_types_and_kwar
 
 from .errors import ShapeError, SpecError, UnsupportedOperation
 from .hf import ATTENTION_NAME, HFLayer, crop_count
-from .layers import ConcatLayer, EvictingLayer, GrowableLayer, KVLayer, LayerState, StaticLayer, WindowLayer
+from .layers import ConcatLayer, EvictingLayer, GrowableLayer, KVLayer, LayerState, QuantizedLayer, StaticLayer, WindowLayer
 from .spec import EVICTION_KINDS, CacheSpec, parse_spec
 
 #: Config fields that decide whether a saved cache fits a model.
@@ -231,6 +231,8 @@ def _full_layer(spec: CacheSpec, buffers: tuple[torch.Tensor, torch.Tensor] | No
         return ConcatLayer()
     if spec.kind == "window":
         return WindowLayer(**opts)
+    if spec.kind == "quantized":
+        return QuantizedLayer(**opts)
     if spec.kind in EVICTION_KINDS:
         return EvictingLayer(policy=spec.kind, **opts)
     raise SpecError(f"no full-attention layer for kind {spec.kind!r}")

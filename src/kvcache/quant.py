@@ -37,11 +37,10 @@ BITS = (8, 4)
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 _U32 = 2.0**-24  # float32 unit roundoff
-# Unit roundoff and smallest positive (subnormal) value of the dtypes a result can be rounded to.
+# Unit roundoff and smallest positive (subnormal) value of the dtypes narrower than float32.
 _ROUNDING = {
     torch.float16: (2.0**-11, 2.0**-24),
     torch.bfloat16: (2.0**-8, 2.0**-133),
-    torch.float32: (2.0**-24, 2.0**-149),
 }
 # Inputs stay below this in magnitude so that codes * scale + minimum, computed in float32, can
 # neither overflow float32 nor round past bf16's largest value (range <= 2**127, top < 2**128).
@@ -206,8 +205,8 @@ def _encode(x: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor, bits: int) -> t
     """Codes of ``x`` (uint8, x's shape) and the stored scale for groups with min/max ``mn``/``mx``.
 
     ``mn``/``mx`` broadcast against ``x``. The statistics are small, so the scale is computed in
-    float64 (no float32 overflow of ``max - min``, no subnormal precision loss) and then rounded
-    up to x's dtype; the codes are computed in float32.
+    float64 (exact enough to round up reliably, subnormals included) and then rounded up to x's
+    dtype; the codes are computed in float32.
     """
     _check_range(mn, mx)
     levels = 2**bits - 1

@@ -1,5 +1,5 @@
 """Cache specs: ``"growable"``, ``"static:capacity=8192"``, ``"window:window=1024,sinks=4"``,
-``"h2o:budget=1024"`` (or ``tova``, ``lastrec``; a budget below 1 is a fraction of the tokens
+``"quantized:bits=4"``, ``"h2o:budget=1024"`` (or ``tova``, ``lastrec``; a budget below 1 is a fraction of the tokens
 seen), ``"concat"``.
 
 A spec is a kind, then optionally ``:`` and comma-separated ``name=value`` options. The same parser
@@ -29,6 +29,7 @@ SPEC_OPTIONS: dict[str, dict[str, type]] = {
     "growable": {"initial_capacity": int, "growth": float},
     "static": {"capacity": int, "buffers": object},
     "window": {"window": int, "sinks": int},
+    "quantized": {"bits": int, "group_size": int, "residual": int},
     **{kind: dict(_EVICTION_OPTIONS) for kind in EVICTION_KINDS},
     "concat": {},
 }
@@ -48,6 +49,8 @@ _BOUNDS: dict[str, tuple[float, bool]] = {
     "sinks": (0, True),
     "recent": (0, True),
     "budget": (0, False),
+    "group_size": (1, True),
+    "residual": (0, True),
 }
 
 

@@ -5,12 +5,13 @@ from .buffer import BufferLayer
 from .concat import ConcatLayer
 from .evicting import EvictingLayer
 from .growable import GrowableLayer
+from .quantized import QuantizedLayer
 from .static import StaticLayer
 from .window import WindowLayer
 
 #: Every layer kind by its name, as used in specs and saved files.
 LAYER_KINDS: dict[str, type[KVLayer]] = {
-    cls.kind: cls for cls in (ConcatLayer, GrowableLayer, StaticLayer, WindowLayer, EvictingLayer)
+    cls.kind: cls for cls in (ConcatLayer, GrowableLayer, StaticLayer, WindowLayer, EvictingLayer, QuantizedLayer)
 }
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "GrowableLayer",
     "KVLayer",
     "LayerState",
+    "QuantizedLayer",
     "StaticLayer",
     "WindowLayer",
 ]
