@@ -22,7 +22,7 @@ def number(value: Any) -> int | float:
 
 #: The eviction policies, each a spec kind of its own (``policies.py``).
 EVICTION_KINDS = ("h2o", "tova", "lastrec")
-_EVICTION_OPTIONS: dict[str, type] = {"budget": number, "recent": int, "sinks": int}
+_EVICTION_OPTIONS: dict[str, type] = {"budget": number, "recent": int, "sinks": int, "storage": str}
 
 #: Option name -> type, per kind. Options typed ``object`` are Python-only (not from a string).
 SPEC_OPTIONS: dict[str, dict[str, type]] = {

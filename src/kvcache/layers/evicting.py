@@ -26,9 +26,7 @@ from ..errors import UnsupportedOperation
 from ..policies import Policy, get_policy
 from .base import Geometry, LayerState
 from .bounded import AttentionSet, BoundedLayer
-
-_SLOT_TENSORS = ("keys", "values", "positions", "scores")
-
+from .slots import get_storage
 
 class EvictingLayer(BoundedLayer):
     kind = "evicting"
@@ -39,9 +37,11 @@ class EvictingLayer(BoundedLayer):
         policy: str | Policy = "h2o",
         recent: int | None = None,
         sinks: int = 0,
+        storage: str = "full",
     ) -> None:
         super().__init__()
         self.policy = get_policy(policy) if isinstance(policy, str) else policy
+        self.storage = get_storage(storage)
         self.budget = _check_budget(budget)
         self.sinks = int(sinks)
         if self.sinks < 0:
@@ -79,17 +79,18 @@ class EvictingLayer(BoundedLayer):
 
     @property
     def capacity(self) -> int:
-        return 0 if self._slots is None else self._slots["keys"].shape[2]
+        return 0 if self._slots is None else self._slots["positions"].shape[2]
 
     @property
     def nbytes(self) -> int:
-        """Keys, values and the per-slot position and score."""
+        """Keys and values as stored (codes and scales for int8/int4) and each slot's position and score."""
         return 0 if self._slots is None else sum(t.nbytes for t in self._slots.values())
 
     def view(self):
+        """Stored keys and values in slot order: views for full storage, dequantized copies otherwise."""
         if self._slots is None:
             return None, None
-        return self._slots["keys"][:, :, : self._len], self._slots["values"][:, :, : self._len]
+        return self.storage.decode(self._slots, self._len, self.geometry)
 
     def positions(self) -> torch.Tensor:
         if self._slots is None:
@@ -110,7 +111,7 @@ class EvictingLayer(BoundedLayer):
         batch, heads, n = key.shape[:3]
         seen = self.seen
         pos = torch.arange(seen, seen + n, device=key.device).expand(batch, heads, n)
-        new = {"keys": key, "values": value, "positions": pos, "scores": self.policy.initial(pos)}
+        new = {**self.storage.encode(key, value), "positions": pos, "scores": self.policy.initial(pos)}
         if self._len + n <= max(self.capacity, self._capacity_for(seen + n)):
             self._ensure_capacity(self._len + n, key, value)
             for name, t in new.items():
@@ -119,14 +120,18 @@ class EvictingLayer(BoundedLayer):
             self._seen = seen + n
             keys, values = self.view()
             return self._set_pending(AttentionSet(keys, values, self.positions(), seen, all_visible=n == 1), n)
-        # Too many new tokens for the spare room: attend a temporary concatenation, keep the best.
+        # Too many new tokens for the spare room: attend a temporary concatenation (the new tokens
+        # in full precision), then keep the best.
         if self._slots is None:
             self.geometry = Geometry.of(key, value)
-        kept = {name: self._slots[name][:, :, : self._len] if self._slots else None for name in new}
-        self._set = {name: t if kept[name] is None else torch.cat([kept[name], t], dim=2) for name, t in new.items()}
+            keys, values = key, value
+            self._set = new
+        else:
+            old_k, old_v = self.view()
+            keys, values = torch.cat([old_k, key], dim=2), torch.cat([old_v, value], dim=2)
+            self._set = {name: torch.cat([self._slots[name][:, :, : self._len], t], dim=2) for name, t in new.items()}
         self._seen = seen + n
-        s = self._set
-        return self._set_pending(AttentionSet(s["keys"], s["values"], s["positions"], seen), n)
+        return self._set_pending(AttentionSet(keys, values, self._set["positions"], seen), n)
 
     def _capacity_for(self, seen: int) -> int:
         """Slots allocated for ``seen`` tokens: the budget then and one spare for a decode step."""
@@ -140,11 +145,10 @@ class EvictingLayer(BoundedLayer):
             target = max(target, 2 * self.capacity)
         self._allocate(max(need, target), key.shape[0] if self._slots is None else self.geometry.batch, key, value)
 
-    def _allocate(self, capacity: int, batch: int, key, value) -> None:
+    def _allocate(self, capacity: int, batch: int, key=None, value=None) -> None:
         g = self.geometry or Geometry.of(key, value)
         shapes = {
-            "keys": ((batch, g.heads, capacity, g.key_dim), g.dtype),
-            "values": ((batch, g.heads, capacity, g.value_dim), g.dtype),
+            **self.storage.shapes(g, batch, capacity),
             "positions": ((batch, g.heads, capacity), torch.long),
             "scores": ((batch, g.heads, capacity), torch.float32),
         }
@@ -191,7 +195,7 @@ class EvictingLayer(BoundedLayer):
 
     def _keep_best(self, slots: dict[str, torch.Tensor], keep: int) -> None:
         """Store the ``keep`` best of ``slots`` (tensors ``[B, H, N(, D)]``, not views of the store)."""
-        n = slots["keys"].shape[2]
+        n = slots["positions"].shape[2]
         if n > keep:
             key = self._eviction_key(slots["scores"], slots["positions"])
             index = key.topk(keep, dim=-1).indices.sort(dim=-1).values  # [B, H, keep], in slot order
@@ -199,12 +203,12 @@ class EvictingLayer(BoundedLayer):
                 name: t.gather(2, index if t.dim() == 3 else index.unsqueeze(-1).expand(*index.shape, t.shape[-1]))
                 for name, t in slots.items()
             }
-        kept = slots["keys"].shape[2]
+        kept = slots["positions"].shape[2]
         target = self._capacity_for(self.seen)
         if self._slots is None or self.capacity < kept or self.capacity > 2 * target:
             self._len = 0
             self._slots = None
-            self._allocate(max(target, kept), slots["keys"].shape[0], slots["keys"], slots["values"])
+            self._allocate(max(target, kept), slots["positions"].shape[0])
         for name, t in slots.items():
             self._slots[name][:, :, :kept].copy_(t)
         self._len = kept
@@ -234,14 +238,14 @@ class EvictingLayer(BoundedLayer):
         if self._slots is None:
             return
         live = {name: fn(t[:, :, : self._len]) for name, t in self._slots.items()}
-        batch = live["keys"].shape[0]
+        batch = live["positions"].shape[0]
         if batch == self.geometry.batch:
             for name, t in live.items():
                 self._slots[name][:, :, : self._len].copy_(t)
             return
         length, self._slots = self._len, None
         self._len = 0
-        self._allocate(max(self._capacity_for(self.seen), length), batch, live["keys"], live["values"])
+        self._allocate(max(self._capacity_for(self.seen), length), batch)
         for name, t in live.items():
             self._slots[name][:, :, :length].copy_(t)
         self._len = length
@@ -249,7 +253,13 @@ class EvictingLayer(BoundedLayer):
     # ---- state ----------------------------------------------------------------------------
 
     def options(self) -> dict[str, Any]:
-        return {"budget": self.budget, "policy": self.policy.name, "recent": self.recent, "sinks": self.sinks}
+        return {
+            "budget": self.budget,
+            "policy": self.policy.name,
+            "recent": self.recent,
+            "sinks": self.sinks,
+            "storage": self.storage.name,
+        }
 
     def state(self) -> LayerState:
         tensors = {} if self._slots is None else {name: t[:, :, : self._len] for name, t in self._slots.items()}
@@ -257,28 +267,28 @@ class EvictingLayer(BoundedLayer):
 
     def check_state(self, state: LayerState) -> None:
         super().check_state(state)
-        if "keys" not in state.tensors:
+        if not state.tensors:
             return
-        length = state.tensors["keys"].shape[:3]
-        for name in ("positions", "scores"):
+        if "positions" not in state.tensors:
+            raise ValueError("evicting layer state needs 'positions'")
+        length = state.tensors["positions"].shape[:3]
+        for name in (*self.storage.names, "scores"):
             t = state.tensors.get(name)
-            if t is None or tuple(t.shape) != tuple(length):
+            if t is None or tuple(t.shape[:3]) != tuple(length):
                 raise ValueError(
-                    f"evicting layer state needs {name!r} of shape {tuple(length)}, got "
+                    f"evicting layer state needs {name!r} with slots {tuple(length)}, got "
                     f"{None if t is None else tuple(t.shape)}"
                 )
 
     def load_state(self, state: LayerState) -> None:
         self.check_state(state)
         self.reset()
-        if "keys" in state.tensors:
-            t = state.tensors
+        if state.tensors:
+            t = dict(state.tensors)
+            self.geometry = self.storage.geometry(t)
+            t["positions"], t["scores"] = t["positions"].long(), t["scores"].float()
             self._seen = int(state.seen)
-            self._keep_best(
-                {"keys": t["keys"], "values": t["values"], "positions": t["positions"].long(),
-                 "scores": t["scores"].float()},
-                t["keys"].shape[2],
-            )
+            self._keep_best(t, t["positions"].shape[2])
         self._seen = int(state.seen)
 
 
