@@ -20,6 +20,7 @@ from transformers.cache_utils import Cache, DummyLayer, get_layer_types_and_kwar
 
 from .errors import ShapeError, SpecError, UnsupportedOperation
 from .hf import ATTENTION_NAME, HFLayer, crop_count
+from .layers.base import check_kv
 from .layers import ConcatLayer, EvictingLayer, GrowableLayer, KVLayer, LayerState, QuantizedLayer, StaticLayer, WindowLayer
 from .spec import EVICTION_KINDS, CacheSpec, parse_spec
 
@@ -80,6 +81,24 @@ class KVCache(Cache):
             for store in self._can_refuse:
                 store.check_append(key_states.shape[-2])
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def extend(self, past: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
+        """Append keys/values computed elsewhere (e.g. another cache's ``[(keys, values), ...]``,
+        ``[B, Hkv, S, D]`` per layer, None for layers without a cache), with no attention pass:
+        bounded layers keep what their policy keeps without attention scores."""
+        if len(past) != len(self.stores):
+            raise ShapeError(f"extend: expected one (keys, values) per layer ({len(self.stores)}), got {len(past)}")
+        for store, pair in zip(self.stores, past):
+            if (store is None) != (pair is None):
+                raise ShapeError("extend: layers without a cache need None, the others a (keys, values) pair")
+            if store is not None:
+                check_kv(*pair, store.geometry)  # every layer checked before any changes
+                store.check_append(pair[0].shape[2])
+        for store, pair in zip(self.stores, past):
+            if store is not None:
+                store.update(*pair)
+                if store.needs_own_attention:
+                    store.skip_attention()
 
     # ---- sizes ----------------------------------------------------------------------------
 

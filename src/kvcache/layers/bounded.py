@@ -92,6 +92,13 @@ class BoundedLayer(KVLayer):
         self._attended(weights)
         return out
 
+    def skip_attention(self) -> None:
+        """Let the last update's tokens go unattended (keys/values imported from elsewhere): the
+        layer settles as if attention had run and reported nothing (eviction uses the scores it has)."""
+        if self._pending is not None:
+            self._pending = None
+            self._attended(None)
+
     def _set_pending(self, pending: AttentionSet, queries: int) -> tuple[torch.Tensor, torch.Tensor]:
         self._pending = pending
         self._pending_queries = queries
