@@ -100,6 +100,11 @@ class KVCache(Cache):
                 if store.needs_own_attention:
                     store.skip_attention()
 
+    @property
+    def needs_kvcache_attention(self) -> bool:
+        """Whether a layer is bounded, so the model must run the ``"kvcache"`` attention."""
+        return any(s.needs_own_attention for s in self._live)
+
     # ---- sizes ----------------------------------------------------------------------------
 
     @property
@@ -215,16 +220,20 @@ def make_cache(model: Any, spec: str | CacheSpec = "growable", **options: Any) -
             stores.append(WindowLayer(window=kwargs["sliding_window"]))
         elif layer_type == "full_attention":
             pair = None if buffers is None else buffers[full_seen]
-            stores.append(_full_layer(parsed, pair))
+            try:
+                stores.append(_full_layer(parsed, pair))
+            except ValueError as e:  # a layer's own check of its options
+                raise SpecError(f"cache spec {str(parsed)!r}: {e}") from None
             full_seen += 1
         else:
             raise UnsupportedOperation(
                 f"layer {i} of this model has type {layer_type!r}; kvcache handles "
                 f"'full_attention' and {' and '.join(repr(t) for t in SLIDING_TYPES)} layers"
             )
-    if any(s is not None and s.needs_own_attention for s in stores):
+    cache = KVCache(stores, parsed, config_summary(config))
+    if cache.needs_kvcache_attention:
         use_kvcache_attention(model)
-    return KVCache(stores, parsed, config_summary(config))
+    return cache
 
 
 def use_kvcache_attention(model: Any) -> None:

@@ -147,10 +147,11 @@ def read_header(raw: bytes, path: str, file_size: int | None = None) -> tuple[di
 def load_cache(path: str | os.PathLike, model: Any, *, device: str | torch.device | None = None) -> KVCache:
     """Load a cache saved by ``KVCache.save`` for ``model`` (a model or its config).
 
-    Tensors go to ``device`` (default: the model's device, else CPU). Raises a ``CacheFileError``
+    Tensors go to ``device`` (default: the model's device, else CPU). A cache with bounded layers
+    switches ``model`` to the ``"kvcache"`` attention, as ``make_cache`` does. Raises a ``CacheFileError``
     subclass naming the problem for truncated, corrupted, foreign or other-model files.
     """
-    from .cache import config_summary, text_config
+    from .cache import config_summary, text_config, use_kvcache_attention
 
     summary = config_summary(text_config(model))  # a wrong `model` is the caller's error, not the file's
     path = str(path)
@@ -158,12 +159,15 @@ def load_cache(path: str | os.PathLike, model: Any, *, device: str | torch.devic
     if device is None:
         device = next((p.device for p in getattr(model, "parameters", lambda: iter(()))()), torch.device("cpu"))
     try:
-        return _build(meta, path, summary, device)
+        cache = _build(meta, path, summary, device)
     except CacheFileError:
         raise
     except (KeyError, TypeError, ValueError, IndexError) as e:
         # The header checksum passed, so this is a file written by another tool or version.
         raise CorruptedFileError(f"{path}: the cache metadata cannot be used ({type(e).__name__}: {e})") from None
+    if cache.needs_kvcache_attention:
+        use_kvcache_attention(model)
+    return cache
 
 
 def _build(meta: dict[str, str], path: str, summary: dict[str, Any], device) -> KVCache:
