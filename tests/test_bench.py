@@ -57,6 +57,7 @@ FIELDS = {
         "peak_bytes": positive_int,
         "final_bytes": positive_int,
     },
+    "bounded": {"part": text, "contender": text, "spec": text},  # per-part checks: test_bench_bounded.py
     "decode": {
         "variant": text,
         "query_heads": positive_int,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-SUITES: tuple[str, ...] = ("update", "decode", "attention", "memory", "resume")
+SUITES: tuple[str, ...] = ("update", "decode", "attention", "memory", "resume", "bounded")
 
 
 def get_suite(name: str) -> ModuleType:
