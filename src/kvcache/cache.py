@@ -198,10 +198,19 @@ def fingerprint_of(summary: dict[str, Any]) -> str:
 def make_cache(model: Any, spec: str | CacheSpec = "growable", **options: Any) -> KVCache:
     """A cache for ``model`` (a ``transformers`` model or config), ready for ``generate``.
 
-    ``spec`` is ``"growable"`` (default), ``"static:capacity=N"`` or ``"concat"``; keyword options
-    override the spec's, e.g. ``make_cache(model, "static", capacity=4096)``. Static caches also take
-    ``buffers=[(keys, values), ...]``, one caller-owned pair ``[B, Hkv, C, D]`` per full-attention
-    layer, written in place.
+    ``spec`` is a kind with options, as a string or keywords (``make_cache(model, "static",
+    capacity=4096)``; keywords override the string's):
+
+    - unbounded: ``"growable"`` (default), ``"static:capacity=N"`` (or caller-owned
+      ``buffers=[(keys, values), ...]``, one pair ``[B, Hkv, C, D]`` per full-attention layer),
+      ``"concat"``;
+    - bounded: ``"window:window=W,sinks=S"``; ``"h2o:budget=N"``, ``"tova:..."``,
+      ``"lastrec:..."`` (``budget`` in tokens, or below 1 a fraction of the tokens seen; ``recent``,
+      ``sinks`` protected; ``storage=full|int8|int4``); ``"quantized:bits=4,group_size=64,residual=32"``.
+
+    The model's own sliding-window layers always get a ``WindowLayer`` of its window. With any
+    bounded layer, ``model`` is switched to the ``"kvcache"`` attention implementation, which
+    bounded layers need (their slots are not the past in order).
     """
     config = text_config(model)
     parsed = parse_spec(spec, **options)
