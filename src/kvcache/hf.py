@@ -60,6 +60,8 @@ class HFLayer(CacheLayerMixin):
         # (and allocates a static layer's buffers up front).
         if not self.store.initialized:
             self.store.update(key_states[:, :, :0], value_states[:, :, :0])
+            if self.store.needs_own_attention:
+                self.store.skip_attention()  # no queries come for an empty append
 
     def update(self, key_states, value_states, *args, **kwargs):
         store = self.store

@@ -138,7 +138,7 @@ class EvictingLayer(BoundedLayer):
         return self.budget_now(seen) + 1
 
     def _ensure_capacity(self, need: int, key, value) -> None:
-        if self.capacity >= need:
+        if self._slots is not None and self.capacity >= need:
             return
         target = self._capacity_for(self.seen + key.shape[2])
         if isinstance(self.budget, float):  # a fraction grows with the sequence: grow geometrically
@@ -190,7 +190,7 @@ class EvictingLayer(BoundedLayer):
         last = self._len - 1
         for name, t in live.items():
             index = weakest if t.dim() == 3 else weakest.unsqueeze(-1).expand(*weakest.shape, t.shape[-1])
-            t.scatter_(2, index, t[:, :, last : last + 1])
+            t.scatter_(2, index, t[:, :, last : last + 1].clone())  # the source must not alias the target
         self._len = last
 
     def _keep_best(self, slots: dict[str, torch.Tensor], keep: int) -> None:
@@ -235,6 +235,7 @@ class EvictingLayer(BoundedLayer):
         self.geometry = None
 
     def _rebatch(self, fn) -> None:
+        self._check_settled("change the batch")
         if self._slots is None:
             return
         live = {name: fn(t[:, :, : self._len]) for name, t in self._slots.items()}
@@ -261,7 +262,15 @@ class EvictingLayer(BoundedLayer):
             "storage": self.storage.name,
         }
 
+    def _check_settled(self, what: str) -> None:
+        if self._set is not None:
+            raise UnsupportedOperation(
+                f"{self.policy.name} layer: cannot {what} between an update that overflowed the budget "
+                f"and its attention (call attend() or skip_attention() first)"
+            )
+
     def state(self) -> LayerState:
+        self._check_settled("take its state")
         tensors = {} if self._slots is None else {name: t[:, :, : self._len] for name, t in self._slots.items()}
         return LayerState(self.kind, self.options(), self.seen, tensors)
 
