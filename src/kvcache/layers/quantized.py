@@ -96,7 +96,7 @@ class QuantizedLayer(BoundedLayer):
         """Dequantized keys of positions ``start:stop`` (block-aligned), ``[B, Hkv, stop - start, D]``."""
         g, q, G = self.geometry, self._q, self.group_size
         blocks = (stop - start) // G
-        codes = q["kcodes"][:, :, start:stop].reshape(g.batch, g.heads, blocks, G, -1)
+        codes = q["kcodes"][:, :, start:stop].reshape(g.batch, g.heads, blocks, G, q["kcodes"].shape[-1])
         scale = q["kscale"][:, :, start // G : stop // G].unsqueeze(3)
         minimum = q["kmin"][:, :, start // G : stop // G].unsqueeze(3)
         out = dequantize_per_channel(Quantized(codes, scale, minimum, self.bits), g.dtype)
@@ -114,11 +114,12 @@ class QuantizedLayer(BoundedLayer):
         if self.geometry is None:
             self._check_dims(key, value)
         copy = None
-        if n > self.residual and seen:  # a chunk that attends in full precision: its past, dequantized
-            past_k, past_v = self._dequantized()
-            copy = (torch.cat([past_k, key], dim=2), torch.cat([past_v, value], dim=2))
-        elif n > self.residual:
-            copy = (key, value)
+        if n > max(self.residual, 1):  # a chunk that attends itself in full precision, and the past as it is
+            if seen:
+                past_k, past_v = self._dequantized()
+                copy = (torch.cat([past_k, key], dim=2), torch.cat([past_v, value], dim=2))
+            else:
+                copy = (key, value)
         plan = self._plan(key, value)  # quantizes (may raise); nothing stored yet
         self._commit(plan, key, value)
         self._seen = seen + n
