@@ -18,7 +18,7 @@ def rows_by(result, *keys):
 
 
 def main() -> None:
-    u, d, a, m, r = (load(n) for n in ("update", "decode", "attention", "memory", "resume"))
+    u, d, a, m, r, b = (load(n) for n in ("update", "decode", "attention", "memory", "resume", "bounded"))
     ur = rows_by(u, "contender", "tokens")
     dr = rows_by(d, "variant", "context", "contender")
     ar = rows_by(a, "variant", "tokens", "contender")
@@ -63,6 +63,7 @@ def main() -> None:
         f"| attention | >= 50% of read bandwidth at 16K | attend MHA {att['mha']:.0%}, GQA {att['gqa']:.0%} "
         f"(SDPA {sdpa['mha']:.0%}, {sdpa['gqa']:.0%}) | no |"
     )
+    bounded_targets(b)
     print()
     print(f"**Decode through `generate`** (`kvcache bench decode`; tokens/s, median of {d['config']['repeats']}; "
           "ours = growable cache + the `kvcache` attention):")
@@ -116,6 +117,71 @@ def main() -> None:
         row = rr[("kvcache", t)]
         print(f"| {t} | {row['file_bytes'] / 2**20:.0f} MiB | {row['save_ms']:.1f} | {row['load_ms']:.1f} | "
               f"{row['save_x_floor']:.2f}x | {row['load_x_floor']:.2f}x |")
+    bounded_tables(b)
+
+
+BOUNDED = ("window", "lastrec", "h2o", "tova", "h2o-int8", "quantized-int8", "quantized-int4")
+
+
+def bounded_targets(b) -> None:
+    dec = rows_by({"rows": [x for x in b["rows"] if x["part"] == "decode"]}, "variant", "context", "contender")
+    byt = rows_by({"rows": [x for x in b["rows"] if x["part"] == "bytes"]}, "contender", "tokens")
+    bw = rows_by({"rows": [x for x in b["rows"] if x["part"] == "bandwidth"]}, "variant", "tokens", "contender")
+    top = max(b["config"]["decode"]["contexts"])
+    best = {v: max(dec[(v, top, n)]["speedup_vs_growable"] for n in BOUNDED) for v in ("mha", "gqa")}
+    print(
+        f"| bounded | >= 5x the full growable cache at 16K with a 1K budget | best GQA {best['gqa']:.2f}x, "
+        f"MHA {best['mha']:.2f}x (window; h2o GQA {dec[('gqa', top, 'h2o')]['speedup_vs_growable']:.2f}x) | no |"
+    )
+    int4 = byt[("quantized-int4", 4096)]["ratio_to_fp16"]
+    print(f"| bounded | int4 storage <= 0.30x fp16 at 4K | {int4:.3f}x | {'yes' if int4 <= 0.30 else 'no'} |")
+    q = {bits: bw[("gqa", 16384, f"quantized-int{bits}")]["bandwidth_fraction"] for bits in (8, 4)}
+    print(
+        f"| bounded | decode attention on quantized storage, fraction of read bandwidth (bytes read) | "
+        f"GQA at 16K: int8 {q[8]:.0%}, int4 {q[4]:.0%} (fp32 growable {bw[('gqa', 16384, 'growable')]['bandwidth_fraction']:.0%}) | reported |"
+    )
+
+
+def bounded_tables(b) -> None:
+    rows = [x for x in b["rows"] if x["part"] == "decode"]
+    dec = rows_by({"rows": rows}, "variant", "context", "contender")
+    c = b["config"]["decode"]
+    print()
+    print(
+        f"**Bounded caches in `generate`** (`kvcache bench bounded`; {c['new_tokens']} tokens after the prefill, "
+        f"budget/window {c['budget']}; tokens/s, median of {c['repeats']}, and the ratio to the full growable cache):"
+    )
+    print()
+    print("| model | context | growable | " + " | ".join(BOUNDED) + " |")
+    print("|---|---|---|" + "---|" * len(BOUNDED))
+    for v in ("gqa", "mha"):
+        for ctx in c["contexts"]:
+            cells = [f"{dec[(v, ctx, n)]['tokens_per_s']:.1f} ({dec[(v, ctx, n)]['speedup_vs_growable']:.2f}x)" for n in BOUNDED]
+            print(f"| {v} | {ctx} | {dec[(v, ctx, 'growable')]['tokens_per_s']:.1f} | " + " | ".join(cells) + " |")
+    byt = rows_by({"rows": [x for x in b["rows"] if x["part"] == "bytes"]}, "contender", "tokens")
+    lengths = b["config"]["bytes"]["lengths"]
+    print()
+    print("**Bytes per token** (fp16, 4 layers x 8 KV heads x 128; everything allocated: codes, scales, "
+          "residual, positions and scores; x = ratio to an fp16 cache holding exactly T tokens):")
+    print()
+    print("| kind | " + " | ".join(f"T={t}" for t in lengths) + " |")
+    print("|---|" + "---|" * len(lengths))
+    for n in ("static", "growable", *BOUNDED):
+        print(f"| {n} | " + " | ".join(f"{byt[(n, t)]['bytes_per_token']:,.0f} ({byt[(n, t)]['ratio_to_fp16']:.3f}x)" for t in lengths) + " |")
+    bw = rows_by({"rows": [x for x in b["rows"] if x["part"] == "bandwidth"]}, "variant", "tokens", "contender")
+    print()
+    print("**Decode attention over quantized storage** (one token: update + attend, fp32; bytes actually read: "
+          "codes, scales, minimums, residual; fraction of the read bandwidth measured in the same run):")
+    print()
+    print("| model | T | growable fp32 | int8 | int4 |")
+    print("|---|---|---|---|---|")
+    for v in ("gqa", "mha"):
+        for t in b["config"]["bandwidth"]["lengths"]:
+            cells = [
+                f"{bw[(v, t, n)]['ms']:.1f} ms, {bw[(v, t, n)]['bandwidth_fraction']:.0%}"
+                for n in ("growable", "quantized-int8", "quantized-int4")
+            ]
+            print(f"| {v} | {t} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -59,7 +59,7 @@ from .common import (
     read_bandwidth,
     write_outputs,
 )
-from .decode import build_model, prefill
+from .decode import build_model, prefill, timed_generate
 
 #: Part 1's contenders, the baseline first.
 DECODE_CONTENDERS = (
@@ -118,19 +118,8 @@ def decode_once(model, spec: str, past, ids: torch.Tensor, new_tokens: int) -> t
     """
     cache = make_cache(model, spec)
     cache.extend(past)
-    model.set_attn_implementation("kvcache")
-    try:
-        result = {}
-
-        def decode() -> None:
-            result["out"] = model.generate(
-                ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, past_key_values=cache
-            )
-
-        seconds = clock(decode, ids.device)
-    finally:
-        model.set_attn_implementation("sdpa")
-    return seconds, result["out"], int(cache.nbytes)
+    seconds, out = timed_generate(model, cache, ids, new_tokens, "kvcache")
+    return seconds, out, int(cache.nbytes)
 
 
 def run_decode(contexts, budget, new_tokens, repeats, layers, device, tiny, bar) -> list[dict[str, Any]]:

@@ -84,7 +84,15 @@ def decode_once(model, name: str, past, ids: torch.Tensor, new_tokens: int) -> t
     cache = make_contender(name, model, ids.shape[1] + new_tokens + 8)
     for layer_idx, (keys, values) in enumerate(past):
         cache.update(keys, values, layer_idx)
-    model.set_attn_implementation("kvcache" if name.endswith("+attend") else "sdpa")
+    attention = "kvcache" if name.endswith("+attend") else "sdpa"
+    seconds, out = timed_generate(model, cache, ids, new_tokens, attention)
+    return seconds, out, cache_bytes(cache)
+
+
+def timed_generate(model, cache, ids: torch.Tensor, new_tokens: int, attention: str) -> tuple[float, torch.Tensor]:
+    """(seconds, all tokens) of ``new_tokens`` greedy steps continuing ``ids`` with ``cache``, the
+    model on ``attention`` for the run (and back on sdpa after)."""
+    model.set_attn_implementation(attention)
     try:
         result = {}
 
@@ -96,7 +104,7 @@ def decode_once(model, name: str, past, ids: torch.Tensor, new_tokens: int) -> t
         seconds = clock(decode, ids.device)
     finally:
         model.set_attn_implementation("sdpa")
-    return seconds, result["out"], cache_bytes(cache)
+    return seconds, result["out"]
 
 
 def run(
