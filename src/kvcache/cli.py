@@ -1,4 +1,4 @@
-"""The ``kvcache`` command line: ``kvcache demo``, ``kvcache generate``, ``kvcache bench``.
+"""The ``kvcache`` command line: ``kvcache demo``, ``kvcache generate``, ``kvcache bench``, ``kvcache eval``.
 
 Each subcommand is one ``add_<name>(subparsers)`` function that builds its parser and sets
 ``handler`` to a ``cmd_<name>(args) -> int`` function; :data:`SUBCOMMANDS` lists them in ``--help``
@@ -427,10 +427,82 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- kvcache eval --------------------------------------------------------------------------
+
+
+def add_eval(subparsers: argparse._SubParsersAction) -> None:
+    from .eval import DEFAULT_BUDGETS, DEFAULT_KINDS, KINDS, QUICK_BUDGETS
+
+    p = subparsers.add_parser(
+        "eval",
+        help="measure what each bounded cache costs in accuracy, against the full cache",
+        description=(
+            "Run the quality harness on the trained model: passkey, associative recall and variable "
+            "tracking accuracy (needle early and late), KL divergence and top-1 agreement with the full "
+            "cache on held-out text, and bytes per token, for each cache kind and budget. Writes "
+            "eval.json, eval.md and eval.png into --out."
+        ),
+    )
+    p.add_argument("--quick", action="store_true", help="a smaller run (under three minutes on 2 cores)")
+    p.add_argument("--out", default=os.path.join("benchmarks", "results"), metavar="DIR", help="output folder (default: %(default)s)")
+    p.add_argument(
+        "--caches",
+        default=",".join(DEFAULT_KINDS),
+        metavar="KIND,...",
+        help=f"cache kinds, from: {', '.join(k for k in KINDS if k != 'full')} (default: %(default)s)",
+    )
+    p.add_argument(
+        "--budgets",
+        default=None,
+        metavar="F,...",
+        help=(
+            "budgets as fractions of the context, for window and eviction (default: "
+            f"{','.join(map(str, DEFAULT_BUDGETS))}; with --quick {','.join(map(str, QUICK_BUDGETS))})"
+        ),
+    )
+    p.add_argument("--model", default=None, metavar="DIR", help="a trained model folder (default: the shipped one)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="(default: %(default)s)")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # seconds-long run for tests
+    p.set_defaults(handler=cmd_eval)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from .eval import KINDS, run, table
+
+    kinds = tuple(k.strip() for k in args.caches.split(",") if k.strip())
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown or not kinds:
+        raise KVCacheError(f"--caches: unknown kind(s) {', '.join(unknown) or '(none given)'}; valid: {', '.join(KINDS)}")
+    budgets = None
+    if args.budgets is not None:
+        try:
+            budgets = tuple(float(b) for b in args.budgets.split(",") if b.strip())
+        except ValueError:
+            raise KVCacheError(f"--budgets: expected fractions like 0.5,0.25, got {args.budgets!r}") from None
+        if not budgets or not all(0 < b < 1 for b in budgets):
+            raise KVCacheError(f"--budgets: every budget must be a fraction in (0, 1), got {args.budgets!r}")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise KVCacheError(f"--out: {out} exists and is not a directory")
+    _check_device(args.device)
+    try:
+        result = run(
+            quick=args.quick, out=out, kinds=kinds, budgets=budgets, model_dir=args.model,
+            device=args.device, progress=args.progress, tiny=args.tiny,
+        )
+    except FileNotFoundError as e:
+        raise KVCacheError(str(e)) from e
+    print(table(result))
+    for ext in ("json", "md", "png"):
+        print(f"wrote {out / f'eval.{ext}'}")
+    return 0
+
+
 # ---- the parser and the entry point --------------------------------------------------------
 
 #: One ``add_<name>`` per subcommand, in ``--help`` order.
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_demo, add_generate, add_bench]
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_demo, add_generate, add_bench, add_eval]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,482 @@
+#!/usr/bin/env python
+"""Train kvcache's small Llama-style model for the quality harness, on the CPU.
+
+The model must retrieve facts from long contexts, so that what a bounded cache (eviction,
+quantization) loses shows up as lost accuracy. Data, all generated here on the fly:
+
+* synthetic retrieval rows from :mod:`kvcache.tasks` (passkey, multi-query associative recall,
+  variable tracking; needle depth uniform in [0, 1]; filler from the ``"train"`` split of the
+  Python standard library's sources, PSF License);
+* plain rows of that same stdlib text;
+* "repeat" rows: a random alphanumeric chunk (8 to length/3 characters) written over and over.
+  Every copy after the first is predictable only by looking back at it, the simplest way to make
+  the copying circuits (induction heads) that retrieval is built from appear within a CPU budget;
+  without them the retrieval answers stayed at chance for the first 600 steps.
+
+Each row is ``<bos> prompt answer \\n``, exactly the row length long. The loss is the mean
+next-token cross-entropy over the row plus ``--answer-weight`` times the mean over the answer
+tokens (every answered query), which is the signal the model must learn.
+
+Reproducible: the weights start from ``--seed``; the rows of step ``s`` are a pure function of
+``(seed, s)``, so a resumed run (``--resume``) sees the same data as an uninterrupted one.
+
+Schedule: ``--phases 128:600:16,256:1400:8,512:600:6,1024:350:3,2048:150:2``
+(``length:share[:batch]``) gives each row length its share of the ``--steps``, in that order (a
+sequence-length curriculum), with that many rows per step (default ``--tokens-per-step //
+length``). AdamW (betas 0.9/0.95,
+weight decay on the matrices), linear warmup over ``--warmup`` steps to ``--lr``, cosine decay to
+``--min-lr-ratio * lr`` at the last step, gradient clipping at ``--clip``.
+
+Every ``--eval-every`` steps: a quick held-out eval (``"heldout"`` filler split, held-out seeds)
+of passkey and associative-recall accuracy at ``--eval-lengths``, needle depths evenly spread
+over [0, 1], measured by teacher forcing: an instance counts as right when the argmax at every
+answer position is the answer's token, which is exactly when greedy decoding produces the
+answer. Results go to ``<out>/train_log.jsonl`` (one JSON object per line) and to stdout.
+
+Every ``--ckpt-every`` steps and at the end, ``<out>`` is a Hugging Face model folder
+(``config.json``, ``generation_config.json``, ``model.safetensors``, ``tokenizer.json``,
+``tokenizer_config.json``, ``README.md``) loadable with ``AutoModelForCausalLM.from_pretrained``
+and ``AutoTokenizer.from_pretrained``; ``trainer_state.pt`` (optimizer, step) beside them is for
+``--resume`` only and is not part of the model.
+
+The tokenizer is byte-level: ids 0..255 are the bytes, 256 ``<pad>``, 257 ``<bos>``, 258
+``<eos>``; encoding adds ``<bos>`` in front (the training rows start with it).
+
+    python tools/train_tiny.py --out /tmp/train/ckpt --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+SPECIALS = ("<pad>", "<bos>", "<eos>")
+PAD_ID, BOS_ID, EOS_ID = 256, 257, 258
+VOCAB_SIZE = 259
+ROW_TASKS = ("passkey", "assoc", "vartrack", "text", "repeat")
+ALNUM = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+
+
+# ---- tokenizer ---------------------------------------------------------------------------------
+
+
+def byte_symbols() -> list[str]:
+    """The printable character that stands for each byte in a byte-level BPE vocabulary.
+
+    Bytes that are visible, non-space Latin-1 characters stand for themselves; the others (control
+    characters, space, DEL, NBSP, soft hyphen) are given the code points from 256 up, in byte
+    order. This is the alphabet of the ``tokenizers`` ``ByteLevel`` pre-tokenizer.
+    """
+    visible = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    symbols = {}
+    extra = 0
+    for b in range(256):
+        if b in visible:
+            symbols[b] = chr(b)
+        else:
+            symbols[b] = chr(256 + extra)
+            extra += 1
+    return [symbols[b] for b in range(256)]
+
+
+def build_tokenizer():
+    """Byte-level ``PreTrainedTokenizerFast``: token id ``b`` is byte ``b``; specials after them."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {symbol: b for b, symbol in enumerate(byte_symbols())}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIALS])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A <bos> $B", special_tokens=[("<bos>", BOS_ID)]
+    )
+    assert [tok.token_to_id(s) for s in SPECIALS] == [PAD_ID, BOS_ID, EOS_ID]
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<bos>",
+        eos_token="<eos>",
+        model_max_length=4096,
+        add_bos_token=True,
+    )
+
+
+def encode(text: str) -> list[int]:
+    """What the saved tokenizer gives for ``text`` (``<bos>`` + UTF-8 bytes), without calling it."""
+    return [BOS_ID, *text.encode("utf-8")]
+
+
+# ---- model -------------------------------------------------------------------------------------
+
+
+def build_model(args: argparse.Namespace):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        head_dim=args.hidden // args.heads,
+        max_position_embeddings=args.max_positions,
+        rope_parameters={"rope_type": "default", "rope_theta": args.rope_theta},
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        pad_token_id=PAD_ID,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(args.seed)
+    return LlamaForCausalLM(config)
+
+
+# ---- data --------------------------------------------------------------------------------------
+
+
+def parse_pairs(text: str, sep: str, cast) -> list[tuple[str, float]]:
+    out = []
+    for item in text.split(","):
+        key, _, value = item.partition(sep)
+        out.append((key.strip(), cast(value)))
+    return out
+
+
+def make_row(rng: random.Random, kind: str, length: int) -> tuple[list[int], list[tuple[int, int]]]:
+    """One training row of exactly ``length`` token ids and its answer spans (token positions)."""
+    from kvcache import tasks
+
+    if kind == "text":
+        return encode(tasks.filler(rng, length - 1, "train")), []
+    if kind == "repeat":
+        # A random alphanumeric chunk written over and over: every copy after the first can only
+        # be predicted by looking back (what induction heads do), which retrieval builds on.
+        n = rng.randint(8, max(8, (length - 1) // 3))
+        chunk = "".join(rng.choice(ALNUM) for _ in range(n))
+        body = (chunk * ((length - 1) // n + 1))[: length - 1]
+        return encode(body), [(1 + n, length)]
+    seed = rng.randrange(2**62)
+    depth = rng.random()
+    options: dict = {}
+    if kind == "assoc":
+        # Pairs block 18 + 10 n, queries 9 + 10 q - 5: keep at least a fifth of the row filler.
+        budget = int(0.8 * length) - 22
+        n_pairs = rng.randint(2, max(2, min(24, budget // 14)))
+        room = (budget - 10 * n_pairs) // 10
+        options = {"n_pairs": n_pairs, "n_queries": max(1, min(n_pairs, rng.randint(n_pairs // 2, n_pairs), room))}
+    elif kind == "vartrack":
+        hops, chains = rng.randint(1, 4), rng.randint(1, 3)
+        while (hops * chains * 16 + 50) > 0.8 * length and hops * chains > 1:
+            hops, chains = max(1, hops - 1), max(1, chains - 1)
+        options = {"hops": hops, "chains": chains}
+    # The answer does not depend on the length: probe it, then fill the row exactly.
+    probe = tasks.make_instance(kind, seed, length=length, depth=depth, split="train", **options)
+    prompt_len = length - 2 - len(probe.answer)  # <bos> ... answer "\n"
+    inst = tasks.make_instance(kind, seed, length=prompt_len, depth=depth, split="train", **options)
+    ids = encode(inst.text + "\n")
+    assert len(ids) == length, (kind, len(ids), length)
+    return ids, [(a + 1, b + 1) for a, b in inst.spans]
+
+
+def make_batch(seed: int, step: int, length: int, batch: int, mix: list[tuple[str, float]]):
+    """``ids [batch, length]`` and ``answer_mask [batch, length]`` (True at answer tokens)."""
+    kinds = [k for k, _ in mix]
+    weights = [w for _, w in mix]
+    ids = torch.empty(batch, length, dtype=torch.long)
+    mask = torch.zeros(batch, length, dtype=torch.bool)
+    for r in range(batch):
+        rng = random.Random(f"train_tiny:{seed}:{step}:{r}")
+        kind = rng.choices(kinds, weights)[0]
+        row, spans = make_row(rng, kind, length)
+        ids[r] = torch.tensor(row)
+        for a, b in spans:
+            mask[r, a:b] = True
+    return ids, mask
+
+
+def parse_phases(text: str, tokens_per_step: int) -> list[tuple[int, float, int]]:
+    """``length:share[:batch]`` items -> ``[(length, share, batch), ...]``; batch defaults to
+    ``tokens_per_step // length``. Shares are relative (counts of steps work too)."""
+    out = []
+    for item in text.split(","):
+        parts = item.split(":")
+        if len(parts) not in (2, 3):
+            raise SystemExit(f"--phases: expected length:share[:batch], got {item!r}")
+        length, share = int(parts[0]), float(parts[1])
+        batch = int(parts[2]) if len(parts) == 3 else max(1, tokens_per_step // length)
+        out.append((length, share, batch))
+    return out
+
+
+def phase_schedule(phases: list[tuple[int, float, int]], steps: int) -> list[tuple[int, int, int]]:
+    """``[(first_step, length, batch), ...]``: each phase gets its share of ``steps``, in order."""
+    total = sum(share for _, share, _ in phases)
+    out, start = [], 0
+    for length, share, batch in phases:
+        out.append((start, length, batch))
+        start += round(steps * share / total)
+    return out
+
+
+def phase_at(schedule: list[tuple[int, int, int]], step: int) -> tuple[int, int]:
+    """``(length, batch)`` of the phase that ``step`` falls in."""
+    current = schedule[0]
+    for phase in schedule:
+        if step >= phase[0]:
+            current = phase
+    return current[1], current[2]
+
+
+def lr_at(step: int, args: argparse.Namespace) -> float:
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * cosine)
+
+
+# ---- loss and evaluation -----------------------------------------------------------------------
+
+
+def losses(model, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean next-token cross-entropy over all tokens and over the answer tokens."""
+    logits = model(input_ids=ids[:, :-1]).logits  # [B, T-1, V]
+    per_token = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="none")
+    answer = mask[:, 1:].flatten()
+    lm = per_token.mean()
+    ans = per_token[answer].mean() if answer.any() else per_token.new_zeros(())
+    return lm, ans
+
+
+@torch.no_grad()
+def heldout_accuracy(model, task: str, length: int, n: int, batch: int = 8) -> float:
+    """Share of ``n`` held-out instances (depths evenly spread over [0, 1]) whose answer greedy
+    decoding would produce (teacher forcing: argmax equals the answer at every answer token)."""
+    from kvcache import tasks
+
+    was_training = model.training
+    model.eval()
+    right = 0
+    insts = [
+        tasks.make_instance(task, i, length=length, depth=i / max(1, n - 1), split="heldout") for i in range(n)
+    ]
+    for start in range(0, n, batch):
+        chunk = insts[start : start + batch]
+        ids = torch.tensor([encode(inst.text) for inst in chunk])
+        logits = model(input_ids=ids[:, :-1]).logits
+        k = len(chunk[0].answer)
+        pred = logits[:, -k:].argmax(-1)
+        right += int((pred == ids[:, -k:]).all(-1).sum())
+    model.train(was_training)
+    return right / n
+
+
+def evaluate(model, lengths: list[int], n: int) -> dict[str, float]:
+    out = {}
+    for length in lengths:
+        for task in ("passkey", "assoc"):
+            out[f"{task}@{length}"] = heldout_accuracy(model, task, length, n)
+    return out
+
+
+# ---- checkpoints -------------------------------------------------------------------------------
+
+
+def model_card(args: argparse.Namespace, model, step: int, evals: dict | None) -> str:
+    c = model.config
+    n_params = sum(p.numel() for p in model.parameters())
+    lines = [
+        "# kvcache tiny retrieval model",
+        "",
+        f"A {n_params / 1e6:.2f}M-parameter Llama-style causal LM (`LlamaForCausalLM`: {c.num_hidden_layers} "
+        f"layers, hidden {c.hidden_size}, MLP {c.intermediate_size}, {c.num_attention_heads} query / "
+        f"{c.num_key_value_heads} key-value heads of {c.head_dim}, RoPE theta {args.rope_theta:g}, "
+        f"max positions {c.max_position_embeddings}) trained on the CPU by `tools/train_tiny.py` "
+        f"(step {step} of {args.steps}, seed {args.seed}) for kvcache's quality harness.",
+        "",
+        "Tokenizer: byte-level, ids 0..255 are the bytes, 256 `<pad>`, 257 `<bos>`, 258 `<eos>`; "
+        "encoding adds `<bos>`.",
+        "",
+        "Training data: synthetic retrieval instances (passkey, multi-query associative recall, "
+        "variable tracking; `kvcache.tasks`, train split) and plain text, all drawn from the Python "
+        "standard library's own `*.py` sources (Copyright Python Software Foundation, used under the "
+        "PSF License Agreement, https://docs.python.org/3/license.html). Nothing else.",
+        "",
+        "Command: `python tools/train_tiny.py " + " ".join(args.argv) + "`",
+    ]
+    if evals:
+        lines += ["", "Held-out accuracy at this step (teacher-forced exact match = greedy):", ""]
+        lines += [f"- {k}: {v:.3f}" for k, v in evals.items()]
+    return "\n".join(lines) + "\n"
+
+
+def save_checkpoint(out: Path, model, tokenizer, optimizer, step: int, args, evals: dict | None) -> None:
+    """Write the model folder and ``trainer_state.pt``; each file is renamed into place."""
+    staging = out / ".staging"
+    staging.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(staging, safe_serialization=True)
+    tokenizer.save_pretrained(staging)
+    (staging / "README.md").write_text(model_card(args, model, step, evals), encoding="utf-8")
+    torch.save({"step": step, "optimizer": optimizer.state_dict(), "argv": args.argv}, staging / "trainer_state.pt")
+    for path in sorted(staging.iterdir(), key=lambda p: p.name == "trainer_state.pt"):
+        os.replace(path, out / path.name)
+    staging.rmdir()
+
+
+# ---- main --------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--out", required=True, help="checkpoint folder (a Hugging Face model folder)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=3100)
+    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    p.add_argument(
+        "--phases",
+        default="128:600:16,256:1400:8,512:600:6,1024:350:3,2048:150:2",
+        help="sequence-length curriculum: length:share[:batch] items, in order; shares are relative",
+    )
+    p.add_argument("--tokens-per-step", type=int, default=4096, help="batch = this // length where a phase names none")
+    p.add_argument(
+        "--mix",
+        default="passkey=0.25,assoc=0.35,vartrack=0.05,text=0.1,repeat=0.25",
+        help="row kinds (passkey, assoc, vartrack, text, repeat) and their weights",
+    )
+    p.add_argument("--answer-weight", type=float, default=1.0)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--min-lr-ratio", type=float, default=0.1)
+    p.add_argument("--warmup", type=int, default=40)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--intermediate", type=int, default=512)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--max-positions", type=int, default=4096)
+    p.add_argument("--rope-theta", type=float, default=10000.0)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--eval-every", type=int, default=200)
+    p.add_argument("--eval-lengths", default="256,1024")
+    p.add_argument("--eval-n", type=int, default=20, help="held-out instances per task and length")
+    p.add_argument("--final-eval-lengths", default="256,512,1024,2048")
+    p.add_argument("--final-eval-n", type=int, default=40)
+    p.add_argument("--ckpt-every", type=int, default=200)
+    p.add_argument("--resume", action="store_true", help="continue from <out>/trainer_state.pt if present")
+    p.add_argument("--max-minutes", type=float, default=None, help="stop (and checkpoint) after this long")
+    args = p.parse_args(argv)
+    args.argv = list(argv)
+    args.mix_pairs = parse_pairs(args.mix, "=", float)
+    unknown = [k for k, _ in args.mix_pairs if k not in ROW_TASKS]
+    if unknown:
+        p.error(f"--mix: unknown row kind {unknown[0]!r}; expected {', '.join(ROW_TASKS)}")
+    args.phase_list = parse_phases(args.phases, args.tokens_per_step)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log_path = out / "train_log.jsonl"
+
+    def log(record: dict) -> None:
+        print(json.dumps(record), flush=True)
+        with open(log_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
+    tokenizer = build_tokenizer()
+    model = build_model(args)
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
+    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
+    start = 0
+    state_path = out / "trainer_state.pt"
+    if args.resume and state_path.exists():
+        from safetensors.torch import load_file
+
+        model.load_state_dict(load_file(out / "model.safetensors"))
+        state = torch.load(state_path, weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])
+        start = state["step"]
+        log({"event": "resume", "step": start})
+    model.train()
+
+    schedule = phase_schedule(args.phase_list, args.steps)
+    n_params = sum(p.numel() for p in model.parameters())
+    log({"event": "start", "params": n_params, "schedule": schedule, "argv": args.argv, "threads": args.threads,
+         "torch": torch.__version__})
+    eval_lengths = [int(x) for x in args.eval_lengths.split(",") if x]
+    t0 = time.time()
+    window: list[tuple[float, float, float]] = []
+    step = start
+    evals = None
+    while step < args.steps:
+        length, batch = phase_at(schedule, step)
+        lr = lr_at(step, args)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        t_step = time.time()
+        ids, mask = make_batch(args.seed, step, length, batch, args.mix_pairs)
+        t_data = time.time() - t_step
+        lm, ans = losses(model, ids, mask)
+        loss = lm + args.answer_weight * ans
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        optimizer.step()
+        step += 1
+        window.append((lm.item(), ans.item(), time.time() - t_step))
+        if step % args.log_every == 0 or step == args.steps:
+            n = len(window)
+            log({
+                "step": step, "len": length, "batch": batch, "lr": round(lr, 6),
+                "loss": round(sum(w[0] for w in window) / n, 4), "answer_loss": round(sum(w[1] for w in window) / n, 4),
+                "grad_norm": round(float(grad_norm), 3), "step_s": round(sum(w[2] for w in window) / n, 3),
+                "data_s": round(t_data, 3), "elapsed_min": round((time.time() - t0) / 60, 2),
+            })
+            window = []
+        timed_out = args.max_minutes is not None and (time.time() - t0) / 60 >= args.max_minutes
+        if step % args.eval_every == 0 and step < args.steps:
+            t_eval = time.time()
+            evals = evaluate(model, eval_lengths, args.eval_n)
+            log({"event": "eval", "step": step, **evals, "eval_s": round(time.time() - t_eval, 1)})
+        if step % args.ckpt_every == 0 or timed_out:
+            save_checkpoint(out, model, tokenizer, optimizer, step, args, evals)
+            log({"event": "checkpoint", "step": step, "dir": str(out)})
+        if timed_out:
+            log({"event": "stopped", "step": step, "reason": f"--max-minutes {args.max_minutes}"})
+            return 0
+    t_eval = time.time()
+    evals = evaluate(model, [int(x) for x in args.final_eval_lengths.split(",") if x], args.final_eval_n)
+    log({"event": "final_eval", "step": step, **evals, "eval_s": round(time.time() - t_eval, 1)})
+    save_checkpoint(out, model, tokenizer, optimizer, step, args, evals)
+    size = (out / "model.safetensors").stat().st_size
+    log({"event": "done", "step": step, "minutes": round((time.time() - t0) / 60, 2), "model_bytes": size})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
