@@ -15,35 +15,8 @@ import pytest
 import torch
 import transformers
 
+from helpers import boolean, nonneg_int, nonneg_number, positive_int, positive_list, positive_number, text
 from kvcache.bench import SUITES, get_suite
-
-
-def positive_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
-
-
-def nonneg_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
-
-
-def positive_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x > 0
-
-
-def nonneg_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
-
-
-def boolean(x) -> bool:
-    return isinstance(x, bool)
-
-
-def text(x) -> bool:
-    return isinstance(x, str) and bool(x)
-
-
-def positive_list(x) -> bool:
-    return isinstance(x, list) and len(x) > 0 and all(positive_number(v) for v in x)
 
 
 FIELDS = {

@@ -6,41 +6,17 @@ evicted, bytes a decode attention call reads).
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
 import transformers
 
+from helpers import boolean, nonneg_number, positive_int, positive_list, positive_number, text
 from kvcache.bench import SUITES, get_suite
 from kvcache.bench import bounded
 
 FP32, FP16 = 4, 2
 POSITION_AND_SCORE = 8 + 4  # int64 position and float32 score per slot and KV head
-
-
-def positive_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
-
-
-def nonneg_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
-
-
-def positive_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x > 0
-
-
-def text(x) -> bool:
-    return isinstance(x, str) and bool(x)
-
-
-def boolean(x) -> bool:
-    return isinstance(x, bool)
-
-
-def positive_list(x) -> bool:
-    return isinstance(x, list) and len(x) > 0 and all(positive_number(v) for v in x)
 
 
 FIELDS = {

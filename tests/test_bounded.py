@@ -21,9 +21,9 @@ from transformers import DynamicCache
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 import kvcache
-from helpers import hf_attention, layer_fingerprint, model_for, prompt
+from helpers import assert_same_tokens, hf_attention, layer_fingerprint, left_padded, model_for, prompt
 from kvcache.layers import EvictingLayer, WindowLayer
-from kvcache.tiny import FAMILIES, PAD_TOKEN_ID, tiny_model
+from kvcache.tiny import FAMILIES, tiny_model
 
 KINDS = ("window", "h2o", "tova", "lastrec")
 
@@ -81,23 +81,7 @@ def reference_cache(model) -> DynamicCache:
 
 
 def ragged_batch(lengths=RAGGED, seed: int = 21) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(lengths)
-    ids = torch.full((len(lengths), width), PAD_TOKEN_ID, dtype=torch.long)
-    mask = torch.zeros((len(lengths), width), dtype=torch.long)
-    for row, n in enumerate(lengths):
-        ids[row, width - n :] = prompt(n, seed=seed + row)[0]
-        mask[row, width - n :] = 1
-    return ids, mask
-
-
-def assert_same_tokens(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
-    assert ours.shape == ref.shape, f"{what}: shape {tuple(ours.shape)} vs reference {tuple(ref.shape)}"
-    if not torch.equal(ours, ref):
-        rows, cols = (ours != ref).nonzero(as_tuple=True)
-        raise AssertionError(
-            f"{what}: tokens differ from DynamicCache, first at row {rows[0].item()} column {cols[0].item()}\n"
-            f"ours: {ours.tolist()}\nref:  {ref.tolist()}"
-        )
+    return left_padded(lengths, seed)
 
 
 def forward_loop(model, ids, cache, feed, check=None) -> torch.Tensor:

@@ -18,8 +18,8 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 
 import kvcache
 from kvcache.layers import WindowLayer, StaticLayer
-from helpers import hf_attention, model_for, prompt
-from kvcache.tiny import DEFAULT_SLIDING_WINDOW, FAMILIES, PAD_TOKEN_ID, tiny_model
+from helpers import assert_same_tokens, hf_attention, left_padded, model_for, prompt
+from kvcache.tiny import DEFAULT_SLIDING_WINDOW, FAMILIES
 
 SPECS = ("growable", "static:capacity=80", "concat")
 PROMPT_LEN = 40  # longer than the sliding window (16)
@@ -33,14 +33,7 @@ RAGGED_LENGTHS = (40, 23, 9)
 
 
 def ragged_batch(lengths=RAGGED_LENGTHS, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded ``input_ids`` and ``attention_mask`` for prompts of the given lengths."""
-    width = max(lengths)
-    ids = torch.full((len(lengths), width), PAD_TOKEN_ID, dtype=torch.long)
-    mask = torch.zeros((len(lengths), width), dtype=torch.long)
-    for row, n in enumerate(lengths):
-        ids[row, width - n :] = prompt(n, seed=seed + row)[0]
-        mask[row, width - n :] = 1
-    return ids, mask
+    return left_padded(lengths, seed)
 
 
 def reference_cache(model) -> DynamicCache:
@@ -53,16 +46,6 @@ def greedy(model, input_ids, cache, max_new_tokens=NEW_TOKENS, **kwargs):
     with context:
         return model.generate(
             input_ids, past_key_values=cache, max_new_tokens=max_new_tokens, do_sample=False, **kwargs
-        )
-
-
-def assert_same_tokens(ours: torch.Tensor, ref: torch.Tensor, what: str = "") -> None:
-    assert ours.shape == ref.shape, f"{what}: shape {tuple(ours.shape)} vs reference {tuple(ref.shape)}"
-    if not torch.equal(ours, ref):
-        rows, cols = (ours != ref).nonzero(as_tuple=True)
-        raise AssertionError(
-            f"{what}: tokens differ from DynamicCache, first at row {rows[0].item()} "
-            f"column {cols[0].item()}\nours: {ours.tolist()}\nref:  {ref.tolist()}"
         )
 
 
