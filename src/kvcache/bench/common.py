@@ -133,7 +133,7 @@ def finish_axes(ax, xlabel: str, ylabel: str, title: str, log_y: bool = False) -
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize="small")
 
 
 def write_outputs(
