@@ -46,6 +46,7 @@ class BoundedLayer(KVLayer):
     def __init__(self) -> None:
         super().__init__()
         self._pending: AttentionSet | None = None
+        self._pending_queries = 0
 
     @property
     def awaiting_attention(self) -> bool:

@@ -54,7 +54,7 @@ class QuantizedLayer(BoundedLayer):
         self._rv: torch.Tensor | None = None  # [B, Hkv, max(residual, 1), Dv]
         self._tk = 0  # quantized keys (a multiple of group_size)
         self._tv = 0  # quantized values
-        self._copy: AttentionSet | None = None
+        self._reads_store = False  # whether the pending queries attend the store (else a full-precision copy)
         self.geometry = None
         self._seen = 0
 
@@ -123,11 +123,10 @@ class QuantizedLayer(BoundedLayer):
         plan = self._plan(key, value)  # quantizes (may raise); nothing stored yet
         self._commit(plan, key, value)
         self._seen = seen + n
+        self._reads_store = copy is None
         if copy is not None:
             pending = AttentionSet(copy[0], copy[1], torch.arange(seen + n, device=key.device), seen)
-            self._copy = pending
         else:
-            self._copy = None
             pending = AttentionSet(self._rk, self._rv, torch.empty(0), seen, all_visible=n == 1)
         return self._set_pending(pending, n)
 
@@ -217,13 +216,10 @@ class QuantizedLayer(BoundedLayer):
     # ---- attention --------------------------------------------------------------------------
 
     def attend(self, query, *, scale=None, softcap=None, mask=None):
-        if self._copy is not None or self._pending is None:
-            self._copy = None
+        if not self._reads_store or self._pending is None or query.shape[2] != self._pending_queries:
+            # A full-precision copy; or an error (no update, wrong query count) that super() words.
             return super().attend(query, scale=scale, softcap=softcap, mask=mask)
-        first = self._pending.first_query
-        if query.shape[2] != self._pending_queries:
-            return super().attend(query, scale=scale, softcap=softcap, mask=mask)  # raises, naming both
-        self._pending = None
+        first, self._pending = self._pending.first_query, None
         return self._attend_store(query, first, scale, softcap, mask)
 
     def _attend_store(self, query, first_query, scale, softcap, mask) -> torch.Tensor:
