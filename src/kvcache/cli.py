@@ -98,6 +98,14 @@ def _check_device(device: str) -> None:
         raise KVCacheError(f"--device cuda: CUDA is not available ({why}; torch {torch.__version__}); use --device cpu")
 
 
+def _output_dir(path: str) -> Path:
+    """``--out`` as a Path; refused if it exists and is not a directory."""
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise KVCacheError(f"--out: {out} exists and is not a directory")
+    return out
+
+
 # ---- kvcache demo --------------------------------------------------------------------------
 
 
@@ -401,9 +409,7 @@ def add_bench(subparsers: argparse._SubParsersAction) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import get_suite
 
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise KVCacheError(f"--out: {out} exists and is not a directory")
+    out = _output_dir(args.out)
     _check_device(args.device)
     try:
         suite = get_suite(args.suite)
@@ -482,9 +488,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             raise KVCacheError(f"--budgets: expected fractions like 0.5,0.25, got {args.budgets!r}") from None
         if not budgets or not all(0 < b < 1 for b in budgets):
             raise KVCacheError(f"--budgets: every budget must be a fraction in (0, 1), got {args.budgets!r}")
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise KVCacheError(f"--out: {out} exists and is not a directory")
+    out = _output_dir(args.out)
     _check_device(args.device)
     try:
         result = run(
