@@ -53,7 +53,8 @@ def test_tiny_run_writes_the_documented_schema(tiny_result):
     runs = saved["runs"]
     assert all(RUN_KEYS <= set(r) for r in runs)
     caches = {(r["cache"], r["budget"]) for r in runs}
-    assert caches == {("full", "100%"), ("h2o", "25%"), ("window", "25%"), ("quantized", "int8"), ("quantized", "int4")}
+    assert caches == {("full", "100%"), ("h2o", "25%"), ("window", "25%"), ("quantized", "int8"), ("quantized", "int4"),
+                      ("quantized", "int2")}
     tasks_seen = {r["task"] for r in runs}
     assert tasks_seen == {"text"} | {f"{t}-{w}" for t in harness.TASKS for w in harness.DEPTHS}
     for r in runs:
@@ -73,7 +74,8 @@ def test_tiny_run_facts_that_do_not_depend_on_the_weights(tiny_result):
     for key, r in text.items():
         if key != ("full", "100%"):
             assert r["bytes_per_token"] < full["bytes_per_token"], key
-    assert text[("quantized", "int4")]["bytes_per_token"] < text[("quantized", "int8")]["bytes_per_token"]
+    bits = [text[("quantized", f"int{b}")]["bytes_per_token"] for b in (2, 4, 8)]
+    assert bits == sorted(bits) and len(set(bits)) == 3
 
 
 def test_specs_cover_budgets_and_bits():
@@ -82,7 +84,7 @@ def test_specs_cover_budgets_and_bits():
     assert ("window", "50%", "window:window=496,sinks=4") in specs
     assert ("h2o", "10%", "h2o:budget=100") in specs
     assert ("h2o-int8", "50%", "h2o:budget=500,storage=int8") in specs
-    assert {s for k, _, s in specs if k == "quantized"} == {"quantized:bits=8", "quantized:bits=4"}
+    assert {s for k, _, s in specs if k == "quantized"} == {f"quantized:bits={b}" for b in (8, 4, 2)}
     with pytest.raises(ValueError, match="unknown cache kind"):
         harness.specs_for(("sink",), (0.5,), 100)
 

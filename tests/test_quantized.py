@@ -37,7 +37,7 @@ def sdpa_reference(query, keys, values, first_query, mask=None):
     )
 
 
-@pytest.mark.parametrize("bits", (8, 4))
+@pytest.mark.parametrize("bits", (8, 4, 2))
 @pytest.mark.parametrize(("group_size", "residual"), [(4, 3), (8, 0), (16, 8)])
 def test_decode_attention_over_codes_equals_sdpa_over_dequantized_content(bits, group_size, residual):
     g = torch.Generator().manual_seed(bits * 100 + group_size + residual)
@@ -76,7 +76,7 @@ def test_padding_mask_and_softcap_on_the_store_path():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("bits", (8, 4))
+@pytest.mark.parametrize("bits", (8, 4, 2))
 def test_residual_stays_exact_and_the_rest_within_the_quantization_bound(bits):
     group_size, residual = 8, 5
     g = torch.Generator().manual_seed(bits)
@@ -220,7 +220,7 @@ def test_eviction_over_int8_slots_keeps_positions_and_bytes():
         ("quantized:bits=3", "bits"),
         ("quantized:group_size=0", "group_size"),
         ("quantized:residual=-1", "residual"),
-        ("h2o:budget=8,storage=int2", "storage"),
+        ("h2o:budget=8,storage=int3", "storage"),
     ],
 )
 def test_bad_options_name_the_option(spec, word):
@@ -229,8 +229,12 @@ def test_bad_options_name_the_option(spec, word):
 
 
 def test_head_dims_that_cannot_be_packed_are_refused_and_nothing_changes():
+    layer = QuantizedLayer(bits=2, group_size=4)
+    with pytest.raises(kvcache.ShapeError, match="multiples of 4, got 6 and 6"):
+        layer.update(torch.randn(1, 1, 3, 6), torch.randn(1, 1, 3, 6))
+    assert not layer.initialized and layer.seen == 0 and layer.nbytes == 0
     layer = QuantizedLayer(bits=4, group_size=4)
-    with pytest.raises(kvcache.ShapeError, match="even"):
+    with pytest.raises(kvcache.ShapeError, match="multiples of 2"):
         layer.update(torch.randn(1, 1, 3, 5), torch.randn(1, 1, 3, 5))
     assert not layer.initialized and layer.seen == 0 and layer.nbytes == 0
     layer = QuantizedLayer(bits=8, group_size=4)

@@ -206,7 +206,7 @@ def make_cache(model: Any, spec: str | CacheSpec = "growable", **options: Any) -
       ``"concat"``;
     - bounded: ``"window:window=W,sinks=S"``; ``"h2o:budget=N"``, ``"tova:..."``,
       ``"lastrec:..."`` (``budget`` in tokens, or below 1 a fraction of the tokens seen; ``recent``,
-      ``sinks`` protected; ``storage=full|int8|int4``); ``"quantized:bits=4,group_size=64,residual=32"``.
+      ``sinks`` protected; ``storage=full|int8|int4|int2``); ``"quantized:bits=4,group_size=64,residual=32"`` (bits 8, 4 or 2).
 
     The model's own sliding-window layers always get a ``WindowLayer`` of its window. With any
     bounded layer, ``model`` is switched to the ``"kvcache"`` attention implementation, which

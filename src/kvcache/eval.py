@@ -34,6 +34,7 @@ import torch
 
 from . import tasks
 from .cache import make_cache
+from .trained import MODEL_DIR, load_trained
 
 #: Kinds the harness knows, in report order; "full" is the reference.
 KINDS = ("full", "window", "lastrec", "h2o", "tova", "quantized", "h2o-int8")
@@ -70,7 +71,7 @@ def specs_for(kinds: tuple[str, ...], budgets: tuple[float, ...], context: int) 
         if kind == "full":
             continue
         if kind == "quantized":
-            out += [("quantized", f"int{bits}", f"quantized:bits={bits}") for bits in (8, 4)]
+            out += [("quantized", f"int{bits}", f"quantized:bits={bits}") for bits in (8, 4, 2)]
             continue
         for b in budgets:
             slots = max(SINKS + 1, round(b * context))
@@ -84,25 +85,6 @@ def specs_for(kinds: tuple[str, ...], budgets: tuple[float, ...], context: int) 
             else:
                 raise ValueError(f"unknown cache kind {kind!r} for eval; valid: {', '.join(KINDS)}")
     return out
-
-
-# ---- the shipped model --------------------------------------------------------------------------
-
-
-def default_model_dir() -> Path:
-    return Path(__file__).parent / "weights" / "tiny"
-
-
-def load_trained(model_dir: str | Path | None = None, device: str = "cpu"):
-    """``(model, tokenizer)`` of the trained model (the shipped one unless ``model_dir``)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = Path(model_dir) if model_dir is not None else default_model_dir()
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"no trained model at {path} (config.json missing)")
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True).to(device).eval()
-    return model, tokenizer
 
 
 # ---- runs ---------------------------------------------------------------------------------------
@@ -201,7 +183,7 @@ def run(
     result = {
         "suite": "eval",
         "config": {
-            "model": str(model_dir or default_model_dir().name),
+            "model": str(model_dir or MODEL_DIR.name),
             "context": s.context,
             "instances": s.instances,
             "text_context": s.text_context,

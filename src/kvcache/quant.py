@@ -1,4 +1,4 @@
-"""KIVI-style asymmetric uniform quantization of key/value tensors to 8 or 4 bits.
+"""KIVI-style asymmetric uniform quantization of key/value tensors to 8, 4 or 2 bits.
 
 Each group of values ``x`` is stored as integer codes in ``[0, levels]`` (``levels = 2**bits - 1``)
 plus an affine pair, so that ``x ~= codes * scale + minimum``:
@@ -6,8 +6,9 @@ plus an affine pair, so that ``x ~= codes * scale + minimum``:
 - values are grouped per token (``group`` consecutive channels of one token, KIVI's layout for
   values), keys per channel (one pair per channel over a block of tokens: keys have outlier
   channels, so a channel's range is much narrower than a token's);
-- codes are uint8; 4-bit codes are packed two a byte, element ``2i`` in the low nibble and
-  ``2i + 1`` in the high nibble of byte ``i``;
+- codes are uint8; narrower codes are packed ``8 // bits`` a byte, lowest bits first: 4-bit
+  element ``2i`` in the low nibble and ``2i + 1`` in the high nibble of byte ``i``, 2-bit element
+  ``4i + j`` in bits ``2j .. 2j + 1`` of byte ``i``;
 - ``scale`` and ``minimum`` are stored in the input's dtype (fp32, fp16 or bf16).
 
 ``minimum`` is the group's minimum itself, so it is stored exactly. ``scale`` is
@@ -33,7 +34,7 @@ import torch
 
 from .errors import DTypeError, ShapeError
 
-BITS = (8, 4)
+BITS = (8, 4, 2)
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 _U32 = 2.0**-24  # float32 unit roundoff
@@ -53,7 +54,7 @@ _SAME_WIDTH_INT = {torch.float32: torch.int32, torch.float16: torch.int16, torch
 class Quantized:
     """Codes plus the per-group affine parameters: ``x ~= codes * scale + minimum``.
 
-    codes: uint8; last dim ``D`` for 8 bits, ``D // 2`` for 4 bits (two codes a byte).
+    codes: uint8; last dim ``D * bits // 8`` (``8 // bits`` codes a byte).
     scale, minimum: the input's dtype; ``[..., T, D // group]`` per token, ``[..., 1, D]`` per channel.
     """
 
@@ -71,7 +72,7 @@ class Quantized:
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack uint8 codes ``[..., D]`` (values < ``2**bits``) into ``[..., D * bits // 8]`` bytes.
 
-    8 bits: the codes themselves, not a copy. 4 bits: ``D`` must be even.
+    8 bits: the codes themselves, not a copy. Otherwise ``D`` must be a multiple of ``8 // bits``.
     """
     _check_bits(bits)
     if codes.dtype != torch.uint8:
@@ -80,10 +81,10 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
         raise ShapeError(f"codes need at least one dimension, got a {codes.dim()}-d tensor")
     if bits == 8:
         return codes
-    _check_even(codes.shape[-1])
-    if codes.numel() and bool((codes >> 4).any()):
-        raise ValueError(f"4-bit codes must be < 16, got a maximum of {int(codes.max())}")
-    return _pack4(codes)
+    _check_packable(codes.shape[-1], bits)
+    if codes.numel() and bool((codes >> bits).any()):
+        raise ValueError(f"{bits}-bit codes must be < {2**bits}, got a maximum of {int(codes.max())}")
+    return _pack(codes, bits)
 
 
 def unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
@@ -93,14 +94,13 @@ def unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
         raise DTypeError(f"packed codes must be uint8, got {packed.dtype}")
     if packed.dim() < 1:
         raise ShapeError(f"packed codes need at least one dimension, got a {packed.dim()}-d tensor")
-    if bits == 4:
-        _check_even(dim)
+    _check_packable(dim, bits)
     expected = dim * bits // 8
     if packed.shape[-1] != expected:
         raise ShapeError(
             f"{bits}-bit codes for dim {dim} need a last dim of {expected} bytes, got {packed.shape[-1]}"
         )
-    return packed if bits == 8 else _unpack4(packed)
+    return _unpack(packed, bits)
 
 
 def quantize_per_token(x: torch.Tensor, bits: int, group: int) -> Quantized:
@@ -115,8 +115,7 @@ def quantize_per_token(x: torch.Tensor, bits: int, group: int) -> Quantized:
     d = x.shape[-1]
     if d % group:
         raise ShapeError(f"head dim {d} is not a multiple of the group size {group}")
-    if bits == 4:
-        _check_even(d)
+    _check_packable(d, bits)
     grouped = x.reshape(*x.shape[:-1], d // group, group)
     mn, mx = torch.aminmax(grouped, dim=-1, keepdim=True)
     codes, scale = _encode(grouped, mn, mx, bits)
@@ -147,8 +146,7 @@ def quantize_per_channel(x: torch.Tensor, bits: int) -> Quantized:
     _check_input(x)
     if x.shape[-2] == 0:
         raise ShapeError(f"per-channel quantization needs a block of at least one token, got shape {tuple(x.shape)}")
-    if bits == 4:
-        _check_even(x.shape[-1])
+    _check_packable(x.shape[-1], bits)
     mn, mx = torch.aminmax(x, dim=-2, keepdim=True)
     codes, scale = _encode(x, mn, mx, bits)
     return Quantized(_pack(codes, bits), scale, mn, bits)
@@ -255,22 +253,23 @@ def _round_up(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    return codes if bits == 8 else _pack4(codes)
+    """``[..., D]`` codes < ``2**bits`` -> ``[..., D * bits // 8]`` bytes, lowest bits first."""
+    if bits == 8:
+        return codes
+    per_byte = 8 // bits
+    out = codes[..., 0::per_byte].clone()
+    for j in range(1, per_byte):
+        out |= codes[..., j::per_byte] << (bits * j)
+    return out
 
 
 def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    return packed if bits == 8 else _unpack4(packed)
-
-
-def _pack4(codes: torch.Tensor) -> torch.Tensor:
-    """``[..., D]`` codes < 16 -> ``[..., D // 2]``: element 2i low nibble, 2i + 1 high nibble."""
-    return codes[..., 0::2] | (codes[..., 1::2] << 4)
-
-
-def _unpack4(packed: torch.Tensor) -> torch.Tensor:
-    """``[..., n]`` bytes -> ``[..., 2n]`` codes, the inverse of :func:`_pack4`."""
-    pairs = torch.stack((packed & 0x0F, packed >> 4), dim=-1)
-    return pairs.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+    """``[..., n]`` bytes -> ``[..., n * 8 // bits]`` codes, the inverse of :func:`_pack`."""
+    if bits == 8:
+        return packed
+    mask = 2**bits - 1
+    parts = [(packed >> (bits * j)) & mask for j in range(8 // bits)]
+    return torch.stack(parts, dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 8 // bits)
 
 
 def _check_bits(bits: int) -> None:
@@ -278,9 +277,10 @@ def _check_bits(bits: int) -> None:
         raise ValueError(f"bits must be one of {BITS}, got {bits!r}")
 
 
-def _check_even(d: int) -> None:
-    if d % 2:
-        raise ShapeError(f"4-bit codes pack two a byte, so the head dim must be even, got {d}")
+def _check_packable(d: int, bits: int) -> None:
+    per_byte = 8 // bits
+    if d % per_byte:
+        raise ShapeError(f"{bits}-bit codes pack {per_byte} a byte, so the head dim must be a multiple of {per_byte}, got {d}")
 
 
 def _check_input(x: torch.Tensor) -> None:

@@ -1,8 +1,8 @@
-"""int8/int4 storage with a full-precision residual of recent tokens (KIVI, Liu et al., 2024).
+"""int8/int4/int2 storage with a full-precision residual of recent tokens (KIVI, Liu et al., 2024).
 
 Keys are quantized per channel over blocks of ``group_size`` tokens (keys have outlier channels,
 so each channel gets its own range); values per token, in groups of ``group_size`` channels. Codes
-of 4 bits are packed two per byte. The most recent ``residual`` tokens stay in full precision:
+of 4 and 2 bits are packed two and four per byte. The most recent ``residual`` tokens stay in full precision:
 values leave the residual one token at a time, keys a whole block of ``group_size`` once
 ``residual + group_size`` have gathered (so between ``residual`` and ``residual + group_size - 1``
 recent keys are exact). A prompt's tail stays exact the same way.
@@ -132,8 +132,12 @@ class QuantizedLayer(BoundedLayer):
 
     def _check_dims(self, key, value) -> None:
         d, dv, G = key.shape[3], value.shape[3], self.group_size
-        if self.bits == 4 and (d % 2 or dv % 2):
-            raise ShapeError(f"4-bit storage packs two codes a byte: head dims must be even, got {d} and {dv}")
+        per_byte = 8 // self.bits
+        if d % per_byte or dv % per_byte:
+            raise ShapeError(
+                f"{self.bits}-bit storage packs {per_byte} codes a byte: head dims must be multiples of "
+                f"{per_byte}, got {d} and {dv}"
+            )
         if dv % min(G, dv):
             raise ShapeError(f"value head dim {dv} is not a multiple of group_size {G}")
 

@@ -6,7 +6,7 @@ so that the layer can move, gather and evict slots without knowing what is in th
 run of slots back into full-precision keys and values for attention.
 
 - ``full``: the keys and values themselves; reading them back is a view.
-- ``int8`` / ``int4``: every slot quantized on its own, keys and values per token in groups of
+- ``int8`` / ``int4`` / ``int2``: every slot quantized on its own, keys and values per token in groups of
   channels (a slot can then be overwritten alone, which per-channel key blocks would not allow);
   reading back dequantizes the slots (a temporary of the budget's size, once per step).
 """
@@ -18,7 +18,7 @@ import torch
 from ..quant import Quantized, dequantize_per_token, quantize_per_token
 from .base import Geometry
 
-STORAGES = ("full", "int8", "int4")
+STORAGES = ("full", "int8", "int4", "int2")
 
 
 class FullSlots:
@@ -86,6 +86,6 @@ class QuantSlots:
 def get_storage(name: str) -> FullSlots | QuantSlots:
     if name == "full":
         return FullSlots()
-    if name in ("int8", "int4"):
+    if name in STORAGES[1:]:
         return QuantSlots(int(name[3:]))
     raise ValueError(f"unknown slot storage {name!r}; choose one of {STORAGES}")
