@@ -25,11 +25,23 @@ Reproducible: the weights start from ``--seed``; the rows of step ``s`` are a pu
 ``(seed, s)``, so a resumed run (``--resume``) sees the same data as an uninterrupted one.
 
 Schedule: ``--phases 128:600:16,256:1400:8,512:600:6,1024:350:3,2048:150:2``
-(``length:share[:batch]``) gives each row length its share of the ``--steps``, in that order (a
-sequence-length curriculum), with that many rows per step (default ``--tokens-per-step //
-length``). AdamW (betas 0.9/0.95,
-weight decay on the matrices), linear warmup over ``--warmup`` steps to ``--lr``, cosine decay to
-``--min-lr-ratio * lr`` at the last step, gradient clipping at ``--clip``.
+(``length[/length...]:share[:batch]``) gives each phase its share of the ``--steps``, in that
+order, with that many rows per step (default ``--tokens-per-step // length``). A phase that names
+several lengths (``256/512/1024``) cycles through them step by step, with ``--tokens-per-step //
+length`` rows each. AdamW (betas 0.9/0.95, weight decay on the matrices), linear warmup over
+``--warmup`` steps to ``--lr``, cosine decay to ``--min-lr-ratio * lr`` at the last step, gradient
+clipping at ``--clip``.
+
+Stages: ``--init DIR`` starts from the weights of another run's folder, with a fresh optimizer and
+schedule; the model card lists every stage's command. A strict curriculum forgets: after the
+1024 phase the first stage solved pass keys at 1K and no longer at 256. The shipped model is
+that first stage (up to step 3000) followed by a second stage on mixed lengths:
+
+    python tools/train_tiny.py --out .train/ckpt-step3000 --seed 0 --threads 2 --steps 3100 --stop-at 3000
+    python tools/train_tiny.py --out .train/stage2 --init .train/ckpt-step3000 --seed 1 --threads 2 \
+        --steps 1600 --lr 8e-4 --warmup 50 --phases 256/512/1024:1 \
+        --mix passkey=0.25,assoc=0.5,vartrack=0.05,text=0.05,repeat=0.15 \
+        --eval-lengths 256,512,1024 --final-eval-lengths 256,512,1024,2048
 
 Every ``--eval-every`` steps: a quick held-out eval (``"heldout"`` filler split, held-out seeds)
 of passkey and associative-recall accuracy at ``--eval-lengths``, needle depths evenly spread
@@ -241,37 +253,44 @@ def make_batch(seed: int, step: int, length: int, batch: int, mix: list[tuple[st
     return ids, mask, pointers
 
 
-def parse_phases(text: str, tokens_per_step: int) -> list[tuple[int, float, int]]:
-    """``length:share[:batch]`` items -> ``[(length, share, batch), ...]``; batch defaults to
-    ``tokens_per_step // length``. Shares are relative (counts of steps work too)."""
+def parse_phases(text: str) -> list[tuple[tuple[int, ...], float, int | None]]:
+    """``length[/length...]:share[:batch]`` items -> ``[(lengths, share, batch), ...]``.
+
+    A phase with several lengths (``256/512/1024``) cycles through them step by step, so the model
+    keeps every length it has learned; its batch is ``tokens_per_step // length`` per step. A
+    one-length phase takes ``batch`` if given. Shares are relative (counts of steps work too)."""
     out = []
     for item in text.split(","):
         parts = item.split(":")
         if len(parts) not in (2, 3):
-            raise SystemExit(f"--phases: expected length:share[:batch], got {item!r}")
-        length, share = int(parts[0]), float(parts[1])
-        batch = int(parts[2]) if len(parts) == 3 else max(1, tokens_per_step // length)
-        out.append((length, share, batch))
+            raise SystemExit(f"--phases: expected length[/length...]:share[:batch], got {item!r}")
+        lengths, share = tuple(int(x) for x in parts[0].split("/")), float(parts[1])
+        batch = int(parts[2]) if len(parts) == 3 else None
+        out.append((lengths, share, batch))
     return out
 
 
-def phase_schedule(phases: list[tuple[int, float, int]], steps: int) -> list[tuple[int, int, int]]:
-    """``[(first_step, length, batch), ...]``: each phase gets its share of ``steps``, in order."""
+def phase_schedule(phases: list[tuple[tuple[int, ...], float, int | None]], steps: int) -> list[tuple[int, tuple[int, ...], int | None]]:
+    """``[(first_step, lengths, batch), ...]``: each phase gets its share of ``steps``, in order."""
     total = sum(share for _, share, _ in phases)
     out, start = [], 0
-    for length, share, batch in phases:
-        out.append((start, length, batch))
+    for lengths, share, batch in phases:
+        out.append((start, lengths, batch))
         start += round(steps * share / total)
     return out
 
 
-def phase_at(schedule: list[tuple[int, int, int]], step: int) -> tuple[int, int]:
-    """``(length, batch)`` of the phase that ``step`` falls in."""
+def phase_at(schedule: list[tuple[int, tuple[int, ...], int | None]], step: int, tokens_per_step: int) -> tuple[int, int]:
+    """``(length, batch)`` of ``step``: its phase's length (cycled if the phase mixes lengths)."""
     current = schedule[0]
     for phase in schedule:
         if step >= phase[0]:
             current = phase
-    return current[1], current[2]
+    _, lengths, batch = current
+    length = lengths[step % len(lengths)]
+    if batch is None or len(lengths) > 1:
+        batch = max(1, tokens_per_step // length)
+    return length, batch
 
 
 def lr_at(step: int, args: argparse.Namespace) -> float:
@@ -399,8 +418,10 @@ def model_card(args: argparse.Namespace, model, step: int, evals: dict | None) -
         "standard library's own `*.py` sources (Copyright Python Software Foundation, used under the "
         "PSF License Agreement, https://docs.python.org/3/license.html). Nothing else.",
         "",
-        "Command: `python tools/train_tiny.py " + " ".join(args.argv) + "`",
     ]
+    stages = args.history + [args.argv]
+    lines += ["", "Commands, in order:" if len(stages) > 1 else "Command:", ""]
+    lines += [f"{i}. `python tools/train_tiny.py {' '.join(argv)}`" for i, argv in enumerate(stages, 1)]
     if evals:
         lines += ["", "Held-out accuracy at this step (teacher-forced exact match = greedy):", ""]
         lines += [f"- {k}: {v:.3f}" for k, v in evals.items()]
@@ -414,7 +435,7 @@ def save_checkpoint(out: Path, model, tokenizer, optimizer, step: int, args, eva
     model.save_pretrained(staging, safe_serialization=True)
     tokenizer.save_pretrained(staging)
     (staging / "README.md").write_text(model_card(args, model, step, evals), encoding="utf-8")
-    torch.save({"step": step, "optimizer": optimizer.state_dict(), "argv": args.argv}, staging / "trainer_state.pt")
+    torch.save({"step": step, "optimizer": optimizer.state_dict(), "argv": args.argv, "history": args.history}, staging / "trainer_state.pt")
     for path in sorted(staging.iterdir(), key=lambda p: p.name == "trainer_state.pt"):
         os.replace(path, out / path.name)
     staging.rmdir()
@@ -466,14 +487,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--final-eval-n", type=int, default=40)
     p.add_argument("--ckpt-every", type=int, default=200)
     p.add_argument("--resume", action="store_true", help="continue from <out>/trainer_state.pt if present")
+    p.add_argument(
+        "--init",
+        default=None,
+        help="start from the weights of this model folder (a later training stage; fresh optimizer and schedule)",
+    )
     p.add_argument("--max-minutes", type=float, default=None, help="stop (and checkpoint) after this long")
+    p.add_argument(
+        "--stop-at", type=int, default=None, help="stop (and checkpoint) at this step; the schedule stays that of --steps"
+    )
     args = p.parse_args(argv)
     args.argv = list(argv)
     args.mix_pairs = parse_pairs(args.mix, "=", float)
     unknown = [k for k, _ in args.mix_pairs if k not in ROW_TASKS]
     if unknown:
         p.error(f"--mix: unknown row kind {unknown[0]!r}; expected {', '.join(ROW_TASKS)}")
-    args.phase_list = parse_phases(args.phases, args.tokens_per_step)
+    args.phase_list = parse_phases(args.phases)
     return args
 
 
@@ -500,6 +529,15 @@ def main(argv: list[str] | None = None) -> int:
         eps=1e-8,
     )
     start = 0
+    args.history = []
+    if args.init:
+        from safetensors.torch import load_file
+
+        init = Path(args.init)
+        model.load_state_dict(load_file(init / "model.safetensors"))
+        previous = torch.load(init / "trainer_state.pt", weights_only=False) if (init / "trainer_state.pt").exists() else {}
+        args.history = previous.get("history", []) + ([previous["argv"]] if "argv" in previous else [])
+        log({"event": "init", "from": str(init), "history": args.history})
     state_path = out / "trainer_state.pt"
     if args.resume and state_path.exists():
         from safetensors.torch import load_file
@@ -508,6 +546,7 @@ def main(argv: list[str] | None = None) -> int:
         state = torch.load(state_path, weights_only=False)
         optimizer.load_state_dict(state["optimizer"])
         start = state["step"]
+        args.history = state.get("history", args.history)
         log({"event": "resume", "step": start})
     model.train()
     probe = RetrievalProbe(model, args.pointer_layer, args.pointer_head) if args.pointer_weight > 0 else None
@@ -522,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
     step = start
     evals = None
     while step < args.steps:
-        length, batch = phase_at(schedule, step)
+        length, batch = phase_at(schedule, step, args.tokens_per_step)
         lr = lr_at(step, args)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -549,15 +588,17 @@ def main(argv: list[str] | None = None) -> int:
             })
             window = []
         timed_out = args.max_minutes is not None and (time.time() - t0) / 60 >= args.max_minutes
+        stop_here = args.stop_at is not None and step >= args.stop_at and step < args.steps
         if step % args.eval_every == 0 and step < args.steps:
             t_eval = time.time()
             evals = evaluate(model, eval_lengths, args.eval_n)
             log({"event": "eval", "step": step, **evals, "eval_s": round(time.time() - t_eval, 1)})
-        if step % args.ckpt_every == 0 or timed_out:
+        if step % args.ckpt_every == 0 or timed_out or stop_here:
             save_checkpoint(out, model, tokenizer, optimizer, step, args, evals)
             log({"event": "checkpoint", "step": step, "dir": str(out)})
-        if timed_out:
-            log({"event": "stopped", "step": step, "reason": f"--max-minutes {args.max_minutes}"})
+        if timed_out or stop_here:
+            reason = f"--max-minutes {args.max_minutes}" if timed_out else f"--stop-at {args.stop_at}"
+            log({"event": "stopped", "step": step, "reason": reason})
             return 0
     t_eval = time.time()
     evals = evaluate(model, [int(x) for x in args.final_eval_lengths.split(",") if x], args.final_eval_n)
