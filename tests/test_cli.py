@@ -2,7 +2,8 @@
 
 The demo's figures are checked against arithmetic from the model config and against Hugging Face's
 ``DynamicCache`` behaviour (one new storage per layer per forward pass), and the library's own
-counters against the demo's pointer measurements.
+counters against the demo's pointer measurements. With the shipped trained model, the answers are
+checked against the pass key of the prompt the demo builds.
 """
 
 from __future__ import annotations
@@ -17,13 +18,17 @@ import pytest
 import torch
 
 import kvcache
-from kvcache import demo
+from kvcache import demo, tasks
 from kvcache.cli import main
 
 CONTENDERS = ["DynamicCache", "concat", "growable", "static"]
+BOUNDED = ["window 25%", "h2o 25%", "tova 12.5%", "quantized int4"]
 FIELDS = {
     "cache",
     "spec",
+    "bounded",
+    "answer",
+    "correct",
     "tokens_per_s",
     "tokens_per_s_runs",
     "prefill_s",
@@ -45,7 +50,8 @@ def kv_bytes_per_slot(model) -> int:
 
 def test_demo_writes_json_and_prints_table(tmp_path, capsys):
     path = tmp_path / "demo.json"
-    rc = main(["demo", "--prompt-tokens", "32", "--new-tokens", "8", "--repeats", "1", "--json", str(path)])
+    argv = ["demo", "--family", "llama", "--prompt-tokens", "32", "--new-tokens", "8", "--repeats", "1"]
+    rc = main([*argv, "--json", str(path)])
     assert rc == 0
 
     out = capsys.readouterr().out.splitlines()
@@ -54,7 +60,9 @@ def test_demo_writes_json_and_prints_table(tmp_path, capsys):
     assert "tiny llama" in out[0]
     assert f"torch {torch.__version__}" in out[0]
     assert "transformers " in out[0] and "prompt 32 + 8 new tokens" in out[0]
-    assert data["settings"] == {"family": "llama", "prompt_tokens": 32, "new_tokens": 8, "repeats": 1, "threads": None}
+    assert data["settings"] == {
+        "family": "llama", "prompt_tokens": 32, "new_tokens": 8, "depth": demo.DEPTH, "repeats": 1, "threads": None
+    }
 
     results = {r["cache"]: r for r in data["results"]}
     assert [r["cache"] for r in data["results"]] == CONTENDERS
@@ -63,6 +71,7 @@ def test_demo_writes_json_and_prints_table(tmp_path, capsys):
         assert any(line.startswith(name + " ") for line in out), f"no table row for {name}"
     for name in CONTENDERS[1:]:
         assert results[name]["identical"] is True, name
+    assert all(r["answer"] is None and r["correct"] is None for r in results.values())
 
     model = demo.build_model("llama")
     layers, slot = model.config.num_hidden_layers, kv_bytes_per_slot(model)
@@ -111,6 +120,49 @@ def test_demo_flags_differing_tokens_and_restores_threads(monkeypatch):
     assert next(line for line in table if line.startswith("growable ")).endswith(" yes")
 
 
+def test_demo_on_the_trained_model_finds_the_pass_key(tmp_path, capsys):
+    path = tmp_path / "demo.json"
+    argv = ["demo", "--prompt-tokens", "512", "--new-tokens", "8", "--depth", "0.5", "--repeats", "1", "--threads", "1"]
+    assert main([*argv, "--json", str(path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    data = json.loads(path.read_text())
+    assert out[0] == data["header"]
+    assert "trained" in out[0] and "pass-key prompt 512 (key at depth 0.5" in out[0]
+    assert data["settings"]["prompt_tokens"] == 512 and data["settings"]["family"] is None
+    results = {r["cache"]: r for r in data["results"]}
+    assert list(results) == CONTENDERS + BOUNDED
+    key = tasks.passkey(0, length=511, depth=0.5).answer.strip()
+    # The demo's prompt is seed 0's instance; the full caches answer exactly as DynamicCache does.
+    assert results["DynamicCache"]["answer"].strip() == key and results["DynamicCache"]["correct"] is True
+    for name in CONTENDERS[1:]:
+        assert results[name]["identical"] is True and results[name]["answer"] == results["DynamicCache"]["answer"]
+    for name in BOUNDED:
+        r = results[name]
+        assert r["bounded"] is True and set(r) == FIELDS
+        assert isinstance(r["correct"], bool) and r["correct"] == (r["answer"].strip() == key)
+        assert r["cache_bytes"] == r["reported_nbytes"] > 0
+        assert any(line.startswith(name + " ") for line in out), name
+    # Bounded caches hold less than the full cache.
+    assert results["window 25%"]["cache_bytes"] < results["growable"]["cache_bytes"] / 2
+    assert results["quantized int4"]["cache_bytes"] < results["growable"]["cache_bytes"] / 2
+
+
+def test_demo_leaves_the_models_attention_as_it_found_it():
+    from kvcache.trained import load_trained
+
+    model, tokenizer = load_trained()
+    before = model.config._attn_implementation
+    results = demo.run_demo(prompt_tokens=256, new_tokens=2, repeats=1, model=model, tokenizer=tokenizer, progress=False)
+    assert any(r["bounded"] for r in results)  # they switch the model to the "kvcache" attention
+    assert model.config._attn_implementation == before
+
+
+def test_demo_refuses_a_prompt_too_short_for_the_pass_key(capsys):
+    assert main(["demo", "--prompt-tokens", "20"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvcache: error: --prompt-tokens 20: passkey: length 19 is too short")
+
+
 def test_version(capsys):
     assert main(["--version"]) == 0
     assert capsys.readouterr().out == f"kvcache {kvcache.__version__}\n"
@@ -132,6 +184,7 @@ def test_console_script_points_at_main():
         ["demo", "--repeats", "two"],
         ["demo", "--family", "gpt2"],
         ["demo", "--json", "/nonexistent-dir/out.json"],
+        ["demo", "--depth", "1.5"],
     ],
 )
 def test_bad_arguments_exit_2(argv, capsys):
@@ -145,7 +198,7 @@ def test_kvcache_error_is_one_line_exit_2(monkeypatch, capsys):
         raise kvcache.SpecError("no such cache kind 'x'")
 
     monkeypatch.setattr(demo, "build_model", fail)
-    assert main(["demo"]) == 2
+    assert main(["demo", "--family", "llama"]) == 2
     captured = capsys.readouterr()
     assert captured.err == "kvcache: error: no such cache kind 'x'\n"
     assert captured.out == ""
@@ -153,7 +206,8 @@ def test_kvcache_error_is_one_line_exit_2(monkeypatch, capsys):
 
 def test_python_dash_m(tmp_path):
     path = tmp_path / "out.json"
-    cmd = [sys.executable, "-m", "kvcache", "demo", "--prompt-tokens", "16", "--new-tokens", "4", "--repeats", "1"]
+    cmd = [sys.executable, "-m", "kvcache", "demo", "--family", "llama", "--prompt-tokens", "16", "--new-tokens", "4"]
+    cmd += ["--repeats", "1"]
     done = subprocess.run([*cmd, "--json", str(path)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()

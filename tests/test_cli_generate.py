@@ -1,4 +1,5 @@
-"""``kvcache generate`` and ``kvcache bench``, and the byte tokenizer behind ``--model tiny``.
+"""``kvcache generate`` (``--model tiny`` is the shipped trained model) and ``kvcache bench``, and the
+byte tokenizer and token streamer.
 
 References are independent of the code under test: Hugging Face ``generate`` with its own
 ``DynamicCache`` on the same model and token ids (greedy, or sampling from the same seed), and
@@ -56,7 +57,18 @@ def sidecar(path) -> dict:
 
 @pytest.fixture(scope="module")
 def tiny():
-    return tiny_model("llama")
+    """What ``--model tiny`` loads: the shipped trained model and its byte-level tokenizer."""
+    from kvcache.trained import load_trained
+
+    return load_trained()
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text)
+
+
+def decode(tokenizer, ids: list[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=True)
 
 
 @pytest.fixture(scope="module")
@@ -193,8 +205,9 @@ def test_generate_tiny_streams_tokens_as_they_come(tiny, capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdout", recorder)
     prompt, new = "Once upon a time", 6
     assert main(["generate", "--prompt", prompt, "--max-new-tokens", str(new)]) == 0
-    expected = reference(tiny, BYTES.encode(prompt), new)
-    assert recorder.text == BYTES.decode(expected) + "\n"
+    model, tok = tiny
+    expected = reference(model, encode(tok, prompt), new)
+    assert recorder.text == decode(tok, expected) + "\n"
     # Streaming: text is written (and flushed) between forward passes, not all at the end.
     kinds = [e[0] for e in events]
     assert kinds.count("forward") == new  # prefill + new-1 decode steps
@@ -216,9 +229,10 @@ def test_save_then_load_continues_exactly_like_one_uninterrupted_run(spec, tiny,
         capsys, "generate", "--cache", spec, "--prompt", p1, "--max-new-tokens", n1, "--save-cache", first
     )
     assert rc == 0, err
-    ids1 = BYTES.encode(p1)
-    gen1 = reference(tiny, ids1, n1)
-    assert out == BYTES.decode(gen1) + "\n"
+    model, tok = tiny
+    ids1 = encode(tok, p1)
+    gen1 = reference(model, ids1, n1)
+    assert out == decode(tok, gen1) + "\n"
     saved = sidecar(first)
     assert saved["ids"] == ids1 + gen1
     assert saved["cached"] == len(ids1) + n1 - 1  # generate never feeds its last token back
@@ -227,10 +241,10 @@ def test_save_then_load_continues_exactly_like_one_uninterrupted_run(spec, tiny,
         capsys, "generate", "--load-cache", first, "--prompt", p2, "--max-new-tokens", n2, "--save-cache", second
     )
     assert rc == 0, err
-    whole = ids1 + gen1 + BYTES.encode(p2)
-    gen2 = reference(tiny, whole, n2)  # one uninterrupted run over the concatenated ids
+    whole = ids1 + gen1 + tok.encode(p2, add_special_tokens=False)
+    gen2 = reference(model, whole, n2)  # one uninterrupted run over the concatenated ids
     assert sidecar(second)["ids"] == whole + gen2
-    assert out == BYTES.decode(gen2) + "\n"
+    assert out == decode(tok, gen2) + "\n"
     assert f"cache {spec.split(':')[0]}" in err and f"({saved['cached']} already cached)" in err
 
 
@@ -265,10 +279,11 @@ def test_sampling_is_reproducible_from_the_seed(tiny, capsys):
     argv += ["--prompt", "abc", "--max-new-tokens", "12"]
     rc, out, _ = run(capsys, *argv)
     assert rc == 0
+    model, tok = tiny
     torch.manual_seed(5)
-    expected = reference(tiny, BYTES.encode("abc"), 12, do_sample=True, temperature=0.7, top_p=0.9, top_k=None)
-    assert out == BYTES.decode(expected) + "\n"
-    assert expected != reference(tiny, BYTES.encode("abc"), 12)  # it did sample, not argmax
+    expected = reference(model, encode(tok, "abc"), 12, do_sample=True, temperature=0.7, top_p=0.9, top_k=None)
+    assert out == decode(tok, expected) + "\n"
+    assert expected != reference(model, encode(tok, "abc"), 12)  # it did sample, not argmax
 
 
 @pytest.mark.parametrize("damage", ["missing", "other_cache", "not_json"])
@@ -291,10 +306,28 @@ def test_load_cache_refuses_a_missing_or_mismatched_ids_file(damage, tmp_path, c
     assert {"missing": "missing", "other_cache": "checksum", "not_json": "cannot read"}[damage] in err
 
 
+def test_an_empty_prompt_starts_from_bos_or_continues_a_loaded_cache(tiny, tmp_path, capsys):
+    model, tok = tiny
+    path = tmp_path / "c.kv"
+    rc, out, err = run(capsys, "generate", "--prompt", "", "--max-new-tokens", 4, "--save-cache", path)
+    assert rc == 0, err
+    gen1 = reference(model, [tok.bos_token_id], 4)
+    assert out == decode(tok, gen1) + "\n"
+    # The last generated token was never fed back, so there is still one token to feed.
+    rc, out, err = run(capsys, "generate", "--load-cache", path, "--prompt", "", "--max-new-tokens", 3)
+    assert rc == 0, err
+    assert out == decode(tok, reference(model, [tok.bos_token_id] + gen1, 3)) + "\n"
+
+
+def test_an_empty_prompt_with_a_tokenizer_that_adds_nothing_is_an_error(model_dir, capsys):
+    rc, out, err = run(capsys, "generate", "--model", model_dir, "--prompt", "")
+    assert rc == 2 and out == ""
+    assert "prompt is empty" in err
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--prompt", ""], "prompt is empty"),
         (["--prompt", "x", "--temperature", "0.5"], "only with --sample"),
         (["--prompt", "x", "--model", "/nonexistent/model"], "neither 'tiny' nor a model directory"),
         (["--prompt", "x", "--load-cache", "/nonexistent.kv"], "does not exist"),

@@ -35,13 +35,20 @@ clipping at ``--clip``.
 Stages: ``--init DIR`` starts from the weights of another run's folder, with a fresh optimizer and
 schedule; the model card lists every stage's command. A strict curriculum forgets: after the
 1024 phase the first stage solved pass keys at 1K and no longer at 256. The shipped model is
-that first stage (up to step 3000) followed by a second stage on mixed lengths:
+that first stage (up to step 3000), a second stage on mixed lengths up to 1K, and a third that
+adds 2K rows:
 
     python tools/train_tiny.py --out .train/ckpt-step3000 --seed 0 --threads 2 --steps 3100 --stop-at 3000
     python tools/train_tiny.py --out .train/stage2 --init .train/ckpt-step3000 --seed 1 --threads 2 \
         --steps 1600 --lr 8e-4 --warmup 50 --phases 256/512/1024:1 \
         --mix passkey=0.25,assoc=0.5,vartrack=0.05,text=0.05,repeat=0.15 \
         --eval-lengths 256,512,1024 --final-eval-lengths 256,512,1024,2048
+    python tools/train_tiny.py --out .train/stage3 --init .train/stage2 --seed 2 --threads 2 \
+        --steps 700 --lr 3e-4 --warmup 30 --phases 256/512/1024/2048:1 \
+        --mix passkey=0.25,assoc=0.5,vartrack=0.05,text=0.05,repeat=0.15 \
+        --eval-lengths 256,1024,2048 --final-eval-lengths 256,512,1024,2048
+
+About 90 minutes on 2 CPU cores in all (about 40 + 34 + 18).
 
 Every ``--eval-every`` steps: a quick held-out eval (``"heldout"`` filler split, held-out seeds)
 of passkey and associative-recall accuracy at ``--eval-lengths``, needle depths evenly spread

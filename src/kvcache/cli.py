@@ -21,8 +21,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from . import __version__
+from . import __version__, tasks
 from .bench import SUITES
+from .demo import DEPTH, TRAINED_PROMPT_TOKENS
 from .errors import KVCacheError, SpecError
 from .spec import CacheSpec, parse_spec, valid_specs
 from .tiny import FAMILIES
@@ -112,23 +113,44 @@ def _output_dir(path: str) -> Path:
 def add_demo(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "demo",
-        help="compare the caches on greedy generation with a tiny local model",
+        help="compare the caches on greedy generation with the shipped tiny model",
         description=(
-            "Greedy generation with Hugging Face's DynamicCache and kvcache's concat, growable and "
-            "static caches on a tiny random model built locally (nothing is downloaded). Contenders "
-            "alternate round-robin; the table shows decode tokens/s (median), the bytes each cache "
-            "holds, how often its storage moved, and whether the tokens match DynamicCache's."
+            "Greedy generation with Hugging Face's DynamicCache and kvcache's caches on the small "
+            "model trained for kvcache and shipped with it (nothing is downloaded). The prompt is a "
+            "pass-key retrieval task on held-out text; the unbounded caches must reproduce "
+            "DynamicCache's tokens, and the bounded ones (window, H2O, TOVA, int4) show whether the "
+            "key survives what they drop. Contenders alternate round-robin; the table shows decode "
+            "tokens/s (median), the bytes each cache holds, how often its storage moved, whether the "
+            "tokens match DynamicCache's, and the answer. With --family, a random-weight model of "
+            "that family with a wide KV cache and a random prompt instead (unbounded caches only)."
         ),
     )
     count = {"type": _int_at_least(1), "metavar": "N"}
-    p.add_argument("--family", choices=FAMILIES, default="llama", help="model family (default: %(default)s)")
-    p.add_argument("--prompt-tokens", **count, default=2048, help="prompt length (default: %(default)s)")
+    p.add_argument(
+        "--family",
+        choices=FAMILIES,
+        default=None,
+        help="use a random tiny model of this family instead of the trained one",
+    )
+    p.add_argument(
+        "--prompt-tokens",
+        **count,
+        default=None,
+        help=f"prompt length (default: {TRAINED_PROMPT_TOKENS}, or 2048 with --family)",
+    )
     p.add_argument(
         "--new-tokens",
         type=_int_at_least(2),
         metavar="N",
         default=64,
         help="tokens to generate, at least 2 (default: %(default)s)",
+    )
+    p.add_argument(
+        "--depth",
+        type=_probability,
+        default=DEPTH,
+        metavar="D",
+        help="where the pass key sits, 0 = start, 1 = just before the question (default: %(default)s)",
     )
     p.add_argument("--repeats", **count, default=3, help="runs per cache (default: %(default)s)")
     p.add_argument("--threads", **count, default=None, help="torch threads (default: torch's own setting)")
@@ -139,15 +161,35 @@ def add_demo(subparsers: argparse._SubParsersAction) -> None:
 def cmd_demo(args: argparse.Namespace) -> int:
     from . import demo
 
-    model = demo.build_model(args.family)
-    header = demo.header_line(model, args.family, args.prompt_tokens, args.new_tokens, args.repeats, args.threads)
+    tokenizer = None
+    if args.family is None:
+        model, tokenizer = load_model(TINY)
+        prompt_tokens = args.prompt_tokens or TRAINED_PROMPT_TOKENS
+        try:
+            tasks.passkey(0, length=prompt_tokens - 1, depth=args.depth)
+        except ValueError as e:
+            raise KVCacheError(f"--prompt-tokens {prompt_tokens}: {e}") from None
+    else:
+        model = demo.build_model(args.family)
+        prompt_tokens = args.prompt_tokens or 2048
+    header = demo.header_line(
+        model, args.family, prompt_tokens, args.new_tokens, args.repeats, args.threads, depth=args.depth
+    )
     print(header, flush=True)
     results = demo.run_demo(
-        args.family, args.prompt_tokens, args.new_tokens, args.repeats, model=model, threads=args.threads
+        args.family,
+        prompt_tokens,
+        args.new_tokens,
+        args.repeats,
+        depth=args.depth,
+        model=model,
+        tokenizer=tokenizer,
+        threads=args.threads,
     )
     print(demo.format_table(results), flush=True)
     if args.json:
-        settings = {k: getattr(args, k) for k in ("family", "prompt_tokens", "new_tokens", "repeats", "threads")}
+        settings = {k: getattr(args, k) for k in ("family", "new_tokens", "depth", "repeats", "threads")}
+        settings["prompt_tokens"] = prompt_tokens
         _write_json(args.json, {"header": header, "settings": settings, "results": results})
     return 0
 
@@ -164,25 +206,23 @@ IDS_VERSION = 1
 def load_model(name_or_dir: str, device: str = "cpu") -> tuple[Any, Any]:
     """``(model, tokenizer)`` for ``--model``: ``"tiny"`` or a local Hugging Face checkpoint folder.
 
-    ``"tiny"`` is the random-weight tiny llama with the byte-level tokenizer (vocabulary 256).
-    A folder is loaded with ``AutoTokenizer`` / ``AutoModelForCausalLM``, never from the hub.
+    ``"tiny"`` is the small model trained for kvcache and shipped with it (:mod:`kvcache.trained`),
+    with its byte-level tokenizer. A folder is loaded with ``AutoTokenizer`` /
+    ``AutoModelForCausalLM``, never from the hub.
     """
     if name_or_dir == TINY:
-        from .tiny import tiny_model
-        from .tokenizer import ByteTokenizer
+        from .trained import MODEL_DIR
 
-        return tiny_model("llama").to(device), ByteTokenizer()
+        name_or_dir = str(MODEL_DIR)
     if not os.path.isdir(name_or_dir):
         raise KVCacheError(f"--model: {name_or_dir!r} is neither {TINY!r} nor a model directory")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from .trained import load_pretrained
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name_or_dir, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(name_or_dir, local_files_only=True)
+        return load_pretrained(name_or_dir, device)
     except (OSError, ValueError, KeyError) as e:
         reason = " ".join(str(e).split())
         raise KVCacheError(f"cannot load a model and tokenizer from {name_or_dir}: {reason}") from e
-    return model.to(device).eval(), tokenizer
 
 
 def ids_path(cache_path: str | os.PathLike) -> str:
@@ -283,8 +323,8 @@ def add_generate(subparsers: argparse._SubParsersAction) -> None:
         "--model",
         default=TINY,
         metavar="DIR|tiny",
-        help="a local Hugging Face checkpoint folder, or 'tiny': a random tiny llama with a byte "
-        "tokenizer (default: %(default)s)",
+        help="a local Hugging Face checkpoint folder, or 'tiny': the small model trained for kvcache "
+        "and shipped with it, byte-level tokenizer (default: %(default)s)",
     )
     source = p.add_mutually_exclusive_group()
     source.add_argument(

@@ -1,25 +1,38 @@
-"""``kvcache demo``: greedy generation with each cache, side by side, on a tiny local model.
+"""``kvcache demo``: greedy generation with each cache, side by side, on a small local model.
 
-The model is built from a config (:func:`kvcache.tiny.tiny_model`, random weights, nothing
-downloaded), widened where the cache lives: 8 key/value heads of dimension 128, so one token costs
-8 KiB of keys and values per layer and a 640-token cache holds 20 MiB across 4 layers, while the
-matrix multiplies stay small. That makes the cost of the cache itself visible on a CPU.
-
-Contenders, all run through ``model.generate`` (greedy) from the same seeded random prompt:
+By default the model is the one trained here and shipped with the package
+(:mod:`kvcache.trained`), and the prompt is a pass-key retrieval task on held-out text: a five-digit
+key hidden at ``depth`` (0 = the start, 1 = just before the question) in a long prompt. So the
+table shows both sides of the trade: what each cache costs in bytes and speed, and whether the
+model still finds the key with it. Contenders, all run through ``model.generate`` (greedy):
 
 * ``DynamicCache`` -- Hugging Face's default, ``transformers.DynamicCache(config=model.config)``,
-  the reference for the output tokens;
-* ``concat``, ``growable``, ``static`` (capacity = prompt + new tokens) -- ``kvcache.make_cache``.
+  on the model's own attention; the reference for the output tokens;
+* ``concat``, ``growable``, ``static`` (capacity = prompt + new tokens) -- ``kvcache.make_cache``,
+  unbounded, so their tokens must equal the reference's;
+* bounded caches (:data:`BOUNDED`): a sliding window with sinks, H2O and TOVA eviction at a share
+  of the prompt, and 4-bit KIVI-style quantization. They drop or round what they hold, so their
+  tokens may differ; the ``answer`` column says whether the pass key survived.
+
+With ``family`` set, the model is instead a tiny random-weight model of that family
+(:func:`kvcache.tiny.tiny_model`, nothing downloaded) widened where the cache lives: 8 key/value
+heads of dimension 128, so one token costs 8 KiB per layer and the cost of the cache itself shows
+on a CPU; the prompt is random tokens and only the unbounded contenders run.
 
 They alternate within one process, round-robin over the repeats (the starting contender rotates
-each repeat), and the table reports medians. Everything is measured, not taken from the library:
+each repeat), and the table reports medians. Measured, not taken from the library, except where
+said:
 
 * decode tokens/s: a logits processor stamps the time after every forward pass; decode time is
   from the first stamp (end of prefill) to the last, minus the probe's own time;
-* cache bytes: bytes of the distinct storages behind every layer's keys and values at the end;
+* cache bytes: bytes of the distinct storages behind every layer's keys and values at the end
+  (for bounded caches, whose layers hold codes, slot positions and scores beside a view, the
+  library's own ``nbytes``);
 * reallocations: how many times a layer's key/value storage moved (its storage pointer changed,
-  the first allocation included), observed after every forward pass and summed over layers;
-* identical: the generated tokens equal ``DynamicCache``'s in every repeat.
+  the first allocation included), observed after every forward pass and summed over layers (for
+  bounded caches, the library's own counter);
+* identical: the generated tokens equal ``DynamicCache``'s in every repeat;
+* answer: the first generated line, and whether it is the pass key (trained model only).
 """
 
 from __future__ import annotations
@@ -28,6 +41,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,48 +51,103 @@ from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, Pre
 
 import kvcache
 
+from . import tasks
 from .cache import make_cache
 from .tiny import tiny_model
 
-__all__ = ["DEMO_SHAPE", "REFERENCE", "build_model", "format_table", "header_line", "run_demo"]
+__all__ = [
+    "BOUNDED",
+    "DEMO_SHAPE",
+    "DEPTH",
+    "REFERENCE",
+    "TRAINED_PROMPT_TOKENS",
+    "build_model",
+    "format_table",
+    "header_line",
+    "run_demo",
+]
 
-#: Config overrides applied to the tiny model: 16 query heads sharing 8 key/value heads of 128.
+#: Config overrides applied to the random tiny model: 16 query heads sharing 8 key/value heads of 128.
 DEMO_SHAPE: dict[str, int] = {"num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128}
 
 #: Name of the reference contender (Hugging Face's cache).
 REFERENCE = "DynamicCache"
 
+#: Default prompt length with the trained model (it was trained on prompts up to 2K tokens).
+TRAINED_PROMPT_TOKENS = 1024
+
+#: Default depth of the pass key in the prompt: early enough that a window of a quarter loses it.
+DEPTH = 0.25
+
+#: The bounded contenders: name -> spec, with ``{window}`` the prompt's quarter.
+BOUNDED: dict[str, str] = {
+    "window 25%": "window:window={window},sinks=4",
+    "h2o 25%": "h2o:budget=0.25",
+    "tova 12.5%": "tova:budget=0.125",
+    "quantized int4": "quantized:bits=4",
+}
+
 
 def build_model(family: str = "llama", seed: int = 0) -> PreTrainedModel:
-    """The demo's tiny model: ``tiny_model(family)`` with :data:`DEMO_SHAPE`."""
+    """The demo's random tiny model: ``tiny_model(family)`` with :data:`DEMO_SHAPE`."""
     return tiny_model(family, seed=seed, **DEMO_SHAPE)
 
 
-def contenders(model: PreTrainedModel, prompt_tokens: int, new_tokens: int) -> dict[str, tuple[str, Callable[[], Any]]]:
-    """Name -> (spec shown, factory of a fresh cache), the reference first."""
+@dataclass(frozen=True)
+class Contender:
+    spec: str  # what the table shows
+    make: Callable[[], Any]  # a fresh cache
+    bounded: bool = False
+
+
+def contenders(model: PreTrainedModel, prompt_tokens: int, new_tokens: int, bounded: bool) -> dict[str, Contender]:
+    """Name -> contender, the reference first; the bounded ones only if ``bounded``."""
     capacity = prompt_tokens + new_tokens
-    return {
-        REFERENCE: ("transformers.DynamicCache", lambda: DynamicCache(config=model.config)),
-        "concat": ("concat", lambda: make_cache(model, "concat")),
-        "growable": ("growable", lambda: make_cache(model, "growable")),
-        "static": (f"static:capacity={capacity}", lambda: make_cache(model, "static", capacity=capacity)),
+    out = {
+        REFERENCE: Contender("transformers.DynamicCache", lambda: DynamicCache(config=model.config)),
+        "concat": Contender("concat", lambda: make_cache(model, "concat")),
+        "growable": Contender("growable", lambda: make_cache(model, "growable")),
+        "static": Contender(f"static:capacity={capacity}", lambda: make_cache(model, "static", capacity=capacity)),
     }
+    if bounded:
+        for name, template in BOUNDED.items():
+            spec = template.format(window=max(1, prompt_tokens // 4))
+            out[name] = Contender(spec, lambda spec=spec: make_cache(model, spec), bounded=True)
+    return out
+
+
+def _describe(model: PreTrainedModel, family: str | None) -> str:
+    if family is not None:
+        return f"tiny {family} (random weights; "
+    n_params = sum(p.numel() for p in model.parameters())
+    return f"kvcache tiny retrieval model (trained, {n_params / 1e6:.2f}M parameters; "
 
 
 def header_line(
-    model: PreTrainedModel, family: str, prompt_tokens: int, new_tokens: int, repeats: int, threads: int | None = None
+    model: PreTrainedModel,
+    family: str | None,
+    prompt_tokens: int,
+    new_tokens: int,
+    repeats: int,
+    threads: int | None = None,
+    depth: float = DEPTH,
 ) -> str:
-    """One line: the model, the sizes, and the library versions."""
+    """One line: the model, the prompt, the sizes, and the library versions."""
     c = model.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     attn = getattr(c, "_attn_implementation", None) or "default"
     per_token = 2 * c.num_key_value_heads * head_dim * next(model.parameters()).element_size() * c.num_hidden_layers
     threads = threads or torch.get_num_threads()
+    prompt = (
+        f"prompt {prompt_tokens}"
+        if family is not None
+        else f"pass-key prompt {prompt_tokens} (key at depth {depth:g}, held-out text)"
+    )
     return (
-        f"kvcache demo: tiny {family} (random weights; {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
+        f"kvcache demo: {_describe(model, family)}{c.num_hidden_layers} layers, hidden {c.hidden_size}, "
         f"{c.num_attention_heads} query / {c.num_key_value_heads} KV heads x {head_dim}, {dtype}, {attn} attention; "
-        f"{per_token / 1024:g} KiB of KV per token) | prompt {prompt_tokens} + {new_tokens} new tokens, batch 1, "
+        f"{per_token / 1024:g} KiB of KV per token) | {prompt} + {new_tokens} new tokens, batch 1, "
         f"greedy, {_plural(repeats, 'repeat')} | kvcache {kvcache.__version__}, "
         f"torch {torch.__version__}, transformers {transformers.__version__}, {_plural(threads, 'thread')}"
     )
@@ -150,101 +219,149 @@ def _generate(model: PreTrainedModel, prompt: torch.Tensor, cache: Any, new_toke
 
 
 def run_demo(
-    family: str = "llama",
-    prompt_tokens: int = 512,
-    new_tokens: int = 128,
+    family: str | None = None,
+    prompt_tokens: int | None = None,
+    new_tokens: int = 64,
     repeats: int = 3,
     *,
     seed: int = 0,
+    depth: float = DEPTH,
     model: PreTrainedModel | None = None,
+    tokenizer: Any = None,
     progress: bool = True,
     threads: int | None = None,
 ) -> list[dict[str, Any]]:
     """Run every contender ``repeats`` times, round-robin; one result dict per contender.
 
-    Keys of each dict: ``cache``, ``spec``, ``tokens_per_s`` (decode, median), ``tokens_per_s_runs``,
-    ``prefill_s`` (median), ``speedup`` (median tokens/s over the reference's), ``cache_bytes``,
-    ``reallocations`` (both measured at the end of the last repeat), ``reported_nbytes`` and
-    ``reported_reallocations`` (the library's own counters; None for the reference), ``identical``
-    (tokens equal the reference's in every repeat), ``new_tokens``.
+    ``family=None`` runs the trained model (``model``/``tokenizer``, or the shipped ones) on a
+    pass-key prompt of ``prompt_tokens`` (default :data:`TRAINED_PROMPT_TOKENS`) with the key at
+    ``depth``; a family name runs that random tiny model (or ``model``) on random tokens (default
+    2048). ``seed`` picks the prompt (and the random model's weights).
+
+    Keys of each dict: ``cache``, ``spec``, ``bounded``, ``tokens_per_s`` (decode, median),
+    ``tokens_per_s_runs``, ``prefill_s`` (median), ``speedup`` (median tokens/s over the
+    reference's), ``cache_bytes``, ``reallocations`` (both at the end of the last repeat),
+    ``reported_nbytes`` and ``reported_reallocations`` (the library's own counters; None for the
+    reference), ``identical`` (tokens equal the reference's in every repeat), ``new_tokens``,
+    ``answer`` (the first generated line; None for a random model) and ``correct`` (whether it is
+    the pass key, in every repeat; None for a random model).
 
     ``threads`` sets torch's intra-op thread count for the run (restored afterwards); None keeps it.
     Small decode steps gain little from threads and suffer when the cores are shared.
     """
-    if threads is None:
-        return _run(family, prompt_tokens, new_tokens, repeats, seed, model, progress)
-    if int(threads) < 1:
-        raise ValueError(f"threads must be >= 1, got {threads}")
-    before = torch.get_num_threads()
-    torch.set_num_threads(int(threads))
-    try:
-        return _run(family, prompt_tokens, new_tokens, repeats, seed, model, progress)
-    finally:
-        torch.set_num_threads(before)
-
-
-def _run(
-    family: str,
-    prompt_tokens: int,
-    new_tokens: int,
-    repeats: int,
-    seed: int,
-    model: PreTrainedModel | None,
-    progress: bool,
-) -> list[dict[str, Any]]:
+    if prompt_tokens is None:
+        prompt_tokens = 2048 if family is not None else TRAINED_PROMPT_TOKENS
     limits = (("prompt_tokens", prompt_tokens, 1), ("new_tokens", new_tokens, 2), ("repeats", repeats, 1))
     for name, value, least in limits:
         if int(value) < least:
             raise ValueError(f"{name} must be >= {least}, got {value}")
-    model = build_model(family, seed) if model is None else model
-    generator = torch.Generator().manual_seed(seed)
-    body = torch.randint(3, model.config.vocab_size, (1, prompt_tokens - 1), generator=generator)
-    prompt = torch.cat([torch.tensor([[model.config.bos_token_id]]), body], dim=1)
+    if threads is not None and int(threads) < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    if family is None:
+        if model is None:
+            from .trained import load_trained
 
-    entries = contenders(model, prompt_tokens, new_tokens)
+            model, tokenizer = load_trained()
+        if tokenizer is None:
+            raise ValueError("run_demo: a trained model needs its tokenizer")
+        instance = tasks.passkey(seed, length=prompt_tokens - 1, depth=depth)  # + <bos>
+        prompt = torch.tensor([tokenizer.encode(instance.prompt)])
+    else:
+        model = build_model(family, seed) if model is None else model
+        instance = None
+        generator = torch.Generator().manual_seed(seed)
+        body = torch.randint(3, model.config.vocab_size, (1, prompt_tokens - 1), generator=generator)
+        prompt = torch.cat([torch.tensor([[model.config.bos_token_id]]), body], dim=1)
+    entries = contenders(model, prompt_tokens, new_tokens, bounded=instance is not None)
+    before = torch.get_num_threads()
+    attention = model.config._attn_implementation
+    if threads is not None:
+        torch.set_num_threads(int(threads))
+    try:
+        runs, caches = _run(model, prompt, entries, new_tokens, repeats, progress, attention)
+    finally:
+        torch.set_num_threads(before)
+        if model.config._attn_implementation != attention:
+            model.set_attn_implementation(attention)
+    return _results(entries, runs, caches, instance, tokenizer)
+
+
+def _run(
+    model: PreTrainedModel,
+    prompt: torch.Tensor,
+    entries: dict[str, Contender],
+    new_tokens: int,
+    repeats: int,
+    progress: bool,
+    attention: str,
+) -> tuple[dict[str, list[dict[str, Any]]], dict[str, Any]]:
     names = list(entries)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     caches: dict[str, Any] = {}
+
+    def fresh(name: str) -> Any:
+        # Bounded caches switch the model to the "kvcache" attention (make_cache does); the
+        # others run on the model's own, as a user of Hugging Face's caches would.
+        if not entries[name].bounded and model.config._attn_implementation != attention:
+            model.set_attn_implementation(attention)
+        return entries[name].make()
 
     bar = tqdm(total=len(names) * (repeats + 1), desc="kvcache demo", unit="run", disable=not progress, leave=False)
     try:
         # Warm-up, untimed: every path runs once on the real shapes before anything is measured.
         for name in names:
             bar.set_postfix_str(f"warm-up {name}")
-            _generate(model, prompt, entries[name][1](), min(new_tokens, 4))
+            _generate(model, prompt, fresh(name), min(new_tokens, 4))
             bar.update()
         for r in range(repeats):
             order = names[r % len(names) :] + names[: r % len(names)]
             for name in order:
                 bar.set_postfix_str(f"repeat {r + 1}/{repeats} {name}")
-                cache = entries[name][1]()
+                cache = fresh(name)
                 runs[name].append(_generate(model, prompt, cache, new_tokens))
                 caches[name] = cache
                 bar.update()
     finally:
         bar.close()
+    return runs, caches
 
+
+def _first_line(tokenizer: Any, tokens: list[int]) -> str:
+    return tokenizer.decode(tokens, skip_special_tokens=True).split("\n", 1)[0]
+
+
+def _results(
+    entries: dict[str, Contender],
+    runs: dict[str, list[dict[str, Any]]],
+    caches: dict[str, Any],
+    instance: tasks.Instance | None,
+    tokenizer: Any,
+) -> list[dict[str, Any]]:
     reference_tokens = runs[REFERENCE][0]["tokens"]
     reference_speed = statistics.median(_speeds(runs[REFERENCE]))
     results = []
-    for name in names:
+    for name, entry in entries.items():
         speeds = _speeds(runs[name])
         last, cache = runs[name][-1], caches[name]
         ours = isinstance(cache, kvcache.KVCache)
+        answers = [_first_line(tokenizer, run["tokens"]) for run in runs[name]] if instance else None
         results.append(
             {
                 "cache": name,
-                "spec": entries[name][0],
+                "spec": entry.spec,
+                "bounded": entry.bounded,
                 "tokens_per_s": statistics.median(speeds),
                 "tokens_per_s_runs": speeds,
                 "prefill_s": statistics.median(run["prefill_s"] for run in runs[name]),
                 "speedup": statistics.median(speeds) / reference_speed,
-                "cache_bytes": last["bytes"],
-                "reallocations": last["reallocations"],
+                "cache_bytes": cache.nbytes if entry.bounded else last["bytes"],
+                "reallocations": cache.reallocations if entry.bounded else last["reallocations"],
                 "reported_nbytes": cache.nbytes if ours else None,
                 "reported_reallocations": cache.reallocations if ours else None,
                 "identical": all(run["tokens"] == reference_tokens for run in runs[name]),
                 "new_tokens": len(last["tokens"]),
+                "answer": answers[-1] if answers else None,
+                "correct": all(tasks.score(instance.answer, a) for a in answers) if answers else None,
             }
         )
     return results
@@ -261,12 +378,20 @@ def _mib(nbytes: int) -> str:
 def _identical_cell(result: dict[str, Any]) -> str:
     if result["cache"] == REFERENCE:
         return "reference" if result["identical"] else "NO: reference varies between repeats"
-    return "yes" if result["identical"] else "NO"
+    if result["identical"]:
+        return "yes"
+    return "differs (bounded)" if result.get("bounded") else "NO"
+
+
+def _answer_cell(result: dict[str, Any]) -> str:
+    return f"{'right' if result['correct'] else 'WRONG'}: {result['answer'].strip()!r}"
 
 
 def format_table(results: list[dict[str, Any]]) -> str:
-    """A plain-text table of :func:`run_demo`'s results, with a one-line legend."""
+    """A plain-text table of :func:`run_demo`'s results, with a legend."""
+    answers = any(r.get("answer") is not None for r in results)
     head = ("cache", "tokens/s", f"vs {REFERENCE}", "cache bytes", "reallocations", "identical output")
+    head += ("answer",) if answers else ()
     rows = [
         (
             r["cache"],
@@ -276,12 +401,13 @@ def format_table(results: list[dict[str, Any]]) -> str:
             str(r["reallocations"]),
             _identical_cell(r),
         )
+        + ((_answer_cell(r),) if answers else ())
         for r in results
     ]
     widths = [max(len(cell) for cell in column) for column in zip(head, *rows)]
     lines = []
     for i, row in enumerate([head, *rows]):
-        cells = [cell.ljust(w) if j == 0 else cell.rjust(w) for j, (cell, w) in enumerate(zip(row, widths))]
+        cells = [cell.ljust(w) if j in (0, 6) else cell.rjust(w) for j, (cell, w) in enumerate(zip(row, widths))]
         lines.append("  ".join(cells).rstrip())
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
@@ -289,6 +415,12 @@ def format_table(results: list[dict[str, Any]]) -> str:
         "tokens/s: decode, median over repeats; cache bytes: storage held at the end; reallocations: "
         "times a layer's key/value storage moved, summed over layers (measured from storage pointers)"
     )
+    if answers:
+        specs = "; ".join(f"{r['cache']} = {r['spec']}" for r in results if r.get("bounded"))
+        lines.append(
+            f"answer: the first generated line, right if it is the pass key. Bounded caches ({specs}) "
+            "report their own bytes and reallocations and may change the output."
+        )
     return "\n".join(lines)
 
 
