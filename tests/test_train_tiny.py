@@ -9,7 +9,6 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
 
 from kvcache.trained import load_trained
 
