@@ -23,7 +23,7 @@ from typing import Any
 
 from . import __version__, tasks
 from .bench import SUITES
-from .demo import DEPTH, TRAINED_PROMPT_TOKENS
+from .demo import DEPTH, RANDOM_PROMPT_TOKENS, TRAINED_PROMPT_TOKENS
 from .errors import KVCacheError, SpecError
 from .spec import CacheSpec, parse_spec, valid_specs
 from .tiny import FAMILIES
@@ -136,7 +136,7 @@ def add_demo(subparsers: argparse._SubParsersAction) -> None:
         "--prompt-tokens",
         **count,
         default=None,
-        help=f"prompt length (default: {TRAINED_PROMPT_TOKENS}, or 2048 with --family)",
+        help=f"prompt length (default: {TRAINED_PROMPT_TOKENS}, or {RANDOM_PROMPT_TOKENS} with --family)",
     )
     p.add_argument(
         "--new-tokens",
@@ -171,7 +171,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             raise KVCacheError(f"--prompt-tokens {prompt_tokens}: {e}") from None
     else:
         model = demo.build_model(args.family)
-        prompt_tokens = args.prompt_tokens or 2048
+        prompt_tokens = args.prompt_tokens or RANDOM_PROMPT_TOKENS
     header = demo.header_line(
         model, args.family, prompt_tokens, args.new_tokens, args.repeats, args.threads, depth=args.depth
     )

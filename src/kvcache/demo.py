@@ -59,6 +59,7 @@ __all__ = [
     "BOUNDED",
     "DEMO_SHAPE",
     "DEPTH",
+    "RANDOM_PROMPT_TOKENS",
     "REFERENCE",
     "TRAINED_PROMPT_TOKENS",
     "build_model",
@@ -75,6 +76,9 @@ REFERENCE = "DynamicCache"
 
 #: Default prompt length with the trained model (it was trained on prompts up to 2K tokens).
 TRAINED_PROMPT_TOKENS = 1024
+
+#: Default prompt length with a random model (``family``).
+RANDOM_PROMPT_TOKENS = 2048
 
 #: Default depth of the pass key in the prompt: early enough that a window of a quarter loses it.
 DEPTH = 0.25
@@ -167,10 +171,12 @@ def _storages(cache: Any) -> list[tuple[tuple[int, int], int]]:
 
 
 class _StepProbe(LogitsProcessor):
-    """Called by ``generate`` after every forward pass: stamps the time, watches the storages."""
+    """Called by ``generate`` after every forward pass: stamps the time and, if ``watch``, watches
+    the storages (not for bounded caches: their ``keys`` may be a dequantized copy, built per call)."""
 
-    def __init__(self, cache: Any) -> None:
+    def __init__(self, cache: Any, watch: bool = True) -> None:
         self.cache = cache
+        self.watch = watch
         self.stamps: list[float] = []  # time after each forward, probe time excluded
         self.overhead = 0.0
         self.pointers: list[tuple[int, int]] | None = None
@@ -179,6 +185,12 @@ class _StepProbe(LogitsProcessor):
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
         start = time.perf_counter()
         self.stamps.append(start - self.overhead)
+        if self.watch:
+            self._watch()
+        self.overhead += time.perf_counter() - start
+        return scores
+
+    def _watch(self) -> None:
         pointers = [ptr for ptr, _ in _storages(self.cache)]
         if self.pointers is None:
             self.pointers = [(0, 0)] * len(pointers)
@@ -186,13 +198,13 @@ class _StepProbe(LogitsProcessor):
             if new != (0, 0) and new != old:
                 self.moves += 1
         self.pointers = pointers
-        self.overhead += time.perf_counter() - start
-        return scores
 
 
 def _generate(model: PreTrainedModel, prompt: torch.Tensor, cache: Any, new_tokens: int) -> dict[str, Any]:
-    """One greedy generation into ``cache``; the tokens and what the probe measured."""
-    probe = _StepProbe(cache)
+    """One greedy generation into ``cache``; the tokens and what the probe measured (for a bounded
+    cache, its own byte and reallocation counters instead)."""
+    bounded = getattr(cache, "needs_kvcache_attention", False)
+    probe = _StepProbe(cache, watch=not bounded)
     with torch.inference_mode():
         started = time.perf_counter()
         out = model.generate(
@@ -213,8 +225,8 @@ def _generate(model: PreTrainedModel, prompt: torch.Tensor, cache: Any, new_toke
         "prefill_s": probe.stamps[0] - started,
         "decode_steps": decode_steps,
         "decode_s": decode_s,
-        "reallocations": probe.moves,
-        "bytes": sum(nbytes for _, nbytes in _storages(cache)),
+        "reallocations": cache.reallocations if bounded else probe.moves,
+        "bytes": cache.nbytes if bounded else sum(nbytes for _, nbytes in _storages(cache)),
     }
 
 
@@ -236,7 +248,7 @@ def run_demo(
     ``family=None`` runs the trained model (``model``/``tokenizer``, or the shipped ones) on a
     pass-key prompt of ``prompt_tokens`` (default :data:`TRAINED_PROMPT_TOKENS`) with the key at
     ``depth``; a family name runs that random tiny model (or ``model``) on random tokens (default
-    2048). ``seed`` picks the prompt (and the random model's weights).
+    :data:`RANDOM_PROMPT_TOKENS`). ``seed`` picks the prompt (and the random model's weights).
 
     Keys of each dict: ``cache``, ``spec``, ``bounded``, ``tokens_per_s`` (decode, median),
     ``tokens_per_s_runs``, ``prefill_s`` (median), ``speedup`` (median tokens/s over the
@@ -250,7 +262,7 @@ def run_demo(
     Small decode steps gain little from threads and suffer when the cores are shared.
     """
     if prompt_tokens is None:
-        prompt_tokens = 2048 if family is not None else TRAINED_PROMPT_TOKENS
+        prompt_tokens = RANDOM_PROMPT_TOKENS if family is not None else TRAINED_PROMPT_TOKENS
     limits = (("prompt_tokens", prompt_tokens, 1), ("new_tokens", new_tokens, 2), ("repeats", repeats, 1))
     for name, value, least in limits:
         if int(value) < least:
@@ -354,8 +366,8 @@ def _results(
                 "tokens_per_s_runs": speeds,
                 "prefill_s": statistics.median(run["prefill_s"] for run in runs[name]),
                 "speedup": statistics.median(speeds) / reference_speed,
-                "cache_bytes": cache.nbytes if entry.bounded else last["bytes"],
-                "reallocations": cache.reallocations if entry.bounded else last["reallocations"],
+                "cache_bytes": last["bytes"],
+                "reallocations": last["reallocations"],
                 "reported_nbytes": cache.nbytes if ours else None,
                 "reported_reallocations": cache.reallocations if ours else None,
                 "identical": all(run["tokens"] == reference_tokens for run in runs[name]),
