@@ -1,6 +1,7 @@
 """kvcache: fast, bounded and persistent key/value caches for LLM inference in PyTorch.
 
     import kvcache
+    kvcache.use_kvcache_attention(model)              # the fast decode attention (bounded caches need it)
     cache = kvcache.make_cache(model)                 # growable, the default
     out = model.generate(ids, past_key_values=cache)
     cache.save("chat.kv"); cache = kvcache.load_cache("chat.kv", model)
@@ -23,7 +24,7 @@ from .errors import (
     TruncatedFileError,
     UnsupportedOperation,
 )
-from .hf import register_attention
+from .hf import register_attention, use_kvcache_attention
 from .persist import load_cache, save_cache
 from .spec import CacheSpec, parse_spec
 
@@ -52,4 +53,5 @@ __all__ = [
     "parse_spec",
     "register_attention",
     "save_cache",
+    "use_kvcache_attention",
 ]

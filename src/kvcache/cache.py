@@ -19,7 +19,7 @@ from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, DummyLayer, get_layer_types_and_kwargs
 
 from .errors import ShapeError, SpecError, UnsupportedOperation
-from .hf import ATTENTION_NAME, HFLayer, crop_count
+from .hf import SWITCH_HINT, HFLayer, crop_count, runs_kvcache_attention
 from .layers.base import check_kv
 from .layers import ConcatLayer, EvictingLayer, GrowableLayer, KVLayer, LayerState, QuantizedLayer, StaticLayer, WindowLayer
 from .spec import EVICTION_KINDS, CacheSpec, parse_spec
@@ -63,10 +63,14 @@ class KVCache(Cache):
         stores: list[KVLayer | None],
         spec: CacheSpec,
         config_summary: dict[str, Any] | None = None,
+        attention_config: PretrainedConfig | None = None,
     ) -> None:
         self.stores = list(stores)
         self.spec = spec
         self.config_summary = config_summary
+        #: The (text) config of the model this cache was made for: bounded layers check, before
+        #: anything is written, that it selects the "kvcache" attention.
+        self.attention_config = attention_config
         self._live = [s for s in self.stores if s is not None]
         # Only fixed-capacity kinds can refuse an append; the others need no check per step.
         self._can_refuse = [s for s in self._live if type(s).check_append is not KVLayer.check_append]
@@ -78,6 +82,7 @@ class KVCache(Cache):
         layer is asked whether the new tokens fit, so a full static layer raises before any layer
         has changed (layers stay in step)."""
         if layer_idx == self._first_live and key_states is not None:
+            self.check_attention()
             for store in self._can_refuse:
                 store.check_append(key_states.shape[-2])
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
@@ -104,6 +109,18 @@ class KVCache(Cache):
     def needs_kvcache_attention(self) -> bool:
         """Whether a layer is bounded, so the model must run the ``"kvcache"`` attention."""
         return any(s.needs_own_attention for s in self._live)
+
+    def check_attention(self) -> None:
+        """Raise, changing nothing, if a bounded layer would be attended by another implementation
+        than ``"kvcache"`` (read from the config of the model the cache was made for)."""
+        config = self.attention_config
+        if config is not None and self.needs_kvcache_attention and not runs_kvcache_attention(config):
+            bounded = sorted({s.kind for s in self._live if s.needs_own_attention})
+            raise UnsupportedOperation(
+                f"this cache has bounded layers ({', '.join(bounded)}) that need the 'kvcache' attention "
+                f"implementation, and the model runs {config._attn_implementation!r}; call {SWITCH_HINT} "
+                f"(or use it as a context manager around generate) first; the cache is unchanged"
+            )
 
     # ---- sizes ----------------------------------------------------------------------------
 
@@ -162,7 +179,8 @@ class KVCache(Cache):
 
     def fork(self) -> KVCache:
         """An independent copy: appending to one never changes the other."""
-        return KVCache([None if s is None else s.fork() for s in self.stores], self.spec, self.config_summary)
+        stores = [None if s is None else s.fork() for s in self.stores]
+        return KVCache(stores, self.spec, self.config_summary, self.attention_config)
 
     def save(self, path: str | os.PathLike) -> None:
         """Write this cache to one safetensors file (atomically: a failed save keeps the old file)."""
@@ -208,9 +226,10 @@ def make_cache(model: Any, spec: str | CacheSpec = "growable", **options: Any) -
       ``"lastrec:..."`` (``budget`` in tokens, or below 1 a fraction of the tokens seen; ``recent``,
       ``sinks`` protected; ``storage=full|int8|int4|int2``); ``"quantized:bits=4,group_size=64,residual=32"`` (bits 8, 4 or 2).
 
-    The model's own sliding-window layers always get a ``WindowLayer`` of its window. With any
-    bounded layer, ``model`` is switched to the ``"kvcache"`` attention implementation, which
-    bounded layers need (their slots are not the past in order).
+    The model's own sliding-window layers always get a ``WindowLayer`` of its window. ``model`` is
+    not changed. A cache with any bounded layer needs the model to run the ``"kvcache"`` attention
+    (their slots are not the past in order): call ``kvcache.use_kvcache_attention(model)`` first
+    (also a context manager); otherwise its first update raises, changing nothing.
     """
     config = text_config(model)
     parsed = parse_spec(spec, **options)
@@ -239,20 +258,7 @@ def make_cache(model: Any, spec: str | CacheSpec = "growable", **options: Any) -
                 f"layer {i} of this model has type {layer_type!r}; kvcache handles "
                 f"'full_attention' and {' and '.join(repr(t) for t in SLIDING_TYPES)} layers"
             )
-    cache = KVCache(stores, parsed, config_summary(config))
-    if cache.needs_kvcache_attention:
-        use_kvcache_attention(model)
-    return cache
-
-
-def use_kvcache_attention(model: Any) -> None:
-    """Switch ``model`` (or a config) to the ``"kvcache"`` attention implementation, which bounded
-    layers need (their slots are not the past in order; see ``layers/bounded.py``)."""
-    if hasattr(model, "set_attn_implementation"):
-        if model.config._attn_implementation != ATTENTION_NAME:
-            model.set_attn_implementation(ATTENTION_NAME)
-    else:
-        text_config(model)._attn_implementation = ATTENTION_NAME
+    return KVCache(stores, parsed, config_summary(config), config)
 
 
 def _full_layer(spec: CacheSpec, buffers: tuple[torch.Tensor, torch.Tensor] | None) -> KVLayer:

@@ -361,6 +361,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from .bench.common import human_bytes
     from .cache import make_cache
+    from .hf import use_kvcache_attention
     from .tokenizer import TokenStreamer
 
     if not args.sample and (args.temperature is not None or args.top_p is not None):
@@ -369,6 +370,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.seed is not None:
         torch.manual_seed(args.seed)
     model, tokenizer = load_model(args.model, args.device)
+    use_kvcache_attention(model)  # our model: fast decode attention, and what bounded caches need
     if args.load_cache:
         cache, ids = load_conversation(args.load_cache, model)
     else:

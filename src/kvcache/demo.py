@@ -9,7 +9,8 @@ model still finds the key with it. Contenders, all run through ``model.generate`
 * ``DynamicCache`` -- Hugging Face's default, ``transformers.DynamicCache(config=model.config)``,
   on the model's own attention; the reference for the output tokens;
 * ``concat``, ``growable``, ``static`` (capacity = prompt + new tokens) -- ``kvcache.make_cache``,
-  unbounded, so their tokens must equal the reference's;
+  unbounded, so their tokens must equal the reference's; like every kvcache contender they run as
+  the README recommends, inside ``kvcache.use_kvcache_attention(model)``;
 * bounded caches (:data:`BOUNDED`): a sliding window with sinks, H2O and TOVA eviction at a share
   of the prompt, and 4-bit KIVI-style quantization. They drop or round what they hold, so their
   tokens may differ; the ``answer`` column says whether the pass key survived.
@@ -37,6 +38,7 @@ said:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
@@ -53,6 +55,7 @@ import kvcache
 
 from . import tasks
 from .cache import make_cache
+from .hf import use_kvcache_attention
 from .tiny import tiny_model
 
 __all__ = [
@@ -102,13 +105,14 @@ class Contender:
     spec: str  # what the table shows
     make: Callable[[], Any]  # a fresh cache
     bounded: bool = False
+    ours: bool = True  # a kvcache cache: runs inside use_kvcache_attention(model)
 
 
 def contenders(model: PreTrainedModel, prompt_tokens: int, new_tokens: int, bounded: bool) -> dict[str, Contender]:
     """Name -> contender, the reference first; the bounded ones only if ``bounded``."""
     capacity = prompt_tokens + new_tokens
     out = {
-        REFERENCE: Contender("transformers.DynamicCache", lambda: DynamicCache(config=model.config)),
+        REFERENCE: Contender("transformers.DynamicCache", lambda: DynamicCache(config=model.config), ours=False),
         "concat": Contender("concat", lambda: make_cache(model, "concat")),
         "growable": Contender("growable", lambda: make_cache(model, "growable")),
         "static": Contender(f"static:capacity={capacity}", lambda: make_cache(model, "static", capacity=capacity)),
@@ -150,7 +154,7 @@ def header_line(
     )
     return (
         f"kvcache demo: {_describe(model, family)}{c.num_hidden_layers} layers, hidden {c.hidden_size}, "
-        f"{c.num_attention_heads} query / {c.num_key_value_heads} KV heads x {head_dim}, {dtype}, {attn} attention; "
+        f"{c.num_attention_heads} query / {c.num_key_value_heads} KV heads x {head_dim}, {dtype}; DynamicCache on {attn} attention, kvcache on kvcache attention; "
         f"{per_token / 1024:g} KiB of KV per token) | {prompt} + {new_tokens} new tokens, batch 1, "
         f"greedy, {_plural(repeats, 'repeat')} | kvcache {kvcache.__version__}, "
         f"torch {torch.__version__}, transformers {transformers.__version__}, {_plural(threads, 'thread')}"
@@ -286,15 +290,12 @@ def run_demo(
         prompt = torch.cat([torch.tensor([[model.config.bos_token_id]]), body], dim=1)
     entries = contenders(model, prompt_tokens, new_tokens, bounded=instance is not None)
     before = torch.get_num_threads()
-    attention = model.config._attn_implementation
     if threads is not None:
         torch.set_num_threads(int(threads))
     try:
-        runs, caches = _run(model, prompt, entries, new_tokens, repeats, progress, attention)
+        runs, caches = _run(model, prompt, entries, new_tokens, repeats, progress)
     finally:
         torch.set_num_threads(before)
-        if model.config._attn_implementation != attention:
-            model.set_attn_implementation(attention)
     return _results(entries, runs, caches, instance, tokenizer)
 
 
@@ -305,33 +306,31 @@ def _run(
     new_tokens: int,
     repeats: int,
     progress: bool,
-    attention: str,
 ) -> tuple[dict[str, list[dict[str, Any]]], dict[str, Any]]:
     names = list(entries)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     caches: dict[str, Any] = {}
 
-    def fresh(name: str) -> Any:
-        # Bounded caches switch the model to the "kvcache" attention (make_cache does); the
-        # others run on the model's own, as a user of Hugging Face's caches would.
-        if not entries[name].bounded and model.config._attn_implementation != attention:
-            model.set_attn_implementation(attention)
-        return entries[name].make()
+    def generate(name: str, tokens: int) -> tuple[dict[str, Any], Any]:
+        # kvcache contenders run as the README recommends; the reference on the model's own attention.
+        context = use_kvcache_attention(model) if entries[name].ours else contextlib.nullcontext()
+        with context:
+            cache = entries[name].make()
+            return _generate(model, prompt, cache, tokens), cache
 
     bar = tqdm(total=len(names) * (repeats + 1), desc="kvcache demo", unit="run", disable=not progress, leave=False)
     try:
         # Warm-up, untimed: every path runs once on the real shapes before anything is measured.
         for name in names:
             bar.set_postfix_str(f"warm-up {name}")
-            _generate(model, prompt, fresh(name), min(new_tokens, 4))
+            generate(name, min(new_tokens, 4))
             bar.update()
         for r in range(repeats):
             order = names[r % len(names) :] + names[: r % len(names)]
             for name in order:
                 bar.set_postfix_str(f"repeat {r + 1}/{repeats} {name}")
-                cache = fresh(name)
-                runs[name].append(_generate(model, prompt, cache, new_tokens))
-                caches[name] = cache
+                result, caches[name] = generate(name, new_tokens)
+                runs[name].append(result)
                 bar.update()
     finally:
         bar.close()

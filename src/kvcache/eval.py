@@ -34,6 +34,7 @@ import torch
 
 from . import tasks
 from .cache import make_cache
+from .hf import use_kvcache_attention
 from .trained import MODEL_DIR, load_trained
 
 #: Kinds the harness knows, in report order; "full" is the reference.
@@ -96,7 +97,7 @@ def task_accuracy(model, tokenizer, spec: str, task: str, depth: float, s: Setti
     ids = torch.stack([_encode(tokenizer, inst.prompt) for inst in insts]).to(model.device)
     cache = make_cache(model, spec)
     new = max(len(inst.answer) for inst in insts) + 2
-    with torch.inference_mode():
+    with torch.inference_mode(), use_kvcache_attention(model):
         out = model.generate(
             ids,
             attention_mask=torch.ones_like(ids),
@@ -120,7 +121,7 @@ def text_logprobs(model, tokenizer, spec: str, s: Setting) -> tuple[torch.Tensor
     half = ids.shape[1] // 2
     cache = make_cache(model, spec)
     out = []
-    with torch.inference_mode():
+    with torch.inference_mode(), use_kvcache_attention(model):
         logits = model(ids[:, :half], past_key_values=cache, use_cache=True).logits[:, -1]
         out.append(logits.float().log_softmax(-1))
         for t in range(half, ids.shape[1] - 1):

@@ -6,9 +6,10 @@ kept past then the new tokens, so the mask ``transformers`` builds from ``get_ma
 ``kv_length = length + query_length`` starting at absolute position ``seen - length``.
 
 ``register_attention()`` adds ``"kvcache"`` to the attention implementations (the one documented
-piece of global state): ``model.set_attn_implementation("kvcache")`` then runs ``attend`` for
-decode steps where it measured faster (grouped heads; long multi-head caches) and torch's SDPA
-otherwise, prefill included.
+piece of global state). ``use_kvcache_attention(model)`` switches a model to it, for good or, as a
+context manager, for a block; it then runs ``attend`` for decode steps where it measured faster
+(grouped heads; long multi-head caches) and torch's SDPA otherwise, prefill included. Nothing
+else in the library changes a model's attention implementation.
 """
 
 from __future__ import annotations
@@ -24,6 +25,43 @@ from .errors import UnsupportedOperation
 from .layers import KVLayer
 
 ATTENTION_NAME = "kvcache"
+
+#: The one line that fixes a model running another attention, quoted by every error that needs it.
+SWITCH_HINT = "kvcache.use_kvcache_attention(model)"
+
+
+class use_kvcache_attention:
+    """Switch ``model`` to the ``"kvcache"`` attention implementation.
+
+    Called plainly, the switch stays (``kvcache.use_kvcache_attention(model)``); used as a context
+    manager (``with kvcache.use_kvcache_attention(model): ...``), the model's previous
+    implementation comes back when the block ends, also on an error. Bounded caches need it (their
+    slots are not the past in order); unbounded ones are faster with it for decode with grouped
+    heads. Works on anything with ``set_attn_implementation`` (every ``transformers`` model).
+    """
+
+    def __init__(self, model) -> None:
+        if not hasattr(model, "set_attn_implementation") or not hasattr(model, "config"):
+            raise TypeError(
+                f"use_kvcache_attention expects a transformers model (with set_attn_implementation), "
+                f"got {type(model).__name__}"
+            )
+        self.model = model
+        self.previous = model.config._attn_implementation
+        if self.previous != ATTENTION_NAME:
+            model.set_attn_implementation(ATTENTION_NAME)
+
+    def __enter__(self):
+        return self.model
+
+    def __exit__(self, *exc) -> None:
+        if self.model.config._attn_implementation != self.previous:
+            self.model.set_attn_implementation(self.previous)
+
+
+def runs_kvcache_attention(config) -> bool:
+    """Whether a (text) config selects the ``"kvcache"`` attention implementation."""
+    return getattr(config, "_attn_implementation", None) == ATTENTION_NAME
 
 
 class HFLayer(CacheLayerMixin):
@@ -70,8 +108,7 @@ class HFLayer(CacheLayerMixin):
         if store.awaiting_attention:
             raise UnsupportedOperation(
                 f"a {store.kind} cache layer needs the 'kvcache' attention implementation, and the last "
-                f"forward pass attended without it; call model.set_attn_implementation('kvcache') "
-                f"(make_cache does this when given the model)"
+                f"forward pass attended without it; call {SWITCH_HINT} first"
             )
         keys, values = store.update(key_states, value_states)
         keys.kvcache_layer = store  # hf_attention_forward hands the queries to the store

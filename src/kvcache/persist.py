@@ -147,30 +147,29 @@ def read_header(raw: bytes, path: str, file_size: int | None = None) -> tuple[di
 def load_cache(path: str | os.PathLike, model: Any, *, device: str | torch.device | None = None) -> KVCache:
     """Load a cache saved by ``KVCache.save`` for ``model`` (a model or its config).
 
-    Tensors go to ``device`` (default: the model's device, else CPU). A cache with bounded layers
-    switches ``model`` to the ``"kvcache"`` attention, as ``make_cache`` does. Raises a ``CacheFileError``
+    Tensors go to ``device`` (default: the model's device, else CPU). ``model`` is not changed: a
+    cache with bounded layers needs ``kvcache.use_kvcache_attention(model)``, as from ``make_cache``. Raises a ``CacheFileError``
     subclass naming the problem for truncated, corrupted, foreign or other-model files.
     """
-    from .cache import config_summary, text_config, use_kvcache_attention
+    from .cache import config_summary, text_config
 
-    summary = config_summary(text_config(model))  # a wrong `model` is the caller's error, not the file's
+    config = text_config(model)
+    summary = config_summary(config)  # a wrong `model` is the caller's error, not the file's
     path = str(path)
     _, meta = read_header(_head_bytes(path), path, os.path.getsize(path))
     if device is None:
         device = next((p.device for p in getattr(model, "parameters", lambda: iter(()))()), torch.device("cpu"))
     try:
-        cache = _build(meta, path, summary, device)
+        cache = _build(meta, path, summary, device, config)
     except CacheFileError:
         raise
     except (KeyError, TypeError, ValueError, IndexError) as e:
         # The header checksum passed, so this is a file written by another tool or version.
         raise CorruptedFileError(f"{path}: the cache metadata cannot be used ({type(e).__name__}: {e})") from None
-    if cache.needs_kvcache_attention:
-        use_kvcache_attention(model)
     return cache
 
 
-def _build(meta: dict[str, str], path: str, summary: dict[str, Any], device) -> KVCache:
+def _build(meta: dict[str, str], path: str, summary: dict[str, Any], device, config) -> KVCache:
     from .cache import KVCache, fingerprint_of
     from .spec import parse_spec
 
@@ -200,4 +199,4 @@ def _build(meta: dict[str, str], path: str, summary: dict[str, Any], device) -> 
         layer_tensors = {n: tensors[f"layer.{i}.{n}"].to(device) for n in entry["tensors"]}
         state = LayerState(kind, entry["options"], int(entry["seen"]), layer_tensors)
         stores.append(LAYER_KINDS[kind].from_state(state))
-    return KVCache(stores, parse_spec(meta["spec"]), summary)
+    return KVCache(stores, parse_spec(meta["spec"]), summary, config)

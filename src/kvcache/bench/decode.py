@@ -16,6 +16,7 @@ to ``DynamicCache``, and whether every contender's tokens equal ``DynamicCache``
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ import torch
 from transformers import DynamicCache, StaticCache
 
 from ..cache import make_cache
-from ..hf import register_attention
+from ..hf import ATTENTION_NAME, register_attention, use_kvcache_attention
 from ..tiny import tiny_model
 from .common import clock, figure, finish_axes, human_bytes, machine_info, markdown_table, median, write_outputs
 
@@ -90,21 +91,32 @@ def decode_once(model, name: str, past, ids: torch.Tensor, new_tokens: int) -> t
 
 
 def timed_generate(model, cache, ids: torch.Tensor, new_tokens: int, attention: str) -> tuple[float, torch.Tensor]:
-    """(seconds, all tokens) of ``new_tokens`` greedy steps continuing ``ids`` with ``cache``, the
-    model on ``attention`` for the run (and back on sdpa after)."""
-    model.set_attn_implementation(attention)
-    try:
-        result = {}
+    """(seconds, all tokens) of ``new_tokens`` greedy steps continuing ``ids`` with ``cache``.
 
-        def decode() -> None:
-            result["out"] = model.generate(
-                ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, past_key_values=cache
-            )
+    ``attention="kvcache"`` runs inside ``use_kvcache_attention(model)``, the call the README
+    recommends; any other name runs the model on that implementation. The model is back on sdpa after.
+    """
+    model.set_attn_implementation("sdpa")
+    context = use_kvcache_attention(model) if attention == ATTENTION_NAME else _attention(model, attention)
+    result = {}
 
+    def decode() -> None:
+        result["out"] = model.generate(
+            ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, past_key_values=cache
+        )
+
+    with context:
         seconds = clock(decode, ids.device)
+    return seconds, result["out"]
+
+
+@contextlib.contextmanager
+def _attention(model, name: str):
+    model.set_attn_implementation(name)
+    try:
+        yield model
     finally:
         model.set_attn_implementation("sdpa")
-    return seconds, result["out"]
 
 
 def run(
