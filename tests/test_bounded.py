@@ -21,7 +21,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 import kvcache
-from helpers import assert_same_tokens, hf_attention, layer_fingerprint, left_padded, model_for, prompt
+from helpers import assert_same_tokens, attention_for, hf_attention, layer_fingerprint, left_padded, model_for, prompt
 from kvcache.layers import EvictingLayer, WindowLayer
 from kvcache.tiny import FAMILIES, tiny_model
 
@@ -71,7 +71,7 @@ def uses_our_cache(cache) -> bool:
 
 def greedy(model, ids, cache, max_new_tokens=NEW_TOKENS, **kwargs):
     """Greedy ``generate``; a reference (DynamicCache) runs with Hugging Face's own attention."""
-    context = contextlib.nullcontext() if uses_our_cache(cache) else hf_attention(model)
+    context = attention_for(model, cache)
     with context:
         return model.generate(ids, past_key_values=cache, max_new_tokens=max_new_tokens, do_sample=False, **kwargs)
 
@@ -88,7 +88,7 @@ def forward_loop(model, ids, cache, feed, check=None) -> torch.Tensor:
     """Prefill ``ids``, then feed ``feed`` one token at a time. Returns the last-position logits
     of every call, ``[calls, B, V]``. ``check(seen)`` runs after every call."""
     out = []
-    context = contextlib.nullcontext() if uses_our_cache(cache) else hf_attention(model)
+    context = attention_for(model, cache)
     seen = 0
     with torch.no_grad(), context:
         chunks = [ids] + [feed[:, t : t + 1] for t in range(feed.shape[1])]

@@ -18,7 +18,7 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 
 import kvcache
 from kvcache.layers import WindowLayer, StaticLayer
-from helpers import assert_same_tokens, hf_attention, left_padded, model_for, prompt
+from helpers import LOGITS_TOL, assert_same_tokens, attention_for, hf_attention, left_padded, model_for, prompt
 from kvcache.tiny import DEFAULT_SLIDING_WINDOW, FAMILIES
 
 SPECS = ("growable", "static:capacity=80", "concat")
@@ -42,7 +42,7 @@ def reference_cache(model) -> DynamicCache:
 
 def greedy(model, input_ids, cache, max_new_tokens=NEW_TOKENS, **kwargs):
     """Greedy generate; a reference (non-kvcache) cache runs with Hugging Face's own attention."""
-    context = contextlib.nullcontext() if isinstance(cache, kvcache.KVCache) else hf_attention(model)
+    context = attention_for(model, cache)
     with context:
         return model.generate(
             input_ids, past_key_values=cache, max_new_tokens=max_new_tokens, do_sample=False, **kwargs
@@ -173,10 +173,11 @@ def test_continue_generate_from_existing_cache():
 # ---- manual forward loops: logits -------------------------------------------------------------
 
 
-def forward_logits(model, ids: torch.Tensor, cache, feed: torch.Tensor) -> list[torch.Tensor]:
-    """Prefill ``ids`` then feed ``feed`` one token at a time; the last-position logits of each call."""
+def forward_logits(model, ids: torch.Tensor, cache, feed: torch.Tensor, context=None) -> list[torch.Tensor]:
+    """Prefill ``ids`` then feed ``feed`` one token at a time; the last-position logits of each call.
+    Runs inside ``context`` (default: ``attention_for(model, cache)``)."""
     out = []
-    context = contextlib.nullcontext() if isinstance(cache, kvcache.KVCache) else hf_attention(model)
+    context = attention_for(model, cache) if context is None else context
     with torch.no_grad(), context:
         logits = model(ids, past_key_values=cache, use_cache=True).logits
         out.append(logits[:, -1])
@@ -198,12 +199,29 @@ def test_manual_forward_loop_logits_match_dynamic_cache(family, spec):
     ours = forward_logits(model, ids, cache, ref_tokens)
     assert len(ours) == len(ref) == NEW_TOKENS + 1
     for step, (a, b) in enumerate(zip(ours, ref)):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m: f"step {step}: {m}")
+        torch.testing.assert_close(a, b, **LOGITS_TOL, msg=lambda m: f"step {step}: {m}")
         assert torch.equal(a.argmax(-1), b.argmax(-1)), f"step {step}: argmax differs"
     # The greedy tokens the reference generated are the argmax of our logits, too.
     ours_tokens = torch.stack([x.argmax(-1) for x in ours[:-1]], dim=1)
     assert torch.equal(ours_tokens, ref_tokens)
     assert cache.seen == PROMPT_LEN + NEW_TOKENS
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("family", ("llama", "qwen2"))
+def test_unbounded_cache_on_the_models_own_attention_gives_its_logits_exactly(family, spec):
+    """Without ``use_kvcache_attention`` (models with no sliding layers), an unbounded cache hands
+    SDPA the same keys and values in the same order as DynamicCache: the logits are bit-identical."""
+    model = model_for(family)
+    ids = prompt(PROMPT_LEN, seed=5)
+    feed = prompt(NEW_TOKENS, seed=6)
+    with hf_attention(model):
+        ref = forward_logits(model, ids, reference_cache(model), feed)
+        cache = kvcache.make_cache(model, spec)
+        assert not cache.needs_kvcache_attention
+        ours = forward_logits(model, ids, cache, feed, context=contextlib.nullcontext())
+    for step, (a, b) in enumerate(zip(ours, ref)):
+        assert torch.equal(a, b), f"step {step}: logits differ by {(a - b).abs().max().item():.3g}"
 
 
 @pytest.mark.parametrize("family", ("llama", "gemma2"))
@@ -247,7 +265,7 @@ def test_kvcache_attention_matches_sdpa_with_dynamic_cache(family):
     ref_logits = forward_logits(sdpa, batch[:1], reference_cache(sdpa), feed)
     our_logits = forward_logits(ours_model, batch[:1], kvcache.make_cache(ours_model), feed)
     for step, (a, b) in enumerate(zip(our_logits, ref_logits)):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m: f"step {step}: {m}")
+        torch.testing.assert_close(a, b, **LOGITS_TOL, msg=lambda m: f"step {step}: {m}")
 
 
 # ---- static caches: caller-owned buffers, the full error --------------------------------------

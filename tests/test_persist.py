@@ -21,7 +21,7 @@ from transformers import DynamicCache
 
 import kvcache
 from kvcache.layers import WindowLayer
-from helpers import hf_attention, model_for, prompt
+from helpers import LOGITS_TOL, attention_for, hf_attention, model_for, prompt
 from kvcache.tiny import tiny_model
 
 SPECS = ("growable", "static:capacity=96", "concat")
@@ -36,8 +36,14 @@ PROMPT_LEN = 40  # longer than the sliding window (16)
 
 def feed(model, cache, ids: torch.Tensor) -> torch.Tensor:
     """Run ``ids`` (the uncached tokens) through the model; last-position logits ``[B, V]``."""
-    with torch.no_grad():
+    with torch.no_grad(), attention_for(model, cache):
         return model(ids, past_key_values=cache, use_cache=True).logits[:, -1]
+
+
+def generate(model, ids: torch.Tensor, cache: kvcache.KVCache, n: int) -> torch.Tensor:
+    """Greedy ``generate`` of ``n`` tokens into ``cache``, on the kvcache attention."""
+    with attention_for(model, cache):
+        return model.generate(ids, past_key_values=cache, max_new_tokens=n, do_sample=False)
 
 
 def greedy_loop(model, cache, first: torch.Tensor, n: int) -> torch.Tensor:
@@ -106,7 +112,7 @@ def assert_same_content(a: list, b: list, what: str = "") -> None:
 def assert_close_logits(ours: list[torch.Tensor], ref: list[torch.Tensor], what: str = "") -> None:
     assert len(ours) == len(ref)
     for step, (a, b) in enumerate(zip(ours, ref)):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m: f"{what} step {step}: {m}")
+        torch.testing.assert_close(a, b, **LOGITS_TOL, msg=lambda m: f"{what} step {step}: {m}")
         assert torch.equal(a.argmax(-1), b.argmax(-1)), f"{what} step {step}: argmax differs"
 
 
@@ -157,9 +163,7 @@ def test_save_load_continue_matches_uninterrupted_generation(family, spec, tmp_p
     assert torch.equal(torch.cat([ids, first, rest], dim=1), ref)
     # ... and with generate on a second copy: the full ids so far, generate feeds the uncached one.
     again = kvcache.load_cache(path, model)
-    out = model.generate(
-        torch.cat([ids, first], dim=1), past_key_values=again, max_new_tokens=20, do_sample=False
-    )
+    out = generate(model, torch.cat([ids, first], dim=1), again, 20)
     assert torch.equal(out, ref)
     # The original cache was not disturbed by any of it and continues the same way.
     assert_same_content(content(cache), before, "original after load")
@@ -185,7 +189,7 @@ def test_save_load_empty_cache(tmp_path):
     loaded = kvcache.load_cache(tmp_path / "empty.kv", model)
     assert loaded.seen == 0
     ids = prompt(PROMPT_LEN, seed=3)
-    out = model.generate(ids, past_key_values=loaded, max_new_tokens=20, do_sample=False)
+    out = generate(model, ids, loaded, 20)
     assert torch.equal(out, reference_generate(model, ids, 20))
 
 
@@ -322,7 +326,7 @@ def _crop_and_continue(model, spec, prompt_len: int, generated: int, k: int):
     assert all(s.seen == held - k for s in cache.stores)
     # Continue from the shortened sequence: generate feeds the one uncached token.
     short = seq[:, : held - k + 1]
-    ours = model.generate(short, past_key_values=cache, max_new_tokens=15, do_sample=False)
+    ours = generate(model, short, cache, 15)
     ref = reference_generate(model, short, 15)
     assert torch.equal(ours, ref), f"after crop(-{k}): {ours.tolist()} vs {ref.tolist()}"
 

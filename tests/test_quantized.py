@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 import kvcache
-from helpers import hf_attention, model_for, prompt
+from helpers import attention_for, hf_attention, model_for, prompt
 from kvcache.layers import EvictingLayer, QuantizedLayer
 from kvcache.tiny import FAMILIES, PAD_TOKEN_ID
 
@@ -130,7 +130,8 @@ def ragged_batch():
 
 def greedy(model, ids, cache, **kwargs):
     kwargs.setdefault("max_new_tokens", NEW_TOKENS)
-    return model.generate(ids, past_key_values=cache, do_sample=False, **kwargs)
+    with attention_for(model, cache):
+        return model.generate(ids, past_key_values=cache, do_sample=False, **kwargs)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
+import kvcache
 from kvcache import make_cache, tasks
 from kvcache.trained import MODEL_DIR, load_trained
 
@@ -49,7 +50,7 @@ def _greedy_answers(model, tokenizer, task: str, spec: str) -> list[tuple[str, s
     insts = [tasks.make_instance(task, 1000 + i, length=LENGTH, depth=i / (N - 1)) for i in range(N)]
     ids = torch.tensor([tokenizer.encode(inst.prompt) for inst in insts])
     new = max(len(inst.answer) for inst in insts) + 2
-    with torch.inference_mode():
+    with torch.inference_mode(), kvcache.use_kvcache_attention(model):
         out = model.generate(
             ids,
             attention_mask=torch.ones_like(ids),

@@ -459,20 +459,29 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if e.name != f"kvcache.bench.{args.suite}":
             raise
         raise KVCacheError(f"benchmark suite {args.suite!r} is not available in this version of kvcache") from e
-    try:
-        result = suite.run(quick=args.quick, out=out, device=args.device, progress=args.progress, tiny=args.tiny)
-    except ModuleNotFoundError as e:
-        if e.name != "matplotlib":
-            raise
-        raise KVCacheError("benchmark plots need matplotlib: pip install 'kvcache[bench]'") from e
+    plots = _say_if_no_plots()
+    result = suite.run(quick=args.quick, out=out, device=args.device, progress=args.progress, tiny=args.tiny)
     text = suite.table(result)
     print(text, end="" if text.endswith("\n") else "\n", flush=True)
-    name = result.get("suite", args.suite)
-    for ext in ("json", "md", "png"):
+    _list_written(out, result.get("suite", args.suite), plots)
+    return 0
+
+
+def _say_if_no_plots() -> bool:
+    """Whether PNGs will be written; if not, one line says so before the run starts."""
+    from .bench.common import NO_PLOTS, can_plot
+
+    if can_plot():
+        return True
+    print(f"{PROG}: {NO_PLOTS}", file=sys.stderr, flush=True)
+    return False
+
+
+def _list_written(out, name: str, plots: bool) -> None:
+    for ext in ("json", "md") + (("png",) if plots else ()):
         path = out / f"{name}.{ext}"
         if path.is_file():
             print(f"wrote {path}")
-    return 0
 
 
 # ---- kvcache eval --------------------------------------------------------------------------
@@ -532,6 +541,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             raise KVCacheError(f"--budgets: every budget must be a fraction in (0, 1), got {args.budgets!r}")
     out = _output_dir(args.out)
     _check_device(args.device)
+    plots = _say_if_no_plots()
     try:
         result = run(
             quick=args.quick, out=out, kinds=kinds, budgets=budgets, model_dir=args.model,
@@ -540,8 +550,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     except FileNotFoundError as e:
         raise KVCacheError(str(e)) from e
     print(table(result))
-    for ext in ("json", "md", "png"):
-        print(f"wrote {out / f'eval.{ext}'}")
+    _list_written(out, "eval", plots)
     return 0
 
 

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from . import tasks
+from .bench.common import can_plot
 from .cache import make_cache
 from .hf import use_kvcache_attention
 from .trained import MODEL_DIR, load_trained
@@ -259,4 +260,5 @@ def write(result: dict[str, Any], out: Path) -> None:
         f"late = {DEPTHS['late']}), {c['text_samples']} held-out texts for KL / top-1.\n\n"
     )
     (out / "eval.md").write_text(head + table(result) + "\n")
-    plot(result, out / "eval.png")
+    if can_plot():
+        plot(result, out / "eval.png")

@@ -6,6 +6,8 @@ each repeat (so drift and noise hit them alike), and reports give medians and ra
 
 from __future__ import annotations
 
+import importlib.util
+
 import json
 import os
 import platform
@@ -107,6 +109,15 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
+#: The one line said when a run writes no PNG.
+NO_PLOTS = "no plot: matplotlib is not installed; JSON and markdown only (pip install 'kvcache[bench]' for the PNG)"
+
+
+def can_plot() -> bool:
+    """Whether matplotlib can be imported (the optional ``kvcache[bench]`` extra)."""
+    return importlib.util.find_spec("matplotlib") is not None
+
+
 @contextmanager
 def figure(path: Path, panels: int = 1, size: tuple[float, float] = (7, 4.5)):
     """Axes for ``panels`` side-by-side plots, saved to ``path`` (PNG) and closed on exit."""
@@ -142,10 +153,12 @@ def write_outputs(
     table: Callable[[dict[str, Any]], str],
     plot: Callable[[dict[str, Any], Path], None],
 ) -> None:
-    """Write ``<suite>.json``, ``<suite>.md`` and ``<suite>.png`` into ``out``."""
+    """Write ``<suite>.json``, ``<suite>.md`` and, when matplotlib is installed, ``<suite>.png``
+    into ``out``."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     name = result["suite"]
     write_json(out / f"{name}.json", result)
     (out / f"{name}.md").write_text(table(result))
-    plot(result, out / f"{name}.png")
+    if can_plot():
+        plot(result, out / f"{name}.png")
