@@ -72,6 +72,9 @@ class KVCache(Cache):
         #: anything is written, that it selects the "kvcache" attention.
         self.attention_config = attention_config
         self._live = [s for s in self.stores if s is not None]
+        for store, readers in zip(self.stores, kv_readers(attention_config, len(self.stores))):
+            if store is not None and store.needs_own_attention:
+                store.readers = readers
         # Only fixed-capacity kinds can refuse an append; the others need no check per step.
         self._can_refuse = [s for s in self._live if type(s).check_append is not KVLayer.check_append]
         self._first_live = next((i for i, s in enumerate(self.stores) if s is not None), -1)
@@ -198,6 +201,20 @@ def text_config(model_or_config: Any) -> PretrainedConfig:
     if not isinstance(config, PretrainedConfig):
         raise TypeError(f"expected a transformers model or config, got {type(model_or_config).__name__}")
     return config.get_text_config(decoder=True)
+
+
+def kv_readers(config: PretrainedConfig | None, n_layers: int) -> list[int]:
+    """How many attention calls read each layer's keys and values in a forward pass: 1, or for a
+    layer whose K/V later layers reuse (Gemma 3n / 4: ``kv_sharing_modes`` "store", read by the
+    "reuse" layers of its type, which keep no cache), 1 plus those layers."""
+    modes = getattr(config, "kv_sharing_modes", None)
+    types = getattr(config, "layer_types", None)
+    if not modes or types is None or len(modes) != n_layers:
+        return [1] * n_layers
+    return [
+        1 + sum(m == "reuse" and t == types[i] for m, t in zip(modes, types)) if mode == "store" else 1
+        for i, mode in enumerate(modes)
+    ]
 
 
 def config_summary(config: PretrainedConfig) -> dict[str, Any]:

@@ -132,6 +132,20 @@ class HFLayer(CacheLayerMixin):
     def crop(self, tokens_to_remove: int) -> None:
         self.store.trim(crop_count(tokens_to_remove))
 
+    def activate_past_recording(self) -> None:
+        """``generate`` calls this before speculative decoding, whose rejected tokens ``crop`` removes:
+        a window layer then logs what it overwrites so it can take them back (``layers/rollback.py``)."""
+        self.record_past = True
+
+    @property
+    def record_past(self) -> bool:
+        return getattr(self.store, "journal", None) is not None
+
+    @record_past.setter
+    def record_past(self, on: bool) -> None:  # generate sets it False when it hands the cache back
+        if hasattr(self.store, "activate_past_recording"):
+            self.store.activate_past_recording(bool(on))
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.store.reorder(beam_idx)
 

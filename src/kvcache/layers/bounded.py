@@ -14,7 +14,7 @@ Through ``transformers`` this takes the ``"kvcache"`` attention implementation, 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -47,6 +47,11 @@ class BoundedLayer(KVLayer):
         super().__init__()
         self._pending: AttentionSet | None = None
         self._pending_queries = 0
+        #: Attention calls that read each update's set: the layer's own, plus one per later layer
+        #: that reuses this layer's keys and values (Gemma 3n / 4 ``kv_sharing_modes``; set by ``KVCache``).
+        self.readers = 1
+        self._reads_left = 0
+        self._owner_weights: torch.Tensor | None = None
 
     @property
     def awaiting_attention(self) -> bool:
@@ -67,20 +72,34 @@ class BoundedLayer(KVLayer):
         absolute positions ``0..P-1`` (boolean, True = attend; an additive float mask counts as
         masked where it is very negative): it carries the padding of a left-padded batch.
         Returns ``[B, Hq, Sq, Dv]``.
+
+        A layer that shares this one's keys and values (``readers > 1``) reads after the owner and
+        may bring only the last ``Sq`` of the update's queries (Gemma 4 skips the others in the
+        shared layers); ``mask`` then has those rows.
         """
         pending = self._pending
         if pending is None:
             raise UnsupportedOperation(f"{self.kind} layer: attend() needs an update() first, for its queries")
-        if query.shape[2] != self._pending_queries:
+        n, owner = query.shape[2], self._reads_left == self.readers
+        if n != self._pending_queries and (owner or n > self._pending_queries):
             raise UnsupportedOperation(
                 f"{self.kind} layer: the last update appended {self._pending_queries} tokens, "
-                f"but attend() got {query.shape[2]} queries"
+                f"but attend() got {n} queries"
+                + ("" if owner else f" (a layer sharing its keys and values may bring at most {self._pending_queries})")
             )
+        if n != self._pending_queries:  # the last n queries
+            pending = replace(pending, first_query=pending.first_query + self._pending_queries - n)
+        out, weights = self._attend_pending(query, pending, scale, softcap, mask)
+        self._read_done(weights)
+        return out
+
+    def _attend_pending(self, query, pending: AttentionSet, scale, softcap, mask):
+        """``attend``'s work once its checks passed: returns ``([B, Hq, Sq, Dv], weights or None)``."""
         rows = None
         if mask is not None or not pending.all_visible:
             positions = pending.positions() if callable(pending.positions) else pending.positions
             rows = position_mask(pending.first_query, positions, mask, self._visible)
-        out, weights = attend_weighted(
+        return attend_weighted(
             query,
             pending.keys,
             pending.values,
@@ -89,20 +108,30 @@ class BoundedLayer(KVLayer):
             mask_rows=rows,
             weights=self.attention_weights,
         )
-        self._pending = None
-        self._attended(weights)
-        return out
+
+    def _read_done(self, weights: torch.Tensor | None) -> None:
+        """Count one read of the pending set; after the last reader the layer settles (eviction
+        runs) with the weights of the first read, the layer's own queries. Readers sharing the K/V
+        thus all attend the set as it was before anything is dropped, as Hugging Face's do."""
+        if self._reads_left == self.readers:
+            self._owner_weights = weights
+        self._reads_left -= 1
+        if self._reads_left <= 0:
+            weights, self._owner_weights = self._owner_weights, None
+            self._pending = None
+            self._attended(weights)
 
     def skip_attention(self) -> None:
         """Let the last update's tokens go unattended (keys/values imported from elsewhere): the
         layer settles as if attention had run and reported nothing (eviction uses the scores it has)."""
         if self._pending is not None:
-            self._pending = None
+            self._pending = self._owner_weights = None
             self._attended(None)
 
     def _set_pending(self, pending: AttentionSet, queries: int) -> tuple[torch.Tensor, torch.Tensor]:
         self._pending = pending
         self._pending_queries = queries
+        self._reads_left = self.readers
         return pending.keys, pending.values
 
     def _visible(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
@@ -115,7 +144,7 @@ class BoundedLayer(KVLayer):
         """Called after attention with the weights asked for in ``attention_weights``."""
 
     def reset(self) -> None:
-        self._pending = None
+        self._pending = self._owner_weights = None
 
     def check_trim(self, n: int) -> None:
         super().check_trim(n)

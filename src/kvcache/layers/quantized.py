@@ -219,12 +219,10 @@ class QuantizedLayer(BoundedLayer):
 
     # ---- attention --------------------------------------------------------------------------
 
-    def attend(self, query, *, scale=None, softcap=None, mask=None):
-        if not self._reads_store or self._pending is None or query.shape[2] != self._pending_queries:
-            # A full-precision copy; or an error (no update, wrong query count) that super() words.
-            return super().attend(query, scale=scale, softcap=softcap, mask=mask)
-        first, self._pending = self._pending.first_query, None
-        return self._attend_store(query, first, scale, softcap, mask)
+    def _attend_pending(self, query, pending, scale, softcap, mask):
+        if not self._reads_store:  # a full-precision copy
+            return super()._attend_pending(query, pending, scale, softcap, mask)
+        return self._attend_store(query, pending.first_query, scale, softcap, mask), None
 
     def _attend_store(self, query, first_query, scale, softcap, mask) -> torch.Tensor:
         """Attention of queries at ``first_query...`` over the store, one block at a time."""

@@ -12,6 +12,11 @@ sliding-window attention (mistral, gemma2 sliding layers), so ``make_cache`` use
 model's own sliding layers. An update of several tokens that would overwrite slots some of its
 own queries still need (a prefill longer than the window) attends a copy of the old slots followed
 by the new tokens, masked by position, and then keeps the last ``window``.
+
+``trim(n)`` can always take back tokens while the ring has not wrapped. After that it needs the
+slots the last tokens overwrote: ``activate_past_recording()`` (which ``generate`` calls before
+speculative decoding) logs them until the next trim (``rollback.py``), so a rejected draft is
+removed exactly, whatever its length; more than the log holds is refused, changing nothing.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from ..errors import UnsupportedOperation
 from .base import LayerState
 from .bounded import AttentionSet, BoundedLayer
 from .buffer import BufferLayer
+from .rollback import Journal
 
 
 class WindowLayer(BoundedLayer, BufferLayer):
@@ -41,6 +47,7 @@ class WindowLayer(BoundedLayer, BufferLayer):
         self.window = int(window)
         self.sinks = int(sinks)
         self.initial_capacity = int(initial_capacity)
+        self.journal: Journal | None = None  # the undo log while recording (rollback.py)
 
     @property
     def max_length(self) -> int:
@@ -75,29 +82,56 @@ class WindowLayer(BoundedLayer, BufferLayer):
     def _append(self, key, value):
         n, seen, cap = key.shape[2], self.seen, self.max_length
         device = key.device
-        if seen + n <= cap:  # nothing leaves the window: write in order at the cursor
-            keys, values = BufferLayer._append(self, key, value)
+        if seen + n <= cap:  # nothing leaves the window: written in order at the cursor
+            self._write(key, value)
+            keys, values = self.view()
             pos = torch.arange(seen + n, device=device)
             return self._set_pending(AttentionSet(keys, values, pos, seen, all_visible=n == 1), n)
         self._ensure_full_buffers(key, value)
         if n == 1:  # decode: the slot taken is the one leaving the window, which this query cannot see
-            slot = seen if seen < self.sinks else self.sinks + (seen - self.sinks) % self.window
-            self._kbuf.narrow(2, slot, 1).copy_(key)
-            self._vbuf.narrow(2, slot, 1).copy_(value)
-            self._seen, self._len = seen + 1, cap
+            self._write(key, value)
             pos = lambda: self._slot_positions(seen + 1, cap, device)  # noqa: E731 (only a masked step needs it)
             return self._set_pending(AttentionSet(self._kbuf, self._vbuf, pos, seen, all_visible=True), 1)
         # Several tokens, some of whose queries need slots this update overwrites: attend a copy.
         old_k, old_v = self.view()
         old_pos = self._slot_positions(seen, self._len, device)
         keys, values = torch.cat([old_k, key], dim=2), torch.cat([old_v, value], dim=2)
+        self._write(key, value)
         new_pos = torch.arange(seen, seen + n, device=device)
-        keep = new_pos[(new_pos < self.sinks) | (new_pos >= seen + n - self.window)]
-        slots = self._slot(keep)
-        self._kbuf.index_copy_(2, slots, key.index_select(2, keep - seen))
-        self._vbuf.index_copy_(2, slots, value.index_select(2, keep - seen))
-        self._seen, self._len = seen + n, cap
         return self._set_pending(AttentionSet(keys, values, torch.cat([old_pos, new_pos]), seen), n)
+
+    def _write(self, key, value, record: bool = True) -> None:
+        """Store tokens ``seen..seen+n-1``: in order while they fit, else each in its ring slot
+        (only the ones still in the window at the end). Logs the update first when recording."""
+        n, seen, cap = key.shape[2], self.seen, self.max_length
+        if seen + n <= cap:
+            if record and self.journal is not None:
+                self._record(seen, torch.empty(0, dtype=torch.long, device=key.device), key, value)
+            BufferLayer._append(self, key, value)
+            return
+        self._ensure_full_buffers(key, value)
+        if n == 1:
+            slot = seen if seen < self.sinks else self.sinks + (seen - self.sinks) % self.window
+            if record and self.journal is not None:
+                self._record(seen, torch.tensor([slot], device=key.device), key, value)
+            self._kbuf.narrow(2, slot, 1).copy_(key)
+            self._vbuf.narrow(2, slot, 1).copy_(value)
+        else:
+            new_pos = torch.arange(seen, seen + n, device=key.device)
+            keep = new_pos[(new_pos < self.sinks) | (new_pos >= seen + n - self.window)]
+            slots = self._slot(keep)
+            if record and self.journal is not None:
+                self._record(seen, slots, key, value)
+            self._kbuf.index_copy_(2, slots, key.index_select(2, keep - seen))
+            self._vbuf.index_copy_(2, slots, value.index_select(2, keep - seen))
+        self._seen, self._len = seen + n, cap
+
+    def _record(self, seen: int, slots: torch.Tensor, key, value) -> None:
+        # Slots beyond the stored ones hold nothing to restore (a full ring: every slot is stored).
+        live = slots if self._len >= self.max_length else slots[slots < self._len]
+        kbuf = self._kbuf if self._kbuf is not None else key[:, :, :0]
+        vbuf = self._vbuf if self._vbuf is not None else value[:, :, :0]
+        self.journal.record(seen, self._len, live, kbuf, vbuf, key, value)
 
     def _ensure_full_buffers(self, key, value) -> None:
         if self.capacity < self.max_length:
@@ -114,21 +148,71 @@ class WindowLayer(BoundedLayer, BufferLayer):
 
     # ---- rollback and state ---------------------------------------------------------------
 
+    def activate_past_recording(self, on: bool = True) -> None:
+        """Log every update until the next trim so that ``trim`` can take back its tokens even
+        after they overwrote window slots (speculative decoding; ``rollback.py``). ``False`` stops
+        and frees the log. ``generate`` turns it on for assisted and prompt-lookup decoding."""
+        if not on:
+            self.journal = None
+        elif self.journal is None:
+            self.journal = Journal(limit=self.window)
+
+    @property
+    def nbytes(self) -> int:
+        """The ring, plus the undo log while recording."""
+        return BufferLayer.nbytes.fget(self) + (0 if self.journal is None else self.journal.nbytes)
+
+    @property
+    def rollback_tokens(self) -> int:
+        """How many of the last tokens ``trim`` can remove now."""
+        logged = 0 if self.journal is None else self.journal.tokens
+        return self.seen if self.seen - logged <= self.max_length else logged
+
     def check_trim(self, n: int) -> None:
-        super().check_trim(n)
-        if int(n) and self.seen > self.max_length:
+        if int(n) < 0:
+            raise ValueError(f"trim takes a token count >= 0, got {n}")
+        if int(n) > self.seen:
+            raise UnsupportedOperation(f"cannot remove {n} tokens from a {self.kind} layer that has seen {self.seen}")
+        if int(n) > self.rollback_tokens:
+            recording = "" if self.journal is not None else "; activate_past_recording() before the update keeps them"
             raise UnsupportedOperation(
                 f"cannot remove {n} tokens from a window of {self.window} (+{self.sinks} sinks) that has "
-                f"seen {self.seen}: the tokens the shorter sequence needs, before position "
-                f"{self.seen - self.window}, were already overwritten"
+                f"seen {self.seen}: it can take back the last {self.rollback_tokens}; the tokens the shorter "
+                f"sequence needs were already overwritten{recording}"
             )
+        if int(n) and self._pending is not None:
+            raise UnsupportedOperation(f"{self.kind} layer: cannot trim between an update and its attention")
 
-    def _trim(self, n: int) -> None:
-        self._len -= n  # never wrapped (check_trim): slots are positions, in order
+    def trim(self, n: int) -> None:
+        """Remove the last ``n`` tokens, the window then holding exactly what it held ``n`` tokens
+        ago. Closes the step: the log starts again (as Hugging Face's ``crop`` does)."""
+        self.check_trim(n)
+        target = self.seen - int(n)
+        while self.seen > target and self.journal is not None and self.journal.entries:
+            e = self.journal.entries.pop()
+            if e.slots.numel():
+                self._kbuf.index_copy_(2, e.slots, e.keys)
+                self._vbuf.index_copy_(2, e.slots, e.values)
+            self._seen, self._len = e.first, e.length_before
+            if e.first < target:  # part of this update stays
+                m = target - e.first
+                self._write(e.new_keys[:, :, :m], e.new_values[:, :, :m], record=False)
+        if self.seen > target:  # never wrapped (check_trim): slots are positions, in order
+            self._len -= self.seen - target
+            self._seen = target
+        if self.journal is not None:
+            self.journal.clear()
+
+    def _rebatch(self, fn) -> None:
+        BufferLayer._rebatch(self, fn)
+        if self.journal is not None:
+            self.journal.rebatch(fn)
 
     def reset(self) -> None:
         BoundedLayer.reset(self)
         self._drop_buffers()
+        if self.journal is not None:
+            self.journal.clear()
 
     def options(self) -> dict[str, Any]:
         return {"window": self.window, "sinks": self.sinks, "initial_capacity": self.initial_capacity}
