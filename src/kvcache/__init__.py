@@ -13,6 +13,7 @@ from .cache import CacheSnapshot, KVCache, make_cache
 from .errors import (
     CacheFileError,
     CacheFullError,
+    CacheSaveError,
     CorruptedFileError,
     DTypeError,
     ForeignFileError,
@@ -34,6 +35,7 @@ register_attention()
 __all__ = [
     "CacheFileError",
     "CacheFullError",
+    "CacheSaveError",
     "CacheSnapshot",
     "CacheSpec",
     "CorruptedFileError",
