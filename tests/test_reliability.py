@@ -163,3 +163,216 @@ def test_mutated_files_are_refused_or_continue_identically(spec, tmp_path):
             COUNTS[mutation.category, "FAILED"] += 1
             failures.append(str(e).splitlines()[0])
     assert not failures, f"{len(failures)} mutations escaped:\n" + "\n".join(failures[:60 if not FULL else None])
+
+
+# ---- a 2**40-element claim: refused fast, without allocating ------------------------------------
+
+
+def _worker(*args, timeout: float = 120) -> str:
+    """Run ``reliability_worker.py`` to completion (hang guard: ``timeout``); its stdout."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent / "src"), str(HERE)])}
+    done = subprocess.run([sys.executable, str(WORKER), *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env)
+    assert done.returncode == 0, f"worker {args[0]} failed ({done.returncode}):\n{done.stderr[-3000:]}"
+    return done.stdout
+
+
+def test_huge_claims_are_refused_quickly_and_allocate_nothing(tmp_path):
+    """Claims of 2**40 slots (a 4 TiB tensor) in the spec and options, a tensor's shape or the
+    tokens seen: a separate process loads each and reports how much its peak memory grew."""
+    from mutations import HUGE, crafted, raw_headers
+    import reliability_worker as w
+
+    raw_path = tmp_path / "base.kv"
+    w.make(1, 50).save(raw_path)
+    raw = raw_path.read_bytes()
+    wanted = {
+        "spec and every layer: first option = 1099511627776",
+        "spec and every layer: first option = 4611686018427387904",
+        "full layer seen = 4611686018427387904",
+        "full layer length = 2**40",
+    }
+    cases = [m for m in crafted(raw) if m.name in wanted]
+    cases += [m for m in raw_headers(raw) if "2**40" in m.name or "2**64" in m.name or "huge" in m.name]
+    assert len(cases) >= 7, [m.name for m in cases]
+    paths = []
+    for k, m in enumerate(cases):
+        paths.append(tmp_path / f"huge{k}.kv")
+        paths[-1].write_bytes(m.data)
+    report = json.loads(_worker("load", *paths).splitlines()[-1])
+    for m, r in zip(cases, report):
+        COUNTS["huge", "clean" if r["clean"] else "FAILED"] += 1
+        assert r["clean"], f"{m.name}: {r['error']}"
+        assert str(r["path"]) in r["error"], f"{m.name}: the message does not name the file: {r['error']}"
+        assert r["seconds"] < HANG_GUARD_S, f"{m.name}: took {r['seconds']:.1f} s"
+        assert r["rss_grew_kib"] < 256 * 1024, f"{m.name}: peak memory grew by {r['rss_grew_kib']} KiB"
+    assert HUGE == 2**40
+
+
+# ---- SIGKILL while saving over an existing file ---------------------------------------------------
+
+
+def _temps(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.endswith(".tmp"))
+
+
+def test_sigkill_during_save_leaves_old_or_new_file_and_sweepable_temps(tmp_path):
+    import reliability_worker as w
+    from kvcache.persist import _temp_pattern
+
+    trials = 20 if FULL else 3
+    rng = random.Random(f"{SEED}:kill")
+    path = tmp_path / "chat.kv"
+    old, new = w.make(100, 3000), w.make(200, 3000)
+    versions = {"old": w.content(old), "new": w.content(new)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent / "src"), str(HERE)])}
+    seen = collections.Counter()
+    for trial in range(trials):
+        old.save(path)
+        assert _temps(tmp_path) == [], f"trial {trial}: the save before it left {_temps(tmp_path)}"
+        delay = rng.uniform(0.0, 0.6)
+        proc = subprocess.Popen([sys.executable, str(WORKER), "save-loop", str(path), "200", "30"], stdout=subprocess.PIPE, text=True, env=env)
+        try:
+            assert proc.stdout.readline().strip() == "ready", f"trial {trial}: the worker did not start"
+            time.sleep(delay)
+            proc.send_signal(signal.SIGKILL)
+        finally:
+            proc.wait(timeout=60)
+            proc.stdout.close()
+        loaded = w.content(kvcache.load_cache(path, w.CONFIG))
+        which = [name for name, want in versions.items() if all(torch.equal(a, b) for a, b in zip(loaded, want))]
+        assert len(which) == 1, f"[seed {SEED}] trial {trial} (kill after {delay:.3f} s): the file is neither version"
+        left = _temps(tmp_path)
+        assert all(_temp_pattern(path).fullmatch(name) for name in left), f"trial {trial}: unexpected files {left}"
+        seen[which[0]] += 1
+        seen["temps left by the kill"] += len(left)
+    # The next save sweeps what killed saves left (their process is gone), and nothing else is there.
+    old.save(path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.kv"]
+    for what, n in seen.items():
+        COUNTS["sigkill", what] += n
+    assert seen["old"] + seen["new"] == trials
+
+
+def test_temps_of_live_processes_are_not_swept(tmp_path):
+    """A temp file of a live save (this process) stays; one of a dead process is swept."""
+    import reliability_worker as w
+    from kvcache.persist import _HOST
+
+    path = tmp_path / "c.kv"
+    mine = tmp_path / f".c.kv.{_HOST}~{os.getpid()}~abc123.tmp"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    gone = tmp_path / f".c.kv.{_HOST}~{dead.pid}~xyz789.tmp"
+    other = tmp_path / ".other.kv.x~1~a.tmp"
+    for p in (mine, gone, other):
+        p.write_bytes(b"partial")
+    w.make(3, 5).save(path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["c.kv", mine.name, other.name])
+
+
+# ---- a full disk ----------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def small_tmpfs(folder: Path, options: str = "size=64k"):
+    """Mount a tmpfs at ``folder``; yields False (and mounts nothing) where mounting is not allowed."""
+    folder.mkdir(exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)], capture_output=True)
+    if done.returncode != 0:
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=True)
+
+
+def _assert_clean_save_error(error: dict, path: Path, what: str) -> None:
+    assert error["error"] is not None, f"{what}: the save succeeded"
+    assert "CacheSaveError" in error["mro"] and "OSError" in error["mro"], f"{what}: {error}"
+    assert str(path) in error["message"] and "\n" not in error["message"], f"{what}: {error['message']!r}"
+
+
+def _save_over_full_disk(folder: Path, how: str) -> None:
+    import reliability_worker as w
+
+    path = folder / "chat.kv"
+    old = w.make(5, 20)  # ~20 KiB: fits in 64 KiB
+    old.save(path)
+    before = path.read_bytes()
+    if how == "tmpfs":
+        new = w.make(6, 200)  # ~200 KiB: does not fit
+        try:
+            new.save(path)
+        except Exception as e:  # noqa: BLE001
+            error = {"error": type(e).__name__, "mro": [c.__name__ for c in type(e).__mro__], "message": str(e)}
+        else:
+            error = {"error": None}
+    else:
+        error = json.loads(_worker("save-limited", path, 6, 64 * 1024).splitlines()[-1])
+    _assert_clean_save_error(error, path, how)
+    assert path.read_bytes() == before, f"{how}: the old file changed"
+    assert all(torch.equal(a, b) for a, b in zip(w.content(kvcache.load_cache(path, w.CONFIG)), w.content(old)))
+    assert sorted(p.name for p in folder.iterdir()) == ["chat.kv"], f"{how}: temporary files left"
+    COUNTS["full disk", f"{how}: {error['error']}"] += 1
+
+
+def test_save_onto_a_full_disk_raises_cleanly_and_keeps_the_old_file(tmp_path):
+    """A 64 KiB tmpfs where we may mount one, else a file-size limit (EFBIG) in a subprocess."""
+    with small_tmpfs(tmp_path / "disk") as mounted:
+        _save_over_full_disk(tmp_path / "disk", "tmpfs" if mounted else "rlimit")
+
+
+def test_save_past_a_file_size_limit_raises_cleanly_and_keeps_the_old_file(tmp_path):
+    """The OS-level limit alone (RLIMIT_FSIZE), which works unprivileged too."""
+    (tmp_path / "d").mkdir()
+    _save_over_full_disk(tmp_path / "d", "rlimit")
+
+
+# ---- concurrent saves to one path -----------------------------------------------------------------
+
+
+def test_two_threads_saving_to_one_path(tmp_path):
+    import reliability_worker as w
+
+    path = tmp_path / "chat.kv"
+    caches = [w.make(10, 1000), w.make(11, 1000)]
+    errors: list[BaseException] = []
+
+    def save_many(cache):
+        try:
+            for _ in range(10 if FULL else 4):
+                cache.save(path)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=save_many, args=(c,)) for c in caches]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, f"saving raised {errors!r}"
+    loaded = w.content(kvcache.load_cache(path, w.CONFIG))
+    assert any(all(torch.equal(a, b) for a, b in zip(loaded, w.content(c))) for c in caches)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.kv"]
+    COUNTS["concurrent", "threads: one complete version"] += 1
+
+
+def test_two_processes_saving_to_one_path(tmp_path):
+    import reliability_worker as w
+
+    path = tmp_path / "chat.kv"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent / "src"), str(HERE)])}
+    count = 10 if FULL else 4
+    procs = [
+        subprocess.Popen([sys.executable, str(WORKER), "save-loop", str(path), str(seed), str(count)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for seed in (20, 21)
+    ]
+    for p in procs:
+        out, err = p.communicate(timeout=180)
+        assert p.returncode == 0, f"a saving process failed:\n{err[-3000:]}"
+        assert json.loads(out.splitlines()[-1]) == {"saved": count}
+    loaded = w.content(kvcache.load_cache(path, w.CONFIG))
+    assert any(all(torch.equal(a, b) for a, b in zip(loaded, w.content(w.make(s, 3000)))) for s in (20, 21))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.kv"]
+    COUNTS["concurrent", "processes: one complete version"] += 1
