@@ -17,6 +17,7 @@ import collections
 import contextlib
 import functools
 import json
+import math
 import os
 import random
 import signal
@@ -114,10 +115,12 @@ def outcome(spec: str, mutation: Mutation, path: Path) -> str:
     path.write_bytes(mutation.data)
     where = f"[seed {SEED}] {spec}: {mutation.category} '{mutation.name}'"
     start = time.perf_counter()
+    attention = model().config._attn_implementation
     try:
         cache = kvcache.load_cache(path, model())
     except kvcache.CacheFileError as e:
         message = str(e)
+        assert model().config._attn_implementation == attention, f"{where}: a refused load switched the model's attention"
         assert str(path) in message, f"{where}: the message does not name the file: {message}"
         assert "\n" not in message, f"{where}: a message of several lines: {message!r}"
         return type(e).__name__
@@ -376,3 +379,199 @@ def test_two_processes_saving_to_one_path(tmp_path):
     assert any(all(torch.equal(a, b) for a, b in zip(loaded, w.content(w.make(s, 3000)))) for s in (20, 21))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.kv"]
     COUNTS["concurrent", "processes: one complete version"] += 1
+
+
+# ---- the CLI: --load-cache / --save-cache ---------------------------------------------------------
+
+
+def _cli(capsys, *argv) -> tuple[int, str, str]:
+    from kvcache.cli import main
+
+    rc = main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+def _ids_file(path: Path) -> Path:
+    return Path(str(path) + ".ids.json")
+
+
+def _rehash(path: Path) -> None:
+    """Make the ids file vouch for the cache file as it is now (a tamperer who knows the format)."""
+    import hashlib
+
+    side = _ids_file(path)
+    payload = json.loads(side.read_text())
+    payload["cache_sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
+    side.write_text(json.dumps(payload))
+
+
+def _edit_ids(fn):
+    def damage(path: Path) -> None:
+        side = _ids_file(path)
+        payload = json.loads(side.read_text())
+        result = fn(payload)
+        side.write_text(json.dumps(payload if result is None else result))
+
+    return damage
+
+
+def _write_ids(data: bytes):
+    return lambda path: _ids_file(path).write_bytes(data)
+
+
+def _flip_data_byte(path: Path) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[-5] ^= 0x40
+    path.write_bytes(bytes(raw))
+    _rehash(path)
+
+
+def _other_model_file(path: Path) -> None:
+    other = tiny_model("llama", seed=5)
+    cache = kvcache.make_cache(other)
+    with torch.no_grad():
+        other(torch.tensor([[5, 6, 7, 8]]), past_key_values=cache, use_cache=True)
+    cache.save(path)
+    payload = json.loads(_ids_file(path).read_text())
+    payload["cached"], payload["ids"] = 4, [5, 6, 7, 8, 9]
+    _ids_file(path).write_text(json.dumps(payload))
+    _rehash(path)
+
+
+def _as_directory(path: Path) -> None:
+    path.unlink()
+    path.mkdir()
+
+
+CLI_DAMAGE = {
+    "ids file missing": lambda p: _ids_file(p).unlink(),
+    "ids file is a directory": lambda p: (_ids_file(p).unlink(), _ids_file(p).mkdir()),
+    "ids file not JSON": _write_ids(b"{not json"),
+    "ids file not UTF-8": _write_ids(b'{"ids": "\xff\xfe"}'),
+    "ids file empty": _write_ids(b""),
+    "ids file a JSON list": _write_ids(b"[1, 2, 3]"),
+    "ids file a JSON string": _write_ids(b'"ids"'),
+    "ids file nested 100000 deep": _write_ids(b"[" * 100_000 + b"]" * 100_000),
+    "ids file with NaN": _edit_ids(lambda d: d.update(cached=math.nan)),
+    "ids: a string id": _edit_ids(lambda d: d["ids"].__setitem__(0, "a")),
+    "ids: a negative id": _edit_ids(lambda d: d["ids"].__setitem__(0, -1)),
+    "ids: a boolean id": _edit_ids(lambda d: d["ids"].__setitem__(0, True)),
+    "ids: an id past the vocabulary": _edit_ids(lambda d: d["ids"].__setitem__(0, 10**9)),
+    "ids: not a list": _edit_ids(lambda d: d.update(ids={"0": 1})),
+    "ids: cached + 1": _edit_ids(lambda d: d.update(cached=d["cached"] + 1)),
+    "ids: cached - 1": _edit_ids(lambda d: d.update(cached=d["cached"] - 1)),
+    "ids: cached past the ids": _edit_ids(lambda d: d.update(cached=len(d["ids"]) + 1)),
+    "ids: cached negative": _edit_ids(lambda d: d.update(cached=-1)),
+    "ids: cached a string": _edit_ids(lambda d: d.update(cached="5")),
+    "ids: other format": _edit_ids(lambda d: d.update(format="other")),
+    "ids: version 2": _edit_ids(lambda d: d.update(version=2)),
+    "ids: checksum of another file": _edit_ids(lambda d: d.update(cache_sha256="0" * 64)),
+    "ids: checksum missing": _edit_ids(lambda d: d.pop("cache_sha256")),
+    "cache file missing": lambda p: p.unlink(),
+    "cache path is a directory": _as_directory,
+    "cache file truncated (ids rehashed)": lambda p: (p.write_bytes(p.read_bytes()[:-100]), _rehash(p)),
+    "cache file byte flipped (ids rehashed)": _flip_data_byte,
+    "cache file empty (ids rehashed)": lambda p: (p.write_bytes(b""), _rehash(p)),
+    "cache file of another model (ids rehashed)": _other_model_file,
+}
+
+
+@pytest.fixture(scope="module")
+def conversation(tmp_path_factory):
+    """A conversation saved by the CLI: (folder, the cache path), files to be copied, never changed."""
+    folder = tmp_path_factory.mktemp("conversation")
+    path = folder / "chat.kv"
+    from kvcache.cli import main
+
+    assert main(["generate", "--prompt", "The cache", "--max-new-tokens", "3", "--save-cache", str(path)]) == 0
+    return folder, path
+
+
+def _one_error_line(err: str, what: str, *names: str) -> None:
+    assert "Traceback" not in err, f"{what}: a traceback:\n{err}"
+    lines = err.strip().splitlines()
+    errors = [line for line in lines if "error:" in line]
+    assert len(errors) == 1 and errors[0] == lines[-1], f"{what}: expected one error line, got:\n{err}"
+    for name in names:
+        assert name in errors[0], f"{what}: the error does not name {name}: {errors[0]}"
+
+
+@pytest.mark.parametrize("damage", sorted(CLI_DAMAGE))
+def test_cli_load_cache_refuses_damaged_conversations_in_one_line(damage, conversation, tmp_path, capsys):
+    import shutil
+
+    folder, original = conversation
+    for p in folder.iterdir():
+        shutil.copy(p, tmp_path / p.name)
+    path = tmp_path / original.name
+    CLI_DAMAGE[damage](path)
+    rc, out, err = _cli(capsys, "generate", "--load-cache", path, "--prompt", " and", "--max-new-tokens", 2)
+    COUNTS["cli", "exit 2" if rc == 2 else f"exit {rc}"] += 1
+    assert rc == 2 and out == "", f"{damage}: exit {rc}, stdout {out!r}, stderr {err!r}"
+    assert err.startswith("kvcache: error: ") and err.count("\n") == 1, f"{damage}: {err!r}"
+    _one_error_line(err, damage, "chat.kv")
+
+
+def test_cli_save_cache_to_unwritable_places_exits_2_in_one_line(tmp_path, capsys):
+    regular = tmp_path / "file"
+    regular.write_text("x")
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    places = {
+        "under a regular file": regular / "c.kv",
+        "a directory": folder,
+        "in /proc": Path("/proc/kvcache-reliability.kv"),
+        "in a missing folder": tmp_path / "missing" / "c.kv",
+    }
+    for what, place in places.items():
+        rc, _, err = _cli(capsys, "generate", "--prompt", "hi", "--max-new-tokens", 2, "--save-cache", place)
+        COUNTS["cli", "exit 2" if rc == 2 else f"exit {rc}"] += 1
+        assert rc == 2, f"{what}: exit {rc}: {err}"
+        _one_error_line(err, what)
+        assert not place.exists() or place.is_dir()
+    with small_tmpfs(tmp_path / "ro", "ro,size=64k") as mounted:
+        if mounted:  # where mounting is allowed: a read-only file system
+            place = tmp_path / "ro" / "c.kv"
+            rc, _, err = _cli(capsys, "generate", "--prompt", "hi", "--max-new-tokens", 2, "--save-cache", place)
+            COUNTS["cli", "exit 2" if rc == 2 else f"exit {rc}"] += 1
+            assert rc == 2, f"read-only: exit {rc}: {err}"
+            _one_error_line(err, "read-only", str(place))
+
+
+@contextlib.contextmanager
+def file_size_limit(limit: int):
+    """Writes past ``limit`` bytes fail with EFBIG in this process while inside (soft limit only)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+
+
+def test_cli_save_onto_a_full_disk_keeps_the_old_conversation(conversation, tmp_path, capsys):
+    """Saving a longer conversation over the saved one does not fit (a 96 KiB tmpfs, or a file size
+    limit where mounting is not allowed): exit 2 in one line, and the old pair still loads."""
+    import shutil
+
+    folder, original = conversation
+    disk = tmp_path / "disk"
+    with small_tmpfs(disk, "size=96k") as mounted:
+        for p in folder.iterdir():
+            shutil.copy(p, disk / p.name)
+        path = disk / original.name
+        before = {p.name: p.read_bytes() for p in disk.iterdir()}
+        argv = ["generate", "--load-cache", path, "--prompt", " x" * 60, "--max-new-tokens", 30, "--save-cache", path]
+        with contextlib.nullcontext() if mounted else file_size_limit(path.stat().st_size + 1024):
+            rc, _, err = _cli(capsys, *argv)
+        COUNTS["cli", "exit 2" if rc == 2 else f"exit {rc}"] += 1
+        assert rc == 2, f"exit {rc}: {err}"
+        _one_error_line(err, "full disk", str(path))
+        assert {p.name: p.read_bytes() for p in disk.iterdir()} == before, "the old conversation changed"
+        rc, _, err = _cli(capsys, "generate", "--load-cache", path, "--prompt", " and", "--max-new-tokens", 2)
+        assert rc == 0, err

@@ -6,9 +6,19 @@ fields a cache must agree with) and its ``fingerprint``, ``layers`` (per layer: 
 ``seen``, ``length``) and ``checksums`` (SHA-256 of each tensor's bytes).
 
 Saving writes a temporary file beside the target, flushes it to disk and renames it into place, so
-a failed save leaves the old file intact. Loading refuses, with an error naming the problem, a
-file that is truncated, has a changed byte, is not a kvcache file (or of an unknown version), or
-was saved for a model with another configuration.
+a failed save leaves the old file intact and raises ``CacheSaveError`` (an ``OSError``) naming the
+file. A killed save can leave its temporary file (``.NAME.HOST~PID~XXXX.tmp``); loads never read
+it and the next save to the same target sweeps it (see ``atomic_write``).
+
+Files are untrusted input. Loading refuses, with a ``CacheFileError`` (a ``ValueError``) naming the
+file and the problem, and before changing anything: a file that is truncated, has a changed byte,
+is not a kvcache file (or of an unknown version), was saved for a model with another
+configuration, or whose metadata was forged with its checksums recomputed but contradicts the rest
+of the file (layer layout and options vs the saved spec on this model, tokens seen, lengths, slot
+positions, tensor shapes and dtypes vs the model's heads, head dims and dtype). Nothing is
+allocated that the file's size and the model's ``max_position_embeddings`` do not bound. A forgery
+that is consistent in every respect (other key values with recomputed checksums) is a valid cache:
+the checksums catch accidents, not attackers (there is no signature).
 """
 
 from __future__ import annotations
