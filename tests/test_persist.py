@@ -567,7 +567,7 @@ def test_failed_save_keeps_previous_file(failure, tmp_path, monkeypatch):
 
     new_cache = kvcache.make_cache(model)
     greedy_loop(model, new_cache, prompt(PROMPT_LEN, seed=14), 15)
-    error: type[BaseException] = _Boom
+    error: type[BaseException] = kvcache.CacheSaveError  # an OSError, naming the file, caused by the failure
     if failure == "replace":
         monkeypatch.setattr(os, "replace", _raise)
     elif failure == "fsync":
@@ -590,9 +590,12 @@ def test_failed_save_keeps_previous_file(failure, tmp_path, monkeypatch):
 
         monkeypatch.setattr(os, "fsync", interrupt)
         error = KeyboardInterrupt
-    with pytest.raises(error):
+    with pytest.raises(error) as info:
         new_cache.save(path)
     monkeypatch.undo()
+    if failure != "interrupt":
+        assert isinstance(info.value, OSError) and isinstance(info.value.__cause__, _Boom)
+        assert str(path) in str(info.value) and "\n" not in str(info.value)
 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.kv"], "temporary files left behind"
     assert path.read_bytes() == old_bytes
@@ -600,7 +603,7 @@ def test_failed_save_keeps_previous_file(failure, tmp_path, monkeypatch):
 
     # A failed save to a new path leaves nothing at all.
     monkeypatch.setattr(os, "replace", _raise)
-    with pytest.raises(_Boom):
+    with pytest.raises(kvcache.CacheSaveError):
         new_cache.save(tmp_path / "new.kv")
     monkeypatch.undo()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.kv"]

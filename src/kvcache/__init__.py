@@ -14,6 +14,7 @@ from .cache import CacheSnapshot, KVCache, make_cache
 from .errors import (
     CacheFileError,
     CacheFullError,
+    CacheSaveError,
     CorruptedFileError,
     DTypeError,
     ForeignFileError,
@@ -35,6 +36,7 @@ register_attention()
 __all__ = [
     "CacheFileError",
     "CacheFullError",
+    "CacheSaveError",
     "CacheSnapshot",
     "CacheSpec",
     "CorruptedFileError",

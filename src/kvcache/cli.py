@@ -15,7 +15,6 @@ import hashlib
 import json
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -242,9 +241,12 @@ def save_conversation(cache: Any, path: str, ids: list[int]) -> None:
     """Save ``cache`` to ``path`` and the conversation's token ids to ``path + IDS_SUFFIX``.
 
     ``ids`` is every token so far; the cache holds the first ``cache.seen`` of them (``generate``
-    never feeds its last token back). Both files are written atomically; the ids file records the
-    cache file's SHA-256 so a mismatched pair is refused on load.
+    never feeds its last token back). Both files are written atomically (``persist.atomic_write``),
+    the cache first; the ids file records the cache file's SHA-256, so a pair from two saves (the
+    second one failed or was killed between the two renames) is refused on load, never misread.
     """
+    from .persist import atomic_write
+
     try:
         cache.save(path)
         payload = {
@@ -254,16 +256,15 @@ def save_conversation(cache: Any, path: str, ids: list[int]) -> None:
             "cache_sha256": _sha256_file(path),
             "ids": ids,
         }
-        target = Path(ids_path(path))
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
+
+        def write(tmp: str) -> None:
+            with open(tmp, "w", encoding="utf-8") as f:
                 json.dump(payload, f)
                 f.write("\n")
-            os.replace(tmp, target)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+
+        atomic_write(ids_path(path), write)
+    except KVCacheError:
+        raise  # CacheSaveError: already names the file and the reason
     except OSError as e:
         raise KVCacheError(f"cannot save the cache to {path}: {e.strerror or e}") from e
 
@@ -273,6 +274,8 @@ def load_conversation(path: str, model: Any) -> tuple[Any, list[int]]:
     from .persist import load_cache
 
     side = ids_path(path)
+    if os.path.isdir(path):
+        raise KVCacheError(f"--load-cache: {path} is a directory, not a cache file")
     if not os.path.isfile(path):
         raise KVCacheError(f"--load-cache: {path} does not exist")
     if not os.path.isfile(side):
@@ -283,10 +286,12 @@ def load_conversation(path: str, model: Any) -> tuple[Any, list[int]]:
     try:
         with open(side, encoding="utf-8") as f:
             payload = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise KVCacheError(f"--load-cache: cannot read {side}: {e}") from e
-    ids = payload.get("ids") if isinstance(payload, dict) else None
-    cached = payload.get("cached") if isinstance(payload, dict) else None
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: JSONDecodeError, UnicodeDecodeError
+        reason = " ".join(str(e).split())[:200]
+        raise KVCacheError(f"--load-cache: cannot read {side}: {reason}") from None
+    if not isinstance(payload, dict):
+        payload = {}
+    ids, cached = payload.get("ids"), payload.get("cached")
     if (
         payload.get("format") != IDS_FORMAT
         or payload.get("version") != IDS_VERSION
@@ -296,7 +301,11 @@ def load_conversation(path: str, model: Any) -> tuple[Any, list[int]]:
         or not 0 <= cached <= len(ids)
     ):
         raise KVCacheError(f"--load-cache: {side} is not a {IDS_FORMAT} v{IDS_VERSION} file written by --save-cache")
-    if payload.get("cache_sha256") != _sha256_file(path):
+    try:
+        digest = _sha256_file(path)
+    except OSError as e:
+        raise KVCacheError(f"--load-cache: cannot read {path}: {e.strerror or e}") from None
+    if payload.get("cache_sha256") != digest:
         raise KVCacheError(f"--load-cache: {side} belongs to another version of {path} (checksum differs)")
     cache = load_cache(path, model)
     if cache.seen != cached:

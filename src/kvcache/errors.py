@@ -49,3 +49,7 @@ class ForeignFileError(CacheFileError):
 
 class ModelMismatchError(CacheFileError):
     """The file was saved for a model with a different configuration."""
+
+
+class CacheSaveError(KVCacheError, OSError):
+    """A cache file could not be written (full disk, no permission, ...). The old file is intact."""

@@ -9,6 +9,7 @@ those in the string.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -126,6 +127,8 @@ def _coerce(kind: str, name: str, value: Any, typ: type) -> Any:
         coerced = typ(value)
     except (TypeError, ValueError):
         raise _spec_error(f"option {name!r} of cache kind {kind!r} must be {typ.__name__}, got {value!r}") from None
+    if isinstance(coerced, float) and not math.isfinite(coerced):
+        raise _spec_error(f"option {name!r} of cache kind {kind!r} must be a finite number, got {value!r}")
     if name in _BOUNDS:
         least, inclusive = _BOUNDS[name]
         if coerced < least or (coerced == least and not inclusive):

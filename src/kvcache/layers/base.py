@@ -291,11 +291,16 @@ class KVLayer(ABC):
         """Raise unless ``load_state(state)`` would succeed; changes nothing."""
         if state.kind != self.kind:
             raise ValueError(f"state of kind {state.kind!r} cannot load into a {self.kind!r} layer")
+        stored = 0
         if "keys" in state.tensors:
             keys, values = state.tensors["keys"], state.tensors["values"]
             check_kv(keys, values, None)
-            if int(state.seen) < keys.shape[2]:
-                raise ValueError(f"state has {keys.shape[2]} slots but only {state.seen} tokens seen")
+            stored = keys.shape[2]
+            if int(state.seen) < stored:
+                raise ValueError(f"state has {stored} slots but only {state.seen} tokens seen")
+        if not self.needs_own_attention and int(state.seen) != stored:
+            # Unbounded kinds keep every token: positions are slots, so any other count is a lie.
+            raise ValueError(f"a {self.kind} layer holds every token it has seen: {stored} slots, but {state.seen} seen")
 
     def load_state(self, state: LayerState) -> None:
         """Replace this layer's content with ``state``'s (copied). Raises before changing anything."""

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..errors import UnsupportedOperation
+from ..errors import DTypeError, ShapeError, UnsupportedOperation
 from ..policies import Policy, get_policy
 from .base import Geometry, LayerState
 from .bounded import AttentionSet, BoundedLayer
@@ -276,18 +276,40 @@ class EvictingLayer(BoundedLayer):
 
     def check_state(self, state: LayerState) -> None:
         super().check_state(state)
-        if not state.tensors:
+        t = state.tensors
+        if not t:
             return
-        if "positions" not in state.tensors:
-            raise ValueError("evicting layer state needs 'positions'")
-        length = state.tensors["positions"].shape[:3]
-        for name in (*self.storage.names, "scores"):
-            t = state.tensors.get(name)
-            if t is None or tuple(t.shape[:3]) != tuple(length):
-                raise ValueError(
-                    f"evicting layer state needs {name!r} with slots {tuple(length)}, got "
-                    f"{None if t is None else tuple(t.shape)}"
+        missing = [name for name in (*self.storage.names, "positions", "scores") if name not in t]
+        if missing:
+            raise ValueError(f"evicting layer state lacks {missing}")
+        pos = t["positions"]
+        if pos.dim() != 3 or any(t[name].dim() != 4 for name in self.storage.names):
+            raise ShapeError(
+                f"evicting layer state needs positions [B, Hkv, slots] and {self.storage.names} [B, Hkv, slots, ...], got "
+                + ", ".join(f"{name} {tuple(t[name].shape)}" for name in ("positions", *self.storage.names))
+            )
+        batch, heads, n = pos.shape
+        g = self.storage.geometry(t)
+        if not g.dtype.is_floating_point:
+            raise DTypeError(f"evicting layer state: keys or scales must be floating-point, got {g.dtype}")
+        want = {
+            **self.storage.shapes(g, batch, n),
+            "positions": ((batch, heads, n), torch.long),
+            "scores": ((batch, heads, n), torch.float32),
+        }
+        for name, (shape, dtype) in want.items():
+            if tuple(t[name].shape) != tuple(shape) or t[name].dtype != dtype:
+                raise ShapeError(
+                    f"evicting layer state: {name!r} should be {dtype} of shape {tuple(shape)}, "
+                    f"got {t[name].dtype} of shape {tuple(t[name].shape)}"
                 )
+        seen = int(state.seen)
+        if n > min(seen, self._capacity_for(seen)):
+            raise ValueError(f"evicting layer state holds {n} slots after {seen} tokens, budget {self.budget_now(seen)}")
+        if n and (int(pos.min()) < 0 or int(pos.max()) >= seen):
+            raise ValueError(f"evicting layer state has positions outside [0, {seen}): {int(pos.min())}..{int(pos.max())}")
+        if n > 1 and not bool((pos.sort(dim=-1).values.diff(dim=-1) > 0).all()):
+            raise ValueError("evicting layer state holds a position twice in one head")
 
     def load_state(self, state: LayerState) -> None:
         self.check_state(state)

@@ -26,7 +26,7 @@ import torch
 
 from ..errors import ShapeError, UnsupportedOperation
 from ..quant import BITS, Quantized, dequantize_per_channel, dequantize_per_token, quantize_per_channel, quantize_per_token
-from .base import Geometry, LayerState
+from .base import Geometry, LayerState, check_kv
 from .bounded import AttentionSet, BoundedLayer
 
 #: Tensors of the quantized store, each ``[B, Hkv, slots, ...]``; keys' scale/minimum have one slot a block.
@@ -188,17 +188,7 @@ class QuantizedLayer(BoundedLayer):
     def _allocate_store(self, tokens: int) -> None:
         """(Re)allocate the quantized store for ``tokens`` (a multiple of group_size), keeping its content."""
         g, G = self.geometry, self.group_size
-        kd, vd = g.key_dim * self.bits // 8, g.value_dim * self.bits // 8
-        groups = g.value_dim // self.value_group
-        b, h = g.batch, g.heads
-        shapes = {
-            "kcodes": ((b, h, tokens, kd), torch.uint8),
-            "kscale": ((b, h, tokens // G, g.key_dim), g.dtype),
-            "kmin": ((b, h, tokens // G, g.key_dim), g.dtype),
-            "vcodes": ((b, h, tokens, vd), torch.uint8),
-            "vscale": ((b, h, tokens, groups), g.dtype),
-            "vmin": ((b, h, tokens, groups), g.dtype),
-        }
+        shapes = self._store_shapes(g, tokens, tokens)
         new = {name: torch.empty(shape, dtype=dtype, device=g.device) for name, (shape, dtype) in shapes.items()}
         if self._q is not None:
             used = {"kcodes": self._tk, "kscale": self._tk // G, "kmin": self._tk // G}
@@ -207,6 +197,19 @@ class QuantizedLayer(BoundedLayer):
                 t[:, :, :keep].copy_(self._q[name][:, :, :keep])
         self._q = new
         self.reallocations += 1
+
+    def _store_shapes(self, g: Geometry, tk: int, tv: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Shape and dtype of each store tensor holding ``tk`` quantized keys and ``tv`` values."""
+        G, b, h = self.group_size, g.batch, g.heads
+        groups = g.value_dim // min(G, g.value_dim)
+        return {
+            "kcodes": ((b, h, tk, g.key_dim * self.bits // 8), torch.uint8),
+            "kscale": ((b, h, tk // G, g.key_dim), g.dtype),
+            "kmin": ((b, h, tk // G, g.key_dim), g.dtype),
+            "vcodes": ((b, h, tv, g.value_dim * self.bits // 8), torch.uint8),
+            "vscale": ((b, h, tv, groups), g.dtype),
+            "vmin": ((b, h, tv, groups), g.dtype),
+        }
 
     def _ensure_store(self, tk: int, tv: int) -> None:
         have = self._q["kcodes"].shape[2]
@@ -300,17 +303,38 @@ class QuantizedLayer(BoundedLayer):
             raise ValueError(f"state of kind {state.kind!r} cannot load into a {self.kind!r} layer")
         t = state.tensors
         if not t:
+            if int(state.seen):
+                raise ValueError(f"quantized layer state holds no tokens but {state.seen} seen")
             return
         missing = [name for name in (*_STORE, "residual_keys", "residual_values") if name not in t]
         if missing:
             raise ValueError(f"quantized layer state lacks {missing}")
+        rk, rv = t["residual_keys"], t["residual_values"]
+        # Residual keys and values differ in length (keys leave it a block at a time): only
+        # [batch, heads] and the dtype must agree.
+        check_kv(rk[:, :, :0], rv[:, :, :0], None) if rk.dim() == rv.dim() == 4 else check_kv(rk, rv, None)
+        self._check_dims(rk, rv)
+        if any(t[name].dim() != 4 for name in _STORE):
+            raise ShapeError(f"quantized layer state: {', '.join(f'{n} {tuple(t[n].shape)}' for n in _STORE)} must be 4-D")
         tk, tv = t["kcodes"].shape[2], t["vcodes"].shape[2]
         seen = int(state.seen)
-        if tk % self.group_size or tk + t["residual_keys"].shape[2] != seen or tv + t["residual_values"].shape[2] != seen:
+        if tk % self.group_size or tk + rk.shape[2] != seen or tv + rv.shape[2] != seen:
             raise ValueError(
-                f"quantized layer state is inconsistent: {tk} quantized + {t['residual_keys'].shape[2]} "
-                f"residual keys, {tv} + {t['residual_values'].shape[2]} values, {seen} tokens seen"
+                f"quantized layer state is inconsistent: {tk} quantized + {rk.shape[2]} "
+                f"residual keys, {tv} + {rv.shape[2]} values, {seen} tokens seen"
             )
+        if rk.shape[2] >= self.residual + self.group_size or rv.shape[2] > self.residual:
+            raise ValueError(
+                f"quantized layer state keeps {rk.shape[2]} keys and {rv.shape[2]} values in full precision; "
+                f"residual {self.residual} with group size {self.group_size} keeps at most "
+                f"{self.residual + self.group_size - 1} and {self.residual}"
+            )
+        for name, (shape, dtype) in self._store_shapes(Geometry.of(rk, rv), tk, tv).items():
+            if tuple(t[name].shape) != shape or t[name].dtype != dtype:
+                raise ShapeError(
+                    f"quantized layer state: {name!r} should be {dtype} of shape {shape}, "
+                    f"got {t[name].dtype} of shape {tuple(t[name].shape)}"
+                )
 
     def load_state(self, state: LayerState) -> None:
         self.check_state(state)
