@@ -7,7 +7,7 @@ fields a cache must agree with) and its ``fingerprint``, ``layers`` (per layer: 
 
 Saving writes a temporary file beside the target, flushes it to disk and renames it into place, so
 a failed save leaves the old file intact and raises ``CacheSaveError`` (an ``OSError``) naming the
-file. A killed save can leave its temporary file (``.NAME.HOST~PID~XXXX.tmp``); loads never read
+file. A killed save can leave its temporary folder (``.NAME.HOST~PID~XXXX.tmp/``); loads never read
 it and the next save to the same target sweeps it (see ``atomic_write``).
 
 Files are untrusted input. Loading refuses, with a ``CacheFileError`` (a ``ValueError``) naming the
@@ -28,6 +28,7 @@ import json
 import math
 import os
 import re
+import shutil
 import socket
 import struct
 import tempfile
@@ -82,10 +83,13 @@ def metadata_checksum(meta: dict[str, str]) -> str:
 # ---- saving -----------------------------------------------------------------------------------
 #
 # A save writes a temporary file beside the target and renames it into place, so readers see the
-# complete old or the complete new file, never a mix. Temporary files are named
-# ``.{target}.{host}~{pid}~{random}.tmp``: a failed save removes its own, and one left by a killed
-# process (SIGKILL, power loss) is swept by the next save to the same target once its process is
-# gone (same host) or it is an hour old (another host's, on a shared folder). Loads never look at them.
+# complete old or the complete new file, never a mix. The temporary file sits in a temporary
+# folder of its own, ``.{target}.{host}~{pid}~{random}.tmp/``, because the writer may make
+# temporary files of its own next to the path it is given (safetensors does: ``.tmpXXXXXX``), and
+# a kill would leave those behind under names nobody could tell apart. A failed save removes its
+# folder; one left by a killed process (SIGKILL, power loss) is swept by the next save to the same
+# target once its process is gone (same host) or it is an hour old (another host's, on a shared
+# folder). Loads never look at them.
 
 STALE_TEMP_S = 3600
 _HOST = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:64] or "host"
@@ -120,9 +124,9 @@ def sweep_temps(target: str | os.PathLike) -> list[str]:
             continue
         path = target.parent / name
         try:
-            stale = time.time() - path.stat().st_mtime > STALE_TEMP_S
+            stale = time.time() - path.lstat().st_mtime > STALE_TEMP_S
             if stale or (match[1] == _HOST and not _alive(int(match[2]))):
-                path.unlink()
+                _remove(path)
                 swept.append(name)
         except OSError:
             pass  # another save swept it first, or it is not ours to remove
@@ -137,23 +141,32 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
     """
     target = Path(path)
     sweep_temps(target)
-    tmp = None
+    folder = None
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.{_HOST}~{os.getpid()}~", suffix=".tmp", dir=target.parent)
-        os.close(fd)
+        folder = tempfile.mkdtemp(prefix=f".{target.name}.{_HOST}~{os.getpid()}~", suffix=".tmp", dir=target.parent)
+        tmp = os.path.join(folder, "data")
         write(tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, target)
+        os.rmdir(folder)
     except BaseException as e:
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
+        if folder is not None:
+            _remove(Path(folder))
         if isinstance(e, OSError) and not isinstance(e, CacheSaveError):
             error = CacheSaveError(f"cannot save {target}: {e.strerror or e}")
             error.errno = e.errno
             raise error from e
         raise
     _fsync_dir(target.parent)
+
+
+def _remove(path: Path) -> None:
+    """Remove a temporary folder and what is in it (or a temporary file of an older version)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def _fsync_dir(folder: Path) -> None:
