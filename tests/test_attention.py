@@ -374,8 +374,12 @@ def test_tiny_llama_kvcache_attention_matches_sdpa():
     torch.testing.assert_close(out[real], ref[real], atol=1e-4, rtol=1e-4)
 
 
-def test_tiny_llama_decode_with_cache_matches_sdpa():
+def test_tiny_llama_decode_with_cache_matches_sdpa(monkeypatch):
     from transformers import DynamicCache
+
+    # The tiny model's K/V is far below where attend takes over from SDPA: lower the bar so that
+    # its decode steps run attend, which is what this test checks.
+    monkeypatch.setattr("kvcache.hf.GQA_ATTEND_FROM_BYTES", 0)
 
     from kvcache.tiny import tiny_model
 
@@ -412,9 +416,11 @@ def test_tiny_llama_decode_with_cache_matches_sdpa():
 
 
 def test_kvcache_attention_picks_attend_for_decode_where_it_measured_faster():
-    from kvcache.hf import MHA_ATTEND_FROM, prefer_attend
+    from kvcache.hf import GQA_ATTEND_FROM_BYTES, MHA_ATTEND_FROM, prefer_attend
 
-    assert prefer_attend(q_len=1, group=4, kv_len=64)  # grouped heads: attend at any length
+    assert prefer_attend(q_len=1, group=4, kv_len=64, kv_bytes=GQA_ATTEND_FROM_BYTES)  # grouped heads, enough bytes
+    assert not prefer_attend(q_len=1, group=4, kv_len=64, kv_bytes=GQA_ATTEND_FROM_BYTES - 1)  # too few: SDPA
+    assert prefer_attend(q_len=1, group=4, kv_len=64)  # bytes not known: attend
     assert not prefer_attend(q_len=1, group=1, kv_len=MHA_ATTEND_FROM - 1)  # short MHA: SDPA
     assert prefer_attend(q_len=1, group=1, kv_len=MHA_ATTEND_FROM)
     assert not prefer_attend(q_len=512, group=4, kv_len=512)  # prefill: SDPA

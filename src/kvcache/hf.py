@@ -201,7 +201,8 @@ def hf_attention_forward(
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = bool(causal) and attention_mask is None and query.shape[2] > 1
     group = query.shape[1] // key.shape[1]
-    if softcap is not None or prefer_attend(query.shape[2], group, key.shape[2]):  # SDPA has no softcap
+    kv_bytes = key.numel() * key.element_size() + value.numel() * value.element_size()
+    if softcap is not None or prefer_attend(query.shape[2], group, key.shape[2], kv_bytes):  # SDPA has no softcap
         out = attend(query, key, value, scale=scaling, mask=attention_mask, causal=causal, softcap=softcap)
     else:
         # Prefill: torch's fused kernel is the faster one here. transformers passes no mask only
@@ -214,13 +215,25 @@ def hf_attention_forward(
 
 #: Below this many cached tokens, torch's SDPA is faster than ``attend`` for plain multi-head
 #: decode on the CPU (``kvcache bench attention``: at 1K, 106% vs 55% of read bandwidth; from 4K
-#: on, ``attend`` is level or ahead). With grouped heads ``attend`` is ahead at every length.
+#: on, ``attend`` is level or ahead).
 MHA_ATTEND_FROM = 4096
 
+#: With grouped heads ``attend`` wins once the keys and values it reads outweigh its fixed cost
+#: per call (about 45 us on a 2-core CPU): SDPA's grouped path is faster below about this many
+#: bytes of keys + values per call and falls far behind above (measured, B=1 decode, fp32:
+#: 2 KV heads x 32 at 1K tokens (0.5 MiB) SDPA 37 us vs attend 67 us; at 16K (8 MiB) 521 vs
+#: 366 us; 8 KV heads x 128 with 4 query heads each at 4K (32 MiB) 14.1 ms vs 1.1 ms).
+GQA_ATTEND_FROM_BYTES = 6 * 2**20
 
-def prefer_attend(q_len: int, group: int, kv_len: int) -> bool:
-    """Whether ``attend`` is the faster choice for this call (decode shapes), per the benchmarks."""
-    return q_len * group <= DECODE_ROWS and (group > 1 or kv_len >= MHA_ATTEND_FROM)
+
+def prefer_attend(q_len: int, group: int, kv_len: int, kv_bytes: int | None = None) -> bool:
+    """Whether ``attend`` is the faster choice for this call (decode shapes), per the benchmarks.
+    ``kv_bytes``: bytes of the keys and values the call reads (None: assume large)."""
+    if q_len * group > DECODE_ROWS:
+        return False
+    if group > 1:
+        return kv_bytes is None or kv_bytes >= GQA_ATTEND_FROM_BYTES
+    return kv_len >= MHA_ATTEND_FROM
 
 
 def register_attention() -> str:
