@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, DummyLayer, get_layer_types_and_kwargs
+from transformers.integrations.heterogeneity.configuration_utils import AmbiguousGlobalPerLayerAttributeError
 
 from .errors import ShapeError, SpecError, UnsupportedOperation
 from .hf import SWITCH_HINT, HFLayer, crop_count, runs_kvcache_attention
@@ -201,10 +202,17 @@ def text_config(model_or_config: Any) -> PretrainedConfig:
 
 
 def config_summary(config: PretrainedConfig) -> dict[str, Any]:
-    """The fields of ``config`` that a saved cache must agree with (JSON-safe)."""
+    """The fields of ``config`` that a saved cache must agree with (JSON-safe).
+
+    A field that varies per layer (heterogeneous configs such as Gemma 4's ``head_dim``, where
+    reading the global value raises) is recorded as ``{"per_layer": [value of layer 0, ...]}``.
+    """
     out = {}
     for name in FINGERPRINT_FIELDS:
-        value = getattr(config, name, None)
+        try:
+            value = getattr(config, name, None)
+        except AmbiguousGlobalPerLayerAttributeError:
+            value = {"per_layer": [getattr(layer, name, None) for layer in config.per_layer_config]}
         out[name] = json.loads(json.dumps(value, default=str, sort_keys=True))
     return out
 
