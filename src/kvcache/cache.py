@@ -11,14 +11,17 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, DummyLayer, get_layer_types_and_kwargs
+from transformers.integrations.heterogeneity.configuration_utils import AmbiguousGlobalPerLayerAttributeError
 
+from . import foreign
 from .errors import ShapeError, SpecError, UnsupportedOperation
+from .foreign import HYBRID_TYPES, ForeignLayers
 from .hf import SWITCH_HINT, HFLayer, crop_count, runs_kvcache_attention
 from .layers.base import check_kv
 from .layers import ConcatLayer, EvictingLayer, GrowableLayer, KVLayer, LayerState, QuantizedLayer, StaticLayer, WindowLayer
@@ -48,12 +51,17 @@ class CacheSnapshot:
     """An in-process copy of a cache's content, for ``KVCache.restore``."""
 
     states: list[LayerState | None]
+    #: Copies of Hugging Face's layers (or linear states) that the cache keeps for non-attention layers.
+    others: dict[int, tuple[str, Any]] = field(default_factory=dict)
 
 
-class KVCache(Cache):
+class KVCache(ForeignLayers, Cache):
     """A ``transformers.Cache`` whose layers are kvcache storage layers.
 
-    ``stores[i]`` is layer i's ``KVLayer`` (None for layers that keep no cache). Everything
+    ``stores[i]`` is layer i's ``KVLayer`` (None for layers that keep no cache, or no K/V of
+    kvcache's). ``others[i] = (layer_type, layer)`` holds Hugging Face's own layer for layers that
+    are not plain attention (linear attention, conv, mamba, indexed attention; see ``foreign``), or
+    the linear state of a hybrid layer. Everything
     ``generate`` uses is here: ``get_seq_length``, ``get_mask_sizes``, ``crop``, ``reorder_cache``,
     ``batch_repeat_interleave``, ``batch_select_indices``, ``reset``.
     """
@@ -64,8 +72,10 @@ class KVCache(Cache):
         spec: CacheSpec,
         config_summary: dict[str, Any] | None = None,
         attention_config: PretrainedConfig | None = None,
+        others: dict[int, tuple[str, Any]] | None = None,
     ) -> None:
         self.stores = list(stores)
+        self._set_others(others or {})
         self.spec = spec
         self.config_summary = config_summary
         #: The (text) config of the model this cache was made for: bounded layers check, before
@@ -78,7 +88,8 @@ class KVCache(Cache):
         # Only fixed-capacity kinds can refuse an append; the others need no check per step.
         self._can_refuse = [s for s in self._live if type(s).check_append is not KVLayer.check_append]
         self._first_live = next((i for i, s in enumerate(self.stores) if s is not None), -1)
-        super().__init__(layers=[DummyLayer() if s is None else HFLayer(s) for s in self.stores])
+        self._first_state = min(([self._first_live] if self._first_live >= 0 else []) + list(self.linear), default=-1)
+        super().__init__(layers=[HFLayer(s) if s is not None else self._slot_layer(i, DummyLayer()) for i, s in enumerate(self.stores)])
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         """Append to layer ``layer_idx``. Before the first layer of a forward pass writes, every
@@ -94,6 +105,7 @@ class KVCache(Cache):
         """Append keys/values computed elsewhere (e.g. another cache's ``[(keys, values), ...]``,
         ``[B, Hkv, S, D]`` per layer, None for layers without a cache), with no attention pass:
         bounded layers keep what their policy keeps without attention scores."""
+        foreign.refuse("extend", self.other_kinds, "extend works on caches whose layers are all attention (or dummy)")
         if len(past) != len(self.stores):
             raise ShapeError(f"extend: expected one (keys, values) per layer ({len(self.stores)}), got {len(past)}")
         for store, pair in zip(self.stores, past):
@@ -129,8 +141,9 @@ class KVCache(Cache):
 
     @property
     def nbytes(self) -> int:
-        """Bytes allocated for keys and values across all layers."""
-        return sum(s.nbytes for s in self._live)
+        """Bytes allocated for keys and values across all layers, and for the state of Hugging
+        Face's layers kept for non-attention layers."""
+        return sum(s.nbytes for s in self._live) + self.others_nbytes
 
     @property
     def reallocations(self) -> int:
@@ -155,14 +168,19 @@ class KVCache(Cache):
         sliding window already dropped).
         """
         n = crop_count(tokens_to_remove)
+        for i, (kind, layer) in self.others.items():
+            foreign.check_crop(layer, kind, i, n)
         for store in self._live:
             store.check_trim(n)
         for store in self._live:
             store.trim(n)
+        for _, layer in self.others.values():
+            foreign.crop(layer, n)
 
     def snapshot(self) -> CacheSnapshot:
         """A copy of the content that ``restore`` brings back bit-exactly."""
-        return CacheSnapshot([None if s is None else s.state().clone() for s in self.stores])
+        others = {i: (kind, foreign.clone(layer)) for i, (kind, layer) in self.others.items()}
+        return CacheSnapshot([None if s is None else s.state().clone() for s in self.stores], others)
 
     def restore(self, snapshot: CacheSnapshot) -> None:
         """Put back the content of ``snapshot`` (taken from this cache or one of the same layout)."""
@@ -176,14 +194,21 @@ class KVCache(Cache):
                 )
             if store is not None:
                 store.check_state(state)
+        theirs = {i: kind for i, (kind, _) in snapshot.others.items()}
+        if theirs != self.other_kinds:
+            raise ShapeError(f"snapshot has non-attention layers {theirs}, this cache {self.other_kinds}")
         for store, state in zip(self.stores, snapshot.states):
             if store is not None:
                 store.load_state(state)
+        self._set_others({i: (kind, foreign.clone(layer)) for i, (kind, layer) in snapshot.others.items()})
+        for i in self.others:
+            self.layers[i] = self._slot_layer(i, self.layers[i])
 
     def fork(self) -> KVCache:
         """An independent copy: appending to one never changes the other."""
         stores = [None if s is None else s.fork() for s in self.stores]
-        return KVCache(stores, self.spec, self.config_summary, self.attention_config)
+        others = {i: (kind, foreign.clone(layer)) for i, (kind, layer) in self.others.items()}
+        return KVCache(stores, self.spec, self.config_summary, self.attention_config, others)
 
     def save(self, path: str | os.PathLike) -> None:
         """Write this cache to one safetensors file (atomically: a failed save keeps the old file)."""
@@ -218,10 +243,17 @@ def kv_readers(config: PretrainedConfig | None, n_layers: int) -> list[int]:
 
 
 def config_summary(config: PretrainedConfig) -> dict[str, Any]:
-    """The fields of ``config`` that a saved cache must agree with (JSON-safe)."""
+    """The fields of ``config`` that a saved cache must agree with (JSON-safe).
+
+    A field that varies per layer (heterogeneous configs such as Gemma 4's ``head_dim``, where
+    reading the global value raises) is recorded as ``{"per_layer": [value of layer 0, ...]}``.
+    """
     out = {}
     for name in FINGERPRINT_FIELDS:
-        value = getattr(config, name, None)
+        try:
+            value = getattr(config, name, None)
+        except AmbiguousGlobalPerLayerAttributeError:
+            value = {"per_layer": [getattr(layer, name, None) for layer in config.per_layer_config]}
         out[name] = json.loads(json.dumps(value, default=str, sort_keys=True))
     return out
 
@@ -252,13 +284,17 @@ def make_cache(model: Any, spec: str | CacheSpec = "growable", **options: Any) -
     parsed = parse_spec(spec, **options)
     layer_types, per_layer = get_layer_types_and_kwargs(config)
     buffers = parsed.options.get("buffers")
-    n_full = sum(t == "full_attention" for t in layer_types)
+    n_full = sum(HYBRID_TYPES.get(t, t) == "full_attention" for t in layer_types)
     if buffers is not None and len(buffers) != n_full:
         raise SpecError(f"buffers: expected one (keys, values) pair per full-attention layer ({n_full}), got {len(buffers)}")
 
     stores: list[KVLayer | None] = []
+    others: dict[int, tuple[str, Any]] = {}
     full_seen = 0
     for i, (layer_type, kwargs) in enumerate(zip(layer_types, per_layer)):
+        if layer_type in HYBRID_TYPES:  # kvcache attention beside Hugging Face's linear state
+            others[i] = (layer_type, foreign.linear_state(kwargs))
+            layer_type = HYBRID_TYPES[layer_type]
         if layer_type == "dummy":
             stores.append(None)
         elif layer_type in SLIDING_TYPES:
@@ -271,11 +307,15 @@ def make_cache(model: Any, spec: str | CacheSpec = "growable", **options: Any) -
                 raise SpecError(f"cache spec {str(parsed)!r}: {e}") from None
             full_seen += 1
         else:
-            raise UnsupportedOperation(
-                f"layer {i} of this model has type {layer_type!r}; kvcache handles "
-                f"'full_attention' and {' and '.join(repr(t) for t in SLIDING_TYPES)} layers"
-            )
-    return KVCache(stores, parsed, config_summary(config), config)
+            others[i] = (layer_type, foreign.foreign_layer(layer_type, kwargs, i))
+            stores.append(None)
+    foreign.check_spec(parsed.kind, {i: t for i, (t, _) in others.items() if stores[i] is None}, {i: o for i, (_, o) in others.items()})
+    if not any(s is not None for s in stores) and not any(not foreign.is_fixed_size(o) for _, o in others.values()):
+        raise UnsupportedOperation(
+            f"this model has no attention layer (layer types: {sorted(set(layer_types))}), so there are no keys "
+            f"and values to cache; use transformers' DynamicCache(config=model.config) for it"
+        )
+    return KVCache(stores, parsed, config_summary(config), config, others)
 
 
 def _full_layer(spec: CacheSpec, buffers: tuple[torch.Tensor, torch.Tensor] | None) -> KVLayer:

@@ -198,6 +198,14 @@ def _write_safetensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str
 
 def save_cache(cache: KVCache, path: str | os.PathLike) -> None:
     """Write ``cache`` to ``path`` atomically (temporary file, fsync, rename); see ``atomic_write``."""
+    from .foreign import refuse
+
+    refuse(
+        "save",
+        getattr(cache, "other_kinds", {}),
+        "saving works for caches whose layers are all attention (or dummy); keep an in-memory copy with "
+        "cache.snapshot() or cache.fork() instead",
+    )
     tensors: dict[str, torch.Tensor] = {}
     layers: list[dict[str, Any] | None] = []
     dtype = None
