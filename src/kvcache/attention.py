@@ -32,6 +32,7 @@ def attend(
     mask: torch.Tensor | None = None,
     causal: bool = False,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention with grouped-query heads, reading K/V in place.
 
@@ -41,9 +42,12 @@ def attend(
     query ``i`` unless ``j <= T - Sq + i`` (aligned to the end, as for queries that follow a cache;
     equal to SDPA's ``is_causal`` when ``Sq == T``). Rows with every key masked return zeros.
     ``softcap`` caps the scaled scores as ``softcap * tanh(score / softcap)`` before the mask
-    (gemma2's attention logit softcapping).
+    (gemma2's attention logit softcapping). ``sinks`` ``[Hq]`` are learned attention sinks (gpt-oss
+    and others): one extra logit per query head that takes part in the softmax's normalisation and
+    adds no value, so a row's weights sum to less than one (a row with every key masked attends
+    only its sink: zeros).
     """
-    out, _ = attend_weighted(query, key, value, scale=scale, mask=mask, causal=causal, softcap=softcap)
+    out, _ = attend_weighted(query, key, value, scale=scale, mask=mask, causal=causal, softcap=softcap, sinks=sinks)
     return out
 
 
@@ -63,17 +67,20 @@ def attend_weighted(
     softcap: float | None = None,
     mask_rows: Callable[[int, int], torch.Tensor] | None = None,
     weights: str | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``attend``, plus masks made per block of query rows and reduced attention weights.
 
-    ``mask_rows(start, stop)`` returns a boolean mask ``[B|1, Hkv|1, stop - start, T]`` (True =
-    attend) for query rows ``start:stop``; it is called once per block, so a mask for a long prefill
-    is never built whole. It combines (AND) with ``mask`` and ``causal``.
+    ``mask_rows(start, stop)`` returns a boolean mask ``[B|1, Hkv|1, stop - start, T]``, or per
+    query head ``[B|1, Hkv, group, stop - start, T]`` (True = attend) for query rows
+    ``start:stop``; it is called once per block, so a mask for a long prefill is never built whole.
+    It combines (AND) with ``mask`` and ``causal``. ``sinks``: as for ``attend``.
 
     ``weights`` is None, ``"sum"`` or ``"last"``: returns, besides the output ``[B, Hq, Sq, Dv]``,
     the softmax weights summed over the query heads of each KV head and over every query
     (``"sum"``) or the last query only (``"last"``), as float32 ``[B, Hkv, T]``; never the full
-    ``[B, Hq, Sq, T]``.
+    ``[B, Hq, Sq, T]``. With ``sinks`` the weights are the keys' real probabilities (the sink's
+    share is not reported).
     """
     if weights is not None and weights not in WEIGHTS:
         raise ValueError(f"weights must be None or one of {WEIGHTS}, got {weights!r}")
@@ -93,13 +100,14 @@ def attend_weighted(
         return query.new_empty(batch, q_heads, 0, value_dim), _no_weights(weights, key)
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be a positive number or None, got {softcap}")
+    sinks5 = group_sinks(sinks, kv_heads, group)
     if group * q_len <= _DECODE_ROWS:
         block = q_len
     outs = []
     reduced = _no_weights(weights, key)
     for start in range(0, q_len, block):
         stop = min(q_len, start + block)
-        probs = _block_probs(q5, key, keys_t, mask5, mask_rows, causal, scale, softcap, start, stop)
+        probs = _block_probs(q5, key, keys_t, mask5, mask_rows, causal, scale, softcap, start, stop, sinks5)
         if weights == "sum":
             reduced += probs.sum(dim=(2, 3))
         elif weights == "last" and stop == q_len:
@@ -117,7 +125,7 @@ def _no_weights(weights: str | None, key: torch.Tensor) -> torch.Tensor | None:
     return torch.zeros(key.shape[0], key.shape[1], key.shape[2], dtype=torch.float32, device=key.device)
 
 
-def _block_probs(q5, key, keys_t, mask5, mask_rows, causal, scale, softcap, start, stop) -> torch.Tensor:
+def _block_probs(q5, key, keys_t, mask5, mask_rows, causal, scale, softcap, start, stop, sinks5=None) -> torch.Tensor:
     """Softmax weights of query rows ``start:stop`` as float32 ``[B, Hkv, group, rows, T]``.
 
     A decode-sized block (few rows per KV head) computes its scores as ``K @ q^T``: with T rows
@@ -140,13 +148,44 @@ def _block_probs(q5, key, keys_t, mask5, mask_rows, causal, scale, softcap, star
         m = mask5[..., start:stop, :] if mask5.shape[-2] != 1 else mask5
         scores = scores.masked_fill(~m, -math.inf) if m.dtype == torch.bool else scores + m
     if mask_rows is not None:
-        scores = scores.masked_fill(~mask_rows(start, stop).unsqueeze(2), -math.inf)
+        rows_mask = mask_rows(start, stop)
+        scores = scores.masked_fill(~(rows_mask if rows_mask.dim() == 5 else rows_mask.unsqueeze(2)), -math.inf)
     if causal:
         q_pos = torch.arange(start, stop, device=key.device).view(-1, 1) + (kv_len - q_len)
         future = torch.arange(kv_len, device=key.device).view(1, -1) > q_pos  # [rows, T]
         scores = scores.masked_fill(future, -math.inf)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    probs = softmax(scores, sinks5)
     return probs.nan_to_num(0.0) if masked else probs  # a row with every key masked: zeros, not NaN
+
+
+def softmax(scores: torch.Tensor, sinks5: torch.Tensor | None) -> torch.Tensor:
+    """float32 softmax over the last dim of ``[B, Hkv, group, rows, T]`` scores; with sinks
+    ``[1, Hkv, group, 1, 1]`` (see ``attend``), one more logit per row joins the normalisation and
+    is dropped from the result."""
+    if sinks5 is None:
+        return torch.softmax(scores, dim=-1, dtype=torch.float32)
+    sink = sinks5.expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores.float(), sink], dim=-1), dim=-1)[..., :-1]
+
+
+def group_sinks(sinks: torch.Tensor | None, kv_heads: int, group: int) -> torch.Tensor | None:
+    """Sinks ``[Hq]`` as float32 ``[1, Hkv, group, 1, 1]`` (query head h sits under KV head h // group)."""
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor) or sinks.numel() != kv_heads * group:
+        shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        raise ShapeError(f"sinks must hold one logit per query head ({kv_heads * group}), got {shape}")
+    return sinks.detach().float().reshape(1, kv_heads, group, 1, 1)
+
+
+def group_heads(mask: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """A mask ``[B|1, H|1, S, T]`` as ``[B|1, Hkv|1, group|1, S, T]``: per query head masks (H = Hq)
+    split under their KV head, a mask shared by every head kept broadcastable (a view)."""
+    if mask.shape[1] == 1:
+        return mask.unsqueeze(2)
+    if mask.shape[1] % kv_heads:
+        raise ShapeError(f"a mask over {mask.shape[1]} heads does not split under {kv_heads} key/value heads")
+    return mask.reshape(mask.shape[0], kv_heads, mask.shape[1] // kv_heads, *mask.shape[2:])
 
 
 def _cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:

@@ -188,22 +188,24 @@ def hf_attention_forward(
     is_causal: bool | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """``transformers`` attention interface over ``attend``: returns ``[B, Sq, Hq, Dv]``."""
-    if kwargs.get("s_aux") is not None:
-        raise UnsupportedOperation("kvcache attention does not support attention sinks (s_aux); use 'eager'")
+    """``transformers`` attention interface over ``attend``: returns ``[B, Sq, Hq, Dv]``.
+
+    Learned attention sinks (``s_aux``, ``[Hq]``: gpt-oss and others) go to ``attend``, which SDPA
+    cannot do; a model's per-head masks (``[B, Hq, Sq, T]``) are taken as they come."""
     if dropout and module.training:
         raise UnsupportedOperation("kvcache attention is for inference: dropout is not supported")
     softcap = kwargs.get("softcap")
+    sinks = kwargs.get("s_aux")
     store = getattr(key, "kvcache_layer", None)
     if store is not None:  # a bounded layer: it knows its slots' positions
-        out = store.attend(query, scale=scaling, softcap=softcap, mask=attention_mask)
+        out = store.attend(query, scale=scaling, softcap=softcap, mask=attention_mask, sinks=sinks)
         return out.transpose(1, 2).contiguous(), None
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = bool(causal) and attention_mask is None and query.shape[2] > 1
     group = query.shape[1] // key.shape[1]
     kv_bytes = key.numel() * key.element_size() + value.numel() * value.element_size()
-    if softcap is not None or prefer_attend(query.shape[2], group, key.shape[2], kv_bytes):  # SDPA has no softcap
-        out = attend(query, key, value, scale=scaling, mask=attention_mask, causal=causal, softcap=softcap)
+    if softcap is not None or sinks is not None or prefer_attend(query.shape[2], group, key.shape[2], kv_bytes):
+        out = attend(query, key, value, scale=scaling, mask=attention_mask, causal=causal, softcap=softcap, sinks=sinks)
     else:
         # Prefill: torch's fused kernel is the faster one here. transformers passes no mask only
         # when the pattern is plain causal with queries and keys aligned, so is_causal is right.

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..attention import attend_weighted
+from ..attention import attend_weighted, group_heads
 from ..errors import UnsupportedOperation
 from .base import KVLayer
 
@@ -65,13 +65,15 @@ class BoundedLayer(KVLayer):
         scale: float | None = None,
         softcap: float | None = None,
         mask: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of the last update's queries ``[B, Hq, Sq, D]`` over what they may see.
 
-        ``mask`` is optional extra masking in Hugging Face's layout, ``[B|1, 1, Sq|1, P]`` over
+        ``mask`` is optional extra masking in Hugging Face's layout, ``[B|1, 1|Hq, Sq|1, P]`` over
         absolute positions ``0..P-1`` (boolean, True = attend; an additive float mask counts as
-        masked where it is very negative): it carries the padding of a left-padded batch.
-        Returns ``[B, Hq, Sq, Dv]``.
+        masked where it is very negative): it carries the padding of a left-padded batch, or a
+        model's own per-head masking (Doge). ``sinks`` ``[Hq]``: learned attention sinks, as in
+        ``attend``. Returns ``[B, Hq, Sq, Dv]``.
 
         A layer that shares this one's keys and values (``readers > 1``) reads after the owner and
         may bring only the last ``Sq`` of the update's queries (Gemma 4 skips the others in the
@@ -89,16 +91,16 @@ class BoundedLayer(KVLayer):
             )
         if n != self._pending_queries:  # the last n queries
             pending = replace(pending, first_query=pending.first_query + self._pending_queries - n)
-        out, weights = self._attend_pending(query, pending, scale, softcap, mask)
+        out, weights = self._attend_pending(query, pending, scale, softcap, mask, sinks)
         self._read_done(weights)
         return out
 
-    def _attend_pending(self, query, pending: AttentionSet, scale, softcap, mask):
+    def _attend_pending(self, query, pending: AttentionSet, scale, softcap, mask, sinks):
         """``attend``'s work once its checks passed: returns ``([B, Hq, Sq, Dv], weights or None)``."""
         rows = None
         if mask is not None or not pending.all_visible:
             positions = pending.positions() if callable(pending.positions) else pending.positions
-            rows = position_mask(pending.first_query, positions, mask, self._visible)
+            rows = position_mask(pending.first_query, positions, mask, self._visible, pending.keys.shape[1])
         return attend_weighted(
             query,
             pending.keys,
@@ -107,6 +109,7 @@ class BoundedLayer(KVLayer):
             softcap=softcap,
             mask_rows=rows,
             weights=self.attention_weights,
+            sinks=sinks,
         )
 
     def _read_done(self, weights: torch.Tensor | None) -> None:
@@ -157,34 +160,41 @@ def position_mask(
     k_pos: torch.Tensor,
     hf_mask: torch.Tensor | None,
     visible: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    kv_heads: int = 1,
 ) -> Callable[[int, int], torch.Tensor]:
     """A ``mask_rows`` function for ``attend_weighted``: query row ``i`` sits at absolute position
     ``first_query + i``, key slot ``j`` at ``k_pos[..., j]`` (``[B|1, Hkv|1, N]`` or ``[N]``, -1 = empty).
 
     Returns, for rows ``start:stop``, ``visible(q_pos, k_pos)`` AND the columns of ``hf_mask``
-    (``[B|1, 1, Sq|1, P]`` over absolute positions) picked at each slot's position:
-    ``[B|1, Hkv|1, rows, N]`` booleans.
+    (``[B|1, 1, Sq|1, P]`` over absolute positions, or per query head ``[B|1, Hq, Sq|1, P]``) picked
+    at each slot's position: ``[B|1, Hkv|1, rows, N]`` booleans, or ``[B|1, Hkv, group, rows, N]``
+    for a per-head mask (``kv_heads``: how many key/value heads the query heads split under).
     """
     while k_pos.dim() < 3:
         k_pos = k_pos.unsqueeze(0)
-    kp = k_pos.unsqueeze(-2)  # [B|1, Hkv|1, 1, N]
+    kp = k_pos.unsqueeze(-2).unsqueeze(2)  # [B|1, Hkv|1, 1, 1, N]
     if hf_mask is not None:
         if hf_mask.dtype != torch.bool:
             hf_mask = hf_mask > torch.finfo(hf_mask.dtype).min / 2
         while hf_mask.dim() < 4:
             hf_mask = hf_mask.unsqueeze(0)
+        per_head = hf_mask.shape[1] > 1
+        if per_head:
+            hf_mask = group_heads(hf_mask, kv_heads)  # [B|1, Hkv, group, Sq|1, P]
+        else:
+            hf_mask = hf_mask.unsqueeze(2)  # [B|1, 1, 1, Sq|1, P]
         columns = kp.clamp(0, hf_mask.shape[-1] - 1)
 
     def rows(start: int, stop: int) -> torch.Tensor:
         q_pos = torch.arange(first_query + start, first_query + stop, device=k_pos.device).view(-1, 1)
-        allowed = visible(q_pos, kp)
+        allowed = visible(q_pos, kp)  # [B|1, Hkv|1, 1, rows, N]
         if hf_mask is None:
-            return allowed
-        m = hf_mask[:, :, start:stop] if hf_mask.shape[-2] != 1 else hf_mask
-        batch = max(m.shape[0], kp.shape[0])
-        heads = max(m.shape[1], kp.shape[1])
-        m = m.expand(batch, heads, stop - start, m.shape[-1])
-        idx = columns.expand(batch, heads, stop - start, kp.shape[-1])
-        return allowed & torch.gather(m, -1, idx)
+            return allowed.squeeze(2)
+        m = hf_mask[..., start:stop, :] if hf_mask.shape[-2] != 1 else hf_mask
+        shape = [max(a, b) for a, b in zip(m.shape[:3], kp.shape[:3])]
+        m = m.expand(*shape, stop - start, m.shape[-1])
+        idx = columns.expand(*shape, stop - start, kp.shape[-1])
+        picked = allowed & torch.gather(m, -1, idx)
+        return picked if per_head else picked.squeeze(2)
 
     return rows

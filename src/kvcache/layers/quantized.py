@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ..attention import group_heads, group_sinks, softmax
 from ..errors import ShapeError, UnsupportedOperation
 from ..quant import BITS, Quantized, dequantize_per_channel, dequantize_per_token, quantize_per_channel, quantize_per_token
 from .base import Geometry, LayerState, check_kv
@@ -222,12 +223,12 @@ class QuantizedLayer(BoundedLayer):
 
     # ---- attention --------------------------------------------------------------------------
 
-    def _attend_pending(self, query, pending, scale, softcap, mask):
+    def _attend_pending(self, query, pending, scale, softcap, mask, sinks):
         if not self._reads_store:  # a full-precision copy
-            return super()._attend_pending(query, pending, scale, softcap, mask)
-        return self._attend_store(query, pending.first_query, scale, softcap, mask), None
+            return super()._attend_pending(query, pending, scale, softcap, mask, sinks)
+        return self._attend_store(query, pending.first_query, scale, softcap, mask, sinks), None
 
-    def _attend_store(self, query, first_query, scale, softcap, mask) -> torch.Tensor:
+    def _attend_store(self, query, first_query, scale, softcap, mask, sinks=None) -> torch.Tensor:
         """Attention of queries at ``first_query...`` over the store, one block at a time."""
         g = self.geometry
         b, hq, n, d = query.shape
@@ -244,11 +245,13 @@ class QuantizedLayer(BoundedLayer):
         masked = mask is not None or n > 1
         if mask is not None:
             m = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
-            scores = scores.masked_fill(~m[..., : self.seen].unsqueeze(2), -math.inf)
+            while m.dim() < 4:
+                m = m.unsqueeze(0)
+            scores = scores.masked_fill(~group_heads(m[..., : self.seen], g.heads), -math.inf)
         if n > 1:
             q_pos = torch.arange(first_query, first_query + n, device=query.device).view(-1, 1)
             scores = scores.masked_fill(torch.arange(self.seen, device=query.device) > q_pos, -math.inf)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+        probs = softmax(scores, group_sinks(sinks, g.heads, group))
         if masked:
             probs = probs.nan_to_num(0.0)
         probs = probs.to(g.dtype).reshape(b, g.heads, rows, self.seen)
