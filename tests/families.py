@@ -46,6 +46,21 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
     # too) drops what lies beyond it, so the reference disagrees with generate(use_cache=False):
     # keep the window longer than the runs.
     "moshi": dict(sliding_window=64),
+    # Hybrids whose default pattern starts with Mamba layers: one Mamba layer, then attention.
+    "bamba": dict(num_hidden_layers=2, attn_layer_indices=[1]),
+    "granitemoehybrid": dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"]),
+    # Zamba2: a Mamba layer, then a "hybrid" layer (shared attention block beside its Mamba state).
+    "zamba2": dict(
+        num_hidden_layers=2, layers_block_type=["mamba", "hybrid"], mamba_headdim=16, mamba_expand=1,
+        n_mamba_heads=4, mamba_d_state=16, mamba_ngroups=1,
+    ),
+    # Gemma 3n's text model with two of four layers reading the K/V of the last unshared layer of
+    # their type (the real checkpoints share 15 of 35), per-layer embeddings and sizes made tiny.
+    "gemma3n_text": dict(
+        num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2,
+        vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16, intermediate_size=[128] * 4,
+        activation_sparsity_pattern=[0.0] * 4, laurel_rank=8,
+    ),
 }
 
 

@@ -24,7 +24,6 @@ NOT_RUNNABLE: dict[str, str] = {
     "axk1": "DynamicCache: RuntimeError: shape '[-1, 8, 0]' is invalid for input of size 40",
     "axk2": 'DynamicCache: RuntimeError: The size of tensor a (4) must match the size of tensor b (8) at non-singleton dime',
     "bailing_hybrid": "DynamicCache: RuntimeError: shape '[-1, 8, 0]' is invalid for input of size 40",
-    "bamba": 'DynamicCache: ValueError: `get_seq_length` can only be called on Attention layers, and the current Cache seem ',
     "beam": "DynamicCache: RuntimeError: shape '[-1, 8, 0]' is invalid for input of size 40",
     "blt": 'build: ValueError: blt: the tiny config still has 4475652672 parameters',
     "codegen": 'DynamicCache: RuntimeError: The size of tensor a (16) must match the size of tensor b (64) at non-singleton di',
@@ -41,7 +40,6 @@ NOT_RUNNABLE: dict[str, str] = {
     "fuyu": 'build: OSError: AutoConfig is designed to be instantiated using the `AutoConfig.from_pretrained(pretrained_mod',
     "gemma3": 'build: ValueError: gemma3: the tiny config still has 93165312 parameters',
     "gemma3n": 'build: ImportError: TimmWrapperModel requires the timm library but it was not found in your environment. You c',
-    "gemma3n_text": 'build: ValueError: The set of layer types producing a cache is different than the set of layer types using the',
     "gemma4": 'build: ValueError: gemma4: the tiny config still has 403561824 parameters',
     "gemma4_assistant": 'build: OSError: AutoConfig is designed to be instantiated using the `AutoConfig.from_pretrained(pretrained_mod',
     "gemma4_unified_assistant": 'build: OSError: AutoConfig is designed to be instantiated using the `AutoConfig.from_pretrained(pretrained_mod',
@@ -51,7 +49,6 @@ NOT_RUNNABLE: dict[str, str] = {
     "got_ocr2": 'build: OSError: AutoConfig is designed to be instantiated using the `AutoConfig.from_pretrained(pretrained_mod',
     "gpt_neo": "build: StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture': Valu",
     "gptj": 'DynamicCache: RuntimeError: The size of tensor a (16) must match the size of tensor b (64) at non-singleton di',
-    "granitemoehybrid": 'DynamicCache: ValueError: `get_seq_length` can only be called on Attention layers, and the current Cache seem ',
     "inkling2_text": 'build: ValueError: inkling2_text: the tiny config still has 7181056 parameters',
     "inkling_text": 'build: ValueError: inkling_text: the tiny config still has 7245094 parameters',
     "kimi_linear": 'build: ValueError: kimi_linear: the tiny config still has 8850784 parameters',
@@ -80,7 +77,6 @@ NOT_RUNNABLE: dict[str, str] = {
     "xmod": 'DynamicCache: ValueError: Input language unknown. Please call `XmodPreTrainedModel.set_default_language()`',
     "youtu": 'DynamicCache: RuntimeError: The size of tensor a (4) must match the size of tensor b (8) at non-singleton dime',
     "zamba": 'build: ValueError: There is an issue with your definition of `tie_weights_keys` for ^layers.2.shared_transf:^l',
-    "zamba2": "build: StrictDataclassClassValidationError: Class validation error for validator 'validate_layer_type': ValueE",
     "zaya": "build: StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture': Valu",
 }
 
