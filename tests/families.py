@@ -104,6 +104,9 @@ def tiny_config(model_type: str):
     cls = CONFIG_MAPPING[model_type]
     key, text_cls = _text_key(cls)
     overrides = _overrides(text_cls, model_type)
+    model_config = getattr(getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]), "config_class", None)
+    if key and model_config is text_cls:  # the causal LM takes the text config alone (Qwen3.5, Llama 4)
+        return text_cls(**overrides)
     return cls(**{key: overrides}) if key else cls(**overrides)
 
 
