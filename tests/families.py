@@ -46,6 +46,11 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
     # too) drops what lies beyond it, so the reference disagrees with generate(use_cache=False):
     # keep the window longer than the runs.
     "moshi": dict(sliding_window=64),
+    # Multi-head latent attention: as many key/value heads as query heads.
+    **{f: dict(num_key_value_heads=4) for f in (
+        "deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa", "minicpm3", "youtu")},
+    # Partial rotary embeddings: the rotated slice must fit the 16-wide heads.
+    **{f: dict(rotary_dim=8) for f in ("codegen", "gptj")},
     # Hybrids whose default pattern starts with Mamba layers: one Mamba layer, then attention.
     "bamba": dict(num_hidden_layers=2, attn_layer_indices=[1]),
     "granitemoehybrid": dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"]),
