@@ -108,3 +108,22 @@ def test_fork_keeps_the_attention_check():
     with pytest.raises(kvcache.UnsupportedOperation, match="use_kvcache_attention"):
         model(prompt(4), past_key_values=cache.fork(), use_cache=True)
     assert cache.seen == 0 and torch.is_grad_enabled()
+
+
+def test_a_model_without_sdpa_support_gets_eager_masks_inside_the_switch_only():
+    """Models written for eager attention alone may add biases to the mask or rely on it for
+    causality; the switch gives them eager's additive masks, and takes that back on exit."""
+    from kvcache.hf import EAGER_MASKS, kvcache_mask
+
+    model = tiny_model("llama", attn_implementation="eager")
+    model._supports_sdpa = False  # this instance only: stands for an eager-only model
+    args = dict(batch_size=1, q_length=3, kv_length=3, config=model.config, allow_is_causal_skip=True)
+    assert kvcache_mask(**args) is None  # SDPA's: the causal mask is left to is_causal
+    with kvcache.use_kvcache_attention(model):
+        assert getattr(model.config, EAGER_MASKS) is True
+        mask = kvcache_mask(**args)
+        assert mask.is_floating_point() and mask.shape == (1, 1, 3, 3)
+        future = torch.ones(3, 3, dtype=torch.bool).triu(1)
+        assert (mask[0, 0][future] < -1e30).all() and (mask[0, 0][~future] == 0).all()
+    assert not hasattr(model.config, EAGER_MASKS)
+    assert kvcache_mask(**args) is None

@@ -69,8 +69,6 @@ NOT_RUNNABLE: dict[str, str] = {
 
 #: Families where our cache fails, with the reason (shrink after merging the named branches).
 EXPECTED_UNSUPPORTED: dict[str, str] = {
-    "bigbird_pegasus": "differs: the model does not support sdpa, and the 'kvcache' attention registers sdpa's mask function, which skips the causal mask while its decoder attention has is_causal=False (prefill logits differ by 0.34 without any cache) - report to branch attention",
-    "deepseek_v4": "differs on a left-padded batch on the kvcache attention even with DynamicCache (batch 1 is identical): its attention appends block biases to the mask and passes sliding_window=; not yet traced",
     "doge": "differs: Doge builds its additive dynamic mask over the slots the cache returns and slices Hugging Face's position mask to that many columns, which assumes slots in position order; its sliding layers are ring buffers here (per-head masks themselves are supported)",
 }
 

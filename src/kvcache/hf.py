@@ -48,6 +48,12 @@ class use_kvcache_attention:
             )
         self.model = model
         self.previous = model.config._attn_implementation
+        # A model written only for eager attention may rely on eager's additive masks (it adds
+        # biases to them, or has no causal flag of its own): it gets those masks (see kvcache_mask).
+        self.flagged = [] if getattr(model, "_supports_sdpa", True) else _configs(model)
+        self.flags_before = [getattr(c, EAGER_MASKS, None) for c in self.flagged]
+        for config in self.flagged:
+            setattr(config, EAGER_MASKS, True)
         if self.previous != ATTENTION_NAME:
             model.set_attn_implementation(ATTENTION_NAME)
 
@@ -57,6 +63,33 @@ class use_kvcache_attention:
     def __exit__(self, *exc) -> None:
         if self.model.config._attn_implementation != self.previous:
             self.model.set_attn_implementation(self.previous)
+        for config, before in zip(self.flagged, self.flags_before):
+            if before is None:
+                delattr(config, EAGER_MASKS)
+            else:
+                setattr(config, EAGER_MASKS, before)
+
+
+#: Set on the configs of a switched model that does not support SDPA: its masks are eager's.
+EAGER_MASKS = "_kvcache_eager_masks"
+
+
+def _configs(model) -> list:
+    """The model's config and its text (decoder) config, once each."""
+    out = [model.config]
+    text = model.config.get_text_config(decoder=True)
+    return out if text is model.config else [*out, text]
+
+
+def kvcache_mask(*args, **kwargs):
+    """The ``"kvcache"`` mask function: SDPA's (boolean, skipped where ``is_causal`` does the job),
+    or eager's additive float masks for models that support only eager attention, which may add
+    their own biases to the mask or rely on it for causality (bigbird_pegasus, DeepSeek-V4)."""
+    from transformers.masking_utils import eager_mask, sdpa_mask
+
+    if getattr(kwargs.get("config"), EAGER_MASKS, False):
+        return eager_mask(*args, **kwargs)
+    return sdpa_mask(*args, **kwargs)
 
 
 def runs_kvcache_attention(config) -> bool:
@@ -241,8 +274,8 @@ def prefer_attend(q_len: int, group: int, kv_len: int, kv_bytes: int | None = No
 def register_attention() -> str:
     """Register ``attend`` as the ``"kvcache"`` attention implementation; returns the name."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTENTION_NAME, hf_attention_forward)
-    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    AttentionMaskInterface.register(ATTENTION_NAME, kvcache_mask)
     return ATTENTION_NAME
