@@ -5,7 +5,10 @@ hidden 64, 4 query heads over 2 key/value heads, head_dim 16, vocab 128, sliding
 attention chunks of 4 tokens (so a 10-token prompt passes them), 4 experts, and as few layers as
 keep every layer kind of the family's default pattern (at least 2). Composite configs (vision +
 text) get these settings in their text config. ``FAMILY_OVERRIDES`` fixes the few families whose
-own constraints the generic sizes break.
+own constraints the generic sizes break; ``SUB_CONFIGS`` shrinks or drops the towers of composite
+families; a text-only ``*ForCausalLM`` of a composite family gets its text config alone. MLA
+families get one key/value head per query head. ``VARIANTS`` sweeps settings a default config
+leaves off (Gemma 4 with K/V sharing).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ GENERIC: dict[str, Any] = dict(
     pad_token_id=PAD, bos_token_id=1, eos_token_id=2,
     d_model=64, n_embd=64, n_head=4, num_heads=4, n_inner=128, ffn_dim=128, d_ff=128,
     encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
-    n_positions=512, n_ctx=512, max_seq_len=512,
+    n_positions=512, n_ctx=512, max_seq_len=512, n_group=2, topk_group=1, rotary_dim=8,
 )
 LAYER_COUNT_FIELDS = ("num_hidden_layers", "n_layer", "num_layers", "encoder_layers", "decoder_layers")
 
@@ -41,32 +44,57 @@ LAYER_COUNT_FIELDS = ("num_hidden_layers", "n_layer", "num_layers", "encoder_lay
 FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
     # Gemma 4's per-layer input embeddings default to a 262K vocabulary; global layers' own head_dim.
     **{f: dict(vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16, global_head_dim=32)
-       for f in ("gemma4_text", "gemma4_unified_text")},
+       for f in ("gemma4", "gemma4_text", "gemma4_unified_text")},
     # Moshi's attention does not apply its sliding window, while a sliding cache (DynamicCache's
     # too) drops what lies beyond it, so the reference disagrees with generate(use_cache=False):
     # keep the window longer than the runs.
     "moshi": dict(sliding_window=64),
-    # Multi-head latent attention: as many key/value heads as query heads.
-    **{f: dict(num_key_value_heads=4) for f in (
-        "deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa", "minicpm3", "youtu")},
-    # Partial rotary embeddings: the rotated slice must fit the 16-wide heads.
-    **{f: dict(rotary_dim=8) for f in ("codegen", "gptj")},
-    # Hybrids whose default pattern starts with Mamba layers: one Mamba layer, then attention.
-    "bamba": dict(num_hidden_layers=2, attn_layer_indices=[1]),
-    "granitemoehybrid": dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"]),
-    # Zamba2: a Mamba layer, then a "hybrid" layer (shared attention block beside its Mamba state).
-    "zamba2": dict(
-        num_hidden_layers=2, layers_block_type=["mamba", "hybrid"], mamba_headdim=16, mamba_expand=1,
-        n_mamba_heads=4, mamba_d_state=16, mamba_ngroups=1,
-    ),
-    # Gemma 3n's text model with two of four layers reading the K/V of the last unshared layer of
-    # their type (the real checkpoints share 15 of 35), per-layer embeddings and sizes made tiny.
-    "gemma3n_text": dict(
-        num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2,
-        vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16, intermediate_size=[128] * 4,
-        activation_sparsity_pattern=[0.0] * 4, laurel_rank=8,
-    ),
+    # Gemma 3n: per-layer inputs from a 262K vocabulary by default; the last 2 of 4 layers share the
+    # K/V of the last earlier layer of their kind (num_kv_shared_layers).
+    "gemma3n_text": dict(vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16, laurel_rank=8,
+                         num_hidden_layers=4, num_kv_shared_layers=2,
+                         layer_types=["sliding_attention", "full_attention"] * 2),
+    "gpt_neo": dict(attention_types=[[["global", "local"], 1]]),
+    "zaya": dict(num_experts_per_tok=1),  # its only supported routing
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
+    "cohere_compass_text": dict(rope_parameters={t: dict(rope_type="default", rope_theta=10000.0)
+                                                 for t in ("sliding_attention", "full_attention")}),
+    # Dbrx reads rope_theta and clip_qkv from its attn_config, which only checkpoints carry.
+    "dbrx": dict(attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),  # clamps with it unchecked
+                 ffn_config=dict(ffn_hidden_size=128, moe_num_experts=4, moe_top_k=2)),
+    # Mamba-2 mixers: intermediate (expand x hidden = 128) = heads x head_dim; short chunks.
+    "bamba": dict(attn_layer_indices=[1], mamba_n_heads=8, mamba_d_state=16, mamba_chunk_size=4),
+    "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"], mamba_n_heads=8,
+                             mamba_d_state=16, mamba_chunk_size=4, shared_intermediate_size=32),
+    "mamba2": dict(num_heads=8, head_dim=16, state_size=16, chunk_size=4, n_groups=1),
+    "zamba2": dict(n_mamba_heads=8, mamba_d_state=16, chunk_size=4, adapter_rank=8, num_hidden_layers=2,
+                   layers_block_type=["linear_attention", "hybrid"]),
+    "zamba": dict(n_mamba_heads=2, num_hidden_layers=3, layers_block_type=["linear_attention", "hybrid", "hybrid"]),
+    # Qwen4-Exp's indexed (QSA) layers need their indexer sizes; a budget of 4 tokens in blocks of 2.
+    **{f: dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=4,
+               indexer_compress_ratio=2, linear_key_head_dim=16, linear_value_head_dim=16,
+               linear_num_key_heads=2, linear_num_value_heads=4, hc_lowrank=8)
+       for f in ("qwen4_exp", "qwen4_exp_text")},
 }
+
+
+#: Per composite family: its other sub-configs, shrunk (vision towers) or left out (None).
+SUB_CONFIGS: dict[str, dict[str, Any]] = {
+    "gemma3": dict(vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, image_size=32, patch_size=8),
+                   mm_tokens_per_image=4),
+    "gemma4": dict(vision_config=None, audio_config=None),
+}
+
+
+#: Settings of a family that its default config leaves off, swept as cases of their own:
+#: name -> (family, settings on top of the family's).
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    # The last 2 of 4 layers reuse the K/V of the last earlier layer of their kind.
+    "gemma4_text+kv_shared": ("gemma4_text", dict(
+        num_hidden_layers=4, num_kv_shared_layers=2, layer_types=["sliding_attention", "full_attention"] * 2)),
+}
+CASES = FAMILIES + tuple(VARIANTS)
 
 
 def _fields(cls) -> set[str]:
@@ -95,29 +123,36 @@ def _overrides(cls, model_type: str) -> dict[str, Any]:
     n = _layer_count(default_types)
     out = {k: v for k, v in GENERIC.items() if k in fields}
     out.update({k: n for k in LAYER_COUNT_FIELDS if k in fields or k == "num_hidden_layers"})
-    if default_types and "layer_types" in fields:
-        out["layer_types"] = list(default_types[:n])
     aliases = getattr(cls, "attribute_map", None) or {}
+    if default_types and ("layer_types" in fields or aliases.get("layer_types") in fields):
+        out["layer_types"] = list(default_types[:n])
     for k in list(out):
         if k in aliases and aliases[k] in fields:
             out[aliases[k]] = out.pop(k)
+    if "kv_lora_rank" in out:  # MLA: keys and values come per query head, rope sees only its part
+        out["num_key_value_heads"] = out.get("num_attention_heads", 4)
+        if "head_dim" in out:
+            out["head_dim"] = out["qk_rope_head_dim"]
     out.update(FAMILY_OVERRIDES.get(model_type, {}))
     return out
 
 
-def tiny_config(model_type: str):
+def tiny_config(name: str):
+    """The tiny config of a family (a ``model_type``) or of one of ``VARIANTS``."""
+    model_type, extra = VARIANTS.get(name, (name, {}))
     cls = CONFIG_MAPPING[model_type]
     key, text_cls = _text_key(cls)
-    overrides = _overrides(text_cls, model_type)
-    model_config = getattr(getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]), "config_class", None)
-    if key and model_config is text_cls:  # the causal LM takes the text config alone (Qwen3.5, Llama 4)
+    overrides = {**_overrides(text_cls, model_type), **extra}
+    own = getattr(getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]), "config_class", None)
+    if key and own is text_cls:  # a text-only *ForCausalLM of a composite family takes the text config
         return text_cls(**overrides)
-    return cls(**{key: overrides}) if key else cls(**overrides)
+    return cls(**{key: overrides}, **SUB_CONFIGS.get(model_type, {})) if key else cls(**overrides)
 
 
-def build_model(model_type: str, config=None) -> torch.nn.Module:
-    """A tiny random ``*ForCausalLM`` of the family (seeded), in eval mode, on its default attention."""
-    config = tiny_config(model_type) if config is None else config
+def build_model(name: str, config=None) -> torch.nn.Module:
+    """A tiny random ``*ForCausalLM`` of the family or variant (seeded), in eval mode, on its default attention."""
+    config = tiny_config(name) if config is None else config
+    model_type = VARIANTS.get(name, (name,))[0]
     model_cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
     with torch.device("meta"):
         size = sum(p.numel() for p in model_cls(config).parameters())

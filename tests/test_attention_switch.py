@@ -127,3 +127,19 @@ def test_a_model_without_sdpa_support_gets_eager_masks_inside_the_switch_only():
         assert (mask[0, 0][future] < -1e30).all() and (mask[0, 0][~future] == 0).all()
     assert not hasattr(model.config, EAGER_MASKS)
     assert kvcache_mask(**args) is None
+
+
+def test_prefill_is_causal_on_a_model_whose_attention_flags_are_not_kept_for_sdpa():
+    """BigBird-Pegasus runs no sdpa, and its decoder self-attention says ``is_causal=False``: the
+    ``"kvcache"`` mask must not leave causality to that flag. Prefill logits match eager's (fp32:
+    the same softmax attention through another kernel, 1e-5)."""
+    from families import build_model
+
+    model = build_model("bigbird_pegasus")
+    assert not type(model)._supports_sdpa and model.config._attn_implementation == "eager"
+    ids = torch.randint(3, 128, (1, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        with kvcache.use_kvcache_attention(model):
+            got = model(input_ids=ids).logits
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)

@@ -16,55 +16,41 @@ import transformers
 
 import kvcache
 
-from families import FAMILIES, build_model, greedy, prompts, reference
+from families import CASES, build_model, greedy, prompts, reference
 
 
 #: Families this sweep cannot run, with the reason; the check is the same error type and the runs fail.
 NOT_RUNNABLE: dict[str, str] = {
-    "axk1": "DynamicCache: RuntimeError: shape '[-1, 8, 0]' is invalid for input of size 40",
-    "axk2": 'DynamicCache: RuntimeError: The size of tensor a (4) must match the size of tensor b (8) at non-singleton dime',
-    "bailing_hybrid": "DynamicCache: RuntimeError: shape '[-1, 8, 0]' is invalid for input of size 40",
-    "beam": "DynamicCache: RuntimeError: shape '[-1, 8, 0]' is invalid for input of size 40",
-    "blt": 'build: ValueError: blt: the tiny config still has 4475652672 parameters',
-    "cohere_compass_text": "build: KeyError: 'full_attention'",
-    "cpmant": 'build: ValueError: cpmant: the tiny config still has 4284736 parameters',
-    "dbrx": "build: AttributeError: 'DbrxAttentionConfig' object has no attribute 'rope_theta'",
-    "dots3_note": "build: StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture': Valu",
-    "dots3_note_text": "build: StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture': Valu",
-    "falcon_mamba": "DynamicCache: ValueError: The following `model_kwargs` are not used by the model: ['past_key_values'] (note: t",
-    "fuyu": 'build: OSError: AutoConfig is designed to be instantiated using the `AutoConfig.from_pretrained(pretrained_mod',
-    "gemma3": 'build: ValueError: gemma3: the tiny config still has 93165312 parameters',
-    "gemma3n": 'build: ImportError: TimmWrapperModel requires the timm library but it was not found in your environment. You c',
-    "gemma4": 'build: ValueError: gemma4: the tiny config still has 403561824 parameters',
-    "gemma4_assistant": 'build: OSError: AutoConfig is designed to be instantiated using the `AutoConfig.from_pretrained(pretrained_mod',
-    "gemma4_unified_assistant": 'build: OSError: AutoConfig is designed to be instantiated using the `AutoConfig.from_pretrained(pretrained_mod',
-    "git": 'build: ValueError: git: the tiny config still has 85965120 parameters',
-    "got_ocr2": 'build: OSError: AutoConfig is designed to be instantiated using the `AutoConfig.from_pretrained(pretrained_mod',
-    "gpt_neo": "build: StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture': Valu",
-    "inkling2_text": 'build: ValueError: inkling2_text: the tiny config still has 7181056 parameters',
-    "inkling_text": 'build: ValueError: inkling_text: the tiny config still has 7245094 parameters',
-    "kimi_linear": 'build: ValueError: kimi_linear: the tiny config still has 8850784 parameters',
-    "lfm2_moe": "build: TypeError: 'NoneType' object is not subscriptable",
-    "longcat_flash": 'build: ValueError: longcat_flash: the tiny config still has 73452160 parameters',
-    "mamba": "DynamicCache: ValueError: The following `model_kwargs` are not used by the model: ['past_key_values'] (note: t",
-    "mamba2": "build: StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture': Valu",
-    "minimax": 'DynamicCache: ValueError: MiniMax uses cache of its own and is not compatible with `past_key_values` of type <',
-    "moss_transcribe_diarize": 'build: OSError: AutoConfig is designed to be instantiated using the `AutoConfig.from_pretrained(pretrained_mod',
-    "musicgen": "build: AttributeError: 'MusicgenConfig' object has no attribute 'dropout'",
-    "musicgen_melody": "build: AttributeError: 'MusicgenMelodyConfig' object has no attribute 'dropout'",
-    "openai-gpt": "DynamicCache: ValueError: The following `model_kwargs` are not used by the model: ['past_key_values'] (note: t",
-    "phi4_multimodal": 'build: ValueError: phi4_multimodal: the tiny config still has 870129792 parameters',
-    "prophetnet": 'build: NotImplementedError: This model does not support the setting of `num_hidden_layers`. Please set `num_en',
-    "qwen4_exp": "build: AttributeError: 'Qwen4ExpConfig' object has no attribute 'vocab_size'",
-    "qwen4_exp_text": "build: TypeError: unsupported operand type(s) for //: 'NoneType' and 'NoneType'",
-    "reformer": 'build: AssertionError: If you want to use `ReformerModelWithLMHead` make sure that `is_decoder=True`.',
-    "roc_bert": 'build: ValueError: roc_bert: the tiny config still has 13624832 parameters',
-    "xlm": 'build: ValueError: xlm: the tiny config still has 102031488 parameters',
-    "xlnet": 'DynamicCache: TypeError: tuple indices must be integers or slices, not tuple',
-    "xlstm": 'DynamicCache: ValueError: matC_old has wrong shape, got torch.Size([1, 4, 16, 16])',
-    "xmod": 'DynamicCache: ValueError: Input language unknown. Please call `XmodPreTrainedModel.set_default_language()`',
-    "zamba": 'build: ValueError: There is an issue with your definition of `tie_weights_keys` for ^layers.2.shared_transf:^l',
-    "zaya": "build: StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture': Valu",
+    'blt': 'builder limit, not yet shrunk: patcher/encoder/decoder/global sub-configs keep their defaults (4.5G parameters)',
+    'cpmant': 'builder limit, not yet shrunk: 4.3M parameters (its own dim_model/dim_ff/prompt fields)',
+    'dots3_note': 'builder limit, not yet shrunk: 39M parameters (vision/audio adapters sized by their own fields)',
+    'dots3_note_text': 'builder limit, not yet shrunk: 39M parameters (MLA + mlp_layer_types fields not shrunk)',
+    'falcon_mamba': 'no Cache path: the model takes no past_key_values (its state goes in cache_params, a MambaCache of its own)',
+    'fuyu': 'from_pretrained only: its config cannot be built from defaults (AutoConfig raises OSError)',
+    'gemma3n': 'needs timm (uninstalled): its vision tower is a TimmWrapperModel; gemma3n_text covers the decoder',
+    'gemma4_assistant': 'from_pretrained only: its config cannot be built from defaults (AutoConfig raises OSError)',
+    'gemma4_unified_assistant': 'from_pretrained only: its config cannot be built from defaults (AutoConfig raises OSError)',
+    'git': 'builder limit, not yet shrunk: its vision_config keeps its defaults (86M parameters)',
+    'got_ocr2': 'from_pretrained only: its config cannot be built from defaults (AutoConfig raises OSError)',
+    'inkling2_text': 'builder limit, not yet shrunk: 7.2M parameters (fields of its own not shrunk)',
+    'inkling_text': 'builder limit, not yet shrunk: 7.2M parameters (fields of its own not shrunk)',
+    'kimi_linear': 'builder limit, not yet shrunk: 8.9M parameters (its linear-attention head fields not shrunk)',
+    'longcat_flash': 'builder limit, not yet shrunk: 73M parameters (its own MoE/MLA fields not shrunk)',
+    'mamba': 'no Cache path: the model takes no past_key_values (its state goes in cache_params, a MambaCache of its own)',
+    'mamba2': 'no Cache path: the model takes no past_key_values (its state goes in cache_params, a Mamba2Cache of its own)',
+    'minimax': 'the reference refuses: MiniMax raises on any past_key_values that is not its own cache class',
+    'moss_transcribe_diarize': 'from_pretrained only: its config cannot be built from defaults (AutoConfig raises OSError)',
+    'musicgen': 'builder limit, not yet shrunk: the composite MusicgenConfig is given, the decoder needs MusicgenDecoderConfig (no dropout)',
+    'musicgen_melody': 'builder limit, not yet shrunk: the composite config is given, the decoder needs MusicgenMelodyDecoderConfig (no dropout)',
+    'openai-gpt': 'no Cache path: the model takes no past_key_values (GPT-1 recomputes the whole prefix each step)',
+    'phi4_multimodal': 'builder limit, not yet shrunk: audio/vision sub-configs keep their defaults (870M parameters)',
+    'prophetnet': 'builder limit, not yet shrunk: refuses num_hidden_layers: needs num_encoder_layers/num_decoder_layers',
+    'reformer': 'builder limit, not yet shrunk: needs is_decoder=True (and its own LSH/local attention layer sizes)',
+    'roc_bert': 'builder limit, not yet shrunk: 13.6M parameters (its pronunciation/shape embedding vocabularies)',
+    'xlm': 'builder limit, not yet shrunk: 102M parameters (emb_dim/n_layers spelled its own way)',
+    'xlnet': "no Cache path: the model takes no past_key_values: the reference breaks (XLNet's mems are a tuple, generate hands it a Cache: TypeError)",
+    'xlstm': "the reference breaks: DynamicCache is not xLSTM's cache (ValueError: matC_old has wrong shape)",
+    'xmod': 'no input_ids-only path: X-MOD needs a language id (set_default_language) before any forward',
 }
 
 #: Families where our cache fails, with the reason (shrink after merging the named branches).
@@ -104,7 +90,7 @@ def _quiet():
     transformers.logging.set_verbosity(verbosity)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", CASES)
 def test_family_generates_like_dynamic_cache(family):
     kind, why = _outcome(family)
     if family in NOT_RUNNABLE:
@@ -116,6 +102,6 @@ def test_family_generates_like_dynamic_cache(family):
 
 
 def test_tables_name_only_families_of_this_transformers():
-    assert set(NOT_RUNNABLE) <= set(FAMILIES), set(NOT_RUNNABLE) - set(FAMILIES)
-    assert set(EXPECTED_UNSUPPORTED) <= set(FAMILIES), set(EXPECTED_UNSUPPORTED) - set(FAMILIES)
+    assert set(NOT_RUNNABLE) <= set(CASES), set(NOT_RUNNABLE) - set(CASES)
+    assert set(EXPECTED_UNSUPPORTED) <= set(CASES), set(EXPECTED_UNSUPPORTED) - set(CASES)
     assert not set(NOT_RUNNABLE) & set(EXPECTED_UNSUPPORTED)
