@@ -238,6 +238,4 @@ def _group_mask(mask, batch, kv_heads, group, q_len, kv_len) -> torch.Tensor | N
             f"mask of shape {tuple(mask.shape)} does not broadcast to [B, Hq, Sq, T] = "
             f"[{batch}, {q_heads}, {q_len}, {kv_len}]"
         )
-    if mh == 1:
-        return mask.unsqueeze(2)  # [B|1, 1, 1, Sq|1, T]
-    return mask.reshape(mb, kv_heads, group, mq, mt)
+    return group_heads(mask, kv_heads)

@@ -82,6 +82,8 @@ class KVCache(ForeignLayers, Cache):
         #: anything is written, that it selects the "kvcache" attention.
         self.attention_config = attention_config
         self._live = [s for s in self.stores if s is not None]
+        # Fixed for the cache's life (the layers are never swapped), and read on every forward pass.
+        self._bounded_kinds = sorted({s.kind for s in self._live if s.needs_own_attention})
         for store, readers in zip(self.stores, kv_readers(attention_config, len(self.stores))):
             if store is not None and store.needs_own_attention:
                 store.readers = readers
@@ -123,16 +125,15 @@ class KVCache(ForeignLayers, Cache):
     @property
     def needs_kvcache_attention(self) -> bool:
         """Whether a layer is bounded, so the model must run the ``"kvcache"`` attention."""
-        return any(s.needs_own_attention for s in self._live)
+        return bool(self._bounded_kinds)
 
     def check_attention(self) -> None:
         """Raise, changing nothing, if a bounded layer would be attended by another implementation
         than ``"kvcache"`` (read from the config of the model the cache was made for)."""
         config = self.attention_config
-        if config is not None and self.needs_kvcache_attention and not runs_kvcache_attention(config):
-            bounded = sorted({s.kind for s in self._live if s.needs_own_attention})
+        if config is not None and self._bounded_kinds and not runs_kvcache_attention(config):
             raise UnsupportedOperation(
-                f"this cache has bounded layers ({', '.join(bounded)}) that need the 'kvcache' attention "
+                f"this cache has bounded layers ({', '.join(self._bounded_kinds)}) that need the 'kvcache' attention "
                 f"implementation, and the model runs {config._attn_implementation!r}; call {SWITCH_HINT} "
                 f"(or use it as a context manager around generate) first; the cache is unchanged"
             )

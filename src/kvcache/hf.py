@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
+from transformers.masking_utils import eager_mask, sdpa_mask
 
 import torch.nn.functional as F
 
@@ -85,8 +86,6 @@ def kvcache_mask(*args, **kwargs):
     """The ``"kvcache"`` mask function: SDPA's (boolean, skipped where ``is_causal`` does the job),
     or eager's additive float masks for models that support only eager attention, which may add
     their own biases to the mask or rely on it for causality (bigbird_pegasus, DeepSeek-V4)."""
-    from transformers.masking_utils import eager_mask, sdpa_mask
-
     if getattr(kwargs.get("config"), EAGER_MASKS, False):
         return eager_mask(*args, **kwargs)
     return sdpa_mask(*args, **kwargs)
