@@ -16,7 +16,7 @@ import torch
 import transformers
 
 from helpers import boolean, nonneg_int, nonneg_number, positive_int, positive_list, positive_number, text
-from kvcache.bench import SUITES, get_suite
+from kvcache.apps.bench import SUITES, get_suite
 
 
 FIELDS = {

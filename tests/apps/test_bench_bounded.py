@@ -12,8 +12,8 @@ import torch
 import transformers
 
 from helpers import boolean, nonneg_number, positive_int, positive_list, positive_number, text
-from kvcache.bench import SUITES, get_suite
-from kvcache.bench import bounded
+from kvcache.apps.bench import SUITES, get_suite
+from kvcache.apps.bench import bounded
 
 FP32, FP16 = 4, 2
 POSITION_AND_SCORE = 8 + 4  # int64 position and float32 score per slot and KV head

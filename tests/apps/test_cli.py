@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import kvcache
-from kvcache import demo, tasks
-from kvcache.cli import main
+from kvcache.apps import demo, tasks
+from kvcache.apps.cli import main
 
 CONTENDERS = ["DynamicCache", "concat", "growable", "static"]
 BOUNDED = ["window 25%", "h2o 25%", "tova 12.5%", "quantized int4"]
@@ -148,7 +148,7 @@ def test_demo_on_the_trained_model_finds_the_pass_key(tmp_path, capsys):
 
 
 def test_demo_leaves_the_models_attention_as_it_found_it():
-    from kvcache.trained import load_trained
+    from kvcache.apps.trained import load_trained
 
     model, tokenizer = load_trained()
     before = model.config._attn_implementation
@@ -171,7 +171,7 @@ def test_version(capsys):
 
 def test_console_script_points_at_main():
     scripts = importlib.metadata.entry_points(group="console_scripts")
-    assert [ep.value for ep in scripts if ep.name == "kvcache"] == ["kvcache.cli:main"]
+    assert [ep.value for ep in scripts if ep.name == "kvcache"] == ["kvcache.apps.cli:main"]
 
 
 @pytest.mark.parametrize(

@@ -17,11 +17,11 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from kvcache import cli
-from kvcache.cli import main
+from kvcache.apps import cli
+from kvcache.apps.cli import main
 from helpers import hf_attention
-from kvcache.tiny import tiny_model
-from kvcache.tokenizer import ByteTokenizer, TokenStreamer, stream_decoder
+from kvcache.apps.tiny import tiny_model
+from kvcache.apps.tokenizer import ByteTokenizer, TokenStreamer, stream_decoder
 
 BYTES = ByteTokenizer()
 KINDS = ("growable", "static", "concat")
@@ -58,7 +58,7 @@ def sidecar(path) -> dict:
 @pytest.fixture(scope="module")
 def tiny():
     """What ``--model tiny`` loads: the shipped trained model and its byte-level tokenizer."""
-    from kvcache.trained import load_trained
+    from kvcache.apps.trained import load_trained
 
     return load_trained()
 
@@ -405,7 +405,7 @@ def test_bench_decode_rows_match_dynamic_cache(tmp_path, capsys):
 
 
 def test_unknown_suite_exits_2_listing_suites(capsys):
-    from kvcache.bench import SUITES
+    from kvcache.apps.bench import SUITES
 
     rc, out, err = run(capsys, "bench", "nosuch", "--tiny")
     assert rc == 2 and out == ""
@@ -413,7 +413,7 @@ def test_unknown_suite_exits_2_listing_suites(capsys):
 
 
 def test_bench_suite_module_missing_exits_2(monkeypatch, tmp_path, capsys):
-    monkeypatch.setitem(sys.modules, "kvcache.bench.memory", None)  # makes its import fail
+    monkeypatch.setitem(sys.modules, "kvcache.apps.bench.memory", None)  # makes its import fail
     rc, out, err = run(capsys, "bench", "memory", "--tiny", "--out", tmp_path)
     assert rc == 2
     assert err == "kvcache: error: benchmark suite 'memory' is not available in this version of kvcache\n"
@@ -427,8 +427,8 @@ def test_bench_out_must_be_a_directory(tmp_path, capsys):
 
 
 def test_building_the_parser_imports_no_suite(monkeypatch):
-    for name in [m for m in sys.modules if m.startswith("kvcache.bench.")]:
+    for name in [m for m in sys.modules if m.startswith("kvcache.apps.bench.")]:
         monkeypatch.delitem(sys.modules, name)
     parser = cli.build_parser()
     assert parser.parse_args(["bench", "attention"]).suite == "attention"
-    assert not [m for m in sys.modules if m.startswith("kvcache.bench.")]
+    assert not [m for m in sys.modules if m.startswith("kvcache.apps.bench.")]

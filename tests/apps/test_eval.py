@@ -12,13 +12,13 @@ import json
 from pathlib import Path
 
 import pytest
-from kvcache import eval as harness
-from kvcache.cli import main
+from kvcache.apps import eval as harness
+from kvcache.apps.cli import main
 
 RUN_KEYS = {"cache", "budget", "task", "accuracy", "kl", "top1", "bytes_per_token"}
 
 
-TRAIN_SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "train_tiny.py"
+TRAIN_SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "train_tiny.py"
 
 
 @pytest.fixture(scope="module")

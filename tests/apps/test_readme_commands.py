@@ -25,7 +25,7 @@ from transformers import DynamicCache
 
 from helpers import model_for, prompt
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 
 #: Appended to a documented command so that it runs in seconds; what it prints and writes is checked.
@@ -70,7 +70,7 @@ class NotInstalled(PathFinder):  # the path finder, blind to the extras: as if t
     def find_spec(cls, name, path=None, target=None):
         return None if name.split(".")[0] in blocked else super().find_spec(name, path, target)
 sys.meta_path[:] = [NotInstalled if f is PathFinder else f for f in sys.meta_path]
-from kvcache.cli import main
+from kvcache.apps.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from kvcache import tasks
+from kvcache.apps import tasks
 
 LENGTHS = (256, 300, 1024, 2048)
 

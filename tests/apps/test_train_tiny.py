@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from kvcache.trained import load_trained
+from kvcache.apps.trained import load_trained
 
-TRAIN_SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "train_tiny.py"
+TRAIN_SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "train_tiny.py"
 SMALL = ["--layers", "1", "--hidden", "32", "--heads", "2", "--kv-heads", "1", "--intermediate", "64"]
 
 

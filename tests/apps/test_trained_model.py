@@ -1,4 +1,4 @@
-"""The model shipped in ``src/kvcache/weights/tiny``: it loads through the normal
+"""The model shipped in ``src/kvcache/apps/weights/tiny``: it loads through the normal
 ``from_pretrained(directory)`` path, its tokenizer is the byte-level one, and it still does what it
 was trained for (a regression guard for the weights and the loading path).
 """
@@ -12,8 +12,9 @@ import torch
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 import kvcache
-from kvcache import make_cache, tasks
-from kvcache.trained import MODEL_DIR, load_trained
+from kvcache import make_cache
+from kvcache.apps import tasks
+from kvcache.apps.trained import MODEL_DIR, load_trained
 
 LENGTH = 512  # tokens of each prompt: a length the model was trained on, inside the harness's range
 N = 20  # held-out instances, needle depths evenly spread over [0, 1]

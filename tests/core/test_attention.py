@@ -342,7 +342,7 @@ def _padded_batch():
 
 
 def test_tiny_llama_kvcache_attention_matches_sdpa():
-    from kvcache.tiny import tiny_model
+    from kvcache.apps.tiny import tiny_model
 
     from transformers import AttentionInterface
 
@@ -381,7 +381,7 @@ def test_tiny_llama_decode_with_cache_matches_sdpa(monkeypatch):
     # its decode steps run attend, which is what this test checks.
     monkeypatch.setattr("kvcache.hf.GQA_ATTEND_FROM_BYTES", 0)
 
-    from kvcache.tiny import tiny_model
+    from kvcache.apps.tiny import tiny_model
 
     model = tiny_model("llama", seed=1).eval()
     ids, mask = _padded_batch()
@@ -457,7 +457,7 @@ def test_softcap_must_be_positive():
 def test_gemma2_with_kvcache_attention_matches_eager_and_dynamic_cache():
     from transformers import DynamicCache
 
-    from kvcache.tiny import tiny_model
+    from kvcache.apps.tiny import tiny_model
 
     model = tiny_model("gemma2", seed=2)
     g = torch.Generator().manual_seed(5)

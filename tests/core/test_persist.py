@@ -22,7 +22,7 @@ from transformers import DynamicCache
 import kvcache
 from kvcache.layers import WindowLayer
 from helpers import LOGITS_TOL, attention_for, hf_attention, model_for, prompt
-from kvcache.tiny import tiny_model
+from kvcache.apps.tiny import tiny_model
 
 SPECS = ("growable", "static:capacity=96", "concat")
 PERSIST_FAMILIES = ("llama", "mistral", "gemma2")  # full / all sliding / hybrid

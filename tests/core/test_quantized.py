@@ -19,7 +19,7 @@ from transformers import DynamicCache
 import kvcache
 from helpers import attention_for, hf_attention, model_for, prompt
 from kvcache.layers import EvictingLayer, QuantizedLayer
-from kvcache.tiny import FAMILIES, PAD_TOKEN_ID
+from kvcache.apps.tiny import FAMILIES, PAD_TOKEN_ID
 
 NEW_TOKENS = 12
 

@@ -33,13 +33,13 @@ import pytest
 import torch
 
 import kvcache
-from kvcache.tiny import tiny_model
+from kvcache.apps.tiny import tiny_model
 from mutations import SPECS, Mutation, crafted_forgeries, mutations
 
 FULL = os.environ.get("KVCACHE_RELIABILITY", "quick") == "full"
 SEED = int(os.environ.get("KVCACHE_RELIABILITY_SEED", "0"))
-HERE = Path(__file__).parent
-WORKER = HERE / "reliability_worker.py"
+TESTS = Path(__file__).resolve().parents[1]  # the shared helpers and the worker live there
+WORKER = TESTS / "reliability_worker.py"
 PROMPT, GENERATED, CONTINUE = 30, 6, 4
 HANG_GUARD_S = 30.0  # one load; generous: only a hang or a runaway allocation takes this long
 
@@ -159,7 +159,7 @@ def test_mutated_files_are_refused_or_continue_identically(spec, tmp_path):
 
 def _worker(*args, timeout: float = 120) -> str:
     """Run ``reliability_worker.py`` to completion (hang guard: ``timeout``); its stdout."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent / "src"), str(HERE)])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent / "src"), str(TESTS)])}
     done = subprocess.run([sys.executable, str(WORKER), *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env)
     assert done.returncode == 0, f"worker {args[0]} failed ({done.returncode}):\n{done.stderr[-3000:]}"
     return done.stdout
@@ -213,7 +213,7 @@ def test_sigkill_during_save_leaves_old_or_new_file_and_sweepable_temps(tmp_path
     path = tmp_path / "chat.kv"
     old, new = w.make(100, 3000), w.make(200, 3000)
     versions = {"old": w.content(old), "new": w.content(new)}
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent / "src"), str(HERE)])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent / "src"), str(TESTS)])}
     seen = collections.Counter()
     for trial in range(trials):
         old.save(path)
@@ -351,7 +351,7 @@ def test_two_processes_saving_to_one_path(tmp_path):
     import reliability_worker as w
 
     path = tmp_path / "chat.kv"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent / "src"), str(HERE)])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent / "src"), str(TESTS)])}
     count = 10 if FULL else 4
     procs = [
         subprocess.Popen([sys.executable, str(WORKER), "save-loop", str(path), str(seed), str(count)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -371,7 +371,7 @@ def test_two_processes_saving_to_one_path(tmp_path):
 
 
 def _cli(capsys, *argv) -> tuple[int, str, str]:
-    from kvcache.cli import main
+    from kvcache.apps.cli import main
 
     rc = main([str(a) for a in argv])
     captured = capsys.readouterr()
@@ -468,7 +468,7 @@ def conversation(tmp_path_factory):
     """A conversation saved by the CLI: (folder, the cache path), files to be copied, never changed."""
     folder = tmp_path_factory.mktemp("conversation")
     path = folder / "chat.kv"
-    from kvcache.cli import main
+    from kvcache.apps.cli import main
 
     assert main(["generate", "--prompt", "The cache", "--max-new-tokens", "3", "--save-cache", str(path)]) == 0
     return folder, path

@@ -8,7 +8,7 @@ import torch
 import kvcache
 from kvcache import CacheSpec, SpecError, make_cache, parse_spec
 from kvcache.layers import ConcatLayer, GrowableLayer, WindowLayer, StaticLayer
-from kvcache.tiny import tiny_config
+from kvcache.apps.tiny import tiny_config
 
 VALID_KINDS = ("growable", "static", "concat")
 

@@ -13,7 +13,7 @@ from transformers import DynamicCache
 
 import kvcache
 from helpers import assert_same_tokens, model_for, prompt
-from kvcache.tiny import tiny_model
+from kvcache.apps.tiny import tiny_model
 
 BOUNDED_SPECS = ("window:window=8,sinks=2", "h2o:budget=12", "quantized:bits=4,group_size=8,residual=4")
 

@@ -23,7 +23,7 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 import kvcache
 from helpers import assert_same_tokens, attention_for, hf_attention, layer_fingerprint, left_padded, model_for, prompt
 from kvcache.layers import EvictingLayer, WindowLayer
-from kvcache.tiny import FAMILIES, tiny_model
+from kvcache.apps.tiny import FAMILIES, tiny_model
 
 KINDS = ("window", "h2o", "tova", "lastrec")
 

@@ -19,7 +19,7 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 import kvcache
 from kvcache.layers import WindowLayer, StaticLayer
 from helpers import LOGITS_TOL, assert_same_tokens, attention_for, hf_attention, left_padded, model_for, prompt
-from kvcache.tiny import DEFAULT_SLIDING_WINDOW, FAMILIES
+from kvcache.apps.tiny import DEFAULT_SLIDING_WINDOW, FAMILIES
 
 SPECS = ("growable", "static:capacity=80", "concat")
 PROMPT_LEN = 40  # longer than the sliding window (16)

@@ -24,7 +24,7 @@ from transformers import DynamicCache
 import kvcache
 from kvcache.errors import UnsupportedOperation
 from kvcache.layers import WindowLayer
-from kvcache.tiny import tiny_model
+from kvcache.apps.tiny import tiny_model
 
 from helpers import assert_same_tokens, layer_fingerprint, prompt
 

@@ -20,11 +20,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from . import __version__, tasks
+from .. import __version__
+from . import tasks
 from .bench import SUITES
 from .demo import DEPTH, RANDOM_PROMPT_TOKENS, TRAINED_PROMPT_TOKENS
-from .errors import KVCacheError, SpecError
-from .spec import CacheSpec, parse_spec, valid_specs
+from ..errors import KVCacheError, SpecError
+from ..spec import CacheSpec, parse_spec, valid_specs
 from .tiny import FAMILIES
 
 PROG = "kvcache"
@@ -205,7 +206,7 @@ IDS_VERSION = 1
 def load_model(name_or_dir: str, device: str = "cpu") -> tuple[Any, Any]:
     """``(model, tokenizer)`` for ``--model``: ``"tiny"`` or a local Hugging Face checkpoint folder.
 
-    ``"tiny"`` is the small model trained for kvcache and shipped with it (:mod:`kvcache.trained`),
+    ``"tiny"`` is the small model trained for kvcache and shipped with it (:mod:`kvcache.apps.trained`),
     with its byte-level tokenizer. A folder is loaded with ``AutoTokenizer`` /
     ``AutoModelForCausalLM``, never from the hub.
     """
@@ -245,7 +246,7 @@ def save_conversation(cache: Any, path: str, ids: list[int]) -> None:
     the cache first; the ids file records the cache file's SHA-256, so a pair from two saves (the
     second one failed or was killed between the two renames) is refused on load, never misread.
     """
-    from .persist import atomic_write
+    from ..persist import atomic_write
 
     try:
         cache.save(path)
@@ -271,7 +272,7 @@ def save_conversation(cache: Any, path: str, ids: list[int]) -> None:
 
 def load_conversation(path: str, model: Any) -> tuple[Any, list[int]]:
     """The cache saved at ``path`` for ``model`` and the token ids saved beside it."""
-    from .persist import load_cache
+    from ..persist import load_cache
 
     side = ids_path(path)
     if os.path.isdir(path):
@@ -369,8 +370,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
     from .bench.common import human_bytes
-    from .cache import make_cache
-    from .hf import use_kvcache_attention
+    from ..cache import make_cache
+    from ..hf import use_kvcache_attention
     from .tokenizer import TokenStreamer
 
     if not args.sample and (args.temperature is not None or args.top_p is not None):
@@ -465,7 +466,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     try:
         suite = get_suite(args.suite)
     except ModuleNotFoundError as e:
-        if e.name != f"kvcache.bench.{args.suite}":
+        if e.name != f"kvcache.apps.bench.{args.suite}":
             raise
         raise KVCacheError(f"benchmark suite {args.suite!r} is not available in this version of kvcache") from e
     plots = _say_if_no_plots()

@@ -1,7 +1,7 @@
 """``kvcache demo``: greedy generation with each cache, side by side, on a small local model.
 
 By default the model is the one trained here and shipped with the package
-(:mod:`kvcache.trained`), and the prompt is a pass-key retrieval task on held-out text: a five-digit
+(:mod:`kvcache.apps.trained`), and the prompt is a pass-key retrieval task on held-out text: a five-digit
 key hidden at ``depth`` (0 = the start, 1 = just before the question) in a long prompt. So the
 table shows both sides of the trade: what each cache costs in bytes and speed, and whether the
 model still finds the key with it. Contenders, all run through ``model.generate`` (greedy):
@@ -16,7 +16,7 @@ model still finds the key with it. Contenders, all run through ``model.generate`
   tokens may differ; the ``answer`` column says whether the pass key survived.
 
 With ``family`` set, the model is instead a tiny random-weight model of that family
-(:func:`kvcache.tiny.tiny_model`, nothing downloaded) widened where the cache lives: 8 key/value
+(:func:`kvcache.apps.tiny.tiny_model`, nothing downloaded) widened where the cache lives: 8 key/value
 heads of dimension 128, so one token costs 8 KiB per layer and the cost of the cache itself shows
 on a CPU; the prompt is random tokens and only the unbounded contenders run.
 
@@ -54,8 +54,8 @@ from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, Pre
 import kvcache
 
 from . import tasks
-from .cache import make_cache
-from .hf import use_kvcache_attention
+from ..cache import make_cache
+from ..hf import use_kvcache_attention
 from .tiny import tiny_model
 
 __all__ = [

@@ -2,7 +2,7 @@
 
 For every cache kind and budget it runs, on a trained model (the shipped one by default):
 
-- **tasks**: passkey retrieval, associative recall and variable tracking (``kvcache.tasks``,
+- **tasks**: passkey retrieval, associative recall and variable tracking (``kvcache.apps.tasks``,
   held-out filler and seeds), with the needle early (``depth`` 0.1: the first thing a
   query-agnostic policy evicts) and late (``depth`` 1.0, right before the question); greedy
   generation through ``model.generate`` with the cache, exact-match accuracy;
@@ -34,8 +34,8 @@ import torch
 
 from . import tasks
 from .bench.common import can_plot
-from .cache import make_cache
-from .hf import use_kvcache_attention
+from ..cache import make_cache
+from ..hf import use_kvcache_attention
 from .trained import MODEL_DIR, load_trained
 
 #: Kinds the harness knows, in report order; "full" is the reference.

@@ -1,7 +1,7 @@
 """Tokenizers for the command line: a byte-level one for the tiny random model, and streaming.
 
 ``ByteTokenizer`` maps text to its UTF-8 bytes (ids 0..255), the vocabulary of
-:func:`kvcache.tiny.tiny_model`. Ids 0, 1 and 2 are that model's pad, BOS and EOS tokens, which
+:func:`kvcache.apps.tiny.tiny_model`. Ids 0, 1 and 2 are that model's pad, BOS and EOS tokens, which
 as bytes are control characters; nothing special is done about them.
 
 Streaming output one token at a time must not print half a character: a UTF-8 character can span

@@ -1,6 +1,6 @@
 """The small model trained here for the quality harness, shipped with the package.
 
-``src/kvcache/weights/tiny`` is a normal Hugging Face model folder written by
+``src/kvcache/apps/weights/tiny`` is a normal Hugging Face model folder written by
 ``tools/train_tiny.py``: a 2.4M-parameter ``LlamaForCausalLM`` and its byte-level tokenizer (ids
 0..255 are the bytes, then ``<pad>``, ``<bos>``, ``<eos>``). It was trained on the CPU to retrieve
 pass keys and key/value pairs from long prompts, so that what a bounded cache drops shows up as

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..attention import attend
+from ...attention import attend
 from .common import clock, figure, finish_axes, machine_info, markdown_table, median, read_bandwidth, write_outputs
 
 CONTENDERS = ("sdpa", "attend")

@@ -43,10 +43,10 @@ from typing import Any
 
 import torch
 
-from ..attention import attend
-from ..cache import make_cache
-from ..hf import register_attention
-from ..layers import GrowableLayer, QuantizedLayer
+from ...attention import attend
+from ...cache import make_cache
+from ...hf import register_attention
+from ...layers import GrowableLayer, QuantizedLayer
 from .common import (
     cache_config,
     clock,

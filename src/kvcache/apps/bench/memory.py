@@ -9,7 +9,7 @@ Contenders (one cache object each, used through its model-level ``update``):
 
 - ``concat``: Hugging Face ``DynamicCache`` (``torch.cat`` per append);
 - ``step256``: a buffer grown by a fixed 256 slots when full (mlx-lm's scheme; one
-  ``kvcache.bench.update.Step256`` per layer behind a small cache adapter);
+  ``kvcache.apps.bench.update.Step256`` per layer behind a small cache adapter);
 - ``growable``: ours, ``make_cache(config)`` (doubling from 256 slots);
 - ``static``: ours, ``make_cache(config, "static", capacity=T)``.
 
@@ -117,7 +117,7 @@ def make_contender(name: str, setup: Setup):
         cache = Step256Cache(setup.layers)
         return cache, lambda i: (cache.layers[i].keys, cache.layers[i].values)
     if name in ("growable", "static"):
-        from ..cache import make_cache
+        from ...cache import make_cache
 
         cache = make_cache(config) if name == "growable" else make_cache(config, "static", capacity=setup.tokens)
         return cache, lambda i: (cache.stores[i]._kbuf, cache.stores[i]._vbuf)

@@ -1,7 +1,7 @@
 """Suite ``resume``: time and bytes to save a cache to a file and load it back, against its length.
 
 The cache: ``kvcache.make_cache`` (growable, the default) on a Llama-shaped config from
-``kvcache.tiny.tiny_config("llama", ...)`` with 8 KV heads x 128, fp32, batch 1, and 1 layer by
+``kvcache.apps.tiny.tiny_config("llama", ...)`` with 8 KV heads x 128, fp32, batch 1, and 1 layer by
 default (so the figures are per layer; a model's file is that times its layer count), filled with
 random keys and values through ``cache.update`` in one chunk per layer.
 
@@ -36,8 +36,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..cache import make_cache
-from ..persist import checksum, load_cache
+from ...cache import make_cache
+from ...persist import checksum, load_cache
 from .common import cache_config, clock, figure, finish_axes, human_bytes, machine_info, markdown_table, median, write_outputs
 
 CONTENDERS = ("kvcache", "safetensors", "safetensors+fsync")

@@ -28,7 +28,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 from transformers.cache_utils import StaticLayer as HFStaticLayer
 
-from ..layers import GrowableLayer, StaticLayer
+from ...layers import GrowableLayer, StaticLayer
 from .common import clock, figure, finish_axes, human_bytes, machine_info, markdown_table, median, write_outputs
 
 CONTENDERS = ("concat", "step256", "hf_static", "growable", "static")
