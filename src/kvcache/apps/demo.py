@@ -49,13 +49,15 @@ from typing import Any
 import torch
 import transformers
 from tqdm import tqdm
-from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, PreTrainedModel
+from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel
 
 import kvcache
 
 from . import tasks
 from ..cache import make_cache
 from ..hf import use_kvcache_attention
+from .bench.harness import alternate, greedy_generate
+from .contenders import make_contender, spec_for
 from .tiny import tiny_model
 
 __all__ = [
@@ -86,12 +88,13 @@ RANDOM_PROMPT_TOKENS = 2048
 #: Default depth of the pass key in the prompt: early enough that a window of a quarter loses it.
 DEPTH = 0.25
 
-#: The bounded contenders: name -> spec, with ``{window}`` the prompt's quarter.
-BOUNDED: dict[str, str] = {
-    "window 25%": "window:window={window},sinks=4",
-    "h2o 25%": "h2o:budget=0.25",
-    "tova 12.5%": "tova:budget=0.125",
-    "quantized int4": "quantized:bits=4",
+#: The bounded contenders: name -> (contender, share of the prompt it keeps; None: all of it,
+#: rounded). The window's share becomes slots; H2O and TOVA take it as a fraction of what they saw.
+BOUNDED: dict[str, tuple[str, float | None]] = {
+    "window 25%": ("window", 0.25),
+    "h2o 25%": ("h2o", 0.25),
+    "tova 12.5%": ("tova", 0.125),
+    "quantized int4": ("quantized-int4", None),
 }
 
 
@@ -111,15 +114,13 @@ class Contender:
 def contenders(model: PreTrainedModel, prompt_tokens: int, new_tokens: int, bounded: bool) -> dict[str, Contender]:
     """Name -> contender, the reference first; the bounded ones only if ``bounded``."""
     capacity = prompt_tokens + new_tokens
-    out = {
-        REFERENCE: Contender("transformers.DynamicCache", lambda: DynamicCache(config=model.config), ours=False),
-        "concat": Contender("concat", lambda: make_cache(model, "concat")),
-        "growable": Contender("growable", lambda: make_cache(model, "growable")),
-        "static": Contender(f"static:capacity={capacity}", lambda: make_cache(model, "static", capacity=capacity)),
-    }
+    out = {REFERENCE: Contender("transformers.DynamicCache", lambda: make_contender("dynamic", model), ours=False)}
+    for name in ("concat", "growable", "static"):
+        spec = spec_for(name, capacity=capacity)
+        out[name] = Contender(spec, lambda spec=spec: make_cache(model, spec))
     if bounded:
-        for name, template in BOUNDED.items():
-            spec = template.format(window=max(1, prompt_tokens // 4))
+        for name, (kind, share) in BOUNDED.items():
+            spec = spec_for(kind, slots=max(1, int(prompt_tokens * share)) if kind == "window" else share)
             out[name] = Contender(spec, lambda spec=spec: make_cache(model, spec), bounded=True)
     return out
 
@@ -211,13 +212,12 @@ def _generate(model: PreTrainedModel, prompt: torch.Tensor, cache: Any, new_toke
     probe = _StepProbe(cache, watch=not bounded)
     with torch.inference_mode():
         started = time.perf_counter()
-        out = model.generate(
-            input_ids=prompt,
+        out = greedy_generate(
+            model,
+            prompt,
+            cache,
+            new_tokens,
             attention_mask=torch.ones_like(prompt),
-            past_key_values=cache,
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            do_sample=False,
             logits_processor=LogitsProcessorList([probe]),
             pad_token_id=model.config.pad_token_id,
         )
@@ -308,8 +308,7 @@ def _run(
     progress: bool,
 ) -> tuple[dict[str, list[dict[str, Any]]], dict[str, Any]]:
     names = list(entries)
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
-    caches: dict[str, Any] = {}
+    caches: dict[str, Any] = {}  # each contender's cache of its latest run
 
     def generate(name: str, tokens: int) -> tuple[dict[str, Any], Any]:
         # kvcache contenders run as the README recommends; the reference on the model's own attention.
@@ -325,13 +324,12 @@ def _run(
             bar.set_postfix_str(f"warm-up {name}")
             generate(name, min(new_tokens, 4))
             bar.update()
-        for r in range(repeats):
-            order = names[r % len(names) :] + names[: r % len(names)]
-            for name in order:
-                bar.set_postfix_str(f"repeat {r + 1}/{repeats} {name}")
-                result, caches[name] = generate(name, new_tokens)
-                runs[name].append(result)
-                bar.update()
+
+        def measure(name: str) -> dict[str, Any]:
+            result, caches[name] = generate(name, new_tokens)
+            return result
+
+        runs = alternate(names, repeats, measure, bar)
     finally:
         bar.close()
     return runs, caches

@@ -34,6 +34,8 @@ import torch
 
 from . import tasks
 from .bench.common import can_plot
+from .bench.harness import greedy_generate
+from .contenders import SINKS, spec_for
 from ..cache import make_cache
 from ..hf import use_kvcache_attention
 from .trained import MODEL_DIR, load_trained
@@ -46,7 +48,6 @@ DEFAULT_BUDGETS = (0.5, 0.25, 0.2, 0.125, 0.1)
 QUICK_BUDGETS = (0.5, 0.125)
 TASKS = ("passkey", "assoc", "vartrack")
 DEPTHS = {"early": 0.1, "late": 1.0}
-SINKS = 4
 
 
 @dataclass(frozen=True)
@@ -68,24 +69,18 @@ def setting(quick: bool = False, tiny: bool = False) -> Setting:
 
 def specs_for(kinds: tuple[str, ...], budgets: tuple[float, ...], context: int) -> list[tuple[str, str, str]]:
     """``(kind, budget label, cache spec)`` for every run, the full reference first."""
-    out = [("full", "100%", "growable")]
+    out = [("full", "100%", spec_for("growable"))]
     for kind in kinds:
         if kind == "full":
             continue
         if kind == "quantized":
-            out += [("quantized", f"int{bits}", f"quantized:bits={bits}") for bits in (8, 4, 2)]
+            out += [("quantized", f"int{bits}", spec_for(f"quantized-int{bits}")) for bits in (8, 4, 2)]
             continue
+        if kind not in ("window", "lastrec", "h2o", "tova", "h2o-int8"):
+            raise ValueError(f"unknown cache kind {kind!r} for eval; valid: {', '.join(KINDS)}")
         for b in budgets:
             slots = max(SINKS + 1, round(b * context))
-            label = f"{b:.0%}"
-            if kind == "window":
-                out.append((kind, label, f"window:window={slots - SINKS},sinks={SINKS}"))
-            elif kind == "h2o-int8":
-                out.append((kind, label, f"h2o:budget={slots},storage=int8"))
-            elif kind in ("lastrec", "h2o", "tova"):
-                out.append((kind, label, f"{kind}:budget={slots}"))
-            else:
-                raise ValueError(f"unknown cache kind {kind!r} for eval; valid: {', '.join(KINDS)}")
+            out.append((kind, f"{b:.0%}", spec_for(kind, slots=slots - SINKS if kind == "window" else slots)))
     return out
 
 
@@ -99,15 +94,7 @@ def task_accuracy(model, tokenizer, spec: str, task: str, depth: float, s: Setti
     cache = make_cache(model, spec)
     new = max(len(inst.answer) for inst in insts) + 2
     with torch.inference_mode(), use_kvcache_attention(model):
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            past_key_values=cache,
-            max_new_tokens=new,
-            min_new_tokens=new,
-            do_sample=False,
-            pad_token_id=tokenizer.pad_token_id,
-        )
+        out = greedy_generate(model, ids, cache, new, attention_mask=torch.ones_like(ids), pad_token_id=tokenizer.pad_token_id)
     texts = [tokenizer.decode(row[ids.shape[1] :], skip_special_tokens=True) for row in out]
     right = sum(tasks.score(inst.answer, text) for inst, text in zip(insts, texts))
     return right / len(insts), cache.nbytes / (cache.seen * ids.shape[0])

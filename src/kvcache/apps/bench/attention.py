@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from ...attention import attend
-from .common import clock, figure, finish_axes, machine_info, markdown_table, median, read_bandwidth, write_outputs
+from .common import clock, figure, finish_axes, markdown_table, median, read_bandwidth
+from .harness import alternate, report
 
 CONTENDERS = ("sdpa", "attend")
 VARIANTS = {"mha": 8, "gqa": 32}
@@ -68,10 +69,7 @@ def run(
                 fns = {name: contender(name) for name in CONTENDERS}
                 outputs = {name: fn(query, key, value) for name, fn in fns.items()}  # warm-up + check
                 diff = (outputs["attend"].float() - outputs["sdpa"].float()).abs().max().item()
-                times: dict[str, list[float]] = {name: [] for name in CONTENDERS}
-                for r in range(repeats):
-                    for name in CONTENDERS[r % 2 :] + CONTENDERS[: r % 2]:
-                        times[name].append(clock(lambda: fns[name](query, key, value), device))
+                times = alternate(CONTENDERS, repeats, lambda name: clock(lambda: fns[name](query, key, value), device))
                 nbytes = key.nbytes + value.nbytes
                 for name in CONTENDERS:
                     seconds = median(times[name])
@@ -92,26 +90,18 @@ def run(
                 del kbuf, vbuf, key, value
                 bar.update()
     bar.close()
-    result = {
-        "suite": "attention",
-        "machine": machine_info(device),
-        "read_bandwidth_bytes_per_s": bandwidth,
-        "config": {
-            "batch": 1,
-            "kv_heads": KV_HEADS,
-            "head_dim": HEAD_DIM,
-            "variants": VARIANTS,
-            "dtypes": [str(d).removeprefix("torch.") for d in dtypes],
-            "lengths": lengths,
-            "repeats": repeats,
-            "quick": quick,
-            "tiny": tiny,
-        },
-        "rows": rows,
+    config = {
+        "batch": 1,
+        "kv_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "variants": VARIANTS,
+        "dtypes": [str(d).removeprefix("torch.") for d in dtypes],
+        "lengths": lengths,
+        "repeats": repeats,
+        "quick": quick,
+        "tiny": tiny,
     }
-    if out is not None:
-        write_outputs(result, Path(out), table, plot)
-    return result
+    return report("attention", device, config, rows, out, table, plot, read_bandwidth_bytes_per_s=bandwidth)
 
 
 def table(result: dict[str, Any]) -> str:

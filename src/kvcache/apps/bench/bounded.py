@@ -47,19 +47,11 @@ from ...attention import attend
 from ...cache import make_cache
 from ...hf import register_attention
 from ...layers import GrowableLayer, QuantizedLayer
-from .common import (
-    cache_config,
-    clock,
-    figure,
-    finish_axes,
-    human_bytes,
-    machine_info,
-    markdown_table,
-    median,
-    read_bandwidth,
-    write_outputs,
-)
-from .decode import build_model, prefill, timed_generate
+from .. import contenders
+from ..contenders import SINKS
+from .common import cache_config, clock, figure, finish_axes, human_bytes, markdown_table, median, read_bandwidth
+from .decode import compare_decode, decode_table, prefilled
+from .harness import alternate, report, timed_generate
 
 #: Part 1's contenders, the baseline first.
 DECODE_CONTENDERS = (
@@ -84,27 +76,16 @@ CONTENDERS = (*BYTES_CONTENDERS, KEEP_ALL)
 PARTS = ("decode", "bytes", "bandwidth")
 VARIANTS = {"gqa": 32, "mha": 8}  # query heads over 8 KV heads
 LAYERS, KV_HEADS, HEAD_DIM = 4, 8, 128
-SINKS = 4
 
 
 def spec_for(name: str, budget: int, tokens: int = 0) -> str:
     """The cache spec of contender ``name`` with ``budget`` slots (``tokens``: the sequence length,
     for ``static``'s capacity and the keep-all budget)."""
-    specs = {
-        "growable": "growable",
-        "window": f"window:window={budget},sinks={SINKS}",
-        "lastrec": f"lastrec:budget={budget}",
-        "h2o": f"h2o:budget={budget}",
-        "tova": f"tova:budget={budget}",
-        "h2o-int8": f"h2o:budget={budget},storage=int8",
-        "quantized-int8": "quantized:bits=8",
-        "quantized-int4": "quantized:bits=4",
-        "static": f"static:capacity={max(tokens, 1)}",
-        KEEP_ALL: f"h2o:budget={max(tokens, 1)}",
-    }
-    if name not in specs:
+    if name not in CONTENDERS:
         raise ValueError(f"unknown contender {name!r}; valid: {', '.join(CONTENDERS)}")
-    return specs[name]
+    if name == KEEP_ALL:
+        return contenders.spec_for("h2o", slots=max(tokens, 1))
+    return contenders.spec_for(name, slots=budget, capacity=max(tokens, 1))
 
 
 # ---- part 1: decode ------------------------------------------------------------------------
@@ -124,43 +105,15 @@ def decode_once(model, spec: str, past, ids: torch.Tensor, new_tokens: int) -> t
 
 def run_decode(contexts, budget, new_tokens, repeats, layers, device, tiny, bar) -> list[dict[str, Any]]:
     rows = []
-    for variant, heads in VARIANTS.items():
-        model = build_model(heads, layers, device)
-        gen = torch.Generator().manual_seed(0)
-        for ctx in contexts:
-            prompt = torch.randint(3, model.config.vocab_size, (1, ctx), generator=gen).to(device)
-            past, ids = prefill(model, prompt)
-            names = DECODE_CONTENDERS + ((KEEP_ALL,) if tiny else ())
-            specs = {name: spec_for(name, budget, ids.shape[1] + new_tokens) for name in names}
-            decode_once(model, "growable", past, ids, 1)  # warm-up, untimed
-            seconds: dict[str, list[float]] = {n: [] for n in names}
-            outs, nbytes = {}, {}
-            for r in range(repeats):
-                order = names[r % len(names) :] + names[: r % len(names)]
-                for name in order:
-                    s, tokens, nb = decode_once(model, specs[name], past, ids, new_tokens)
-                    seconds[name].append(s)
-                    outs[name], nbytes[name] = tokens, nb
-                    bar.update()
-            base = new_tokens / median(seconds["growable"])
-            for name in names:
-                tps = new_tokens / median(seconds[name])
-                rows.append(
-                    {
-                        "part": "decode",
-                        "variant": variant,
-                        "query_heads": heads,
-                        "context": ctx,
-                        "contender": name,
-                        "spec": specs[name],
-                        "tokens_per_s": tps,
-                        "speedup_vs_growable": tps / base,
-                        "identical_to_growable": bool(torch.equal(outs[name], outs["growable"])),
-                        "cache_bytes": nbytes[name],
-                        "samples_s": seconds[name],
-                    }
-                )
-            del past
+    names = DECODE_CONTENDERS + ((KEEP_ALL,) if tiny else ())
+    for variant, heads, ctx, model, past, ids in prefilled(VARIANTS, contexts, layers, device):
+        specs = {name: spec_for(name, budget, ids.shape[1] + new_tokens) for name in names}
+        decode_once(model, "growable", past, ids, 1)  # warm-up, untimed
+        decode = lambda name: decode_once(model, specs[name], past, ids, new_tokens)  # noqa: E731
+        fields = compare_decode(names, repeats, decode, new_tokens, "growable", bar)
+        for name in names:
+            row = {"part": "decode", "variant": variant, "query_heads": heads, "context": ctx, "contender": name}
+            rows.append({**row, "spec": specs[name], **fields[name]})
     return rows
 
 
@@ -252,13 +205,14 @@ def run_bandwidth(lengths, repeats, bandwidth, device, bar) -> list[dict[str, An
                 outputs[name] = decode_step(layer, query, key, value)
                 nbytes[name] = bytes_read(layer)
                 layer.trim(1)
-            times: dict[str, list[float]] = {name: [] for name in layers}
-            n = len(BANDWIDTH_CONTENDERS)
-            for r in range(repeats):
-                for name in BANDWIDTH_CONTENDERS[r % n :] + BANDWIDTH_CONTENDERS[: r % n]:
-                    layer = layers[name]
-                    times[name].append(clock(lambda: decode_step(layer, query, key, value), device))
-                    layer.trim(1)
+
+            def timed_step(name: str) -> float:
+                layer = layers[name]
+                seconds = clock(lambda: decode_step(layer, query, key, value), device)
+                layer.trim(1)
+                return seconds
+
+            times = alternate(BANDWIDTH_CONTENDERS, repeats, timed_step)
             for name in BANDWIDTH_CONTENDERS:
                 seconds = median(times[name])
                 rate = nbytes[name] / seconds
@@ -337,52 +291,48 @@ def run(
         with tqdm(total=len(VARIANTS) * len(bw_lengths), desc="bounded bandwidth", disable=not progress) as bar:
             rows += run_bandwidth(bw_lengths, bw_repeats, bandwidth, device, bar)
 
-    result = {
-        "suite": "bounded",
-        "machine": machine_info(device),
-        "read_bandwidth_bytes_per_s": bandwidth,
-        "config": {
-            "parts": parts,
-            "decode": {
-                "model": "llama-shaped, hidden 256, 8 KV heads x 128, fp32, random weights",
-                "layers": layers,
-                "contexts": contexts,
-                "budget": budget,
-                "sinks": SINKS,
-                "new_tokens": new_tokens,
-                "repeats": repeats,
-                "variants": VARIANTS,
-                "prefill": "once per context with the model; caches filled by extend (no attention scores)",
-            },
-            "bytes": {
-                "layers": LAYERS,
-                "kv_heads": KV_HEADS,
-                "head_dim": HEAD_DIM,
-                "dtype": "float16",
-                "lengths": bytes_lengths,
-                "budget": budget,
-            },
-            "bandwidth": {
-                "batch": 1,
-                "kv_heads": KV_HEADS,
-                "head_dim": HEAD_DIM,
-                "dtype": "float32",
-                "lengths": bw_lengths,
-                "repeats": bw_repeats,
-                "variants": VARIANTS,
-            },
-            "quick": quick,
-            "tiny": tiny,
+    config = {
+        "parts": parts,
+        "decode": {
+            "model": "llama-shaped, hidden 256, 8 KV heads x 128, fp32, random weights",
+            "layers": layers,
+            "contexts": contexts,
+            "budget": budget,
+            "sinks": SINKS,
+            "new_tokens": new_tokens,
+            "repeats": repeats,
+            "variants": VARIANTS,
+            "prefill": "once per context with the model; caches filled by extend (no attention scores)",
         },
-        "rows": rows,
+        "bytes": {
+            "layers": LAYERS,
+            "kv_heads": KV_HEADS,
+            "head_dim": HEAD_DIM,
+            "dtype": "float16",
+            "lengths": bytes_lengths,
+            "budget": budget,
+        },
+        "bandwidth": {
+            "batch": 1,
+            "kv_heads": KV_HEADS,
+            "head_dim": HEAD_DIM,
+            "dtype": "float32",
+            "lengths": bw_lengths,
+            "repeats": bw_repeats,
+            "variants": VARIANTS,
+        },
+        "quick": quick,
+        "tiny": tiny,
     }
-    if out is not None:
-        write_outputs(result, Path(out), table, plot)
-    return result
+    return report("bounded", device, config, rows, out, table, plot, read_bandwidth_bytes_per_s=bandwidth)
 
 
 def _part(result: dict[str, Any], part: str) -> list[dict[str, Any]]:
     return [r for r in result["rows"] if r["part"] == part]
+
+
+def _variant(row: dict[str, Any]) -> str:
+    return f"{row['variant']} ({row['query_heads']}q/8kv)"
 
 
 def table(result: dict[str, Any]) -> str:
@@ -390,23 +340,10 @@ def table(result: dict[str, Any]) -> str:
     rows = _part(result, "decode")
     if rows:
         c = result["config"]["decode"]
-        header = ["variant", "context", "contender", "tokens/s", "x growable", "identical", "cache bytes"]
-        body = [
-            [
-                f"{r['variant']} ({r['query_heads']}q/8kv)",
-                r["context"],
-                r["contender"],
-                r["tokens_per_s"],
-                r["speedup_vs_growable"],
-                "yes" if r["identical_to_growable"] else "no",
-                human_bytes(r["cache_bytes"]),
-            ]
-            for r in rows
-        ]
         sections.append(
             f"Decode, {c['new_tokens']} tokens after a prefill (budget {c['budget']}, "
             f"{c['layers']} layers; bounded caches filled without attention scores, so 'identical' "
-            f"says nothing about their quality)\n\n" + markdown_table(header, body)
+            f"says nothing about their quality)\n\n" + decode_table(rows, "growable", "growable", _variant, differs="no")
         )
     rows = _part(result, "bytes")
     if rows:
@@ -429,7 +366,7 @@ def table(result: dict[str, Any]) -> str:
         header.append("max |diff| vs fp32")
         body = [
             [
-                f"{r['variant']} ({r['query_heads']}q/8kv)",
+                _variant(r),
                 r["tokens"],
                 r["contender"],
                 r["ms"],

@@ -16,17 +16,17 @@ to ``DynamicCache``, and whether every contender's tokens equal ``DynamicCache``
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import DynamicCache, StaticCache
+from transformers import DynamicCache
 
-from ...cache import make_cache
-from ...hf import ATTENTION_NAME, register_attention, use_kvcache_attention
+from ...hf import register_attention
+from ..contenders import make_contender as make_named
 from ..tiny import tiny_model
-from .common import clock, figure, finish_axes, human_bytes, machine_info, markdown_table, median, write_outputs
+from .common import figure, finish_axes, human_bytes, markdown_table, median
+from .harness import alternate, report, timed_generate
 
 CONTENDERS = ("dynamic", "hf_static", "growable", "static", "growable+attend")
 VARIANTS = {"mha": 8, "gqa": 32}  # query heads over 8 KV heads
@@ -47,15 +47,9 @@ def build_model(query_heads: int, layers: int = 4, device: str = "cpu"):
 
 
 def make_contender(name: str, model, capacity: int):
-    if name == "dynamic":
-        return DynamicCache(config=model.config)
-    if name == "hf_static":
-        return StaticCache(config=model.config, max_cache_len=capacity)
-    if name in ("growable", "growable+attend"):
-        return make_cache(model)
-    if name == "static":
-        return make_cache(model, "static", capacity=capacity)
-    raise ValueError(f"unknown contender {name!r}; valid: {', '.join(CONTENDERS)}")
+    if name not in CONTENDERS:
+        raise ValueError(f"unknown contender {name!r}; valid: {', '.join(CONTENDERS)}")
+    return make_named(name.removesuffix("+attend"), model, capacity=capacity)
 
 
 def cache_bytes(cache) -> int:
@@ -90,33 +84,38 @@ def decode_once(model, name: str, past, ids: torch.Tensor, new_tokens: int) -> t
     return seconds, out, cache_bytes(cache)
 
 
-def timed_generate(model, cache, ids: torch.Tensor, new_tokens: int, attention: str) -> tuple[float, torch.Tensor]:
-    """(seconds, all tokens) of ``new_tokens`` greedy steps continuing ``ids`` with ``cache``.
-
-    ``attention="kvcache"`` runs inside ``use_kvcache_attention(model)``, the call the README
-    recommends; any other name runs the model on that implementation. The model is back on sdpa after.
-    """
-    model.set_attn_implementation("sdpa")
-    context = use_kvcache_attention(model) if attention == ATTENTION_NAME else _attention(model, attention)
-    result = {}
-
-    def decode() -> None:
-        result["out"] = model.generate(
-            ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, past_key_values=cache
-        )
-
-    with context:
-        seconds = clock(decode, ids.device)
-    return seconds, result["out"]
+def prefilled(variants: dict[str, int], contexts: list[int], layers: int, device: str):
+    """``(variant, query heads, context, model, past, ids)`` for every variant and context: one
+    model per variant, one shared prefill (``prefill``) of a seeded random prompt per context."""
+    for variant, heads in variants.items():
+        model = build_model(heads, layers, device)
+        gen = torch.Generator().manual_seed(0)
+        for ctx in contexts:
+            prompt = torch.randint(3, model.config.vocab_size, (1, ctx), generator=gen).to(device)
+            past, ids = prefill(model, prompt)
+            yield variant, heads, ctx, model, past, ids
+            del past, ids  # before the next prefill: at long contexts one is hundreds of MiB
 
 
-@contextlib.contextmanager
-def _attention(model, name: str):
-    model.set_attn_implementation(name)
-    try:
-        yield model
-    finally:
-        model.set_attn_implementation("sdpa")
+def compare_decode(names, repeats: int, decode, new_tokens: int, reference: str, bar=None) -> dict[str, dict[str, Any]]:
+    """Alternate ``decode(name) -> (seconds, tokens, cache bytes)`` over the contenders; per name
+    the row fields: median tokens/s, its ratio to ``reference``'s, whether the last round's tokens
+    equal the reference's, the cache bytes after it, and the seconds of every round."""
+    runs = alternate(names, repeats, decode, bar)
+    seconds = {name: [s for s, _, _ in samples] for name, samples in runs.items()}
+    rate = {name: new_tokens / median(samples) for name, samples in seconds.items()}
+    _, reference_tokens, _ = runs[reference][-1]
+    fields = {}
+    for name, samples in runs.items():
+        _, tokens, nbytes = samples[-1]
+        fields[name] = {
+            "tokens_per_s": rate[name],
+            f"speedup_vs_{reference}": rate[name] / rate[reference],
+            f"identical_to_{reference}": bool(torch.equal(tokens, reference_tokens)),
+            "cache_bytes": nbytes,
+            "samples_s": seconds[name],
+        }
+    return fields
 
 
 def run(
@@ -142,70 +141,43 @@ def run(
     variants = variants or list(VARIANTS)
     bar = tqdm(total=len(variants) * len(contexts) * repeats * len(CONTENDERS), desc="decode", disable=not progress)
     rows = []
-    for variant in variants:
-        model = build_model(VARIANTS[variant], layers, device)
-        gen = torch.Generator().manual_seed(0)
-        for ctx in contexts:
-            prompt = torch.randint(3, model.config.vocab_size, (1, ctx), generator=gen).to(device)
-            past, ids = prefill(model, prompt)
-            seconds: dict[str, list[float]] = {n: [] for n in CONTENDERS}
-            outs, nbytes = {}, {}
-            for r in range(repeats):
-                order = CONTENDERS[r % len(CONTENDERS) :] + CONTENDERS[: r % len(CONTENDERS)]
-                for name in order:
-                    s, tokens, nb = decode_once(model, name, past, ids, new_tokens)
-                    seconds[name].append(s)
-                    outs[name], nbytes[name] = tokens, nb
-                    bar.update()
-            base = new_tokens / median(seconds["dynamic"])
-            for name in CONTENDERS:
-                tps = new_tokens / median(seconds[name])
-                rows.append(
-                    {
-                        "variant": variant,
-                        "query_heads": VARIANTS[variant],
-                        "context": ctx,
-                        "contender": name,
-                        "tokens_per_s": tps,
-                        "speedup_vs_dynamic": tps / base,
-                        "identical_to_dynamic": bool(torch.equal(outs[name], outs["dynamic"])),
-                        "cache_bytes": nbytes[name],
-                        "samples_s": seconds[name],
-                    }
-                )
+    chosen = {v: VARIANTS[v] for v in variants}
+    for variant, heads, ctx, model, past, ids in prefilled(chosen, contexts, layers, device):
+        decode = lambda name: decode_once(model, name, past, ids, new_tokens)  # noqa: E731
+        fields = compare_decode(CONTENDERS, repeats, decode, new_tokens, "dynamic", bar)
+        for name in CONTENDERS:
+            rows.append({"variant": variant, "query_heads": heads, "context": ctx, "contender": name, **fields[name]})
     bar.close()
-    result = {
-        "suite": "decode",
-        "machine": machine_info(device),
-        "config": {
-            "model": "llama-shaped, hidden 256, 8 KV heads x 128, fp32, random weights",
-            "layers": layers,
-            "contexts": contexts,
-            "new_tokens": new_tokens,
-            "repeats": repeats,
-            "variants": {v: VARIANTS[v] for v in variants},
-            "quick": quick,
-        },
-        "rows": rows,
+    config = {
+        "model": "llama-shaped, hidden 256, 8 KV heads x 128, fp32, random weights",
+        "layers": layers,
+        "contexts": contexts,
+        "new_tokens": new_tokens,
+        "repeats": repeats,
+        "variants": {v: VARIANTS[v] for v in variants},
+        "quick": quick,
     }
-    if out is not None:
-        write_outputs(result, Path(out), table, plot)
-    return result
+    return report("decode", device, config, rows, out, table, plot)
 
 
 def table(result: dict[str, Any]) -> str:
-    header = ["variant", "context", "contender", "tokens/s", "x DynamicCache", "identical", "cache bytes"]
+    return decode_table(result["rows"], "dynamic", "DynamicCache", lambda r: r["variant"], differs="NO")
+
+
+def decode_table(rows, reference: str, reference_label: str, variant_cell, differs: str) -> str:
+    """The markdown table of ``compare_decode`` rows; ``differs`` is the word for tokens unlike the reference's."""
+    header = ["variant", "context", "contender", "tokens/s", f"x {reference_label}", "identical", "cache bytes"]
     body = [
         [
-            r["variant"],
+            variant_cell(r),
             r["context"],
             r["contender"],
             r["tokens_per_s"],
-            r["speedup_vs_dynamic"],
-            "yes" if r["identical_to_dynamic"] else "NO",
+            r[f"speedup_vs_{reference}"],
+            "yes" if r[f"identical_to_{reference}"] else differs,
             human_bytes(r["cache_bytes"]),
         ]
-        for r in result["rows"]
+        for r in rows
     ]
     return markdown_table(header, body)
 

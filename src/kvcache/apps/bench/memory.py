@@ -60,7 +60,9 @@ from typing import Any
 
 import torch
 
-from .common import cache_config, figure, human_bytes, machine_info, markdown_table, write_outputs
+from ..contenders import make_contender as make_named
+from .common import cache_config, figure, human_bytes, markdown_table
+from .harness import report, storage_of
 from .update import Step256
 
 CONTENDERS = ("concat", "step256", "growable", "static")
@@ -108,30 +110,15 @@ class Step256Cache:
 def make_contender(name: str, setup: Setup):
     """A fresh cache and a function giving layer i's storage tensors ``(keys, values)`` (or Nones)."""
     config = cache_config(setup.layers, setup.kv_heads, setup.head_dim, setup.tokens)
-    if name == "concat":
-        from transformers import DynamicCache
-
-        cache = DynamicCache(config=config)
-        return cache, lambda i: (getattr(cache.layers[i], "keys", None), getattr(cache.layers[i], "values", None))
     if name == "step256":
         cache = Step256Cache(setup.layers)
         return cache, lambda i: (cache.layers[i].keys, cache.layers[i].values)
-    if name in ("growable", "static"):
-        from ...cache import make_cache
-
-        cache = make_cache(config) if name == "growable" else make_cache(config, "static", capacity=setup.tokens)
-        return cache, lambda i: (cache.stores[i]._kbuf, cache.stores[i]._vbuf)
-    raise ValueError(f"unknown contender {name!r}; valid: {', '.join(CONTENDERS)}")
-
-
-def storage_of(tensors) -> dict[int, int]:
-    """{storage pointer: bytes} of the distinct storages behind a layer's tensors."""
-    out: dict[int, int] = {}
-    for t in tensors:
-        if t is not None and t.numel():
-            s = t.untyped_storage()
-            out[s.data_ptr()] = s.nbytes()
-    return out
+    if name not in CONTENDERS:
+        raise ValueError(f"unknown contender {name!r}; valid: {', '.join(CONTENDERS)}")
+    cache = make_named("dynamic" if name == "concat" else name, config, capacity=setup.tokens)
+    if name == "concat":  # Hugging Face's DynamicCache: torch.cat on every append
+        return cache, lambda i: (getattr(cache.layers[i], "keys", None), getattr(cache.layers[i], "values", None))
+    return cache, lambda i: cache.stores[i].view()  # views of the buffers: their storage is the whole buffer
 
 
 # ---- process memory -----------------------------------------------------------------------
@@ -412,25 +399,18 @@ def run(
     needed = setup.token_bytes * setup.layers * setup.tokens
     for r in rows:
         r["peak_rss_over_needed"] = r["peak_rss_bytes"] / needed
-    result = {
-        "suite": "memory",
-        "machine": machine_info(device),
-        "config": {
-            **asdict(setup),
-            "sample_every": setup.sample_every,
-            "token_bytes_per_layer": setup.token_bytes,
-            "needed_bytes": needed,
-            "isolated_processes": isolate,
-            "rss_method": rows[0]["rss_method"] if rows else None,
-            "quick": quick,
-            "tiny": tiny,
-            "model": f"llama-shaped: {setup.layers} layers x {setup.kv_heads} KV heads x {setup.head_dim}, {setup.dtype}, batch 1",
-        },
-        "rows": rows,
+    config = {
+        **asdict(setup),
+        "sample_every": setup.sample_every,
+        "token_bytes_per_layer": setup.token_bytes,
+        "needed_bytes": needed,
+        "isolated_processes": isolate,
+        "rss_method": rows[0]["rss_method"] if rows else None,
+        "quick": quick,
+        "tiny": tiny,
+        "model": f"llama-shaped: {setup.layers} layers x {setup.kv_heads} KV heads x {setup.head_dim}, {setup.dtype}, batch 1",
     }
-    if out is not None:
-        write_outputs(result, Path(out), table, plot)
-    return result
+    return report("memory", device, config, rows, out, table, plot)
 
 
 def mib(n: float) -> str:

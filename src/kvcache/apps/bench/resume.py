@@ -38,7 +38,8 @@ from safetensors.torch import load_file, save_file
 
 from ...cache import make_cache
 from ...persist import checksum, load_cache
-from .common import cache_config, clock, figure, finish_axes, human_bytes, machine_info, markdown_table, median, write_outputs
+from .common import cache_config, clock, figure, finish_axes, human_bytes, markdown_table, median
+from .harness import alternate, report
 
 CONTENDERS = ("kvcache", "safetensors", "safetensors+fsync")
 FLOOR = "safetensors"
@@ -138,19 +139,19 @@ def run(
             original = {k: t.clone() for k, t in cache_tensors(cache).items()}
             paths = {name: Path(tmp) / f"{name.replace('+', '_')}-{tokens}.safetensors" for name in CONTENDERS}
             sink: dict[str, dict[str, torch.Tensor]] = {}
-            saves: dict[str, list[float]] = {n: [] for n in CONTENDERS}
-            loads: dict[str, list[float]] = {n: [] for n in CONTENDERS}
-            same: dict[str, bool] = {n: True for n in CONTENDERS}
             for name in CONTENDERS:  # warm-up: first-call costs (imports, allocator) are not timed
                 save_fn(name, cache, paths[name])()
                 load_fn(name, config, paths[name], device, sink)()
-            for r in range(repeats):
-                order = CONTENDERS[r % len(CONTENDERS) :] + CONTENDERS[: r % len(CONTENDERS)]
-                for name in order:
-                    saves[name].append(clock(save_fn(name, cache, paths[name]), device))
-                    loads[name].append(clock(load_fn(name, config, paths[name], device, sink), device))
-                    same[name] = same[name] and identical(sink.pop(name), original)
-                    bar.update()
+
+            def save_and_load(name: str) -> tuple[float, float, bool]:
+                save_s = clock(save_fn(name, cache, paths[name]), device)
+                load_s = clock(load_fn(name, config, paths[name], device, sink), device)
+                return save_s, load_s, identical(sink.pop(name), original)
+
+            runs = alternate(CONTENDERS, repeats, save_and_load, bar)
+            saves = {name: [s for s, _, _ in samples] for name, samples in runs.items()}
+            loads = {name: [s for _, s, _ in samples] for name, samples in runs.items()}
+            same = {name: all(ok for _, _, ok in samples) for name, samples in runs.items()}
             checksum_s = median([clock(lambda: [checksum(t.cpu()) for t in original.values()]) for _ in range(3)])
             floor_save, floor_load = median(saves[FLOOR]), median(loads[FLOOR])
             for name in CONTENDERS:
@@ -176,27 +177,20 @@ def run(
                 )
             del cache, original, sink
     bar.close()
-    result = {
-        "suite": "resume",
-        "machine": machine_info(device),
-        "config": {
-            "model": f"llama-shaped: {layers} layer(s) x {kv_heads} KV heads x {head_dim}, {str(dtype).removeprefix('torch.')}, batch 1",
-            "layers": layers,
-            "kv_heads": kv_heads,
-            "head_dim": head_dim,
-            "dtype": str(dtype),
-            "cache": "growable (make_cache default)",
-            "lengths": lengths,
-            "repeats": repeats,
-            "workdir": str(workdir or tempfile.gettempdir()),
-            "quick": quick,
-            "tiny": tiny,
-        },
-        "rows": rows,
+    config = {
+        "model": f"llama-shaped: {layers} layer(s) x {kv_heads} KV heads x {head_dim}, {str(dtype).removeprefix('torch.')}, batch 1",
+        "layers": layers,
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "dtype": str(dtype),
+        "cache": "growable (make_cache default)",
+        "lengths": lengths,
+        "repeats": repeats,
+        "workdir": str(workdir or tempfile.gettempdir()),
+        "quick": quick,
+        "tiny": tiny,
     }
-    if out is not None:
-        write_outputs(result, Path(out), table, plot)
-    return result
+    return report("resume", device, config, rows, out, table, plot)
 
 
 def table(result: dict[str, Any]) -> str:

@@ -29,7 +29,8 @@ from transformers.cache_utils import DynamicLayer
 from transformers.cache_utils import StaticLayer as HFStaticLayer
 
 from ...layers import GrowableLayer, StaticLayer
-from .common import clock, figure, finish_axes, human_bytes, machine_info, markdown_table, median, write_outputs
+from .common import clock, figure, finish_axes, human_bytes, markdown_table, median
+from .harness import alternate, report, storage_of
 
 CONTENDERS = ("concat", "step256", "hf_static", "growable", "static")
 CONCAT_WINDOW = 32
@@ -87,20 +88,18 @@ def make_contender(name: str, max_tokens: int):
     if name == "hf_static":
         layer = HFStaticLayer(max_cache_len=max_tokens)
         return layer, lambda: (layer.keys, layer.values)
-    if name == "growable":
-        layer = GrowableLayer()
-        return layer, lambda: (layer._kbuf, layer._vbuf)
-    if name == "static":
-        layer = StaticLayer(max_tokens)
-        return layer, lambda: (layer._kbuf, layer._vbuf)
+    if name in ("growable", "static"):
+        layer = GrowableLayer() if name == "growable" else StaticLayer(max_tokens)
+        return layer, layer.view  # views of the buffers: their storage is the whole buffer
     raise ValueError(f"unknown contender {name!r}; valid: {', '.join(CONTENDERS)}")
 
 
 def _held(tensors) -> tuple[int, int]:
+    """(bytes of the storages behind ``(keys, values)``, the keys' storage address; 0 if none)."""
     keys, values = tensors
     if keys is None:
         return 0, 0
-    return keys.nbytes + values.nbytes, keys.untyped_storage().data_ptr()
+    return sum(storage_of((keys, values)).values()), keys.untyped_storage().data_ptr()
 
 
 def time_per_token(name: str, total: int, shape: Shape, max_tokens: int) -> float:
@@ -171,11 +170,8 @@ def run(
     times: dict[tuple[str, int], list[float]] = {}
     bar = tqdm(total=len(lengths) * repeats * len(CONTENDERS), desc="update", disable=not progress)
     for total in lengths:
-        for r in range(repeats):
-            order = CONTENDERS[r % len(CONTENDERS) :] + CONTENDERS[: r % len(CONTENDERS)]
-            for name in order:
-                times.setdefault((name, total), []).append(time_per_token(name, total, shape, max_tokens))
-                bar.update()
+        samples = alternate(CONTENDERS, repeats, lambda name: time_per_token(name, total, shape, max_tokens), bar)
+        times.update({(name, total): seconds for name, seconds in samples.items()})
     bar.close()
 
     rows = []
@@ -197,24 +193,16 @@ def run(
     for name in CONTENDERS:
         per = [r["us_per_token"] for r in rows if r["contender"] == name]
         flat[name] = max(per) / min(per)
-    result = {
-        "suite": "update",
-        "machine": machine_info(device),
-        "config": {
-            "batch": shape.batch,
-            "kv_heads": shape.kv_heads,
-            "head_dim": shape.head_dim,
-            "dtype": str(shape.dtype),
-            "repeats": repeats,
-            "lengths": lengths,
-            "quick": quick,
-        },
-        "rows": rows,
-        "flatness_max_over_min": flat,
+    config = {
+        "batch": shape.batch,
+        "kv_heads": shape.kv_heads,
+        "head_dim": shape.head_dim,
+        "dtype": str(shape.dtype),
+        "repeats": repeats,
+        "lengths": lengths,
+        "quick": quick,
     }
-    if out is not None:
-        write_outputs(result, Path(out), table, plot)
-    return result
+    return report("update", device, config, rows, out, table, plot, flatness_max_over_min=flat)
 
 
 def table(result: dict[str, Any]) -> str:
