@@ -33,8 +33,6 @@ from typing import Any
 import torch
 
 from . import tasks
-from .bench.common import can_plot
-from .bench.harness import greedy_generate
 from .contenders import SINKS, spec_for
 from ..cache import make_cache
 from ..hf import use_kvcache_attention
@@ -89,6 +87,10 @@ def specs_for(kinds: tuple[str, ...], budgets: tuple[float, ...], context: int) 
 
 def task_accuracy(model, tokenizer, spec: str, task: str, depth: float, s: Setting) -> tuple[float, float]:
     """(accuracy, bytes per token) of greedy answers to ``s.instances`` held-out instances, batched."""
+    # Imported here, as the plotting helpers are: ``kvcache eval --help`` reads this module's
+    # constants, and building the parser imports nothing from the benchmark suites.
+    from .bench.harness import greedy_generate
+
     insts = [tasks.make_instance(task, s.seed + i, length=s.context, depth=depth) for i in range(s.instances)]
     ids = torch.stack([_encode(tokenizer, inst.prompt) for inst in insts]).to(model.device)
     cache = make_cache(model, spec)
@@ -238,6 +240,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 
 def write(result: dict[str, Any], out: Path) -> None:
+    from .bench.common import can_plot
+
     out.mkdir(parents=True, exist_ok=True)
     (out / "eval.json").write_text(json.dumps(result, indent=1) + "\n")
     c = result["config"]

@@ -180,6 +180,7 @@ def filler(rng: random.Random, n: int, split: str) -> str:
 
 def _rng(task: str, split: str, seed: int) -> random.Random:
     _check_split(split)
+    # The module's old name stays in the seed: it fixes every instance, the trained model's splits included.
     return random.Random(f"kvcache.tasks:{task}:{split}:{int(seed)}")
 
 
