@@ -7,7 +7,7 @@ import math
 import torch
 
 import kvcache
-from kvcache.tiny import _DEFAULT_ATTN, PAD_TOKEN_ID, tiny_model
+from kvcache.apps.tiny import _DEFAULT_ATTN, PAD_TOKEN_ID, tiny_model
 
 
 @functools.lru_cache(maxsize=None)

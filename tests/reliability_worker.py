@@ -19,7 +19,7 @@ import time
 import torch
 
 import kvcache
-from kvcache.tiny import tiny_config
+from kvcache.apps.tiny import tiny_config
 
 CONFIG = tiny_config("llama")  # 4 full-attention layers, 2 KV heads of dim 16
 

@@ -6,7 +6,7 @@ need state that some other file left behind. Files run two at a time (the machin
 cores), each in random order with its own seed. Prints one line per file, then
 ``isolation: N passed, M failed`` over all tests; exits 1 if any file failed.
 
-    python tools/test_each_file.py [--jobs 2] [tests/test_x.py ...]
+    python tools/test_each_file.py [--jobs 2] [tests/core/test_x.py ...]
 """
 
 from __future__ import annotations
@@ -44,10 +44,10 @@ def run_file(path: Path) -> tuple[Path, int, dict[str, int], str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("files", nargs="*", type=Path, help="test files (default: tests/test_*.py)")
+    parser.add_argument("files", nargs="*", type=Path, help="test files (default: every tests/**/test_*.py)")
     parser.add_argument("--jobs", type=int, default=2, help="files at a time (default: %(default)s)")
     args = parser.parse_args(argv)
-    files = [f.resolve() for f in args.files] or sorted((ROOT / "tests").glob("test_*.py"))
+    files = [f.resolve() for f in args.files] or sorted((ROOT / "tests").rglob("test_*.py"))
     totals = {"passed": 0, "failed": 0, "error": 0, "skipped": 0}
     bad = []
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:

@@ -4,7 +4,7 @@
 The model must retrieve facts from long contexts, so that what a bounded cache (eviction,
 quantization) loses shows up as lost accuracy. Data, all generated here on the fly:
 
-* synthetic retrieval rows from :mod:`kvcache.tasks` (passkey, multi-query associative recall,
+* synthetic retrieval rows from :mod:`kvcache.apps.tasks` (passkey, multi-query associative recall,
   variable tracking; needle depth uniform in [0, 1]; filler from the ``"train"`` split of the
   Python standard library's sources, PSF License);
 * plain rows of that same stdlib text;
@@ -186,7 +186,7 @@ def make_row(rng: random.Random, kind: str, length: int) -> tuple[list[int], lis
     (the pass key's digits in the needle, an asked key's value in the pairs block, the previous
     copy of a repeated chunk); the retrieval head is taught to look there (see ``pointer_loss``).
     """
-    from kvcache import tasks
+    from kvcache.apps import tasks
 
     if kind == "text":
         return encode(tasks.filler(rng, length - 1, "train")), [], []
@@ -375,7 +375,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def heldout_accuracy(model, task: str, length: int, n: int, batch: int = 8) -> float:
     """Share of ``n`` held-out instances (depths evenly spread over [0, 1]) whose answer greedy
     decoding would produce (teacher forcing: argmax equals the answer at every answer token)."""
-    from kvcache import tasks
+    from kvcache.apps import tasks
 
     was_training = model.training
     model.eval()
@@ -421,7 +421,7 @@ def model_card(args: argparse.Namespace, model, step: int, evals: dict | None) -
         "encoding adds `<bos>`.",
         "",
         "Training data: synthetic retrieval instances (passkey, multi-query associative recall, "
-        "variable tracking; `kvcache.tasks`, train split) and plain text, all drawn from the Python "
+        "variable tracking; `kvcache.apps.tasks`, train split) and plain text, all drawn from the Python "
         "standard library's own `*.py` sources (Copyright Python Software Foundation, used under the "
         "PSF License Agreement, https://docs.python.org/3/license.html). Nothing else.",
         "",

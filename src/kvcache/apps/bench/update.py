@@ -1,0 +1,242 @@
+"""Suite ``update``: the cost of appending one token to a cache, no attention.
+
+Contenders (B=1, 8 KV heads x 128, fp32 unless told otherwise):
+
+- ``concat``: Hugging Face ``DynamicLayer`` (``torch.cat`` on every append);
+- ``step256``: a buffer grown by a fixed 256 slots when full, the scheme mlx-lm uses;
+- ``hf_static``: Hugging Face ``StaticLayer`` (``index_copy_`` into a preallocated buffer);
+- ``growable`` and ``static``: ours.
+
+How the cost per token at T is measured: the cache is brought to T/2 tokens through its own
+growth path (single-token appends, untimed), then the T/2 appends from T/2 to T are timed, one
+token at a time, so every reallocation a scheme makes on the way is in the average. ``concat``
+is the exception: its per-append cost is the same at every step (it copies the whole past), so
+it is prefilled to 3T/4 in one chunk and 32 appends are timed there, at the midpoint of the window
+the others average over. Reallocations and peak bytes come from a separate untimed run from 0 to
+T that watches the storage tensors: a reallocation is a change of their address, and the peak
+counts the old and new storage alive together during it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import StaticLayer as HFStaticLayer
+
+from ...layers import GrowableLayer, StaticLayer
+from .common import clock, figure, finish_axes, human_bytes, markdown_table, median
+from .harness import alternate, report, storage_of
+
+CONTENDERS = ("concat", "step256", "hf_static", "growable", "static")
+CONCAT_WINDOW = 32
+
+
+class Step256:
+    """A buffer grown by a fixed number of slots when full (mlx-lm's scheme), for comparison."""
+
+    def __init__(self, step: int = 256) -> None:
+        self.step = step
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.length = 0
+
+    def update(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        need = self.length + key.shape[2]
+        if self.keys is None or need > self.keys.shape[2]:
+            grow = math.ceil((need - self.length) / self.step) * self.step
+            b, h, _, d = key.shape
+            pad = torch.zeros(b, h, grow, d, dtype=key.dtype, device=key.device)
+            if self.keys is None:
+                self.keys, self.values = pad, pad.clone()
+            else:
+                kept = slice(0, self.length)
+                self.keys = torch.cat([self.keys[:, :, kept], pad], dim=2)
+                self.values = torch.cat([self.values[:, :, kept], pad], dim=2)
+        self.keys[:, :, self.length : need] = key
+        self.values[:, :, self.length : need] = value
+        self.length = need
+
+
+@dataclass
+class Shape:
+    batch: int = 1
+    kv_heads: int = 8
+    head_dim: int = 128
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+
+    def token(self) -> torch.Tensor:
+        return torch.randn(self.batch, self.kv_heads, 1, self.head_dim, dtype=self.dtype, device=self.device)
+
+    def chunk(self, n: int) -> torch.Tensor:
+        return torch.randn(self.batch, self.kv_heads, n, self.head_dim, dtype=self.dtype, device=self.device)
+
+
+def make_contender(name: str, max_tokens: int):
+    """A fresh store and a function returning its storage tensors ``(keys, values)``."""
+    if name == "concat":
+        layer = DynamicLayer()
+        return layer, lambda: (layer.keys, layer.values)
+    if name == "step256":
+        layer = Step256()
+        return layer, lambda: (layer.keys, layer.values)
+    if name == "hf_static":
+        layer = HFStaticLayer(max_cache_len=max_tokens)
+        return layer, lambda: (layer.keys, layer.values)
+    if name in ("growable", "static"):
+        layer = GrowableLayer() if name == "growable" else StaticLayer(max_tokens)
+        return layer, layer.view  # views of the buffers: their storage is the whole buffer
+    raise ValueError(f"unknown contender {name!r}; valid: {', '.join(CONTENDERS)}")
+
+
+def _held(tensors) -> tuple[int, int]:
+    """(bytes of the storages behind ``(keys, values)``, the keys' storage address; 0 if none)."""
+    keys, values = tensors
+    if keys is None:
+        return 0, 0
+    return sum(storage_of((keys, values)).values()), keys.untyped_storage().data_ptr()
+
+
+def time_per_token(name: str, total: int, shape: Shape, max_tokens: int) -> float:
+    """Seconds per appended token around ``total`` tokens (see the module docstring)."""
+    layer, _ = make_contender(name, max_tokens)
+    k, v = shape.token(), shape.token()
+    if name == "concat":
+        start = 3 * total // 4
+        layer.update(shape.chunk(start), shape.chunk(start))
+        steps = CONCAT_WINDOW
+    else:
+        start = total // 2
+        for _ in range(start):
+            layer.update(k, v)
+        steps = total - start
+
+    def appends() -> None:
+        for _ in range(steps):
+            layer.update(k, v)
+
+    return clock(appends, shape.device) / steps
+
+
+def growth_profile(name: str, total: int, shape: Shape, max_tokens: int) -> dict[str, int]:
+    """Reallocations and peak bytes on the way from 0 to ``total`` tokens (untimed)."""
+    layer, tensors = make_contender(name, max_tokens)
+    k, v = shape.token(), shape.token()
+    if name == "concat":
+        # Every torch.cat allocates: check that on the last append, which is also the peak.
+        layer.update(shape.chunk(total - 1), shape.chunk(total - 1))
+        before, ptr = _held(tensors())
+        layer.update(k, v)
+        after, new_ptr = _held(tensors())
+        assert new_ptr != ptr, "expected torch.cat to allocate new storage"
+        return {"reallocations": total, "peak_bytes": before + after, "final_bytes": after}
+    reallocs, peak, ptr = 0, 0, None
+    for _ in range(total):
+        before, _ = _held(tensors())
+        layer.update(k, v)
+        after, new_ptr = _held(tensors())
+        if new_ptr != ptr:
+            reallocs += 1
+            peak = max(peak, before + after)
+            ptr = new_ptr
+        peak = max(peak, after)
+    return {"reallocations": reallocs, "peak_bytes": peak, "final_bytes": after}
+
+
+def run(
+    quick: bool = False,
+    out: Path | None = None,
+    device: str = "cpu",
+    repeats: int | None = None,
+    lengths: list[int] | None = None,
+    shape: Shape | None = None,
+    progress: bool = True,
+    tiny: bool = False,
+) -> dict[str, Any]:
+    """Run the suite; write ``update.json``/``update.md``/``update.png`` into ``out`` if given."""
+    from tqdm.auto import tqdm
+
+    shape = shape or (Shape(kv_heads=2, head_dim=16, device=device) if tiny else Shape(device=device))
+    if lengths is None:
+        top = 512 if tiny else 4096 if quick else 16384
+        lengths = [2**i for i in range(8, int(math.log2(top)) + 1)]
+    repeats = repeats or (1 if tiny else 3 if quick else 5)
+    max_tokens = max(lengths)
+    times: dict[tuple[str, int], list[float]] = {}
+    bar = tqdm(total=len(lengths) * repeats * len(CONTENDERS), desc="update", disable=not progress)
+    for total in lengths:
+        samples = alternate(CONTENDERS, repeats, lambda name: time_per_token(name, total, shape, max_tokens), bar)
+        times.update({(name, total): seconds for name, seconds in samples.items()})
+    bar.close()
+
+    rows = []
+    for total in lengths:
+        concat_us = median(times[("concat", total)]) * 1e6
+        for name in CONTENDERS:
+            us = median(times[(name, total)]) * 1e6
+            rows.append(
+                {
+                    "contender": name,
+                    "tokens": total,
+                    "us_per_token": us,
+                    "speedup_vs_concat": concat_us / us,
+                    "samples_us": [t * 1e6 for t in times[(name, total)]],
+                    **growth_profile(name, total, shape, max_tokens),
+                }
+            )
+    flat = {}
+    for name in CONTENDERS:
+        per = [r["us_per_token"] for r in rows if r["contender"] == name]
+        flat[name] = max(per) / min(per)
+    config = {
+        "batch": shape.batch,
+        "kv_heads": shape.kv_heads,
+        "head_dim": shape.head_dim,
+        "dtype": str(shape.dtype),
+        "repeats": repeats,
+        "lengths": lengths,
+        "quick": quick,
+    }
+    return report("update", device, config, rows, out, table, plot, flatness_max_over_min=flat)
+
+
+def table(result: dict[str, Any]) -> str:
+    header = ["tokens", "contender", "us/token", "x faster than concat", "reallocations", "peak bytes"]
+    body = [
+        [
+            r["tokens"],
+            r["contender"],
+            r["us_per_token"],
+            r["speedup_vs_concat"],
+            r["reallocations"],
+            human_bytes(r["peak_bytes"]),
+        ]
+        for r in result["rows"]
+    ]
+    flat = ", ".join(f"{k} {v:.2f}x" for k, v in result["flatness_max_over_min"].items())
+    return markdown_table(header, body) + f"\nPer-token cost max/min over T: {flat}\n"
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    c = result["config"]
+    with figure(path) as (ax,):
+        for name in CONTENDERS:
+            pts = [(r["tokens"], r["us_per_token"]) for r in result["rows"] if r["contender"] == name]
+            ax.plot(*zip(*pts), marker="o", label=name)
+        title = f"Append cost per token (B={c['batch']}, {c['kv_heads']} KV heads x {c['head_dim']}, {c['dtype']})"
+        finish_axes(ax, "tokens in cache (T)", "microseconds per appended token", title, log_y=True)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = p.parse_args()
+    print(table(run(quick=args.quick, out=args.out)))

@@ -1,0 +1,308 @@
+"""The ``kvcache`` command line: ``kvcache demo``, ``kvcache generate``, ``kvcache bench``, ``kvcache eval``.
+
+Each subcommand is one ``add_<name>(subparsers)`` function that builds its parser and sets
+``handler`` to a ``cmd_<name>(args) -> int`` function; :data:`SUBCOMMANDS` lists them in ``--help``
+order. ``generate`` lives here, ``demo`` in :mod:`.cli_demo`, ``bench`` and ``eval`` in
+:mod:`.cli_runs`, what they share in :mod:`.cli_options`. Heavy imports happen inside the handlers,
+so ``--help`` and argument errors stay quick.
+
+Exit codes: 0 success, 2 bad arguments or a ``kvcache`` error (printed as one line,
+``kvcache: error: ...``, without a traceback), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .. import __version__
+from ..errors import KVCacheError
+from ..spec import parse_spec, valid_specs
+from .cli_demo import add_demo
+from .cli_options import PROG, cache_spec, check_device, int_at_least, output_file, positive_float, probability
+from .cli_runs import add_bench, add_eval
+
+
+# ---- kvcache generate ----------------------------------------------------------------------
+
+TINY = "tiny"
+#: Suffix of the file beside a saved cache that holds the conversation's token ids.
+IDS_SUFFIX = ".ids.json"
+IDS_FORMAT = "kvcache-ids"
+IDS_VERSION = 1
+
+
+def load_model(name_or_dir: str, device: str = "cpu") -> tuple[Any, Any]:
+    """``(model, tokenizer)`` for ``--model``: ``"tiny"`` or a local Hugging Face checkpoint folder.
+
+    ``"tiny"`` is the small model trained for kvcache and shipped with it (:mod:`kvcache.apps.trained`),
+    with its byte-level tokenizer. A folder is loaded with ``AutoTokenizer`` /
+    ``AutoModelForCausalLM``, never from the hub.
+    """
+    if name_or_dir == TINY:
+        from .trained import MODEL_DIR
+
+        name_or_dir = str(MODEL_DIR)
+    if not os.path.isdir(name_or_dir):
+        raise KVCacheError(f"--model: {name_or_dir!r} is neither {TINY!r} nor a model directory")
+    from .trained import load_pretrained
+
+    try:
+        return load_pretrained(name_or_dir, device)
+    except (OSError, ValueError, KeyError) as e:
+        reason = " ".join(str(e).split())
+        raise KVCacheError(f"cannot load a model and tokenizer from {name_or_dir}: {reason}") from e
+
+
+def ids_path(cache_path: str | os.PathLike) -> str:
+    """Where ``--save-cache FILE`` keeps the token ids: ``FILE.ids.json``."""
+    return os.fspath(cache_path) + IDS_SUFFIX
+
+
+def _sha256_file(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def save_conversation(cache: Any, path: str, ids: list[int]) -> None:
+    """Save ``cache`` to ``path`` and the conversation's token ids to ``path + IDS_SUFFIX``.
+
+    ``ids`` is every token so far; the cache holds the first ``cache.seen`` of them (``generate``
+    never feeds its last token back). Both files are written atomically (``persist.atomic_write``),
+    the cache first; the ids file records the cache file's SHA-256, so a pair from two saves (the
+    second one failed or was killed between the two renames) is refused on load, never misread.
+    """
+    from ..persist import atomic_write
+
+    try:
+        cache.save(path)
+        payload = {
+            "format": IDS_FORMAT,
+            "version": IDS_VERSION,
+            "cached": cache.seen,
+            "cache_sha256": _sha256_file(path),
+            "ids": ids,
+        }
+
+        def write(tmp: str) -> None:
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(payload, f)
+                f.write("\n")
+
+        atomic_write(ids_path(path), write)
+    except KVCacheError:
+        raise  # CacheSaveError: already names the file and the reason
+    except OSError as e:
+        raise KVCacheError(f"cannot save the cache to {path}: {e.strerror or e}") from e
+
+
+def load_conversation(path: str, model: Any) -> tuple[Any, list[int]]:
+    """The cache saved at ``path`` for ``model`` and the token ids saved beside it."""
+    from ..persist import load_cache
+
+    side = ids_path(path)
+    if os.path.isdir(path):
+        raise KVCacheError(f"--load-cache: {path} is a directory, not a cache file")
+    if not os.path.isfile(path):
+        raise KVCacheError(f"--load-cache: {path} does not exist")
+    if not os.path.isfile(side):
+        raise KVCacheError(
+            f"--load-cache: {side} is missing; a cache can only be continued with the token ids that "
+            f"--save-cache writes beside it"
+        )
+    try:
+        with open(side, encoding="utf-8") as f:
+            payload = json.load(f)
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: JSONDecodeError, UnicodeDecodeError
+        reason = " ".join(str(e).split())[:200]
+        raise KVCacheError(f"--load-cache: cannot read {side}: {reason}") from None
+    if not isinstance(payload, dict):
+        payload = {}
+    ids, cached = payload.get("ids"), payload.get("cached")
+    if (
+        payload.get("format") != IDS_FORMAT
+        or payload.get("version") != IDS_VERSION
+        or not isinstance(ids, list)
+        or not all(type(i) is int and i >= 0 for i in ids)
+        or type(cached) is not int
+        or not 0 <= cached <= len(ids)
+    ):
+        raise KVCacheError(f"--load-cache: {side} is not a {IDS_FORMAT} v{IDS_VERSION} file written by --save-cache")
+    try:
+        digest = _sha256_file(path)
+    except OSError as e:
+        raise KVCacheError(f"--load-cache: cannot read {path}: {e.strerror or e}") from None
+    if payload.get("cache_sha256") != digest:
+        raise KVCacheError(f"--load-cache: {side} belongs to another version of {path} (checksum differs)")
+    cache = load_cache(path, model)
+    if cache.seen != cached:
+        raise KVCacheError(f"--load-cache: {path} holds {cache.seen} tokens but {side} says {cached}")
+    vocab = model.config.get_text_config().vocab_size
+    if ids and max(ids) >= vocab:
+        raise KVCacheError(f"--load-cache: {side} has token id {max(ids)}, outside this model's vocabulary ({vocab})")
+    return cache, ids
+
+
+def add_generate(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "generate",
+        help="generate text with a kvcache cache, streaming tokens as they come",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=(
+            "Generate a continuation of --prompt, printing text as each token arrives, then a summary\n"
+            "line on stderr. --save-cache keeps the cache (and FILE.ids.json, the token ids) so a\n"
+            "later --load-cache can continue the conversation: the new prompt is appended to it.\n\n"
+            f"Cache specs (--cache):\n{valid_specs()}"
+        ),
+    )
+    p.add_argument(
+        "--model",
+        default=TINY,
+        metavar="DIR|tiny",
+        help="a local Hugging Face checkpoint folder, or 'tiny': the small model trained for kvcache "
+        "and shipped with it, byte-level tokenizer (default: %(default)s)",
+    )
+    source = p.add_mutually_exclusive_group()
+    source.add_argument(
+        "--cache", type=cache_spec, default=None, metavar="SPEC", help="cache spec, e.g. growable, "
+        "static:capacity=4096, concat (default: growable)"
+    )
+    source.add_argument(
+        "--load-cache", default=None, metavar="FILE", help="continue from a cache saved with --save-cache "
+        "(its spec is the one it was saved with)"
+    )
+    p.add_argument("--prompt", required=True, metavar="TEXT", help="prompt text (appended to a loaded cache)")
+    p.add_argument(
+        "--max-new-tokens", type=int_at_least(1), default=64, metavar="N", help="tokens to generate (default: %(default)s)"
+    )
+    p.add_argument(
+        "--save-cache", type=output_file, default=None, metavar="FILE", help="save the cache afterwards (and FILE.ids.json)"
+    )
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--greedy", dest="sample", action="store_false", help="greedy decoding (the default)")
+    mode.add_argument("--sample", dest="sample", action="store_true", help="sample from the model's distribution")
+    p.add_argument(
+        "--temperature", type=positive_float, default=None, metavar="T", help="sampling temperature (with --sample; default 1.0)"
+    )
+    p.add_argument(
+        "--top-p", type=probability, default=None, metavar="P", help="nucleus sampling mass (with --sample; default 1.0)"
+    )
+    p.add_argument("--seed", type=int, default=None, metavar="N", help="seed torch's random generator (for --sample)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="(default: %(default)s)")
+    p.set_defaults(handler=cmd_generate, sample=False)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from .bench.common import human_bytes
+    from ..cache import make_cache
+    from ..hf import use_kvcache_attention
+    from .tokenizer import TokenStreamer
+
+    if not args.sample and (args.temperature is not None or args.top_p is not None):
+        raise KVCacheError("--temperature and --top-p apply only with --sample")
+    check_device(args.device)
+    if args.seed is not None:
+        torch.manual_seed(args.seed)
+    model, tokenizer = load_model(args.model, args.device)
+    use_kvcache_attention(model)  # our model: fast decode attention, and what bounded caches need
+    if args.load_cache:
+        cache, ids = load_conversation(args.load_cache, model)
+    else:
+        cache, ids = make_cache(model, args.cache or parse_spec("growable")), []
+    ids = ids + list(tokenizer.encode(args.prompt, add_special_tokens=not ids))
+    cached = cache.seen
+    if len(ids) <= cached:
+        raise KVCacheError("the prompt is empty and there is nothing left to feed the model")
+
+    options: dict[str, Any] = {"do_sample": args.sample}
+    if args.sample:
+        options |= {"temperature": args.temperature or 1.0, "top_p": args.top_p or 1.0, "top_k": None}
+    config = model.generation_config
+    pad = config.pad_token_id if config.pad_token_id is not None else getattr(tokenizer, "pad_token_id", None)
+    if pad is None:
+        eos = config.eos_token_id
+        pad = eos[0] if isinstance(eos, list) else eos
+    input_ids = torch.tensor([ids], dtype=torch.long, device=args.device)
+    streamer = TokenStreamer(tokenizer, sys.stdout)
+    start = time.perf_counter()
+    try:
+        out = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            past_key_values=cache,
+            max_new_tokens=args.max_new_tokens,
+            streamer=streamer,
+            pad_token_id=pad,
+            **options,
+        )
+    except (KVCacheError, KeyboardInterrupt):
+        if streamer.tokens:  # end the streamed line before the error message
+            print(flush=True)
+        raise
+    seconds = time.perf_counter() - start
+    new = out[0, len(ids) :].tolist()
+    saved = ""
+    if args.save_cache:
+        save_conversation(cache, args.save_cache, ids + new)
+        saved = f"; saved {args.save_cache} (+ {IDS_SUFFIX})"
+    rate = len(new) / seconds if seconds > 0 else float("inf")
+    decode = ""
+    if streamer.first_token_at is not None and len(new) > 1 and streamer.last_token_at > streamer.first_token_at:
+        decode_rate = (len(new) - 1) / (streamer.last_token_at - streamer.first_token_at)
+        decode = f", decode {decode_rate:.1f} tokens/s after a {streamer.first_token_at - start:.3f} s prefill"
+    print(
+        f"{PROG}: {len(new)} tokens in {seconds:.2f} s ({rate:.1f} tokens/s{decode}); "
+        f"prefill {len(ids) - cached} tokens ({cached} already cached); "
+        f"cache {cache.spec}, {human_bytes(cache.nbytes)} ({cache.nbytes} bytes){saved}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+# ---- the parser and the entry point --------------------------------------------------------
+
+#: One ``add_<name>`` per subcommand, in ``--help`` order.
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_demo, add_generate, add_bench, add_eval]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="Fast, bounded and persistent key/value caches for LLM inference."
+    )
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add in SUBCOMMANDS:
+        add(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code (argparse's own exits included)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help, --version, bad arguments
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    try:
+        return args.handler(args)
+    except KVCacheError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

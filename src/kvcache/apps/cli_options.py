@@ -1,0 +1,120 @@
+"""What the ``kvcache`` subcommands share: argument types (checked before a long run, not after
+it), the device check, output folders and files, and the options of the commands that write results."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from ..errors import KVCacheError, SpecError
+from ..spec import CacheSpec, parse_spec
+
+PROG = "kvcache"
+
+
+def int_at_least(least: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {least}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {least}"
+    return parse
+
+
+def output_file(text: str) -> str:
+    """A path whose directory exists, checked before a long run rather than after it."""
+    folder = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"directory {folder!r} does not exist")
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory")
+    return text
+
+
+def write_json(path: str, payload: object) -> None:
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(payload, f, indent=2)
+            f.write("\n")
+    except OSError as e:
+        raise KVCacheError(f"cannot write {path}: {e.strerror or e}") from e
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text}")
+    return value
+
+
+def probability(text: str) -> float:
+    value = positive_float(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text}")
+    return value
+
+
+def cache_spec(text: str) -> CacheSpec:
+    try:
+        return parse_spec(text)
+    except SpecError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def check_device(device: str) -> None:
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        why = "this torch was built without CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+        raise KVCacheError(f"--device cuda: CUDA is not available ({why}; torch {torch.__version__}); use --device cpu")
+
+
+def output_dir(path: str) -> Path:
+    """``--out`` as a Path; refused if it exists and is not a directory."""
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise KVCacheError(f"--out: {out} exists and is not a directory")
+    return out
+
+
+# ---- the commands that write results (bench, eval) -------------------------------------------
+
+
+def add_run_options(p: argparse.ArgumentParser, quick_help: str) -> None:
+    """``--quick``, ``--out``, ``--device``, ``--no-progress`` and the hidden ``--tiny``."""
+    p.add_argument("--quick", action="store_true", help=quick_help)
+    p.add_argument(
+        "--out", default=os.path.join("benchmarks", "results"), metavar="DIR", help="output folder (default: %(default)s)"
+    )
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="(default: %(default)s)")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # seconds-long run for tests
+
+
+def say_if_no_plots() -> bool:
+    """Whether PNGs will be written; if not, one line says so before the run starts."""
+    from .bench.common import NO_PLOTS, can_plot
+
+    if can_plot():
+        return True
+    print(f"{PROG}: {NO_PLOTS}", file=sys.stderr, flush=True)
+    return False
+
+
+def list_written(out, name: str, plots: bool) -> None:
+    for ext in ("json", "md") + (("png",) if plots else ()):
+        path = out / f"{name}.{ext}"
+        if path.is_file():
+            print(f"wrote {path}")

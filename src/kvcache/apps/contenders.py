@@ -1,0 +1,58 @@
+"""The one table of contender names: what the demo, the benchmark suites and the quality harness
+call a cache, and the cache spec each name stands for.
+
+``{slots}`` is the budget (for ``window``, the window itself, its sinks kept apart; a fraction of
+the context is accepted where the spec accepts one) and ``{capacity}`` the fixed capacity.
+``dynamic`` and ``hf_static`` are Hugging Face's ``DynamicCache`` and ``StaticCache``, the
+references; every other name is a kvcache spec.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: Sinks a window keeps inside its budget.
+SINKS = 4
+
+#: Contender name -> cache spec template.
+SPECS: dict[str, str] = {
+    "growable": "growable",
+    "concat": "concat",
+    "static": "static:capacity={capacity}",
+    "window": "window:window={slots},sinks=" + str(SINKS),
+    "lastrec": "lastrec:budget={slots}",
+    "h2o": "h2o:budget={slots}",
+    "tova": "tova:budget={slots}",
+    "h2o-int8": "h2o:budget={slots},storage=int8",
+    "quantized-int8": "quantized:bits=8",
+    "quantized-int4": "quantized:bits=4",
+    "quantized-int2": "quantized:bits=2",
+}
+
+#: Hugging Face's own caches, the references.
+HF_REFERENCES = ("dynamic", "hf_static")
+
+
+def spec_for(name: str, slots: int | float | None = None, capacity: int | None = None) -> str:
+    """The cache spec of contender ``name`` with ``slots`` (bounded kinds) or ``capacity`` (static)."""
+    if name not in SPECS:
+        raise ValueError(f"unknown contender {name!r}; valid: {', '.join(SPECS)}")
+    template = SPECS[name]
+    needs = "slots" if "{slots}" in template else "capacity" if "{capacity}" in template else None
+    if needs is not None and {"slots": slots, "capacity": capacity}[needs] is None:
+        raise ValueError(f"contender {name!r} needs {needs}=..., got none")
+    return template.format(slots=slots, capacity=capacity)
+
+
+def make_contender(name: str, model_or_config: Any, slots: int | float | None = None, capacity: int | None = None):
+    """A fresh cache for contender ``name``: Hugging Face's for the references, else ``make_cache``."""
+    from ..cache import make_cache
+
+    if name in HF_REFERENCES:
+        from transformers import DynamicCache, StaticCache
+
+        config = getattr(model_or_config, "config", model_or_config)
+        if name == "dynamic":
+            return DynamicCache(config=config)
+        return StaticCache(config=config, max_cache_len=capacity)
+    return make_cache(model_or_config, spec_for(name, slots, capacity))

@@ -1,0 +1,437 @@
+"""``kvcache demo``: greedy generation with each cache, side by side, on a small local model.
+
+By default the model is the one trained here and shipped with the package
+(:mod:`kvcache.apps.trained`), and the prompt is a pass-key retrieval task on held-out text: a five-digit
+key hidden at ``depth`` (0 = the start, 1 = just before the question) in a long prompt. So the
+table shows both sides of the trade: what each cache costs in bytes and speed, and whether the
+model still finds the key with it. Contenders, all run through ``model.generate`` (greedy):
+
+* ``DynamicCache`` -- Hugging Face's default, ``transformers.DynamicCache(config=model.config)``,
+  on the model's own attention; the reference for the output tokens;
+* ``concat``, ``growable``, ``static`` (capacity = prompt + new tokens) -- ``kvcache.make_cache``,
+  unbounded, so their tokens must equal the reference's; like every kvcache contender they run as
+  the README recommends, inside ``kvcache.use_kvcache_attention(model)``;
+* bounded caches (:data:`BOUNDED`): a sliding window with sinks, H2O and TOVA eviction at a share
+  of the prompt, and 4-bit KIVI-style quantization. They drop or round what they hold, so their
+  tokens may differ; the ``answer`` column says whether the pass key survived.
+
+With ``family`` set, the model is instead a tiny random-weight model of that family
+(:func:`kvcache.apps.tiny.tiny_model`, nothing downloaded) widened where the cache lives: 8 key/value
+heads of dimension 128, so one token costs 8 KiB per layer and the cost of the cache itself shows
+on a CPU; the prompt is random tokens and only the unbounded contenders run.
+
+They alternate within one process, round-robin over the repeats (the starting contender rotates
+each repeat), and the table reports medians. Measured, not taken from the library, except where
+said:
+
+* decode tokens/s: a logits processor stamps the time after every forward pass; decode time is
+  from the first stamp (end of prefill) to the last, minus the probe's own time;
+* cache bytes: bytes of the distinct storages behind every layer's keys and values at the end
+  (for bounded caches, whose layers hold codes, slot positions and scores beside a view, the
+  library's own ``nbytes``);
+* reallocations: how many times a layer's key/value storage moved (its storage pointer changed,
+  the first allocation included), observed after every forward pass and summed over layers (for
+  bounded caches, the library's own counter);
+* identical: the generated tokens equal ``DynamicCache``'s in every repeat;
+* answer: the first generated line, and whether it is the pass key (trained model only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import transformers
+from tqdm import tqdm
+from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel
+
+import kvcache
+
+from . import tasks
+from ..cache import make_cache
+from ..hf import use_kvcache_attention
+from .bench.harness import alternate, greedy_generate
+from .contenders import make_contender, spec_for
+from .tiny import tiny_model
+
+__all__ = [
+    "BOUNDED",
+    "DEMO_SHAPE",
+    "DEPTH",
+    "RANDOM_PROMPT_TOKENS",
+    "REFERENCE",
+    "TRAINED_PROMPT_TOKENS",
+    "build_model",
+    "format_table",
+    "header_line",
+    "run_demo",
+]
+
+#: Config overrides applied to the random tiny model: 16 query heads sharing 8 key/value heads of 128.
+DEMO_SHAPE: dict[str, int] = {"num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128}
+
+#: Name of the reference contender (Hugging Face's cache).
+REFERENCE = "DynamicCache"
+
+#: Default prompt length with the trained model (it was trained on prompts up to 2K tokens).
+TRAINED_PROMPT_TOKENS = 1024
+
+#: Default prompt length with a random model (``family``).
+RANDOM_PROMPT_TOKENS = 2048
+
+#: Default depth of the pass key in the prompt: early enough that a window of a quarter loses it.
+DEPTH = 0.25
+
+#: The bounded contenders: name -> (contender, share of the prompt it keeps; None: all of it,
+#: rounded). The window's share becomes slots; H2O and TOVA take it as a fraction of what they saw.
+BOUNDED: dict[str, tuple[str, float | None]] = {
+    "window 25%": ("window", 0.25),
+    "h2o 25%": ("h2o", 0.25),
+    "tova 12.5%": ("tova", 0.125),
+    "quantized int4": ("quantized-int4", None),
+}
+
+
+def build_model(family: str = "llama", seed: int = 0) -> PreTrainedModel:
+    """The demo's random tiny model: ``tiny_model(family)`` with :data:`DEMO_SHAPE`."""
+    return tiny_model(family, seed=seed, **DEMO_SHAPE)
+
+
+@dataclass(frozen=True)
+class Contender:
+    spec: str  # what the table shows
+    make: Callable[[], Any]  # a fresh cache
+    bounded: bool = False
+    ours: bool = True  # a kvcache cache: runs inside use_kvcache_attention(model)
+
+
+def contenders(model: PreTrainedModel, prompt_tokens: int, new_tokens: int, bounded: bool) -> dict[str, Contender]:
+    """Name -> contender, the reference first; the bounded ones only if ``bounded``."""
+    capacity = prompt_tokens + new_tokens
+    out = {REFERENCE: Contender("transformers.DynamicCache", lambda: make_contender("dynamic", model), ours=False)}
+    for name in ("concat", "growable", "static"):
+        spec = spec_for(name, capacity=capacity)
+        out[name] = Contender(spec, lambda spec=spec: make_cache(model, spec))
+    if bounded:
+        for name, (kind, share) in BOUNDED.items():
+            spec = spec_for(kind, slots=max(1, int(prompt_tokens * share)) if kind == "window" else share)
+            out[name] = Contender(spec, lambda spec=spec: make_cache(model, spec), bounded=True)
+    return out
+
+
+def _describe(model: PreTrainedModel, family: str | None) -> str:
+    if family is not None:
+        return f"tiny {family} (random weights; "
+    n_params = sum(p.numel() for p in model.parameters())
+    return f"kvcache tiny retrieval model (trained, {n_params / 1e6:.2f}M parameters; "
+
+
+def header_line(
+    model: PreTrainedModel,
+    family: str | None,
+    prompt_tokens: int,
+    new_tokens: int,
+    repeats: int,
+    threads: int | None = None,
+    depth: float = DEPTH,
+) -> str:
+    """One line: the model, the prompt, the sizes, and the library versions."""
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    attn = getattr(c, "_attn_implementation", None) or "default"
+    per_token = 2 * c.num_key_value_heads * head_dim * next(model.parameters()).element_size() * c.num_hidden_layers
+    threads = threads or torch.get_num_threads()
+    prompt = (
+        f"prompt {prompt_tokens}"
+        if family is not None
+        else f"pass-key prompt {prompt_tokens} (key at depth {depth:g}, held-out text)"
+    )
+    return (
+        f"kvcache demo: {_describe(model, family)}{c.num_hidden_layers} layers, hidden {c.hidden_size}, "
+        f"{c.num_attention_heads} query / {c.num_key_value_heads} KV heads x {head_dim}, {dtype}; DynamicCache on {attn} attention, kvcache on kvcache attention; "
+        f"{per_token / 1024:g} KiB of KV per token) | {prompt} + {new_tokens} new tokens, batch 1, "
+        f"greedy, {_plural(repeats, 'repeat')} | kvcache {kvcache.__version__}, "
+        f"torch {torch.__version__}, transformers {transformers.__version__}, {_plural(threads, 'thread')}"
+    )
+
+
+def _storages(cache: Any) -> list[tuple[tuple[int, int], int]]:
+    """Per cache layer with content: ((keys storage ptr, values storage ptr), bytes of both storages)."""
+    out = []
+    for layer in cache.layers:
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor) or keys.numel() == 0:
+            out.append(((0, 0), 0))
+            continue
+        ks, vs = keys.untyped_storage(), values.untyped_storage()
+        out.append(((ks.data_ptr(), vs.data_ptr()), ks.nbytes() + vs.nbytes()))
+    return out
+
+
+class _StepProbe(LogitsProcessor):
+    """Called by ``generate`` after every forward pass: stamps the time and, if ``watch``, watches
+    the storages (not for bounded caches: their ``keys`` may be a dequantized copy, built per call)."""
+
+    def __init__(self, cache: Any, watch: bool = True) -> None:
+        self.cache = cache
+        self.watch = watch
+        self.stamps: list[float] = []  # time after each forward, probe time excluded
+        self.overhead = 0.0
+        self.pointers: list[tuple[int, int]] | None = None
+        self.moves = 0
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        start = time.perf_counter()
+        self.stamps.append(start - self.overhead)
+        if self.watch:
+            self._watch()
+        self.overhead += time.perf_counter() - start
+        return scores
+
+    def _watch(self) -> None:
+        pointers = [ptr for ptr, _ in _storages(self.cache)]
+        if self.pointers is None:
+            self.pointers = [(0, 0)] * len(pointers)
+        for old, new in zip(self.pointers, pointers):
+            if new != (0, 0) and new != old:
+                self.moves += 1
+        self.pointers = pointers
+
+
+def _generate(model: PreTrainedModel, prompt: torch.Tensor, cache: Any, new_tokens: int) -> dict[str, Any]:
+    """One greedy generation into ``cache``; the tokens and what the probe measured (for a bounded
+    cache, its own byte and reallocation counters instead)."""
+    bounded = getattr(cache, "needs_kvcache_attention", False)
+    probe = _StepProbe(cache, watch=not bounded)
+    with torch.inference_mode():
+        started = time.perf_counter()
+        out = greedy_generate(
+            model,
+            prompt,
+            cache,
+            new_tokens,
+            attention_mask=torch.ones_like(prompt),
+            logits_processor=LogitsProcessorList([probe]),
+            pad_token_id=model.config.pad_token_id,
+        )
+    tokens = out[0, prompt.shape[1] :].tolist()
+    decode_steps = len(probe.stamps) - 1
+    decode_s = probe.stamps[-1] - probe.stamps[0] if decode_steps > 0 else math.nan
+    return {
+        "tokens": tokens,
+        "prefill_s": probe.stamps[0] - started,
+        "decode_steps": decode_steps,
+        "decode_s": decode_s,
+        "reallocations": cache.reallocations if bounded else probe.moves,
+        "bytes": cache.nbytes if bounded else sum(nbytes for _, nbytes in _storages(cache)),
+    }
+
+
+def run_demo(
+    family: str | None = None,
+    prompt_tokens: int | None = None,
+    new_tokens: int = 64,
+    repeats: int = 3,
+    *,
+    seed: int = 0,
+    depth: float = DEPTH,
+    model: PreTrainedModel | None = None,
+    tokenizer: Any = None,
+    progress: bool = True,
+    threads: int | None = None,
+) -> list[dict[str, Any]]:
+    """Run every contender ``repeats`` times, round-robin; one result dict per contender.
+
+    ``family=None`` runs the trained model (``model``/``tokenizer``, or the shipped ones) on a
+    pass-key prompt of ``prompt_tokens`` (default :data:`TRAINED_PROMPT_TOKENS`) with the key at
+    ``depth``; a family name runs that random tiny model (or ``model``) on random tokens (default
+    :data:`RANDOM_PROMPT_TOKENS`). ``seed`` picks the prompt (and the random model's weights).
+
+    Keys of each dict: ``cache``, ``spec``, ``bounded``, ``tokens_per_s`` (decode, median),
+    ``tokens_per_s_runs``, ``prefill_s`` (median), ``speedup`` (median tokens/s over the
+    reference's), ``cache_bytes``, ``reallocations`` (both at the end of the last repeat),
+    ``reported_nbytes`` and ``reported_reallocations`` (the library's own counters; None for the
+    reference), ``identical`` (tokens equal the reference's in every repeat), ``new_tokens``,
+    ``answer`` (the first generated line; None for a random model) and ``correct`` (whether it is
+    the pass key, in every repeat; None for a random model).
+
+    ``threads`` sets torch's intra-op thread count for the run (restored afterwards); None keeps it.
+    Small decode steps gain little from threads and suffer when the cores are shared.
+    """
+    if prompt_tokens is None:
+        prompt_tokens = RANDOM_PROMPT_TOKENS if family is not None else TRAINED_PROMPT_TOKENS
+    limits = (("prompt_tokens", prompt_tokens, 1), ("new_tokens", new_tokens, 2), ("repeats", repeats, 1))
+    for name, value, least in limits:
+        if int(value) < least:
+            raise ValueError(f"{name} must be >= {least}, got {value}")
+    if threads is not None and int(threads) < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    if family is None:
+        if model is None:
+            from .trained import load_trained
+
+            model, tokenizer = load_trained()
+        if tokenizer is None:
+            raise ValueError("run_demo: a trained model needs its tokenizer")
+        instance = tasks.passkey(seed, length=prompt_tokens - 1, depth=depth)  # + <bos>
+        prompt = torch.tensor([tokenizer.encode(instance.prompt)])
+    else:
+        model = build_model(family, seed) if model is None else model
+        instance = None
+        generator = torch.Generator().manual_seed(seed)
+        body = torch.randint(3, model.config.vocab_size, (1, prompt_tokens - 1), generator=generator)
+        prompt = torch.cat([torch.tensor([[model.config.bos_token_id]]), body], dim=1)
+    entries = contenders(model, prompt_tokens, new_tokens, bounded=instance is not None)
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(int(threads))
+    try:
+        runs, caches = _run(model, prompt, entries, new_tokens, repeats, progress)
+    finally:
+        torch.set_num_threads(before)
+    return _results(entries, runs, caches, instance, tokenizer)
+
+
+def _run(
+    model: PreTrainedModel,
+    prompt: torch.Tensor,
+    entries: dict[str, Contender],
+    new_tokens: int,
+    repeats: int,
+    progress: bool,
+) -> tuple[dict[str, list[dict[str, Any]]], dict[str, Any]]:
+    names = list(entries)
+    caches: dict[str, Any] = {}  # each contender's cache of its latest run
+
+    def generate(name: str, tokens: int) -> tuple[dict[str, Any], Any]:
+        # kvcache contenders run as the README recommends; the reference on the model's own attention.
+        context = use_kvcache_attention(model) if entries[name].ours else contextlib.nullcontext()
+        with context:
+            cache = entries[name].make()
+            return _generate(model, prompt, cache, tokens), cache
+
+    bar = tqdm(total=len(names) * (repeats + 1), desc="kvcache demo", unit="run", disable=not progress, leave=False)
+    try:
+        # Warm-up, untimed: every path runs once on the real shapes before anything is measured.
+        for name in names:
+            bar.set_postfix_str(f"warm-up {name}")
+            generate(name, min(new_tokens, 4))
+            bar.update()
+
+        def measure(name: str) -> dict[str, Any]:
+            result, caches[name] = generate(name, new_tokens)
+            return result
+
+        runs = alternate(names, repeats, measure, bar)
+    finally:
+        bar.close()
+    return runs, caches
+
+
+def _first_line(tokenizer: Any, tokens: list[int]) -> str:
+    return tokenizer.decode(tokens, skip_special_tokens=True).split("\n", 1)[0]
+
+
+def _results(
+    entries: dict[str, Contender],
+    runs: dict[str, list[dict[str, Any]]],
+    caches: dict[str, Any],
+    instance: tasks.Instance | None,
+    tokenizer: Any,
+) -> list[dict[str, Any]]:
+    reference_tokens = runs[REFERENCE][0]["tokens"]
+    reference_speed = statistics.median(_speeds(runs[REFERENCE]))
+    results = []
+    for name, entry in entries.items():
+        speeds = _speeds(runs[name])
+        last, cache = runs[name][-1], caches[name]
+        ours = isinstance(cache, kvcache.KVCache)
+        answers = [_first_line(tokenizer, run["tokens"]) for run in runs[name]] if instance else None
+        results.append(
+            {
+                "cache": name,
+                "spec": entry.spec,
+                "bounded": entry.bounded,
+                "tokens_per_s": statistics.median(speeds),
+                "tokens_per_s_runs": speeds,
+                "prefill_s": statistics.median(run["prefill_s"] for run in runs[name]),
+                "speedup": statistics.median(speeds) / reference_speed,
+                "cache_bytes": last["bytes"],
+                "reallocations": last["reallocations"],
+                "reported_nbytes": cache.nbytes if ours else None,
+                "reported_reallocations": cache.reallocations if ours else None,
+                "identical": all(run["tokens"] == reference_tokens for run in runs[name]),
+                "new_tokens": len(last["tokens"]),
+                "answer": answers[-1] if answers else None,
+                "correct": all(tasks.score(instance.answer, a) for a in answers) if answers else None,
+            }
+        )
+    return results
+
+
+def _speeds(runs: list[dict[str, Any]]) -> list[float]:
+    return [run["decode_steps"] / run["decode_s"] for run in runs]
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.2f} MiB"
+
+
+def _identical_cell(result: dict[str, Any]) -> str:
+    if result["cache"] == REFERENCE:
+        return "reference" if result["identical"] else "NO: reference varies between repeats"
+    if result["identical"]:
+        return "yes"
+    return "differs (bounded)" if result.get("bounded") else "NO"
+
+
+def _answer_cell(result: dict[str, Any]) -> str:
+    return f"{'right' if result['correct'] else 'WRONG'}: {result['answer'].strip()!r}"
+
+
+def format_table(results: list[dict[str, Any]]) -> str:
+    """A plain-text table of :func:`run_demo`'s results, with a legend."""
+    answers = any(r.get("answer") is not None for r in results)
+    head = ("cache", "tokens/s", f"vs {REFERENCE}", "cache bytes", "reallocations", "identical output")
+    head += ("answer",) if answers else ()
+    rows = [
+        (
+            r["cache"],
+            f"{r['tokens_per_s']:.1f}",
+            f"{r['speedup']:.2f}x",
+            _mib(r["cache_bytes"]),
+            str(r["reallocations"]),
+            _identical_cell(r),
+        )
+        + ((_answer_cell(r),) if answers else ())
+        for r in results
+    ]
+    widths = [max(len(cell) for cell in column) for column in zip(head, *rows)]
+    lines = []
+    for i, row in enumerate([head, *rows]):
+        cells = [cell.ljust(w) if j in (0, 6) else cell.rjust(w) for j, (cell, w) in enumerate(zip(row, widths))]
+        lines.append("  ".join(cells).rstrip())
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    lines.append(
+        "tokens/s: decode, median over repeats; cache bytes: storage held at the end; reallocations: "
+        "times a layer's key/value storage moved, summed over layers (measured from storage pointers)"
+    )
+    if answers:
+        specs = "; ".join(f"{r['cache']} = {r['spec']}" for r in results if r.get("bounded"))
+        lines.append(
+            f"answer: the first generated line, right if it is the pass key. Bounded caches ({specs}) "
+            "report their own bytes and reallocations and may change the output."
+        )
+    return "\n".join(lines)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")

@@ -1,0 +1,223 @@
+"""Every benchmark suite runs end to end in its ``tiny`` setting and writes well-formed results.
+
+No timing is judged here. What is checked: the three output files, the JSON's shape (suite,
+machine with library versions, config, rows), and each row's measurement fields (types and sane
+values), plus the facts a suite reports that do not depend on timing (reallocation counts, bytes
+held, bit-exact round trips) against what the schemes are known to do.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import transformers
+
+from helpers import boolean, nonneg_int, nonneg_number, positive_int, positive_list, positive_number, text
+from kvcache.apps.bench import SUITES, get_suite
+
+
+FIELDS = {
+    "update": {
+        "contender": text,
+        "tokens": positive_int,
+        "us_per_token": positive_number,
+        "speedup_vs_concat": positive_number,
+        "samples_us": positive_list,
+        "reallocations": positive_int,
+        "peak_bytes": positive_int,
+        "final_bytes": positive_int,
+    },
+    "bounded": {"part": text, "contender": text, "spec": text},  # per-part checks: test_bench_bounded.py
+    "decode": {
+        "variant": text,
+        "query_heads": positive_int,
+        "context": positive_int,
+        "contender": text,
+        "tokens_per_s": positive_number,
+        "speedup_vs_dynamic": positive_number,
+        "identical_to_dynamic": boolean,
+        "cache_bytes": positive_int,
+        "samples_s": positive_list,
+    },
+    "attention": {
+        "dtype": text,
+        "variant": text,
+        "query_heads": positive_int,
+        "tokens": positive_int,
+        "contender": text,
+        "ms": positive_number,
+        "kv_bytes": positive_int,
+        "bandwidth_fraction": positive_number,
+        "max_abs_diff_vs_sdpa": nonneg_number,
+        "samples_ms": positive_list,
+    },
+    "memory": {
+        "contender": text,
+        "tokens": positive_int,
+        "stepped_tokens": positive_int,
+        "peak_rss_bytes": nonneg_int,
+        "peak_rss_over_needed": nonneg_number,
+        "final_cache_bytes": positive_int,
+        "peak_cache_bytes": positive_int,
+        "reallocations": positive_int,
+        "spikes": positive_int,
+        "counts_extrapolated": boolean,
+        "seconds": positive_number,
+    },
+    "resume": {
+        "tokens": positive_int,
+        "contender": text,
+        "save_ms": positive_number,
+        "load_ms": positive_number,
+        "file_bytes": positive_int,
+        "tensor_bytes": positive_int,
+        "save_MBps": positive_number,
+        "load_MBps": positive_number,
+        "save_x_floor": positive_number,
+        "load_x_floor": positive_number,
+        "checksum_ms": positive_number,
+        "identical": boolean,
+    },
+}
+
+
+def test_every_registered_suite_has_field_checks():
+    assert set(FIELDS) == set(SUITES)
+
+
+def test_unknown_suite_is_refused_with_the_list():
+    with pytest.raises(ValueError) as err:
+        get_suite("nope")
+    message = str(err.value)
+    assert "nope" in message
+    for name in SUITES:
+        assert name in message
+
+
+@pytest.fixture(scope="module")
+def tiny_results(tmp_path_factory):
+    """Run each suite at most once per test session (some take seconds)."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            out = tmp_path_factory.mktemp(f"bench-{name}")
+            returned = get_suite(name).run(tiny=True, out=out, progress=False)
+            cache[name] = (out, returned)
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", SUITES)
+def test_tiny_run_writes_well_formed_results(name, tiny_results):
+    out, returned = tiny_results(name)
+    for ext in ("json", "md", "png"):
+        assert (out / f"{name}.{ext}").is_file(), f"{name}.{ext} not written"
+    assert (out / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = (out / f"{name}.md").read_text()
+    assert md.count("|") > 10  # a markdown table
+
+    result = json.loads((out / f"{name}.json").read_text())
+    assert result["suite"] == name == returned["suite"]
+    assert result["machine"]["torch"] == torch.__version__
+    assert result["machine"]["transformers"] == transformers.__version__
+    assert isinstance(result["config"], dict) and result["config"]
+    rows = result["rows"]
+    assert isinstance(rows, list) and rows
+    assert len(rows) == len(returned["rows"])
+    module = get_suite(name)
+    for row in rows:
+        for field, ok in FIELDS[name].items():
+            assert field in row, f"{name}: row lacks {field!r}: {sorted(row)}"
+            assert ok(row[field]), f"{name}: {field}={row[field]!r} fails {ok.__name__}"
+        assert row["contender"] in module.CONTENDERS
+    # Every contender is reported.
+    assert {r["contender"] for r in rows} == set(module.CONTENDERS)
+
+
+def test_update_counts(tiny_results):
+    _, result = tiny_results("update")
+    for r in result["rows"]:
+        assert r["final_bytes"] <= r["peak_bytes"]
+        if r["contender"] in ("static", "hf_static"):
+            assert r["reallocations"] == 1
+        if r["contender"] == "concat":
+            assert r["reallocations"] == r["tokens"]
+
+
+def test_attention_outputs_agree(tiny_results):
+    _, result = tiny_results("attention")
+    for r in result["rows"]:
+        if r["dtype"] == "float32":
+            assert r["max_abs_diff_vs_sdpa"] < 1e-4
+
+
+def test_memory_counts_match_the_schemes(tiny_results):
+    """Bytes held and reallocations follow from each growth rule; ours report the same themselves."""
+    _, result = tiny_results("memory")
+    c = result["config"]
+    layers, tokens = c["layers"], c["tokens"]
+    needed = c["token_bytes_per_layer"] * layers * tokens
+    assert c["needed_bytes"] == needed
+    rows = {r["contender"]: r for r in result["rows"]}
+    assert set(rows) == {"concat", "step256", "growable", "static"}
+    assert tokens > 256  # so that every growing scheme grows at least once
+
+    for r in rows.values():
+        assert r["tokens"] == tokens
+        assert r["final_cache_bytes"] <= r["peak_cache_bytes"]
+        assert r["final_cache_bytes"] >= needed
+        assert 1 <= r["spikes"] <= tokens
+        assert r["reallocations"] >= r["spikes"]
+        assert r["samples"] and r["bytes_curve"]
+
+    assert rows["static"]["final_cache_bytes"] == needed
+    assert rows["static"]["peak_cache_bytes"] == needed
+    assert (rows["static"]["reallocations"], rows["static"]["spikes"]) == (layers, 1)
+
+    assert rows["concat"]["final_cache_bytes"] == needed
+    assert rows["concat"]["counts_extrapolated"] is True
+    assert rows["concat"]["stepped_tokens"] < tokens
+    assert (rows["concat"]["reallocations"], rows["concat"]["spikes"]) == (tokens * layers, tokens)
+
+    step_spikes = math.ceil(tokens / 256)
+    assert rows["step256"]["final_cache_bytes"] == c["token_bytes_per_layer"] * layers * 256 * step_spikes
+    assert (rows["step256"]["reallocations"], rows["step256"]["spikes"]) == (layers * step_spikes, step_spikes)
+
+    grow_spikes = 1 + math.ceil(math.log2(tokens / 256))
+    assert rows["growable"]["final_cache_bytes"] == c["token_bytes_per_layer"] * layers * 256 * 2 ** (grow_spikes - 1)
+    assert (rows["growable"]["reallocations"], rows["growable"]["spikes"]) == (layers * grow_spikes, grow_spikes)
+
+    for name in ("step256", "growable", "static"):
+        assert rows[name]["stepped_tokens"] == tokens
+        assert rows[name]["counts_extrapolated"] is False
+    for name in ("growable", "static"):  # the library's own accounting agrees with the storage seen
+        assert rows[name]["reported_reallocations"] == rows[name]["reallocations"]
+        assert rows[name]["reported_nbytes"] == rows[name]["final_cache_bytes"]
+
+
+def test_memory_refuses_gpu():
+    with pytest.raises(ValueError, match="CPU"):
+        get_suite("memory").run(tiny=True, device="cuda", progress=False)
+
+
+def test_resume_round_trips_and_floor(tiny_results):
+    _, result = tiny_results("resume")
+    c = result["config"]
+    token_bytes = 2 * c["kv_heads"] * c["head_dim"] * 4 * c["layers"]  # fp32 keys and values
+    for r in result["rows"]:
+        assert r["identical"] is True, f"{r['contender']} at {r['tokens']} tokens did not round-trip"
+        assert r["tensor_bytes"] == token_bytes * r["tokens"]
+        assert r["file_bytes"] > r["tensor_bytes"]  # a header at least
+        if r["contender"] == "safetensors":
+            assert r["save_x_floor"] == r["load_x_floor"] == 1.0
+    lengths = sorted({r["tokens"] for r in result["rows"]})
+    assert lengths == sorted(c["lengths"]) and len(lengths) == 2
+    ours = {r["tokens"]: r for r in result["rows"] if r["contender"] == "kvcache"}
+    floor = {r["tokens"]: r for r in result["rows"] if r["contender"] == "safetensors"}
+    for t in lengths:  # our metadata and checksums cost bytes, never fewer than the plain file
+        assert ours[t]["file_bytes"] > floor[t]["file_bytes"]

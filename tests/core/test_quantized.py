@@ -1,0 +1,244 @@
+"""Quantized storage: the KIVI-style ``quantized`` kind and eviction over int8/int4 slots.
+
+References: torch SDPA over the layer's own dequantized content (so the blockwise attention over
+codes is checked against an independent attention), the inputs themselves (what must stay exact:
+the full-precision residual), the quantization error bound, and Hugging Face's ``DynamicCache``
+with its own attention (a residual longer than the sequence keeps everything exact, so generation
+must be token-identical).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+import kvcache
+from helpers import attention_for, hf_attention, model_for, prompt
+from kvcache.layers import EvictingLayer, QuantizedLayer
+from kvcache.apps.tiny import FAMILIES, PAD_TOKEN_ID
+
+NEW_TOKENS = 12
+
+
+def sdpa_reference(query, keys, values, first_query, mask=None):
+    """SDPA over ``keys``/``values`` (positions 0..T-1) for queries at ``first_query...``."""
+    t, n = keys.shape[2], query.shape[2]
+    q_pos = torch.arange(first_query, first_query + n).view(-1, 1)
+    allowed = torch.arange(t).view(1, -1) <= q_pos
+    if mask is not None:
+        allowed = allowed & mask[..., :t]
+    group = query.shape[1] // keys.shape[1]
+    return F.scaled_dot_product_attention(
+        query, keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1), attn_mask=allowed
+    )
+
+
+@pytest.mark.parametrize("bits", (8, 4, 2))
+@pytest.mark.parametrize(("group_size", "residual"), [(4, 3), (8, 0), (16, 8)])
+def test_decode_attention_over_codes_equals_sdpa_over_dequantized_content(bits, group_size, residual):
+    g = torch.Generator().manual_seed(bits * 100 + group_size + residual)
+    layer = QuantizedLayer(bits=bits, group_size=group_size, residual=residual, block=2 * group_size)
+    history_k, history_v = [], []
+    for n in (1, 2, 1, 1, 1, 5, 1, 1, 3, *([1] * 30)):
+        k, v = torch.randn(2, 2, n, 16, generator=g), torch.randn(2, 2, n, 16, generator=g)
+        history_k.append(k)
+        history_v.append(v)
+        first = layer.seen
+        past_k, past_v = layer.view() if first else (k[:, :, :0], v[:, :, :0])
+        layer.update(k, v)
+        query = torch.randn(2, 4, n, 16, generator=g)
+        keys, values = layer.view()  # dequantized codes + exact residual, in position order
+        if n > max(residual, 1):  # a chunk longer than the residual attends the past as it was, and itself exactly
+            keys, values = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+        torch.testing.assert_close(layer.attend(query), sdpa_reference(query, keys, values, first), rtol=1e-5, atol=1e-5)
+    assert layer.seen == sum(k.shape[2] for k in history_k)
+
+
+def test_padding_mask_and_softcap_on_the_store_path():
+    g = torch.Generator().manual_seed(3)
+    layer = QuantizedLayer(bits=8, group_size=4, residual=2)
+    layer.update(torch.randn(2, 2, 12, 8, generator=g), torch.randn(2, 2, 12, 8, generator=g))
+    layer.skip_attention()
+    layer.update(torch.randn(2, 2, 1, 8, generator=g), torch.randn(2, 2, 1, 8, generator=g))
+    mask = torch.ones(2, 1, 1, 13, dtype=torch.bool)
+    mask[1, :, :, :5] = False  # row 1: five padding positions
+    query = torch.randn(2, 4, 1, 8, generator=g)
+    keys, values = layer.view()
+    got = layer.attend(query, mask=mask, softcap=2.0, scale=0.3)
+    group = 2
+    scores = torch.tanh(query @ keys.repeat_interleave(group, 1).transpose(-1, -2) * 0.3 / 2.0) * 2.0
+    scores = scores.masked_fill(~mask, -math.inf)
+    want = torch.softmax(scores, -1) @ values.repeat_interleave(group, 1)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bits", (8, 4, 2))
+def test_residual_stays_exact_and_the_rest_within_the_quantization_bound(bits):
+    group_size, residual = 8, 5
+    g = torch.Generator().manual_seed(bits)
+    layer = QuantizedLayer(bits=bits, group_size=group_size, residual=residual)
+    ks, vs = [], []
+    for n in (7, 1, 1, 13, *([1] * 20)):
+        ks.append(torch.randn(1, 2, n, 16, generator=g))
+        vs.append(torch.randn(1, 2, n, 16, generator=g))
+        layer.update(ks[-1], vs[-1])
+        layer.skip_attention()
+        keys, values = layer.view()
+        true_k, true_v = torch.cat(ks, 2), torch.cat(vs, 2)
+        seen = true_k.shape[2]
+        exact_values = min(seen, residual)
+        exact_keys = seen - layer.state().tensors["kcodes"].shape[2]
+        assert residual <= exact_keys < residual + group_size or exact_keys == seen
+        assert torch.equal(values[:, :, seen - exact_values :], true_v[:, :, seen - exact_values :])
+        assert torch.equal(keys[:, :, seen - exact_keys :], true_k[:, :, seen - exact_keys :])
+        levels = 2**bits - 1
+        # Keys: per channel over blocks of group_size tokens; values: per token (group = 8 channels).
+        tq = seen - exact_keys
+        if tq:
+            blocks = true_k[:, :, :tq].reshape(1, 2, tq // group_size, group_size, 16)
+            span = blocks.amax(3, keepdim=True) - blocks.amin(3, keepdim=True)
+            err = (keys[:, :, :tq].reshape(blocks.shape) - blocks).abs()
+            assert (err <= span / levels / 2 * 1.001 + 1e-6).all()
+        tv = seen - exact_values
+        if tv:
+            groups = true_v[:, :, :tv].reshape(1, 2, tv, 2, 8)
+            span = groups.amax(-1, keepdim=True) - groups.amin(-1, keepdim=True)
+            err = (values[:, :, :tv].reshape(groups.shape) - groups).abs()
+            assert (err <= span / levels / 2 * 1.001 + 1e-6).all()
+
+
+def test_int4_is_at_most_030_of_fp16_at_4k_residual_and_scales_included():
+    layer = QuantizedLayer(bits=4)  # defaults: group_size 64, residual 32
+    keys = torch.randn(1, 8, 4096, 128, dtype=torch.float16)
+    layer.update(keys, keys.clone())
+    layer.skip_attention()
+    fp16 = 2 * keys.nbytes
+    assert layer.nbytes <= 0.30 * fp16, layer.nbytes / fp16
+    assert QuantizedLayer(bits=8).nbytes == 0
+
+
+def ragged_batch():
+    ids = prompt(30, seed=21, batch=2)
+    mask = torch.ones_like(ids)
+    mask[1, :6], ids[1, :6] = 0, PAD_TOKEN_ID
+    return ids, mask
+
+
+def greedy(model, ids, cache, **kwargs):
+    kwargs.setdefault("max_new_tokens", NEW_TOKENS)
+    with attention_for(model, cache):
+        return model.generate(ids, past_key_values=cache, do_sample=False, **kwargs)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_batched_left_padded(family):
+    model = model_for(family)
+    ids, mask = ragged_batch()
+    with hf_attention(model):
+        ref = greedy(model, ids, DynamicCache(config=model.config), attention_mask=mask)
+    # A residual longer than the sequence keeps everything exact: token-identical.
+    exact = kvcache.make_cache(model, "quantized:bits=4,group_size=8,residual=64")
+    assert torch.equal(greedy(model, ids, exact, attention_mask=mask), ref)
+    for spec in ("quantized:bits=8,group_size=8,residual=4", "quantized:bits=4,group_size=16,residual=0",
+                 "h2o:budget=12,storage=int8", "lastrec:budget=12,sinks=2,storage=int4"):
+        cache = kvcache.make_cache(model, spec)
+        out = greedy(model, ids, cache, attention_mask=mask, output_scores=True, return_dict_in_generate=True)
+        assert out.sequences.shape == ref.shape
+        assert all(torch.isfinite(s).all() for s in out.scores), spec
+        assert cache.seen == ids.shape[1] + NEW_TOKENS - 1
+
+
+@pytest.mark.parametrize(
+    "spec", ["quantized:bits=4,group_size=8,residual=4", "h2o:budget=14,storage=int8", "tova:budget=0.5,storage=int4"]
+)
+@pytest.mark.parametrize("family", ("llama", "gemma2"))
+def test_save_load_snapshot_fork_replay_exactly(family, spec, tmp_path):
+    model = model_for(family)
+    ids = prompt(30, seed=22)
+    cache = kvcache.make_cache(model, spec)
+    first = greedy(model, ids, cache, max_new_tokens=8)
+    snap, fork = cache.snapshot(), cache.fork()
+    cache.save(tmp_path / "q.kv")
+    loaded = kvcache.load_cache(tmp_path / "q.kv", model)
+    runs = [greedy(model, first, c, max_new_tokens=10) for c in (cache, fork, loaded)]
+    cache.restore(snap)
+    runs.append(greedy(model, first, cache, max_new_tokens=10))
+    for other in runs[1:]:
+        assert torch.equal(other, runs[0])
+    whole = greedy(model, ids, kvcache.make_cache(model, spec), max_new_tokens=18)
+    assert torch.equal(runs[0], whole)
+
+
+def test_crop_within_the_residual_and_refused_beyond():
+    model = model_for("llama")
+    cache = kvcache.make_cache(model, "quantized:bits=8,group_size=4,residual=6")
+    ids = prompt(20, seed=23)
+    out = greedy(model, ids, cache, max_new_tokens=5)  # 24 cached; values: last 6 exact
+    before = [s.state().clone() for s in cache.stores]
+    with pytest.raises(kvcache.UnsupportedOperation, match="full precision"):
+        cache.crop(-7)
+    for store, state in zip(cache.stores, before):
+        after = store.state()
+        assert after.seen == state.seen
+        assert all(torch.equal(after.tensors[n], t) for n, t in state.tensors.items())
+    cache.crop(-3)
+    rest = greedy(model, out[:, :-3], cache, max_new_tokens=4)
+    fresh = kvcache.make_cache(model, "quantized:bits=8,group_size=4,residual=6")
+    ref = greedy(model, ids, fresh, max_new_tokens=2)
+    ref = greedy(model, ref, fresh, max_new_tokens=4)
+    assert torch.equal(rest, ref)
+
+
+def test_eviction_over_int8_slots_keeps_positions_and_bytes():
+    g = torch.Generator().manual_seed(5)
+    layer = EvictingLayer(6, policy="lastrec", storage="int8")
+    history = []
+    for _ in range(15):
+        k = torch.randn(1, 2, 1, 16, generator=g)
+        history.append(k)
+        layer.update(k, k.clone())
+        layer.attend(torch.randn(1, 4, 1, 16, generator=g))
+    full = torch.cat(history, 2)
+    pos = layer.positions()
+    assert sorted(pos[0, 0].tolist()) == list(range(9, 15))
+    keys, values = layer.view()
+    want = torch.gather(full, 2, pos.unsqueeze(-1).expand(1, 2, 6, 16))
+    span = want.amax(-1, keepdim=True) - want.amin(-1, keepdim=True)
+    assert ((keys - want).abs() <= span / 255 / 2 * 1.001 + 1e-6).all()
+    assert torch.equal(keys, values)
+    # (budget + 1) slots of: 16 + 16 code bytes, fp32 scale and minimum per 16-channel group for
+    # keys and values, an int64 position and a float32 score, for 2 heads.
+    assert layer.nbytes == 7 * 2 * (16 + 16 + 4 * 4 + 8 + 4)
+
+
+@pytest.mark.parametrize(
+    ("spec", "word"),
+    [
+        ("quantized:bits=3", "bits"),
+        ("quantized:group_size=0", "group_size"),
+        ("quantized:residual=-1", "residual"),
+        ("h2o:budget=8,storage=int3", "storage"),
+    ],
+)
+def test_bad_options_name_the_option(spec, word):
+    with pytest.raises(kvcache.SpecError, match=word):
+        kvcache.make_cache(model_for("llama"), spec)
+
+
+def test_head_dims_that_cannot_be_packed_are_refused_and_nothing_changes():
+    layer = QuantizedLayer(bits=2, group_size=4)
+    with pytest.raises(kvcache.ShapeError, match="multiples of 4, got 6 and 6"):
+        layer.update(torch.randn(1, 1, 3, 6), torch.randn(1, 1, 3, 6))
+    assert not layer.initialized and layer.seen == 0 and layer.nbytes == 0
+    layer = QuantizedLayer(bits=4, group_size=4)
+    with pytest.raises(kvcache.ShapeError, match="multiples of 2"):
+        layer.update(torch.randn(1, 1, 3, 5), torch.randn(1, 1, 3, 5))
+    assert not layer.initialized and layer.seen == 0 and layer.nbytes == 0
+    layer = QuantizedLayer(bits=8, group_size=4)
+    with pytest.raises(kvcache.ShapeError, match="group_size"):
+        layer.update(torch.randn(1, 1, 3, 8), torch.randn(1, 1, 3, 6))
+    assert not layer.initialized
