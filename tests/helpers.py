@@ -1,8 +1,10 @@
-"""Helpers shared by the model-level tests."""
+"""Helpers shared by the tests (core, hf and apps)."""
 
 import contextlib
 import functools
+import importlib.util
 import math
+from pathlib import Path
 
 import torch
 
@@ -118,3 +120,15 @@ def assert_same_tokens(ours: torch.Tensor, ref: torch.Tensor, what: str = "") ->
             f"{what}: tokens differ from DynamicCache, first at row {rows[0].item()} "
             f"column {cols[0].item()}\nours: {ours.tolist()}\nref:  {ref.tolist()}"
         )
+
+
+#: The repository's root folder (README, pyproject.toml, tools/).
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def load_tool(name: str):
+    """The script ``tools/<name>.py`` as a module (the tools are scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

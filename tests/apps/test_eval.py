@@ -7,26 +7,22 @@ documented schema.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
+from helpers import load_tool
 from kvcache.apps import eval as harness
 from kvcache.apps.cli import main
 
 RUN_KEYS = {"cache", "budget", "task", "accuracy", "kl", "top1", "bytes_per_token"}
 
 
-TRAIN_SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "train_tiny.py"
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """A random 2-layer model and the byte-level tokenizer, saved as the training script saves them."""
-    spec = importlib.util.spec_from_file_location("train_tiny", TRAIN_SCRIPT)
-    train = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train)
+    train = load_tool("train_tiny")
     folder = tmp_path_factory.mktemp("model")
     args = train.parse_args(["--out", str(folder), "--layers", "2", "--hidden", "64", "--heads", "4",
                              "--kv-heads", "2", "--intermediate", "128"])

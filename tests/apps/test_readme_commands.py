@@ -23,9 +23,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from helpers import model_for, prompt
+from helpers import ROOT, model_for, prompt
 
-ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 
 #: Appended to a documented command so that it runs in seconds; what it prints and writes is checked.

@@ -3,25 +3,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
-from pathlib import Path
 
 import pytest
 
+from helpers import load_tool
 from kvcache.apps.trained import load_trained
 
-TRAIN_SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "train_tiny.py"
 SMALL = ["--layers", "1", "--hidden", "32", "--heads", "2", "--kv-heads", "1", "--intermediate", "64"]
 
 
 @pytest.fixture(scope="module")
 def train():
-    spec = importlib.util.spec_from_file_location("train_tiny", TRAIN_SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("train_tiny")
 
 
 def test_phases_run_in_order_and_mixed_phases_cycle_their_lengths(train):
