@@ -22,7 +22,7 @@ from transformers.integrations.heterogeneity.configuration_utils import Ambiguou
 from . import foreign
 from .errors import ShapeError, SpecError, UnsupportedOperation
 from .foreign import HYBRID_TYPES, ForeignLayers
-from .hf import SWITCH_HINT, HFLayer, crop_count, runs_kvcache_attention
+from .hf import SWITCH_HINT, HFLayer, crop_count, note_writer, runs_kvcache_attention
 from .layers.base import check_kv
 from .layers import ConcatLayer, EvictingLayer, GrowableLayer, KVLayer, LayerState, QuantizedLayer, StaticLayer, WindowLayer
 from .spec import EVICTION_KINDS, CacheSpec, parse_spec
@@ -87,6 +87,12 @@ class KVCache(ForeignLayers, Cache):
         for store, readers in zip(self.stores, kv_readers(attention_config, len(self.stores))):
             if store is not None and store.needs_own_attention:
                 store.readers = readers
+        #: For each layer, the bounded layer whose read record its attention reads (its own, or for a
+        #: layer reusing another's keys and values the owner's), or None: what "kvcache" attention asks.
+        self.read_layers = [
+            None if j is None or self.stores[j] is None or not self.stores[j].needs_own_attention else self.stores[j]
+            for j in kv_owners(attention_config, len(self.stores))
+        ]
         # Only fixed-capacity kinds can refuse an append; the others need no check per step.
         self._can_refuse = [s for s in self._live if type(s).check_append is not KVLayer.check_append]
         self._first_live = next((i for i, s in enumerate(self.stores) if s is not None), -1)
@@ -101,12 +107,14 @@ class KVCache(ForeignLayers, Cache):
             self.check_attention()
             for store in self._can_refuse:
                 store.check_append(key_states.shape[-2])
+        if self._bounded_kinds:
+            note_writer(self)  # the attention that follows finds its layer's read record here (hf.py)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def extend(self, past: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
         """Append keys/values computed elsewhere (e.g. another cache's ``[(keys, values), ...]``,
         ``[B, Hkv, S, D]`` per layer, None for layers without a cache), with no attention pass:
-        bounded layers keep what their policy keeps without attention scores."""
+        bounded layers settle at once, keeping what their policy keeps without attention scores."""
         foreign.refuse("extend", self.other_kinds, "extend works on caches whose layers are all attention (or dummy)")
         if len(past) != len(self.stores):
             raise ShapeError(f"extend: expected one (keys, values) per layer ({len(self.stores)}), got {len(past)}")
@@ -119,8 +127,7 @@ class KVCache(ForeignLayers, Cache):
         for store, pair in zip(self.stores, past):
             if store is not None:
                 store.update(*pair)
-                if store.needs_own_attention:
-                    store.skip_attention()
+                store.settle()
 
     @property
     def needs_kvcache_attention(self) -> bool:
@@ -241,6 +248,22 @@ def kv_readers(config: PretrainedConfig | None, n_layers: int) -> list[int]:
         1 + sum(m == "reuse" and t == types[i] for m, t in zip(modes, types)) if mode == "store" else 1
         for i, mode in enumerate(modes)
     ]
+
+
+def kv_owners(config: PretrainedConfig | None, n_layers: int) -> list[int | None]:
+    """For each layer, the layer whose keys and values its attention reads: itself, or for a
+    Gemma 3n / 4 "reuse" layer the last "store" layer of its type before it (None if there is none)."""
+    modes = getattr(config, "kv_sharing_modes", None)
+    types = getattr(config, "layer_types", None)
+    if not modes or types is None or len(modes) != n_layers:
+        return list(range(n_layers))
+    owners: list[int | None] = []
+    last_store: dict[str, int] = {}
+    for i, (mode, kind) in enumerate(zip(modes, types)):
+        if mode == "store":
+            last_store[kind] = i
+        owners.append(last_store.get(kind) if mode == "reuse" else i)
+    return owners
 
 
 def config_summary(config: PretrainedConfig) -> dict[str, Any]:
