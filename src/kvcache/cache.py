@@ -83,7 +83,8 @@ class KVCache(ForeignLayers, Cache):
         self.attention_config = attention_config
         self._live = [s for s in self.stores if s is not None]
         # Fixed for the cache's life (the layers are never swapped), and read on every forward pass.
-        self._bounded_kinds = sorted({s.kind for s in self._live if s.needs_own_attention})
+        self._bounded = [s for s in self._live if s.needs_own_attention]
+        self._bounded_kinds = sorted({s.kind for s in self._bounded})
         for store, readers in zip(self.stores, kv_readers(attention_config, len(self.stores))):
             if store is not None and store.needs_own_attention:
                 store.readers = readers
@@ -105,6 +106,7 @@ class KVCache(ForeignLayers, Cache):
         has changed (layers stay in step)."""
         if layer_idx == self._first_live and key_states is not None:
             self.check_attention()
+            self._check_attended()
             for store in self._can_refuse:
                 store.check_append(key_states.shape[-2])
         if self._bounded_kinds:
@@ -128,6 +130,17 @@ class KVCache(ForeignLayers, Cache):
             if store is not None:
                 store.update(*pair)
                 store.settle()
+
+    def _check_attended(self) -> None:
+        """Raise, changing nothing, if a bounded layer's last update went unattended through the model:
+        its attention did not run the "kvcache" implementation (or did not get the keys the layer
+        handed out), so it did not mask by position. (``extend`` and direct use settle instead.)"""
+        for store in self._bounded:
+            if store.unattended:
+                raise UnsupportedOperation(
+                    f"a {store.kind} cache layer needs the 'kvcache' attention implementation, and the last "
+                    f"forward pass attended without it; call {SWITCH_HINT} first; the cache is unchanged"
+                )
 
     @property
     def needs_kvcache_attention(self) -> bool:

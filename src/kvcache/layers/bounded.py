@@ -50,6 +50,11 @@ class BoundedLayer(KVLayer):
         self._reads_left = self.readers
         return self.reads.returned
 
+    @property
+    def unattended(self) -> bool:
+        """Whether the last update appended tokens that no attention has read yet."""
+        return self.reads is not None and self.reads.queries > 0 and self._reads_left == self.readers
+
     def attend(
         self,
         query: torch.Tensor,
