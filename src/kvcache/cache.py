@@ -83,15 +83,16 @@ class KVCache(ForeignLayers, Cache):
         self.attention_config = attention_config
         self._live = [s for s in self.stores if s is not None]
         # Fixed for the cache's life (the layers are never swapped), and read on every forward pass.
-        self._bounded = [s for s in self._live if s.needs_own_attention]
-        self._bounded_kinds = sorted({s.kind for s in self._bounded})
+        #: The layers whose attention must read their update's record (``layers/bounded.py``).
+        self.bounded_layers = [s for s in self._live if s.needs_own_attention]
+        self._bounded_kinds = sorted({s.kind for s in self.bounded_layers})
         for store, readers in zip(self.stores, kv_readers(attention_config, len(self.stores))):
             if store is not None and store.needs_own_attention:
                 store.readers = readers
         #: For each layer, the bounded layer whose read record its attention reads (its own, or for a
         #: layer reusing another's keys and values the owner's), or None: what "kvcache" attention asks.
         self.read_layers = [
-            None if j is None or self.stores[j] is None or not self.stores[j].needs_own_attention else self.stores[j]
+            self.stores[j] if j is not None and self.stores[j] in self.bounded_layers else None
             for j in kv_owners(attention_config, len(self.stores))
         ]
         # Only fixed-capacity kinds can refuse an append; the others need no check per step.
@@ -135,7 +136,7 @@ class KVCache(ForeignLayers, Cache):
         """Raise, changing nothing, if a bounded layer's last update went unattended through the model:
         its attention did not run the "kvcache" implementation (or did not get the keys the layer
         handed out), so it did not mask by position. (``extend`` and direct use settle instead.)"""
-        for store in self._bounded:
+        for store in self.bounded_layers:
             if store.unattended:
                 raise UnsupportedOperation(
                     f"a {store.kind} cache layer needs the 'kvcache' attention implementation, and the last "

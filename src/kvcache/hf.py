@@ -216,12 +216,21 @@ def reading_layer(module: torch.nn.Module, key: torch.Tensor):
     that layer's last update handed out."""
     ref = getattr(_last_writer, "ref", None)
     cache = ref() if ref is not None else None
-    idx = getattr(module, "layer_idx", None)
-    if cache is None or not isinstance(idx, int) or not 0 <= idx < len(cache.read_layers):
+    if cache is None:
         return None
-    layer = cache.read_layers[idx]
-    reads = None if layer is None else layer.reads
-    return layer if reads is not None and reads.returned[0] is key else None
+    idx = getattr(module, "layer_idx", None)
+    known = isinstance(idx, int) and 0 <= idx < len(cache.read_layers)
+    layer = cache.read_layers[idx] if known else None
+    if layer is not None and _handed_out(layer, key):
+        return layer
+    if known and layer is None:
+        return None  # a layer that keeps its past in order (or keeps none)
+    # A model that numbers its attention modules otherwise: the bounded layer that handed out `key`.
+    return next((layer for layer in cache.bounded_layers if _handed_out(layer, key)), None)
+
+
+def _handed_out(layer, key: torch.Tensor) -> bool:
+    return layer.reads is not None and layer.reads.returned[0] is key
 
 
 _last_writer = threading.local()
