@@ -167,3 +167,17 @@ def test_reuse_layers_read_the_last_store_layer_of_their_type():
         else:
             assert owners[i] == i
     assert all(readers[j] == owners.count(j) for j in range(35) if modes[j] == "store")  # itself + its reusers
+
+
+def test_a_module_without_a_layer_index_finds_the_layer_that_handed_out_its_key():
+    """Models that number their attention modules otherwise: the key's identity still finds the layer."""
+    model = model_for("llama")
+    cache = kvcache.make_cache(model, "window:window=4")
+    with kvcache.use_kvcache_attention(model):
+        keys, values = cache.update(torch.randn(1, 2, 6, 16), torch.randn(1, 2, 6, 16), 1)
+    store = cache.stores[1]
+    q = torch.randn(1, 4, 6, 16)
+    want = store.fork().attend(q)
+    out, _ = hf_attention_forward(torch.nn.Module(), q, keys, values, None)
+    torch.testing.assert_close(out.transpose(1, 2), want, atol=0, rtol=0)
+    assert store.reads is None  # attended, and settled
