@@ -181,3 +181,9 @@ def test_a_module_without_a_layer_index_finds_the_layer_that_handed_out_its_key(
     out, _ = hf_attention_forward(torch.nn.Module(), q, keys, values, None)
     torch.testing.assert_close(out.transpose(1, 2), want, atol=0, rtol=0)
     assert store.reads is None  # attended, and settled
+
+
+def test_a_block_reader_comes_without_a_value_tensor():
+    k = torch.randn(1, 1, 4, 8)
+    with pytest.raises(DTypeError, match="value=None"):
+        attend_weighted(torch.randn(1, 1, 1, 8), SplitReader(k, k, [4], [4]), k)

@@ -91,7 +91,9 @@ def attend_weighted(
     block of slots at a time, as the reader hands them out.
     """
     if isinstance(key, BlockReader):
-        key, value = key, key
+        if value is not None:
+            raise DTypeError(f"a BlockReader hands out both keys and values: pass value=None, got {type(value).__name__}")
+        value = key  # the same reader, asked for its value blocks
     if weights is not None and weights not in WEIGHTS:
         raise ValueError(f"weights must be None or one of {WEIGHTS}, got {weights!r}")
     batch, q_heads, q_len, head_dim = _check_inputs(query, key, value, mask)
