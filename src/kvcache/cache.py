@@ -110,8 +110,7 @@ class KVCache(ForeignLayers, Cache):
             self._check_attended()
             for store in self._can_refuse:
                 store.check_append(key_states.shape[-2])
-        if self._bounded_kinds:
-            note_writer(self)  # the attention that follows finds its layer's read record here (hf.py)
+        note_writer(self)  # the attention that follows finds its layer's read record here (hf.py)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def extend(self, past: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:

@@ -1,9 +1,10 @@
 """The bridge to ``transformers``: a per-layer adapter and the ``"kvcache"`` attention registration.
 
 ``HFLayer`` wraps one of our storage layers in the interface that ``transformers.Cache`` and the
-models call (``update``, ``get_mask_sizes``, ``crop``, ...). Our storage returns keys in order, the
-kept past then the new tokens, so the mask ``transformers`` builds from ``get_mask_sizes`` is
-``kv_length = length + query_length`` starting at absolute position ``seen - length``.
+models call (``update``, ``get_mask_sizes``, ``crop``, ...). The mask ``transformers`` builds from
+``get_mask_sizes`` covers absolute positions ``0..seen + query_length - 1``: unbounded layers hold
+exactly that past in order, and bounded layers pick its columns at their slots' positions
+(``attention.masks``) after ``boolean_mask`` turned it into booleans, here and only here.
 
 ``register_attention()`` adds ``"kvcache"`` to the attention implementations (the one documented
 piece of global state). ``use_kvcache_attention(model)`` switches a model to it, for good or, as a
@@ -12,8 +13,8 @@ context manager, for a block; it then runs ``attend`` for decode steps where it 
 (``attention.choice``). Nothing else in the library changes a model's attention implementation.
 
 How the attention finds a bounded layer: transformers calls ``cache.update(k, v, layer_idx)`` and
-then the attention function, which does not receive the cache. A ``KVCache`` with bounded layers
-notes itself, on each update, as the cache that last wrote in this thread (``note_writer``: a weak
+then the attention function, which does not receive the cache. A ``KVCache`` notes itself, on
+each update, as the cache that last wrote in this thread (``note_writer``: a weak
 reference in a ``threading.local``); ``hf_attention_forward`` asks that cache which layer
 ``module.layer_idx`` reads (its own, or for a K/V-sharing layer the owner's) and uses that layer's
 read record only if the ``key`` it received is the one the record handed out (identity), so a
