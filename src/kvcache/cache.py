@@ -22,7 +22,7 @@ from transformers.integrations.heterogeneity.configuration_utils import Ambiguou
 from . import foreign
 from .errors import ShapeError, SpecError, UnsupportedOperation
 from .foreign import HYBRID_TYPES, ForeignLayers
-from .hf import SWITCH_HINT, HFLayer, crop_count, runs_kvcache_attention
+from .hf import SWITCH_HINT, HFLayer, crop_count, note_writer, runs_kvcache_attention
 from .layers.base import check_kv
 from .layers import ConcatLayer, EvictingLayer, GrowableLayer, KVLayer, LayerState, QuantizedLayer, StaticLayer, WindowLayer
 from .spec import EVICTION_KINDS, CacheSpec, parse_spec
@@ -83,10 +83,18 @@ class KVCache(ForeignLayers, Cache):
         self.attention_config = attention_config
         self._live = [s for s in self.stores if s is not None]
         # Fixed for the cache's life (the layers are never swapped), and read on every forward pass.
-        self._bounded_kinds = sorted({s.kind for s in self._live if s.needs_own_attention})
+        #: The layers whose attention must read their update's record (``layers/bounded.py``).
+        self.bounded_layers = [s for s in self._live if s.needs_own_attention]
+        self._bounded_kinds = sorted({s.kind for s in self.bounded_layers})
         for store, readers in zip(self.stores, kv_readers(attention_config, len(self.stores))):
             if store is not None and store.needs_own_attention:
                 store.readers = readers
+        #: For each layer, the bounded layer whose read record its attention reads (its own, or for a
+        #: layer reusing another's keys and values the owner's), or None: what "kvcache" attention asks.
+        self.read_layers = [
+            self.stores[j] if j is not None and self.stores[j] in self.bounded_layers else None
+            for j in kv_owners(attention_config, len(self.stores))
+        ]
         # Only fixed-capacity kinds can refuse an append; the others need no check per step.
         self._can_refuse = [s for s in self._live if type(s).check_append is not KVLayer.check_append]
         self._first_live = next((i for i, s in enumerate(self.stores) if s is not None), -1)
@@ -99,14 +107,16 @@ class KVCache(ForeignLayers, Cache):
         has changed (layers stay in step)."""
         if layer_idx == self._first_live and key_states is not None:
             self.check_attention()
+            self._check_attended()
             for store in self._can_refuse:
                 store.check_append(key_states.shape[-2])
+        note_writer(self)  # the attention that follows finds its layer's read record here (hf.py)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def extend(self, past: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
         """Append keys/values computed elsewhere (e.g. another cache's ``[(keys, values), ...]``,
         ``[B, Hkv, S, D]`` per layer, None for layers without a cache), with no attention pass:
-        bounded layers keep what their policy keeps without attention scores."""
+        bounded layers settle at once, keeping what their policy keeps without attention scores."""
         foreign.refuse("extend", self.other_kinds, "extend works on caches whose layers are all attention (or dummy)")
         if len(past) != len(self.stores):
             raise ShapeError(f"extend: expected one (keys, values) per layer ({len(self.stores)}), got {len(past)}")
@@ -119,8 +129,18 @@ class KVCache(ForeignLayers, Cache):
         for store, pair in zip(self.stores, past):
             if store is not None:
                 store.update(*pair)
-                if store.needs_own_attention:
-                    store.skip_attention()
+                store.settle()
+
+    def _check_attended(self) -> None:
+        """Raise, changing nothing, if a bounded layer's last update went unattended through the model:
+        its attention did not run the "kvcache" implementation (or did not get the keys the layer
+        handed out), so it did not mask by position. (``extend`` and direct use settle instead.)"""
+        for store in self.bounded_layers:
+            if store.unattended:
+                raise UnsupportedOperation(
+                    f"a {store.kind} cache layer needs the 'kvcache' attention implementation, and the last "
+                    f"forward pass attended without it; call {SWITCH_HINT} first; the cache is unchanged"
+                )
 
     @property
     def needs_kvcache_attention(self) -> bool:
@@ -241,6 +261,22 @@ def kv_readers(config: PretrainedConfig | None, n_layers: int) -> list[int]:
         1 + sum(m == "reuse" and t == types[i] for m, t in zip(modes, types)) if mode == "store" else 1
         for i, mode in enumerate(modes)
     ]
+
+
+def kv_owners(config: PretrainedConfig | None, n_layers: int) -> list[int | None]:
+    """For each layer, the layer whose keys and values its attention reads: itself, or for a
+    Gemma 3n / 4 "reuse" layer the last "store" layer of its type before it (None if there is none)."""
+    modes = getattr(config, "kv_sharing_modes", None)
+    types = getattr(config, "layer_types", None)
+    if not modes or types is None or len(modes) != n_layers:
+        return list(range(n_layers))
+    owners: list[int | None] = []
+    last_store: dict[str, int] = {}
+    for i, (mode, kind) in enumerate(zip(modes, types)):
+        if mode == "store":
+            last_store[kind] = i
+        owners.append(last_store.get(kind) if mode == "reuse" else i)
+    return owners
 
 
 def config_summary(config: PretrainedConfig) -> dict[str, Any]:

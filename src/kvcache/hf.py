@@ -1,27 +1,36 @@
 """The bridge to ``transformers``: a per-layer adapter and the ``"kvcache"`` attention registration.
 
 ``HFLayer`` wraps one of our storage layers in the interface that ``transformers.Cache`` and the
-models call (``update``, ``get_mask_sizes``, ``crop``, ...). Our storage returns keys in order, the
-kept past then the new tokens, so the mask ``transformers`` builds from ``get_mask_sizes`` is
-``kv_length = length + query_length`` starting at absolute position ``seen - length``.
+models call (``update``, ``get_mask_sizes``, ``crop``, ...). The mask ``transformers`` builds from
+``get_mask_sizes`` covers absolute positions ``0..seen + query_length - 1``: unbounded layers hold
+exactly that past in order, and bounded layers pick its columns at their slots' positions
+(``attention.masks``) after ``boolean_mask`` turned it into booleans, here and only here.
 
 ``register_attention()`` adds ``"kvcache"`` to the attention implementations (the one documented
 piece of global state). ``use_kvcache_attention(model)`` switches a model to it, for good or, as a
 context manager, for a block; it then runs ``attend`` for decode steps where it measured faster
-(grouped heads; long multi-head caches) and torch's SDPA otherwise, prefill included. Nothing
-else in the library changes a model's attention implementation.
+(grouped heads; long multi-head caches) and torch's SDPA otherwise, prefill included
+(``attention.choice``). Nothing else in the library changes a model's attention implementation.
+
+How the attention finds a bounded layer: transformers calls ``cache.update(k, v, layer_idx)`` and
+then the attention function, which does not receive the cache. A ``KVCache`` notes itself, on
+each update, as the cache that last wrote in this thread (``note_writer``: a weak
+reference in a ``threading.local``); ``hf_attention_forward`` asks that cache which layer
+``module.layer_idx`` reads (its own, or for a K/V-sharing layer the owner's) and uses that layer's
+read record only if the ``key`` it received is the one the record handed out (identity), so a
+stale cache never applies. Anything else is plain attention over the key and value as given.
 """
 
 from __future__ import annotations
+
+import threading
+import weakref
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
 from transformers.masking_utils import eager_mask, sdpa_mask
 
-import torch.nn.functional as F
-
-from .attention import _DECODE_ROWS as DECODE_ROWS
-from .attention import attend
+from .attention import fastest_attention
 from .errors import UnsupportedOperation
 from .layers import KVLayer
 
@@ -127,30 +136,17 @@ class HFLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         # `early_initialization` passes empty [B, H, 0, D] tensors: an empty append fixes the geometry
-        # (and allocates a static layer's buffers up front).
+        # (and allocates a static layer's buffers up front). No queries come for it: the next update settles it.
         if not self.store.initialized:
             self.store.update(key_states[:, :, :0], value_states[:, :, :0])
-            if self.store.needs_own_attention:
-                self.store.skip_attention()  # no queries come for an empty append
 
     def update(self, key_states, value_states, *args, **kwargs):
-        store = self.store
-        if not store.needs_own_attention:
-            return store.update(key_states, value_states)
-        if store.awaiting_attention:
-            raise UnsupportedOperation(
-                f"a {store.kind} cache layer needs the 'kvcache' attention implementation, and the last "
-                f"forward pass attended without it; call {SWITCH_HINT} first"
-            )
-        keys, values = store.update(key_states, value_states)
-        keys.kvcache_layer = store  # hf_attention_forward hands the queries to the store
-        return keys, values
+        return self.store.update(key_states, value_states)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        if self.store.needs_own_attention:
-            # Bounded stores mask by each slot's absolute position: ask for every column.
-            return self.store.seen + query_length, 0
-        return self.store.length + query_length, self.store.seen - self.store.length
+        # Every column from position 0: bounded layers pick the mask's columns at their slots'
+        # absolute positions; the others hold the whole past in order (length == seen).
+        return self.store.seen + query_length, 0
 
     def get_seq_length(self) -> int:
         return self.store.seen
@@ -209,6 +205,46 @@ def crop_count(tokens_to_remove: int) -> int:
     return -n
 
 
+def note_writer(cache) -> None:
+    """Record ``cache`` as the cache that last wrote in this thread (a weak reference): the
+    ``"kvcache"`` attention asks it for the layer it reads (see the module docstring)."""
+    _last_writer.ref = weakref.ref(cache)
+
+
+def reading_layer(module: torch.nn.Module, key: torch.Tensor):
+    """The layer whose read record this attention call reads, or None: found through the cache
+    that last wrote (``note_writer``) and ``module.layer_idx``, and only if ``key`` is the keys
+    that layer's last update handed out."""
+    ref = getattr(_last_writer, "ref", None)
+    cache = ref() if ref is not None else None
+    if cache is None:
+        return None
+    idx = getattr(module, "layer_idx", None)
+    known = isinstance(idx, int) and 0 <= idx < len(cache.read_layers)
+    layer = cache.read_layers[idx] if known else None
+    if layer is not None and _handed_out(layer, key):
+        return layer
+    if known and layer is None:
+        return None  # a layer that keeps its past in order (or keeps none)
+    # A model that numbers its attention modules otherwise: the bounded layer that handed out `key`.
+    return next((layer for layer in cache.bounded_layers if _handed_out(layer, key)), None)
+
+
+def _handed_out(layer, key: torch.Tensor) -> bool:
+    return layer.reads is not None and layer.reads.returned[0] is key
+
+
+_last_writer = threading.local()
+
+
+def boolean_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """transformers' attention mask as booleans (True = attend): an additive float mask counts as
+    masked where it is at most half the dtype's lowest value (how transformers writes "masked")."""
+    if mask is None or mask.dtype == torch.bool:
+        return mask
+    return mask > torch.finfo(mask.dtype).min / 2
+
+
 def hf_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -220,54 +256,26 @@ def hf_attention_forward(
     is_causal: bool | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """``transformers`` attention interface over ``attend``: returns ``[B, Sq, Hq, Dv]``.
+    """``transformers`` attention interface over kvcache's attention: returns ``[B, Sq, Hq, Dv]``.
 
-    Learned attention sinks (``s_aux``, ``[Hq]``: gpt-oss and others) go to ``attend``, which SDPA
-    cannot do; a model's per-head masks (``[B, Hq, Sq, T]``) are taken as they come."""
+    A bounded layer's read (found as the module docstring says) is attended by that layer, which
+    masks by absolute position and settles; anything else runs ``fastest_attention`` over the key
+    and value as given. Learned attention sinks (``s_aux``, ``[Hq]``: gpt-oss and others) go to
+    ``attend``, which SDPA cannot do; a model's per-head masks (``[B, Hq, Sq, T]``) are taken as they come."""
     if dropout and module.training:
         raise UnsupportedOperation("kvcache attention is for inference: dropout is not supported")
     softcap = kwargs.get("softcap")
     sinks = kwargs.get("s_aux")
-    store = getattr(key, "kvcache_layer", None)
-    if store is not None:  # a bounded layer: it knows its slots' positions
-        out = store.attend(query, scale=scaling, softcap=softcap, mask=attention_mask, sinks=sinks)
+    layer = reading_layer(module, key)
+    if layer is not None:
+        out = layer.attend(query, scale=scaling, softcap=softcap, mask=boolean_mask(attention_mask), sinks=sinks)
         return out.transpose(1, 2).contiguous(), None
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    # transformers passes no mask only when the pattern is plain causal with queries and keys
+    # aligned, so is_causal is right for SDPA's prefill.
     causal = bool(causal) and attention_mask is None and query.shape[2] > 1
-    group = query.shape[1] // key.shape[1]
-    kv_bytes = key.numel() * key.element_size() + value.numel() * value.element_size()
-    if softcap is not None or sinks is not None or prefer_attend(query.shape[2], group, key.shape[2], kv_bytes):
-        out = attend(query, key, value, scale=scaling, mask=attention_mask, causal=causal, softcap=softcap, sinks=sinks)
-    else:
-        # Prefill: torch's fused kernel is the faster one here. transformers passes no mask only
-        # when the pattern is plain causal with queries and keys aligned, so is_causal is right.
-        out = F.scaled_dot_product_attention(
-            query, key, value, attn_mask=attention_mask, scale=scaling, is_causal=causal, enable_gqa=group > 1
-        )
+    out = fastest_attention(query, key, value, scale=scaling, mask=attention_mask, causal=causal, softcap=softcap, sinks=sinks)
     return out.transpose(1, 2).contiguous(), None
-
-
-#: Below this many cached tokens, torch's SDPA is faster than ``attend`` for plain multi-head
-#: decode on the CPU (``kvcache bench attention``: at 1K, 106% vs 55% of read bandwidth; from 4K
-#: on, ``attend`` is level or ahead).
-MHA_ATTEND_FROM = 4096
-
-#: With grouped heads ``attend`` wins once the keys and values it reads outweigh its fixed cost
-#: per call (about 45 us on a 2-core CPU): SDPA's grouped path is faster below about this many
-#: bytes of keys + values per call and falls far behind above (measured, B=1 decode, fp32:
-#: 2 KV heads x 32 at 1K tokens (0.5 MiB) SDPA 37 us vs attend 67 us; at 16K (8 MiB) 521 vs
-#: 366 us; 8 KV heads x 128 with 4 query heads each at 4K (32 MiB) 14.1 ms vs 1.1 ms).
-GQA_ATTEND_FROM_BYTES = 6 * 2**20
-
-
-def prefer_attend(q_len: int, group: int, kv_len: int, kv_bytes: int | None = None) -> bool:
-    """Whether ``attend`` is the faster choice for this call (decode shapes), per the benchmarks.
-    ``kv_bytes``: bytes of the keys and values the call reads (None: assume large)."""
-    if q_len * group > DECODE_ROWS:
-        return False
-    if group > 1:
-        return kv_bytes is None or kv_bytes >= GQA_ATTEND_FROM_BYTES
-    return kv_len >= MHA_ATTEND_FROM
 
 
 def register_attention() -> str:

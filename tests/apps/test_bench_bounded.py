@@ -202,7 +202,7 @@ def test_bytes_read_counts_the_used_part_of_the_quantized_store():
     layer = bounded.make_layer("quantized-int8")
     k, v = torch.randn(1, 8, 200, 128), torch.randn(1, 8, 200, 128)
     layer.update(k, v)
-    layer.skip_attention()
+    layer.settle()
     used = bounded.bytes_read(layer)
     assert used == sum(t.nbytes for t in layer.state().tensors.values())
     assert used <= layer.nbytes  # allocated may exceed used, never the other way

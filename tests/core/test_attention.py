@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import kvcache
-import kvcache.attention
+import kvcache.attention.kernel
 from kvcache import DTypeError, ShapeError, attend
 
 ATOL = 1e-5
@@ -227,7 +227,7 @@ def test_long_prefill_blocks_queries(monkeypatch, q_len):
     batch, q_heads, kv_heads, kv_len = 1, 4, 2, 256
     q, k, v = qkv(batch, q_heads, kv_heads, q_len, kv_len, capacity=300)
     row_bytes = batch * q_heads * kv_len * 4
-    monkeypatch.setattr(kvcache.attention, "_BLOCK_BYTES", 8 * row_bytes)  # about 8 query rows
+    monkeypatch.setattr(kvcache.attention.kernel, "_BLOCK_BYTES", 8 * row_bytes)  # about 8 query rows
     with Recorder() as rec:
         out = attend(q, k, v, causal=True)
     mask = end_aligned(q_len, kv_len)
@@ -379,7 +379,7 @@ def test_tiny_llama_decode_with_cache_matches_sdpa(monkeypatch):
 
     # The tiny model's K/V is far below where attend takes over from SDPA: lower the bar so that
     # its decode steps run attend, which is what this test checks.
-    monkeypatch.setattr("kvcache.hf.GQA_ATTEND_FROM_BYTES", 0)
+    monkeypatch.setattr("kvcache.attention.choice.GQA_ATTEND_FROM_BYTES", 0)
 
     from kvcache.apps.tiny import tiny_model
 
@@ -416,7 +416,7 @@ def test_tiny_llama_decode_with_cache_matches_sdpa(monkeypatch):
 
 
 def test_kvcache_attention_picks_attend_for_decode_where_it_measured_faster():
-    from kvcache.hf import GQA_ATTEND_FROM_BYTES, MHA_ATTEND_FROM, prefer_attend
+    from kvcache.attention.choice import GQA_ATTEND_FROM_BYTES, MHA_ATTEND_FROM, prefer_attend
 
     assert prefer_attend(q_len=1, group=4, kv_len=64, kv_bytes=GQA_ATTEND_FROM_BYTES)  # grouped heads, enough bytes
     assert not prefer_attend(q_len=1, group=4, kv_len=64, kv_bytes=GQA_ATTEND_FROM_BYTES - 1)  # too few: SDPA

@@ -119,7 +119,7 @@ def test_bounded_layers_take_sinks_and_per_head_masks_by_absolute_position(kind)
     layer = _layer(kind)
     q, k, v, sinks = tensors(1, 8, 2, 1, 31, seed=3)
     layer.update(k[:, :, :30], v[:, :, :30])
-    layer.skip_attention()
+    layer.settle()
     kept = _kept_positions(layer, 31)  # [Hkv, N] absolute positions each KV head attends next
     layer.update(k[:, :, 30:], v[:, :, 30:])
     mask = torch.rand(1, 8, 1, 31, generator=torch.Generator().manual_seed(4)) > 0.3

@@ -62,7 +62,7 @@ def test_padding_mask_and_softcap_on_the_store_path():
     g = torch.Generator().manual_seed(3)
     layer = QuantizedLayer(bits=8, group_size=4, residual=2)
     layer.update(torch.randn(2, 2, 12, 8, generator=g), torch.randn(2, 2, 12, 8, generator=g))
-    layer.skip_attention()
+    layer.settle()
     layer.update(torch.randn(2, 2, 1, 8, generator=g), torch.randn(2, 2, 1, 8, generator=g))
     mask = torch.ones(2, 1, 1, 13, dtype=torch.bool)
     mask[1, :, :, :5] = False  # row 1: five padding positions
@@ -86,7 +86,7 @@ def test_residual_stays_exact_and_the_rest_within_the_quantization_bound(bits):
         ks.append(torch.randn(1, 2, n, 16, generator=g))
         vs.append(torch.randn(1, 2, n, 16, generator=g))
         layer.update(ks[-1], vs[-1])
-        layer.skip_attention()
+        layer.settle()
         keys, values = layer.view()
         true_k, true_v = torch.cat(ks, 2), torch.cat(vs, 2)
         seen = true_k.shape[2]
@@ -115,7 +115,7 @@ def test_int4_is_at_most_030_of_fp16_at_4k_residual_and_scales_included():
     layer = QuantizedLayer(bits=4)  # defaults: group_size 64, residual 32
     keys = torch.randn(1, 8, 4096, 128, dtype=torch.float16)
     layer.update(keys, keys.clone())
-    layer.skip_attention()
+    layer.settle()
     fp16 = 2 * keys.nbytes
     assert layer.nbytes <= 0.30 * fp16, layer.nbytes / fp16
     assert QuantizedLayer(bits=8).nbytes == 0

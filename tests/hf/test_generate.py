@@ -194,8 +194,8 @@ def test_manual_forward_loop_logits_match_dynamic_cache(family, spec, decode_ker
     """``chosen``: the kvcache attention picks SDPA or ``attend`` by size, as users get it (SDPA
     for these tiny caches); ``attend``: every decode step forced through ``attend``."""
     if decode_kernel == "attend":
-        monkeypatch.setattr("kvcache.hf.GQA_ATTEND_FROM_BYTES", 0)
-        monkeypatch.setattr("kvcache.hf.MHA_ATTEND_FROM", 0)
+        monkeypatch.setattr("kvcache.attention.choice.GQA_ATTEND_FROM_BYTES", 0)
+        monkeypatch.setattr("kvcache.attention.choice.MHA_ATTEND_FROM", 0)
     model = model_for(family)
     ids = prompt(PROMPT_LEN, seed=5)
     ref_tokens = greedy(model, ids, reference_cache(model))[:, PROMPT_LEN:]

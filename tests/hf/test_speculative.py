@@ -136,7 +136,7 @@ def test_crop_within_the_log_continues_like_dynamic_cache_and_beyond_it_refuses(
 def test_without_recording_a_wrapped_window_still_refuses():
     layer = WindowLayer(4)
     layer.update(torch.randn(1, 1, 6, 4), torch.randn(1, 1, 6, 4))
-    layer.skip_attention()
+    layer.settle()
     with pytest.raises(UnsupportedOperation, match="activate_past_recording"):
         layer.trim(1)
 

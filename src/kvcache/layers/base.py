@@ -119,7 +119,7 @@ class KVLayer(ABC):
     kind: ClassVar[str]
     #: True for layers that keep only a recent window (mask sizes differ, see ``hf.py``).
     is_sliding: ClassVar[bool] = False
-    #: True for bounded kinds, whose attention must run through their own ``attend`` (``bounded.py``).
+    #: True for bounded kinds, whose attention must read their update's record (``bounded.py``).
     needs_own_attention: ClassVar[bool] = False
 
     def __init__(self) -> None:
@@ -164,6 +164,9 @@ class KVLayer(ABC):
     @abstractmethod
     def _append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append already-validated tensors. Must raise before changing anything."""
+
+    def settle(self) -> None:
+        """Finish the last update without attention weights; only bounded layers have work to do."""
 
     # ---- sizes --------------------------------------------------------------------------
 

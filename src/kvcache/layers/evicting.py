@@ -25,7 +25,8 @@ import torch
 from ..errors import DTypeError, ShapeError, UnsupportedOperation
 from ..policies import Policy, get_policy
 from .base import Geometry, LayerState
-from .bounded import AttentionSet, BoundedLayer
+from ..attention import Reads
+from .bounded import BoundedLayer
 from .slots import get_storage
 
 class EvictingLayer(BoundedLayer):
@@ -107,7 +108,7 @@ class EvictingLayer(BoundedLayer):
 
     def _append(self, key, value):
         if self._set is not None or self._len > self.budget_now():
-            self._attended(None)  # the last update was never attended (direct use): evict now
+            self._settle(None)  # a store loaded with its spare slot in use: evict now
         batch, heads, n = key.shape[:3]
         seen = self.seen
         pos = torch.arange(seen, seen + n, device=key.device).expand(batch, heads, n)
@@ -119,7 +120,7 @@ class EvictingLayer(BoundedLayer):
             self._len += n
             self._seen = seen + n
             keys, values = self.view()
-            return self._set_pending(AttentionSet(keys, values, self.positions(), seen, all_visible=n == 1), n)
+            return Reads(keys, values, self.positions(), seen, n, all_visible=n == 1)
         # Too many new tokens for the spare room: attend a temporary concatenation (the new tokens
         # in full precision), then keep the best.
         if self._slots is None:
@@ -131,7 +132,7 @@ class EvictingLayer(BoundedLayer):
             keys, values = torch.cat([old_k, key], dim=2), torch.cat([old_v, value], dim=2)
             self._set = {name: torch.cat([self._slots[name][:, :, : self._len], t], dim=2) for name, t in new.items()}
         self._seen = seen + n
-        return self._set_pending(AttentionSet(keys, values, self._set["positions"], seen), n)
+        return Reads(keys, values, self._set["positions"], seen, n)
 
     def _capacity_for(self, seen: int) -> int:
         """Slots allocated for ``seen`` tokens: the budget then and one spare for a decode step."""
@@ -162,7 +163,7 @@ class EvictingLayer(BoundedLayer):
 
     # ---- after attention: score, then evict ------------------------------------------------
 
-    def _attended(self, weights: torch.Tensor | None) -> None:
+    def _settle(self, weights: torch.Tensor | None) -> None:
         if self._set is not None:
             s, self._set = self._set, None
             if weights is not None:
@@ -266,7 +267,7 @@ class EvictingLayer(BoundedLayer):
         if self._set is not None:
             raise UnsupportedOperation(
                 f"{self.policy.name} layer: cannot {what} between an update that overflowed the budget "
-                f"and its attention (call attend() or skip_attention() first)"
+                f"and its attention (call attend() or settle() first)"
             )
 
     def state(self) -> LayerState:

@@ -7,9 +7,10 @@ values leave the residual one token at a time, keys a whole block of ``group_siz
 ``residual + group_size`` have gathered (so between ``residual`` and ``residual + group_size - 1``
 recent keys are exact). A prompt's tail stays exact the same way.
 
-Decode attention reads the store block by block (``block`` tokens at a time): it dequantizes one
-block into a small temporary, takes its scores or its share of the output, and moves on, so no
-full-precision copy of the cache is ever built on a decode step. A chunk longer than the
+Decode attention reads the store block by block (``block`` tokens at a time): the attention
+kernel gets a ``BlockReader`` (``StoreReader``) that dequantizes one block into a small temporary
+for the kernel to take its scores or its share of the output, so no full-precision copy of the
+cache is ever built on a decode step. A chunk longer than the
 residual (a prefill) attends its own tokens in full precision, as Hugging Face's quantized cache
 does, with the quantized past dequantized for that one pass.
 
@@ -20,15 +21,16 @@ for tokens still in the residual; quantized tokens cannot be un-quantized into a
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from ..attention import group_heads, group_sinks, softmax
+from ..attention import BlockReader, Reads
 from ..errors import ShapeError, UnsupportedOperation
 from ..quant import BITS, Quantized, dequantize_per_channel, dequantize_per_token, quantize_per_channel, quantize_per_token
 from .base import Geometry, LayerState, check_kv
-from .bounded import AttentionSet, BoundedLayer
+from .bounded import BoundedLayer
 
 #: Tensors of the quantized store, each ``[B, Hkv, slots, ...]``; keys' scale/minimum have one slot a block.
 _STORE = ("kcodes", "kscale", "kmin", "vcodes", "vscale", "vmin")
@@ -55,7 +57,6 @@ class QuantizedLayer(BoundedLayer):
         self._rv: torch.Tensor | None = None  # [B, Hkv, max(residual, 1), Dv]
         self._tk = 0  # quantized keys (a multiple of group_size)
         self._tv = 0  # quantized values
-        self._reads_store = False  # whether the pending queries attend the store (else a full-precision copy)
         self.geometry = None
         self._seen = 0
 
@@ -124,12 +125,10 @@ class QuantizedLayer(BoundedLayer):
         plan = self._plan(key, value)  # quantizes (may raise); nothing stored yet
         self._commit(plan, key, value)
         self._seen = seen + n
-        self._reads_store = copy is None
         if copy is not None:
-            pending = AttentionSet(copy[0], copy[1], torch.arange(seen + n, device=key.device), seen)
-        else:
-            pending = AttentionSet(self._rk, self._rv, torch.empty(0), seen, all_visible=n == 1)
-        return self._set_pending(pending, n)
+            return Reads(copy[0], copy[1], None, seen, n)
+        # The model gets the residual buffers (it only hands them back to the attention).
+        return Reads(StoreReader(self), None, None, seen, n, all_visible=n == 1, returned=(self._rk, self._rv))
 
     def _check_dims(self, key, value) -> None:
         d, dv, G = key.shape[3], value.shape[3], self.group_size
@@ -220,46 +219,6 @@ class QuantizedLayer(BoundedLayer):
         G = self.group_size
         grown = max(need, have + have // 4)  # a quarter more: the store is the bulk of the memory
         self._allocate_store(math.ceil(grown / G) * G)
-
-    # ---- attention --------------------------------------------------------------------------
-
-    def _attend_pending(self, query, pending, scale, softcap, mask, sinks):
-        if not self._reads_store:  # a full-precision copy
-            return super()._attend_pending(query, pending, scale, softcap, mask, sinks)
-        return self._attend_store(query, pending.first_query, scale, softcap, mask, sinks), None
-
-    def _attend_store(self, query, first_query, scale, softcap, mask, sinks=None) -> torch.Tensor:
-        """Attention of queries at ``first_query...`` over the store, one block at a time."""
-        g = self.geometry
-        b, hq, n, d = query.shape
-        group = hq // g.heads
-        rows = group * n
-        scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-        q_t = (query * scale).reshape(b, g.heads, rows, d).transpose(-1, -2)  # [B, Hkv, D, rows]
-        parts = [self._keys_block(s, min(s + self.block, self._tk)) @ q_t for s in range(0, self._tk, self.block)]
-        parts.append(self._rk[:, :, : self.seen - self._tk] @ q_t)
-        scores = torch.cat(parts, dim=2).transpose(-1, -2)  # [B, Hkv, rows, T]
-        if softcap is not None:
-            scores = torch.tanh(scores / softcap) * softcap
-        scores = scores.view(b, g.heads, group, n, self.seen)
-        masked = mask is not None or n > 1
-        if mask is not None:
-            m = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
-            while m.dim() < 4:
-                m = m.unsqueeze(0)
-            scores = scores.masked_fill(~group_heads(m[..., : self.seen], g.heads), -math.inf)
-        if n > 1:
-            q_pos = torch.arange(first_query, first_query + n, device=query.device).view(-1, 1)
-            scores = scores.masked_fill(torch.arange(self.seen, device=query.device) > q_pos, -math.inf)
-        probs = softmax(scores, group_sinks(sinks, g.heads, group))
-        if masked:
-            probs = probs.nan_to_num(0.0)
-        probs = probs.to(g.dtype).reshape(b, g.heads, rows, self.seen)
-        out = probs[..., self._tv :] @ self._rv[:, :, : self.seen - self._tv]
-        for s in range(0, self._tv, self.block):
-            stop = min(s + self.block, self._tv)
-            out = out + probs[..., s:stop] @ self._values_block(s, stop)
-        return out.view(b, g.heads, group, n, g.value_dim).reshape(b, hq, n, g.value_dim)
 
     # ---- rollback and state ---------------------------------------------------------------
 
@@ -359,3 +318,42 @@ class QuantizedLayer(BoundedLayer):
             self._rv[:, :, : rv.shape[2]].copy_(rv)
             self._tk, self._tv = tk, tv
         self._seen = int(state.seen)
+
+
+class StoreReader(BlockReader):
+    """A quantized layer's store as the attention kernel reads it: ``block`` tokens of codes
+    dequantized at a time, then the full-precision residual (see the module docstring)."""
+
+    def __init__(self, layer: QuantizedLayer) -> None:
+        self.layer = layer
+        g, seen = layer.geometry, layer.seen
+        self._shape = torch.Size((g.batch, g.heads, seen, g.key_dim))
+        self._value_shape = torch.Size((g.batch, g.heads, seen, g.value_dim))
+
+    @property
+    def shape(self) -> torch.Size:
+        return self._shape
+
+    @property
+    def value_shape(self) -> torch.Size:
+        return self._value_shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.layer.geometry.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.layer.geometry.device
+
+    def key_blocks(self) -> Iterator[torch.Tensor]:
+        layer, tk = self.layer, self.layer._tk
+        for start in range(0, tk, layer.block):
+            yield layer._keys_block(start, min(start + layer.block, tk))
+        yield layer._rk[:, :, : layer.seen - tk]
+
+    def value_blocks(self) -> Iterator[torch.Tensor]:
+        layer, tv = self.layer, self.layer._tv
+        for start in range(0, tv, layer.block):
+            yield layer._values_block(start, min(start + layer.block, tv))
+        yield layer._rv[:, :, : layer.seen - tv]

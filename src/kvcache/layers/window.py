@@ -26,8 +26,9 @@ from typing import Any
 import torch
 
 from ..errors import UnsupportedOperation
+from ..attention import Reads, Visibility
 from .base import LayerState
-from .bounded import AttentionSet, BoundedLayer
+from .bounded import BoundedLayer
 from .buffer import BufferLayer
 from .rollback import Journal
 
@@ -46,6 +47,7 @@ class WindowLayer(BoundedLayer, BufferLayer):
             raise ValueError(f"initial_capacity must be >= 1, got {initial_capacity}")
         self.window = int(window)
         self.sinks = int(sinks)
+        self.visibility = Visibility(self.window, self.sinks)
         self.initial_capacity = int(initial_capacity)
         self.journal: Journal | None = None  # the undo log while recording (rollback.py)
 
@@ -74,9 +76,6 @@ class WindowLayer(BoundedLayer, BufferLayer):
             return torch.empty(0, 0, 0, dtype=torch.long)
         return self._slot_positions(self.seen, self._len, g.device).expand(g.batch, g.heads, self._len)
 
-    def _visible(self, q_pos, k_pos):
-        return (k_pos >= 0) & (k_pos <= q_pos) & ((k_pos > q_pos - self.window) | (k_pos < self.sinks))
-
     # ---- appending ------------------------------------------------------------------------
 
     def _append(self, key, value):
@@ -85,20 +84,19 @@ class WindowLayer(BoundedLayer, BufferLayer):
         if seen + n <= cap:  # nothing leaves the window: written in order at the cursor
             self._write(key, value)
             keys, values = self.view()
-            pos = torch.arange(seen + n, device=device)
-            return self._set_pending(AttentionSet(keys, values, pos, seen, all_visible=n == 1), n)
+            return Reads(keys, values, None, seen, n, all_visible=n == 1)  # slot j holds position j
         self._ensure_full_buffers(key, value)
         if n == 1:  # decode: the slot taken is the one leaving the window, which this query cannot see
             self._write(key, value)
             pos = lambda: self._slot_positions(seen + 1, cap, device)  # noqa: E731 (only a masked step needs it)
-            return self._set_pending(AttentionSet(self._kbuf, self._vbuf, pos, seen, all_visible=True), 1)
+            return Reads(self._kbuf, self._vbuf, pos, seen, 1, all_visible=True)
         # Several tokens, some of whose queries need slots this update overwrites: attend a copy.
         old_k, old_v = self.view()
         old_pos = self._slot_positions(seen, self._len, device)
         keys, values = torch.cat([old_k, key], dim=2), torch.cat([old_v, value], dim=2)
         self._write(key, value)
         new_pos = torch.arange(seen, seen + n, device=device)
-        return self._set_pending(AttentionSet(keys, values, torch.cat([old_pos, new_pos]), seen), n)
+        return Reads(keys, values, torch.cat([old_pos, new_pos]), seen, n)
 
     def _write(self, key, value, record: bool = True) -> None:
         """Store tokens ``seen..seen+n-1``: in order while they fit, else each in its ring slot
@@ -180,8 +178,7 @@ class WindowLayer(BoundedLayer, BufferLayer):
                 f"seen {self.seen}: it can take back the last {self.rollback_tokens}; the tokens the shorter "
                 f"sequence needs were already overwritten{recording}"
             )
-        if int(n) and self._pending is not None:
-            raise UnsupportedOperation(f"{self.kind} layer: cannot trim between an update and its attention")
+        self._refuse_unsettled_trim(n)
 
     def trim(self, n: int) -> None:
         """Remove the last ``n`` tokens, the window then holding exactly what it held ``n`` tokens

@@ -192,8 +192,7 @@ def run_bandwidth(lengths, repeats, bandwidth, device, bar) -> list[dict[str, An
             for name in BANDWIDTH_CONTENDERS:
                 layer = make_layer(name)
                 layer.update(keys, values)
-                if getattr(layer, "needs_own_attention", False):
-                    layer.skip_attention()
+                layer.settle()  # the prompt goes unattended
                 layers[name] = layer
             del keys, values
             query = torch.randn(1, heads, 1, HEAD_DIM, generator=gen).to(device)

@@ -1,4 +1,4 @@
-"""Attention over cache views, without copying the cache.
+"""The one attention kernel: over cache views, or block by block over a ``BlockReader``.
 
 ``attend`` takes the SDPA layout and never expands K/V for grouped-query attention: the query heads
 that share a KV head are packed into that head's rows (``[B, Hkv, group * Sq, D]``), so each key
@@ -8,6 +8,9 @@ layouts, e.g. a transposed ``[B, C, Hkv, D]`` buffer with B > 1, may be copied b
 
 Long prefills are processed in blocks of query rows, so the score matrix never exceeds about
 ``_BLOCK_BYTES``; a ``max_len x max_len`` mask is never built (``causal=True`` makes it per block).
+
+Keys and values may also come as a ``BlockReader`` (``readers.py``): a store read in blocks of
+slots, e.g. codes dequantized one block at a time, so no full-precision copy of the store is made.
 """
 
 from __future__ import annotations
@@ -17,10 +20,12 @@ from collections.abc import Callable
 
 import torch
 
-from .errors import DTypeError, ShapeError
+from ..errors import DTypeError, ShapeError
+from .readers import BlockReader, TensorLike
 
 _BLOCK_BYTES = 64 * 2**20  # score bytes per query block
-_DECODE_ROWS = 16  # at most this many query rows per KV head (group * Sq) take the decode path
+#: At most this many query rows per KV head (group * Sq) take the decode path (``K @ q^T``).
+DECODE_ROWS = 16
 
 
 def attend(
@@ -58,8 +63,8 @@ WEIGHTS = ("sum", "last")
 
 def attend_weighted(
     query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
+    key: torch.Tensor | BlockReader,
+    value: torch.Tensor | None,
     *,
     scale: float | None = None,
     mask: torch.Tensor | None = None,
@@ -81,18 +86,25 @@ def attend_weighted(
     (``"sum"``) or the last query only (``"last"``), as float32 ``[B, Hkv, T]``; never the full
     ``[B, Hq, Sq, T]``. With ``sinks`` the weights are the keys' real probabilities (the sink's
     share is not reported).
+
+    ``key`` may be a ``BlockReader`` (with ``value`` None): keys and values are then read one
+    block of slots at a time, as the reader hands them out.
     """
+    if isinstance(key, BlockReader):
+        if value is not None:
+            raise DTypeError(f"a BlockReader hands out both keys and values: pass value=None, got {type(value).__name__}")
+        value = key  # the same reader, asked for its value blocks
     if weights is not None and weights not in WEIGHTS:
         raise ValueError(f"weights must be None or one of {WEIGHTS}, got {weights!r}")
     batch, q_heads, q_len, head_dim = _check_inputs(query, key, value, mask)
-    kv_heads, kv_len, value_dim = key.shape[1], key.shape[2], value.shape[3]
+    kv_heads, kv_len, value_dim = key.shape[1], key.shape[2], _value_dim(value)
     group = q_heads // kv_heads
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
     # [B, Hq, Sq, D] -> [B, Hkv, group, Sq, D]: query head h reads KV head h // group.
     q5 = query.reshape(batch, kv_heads, group, q_len, head_dim)
     mask5 = _group_mask(mask, batch, kv_heads, group, q_len, kv_len)
-    keys_t = key.transpose(-1, -2)  # [B, Hkv, D, T], a view
+    keys_t = key.transpose(-1, -2) if isinstance(key, torch.Tensor) else None  # [B, Hkv, D, T], a view
 
     row_bytes = batch * q_heads * kv_len * 4
     block = max(1, min(q_len, _BLOCK_BYTES // max(row_bytes, 1)))
@@ -101,7 +113,7 @@ def attend_weighted(
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be a positive number or None, got {softcap}")
     sinks5 = group_sinks(sinks, kv_heads, group)
-    if group * q_len <= _DECODE_ROWS:
+    if group * q_len <= DECODE_ROWS:
         block = q_len
     outs = []
     reduced = _no_weights(weights, key)
@@ -113,16 +125,46 @@ def attend_weighted(
         elif weights == "last" and stop == q_len:
             reduced += probs[:, :, :, -1].sum(dim=2)
         rows = stop - start
-        flat = probs.to(value.dtype).reshape(batch, kv_heads, group * rows, kv_len)
-        outs.append(torch.matmul(flat, value).view(batch, kv_heads, group, rows, value_dim))
+        flat = probs.to(query.dtype).reshape(batch, kv_heads, group * rows, kv_len)
+        outs.append(_weighted_values(flat, value).view(batch, kv_heads, group, rows, value_dim))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)
     return out.reshape(batch, q_heads, q_len, value_dim), reduced
 
 
-def _no_weights(weights: str | None, key: torch.Tensor) -> torch.Tensor | None:
+def _no_weights(weights: str | None, key: TensorLike) -> torch.Tensor | None:
     if weights is None:
         return None
     return torch.zeros(key.shape[0], key.shape[1], key.shape[2], dtype=torch.float32, device=key.device)
+
+
+def _value_dim(value: TensorLike) -> int:
+    return value.value_shape[3] if isinstance(value, BlockReader) else value.shape[3]
+
+
+def _key_scores(key: TensorLike, keys_t: torch.Tensor | None, q: torch.Tensor, decode: bool) -> torch.Tensor:
+    """Scores ``[B, Hkv, rows, T]`` of scaled queries ``q`` ``[B, Hkv, rows, D]`` against every key
+    (see ``_block_probs`` for the two orders), a block of slots at a time for a reader."""
+    if isinstance(key, torch.Tensor):
+        if decode:
+            return torch.matmul(key, q.transpose(-1, -2)).transpose(-1, -2)  # a view
+        return torch.matmul(q, keys_t)
+    if decode:
+        q_t = q.transpose(-1, -2)
+        return torch.cat([torch.matmul(block, q_t) for block in key.key_blocks()], dim=2).transpose(-1, -2)
+    return torch.cat([torch.matmul(q, block.transpose(-1, -2)) for block in key.key_blocks()], dim=3)
+
+
+def _weighted_values(flat: torch.Tensor, value: TensorLike) -> torch.Tensor:
+    """``flat @ value`` for weights ``[B, Hkv, rows, T]``: ``[B, Hkv, rows, Dv]``; a reader's value
+    blocks each take their columns of the weights."""
+    if isinstance(value, torch.Tensor):
+        return torch.matmul(flat, value)
+    out, start = None, 0
+    for block in value.value_blocks():
+        stop = start + block.shape[2]
+        part = torch.matmul(flat[..., start:stop], block)
+        out, start = part if out is None else out + part, stop
+    return out
 
 
 def _block_probs(q5, key, keys_t, mask5, mask_rows, causal, scale, softcap, start, stop, sinks5=None) -> torch.Tensor:
@@ -138,10 +180,7 @@ def _block_probs(q5, key, keys_t, mask5, mask_rows, causal, scale, softcap, star
     kv_len = key.shape[2]
     rows = stop - start
     q = (q5[:, :, :, start:stop] * scale).reshape(batch, kv_heads, group * rows, head_dim)
-    if group * rows <= _DECODE_ROWS:
-        scores = torch.matmul(key, q.transpose(-1, -2)).transpose(-1, -2)  # [B, Hkv, group*rows, T], a view
-    else:
-        scores = torch.matmul(q, keys_t)
+    scores = _key_scores(key, keys_t, q, group * rows <= DECODE_ROWS)  # [B, Hkv, group*rows, T]
     scores = _cap(scores, softcap).view(batch, kv_heads, group, rows, kv_len)
     masked = mask5 is not None or causal or mask_rows is not None
     if mask5 is not None:
@@ -193,25 +232,28 @@ def _cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
 
 
 def _check_inputs(query, key, value, mask) -> tuple[int, int, int, int]:
-    for name, t in (("query", query), ("key", key), ("value", value)):
+    named = (("query", query),) if isinstance(key, BlockReader) else (("query", query), ("key", key), ("value", value))
+    for name, t in named:
         if not isinstance(t, torch.Tensor):
             raise DTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise ShapeError(f"{name} must be [batch, heads, seq, head_dim], got shape {tuple(t.shape)}")
     batch, q_heads, _, head_dim = query.shape
-    if key.shape[0] != batch or value.shape[0] != batch:
+    k_shape = key.shape
+    v_shape = key.value_shape if isinstance(key, BlockReader) else value.shape
+    if k_shape[0] != batch or v_shape[0] != batch:
         raise ShapeError(
-            f"batch mismatch: query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
+            f"batch mismatch: query {tuple(query.shape)}, key {tuple(k_shape)}, value {tuple(v_shape)}"
         )
-    if key.shape[1] != value.shape[1] or key.shape[2] != value.shape[2]:
+    if k_shape[1] != v_shape[1] or k_shape[2] != v_shape[2]:
         raise ShapeError(
-            f"key and value must agree on [batch, kv_heads, seq]: key {tuple(key.shape)}, value {tuple(value.shape)}"
+            f"key and value must agree on [batch, kv_heads, seq]: key {tuple(k_shape)}, value {tuple(v_shape)}"
         )
-    if key.shape[3] != head_dim:
-        raise ShapeError(f"query head dim {head_dim} does not match key head dim {key.shape[3]}")
-    if key.shape[1] == 0 or q_heads % key.shape[1]:
+    if k_shape[3] != head_dim:
+        raise ShapeError(f"query head dim {head_dim} does not match key head dim {k_shape[3]}")
+    if k_shape[1] == 0 or q_heads % k_shape[1]:
         raise ShapeError(
-            f"query heads ({q_heads}) must be a multiple of key/value heads ({key.shape[1]})"
+            f"query heads ({q_heads}) must be a multiple of key/value heads ({k_shape[1]})"
         )
     if not (query.dtype == key.dtype == value.dtype):
         raise DTypeError(f"query, key and value must share a dtype: {query.dtype}, {key.dtype}, {value.dtype}")

@@ -1,0 +1,76 @@
+"""What a layer's queries read, and the one function that attends it.
+
+``update`` of a bounded layer keeps a ``Reads`` record: the keys and values its new queries
+attend (views of the store, a temporary concatenation for a chunk that overflows the store, or a
+``BlockReader`` over codes), where each slot sits in the sequence, and where the queries sit.
+``attend_reads`` builds the mask from those positions and the layer's ``Visibility`` (``masks.py``),
+runs the kernel once and returns the attention weights a policy asked for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .kernel import attend_weighted
+from .masks import CAUSAL, Visibility, position_rows
+from .readers import TensorLike
+
+
+@dataclass
+class Reads:
+    """The read record of one update.
+
+    ``keys`` ``[B, Hkv, N, D]`` and ``values`` ``[B, Hkv, N, Dv]`` (or ``keys`` a ``BlockReader``
+    and ``values`` None); ``positions``: the absolute position of each slot ``[B|1, Hkv|1, N]``
+    (-1 for an empty slot), a callable giving them when only a masked step needs them, or None
+    when slot ``j`` holds position ``j``; ``first_query``: the position of the update's first
+    token; ``queries``: how many tokens it appended; ``all_visible``: every slot is visible to
+    every query (no mask needed); ``returned``: the (keys, values) ``update`` handed the model
+    (default: ``keys``, ``values``), by which the attention of a forward pass recognises the record.
+    """
+
+    keys: TensorLike
+    values: torch.Tensor | None
+    positions: torch.Tensor | Callable[[], torch.Tensor] | None
+    first_query: int
+    queries: int
+    all_visible: bool = False
+    returned: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __post_init__(self) -> None:
+        if self.returned is None:
+            self.returned = (self.keys, self.values)
+
+    def slot_positions(self) -> torch.Tensor:
+        """``positions`` as a tensor (``[N]`` when slots are positions in order)."""
+        if self.positions is None:
+            return torch.arange(self.keys.shape[2], device=self.keys.device)
+        return self.positions() if callable(self.positions) else self.positions
+
+
+def attend_reads(
+    query: torch.Tensor,
+    reads: Reads,
+    visible: Visibility = CAUSAL,
+    *,
+    first_query: int | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    mask: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    weights: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention of ``query`` ``[B, Hq, Sq, D]`` at positions ``first_query...`` (default: the
+    record's) over what ``reads`` holds, masked by ``visible`` and ``mask`` (boolean over absolute
+    positions, see ``position_rows``). Returns ``[B, Hq, Sq, Dv]`` and the weights asked for
+    (``attend_weighted``'s ``"sum"``/``"last"``, float32 ``[B, Hkv, N]``) or None."""
+    rows = None
+    if mask is not None or not reads.all_visible:
+        first = reads.first_query if first_query is None else first_query
+        rows = position_rows(first, reads.slot_positions(), visible, mask, reads.keys.shape[1])
+    return attend_weighted(
+        query, reads.keys, reads.values, scale=scale, softcap=softcap, mask_rows=rows, weights=weights, sinks=sinks
+    )
