@@ -7,6 +7,8 @@ import math
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 import kvcache
 from kvcache.apps.tiny import _DEFAULT_ATTN, PAD_TOKEN_ID, tiny_model
@@ -132,3 +134,24 @@ def load_tool(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+class Recorder(TorchDispatchMode):
+    """Records every aten op with the shapes, sizes and storages of its tensor outputs and inputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        self.ops.append(
+            (
+                str(func),
+                [(tuple(t.shape), t.numel(), t.untyped_storage().data_ptr()) for t in outs],
+                [t.untyped_storage().data_ptr() for t in ins],
+            )
+        )
+        return out

@@ -11,12 +11,12 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 import kvcache
 import kvcache.attention.kernel
 from kvcache import DTypeError, ShapeError, attend
+
+from helpers import Recorder
 
 ATOL = 1e-5
 
@@ -199,27 +199,6 @@ def test_empty_query_and_empty_keys_like_sdpa():
 
 
 # ---- long prefill: query blocking ---------------------------------------------------------
-
-
-class Recorder(TorchDispatchMode):
-    """Records every aten op with the shapes, sizes and storages of its tensor outputs and inputs."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        self.ops.append(
-            (
-                str(func),
-                [(tuple(t.shape), t.numel(), t.untyped_storage().data_ptr()) for t in outs],
-                [t.untyped_storage().data_ptr() for t in ins],
-            )
-        )
-        return out
 
 
 @pytest.mark.parametrize("q_len", [256, 250])

@@ -16,8 +16,7 @@ from kvcache.hf import boolean_mask, hf_attention_forward
 from kvcache.layers import EvictingLayer, GrowableLayer, QuantizedLayer, WindowLayer
 from kvcache.layers.bounded import BoundedLayer
 
-from helpers import layer_fingerprint, model_for, prompt
-from test_attention import Recorder
+from helpers import Recorder, layer_fingerprint, model_for, prompt
 
 
 class SplitReader(BlockReader):
