@@ -120,7 +120,7 @@ def make_contender(name: str, setup: Setup):
         from ..cache import make_cache
 
         cache = make_cache(config) if name == "growable" else make_cache(config, "static", capacity=setup.tokens)
-        return cache, lambda i: (cache.stores[i]._kbuf, cache.stores[i]._vbuf)
+        return cache, lambda i: (cache.stores[i].store.tensors.get("keys"), cache.stores[i].store.tensors.get("values"))
     raise ValueError(f"unknown contender {name!r}; valid: {', '.join(CONTENDERS)}")
 
 

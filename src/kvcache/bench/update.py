@@ -89,10 +89,10 @@ def make_contender(name: str, max_tokens: int):
         return layer, lambda: (layer.keys, layer.values)
     if name == "growable":
         layer = GrowableLayer()
-        return layer, lambda: (layer._kbuf, layer._vbuf)
+        return layer, lambda: (layer.store.tensors.get("keys"), layer.store.tensors.get("values"))
     if name == "static":
         layer = StaticLayer(max_tokens)
-        return layer, lambda: (layer._kbuf, layer._vbuf)
+        return layer, lambda: (layer.store.tensors.get("keys"), layer.store.tensors.get("values"))
     raise ValueError(f"unknown contender {name!r}; valid: {', '.join(CONTENDERS)}")
 
 
