@@ -79,6 +79,15 @@ class EvictingLayer(BoundedLayer):
     # nbytes (the store's): keys and values as stored (codes and scales for int8/int4) and each
     # slot's position and score.
 
+    @property
+    def _slots(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the store, all its slots ``[B, Hkv, C(, D)]`` (what ``_attended`` reads)."""
+        return self.store.tensors
+
+    @property
+    def _len(self) -> int:
+        return self.store.length
+
     def _layout(self, g: Geometry) -> Layout:
         return {**self.storage.layout(g), "positions": ((), torch.long), "scores": ((), torch.float32)}
 
@@ -151,10 +160,10 @@ class EvictingLayer(BoundedLayer):
             self._keep_best(s, self.budget_now())
             return
         if weights is not None:
-            live = self.scores()
-            live.copy_(self.policy.observe(live, weights, self.positions()))
-        if self.length > self.budget_now():
-            self._evict(self.length - self.budget_now())
+            live = self._slots["scores"][:, :, : self._len]
+            live.copy_(self.policy.observe(live, weights, self._slots["positions"][:, :, : self._len]))
+        if self._len > self.budget_now():
+            self._evict(self._len - self.budget_now())
 
     def _eviction_key(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Scores with the protected slots (sinks, recent tokens) raised above everything."""

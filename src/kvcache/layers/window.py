@@ -94,8 +94,7 @@ class WindowLayer(BoundedLayer):
         if n == 1:  # decode: the slot taken is the one leaving the window, which this query cannot see
             self._write(key, value)
             pos = lambda: self._slot_positions(seen + 1, cap, device)  # noqa: E731 (only a masked step needs it)
-            keys, values = self.store.tensors["keys"], self.store.tensors["values"]
-            return self._set_pending(AttentionSet(keys, values, pos, seen, all_visible=True), 1)
+            return self._set_pending(AttentionSet(*self._ring(), pos, seen, all_visible=True), 1)
         # Several tokens, some of whose queries need slots this update overwrites: attend a copy.
         old_k, old_v = self.view()
         old_pos = self._slot_positions(seen, self.length, device)
@@ -135,6 +134,10 @@ class WindowLayer(BoundedLayer):
         kbuf = self.store.tensors.get("keys", key[:, :, :0])
         vbuf = self.store.tensors.get("values", value[:, :, :0])
         self.journal.record(seen, stored, live, kbuf, vbuf, key, value)
+
+    def _ring(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every slot of the full ring, keys ``[B, Hkv, sinks + window, D]`` and values, as stored."""
+        return self.store.tensors["keys"], self.store.tensors["values"]
 
     def _ensure_full_buffers(self, key, value) -> None:
         if self.capacity < self.max_length:
