@@ -300,8 +300,9 @@ class QuantizedLayer(BoundedLayer):
         if not self._values.tensors:
             return
         for store in (self._keys, self._values, self._residual_keys):
-            store.rebatch(fn, count=False)
-        self.geometry = replace(self.geometry, batch=self._residual_values.rebatch(fn, count=False))
+            store.rebatch(fn, store.capacity, count=False)
+        batch = self._residual_values.rebatch(fn, self._residual_values.capacity, count=False)
+        self.geometry = replace(self.geometry, batch=batch)
 
     def options(self) -> dict[str, Any]:
         return {"bits": self.bits, "group_size": self.group_size, "residual": self.residual, "block": self.block}

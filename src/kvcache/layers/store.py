@@ -6,7 +6,8 @@ writes and views of runs of slots, writes at an index of slots, rebatching, trim
 content as plain tensors with the check a saved state must pass. ``length`` counts the slots in
 use, always the run ``[0, length)`` (a ring or an evicting layer fills it and then writes inside).
 
-Growth strategies answer one question, "how many slots for ``need``?", or refuse:
+Growth strategies answer one question, "how many slots for ``need``, given ``current`` slots
+(None: nothing allocated yet)?", or refuse:
 ``Geometric`` (doubling from an initial capacity), ``Fixed`` (one capacity, ``CacheFullError``
 past it), ``UpTo`` (doubling up to a maximum). A layer with its own sizing rule (eviction
 budgets, the concatenation baseline) calls ``allocate`` with the capacity it wants.
@@ -43,9 +44,9 @@ class Geometric:
     def __init__(self, initial: int, factor: float) -> None:
         self.initial, self.factor = initial, factor
 
-    def capacity(self, need: int, current: int, length: int) -> int:
-        grown = int(current * self.factor)
-        return grown if current and grown >= need else (need // self.initial + 1) * self.initial
+    def capacity(self, need: int, current: int | None, length: int) -> int:
+        grown = None if current is None else int(current * self.factor)
+        return grown if grown is not None and grown >= need else (need // self.initial + 1) * self.initial
 
 
 class Fixed:
@@ -56,7 +57,7 @@ class Fixed:
     def __init__(self, capacity: int) -> None:
         self.fixed = capacity
 
-    def capacity(self, need: int, current: int, length: int) -> int:
+    def capacity(self, need: int, current: int | None, length: int) -> int:
         if need > self.fixed:
             raise CacheFullError(
                 f"static cache is full: capacity {self.fixed} tokens, {length} stored, "
@@ -74,8 +75,8 @@ class UpTo:
     def __init__(self, initial: int, maximum: int) -> None:
         self.initial, self.maximum = initial, maximum
 
-    def capacity(self, need: int, current: int, length: int) -> int:
-        return min(max(need, 2 * current if current else self.initial), self.maximum)
+    def capacity(self, need: int, current: int | None, length: int) -> int:
+        return min(max(need, self.initial if current is None else 2 * current), self.maximum)
 
 
 # ---- the store ----------------------------------------------------------------------------------
@@ -111,12 +112,12 @@ class SlotStore:
     def check_room(self, need: int) -> None:
         """Raise (the growth strategy's refusal) unless ``need`` slots can be had; changes nothing."""
         if need > self.capacity:
-            self.growth.capacity(need, self.capacity, self.length)
+            self.growth.capacity(need, self.capacity if self.tensors else None, self.length)
 
     def reserve(self, need: int, geometry: Geometry) -> None:
         """Make room for ``need`` slots by the growth strategy (which may refuse, changing nothing)."""
         if need > self.capacity or not self.tensors:
-            capacity = self.growth.capacity(need, self.capacity, self.length)
+            capacity = self.growth.capacity(need, self.capacity if self.tensors else None, self.length)
             self.allocate(capacity, geometry, zeroed=self.growth.zeroed)
 
     def allocate(self, capacity: int, geometry: Geometry, *, keep: bool = True, zeroed: bool = False) -> None:
@@ -194,19 +195,24 @@ class SlotStore:
         """Replace the slots in use of every tensor by ``fn(slots)`` (``[B, ...]`` -> ``[B', ...]``).
 
         The same batch is written back in place, keeping the tensors (and their owner); another
-        batch gets new tensors of ``max(capacity, length)`` slots (default: the capacity now),
-        counted as a reallocation when ``count``. Returns the new batch size."""
+        batch gets new tensors of ``max(capacity, length)`` slots (default: a fixed capacity is
+        kept, a growing store gets just its slots in use), counted as a reallocation when
+        ``count``. Returns the new batch size."""
         live = {name: fn(t) for name, t in self.in_use().items()}
         batch = next(iter(live.values())).shape[0]
         if batch == self.batch:
             self.write(0, live)
             return batch
-        capacity = max(self.capacity if capacity is None else capacity, self.length)
+        if capacity is None:
+            capacity = self.capacity if isinstance(self.growth, Fixed) else self.length
+        capacity = max(capacity, self.length)
+        old, self.tensors = self.tensors, {}
         new = {}
         for name, t in live.items():
-            old = self.tensors[name]
-            new[name] = old.new_empty(batch, old.shape[1], capacity, *old.shape[3:])
+            like = old.pop(name)  # freed before the next tensor is allocated: the lower peak
+            new[name] = like.new_empty(batch, like.shape[1], capacity, *like.shape[3:])
             new[name].narrow(2, 0, self.length).copy_(t)
+            del like
         self._switch(new)
         self.reallocations += count
         return batch
