@@ -293,7 +293,7 @@ class KVLayer(ABC):
 
     def _rebatch(self, fn) -> None:
         """Replace the stored rows by ``fn(rows)`` for each stored tensor (``[B, ...]`` to ``[B', ...]``)."""
-        if self.store.tensors:
+        if self.store.allocated:
             self.geometry = replace(self.geometry, batch=self.store.rebatch(fn))
 
     # ---- state ----------------------------------------------------------------------------

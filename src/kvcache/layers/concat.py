@@ -39,7 +39,7 @@ class ConcatLayer(KVLayer):
         self._seen = 0
 
     def _rebatch(self, fn) -> None:
-        if self.store.tensors:  # not counted: concatenation allocates on every append anyway
+        if self.store.allocated:  # not counted: concatenation allocates on every append anyway
             self.geometry = replace(self.geometry, batch=self.store.rebatch(fn, count=False))
 
     def options(self) -> dict[str, Any]:

@@ -93,18 +93,18 @@ class EvictingLayer(BoundedLayer):
 
     def view(self):
         """Stored keys and values in slot order: views for full storage, dequantized copies otherwise."""
-        if not self.store.tensors:
+        if not self.store.allocated:
             return None, None
         return self.storage.decode(self.store.tensors, self.length, self.geometry)
 
     def positions(self) -> torch.Tensor:
-        if not self.store.tensors:
+        if not self.store.allocated:
             return torch.empty(0, 0, 0, dtype=torch.long)
         return self.store.run("positions", 0, self.length)
 
     def scores(self) -> torch.Tensor:
         """The policy's score of each stored slot, float32 ``[B, Hkv, length]``."""
-        if not self.store.tensors:
+        if not self.store.allocated:
             return torch.empty(0, 0, 0)
         return self.store.run("scores", 0, self.length)
 
@@ -125,7 +125,7 @@ class EvictingLayer(BoundedLayer):
             return self._set_pending(AttentionSet(keys, values, self.positions(), seen, all_visible=n == 1), n)
         # Too many new tokens for the spare room: attend a temporary concatenation (the new tokens
         # in full precision), then keep the best.
-        if not self.store.tensors:
+        if not self.store.allocated:
             self.geometry = Geometry.of(key, value)
             keys, values = key, value
             self._set = new
@@ -142,7 +142,7 @@ class EvictingLayer(BoundedLayer):
         return self.budget_now(seen) + 1
 
     def _ensure_capacity(self, need: int, key, value) -> None:
-        if self.store.tensors and self.capacity >= need:
+        if self.store.allocated and self.capacity >= need:
             return
         target = self._capacity_for(self.seen + key.shape[2])
         if isinstance(self.budget, float):  # a fraction grows with the sequence: grow geometrically
@@ -195,7 +195,7 @@ class EvictingLayer(BoundedLayer):
             }
         kept = slots["positions"].shape[2]
         target = self._capacity_for(self.seen)
-        if not self.store.tensors or self.capacity < kept or self.capacity > 2 * target:
+        if not self.store.allocated or self.capacity < kept or self.capacity > 2 * target:
             self.geometry = replace(self.geometry, batch=slots["positions"].shape[0])
             self.store.allocate(max(target, kept), self.geometry, keep=False)
         self.store.write(0, slots)
@@ -222,7 +222,7 @@ class EvictingLayer(BoundedLayer):
 
     def _rebatch(self, fn) -> None:
         self._check_settled("change the batch")
-        if self.store.tensors:  # another batch: the budget's capacity
+        if self.store.allocated:  # another batch: the budget's capacity
             batch = self.store.rebatch(fn, capacity=self._capacity_for(self.seen))
             self.geometry = replace(self.geometry, batch=batch)
 

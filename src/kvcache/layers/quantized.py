@@ -204,7 +204,7 @@ class QuantizedLayer(BoundedLayer):
         return plan
 
     def _commit(self, plan: dict[str, Any], key, value) -> None:
-        if not self._values.tensors:
+        if not self._values.allocated:
             self.geometry = Geometry.of(key, value)
             self._allocate_store(0)
             self._residual_keys.allocate(self.residual + self.group_size, self.geometry)
@@ -297,7 +297,7 @@ class QuantizedLayer(BoundedLayer):
         self._reset_storage()
 
     def _rebatch(self, fn) -> None:
-        if not self._values.tensors:
+        if not self._values.allocated:
             return
         for store in (self._keys, self._values, self._residual_keys):
             store.rebatch(fn, store.capacity, count=False)

@@ -112,12 +112,12 @@ class SlotStore:
     def check_room(self, need: int) -> None:
         """Raise (the growth strategy's refusal) unless ``need`` slots can be had; changes nothing."""
         if need > self.capacity:
-            self.growth.capacity(need, self.capacity if self.tensors else None, self.length)
+            self.growth.capacity(need, self.capacity if self.allocated else None, self.length)
 
     def reserve(self, need: int, geometry: Geometry) -> None:
         """Make room for ``need`` slots by the growth strategy (which may refuse, changing nothing)."""
-        if need > self.capacity or not self.tensors:
-            capacity = self.growth.capacity(need, self.capacity if self.tensors else None, self.length)
+        if need > self.capacity or not self.allocated:
+            capacity = self.growth.capacity(need, self.capacity if self.allocated else None, self.length)
             self.allocate(capacity, geometry, zeroed=self.growth.zeroed)
 
     def allocate(self, capacity: int, geometry: Geometry, *, keep: bool = True, zeroed: bool = False) -> None:
@@ -129,7 +129,7 @@ class SlotStore:
             name: make(g.batch, g.heads, capacity, *trailing, dtype=dtype, device=g.device)
             for name, (trailing, dtype) in self.layout(g).items()
         }
-        if keep and self.tensors and self.length and self.batch == g.batch:
+        if keep and self.allocated and self.length and self.batch == g.batch:
             for name, t in new.items():
                 t.narrow(2, 0, self.length).copy_(self.tensors[name].narrow(2, 0, self.length))
         else:
@@ -214,7 +214,7 @@ class SlotStore:
             new[name].narrow(2, 0, self.length).copy_(t)
             del like
         self._switch(new)
-        self.reallocations += count
+        self.reallocations += 1 if count else 0
         return batch
 
     # ---- state --------------------------------------------------------------------------------
