@@ -274,6 +274,21 @@ def test_growable_chunk_larger_than_double_grows_straight_to_fit():
     assert 9 <= other.capacity <= 9 + 4 and other.reallocations == 1
 
 
+@pytest.mark.parametrize("kind", ["growable", "static", "window"])
+def test_batch_change_reallocates_once_and_same_batch_keeps_the_buffers(kind):
+    """A beam reorder writes in place; another batch size gets new tensors, counted once:
+    growing kinds hold just the stored slots then, a static layer keeps its capacity."""
+    layer = KINDS[kind]()
+    layer.update(*kv(3))
+    ptr, reallocs, capacity = layer.view()[0].data_ptr(), layer.reallocations, layer.capacity
+    layer.reorder(torch.tensor([1, 0]))
+    assert (layer.view()[0].data_ptr(), layer.reallocations, layer.capacity) == (ptr, reallocs, capacity)
+    layer.repeat(2)
+    assert layer.reallocations == reallocs + 1 and layer.length == 3
+    assert layer.capacity == (64 if kind == "static" else 3)
+    assert torch.equal(layer.view()[0], kv(3)[0].flip(0).repeat_interleave(2, dim=0))
+
+
 # ---- static: full, caller-owned buffers, reset keeps buffers -------------------------------
 
 

@@ -1,12 +1,12 @@
 """Storage layers: one strategy per module, all behind the contract in ``base.py``."""
 
 from .base import Geometry, KVLayer, LayerState
-from .buffer import BufferLayer
 from .concat import ConcatLayer
 from .evicting import EvictingLayer
 from .growable import GrowableLayer
 from .quantized import QuantizedLayer
 from .static import StaticLayer
+from .store import SlotStore
 from .window import WindowLayer
 
 #: Every layer kind by its name, as used in specs and saved files.
@@ -16,7 +16,6 @@ LAYER_KINDS: dict[str, type[KVLayer]] = {
 
 __all__ = [
     "LAYER_KINDS",
-    "BufferLayer",
     "ConcatLayer",
     "EvictingLayer",
     "Geometry",
@@ -24,6 +23,7 @@ __all__ = [
     "KVLayer",
     "LayerState",
     "QuantizedLayer",
+    "SlotStore",
     "StaticLayer",
     "WindowLayer",
 ]

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import copy
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from ..errors import DTypeError, ShapeError, UnsupportedOperation
+
+if TYPE_CHECKING:
+    from .store import SlotStore
 
 
 @dataclass
@@ -114,7 +117,10 @@ def as_index(index: torch.Tensor | list[int] | range, batch: int, device: torch.
 
 
 class KVLayer(ABC):
-    """One transformer layer's key/value store. Subclasses choose how storage grows or is bounded."""
+    """One transformer layer's key/value store. Subclasses choose how storage grows or is bounded.
+
+    The defaults below read a ``store`` (``store.py``) holding ``keys`` and ``values`` in the
+    slots ``[0, length)``; a kind that stores something else overrides them."""
 
     kind: ClassVar[str]
     #: True for layers that keep only a recent window (mask sizes differ, see ``hf.py``).
@@ -125,8 +131,12 @@ class KVLayer(ABC):
     def __init__(self) -> None:
         self.geometry: Geometry | None = None
         self._seen = 0
-        #: How many times the store was (re)allocated: the first allocation counts.
-        self.reallocations = 0
+        self.store: SlotStore  # set by each kind
+
+    @property
+    def reallocations(self) -> int:
+        """How many times the store was (re)allocated: the first allocation counts."""
+        return self.store.reallocations
 
     # ---- the hot path -------------------------------------------------------------------
 
@@ -168,6 +178,22 @@ class KVLayer(ABC):
     def settle(self) -> None:
         """Finish the last update without attention weights; only bounded layers have work to do."""
 
+    def _append_in_order(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append after the stored slots, growing the store by its strategy (which may refuse,
+        before anything changes); returns views of every stored slot ``[B, Hkv, L, D]``."""
+        store, n = self.store, key.shape[2]
+        need = store.length + n
+        if need > store.capacity or not store.tensors:
+            geometry = self.geometry or Geometry.of(key, value)
+            store.reserve(need, geometry)
+            self.geometry = geometry
+        keys, values = store.tensors["keys"], store.tensors["values"]
+        keys.narrow(2, store.length, n).copy_(key)
+        values.narrow(2, store.length, n).copy_(value)
+        store.length = need
+        self._seen += n
+        return keys.narrow(2, 0, need), values.narrow(2, 0, need)
+
     # ---- sizes --------------------------------------------------------------------------
 
     @property
@@ -176,27 +202,30 @@ class KVLayer(ABC):
         return self._seen
 
     @property
-    @abstractmethod
     def length(self) -> int:
         """Slots stored now."""
+        return self.store.length
 
     @property
-    @abstractmethod
     def capacity(self) -> int:
         """Slots the current allocation can hold without reallocating."""
+        return self.store.capacity
 
     @property
-    @abstractmethod
     def nbytes(self) -> int:
         """Bytes allocated for this layer's keys and values (the honest memory figure)."""
+        return self.store.nbytes
 
     @property
     def initialized(self) -> bool:
         return self.geometry is not None
 
-    @abstractmethod
     def view(self) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
         """The stored keys ``[B, Hkv, L, D]`` and values ``[B, Hkv, L, Dv]`` as views; (None, None) if empty."""
+        store = self.store
+        if not store.tensors:
+            return None, None
+        return store.run("keys", 0, store.length), store.run("values", 0, store.length)
 
     def positions(self) -> torch.Tensor:
         """Absolute position of each stored slot, ``[B, Hkv, L]`` (an expanded view)."""
@@ -228,9 +257,9 @@ class KVLayer(ABC):
             self._trim(n)
             self._seen -= n
 
-    @abstractmethod
     def _trim(self, n: int) -> None:
         """Drop the last ``n`` stored slots; ``0 < n <= length`` is already checked."""
+        self.store.trim(n)
 
     @abstractmethod
     def reset(self) -> None:
@@ -265,9 +294,10 @@ class KVLayer(ABC):
             )
         self._rebatch(lambda t: t.index_select(0, idx))
 
-    @abstractmethod
     def _rebatch(self, fn) -> None:
         """Replace the stored rows by ``fn(rows)`` for each stored tensor (``[B, ...]`` to ``[B', ...]``)."""
+        if self.store.allocated:
+            self.geometry = replace(self.geometry, batch=self.store.rebatch(fn))
 
     # ---- state ----------------------------------------------------------------------------
 

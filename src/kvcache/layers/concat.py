@@ -1,16 +1,17 @@
 """The baseline: concatenate on every append, as Hugging Face ``DynamicLayer`` does.
 
 Step t copies the whole past, so T tokens cost O(T^2) bytes copied and hold two copies of the
-cache for a moment at every step. Kept as the reference for tests and benchmarks.
+cache for a moment at every step. Kept as the reference for tests and benchmarks: its store is
+reallocated to exactly the tokens held on every append (``torch.cat``'s cost, done by the store).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
-import torch
-
 from .base import Geometry, KVLayer
+from .store import SlotStore
 
 
 class ConcatLayer(KVLayer):
@@ -18,54 +19,28 @@ class ConcatLayer(KVLayer):
 
     def __init__(self) -> None:
         super().__init__()
-        self._keys: torch.Tensor | None = None  # [B, Hkv, L, D]
-        self._values: torch.Tensor | None = None  # [B, Hkv, L, Dv]
+        self.store = SlotStore()
 
     def _append(self, key, value):
-        if self._keys is None:
-            new_keys, new_values = key.clone(), value.clone()
-        else:
-            new_keys = torch.cat([self._keys, key], dim=-2)
-            new_values = torch.cat([self._values, value], dim=-2)
-        self._keys, self._values = new_keys, new_values
-        self.geometry = self.geometry or Geometry.of(key, value)
+        geometry = self.geometry or Geometry.of(key, value)
+        self.store.allocate(self.length + key.shape[-2], geometry)  # the past copied, every time
+        self.store.append({"keys": key, "values": value})
+        self.geometry = geometry
         self._seen += key.shape[-2]
-        self.reallocations += 1
-        return self._keys, self._values
-
-    @property
-    def length(self) -> int:
-        return 0 if self._keys is None else self._keys.shape[-2]
-
-    @property
-    def capacity(self) -> int:
-        return self.length
-
-    @property
-    def nbytes(self) -> int:
-        if self._keys is None:
-            return 0
-        return self._keys.nbytes + self._values.nbytes
-
-    def view(self):
-        return self._keys, self._values
+        return self.view()
 
     def _trim(self, n: int) -> None:
-        self._keys = self._keys[:, :, : self.length - n]
-        self._values = self._values[:, :, : self._values.shape[-2] - n]
+        self.store.trim(n)
+        self.store.shrink()  # capacity is always the length
 
     def reset(self) -> None:
-        self._keys = self._values = None
+        self.store.drop()
         self.geometry = None
         self._seen = 0
 
     def _rebatch(self, fn) -> None:
-        if self._keys is None:
-            return
-        keys, values = fn(self._keys), fn(self._values)
-        self._keys, self._values = keys, values
-        g = self.geometry
-        self.geometry = Geometry(keys.shape[0], g.heads, g.key_dim, g.value_dim, g.dtype, g.device)
+        if self.store.allocated:  # not counted: concatenation allocates on every append anyway
+            self.geometry = replace(self.geometry, batch=self.store.rebatch(fn, count=False))
 
     def options(self) -> dict[str, Any]:
         return {}

@@ -18,6 +18,7 @@ cache. Trimming works only while nothing has been evicted: evicted tokens cannot
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from .base import Geometry, LayerState
 from ..attention import Reads
 from .bounded import BoundedLayer
 from .slots import get_storage
+from .store import Layout, SlotStore
 
 class EvictingLayer(BoundedLayer):
     kind = "evicting"
@@ -56,8 +58,9 @@ class EvictingLayer(BoundedLayer):
                 f"({self.budget}), or nothing is left for the policy to choose"
             )
         self.attention_weights = self.policy.weights
-        self._slots: dict[str, torch.Tensor] | None = None  # name -> [B, Hkv, C(, D)]
-        self._len = 0
+        #: The codec's tensors, each slot's position and score: name -> [B, Hkv, C(, D)]. Sized
+        #: by the budget (``_capacity_for``), not by a growth strategy.
+        self.store = SlotStore(layout=self._layout)
         self._set: dict[str, torch.Tensor] | None = None  # the attended set of an overflowing chunk
 
     # ---- sizes ----------------------------------------------------------------------------
@@ -74,63 +77,64 @@ class EvictingLayer(BoundedLayer):
             return self.recent
         return int(self.policy.default_recent * self.budget_now(seen))
 
-    @property
-    def length(self) -> int:
-        return self._len
+    # nbytes (the store's): keys and values as stored (codes and scales for int8/int4) and each
+    # slot's position and score.
 
     @property
-    def capacity(self) -> int:
-        return 0 if self._slots is None else self._slots["positions"].shape[2]
+    def _slots(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the store, all its slots ``[B, Hkv, C(, D)]`` (what ``_attended`` reads)."""
+        return self.store.tensors
 
     @property
-    def nbytes(self) -> int:
-        """Keys and values as stored (codes and scales for int8/int4) and each slot's position and score."""
-        return 0 if self._slots is None else sum(t.nbytes for t in self._slots.values())
+    def _len(self) -> int:
+        return self.store.length
+
+    def _layout(self, g: Geometry) -> Layout:
+        return {**self.storage.layout(g), "positions": ((), torch.long), "scores": ((), torch.float32)}
 
     def view(self):
         """Stored keys and values in slot order: views for full storage, dequantized copies otherwise."""
-        if self._slots is None:
+        if not self.store.allocated:
             return None, None
-        return self.storage.decode(self._slots, self._len, self.geometry)
+        return self.storage.decode(self.store.tensors, self.length, self.geometry)
 
     def positions(self) -> torch.Tensor:
-        if self._slots is None:
+        if not self.store.allocated:
             return torch.empty(0, 0, 0, dtype=torch.long)
-        return self._slots["positions"][:, :, : self._len]
+        return self.store.run("positions", 0, self.length)
 
     def scores(self) -> torch.Tensor:
         """The policy's score of each stored slot, float32 ``[B, Hkv, length]``."""
-        if self._slots is None:
+        if not self.store.allocated:
             return torch.empty(0, 0, 0)
-        return self._slots["scores"][:, :, : self._len]
+        return self.store.run("scores", 0, self.length)
 
     # ---- appending ------------------------------------------------------------------------
 
     def _append(self, key, value):
-        if self._set is not None or self._len > self.budget_now():
+        if self._set is not None or self.length > self.budget_now():
             self._settle(None)  # a store loaded with its spare slot in use: evict now
         batch, heads, n = key.shape[:3]
         seen = self.seen
         pos = torch.arange(seen, seen + n, device=key.device).expand(batch, heads, n)
         new = {**self.storage.encode(key, value), "positions": pos, "scores": self.policy.initial(pos)}
-        if self._len + n <= max(self.capacity, self._capacity_for(seen + n)):
-            self._ensure_capacity(self._len + n, key, value)
-            for name, t in new.items():
-                self._slots[name][:, :, self._len : self._len + n].copy_(t)
-            self._len += n
+        if self.length + n <= max(self.capacity, self._capacity_for(seen + n)):
+            self._ensure_capacity(self.length + n, key, value)
+            self.store.append(new)
             self._seen = seen + n
             keys, values = self.view()
             return Reads(keys, values, self.positions(), seen, n, all_visible=n == 1)
         # Too many new tokens for the spare room: attend a temporary concatenation (the new tokens
         # in full precision), then keep the best.
-        if self._slots is None:
+        if not self.store.allocated:
             self.geometry = Geometry.of(key, value)
             keys, values = key, value
             self._set = new
         else:
             old_k, old_v = self.view()
             keys, values = torch.cat([old_k, key], dim=2), torch.cat([old_v, value], dim=2)
-            self._set = {name: torch.cat([self._slots[name][:, :, : self._len], t], dim=2) for name, t in new.items()}
+            stored = self.store.in_use()
+            self._set = {name: torch.cat([stored[name], t], dim=2) for name, t in new.items()}
         self._seen = seen + n
         return Reads(keys, values, self._set["positions"], seen, n)
 
@@ -139,27 +143,13 @@ class EvictingLayer(BoundedLayer):
         return self.budget_now(seen) + 1
 
     def _ensure_capacity(self, need: int, key, value) -> None:
-        if self._slots is not None and self.capacity >= need:
+        if self.store.allocated and self.capacity >= need:
             return
         target = self._capacity_for(self.seen + key.shape[2])
         if isinstance(self.budget, float):  # a fraction grows with the sequence: grow geometrically
             target = max(target, 2 * self.capacity)
-        self._allocate(max(need, target), key.shape[0] if self._slots is None else self.geometry.batch, key, value)
-
-    def _allocate(self, capacity: int, batch: int, key=None, value=None) -> None:
-        g = self.geometry or Geometry.of(key, value)
-        shapes = {
-            **self.storage.shapes(g, batch, capacity),
-            "positions": ((batch, g.heads, capacity), torch.long),
-            "scores": ((batch, g.heads, capacity), torch.float32),
-        }
-        slots = {name: torch.empty(shape, dtype=dtype, device=g.device) for name, (shape, dtype) in shapes.items()}
-        if self._slots is not None and self._len and batch == g.batch:
-            for name, t in slots.items():
-                t[:, :, : self._len].copy_(self._slots[name][:, :, : self._len])
-        self._slots = slots
-        self.geometry = Geometry(batch, g.heads, g.key_dim, g.value_dim, g.dtype, g.device)
-        self.reallocations += 1
+        self.geometry = self.geometry or Geometry.of(key, value)
+        self.store.allocate(max(need, target), self.geometry)  # the stored slots kept
 
     # ---- after attention: score, then evict ------------------------------------------------
 
@@ -182,17 +172,17 @@ class EvictingLayer(BoundedLayer):
         return scores.masked_fill(protected, math.inf)
 
     def _evict(self, count: int) -> None:
-        live = {name: t[:, :, : self._len] for name, t in self._slots.items()}
+        live = self.store.in_use()
         if count != 1:
-            self._keep_best({name: t.clone() for name, t in live.items()}, self._len - count)
+            self._keep_best({name: t.clone() for name, t in live.items()}, self.length - count)
             return
         # One too many (a decode step): the last slot overwrites each head's weakest one.
         weakest = self._eviction_key(live["scores"], live["positions"]).argmin(dim=-1, keepdim=True)  # [B, H, 1]
-        last = self._len - 1
+        last = self.length - 1
         for name, t in live.items():
             index = weakest if t.dim() == 3 else weakest.unsqueeze(-1).expand(*weakest.shape, t.shape[-1])
             t.scatter_(2, index, t[:, :, last : last + 1].clone())  # the source must not alias the target
-        self._len = last
+        self.store.length = last
 
     def _keep_best(self, slots: dict[str, torch.Tensor], keep: int) -> None:
         """Store the ``keep`` best of ``slots`` (tensors ``[B, H, N(, D)]``, not views of the store)."""
@@ -206,51 +196,36 @@ class EvictingLayer(BoundedLayer):
             }
         kept = slots["positions"].shape[2]
         target = self._capacity_for(self.seen)
-        if self._slots is None or self.capacity < kept or self.capacity > 2 * target:
-            self._len = 0
-            self._slots = None
-            self._allocate(max(target, kept), slots["positions"].shape[0])
-        for name, t in slots.items():
-            self._slots[name][:, :, :kept].copy_(t)
-        self._len = kept
+        if not self.store.allocated or self.capacity < kept or self.capacity > 2 * target:
+            self.geometry = replace(self.geometry, batch=slots["positions"].shape[0])
+            self.store.allocate(max(target, kept), self.geometry, keep=False)
+        self.store.write(0, slots)
+        self.store.length = kept
 
     # ---- rollback, reuse, batch work ------------------------------------------------------
 
     def check_trim(self, n: int) -> None:
         super().check_trim(n)
-        if int(n) and self._len != self.seen:
+        if int(n) and self.length != self.seen:
             raise UnsupportedOperation(
                 f"cannot remove {n} tokens from a {self.policy.name} cache that has evicted "
-                f"{self.seen - self._len} of its {self.seen}: evicted tokens cannot come back"
+                f"{self.seen - self.length} of its {self.seen}: evicted tokens cannot come back"
             )
 
-    def _trim(self, n: int) -> None:
-        self._len -= n  # nothing evicted (check_trim): slots are positions 0..len-1 in order
+    # _trim (the store's): nothing evicted (check_trim), so slots are positions 0..len-1 in order.
 
     def reset(self) -> None:
         super().reset()
-        self._slots = None
+        self.store.drop()
         self._set = None
-        self._len = 0
         self._seen = 0
         self.geometry = None
 
     def _rebatch(self, fn) -> None:
         self._check_settled("change the batch")
-        if self._slots is None:
-            return
-        live = {name: fn(t[:, :, : self._len]) for name, t in self._slots.items()}
-        batch = live["positions"].shape[0]
-        if batch == self.geometry.batch:
-            for name, t in live.items():
-                self._slots[name][:, :, : self._len].copy_(t)
-            return
-        length, self._slots = self._len, None
-        self._len = 0
-        self._allocate(max(self._capacity_for(self.seen), length), batch)
-        for name, t in live.items():
-            self._slots[name][:, :, :length].copy_(t)
-        self._len = length
+        if self.store.allocated:  # another batch: the budget's capacity
+            batch = self.store.rebatch(fn, capacity=self._capacity_for(self.seen))
+            self.geometry = replace(self.geometry, batch=batch)
 
     # ---- state ----------------------------------------------------------------------------
 
@@ -272,7 +247,7 @@ class EvictingLayer(BoundedLayer):
 
     def state(self) -> LayerState:
         self._check_settled("take its state")
-        tensors = {} if self._slots is None else {name: t[:, :, : self._len] for name, t in self._slots.items()}
+        tensors = self.store.in_use()
         return LayerState(self.kind, self.options(), self.seen, tensors)
 
     def check_state(self, state: LayerState) -> None:
@@ -289,21 +264,11 @@ class EvictingLayer(BoundedLayer):
                 f"evicting layer state needs positions [B, Hkv, slots] and {self.storage.names} [B, Hkv, slots, ...], got "
                 + ", ".join(f"{name} {tuple(t[name].shape)}" for name in ("positions", *self.storage.names))
             )
-        batch, heads, n = pos.shape
+        batch, _, n = pos.shape
         g = self.storage.geometry(t)
         if not g.dtype.is_floating_point:
             raise DTypeError(f"evicting layer state: keys or scales must be floating-point, got {g.dtype}")
-        want = {
-            **self.storage.shapes(g, batch, n),
-            "positions": ((batch, heads, n), torch.long),
-            "scores": ((batch, heads, n), torch.float32),
-        }
-        for name, (shape, dtype) in want.items():
-            if tuple(t[name].shape) != tuple(shape) or t[name].dtype != dtype:
-                raise ShapeError(
-                    f"evicting layer state: {name!r} should be {dtype} of shape {tuple(shape)}, "
-                    f"got {t[name].dtype} of shape {tuple(t[name].shape)}"
-                )
+        self.store.check("evicting layer", t, replace(g, batch=batch), n)
         seen = int(state.seen)
         if n > min(seen, self._capacity_for(seen)):
             raise ValueError(f"evicting layer state holds {n} slots after {seen} tokens, budget {self.budget_now(seen)}")

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from .buffer import BufferLayer
+from .base import KVLayer
+from .store import Geometric, SlotStore
 
 
-class GrowableLayer(BufferLayer):
+class GrowableLayer(KVLayer):
     """Capacity buffer with geometric growth. ``initial_capacity`` slots on the first append."""
 
     kind = "growable"
@@ -26,26 +27,16 @@ class GrowableLayer(BufferLayer):
             raise ValueError(f"growth must be > 1.0, got {growth}")
         self.initial_capacity = int(initial_capacity)
         self.growth = float(growth)
+        self.store = SlotStore(growth=Geometric(self.initial_capacity, self.growth))
 
-    def _make_room(self, need, key, value):
-        if self._kbuf is None:
-            capacity, batch = self._fit(need), key.shape[0]
-        else:
-            grown = int(self.capacity * self.growth)
-            capacity = grown if grown >= need else self._fit(need)
-            batch = self.geometry.batch
-        self._allocate(capacity, batch, key, value)
-
-    def _fit(self, need: int) -> int:
-        """Room for ``need`` slots plus headroom: the next multiple of ``initial_capacity`` above it.
-
-        A prompt that exactly fills an allocation would otherwise force a reallocation on the
-        first decode step.
-        """
-        return (need // self.initial_capacity + 1) * self.initial_capacity
+    def _append(self, key, value):
+        return self._append_in_order(key, value)
 
     def reset(self) -> None:
-        self._drop_buffers()
+        self.store.drop()
+        self.geometry = None
+        self._seen = 0
 
     def options(self) -> dict[str, Any]:
         return {"initial_capacity": self.initial_capacity, "growth": self.growth}
+

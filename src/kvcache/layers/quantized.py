@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -31,9 +32,12 @@ from ..errors import ShapeError, UnsupportedOperation
 from ..quant import BITS, Quantized, dequantize_per_channel, dequantize_per_token, quantize_per_channel, quantize_per_token
 from .base import Geometry, LayerState, check_kv
 from .bounded import BoundedLayer
+from .store import Layout, SlotStore
 
-#: Tensors of the quantized store, each ``[B, Hkv, slots, ...]``; keys' scale/minimum have one slot a block.
+#: Tensors of the quantized store in a saved state, each ``[B, Hkv, slots, ...]``; keys'
+#: scale/minimum have one slot a block.
 _STORE = ("kcodes", "kscale", "kmin", "vcodes", "vscale", "vmin")
+_KEY_STORE, _VALUE_STORE = _STORE[:3], _STORE[3:]
 
 
 class QuantizedLayer(BoundedLayer):
@@ -49,18 +53,61 @@ class QuantizedLayer(BoundedLayer):
             raise ValueError(f"residual must be >= 0 tokens, got {residual}")
         self.bits, self.group_size, self.residual = int(bits), int(group_size), int(residual)
         self.block = max(self.group_size, int(block) // self.group_size * self.group_size)
+        #: Quantized keys, a slot per block of ``group_size`` tokens: codes ``[B, Hkv, C/G, G, D']``,
+        #: scale and minimum ``[B, Hkv, C/G, D]``; values a slot per token. They grow together.
+        self._keys = SlotStore(layout=self._key_layout)
+        self._values = SlotStore(layout=self._value_layout)
+        #: The recent tokens in full precision: ``[B, Hkv, residual + group_size, D]`` and
+        #: ``[B, Hkv, max(residual, 1), Dv]``, slots in use ``seen - _tk`` and ``seen - _tv``.
+        self._residual_keys = SlotStore(layout=_residual_key_layout)
+        self._residual_values = SlotStore(layout=_residual_value_layout)
         self._reset_storage()
 
     def _reset_storage(self) -> None:
-        self._q: dict[str, torch.Tensor] | None = None
-        self._rk: torch.Tensor | None = None  # [B, Hkv, residual + group_size, D]
-        self._rv: torch.Tensor | None = None  # [B, Hkv, max(residual, 1), Dv]
-        self._tk = 0  # quantized keys (a multiple of group_size)
-        self._tv = 0  # quantized values
+        for store in (self._keys, self._values, self._residual_keys, self._residual_values):
+            store.drop()
         self.geometry = None
         self._seen = 0
 
     # ---- sizes ----------------------------------------------------------------------------
+
+    def _key_layout(self, g: Geometry) -> Layout:
+        return {
+            "kcodes": ((self.group_size, g.key_dim * self.bits // 8), torch.uint8),
+            "kscale": ((g.key_dim,), g.dtype),
+            "kmin": ((g.key_dim,), g.dtype),
+        }
+
+    def _value_layout(self, g: Geometry) -> Layout:
+        groups = g.value_dim // min(self.group_size, g.value_dim)
+        return {
+            "vcodes": ((g.value_dim * self.bits // 8,), torch.uint8),
+            "vscale": ((groups,), g.dtype),
+            "vmin": ((groups,), g.dtype),
+        }
+
+    @property
+    def _tk(self) -> int:
+        """Quantized keys (a multiple of group_size)."""
+        return self._keys.length * self.group_size
+
+    @property
+    def _tv(self) -> int:
+        """Quantized values."""
+        return self._values.length
+
+    @property
+    def _rk(self) -> torch.Tensor | None:
+        return self._residual_keys.tensors.get("keys")
+
+    @property
+    def _rv(self) -> torch.Tensor | None:
+        return self._residual_values.tensors.get("values")
+
+    @property
+    def reallocations(self) -> int:
+        """Allocations of the quantized store (keys and values grow together: one count)."""
+        return self._values.reallocations
 
     @property
     def value_group(self) -> int:
@@ -72,14 +119,12 @@ class QuantizedLayer(BoundedLayer):
 
     @property
     def capacity(self) -> int:
-        return 0 if self._q is None else self._q["kcodes"].shape[2] + self._rk.shape[2]
+        return self._keys.capacity * self.group_size + self._residual_keys.capacity
 
     @property
     def nbytes(self) -> int:
         """Codes, scales and minimums as allocated, plus the full-precision residual buffers."""
-        if self._q is None:
-            return 0
-        return sum(t.nbytes for t in self._q.values()) + self._rk.nbytes + self._rv.nbytes
+        return sum(s.nbytes for s in (self._keys, self._values, self._residual_keys, self._residual_values))
 
     def view(self):
         """The keys and values, dequantized: a full-precision copy (for inspection and tests)."""
@@ -96,17 +141,15 @@ class QuantizedLayer(BoundedLayer):
 
     def _keys_block(self, start: int, stop: int) -> torch.Tensor:
         """Dequantized keys of positions ``start:stop`` (block-aligned), ``[B, Hkv, stop - start, D]``."""
-        g, q, G = self.geometry, self._q, self.group_size
-        blocks = (stop - start) // G
-        codes = q["kcodes"][:, :, start:stop].reshape(g.batch, g.heads, blocks, G, q["kcodes"].shape[-1])
-        scale = q["kscale"][:, :, start // G : stop // G].unsqueeze(3)
-        minimum = q["kmin"][:, :, start // G : stop // G].unsqueeze(3)
+        g, G = self.geometry, self.group_size
+        blocks = self._keys.runs(start // G, stop // G)
+        codes, scale, minimum = blocks["kcodes"], blocks["kscale"].unsqueeze(3), blocks["kmin"].unsqueeze(3)
         out = dequantize_per_channel(Quantized(codes, scale, minimum, self.bits), g.dtype)
         return out.reshape(g.batch, g.heads, stop - start, g.key_dim)
 
     def _values_block(self, start: int, stop: int) -> torch.Tensor:
-        q = self._q
-        part = Quantized(q["vcodes"][:, :, start:stop], q["vscale"][:, :, start:stop], q["vmin"][:, :, start:stop], self.bits)
+        q = self._values.runs(start, stop)
+        part = Quantized(q["vcodes"], q["vscale"], q["vmin"], self.bits)
         return dequantize_per_token(part, self.value_group, self.geometry.dtype)
 
     # ---- appending ------------------------------------------------------------------------
@@ -160,59 +203,31 @@ class QuantizedLayer(BoundedLayer):
         return plan
 
     def _commit(self, plan: dict[str, Any], key, value) -> None:
-        if self._q is None:
+        if not self._values.allocated:
             self.geometry = Geometry.of(key, value)
             self._allocate_store(0)
-            g = self.geometry
-            self._rk = key.new_empty(g.batch, g.heads, self.residual + self.group_size, g.key_dim)
-            self._rv = value.new_empty(g.batch, g.heads, max(self.residual, 1), g.value_dim)
+            self._residual_keys.allocate(self.residual + self.group_size, self.geometry)
+            self._residual_values.allocate(max(self.residual, 1), self.geometry)
         qk, qv = plan["qk"], plan["qv"]
         self._ensure_store(self._tk + qk, self._tv + qv)
-        G, q = self.group_size, self._q
         if qk:
             k = plan["k"]
-            q["kcodes"][:, :, self._tk : self._tk + qk].copy_(k.codes.flatten(2, 3))
-            q["kscale"][:, :, self._tk // G : (self._tk + qk) // G].copy_(k.scale.squeeze(3))
-            q["kmin"][:, :, self._tk // G : (self._tk + qk) // G].copy_(k.minimum.squeeze(3))
+            self._keys.append({"kcodes": k.codes, "kscale": k.scale.squeeze(3), "kmin": k.minimum.squeeze(3)})
         if qv:
             v = plan["v"]
-            q["vcodes"][:, :, self._tv : self._tv + qv].copy_(v.codes)
-            q["vscale"][:, :, self._tv : self._tv + qv].copy_(v.scale)
-            q["vmin"][:, :, self._tv : self._tv + qv].copy_(v.minimum)
+            self._values.append({"vcodes": v.codes, "vscale": v.scale, "vmin": v.minimum})
         rest_k, rest_v = plan["src_k"][:, :, qk:], plan["src_v"][:, :, qv:]
-        self._rk[:, :, : rest_k.shape[2]].copy_(rest_k)
-        self._rv[:, :, : rest_v.shape[2]].copy_(rest_v)
-        self._tk += qk
-        self._tv += qv
+        self._residual_keys.write(0, {"keys": rest_k})
+        self._residual_values.write(0, {"values": rest_v})
+        self._residual_keys.length, self._residual_values.length = rest_k.shape[2], rest_v.shape[2]
 
     def _allocate_store(self, tokens: int) -> None:
         """(Re)allocate the quantized store for ``tokens`` (a multiple of group_size), keeping its content."""
-        g, G = self.geometry, self.group_size
-        shapes = self._store_shapes(g, tokens, tokens)
-        new = {name: torch.empty(shape, dtype=dtype, device=g.device) for name, (shape, dtype) in shapes.items()}
-        if self._q is not None:
-            used = {"kcodes": self._tk, "kscale": self._tk // G, "kmin": self._tk // G}
-            for name, t in new.items():
-                keep = used.get(name, self._tv)
-                t[:, :, :keep].copy_(self._q[name][:, :, :keep])
-        self._q = new
-        self.reallocations += 1
-
-    def _store_shapes(self, g: Geometry, tk: int, tv: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """Shape and dtype of each store tensor holding ``tk`` quantized keys and ``tv`` values."""
-        G, b, h = self.group_size, g.batch, g.heads
-        groups = g.value_dim // min(G, g.value_dim)
-        return {
-            "kcodes": ((b, h, tk, g.key_dim * self.bits // 8), torch.uint8),
-            "kscale": ((b, h, tk // G, g.key_dim), g.dtype),
-            "kmin": ((b, h, tk // G, g.key_dim), g.dtype),
-            "vcodes": ((b, h, tv, g.value_dim * self.bits // 8), torch.uint8),
-            "vscale": ((b, h, tv, groups), g.dtype),
-            "vmin": ((b, h, tv, groups), g.dtype),
-        }
+        self._keys.allocate(tokens // self.group_size, self.geometry)
+        self._values.allocate(tokens, self.geometry)
 
     def _ensure_store(self, tk: int, tv: int) -> None:
-        have = self._q["kcodes"].shape[2]
+        have = self._values.capacity
         need = max(tk, tv)
         if need <= have:
             return
@@ -232,32 +247,32 @@ class QuantizedLayer(BoundedLayer):
             )
 
     def _trim(self, n: int) -> None:
-        pass  # the residual's counts follow seen, which the caller lowers
+        # Only residual tokens (check_trim): the caller lowers seen.
+        self._residual_keys.trim(n)
+        self._residual_values.trim(n)
 
     def reset(self) -> None:
         super().reset()
         self._reset_storage()
 
     def _rebatch(self, fn) -> None:
-        if self._q is None:
+        if not self._values.allocated:
             return
-        g = self.geometry
-        q = {name: fn(t) for name, t in self._q.items()}
-        rk, rv = fn(self._rk), fn(self._rv)
-        self._q, self._rk, self._rv = q, rk, rv
-        self.geometry = Geometry(rk.shape[0], g.heads, g.key_dim, g.value_dim, g.dtype, g.device)
+        for store in (self._keys, self._values, self._residual_keys):
+            store.rebatch(fn, store.capacity, count=False)
+        batch = self._residual_values.rebatch(fn, self._residual_values.capacity, count=False)
+        self.geometry = replace(self.geometry, batch=batch)
 
     def options(self) -> dict[str, Any]:
         return {"bits": self.bits, "group_size": self.group_size, "residual": self.residual, "block": self.block}
 
     def state(self) -> LayerState:
         tensors: dict[str, torch.Tensor] = {}
-        if self._q is not None:
-            G = self.group_size
-            used = {"kcodes": self._tk, "kscale": self._tk // G, "kmin": self._tk // G}
-            tensors = {name: t[:, :, : used.get(name, self._tv)] for name, t in self._q.items()}
-            tensors["residual_keys"] = self._rk[:, :, : self.seen - self._tk]
-            tensors["residual_values"] = self._rv[:, :, : self.seen - self._tv]
+        if self._values.tensors:
+            tensors = {**self._keys.in_use(), **self._values.in_use()}
+            tensors["kcodes"] = tensors["kcodes"].flatten(2, 3)  # a slot per token, as saved
+            tensors["residual_keys"] = self._residual_keys.in_use()["keys"]
+            tensors["residual_values"] = self._residual_values.in_use()["values"]
         return LayerState(self.kind, self.options(), self.seen, tensors)
 
     def check_state(self, state: LayerState) -> None:
@@ -291,12 +306,9 @@ class QuantizedLayer(BoundedLayer):
                 f"residual {self.residual} with group size {self.group_size} keeps at most "
                 f"{self.residual + self.group_size - 1} and {self.residual}"
             )
-        for name, (shape, dtype) in self._store_shapes(Geometry.of(rk, rv), tk, tv).items():
-            if tuple(t[name].shape) != shape or t[name].dtype != dtype:
-                raise ShapeError(
-                    f"quantized layer state: {name!r} should be {dtype} of shape {shape}, "
-                    f"got {t[name].dtype} of shape {tuple(t[name].shape)}"
-                )
+        g = Geometry.of(rk, rv)
+        self._values.check("quantized layer", t, g, tv)
+        self._keys.check("quantized layer (keys by blocks of group_size tokens)", _key_blocks(t, self.group_size), g, tk // self.group_size)
 
     def load_state(self, state: LayerState) -> None:
         self.check_state(state)
@@ -304,20 +316,33 @@ class QuantizedLayer(BoundedLayer):
         t = state.tensors
         if t:
             rk, rv = t["residual_keys"], t["residual_values"]
-            self.geometry = Geometry.of(rk, rv)
-            g = self.geometry
-            tk, tv = t["kcodes"].shape[2], t["vcodes"].shape[2]
-            self._allocate_store(math.ceil(max(tk, tv) / self.group_size) * self.group_size)
-            G = self.group_size
-            used = {"kcodes": tk, "kscale": tk // G, "kmin": tk // G}
-            for name in _STORE:
-                self._q[name][:, :, : used.get(name, tv)].copy_(t[name])
-            self._rk = rk.new_empty(g.batch, g.heads, self.residual + G, g.key_dim)
-            self._rv = rv.new_empty(g.batch, g.heads, max(self.residual, 1), g.value_dim)
-            self._rk[:, :, : rk.shape[2]].copy_(rk)
-            self._rv[:, :, : rv.shape[2]].copy_(rv)
-            self._tk, self._tv = tk, tv
+            self.geometry = g = Geometry.of(rk, rv)
+            tk, tv, G = t["kcodes"].shape[2], t["vcodes"].shape[2], self.group_size
+            self._allocate_store(math.ceil(max(tk, tv) / G) * G)
+            self._keys.append(_key_blocks(t, G))
+            self._values.append({name: t[name] for name in _VALUE_STORE})
+            self._residual_keys.load({"keys": rk}, g, self.residual + G)
+            self._residual_values.load({"values": rv}, g, max(self.residual, 1))
         self._seen = int(state.seen)
+
+
+def _residual_key_layout(g: Geometry) -> Layout:
+    return {"keys": ((g.key_dim,), g.dtype)}
+
+
+def _residual_value_layout(g: Geometry) -> Layout:
+    return {"values": ((g.value_dim,), g.dtype)}
+
+
+def _key_blocks(tensors: dict[str, torch.Tensor], group_size: int) -> dict[str, torch.Tensor]:
+    """A saved state's key codes ``[B, Hkv, T, D']`` as the store keeps them, ``[B, Hkv, T/G, G, D']``
+    (``T`` a multiple of G and the tensors 4-D: checked before), with the keys' scale and minimum."""
+    codes = tensors["kcodes"]
+    return {
+        "kcodes": codes.unflatten(2, (codes.shape[2] // group_size, group_size)),
+        "kscale": tensors["kscale"],
+        "kmin": tensors["kmin"],
+    }
 
 
 class StoreReader(BlockReader):

@@ -17,6 +17,7 @@ import torch
 
 from ..quant import Quantized, dequantize_per_token, quantize_per_token
 from .base import Geometry
+from .store import Layout
 
 STORAGES = ("full", "int8", "int4", "int2")
 
@@ -25,11 +26,9 @@ class FullSlots:
     name = "full"
     names = ("keys", "values")
 
-    def shapes(self, g: Geometry, batch: int, slots: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        return {
-            "keys": ((batch, g.heads, slots, g.key_dim), g.dtype),
-            "values": ((batch, g.heads, slots, g.value_dim), g.dtype),
-        }
+    def layout(self, g: Geometry) -> Layout:
+        """Each tensor's shape after ``[B, Hkv, slots]`` and its dtype."""
+        return {"keys": ((g.key_dim,), g.dtype), "values": ((g.value_dim,), g.dtype)}
 
     def encode(self, key: torch.Tensor, value: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"keys": key, "values": value}
@@ -53,13 +52,13 @@ class QuantSlots:
     def _group(self, dim: int) -> int:
         return min(self.group_size, dim)
 
-    def shapes(self, g: Geometry, batch: int, slots: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        out = {}
+    def layout(self, g: Geometry) -> Layout:
+        out: Layout = {}
         for prefix, dim in (("k", g.key_dim), ("v", g.value_dim)):
             groups = dim // self._group(dim)
-            out[prefix + "codes"] = ((batch, g.heads, slots, dim * self.bits // 8), torch.uint8)
-            out[prefix + "scale"] = ((batch, g.heads, slots, groups), g.dtype)
-            out[prefix + "min"] = ((batch, g.heads, slots, groups), g.dtype)
+            out[prefix + "codes"] = ((dim * self.bits // 8,), torch.uint8)
+            out[prefix + "scale"] = ((groups,), g.dtype)
+            out[prefix + "min"] = ((groups,), g.dtype)
         return out
 
     def encode(self, key: torch.Tensor, value: torch.Tensor) -> dict[str, torch.Tensor]:

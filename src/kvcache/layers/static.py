@@ -12,11 +12,11 @@ from typing import Any
 import torch
 
 from ..errors import CacheFullError, DTypeError, ShapeError
-from .base import Geometry
-from .buffer import BufferLayer
+from .base import Geometry, KVLayer
+from .store import Fixed, SlotStore
 
 
-class StaticLayer(BufferLayer):
+class StaticLayer(KVLayer):
     kind = "static"
 
     def __init__(
@@ -32,29 +32,19 @@ class StaticLayer(BufferLayer):
         if keys is not None:
             _check_buffers(keys, values, capacity)
             capacity = keys.shape[2]
-            self._kbuf, self._vbuf = keys, values
-            self.geometry = Geometry.of(keys, values)
         if capacity is None or int(capacity) < 1:
             raise ValueError(f"a static layer needs a capacity >= 1 (tokens), got {capacity}")
         self._capacity = int(capacity)
+        self.store = SlotStore(growth=Fixed(self._capacity))
+        if keys is not None:
+            self.store.adopt({"keys": keys, "values": values})
+            self.geometry = Geometry.of(keys, values)
 
     def check_append(self, n: int) -> None:
-        need = self._len + int(n)
-        if need > self._capacity:
-            raise CacheFullError(
-                f"static cache is full: capacity {self._capacity} tokens, {self._len} stored, "
-                f"{n} more requested (needs {need}). Nothing was written; "
-                f"make the cache with a larger capacity."
-            )
+        self.store.check_room(self.length + int(n))
 
-    def _make_room(self, need, key, value):
-        self.check_append(need - self._len)
-        self._allocate(self._capacity, key.shape[0], key, value)
-        self._kbuf.zero_()
-        self._vbuf.zero_()
-
-    def _rebatch_capacity(self) -> int:
-        return self._capacity
+    def _append(self, key, value):
+        return self._append_in_order(key, value)
 
     @property
     def max_length(self) -> int:
@@ -70,13 +60,13 @@ class StaticLayer(BufferLayer):
         self.check_state(state)
         keys = state.tensors.get("keys")
         if keys is not None and self.geometry is not None and self.geometry != Geometry.of(keys, state.tensors["values"]):
-            self._kbuf = self._vbuf = None  # another batch size or dtype: new buffers
+            self.store.drop()  # another batch size or dtype: new buffers
             self.geometry = None
         super().load_state(state)
 
     def reset(self) -> None:
         # Keeps the buffers (they may be the caller's) and so the geometry.
-        self._len = 0
+        self.store.length = 0
         self._seen = 0
 
     def options(self) -> dict[str, Any]:

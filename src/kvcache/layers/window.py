@@ -27,13 +27,13 @@ import torch
 
 from ..errors import UnsupportedOperation
 from ..attention import Reads, Visibility
-from .base import LayerState
+from .base import Geometry, LayerState
 from .bounded import BoundedLayer
-from .buffer import BufferLayer
 from .rollback import Journal
+from .store import SlotStore, UpTo
 
 
-class WindowLayer(BoundedLayer, BufferLayer):
+class WindowLayer(BoundedLayer):
     kind = "window"
     is_sliding = True
 
@@ -50,6 +50,8 @@ class WindowLayer(BoundedLayer, BufferLayer):
         self.visibility = Visibility(self.window, self.sinks)
         self.initial_capacity = int(initial_capacity)
         self.journal: Journal | None = None  # the undo log while recording (rollback.py)
+        #: Grows geometrically (from ``initial_capacity``) up to ``sinks + window`` slots.
+        self.store = SlotStore(growth=UpTo(self.initial_capacity, self.max_length))
 
     @property
     def max_length(self) -> int:
@@ -74,7 +76,8 @@ class WindowLayer(BoundedLayer, BufferLayer):
         g = self.geometry
         if g is None:
             return torch.empty(0, 0, 0, dtype=torch.long)
-        return self._slot_positions(self.seen, self._len, g.device).expand(g.batch, g.heads, self._len)
+        n = self.length
+        return self._slot_positions(self.seen, n, g.device).expand(g.batch, g.heads, n)
 
     # ---- appending ------------------------------------------------------------------------
 
@@ -89,10 +92,10 @@ class WindowLayer(BoundedLayer, BufferLayer):
         if n == 1:  # decode: the slot taken is the one leaving the window, which this query cannot see
             self._write(key, value)
             pos = lambda: self._slot_positions(seen + 1, cap, device)  # noqa: E731 (only a masked step needs it)
-            return Reads(self._kbuf, self._vbuf, pos, seen, 1, all_visible=True)
+            return Reads(*self._ring(), pos, seen, 1, all_visible=True)
         # Several tokens, some of whose queries need slots this update overwrites: attend a copy.
         old_k, old_v = self.view()
-        old_pos = self._slot_positions(seen, self._len, device)
+        old_pos = self._slot_positions(seen, self.length, device)
         keys, values = torch.cat([old_k, key], dim=2), torch.cat([old_v, value], dim=2)
         self._write(key, value)
         new_pos = torch.arange(seen, seen + n, device=device)
@@ -105,44 +108,39 @@ class WindowLayer(BoundedLayer, BufferLayer):
         if seen + n <= cap:
             if record and self.journal is not None:
                 self._record(seen, torch.empty(0, dtype=torch.long, device=key.device), key, value)
-            BufferLayer._append(self, key, value)
+            self._append_in_order(key, value)
             return
         self._ensure_full_buffers(key, value)
         if n == 1:
             slot = seen if seen < self.sinks else self.sinks + (seen - self.sinks) % self.window
             if record and self.journal is not None:
                 self._record(seen, torch.tensor([slot], device=key.device), key, value)
-            self._kbuf.narrow(2, slot, 1).copy_(key)
-            self._vbuf.narrow(2, slot, 1).copy_(value)
+            self.store.write(slot, {"keys": key, "values": value})
         else:
             new_pos = torch.arange(seen, seen + n, device=key.device)
             keep = new_pos[(new_pos < self.sinks) | (new_pos >= seen + n - self.window)]
             slots = self._slot(keep)
             if record and self.journal is not None:
                 self._record(seen, slots, key, value)
-            self._kbuf.index_copy_(2, slots, key.index_select(2, keep - seen))
-            self._vbuf.index_copy_(2, slots, value.index_select(2, keep - seen))
-        self._seen, self._len = seen + n, cap
+            self.store.put(slots, {"keys": key.index_select(2, keep - seen), "values": value.index_select(2, keep - seen)})
+        self._seen, self.store.length = seen + n, cap
 
     def _record(self, seen: int, slots: torch.Tensor, key, value) -> None:
         # Slots beyond the stored ones hold nothing to restore (a full ring: every slot is stored).
-        live = slots if self._len >= self.max_length else slots[slots < self._len]
-        kbuf = self._kbuf if self._kbuf is not None else key[:, :, :0]
-        vbuf = self._vbuf if self._vbuf is not None else value[:, :, :0]
-        self.journal.record(seen, self._len, live, kbuf, vbuf, key, value)
+        stored = self.length
+        live = slots if stored >= self.max_length else slots[slots < stored]
+        kbuf = self.store.tensors.get("keys", key[:, :, :0])
+        vbuf = self.store.tensors.get("values", value[:, :, :0])
+        self.journal.record(seen, stored, live, kbuf, vbuf, key, value)
+
+    def _ring(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every slot of the full ring, keys ``[B, Hkv, sinks + window, D]`` and values, as stored."""
+        return self.store.tensors["keys"], self.store.tensors["values"]
 
     def _ensure_full_buffers(self, key, value) -> None:
         if self.capacity < self.max_length:
-            batch = key.shape[0] if self._kbuf is None else self.geometry.batch
-            self._allocate(self.max_length, batch, key, value)
-
-    def _make_room(self, need, key, value) -> None:
-        """Grow geometrically (from ``initial_capacity``) up to ``sinks + window`` slots."""
-        if self._kbuf is None:
-            capacity, batch = max(need, self.initial_capacity), key.shape[0]
-        else:
-            capacity, batch = max(need, 2 * self.capacity), self.geometry.batch
-        self._allocate(min(capacity, self.max_length), batch, key, value)
+            self.geometry = self.geometry or Geometry.of(key, value)
+            self.store.reserve(self.max_length, self.geometry)
 
     # ---- rollback and state ---------------------------------------------------------------
 
@@ -158,7 +156,7 @@ class WindowLayer(BoundedLayer, BufferLayer):
     @property
     def nbytes(self) -> int:
         """The ring, plus the undo log while recording."""
-        return BufferLayer.nbytes.fget(self) + (0 if self.journal is None else self.journal.nbytes)
+        return self.store.nbytes + (0 if self.journal is None else self.journal.nbytes)
 
     @property
     def rollback_tokens(self) -> int:
@@ -188,26 +186,27 @@ class WindowLayer(BoundedLayer, BufferLayer):
         while self.seen > target and self.journal is not None and self.journal.entries:
             e = self.journal.entries.pop()
             if e.slots.numel():
-                self._kbuf.index_copy_(2, e.slots, e.keys)
-                self._vbuf.index_copy_(2, e.slots, e.values)
-            self._seen, self._len = e.first, e.length_before
+                self.store.put(e.slots, {"keys": e.keys, "values": e.values})
+            self._seen, self.store.length = e.first, e.length_before
             if e.first < target:  # part of this update stays
                 m = target - e.first
                 self._write(e.new_keys[:, :, :m], e.new_values[:, :, :m], record=False)
         if self.seen > target:  # never wrapped (check_trim): slots are positions, in order
-            self._len -= self.seen - target
+            self.store.trim(self.seen - target)
             self._seen = target
         if self.journal is not None:
             self.journal.clear()
 
     def _rebatch(self, fn) -> None:
-        BufferLayer._rebatch(self, fn)
+        super()._rebatch(fn)
         if self.journal is not None:
             self.journal.rebatch(fn)
 
     def reset(self) -> None:
-        BoundedLayer.reset(self)
-        self._drop_buffers()
+        super().reset()
+        self.store.drop()
+        self.geometry = None
+        self._seen = 0
         if self.journal is not None:
             self.journal.clear()
 
@@ -228,8 +227,6 @@ class WindowLayer(BoundedLayer, BufferLayer):
         self.reset()
         if "keys" in state.tensors:
             keys, values = state.tensors["keys"], state.tensors["values"]
-            self._allocate(max(keys.shape[2], 1), keys.shape[0], keys, values)
-            self._kbuf.narrow(2, 0, keys.shape[2]).copy_(keys)
-            self._vbuf.narrow(2, 0, keys.shape[2]).copy_(values)
-            self._len = keys.shape[2]
+            self.geometry = Geometry.of(keys, values)
+            self.store.load({"keys": keys, "values": values}, self.geometry, max(keys.shape[2], 1))
         self._seen = int(state.seen)
