@@ -573,7 +573,7 @@ def test_failed_save_keeps_previous_file(failure, tmp_path, monkeypatch):
     elif failure == "fsync":
         monkeypatch.setattr(os, "fsync", _raise)
     elif failure == "write":
-        real_save_file = kvcache.persist.save_file
+        real_save_file = kvcache.persist.fileformat.save_file
 
         def half_written(tensors, filename, metadata=None):
             # The real bytes, cut in half on disk, then the failure (a full disk, say).
@@ -582,7 +582,7 @@ def test_failed_save_keeps_previous_file(failure, tmp_path, monkeypatch):
                 f.truncate(os.path.getsize(filename) // 2)
             raise _Boom("disk full (simulated)")
 
-        monkeypatch.setattr(kvcache.persist, "save_file", half_written)
+        monkeypatch.setattr(kvcache.persist.fileformat, "save_file", half_written)
     else:
 
         def interrupt(*args, **kwargs):

@@ -54,7 +54,7 @@ from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, Pre
 import kvcache
 
 from . import tasks
-from .cache import make_cache
+from .build import make_cache
 from .hf import use_kvcache_attention
 from .tiny import tiny_model
 

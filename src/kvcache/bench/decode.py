@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache, StaticCache
 
-from ..cache import make_cache
+from ..build import make_cache
 from ..hf import ATTENTION_NAME, register_attention, use_kvcache_attention
 from ..tiny import tiny_model
 from .common import clock, figure, finish_axes, human_bytes, machine_info, markdown_table, median, write_outputs

@@ -117,7 +117,7 @@ def make_contender(name: str, setup: Setup):
         cache = Step256Cache(setup.layers)
         return cache, lambda i: (cache.layers[i].keys, cache.layers[i].values)
     if name in ("growable", "static"):
-        from ..cache import make_cache
+        from ..build import make_cache
 
         cache = make_cache(config) if name == "growable" else make_cache(config, "static", capacity=setup.tokens)
         return cache, lambda i: (cache.stores[i]._kbuf, cache.stores[i]._vbuf)

@@ -15,6 +15,7 @@ from .base import Geometry, KVLayer
 
 class ConcatLayer(KVLayer):
     kind = "concat"
+    spec_order = 5
 
     def __init__(self) -> None:
         super().__init__()

@@ -27,6 +27,7 @@ import torch
 from ..attention import group_heads, group_sinks, softmax
 from ..errors import ShapeError, UnsupportedOperation
 from ..quant import BITS, Quantized, dequantize_per_channel, dequantize_per_token, quantize_per_channel, quantize_per_token
+from ..registry import Option
 from .base import Geometry, LayerState, check_kv
 from .bounded import AttentionSet, BoundedLayer
 
@@ -36,6 +37,8 @@ _STORE = ("kcodes", "kscale", "kmin", "vcodes", "vscale", "vmin")
 
 class QuantizedLayer(BoundedLayer):
     kind = "quantized"
+    spec_options = {"bits": Option(int), "group_size": Option(int, least=1), "residual": Option(int, least=0)}
+    spec_order = 3
 
     def __init__(self, bits: int = 4, group_size: int = 64, residual: int = 32, block: int = 512) -> None:
         super().__init__()

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ..errors import UnsupportedOperation
+from ..registry import Option
 from .base import LayerState
 from .bounded import AttentionSet, BoundedLayer
 from .buffer import BufferLayer
@@ -34,6 +35,9 @@ from .rollback import Journal
 
 class WindowLayer(BoundedLayer, BufferLayer):
     kind = "window"
+    spec_options = {"window": Option(int, least=1), "sinks": Option(int, least=0)}
+    required_options = ("window",)
+    spec_order = 2
     is_sliding = True
 
     def __init__(self, window: int, sinks: int = 0, initial_capacity: int = 256) -> None:
