@@ -38,6 +38,9 @@ def make_cache(model: Any, spec: str | CacheSpec = "growable", **options: Any) -
       ``"lastrec:..."`` (``budget`` in tokens, or below 1 a fraction of the tokens seen; ``recent``,
       ``sinks`` protected; ``storage=full|int8|int4|int2``); ``"quantized:bits=4,group_size=64,residual=32"`` (bits 8, 4 or 2).
 
+    Every kind and its options are what the layer classes declare (``registry.py``; listed by
+    ``kvcache.spec.valid_specs()``).
+
     The model's own sliding-window layers always get a ``WindowLayer`` of its window. ``model`` is
     not changed. A cache with any bounded layer needs the model to run the ``"kvcache"`` attention
     (their slots are not the past in order): call ``kvcache.use_kvcache_attention(model)`` first
@@ -75,7 +78,8 @@ def make_cache(model: Any, spec: str | CacheSpec = "growable", **options: Any) -
         else:
             others[i] = (layer_type, foreign.foreign_layer(layer_type, kwargs, i))
             stores.append(None)
-    foreign.check_spec(parsed.kind, {i: t for i, (t, _) in others.items() if stores[i] is None}, {i: o for i, (_, o) in others.items()})
+    foreign_types = {i: t for i, (t, _) in others.items() if stores[i] is None}
+    foreign.check_spec(parsed.kind, kind.layer.unbounded, foreign_types, {i: o for i, (_, o) in others.items()})
     if not any(s is not None for s in stores) and not any(not foreign.is_fixed_size(o) for _, o in others.values()):
         raise UnsupportedOperation(
             f"this model has no attention layer (layer types: {sorted(set(layer_types))}), so there are no keys "

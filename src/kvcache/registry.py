@@ -112,10 +112,6 @@ def layer_class(kind: Any) -> type | None:
     return _LAYERS.get(kind) if isinstance(kind, str) else None
 
 
-def layer_kinds() -> list[str]:
-    return list(_LAYERS)
-
-
 def spec_kinds() -> dict[str, SpecKind]:
     """Every kind a spec can name, read from the registered classes at the time of asking (so a
     policy added later is a spec kind at once)."""

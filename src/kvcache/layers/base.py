@@ -128,6 +128,9 @@ class KVLayer(ABC):
     spec_options: ClassVar[dict[str, Option]] = {}
     #: Options a spec must give; ``"a|b"`` means either of them.
     required_options: ClassVar[tuple[str, ...]] = ()
+    #: True for kinds that promise nothing about memory (they grow with the sequence), so layers
+    #: of a model that grow their own way fit beside them (``foreign.check_spec``).
+    unbounded: ClassVar[bool] = False
     #: Where the kind comes in listings (``--help``, error messages): lowest first.
     spec_order: ClassVar[int] = 100
 

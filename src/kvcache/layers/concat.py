@@ -16,6 +16,7 @@ from .base import Geometry, KVLayer
 class ConcatLayer(KVLayer):
     kind = "concat"
     spec_order = 5
+    unbounded = True
 
     def __init__(self) -> None:
         super().__init__()

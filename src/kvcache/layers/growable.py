@@ -20,6 +20,7 @@ class GrowableLayer(BufferLayer):
     kind = "growable"
     spec_options = {"initial_capacity": Option(int, least=1), "growth": Option(float, least=1.0, inclusive=False)}
     spec_order = 0
+    unbounded = True
 
     def __init__(self, initial_capacity: int = 256, growth: float = 2.0) -> None:
         super().__init__()

@@ -15,22 +15,18 @@ every respect (other key values with recomputed checksums) is a valid file: the 
 accidents, not attackers (there is no signature).
 """
 
-from .atomic import STALE_TEMP_S, atomic_write, sweep_temps
-from .fileformat import MAX_SEEN, SavedCache, checksum, read_cache_file, write_cache_file
-from .header import FORMAT, FORMAT_VERSION, metadata_checksum, one_line, read_header, short
+from .atomic import atomic_write, sweep_temps
+from .fileformat import SavedCache, checksum, read_cache_file, write_cache_file
+from .header import FORMAT_VERSION, metadata_checksum, one_line, short
 
 __all__ = [
-    "FORMAT",
     "FORMAT_VERSION",
-    "MAX_SEEN",
-    "STALE_TEMP_S",
     "SavedCache",
     "atomic_write",
     "checksum",
     "metadata_checksum",
     "one_line",
     "read_cache_file",
-    "read_header",
     "short",
     "sweep_temps",
     "write_cache_file",
