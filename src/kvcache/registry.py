@@ -8,10 +8,13 @@ A layer class names its ``kind`` and, beside it, declares what a cache spec may 
 - ``spec_kinds()``: the spec kinds the class serves and the constructor arguments each one fixes
   (by default its own kind alone; ``EvictingLayer`` serves one kind per eviction policy);
 - ``from_options()``: how a layer is built from a spec's checked options (by default the class
-  called with them).
+  called with them);
+- ``unbounded`` (kinds whose memory grows with the sequence) and ``spec_order`` (its place in
+  listings).
 
-``KVLayer.__init_subclass__`` registers each class that names a kind of its own, so adding a layer
-kind is one class. Parsing (``spec.py``), ``make_cache``, error messages and loading a saved file
+``KVLayer`` takes these declarations' defaults from ``RegisteredKind``, whose
+``__init_subclass__`` registers each class that names a kind of its own: adding a layer kind is
+one class. Parsing (``spec.py``), ``make_cache``, error messages and loading a saved file
 all read this registry; nothing else lists kinds.
 """
 
@@ -20,7 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 
 def number(value: Any) -> int | float:
@@ -90,6 +93,39 @@ class SpecKind:
         """An empty layer of this kind from a spec's checked options (python-only ones excluded);
         ``buffers``: a caller-owned ``(keys, values)`` pair, for kinds that take one."""
         return self.layer.from_options({**self.fixed, **options}, buffers)
+
+
+class RegisteredKind:
+    """The declarations a layer class makes about its kind, with their defaults; a subclass that
+    sets ``kind`` in its own body is registered when it is defined."""
+
+    kind: ClassVar[str]
+    #: What a cache spec may say about this kind: option name -> type and bound.
+    spec_options: ClassVar[dict[str, Option]] = {}
+    #: Options a spec must give; ``"a|b"`` means either of them.
+    required_options: ClassVar[tuple[str, ...]] = ()
+    #: True for kinds that promise nothing about memory (they grow with the sequence), so layers
+    #: of a model that grow their own way fit beside them (``foreign.check_spec``).
+    unbounded: ClassVar[bool] = False
+    #: Where the kind comes in listings (``--help``, error messages): lowest first.
+    spec_order: ClassVar[int] = 100
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "kind" in cls.__dict__:  # intermediate bases name no kind of their own
+            register_layer(cls)
+
+    @classmethod
+    def spec_kinds(cls) -> dict[str, dict[str, Any]]:
+        """The spec kinds this class serves, each with the constructor arguments it fixes."""
+        return {cls.kind: {}}
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any], buffers: Any = None) -> Any:
+        """An empty layer from a spec's checked options (``buffers``: for kinds that take them)."""
+        if buffers is not None:
+            raise ValueError(f"a {cls.kind} layer takes no caller-owned buffers")
+        return cls(**options)
 
 
 #: Layer kind (as saved in files) -> its class, in the order the classes were defined.

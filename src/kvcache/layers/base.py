@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..errors import DTypeError, ShapeError, UnsupportedOperation
-from ..registry import Option, register_layer
+from ..registry import RegisteredKind
 
 
 @dataclass
@@ -114,7 +114,7 @@ def as_index(index: torch.Tensor | list[int] | range, batch: int, device: torch.
     return idx % batch if idx.numel() else idx
 
 
-class KVLayer(ABC):
+class KVLayer(RegisteredKind, ABC):
     """One transformer layer's key/value store. Subclasses choose how storage grows or is bounded."""
 
     kind: ClassVar[str]
@@ -122,34 +122,6 @@ class KVLayer(ABC):
     is_sliding: ClassVar[bool] = False
     #: True for bounded kinds, whose attention must run through their own ``attend`` (``bounded.py``).
     needs_own_attention: ClassVar[bool] = False
-
-    # ---- the kind's declaration, read by the registry (``registry.py``) ----------------------
-    #: What a cache spec may say about this kind: option name -> type and bound.
-    spec_options: ClassVar[dict[str, Option]] = {}
-    #: Options a spec must give; ``"a|b"`` means either of them.
-    required_options: ClassVar[tuple[str, ...]] = ()
-    #: True for kinds that promise nothing about memory (they grow with the sequence), so layers
-    #: of a model that grow their own way fit beside them (``foreign.check_spec``).
-    unbounded: ClassVar[bool] = False
-    #: Where the kind comes in listings (``--help``, error messages): lowest first.
-    spec_order: ClassVar[int] = 100
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if "kind" in cls.__dict__:  # a class naming a kind of its own; intermediate bases do not
-            register_layer(cls)
-
-    @classmethod
-    def spec_kinds(cls) -> dict[str, dict[str, Any]]:
-        """The spec kinds this class serves, each with the constructor arguments it fixes."""
-        return {cls.kind: {}}
-
-    @classmethod
-    def from_options(cls, options: dict[str, Any], buffers: Any = None) -> KVLayer:
-        """An empty layer from a spec's checked options (``buffers``: for kinds that take them)."""
-        if buffers is not None:
-            raise ValueError(f"a {cls.kind} layer takes no caller-owned buffers")
-        return cls(**options)
 
     def __init__(self) -> None:
         self.geometry: Geometry | None = None
