@@ -7,8 +7,8 @@ bytes of a real saved cache. Categories:
 - ``truncate``: the file cut at some length;
 - ``append``: random bytes added after the end;
 - ``crafted``: the metadata or tensors rewritten *with every checksum recomputed*, so only the
-  loader's semantic checks can refuse them (lying seen/length/positions, shapes, dtypes, layer
-  counts, kinds, options, spec, config);
+  loader's semantic checks can refuse them (lying seen/positions, shapes, dtypes, layer counts,
+  kinds, options, spec, config, token ids);
 - ``raw``: hand-written headers the checksum layer never gets to see (header-size lies, non-UTF-8,
   non-JSON, deeply nested JSON, absurd shape claims, bad offsets).
 
@@ -210,15 +210,13 @@ def _tensor(layer: int, name: str, fn: Callable[[torch.Tensor], torch.Tensor]) -
 
 
 def _all_tensors(layer: int, fn: Callable[[str, torch.Tensor], torch.Tensor]) -> Forge:
-    """Rewrite every tensor of a layer (a consistent shape change), updating its ``length``."""
+    """Rewrite every tensor of a layer (a consistent shape change)."""
 
     def forge(p: Parts) -> None:
         entry = _entry(p, layer)
         for name in entry["tensors"]:
             key = f"layer.{layer}.{name}"
             p.tensors[key] = fn(name, p.tensors[key]).contiguous()
-        if "keys" in entry["tensors"]:
-            entry["length"] = p.tensors[f"layer.{layer}.keys"].shape[2]
 
     return forge
 
@@ -244,6 +242,24 @@ def _meta(field: str, value: Any) -> Forge:
         p.meta[field] = value
 
     return forge
+
+
+def _token_ids(fn: Callable[[list], Any]) -> Forge:
+    """Rewrite the conversation's token ids: ``fn`` gets the list and returns the new field's text
+    (a string), or a value to write as JSON."""
+
+    def forge(p: Parts) -> None:
+        if "token_ids" not in p.meta:
+            raise Skip
+        value = fn(json.loads(p.meta["token_ids"]))
+        p.meta["token_ids"] = value if isinstance(value, str) else json.dumps(value)
+
+    return forge
+
+
+def _drop_token_ids(p: Parts) -> None:
+    if p.meta.pop("token_ids", None) is None:
+        raise Skip
 
 
 def _config(fn: Callable[[dict], Any]) -> Forge:
@@ -308,9 +324,9 @@ def crafted_forgeries() -> list[tuple[str, Forge]]:
             out.append((f"{where} layer seen {by:+d}", _shift_layer(layer, "seen", by)))
         for value in (0, -1, 2**62, 2**64, 1e300, math.inf, math.nan, 3.5, "12", True, None, [3]):
             out.append((f"{where} layer seen = {value!r}", _set_layer(layer, "seen", value)))
-        for by in (1, -1):
-            out.append((f"{where} layer length {by:+d}", _shift_layer(layer, "length", by)))
-        out.append((f"{where} layer length = 2**40", _set_layer(layer, "length", HUGE)))
+        # Format 1's per-layer "length" (redundant with the tensors): a row that carries it is refused.
+        for value in (1, -1, HUGE):
+            out.append((f"{where} layer + a format-1 length = {value}", _set_layer(layer, "length", value)))
         for kind in ("growable", "static", "concat", "window", "evicting", "quantized", "bogus", None, 3):
             out.append((f"{where} layer kind = {kind!r}", _set_layer(layer, "kind", kind)))
         out.append((f"{where} layer options = []", _set_layer(layer, "options", [])))
@@ -385,7 +401,8 @@ def crafted_forgeries() -> list[tuple[str, Forge]]:
         ("dtype = int8", _meta("dtype", "int8")),
         ("dtype = bogus", _meta("dtype", "bogus")),
         ("dtype = none", _meta("dtype", "none")),
-        ("format_version = 2", _meta("format_version", "2")),
+        ("format_version = 1", _meta("format_version", "1")),
+        ("format_version = 3", _meta("format_version", "3")),
         ("format = other", _meta("format", "other")),
         ("spec = bogus", _meta("spec", "bogus")),
         ("spec = empty", _meta("spec", "")),
@@ -397,6 +414,31 @@ def crafted_forgeries() -> list[tuple[str, Forge]]:
         ("spec = quantized:bits=4", _meta("spec", "quantized:bits=4")),
         ("spec = growable:growth=nan", _meta("spec", "growable:growth=nan")),
         ("spec option nested text", _meta("spec", "static:capacity=" + _deep(1000))),
+    ]
+    # The conversation's token ids: as many as the tokens seen, or one more; each in the vocabulary.
+    out += [
+        ("token ids: not JSON", _token_ids(lambda ids: "[1, 2")),
+        ("token ids: empty text", _token_ids(lambda ids: "")),
+        ("token ids: null", _token_ids(lambda ids: None)),
+        ("token ids: a JSON object", _token_ids(lambda ids: {"0": ids[0]})),
+        ("token ids: a JSON string", _token_ids(lambda ids: "\"ids\"")),
+        ("token ids: nested 100000 deep", _token_ids(lambda ids: _deep(100_000))),
+        ("token ids: NaN", _token_ids(lambda ids: "[NaN]")),
+        ("token ids: a 5000-digit id", _token_ids(lambda ids: "[" + "9" * 5000 + "]")),
+        ("token ids: a string id", _token_ids(lambda ids: ["a"] + ids[1:])),
+        ("token ids: a float id", _token_ids(lambda ids: [float(ids[0])] + ids[1:])),
+        ("token ids: a negative id", _token_ids(lambda ids: [-1] + ids[1:])),
+        ("token ids: a boolean id", _token_ids(lambda ids: [True] + ids[1:])),
+        ("token ids: a null id", _token_ids(lambda ids: [None] + ids[1:])),
+        ("token ids: an id past the vocabulary", _token_ids(lambda ids: [10**9] + ids[1:])),
+        ("token ids: an id of 2**64", _token_ids(lambda ids: ids[:-1] + [2**64])),
+        ("token ids: one more", _token_ids(lambda ids: ids + [ids[-1]])),
+        ("token ids: one fewer", _token_ids(lambda ids: ids[:-1])),
+        ("token ids: two fewer", _token_ids(lambda ids: ids[:-2])),
+        ("token ids: empty list", _token_ids(lambda ids: [])),
+        ("token ids: doubled", _token_ids(lambda ids: ids + ids)),
+        ("token ids: a million", _token_ids(lambda ids: [1] * 10**6)),
+        ("token ids: field dropped", _drop_token_ids),
     ]
     for value in (HUGE, 2**62, 2**40 + 1, 10**6, 0, -1, "nan", "inf", "1e400"):
         out.append((f"spec and every layer: first option = {value!r}", _spec_and_options(value)))

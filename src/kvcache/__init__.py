@@ -10,7 +10,9 @@ Importing kvcache registers the ``"kvcache"`` attention implementation with ``tr
 """
 
 from .attention import attend
-from .cache import CacheSnapshot, KVCache, make_cache
+from .build import make_cache
+from .cache import CacheSnapshot, KVCache
+from .cachefile import load_cache, save_cache
 from .errors import (
     CacheFileError,
     CacheFullError,
@@ -26,7 +28,6 @@ from .errors import (
     UnsupportedOperation,
 )
 from .hf import register_attention, use_kvcache_attention
-from .persist import load_cache, save_cache
 from .spec import CacheSpec, parse_spec
 
 __version__ = "0.1.0"

@@ -1,49 +1,30 @@
 """The model-level cache: one storage layer per transformer layer, as a ``transformers.Cache``.
 
-``make_cache(model, spec)`` reads the model's config (``layer_types``, ``sliding_window``) and
-builds the right layer for each: the spec's kind for full-attention layers, a ``WindowLayer`` (a
-ring buffer of the model's own window, attended exactly as Hugging Face does) for sliding ones. The result goes straight
-into ``model.generate(..., past_key_values=cache)`` or a plain forward loop.
+``build.make_cache`` makes one for a model; ``cachefile.load_cache`` loads one from a file that
+``KVCache.save`` wrote. It goes straight into ``model.generate(..., past_key_values=cache)`` or a
+plain forward loop.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers import PretrainedConfig
-from transformers.cache_utils import Cache, DummyLayer, get_layer_types_and_kwargs
-from transformers.integrations.heterogeneity.configuration_utils import AmbiguousGlobalPerLayerAttributeError
+from transformers.cache_utils import Cache, DummyLayer
 
 from . import foreign
-from .errors import ShapeError, SpecError, UnsupportedOperation
-from .foreign import HYBRID_TYPES, ForeignLayers
+from .errors import ShapeError, UnsupportedOperation
+from .fingerprint import fingerprint_of
+from .foreign import ForeignLayers
 from .hf import SWITCH_HINT, HFLayer, crop_count, note_writer, runs_kvcache_attention
 from .layers.base import check_kv
-from .layers import ConcatLayer, EvictingLayer, GrowableLayer, KVLayer, LayerState, QuantizedLayer, StaticLayer, WindowLayer
-from .spec import EVICTION_KINDS, CacheSpec, parse_spec
-
-#: Config fields that decide whether a saved cache fits a model.
-FINGERPRINT_FIELDS = (
-    "model_type",
-    "num_hidden_layers",
-    "hidden_size",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "vocab_size",
-    "layer_types",
-    "sliding_window",
-    "rope_theta",
-    "rope_parameters",
-    "max_position_embeddings",
-)
-
-SLIDING_TYPES = ("sliding_attention", "chunked_attention")
+from .layers import KVLayer, LayerState
+from .persist import SavedCache, write_cache_file
+from .spec import CacheSpec
 
 
 @dataclass
@@ -65,6 +46,10 @@ class KVCache(ForeignLayers, Cache):
     ``generate`` uses is here: ``get_seq_length``, ``get_mask_sizes``, ``crop``, ``reorder_cache``,
     ``batch_repeat_interleave``, ``batch_select_indices``, ``reset``.
     """
+
+    #: The conversation's token ids a loaded file was saved with (``save(path, token_ids=...)``);
+    #: None for a cache made here, or loaded from a file without them. Appends do not change it.
+    token_ids: list[int] | None = None
 
     def __init__(
         self,
@@ -231,22 +216,30 @@ class KVCache(ForeignLayers, Cache):
         others = {i: (kind, foreign.clone(layer)) for i, (kind, layer) in self.others.items()}
         return KVCache(stores, self.spec, self.config_summary, self.attention_config, others)
 
-    def save(self, path: str | os.PathLike) -> None:
-        """Write this cache to one safetensors file (atomically: a failed save keeps the old file)."""
-        from .persist import save_cache
+    def save(self, path: str | os.PathLike, *, token_ids: Sequence[int] | None = None) -> None:
+        """Write this cache to one safetensors file (atomically: a failed save keeps the old file).
 
-        save_cache(self, path)
+        ``token_ids``: for a conversation, its tokens: the ``seen`` ones the cache holds, and
+        optionally one more (the token ``generate`` chose last and never fed back); loading gives
+        them back as ``token_ids``. Raises, writing nothing, for ids that do not fit.
+        """
+        foreign.refuse(
+            "save",
+            self.other_kinds,
+            "saving works for caches whose layers are all attention (or dummy); keep an in-memory copy with "
+            "cache.snapshot() or cache.fork() instead",
+        )
+        if token_ids is not None:
+            token_ids = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else list(token_ids)
+            vocab = (self.config_summary or {}).get("vocab_size")
+            problem = token_ids_problem(token_ids, self.seen, vocab)
+            if problem is not None:
+                raise ValueError(f"cannot save token_ids: {problem}")
+        states = [None if s is None else s.state() for s in self.stores]
+        write_cache_file(path, SavedCache(str(self.spec), self.config_summary, states, token_ids))
 
     def __repr__(self) -> str:
         return f"KVCache(spec={str(self.spec)!r}, seen={self.seen}, nbytes={self.nbytes}, layers={len(self.stores)})"
-
-
-def text_config(model_or_config: Any) -> PretrainedConfig:
-    """The decoder config of a model, or of a config."""
-    config = getattr(model_or_config, "config", model_or_config)
-    if not isinstance(config, PretrainedConfig):
-        raise TypeError(f"expected a transformers model or config, got {type(model_or_config).__name__}")
-    return config.get_text_config(decoder=True)
 
 
 def kv_readers(config: PretrainedConfig | None, n_layers: int) -> list[int]:
@@ -279,97 +272,16 @@ def kv_owners(config: PretrainedConfig | None, n_layers: int) -> list[int | None
     return owners
 
 
-def config_summary(config: PretrainedConfig) -> dict[str, Any]:
-    """The fields of ``config`` that a saved cache must agree with (JSON-safe).
+def token_ids_problem(ids: list[Any], seen: int, vocab: Any) -> str | None:
+    """What is wrong with a conversation's token ids for a cache of ``seen`` tokens, or None.
 
-    A field that varies per layer (heterogeneous configs such as Gemma 4's ``head_dim``, where
-    reading the global value raises) is recorded as ``{"per_layer": [value of layer 0, ...]}``.
-    """
-    out = {}
-    for name in FINGERPRINT_FIELDS:
-        try:
-            value = getattr(config, name, None)
-        except AmbiguousGlobalPerLayerAttributeError:
-            value = {"per_layer": [getattr(layer, name, None) for layer in config.per_layer_config]}
-        out[name] = json.loads(json.dumps(value, default=str, sort_keys=True))
-    return out
-
-
-def fingerprint_of(summary: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(summary, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def make_cache(model: Any, spec: str | CacheSpec = "growable", **options: Any) -> KVCache:
-    """A cache for ``model`` (a ``transformers`` model or config), ready for ``generate``.
-
-    ``spec`` is a kind with options, as a string or keywords (``make_cache(model, "static",
-    capacity=4096)``; keywords override the string's):
-
-    - unbounded: ``"growable"`` (default), ``"static:capacity=N"`` (or caller-owned
-      ``buffers=[(keys, values), ...]``, one pair ``[B, Hkv, C, D]`` per full-attention layer),
-      ``"concat"``;
-    - bounded: ``"window:window=W,sinks=S"``; ``"h2o:budget=N"``, ``"tova:..."``,
-      ``"lastrec:..."`` (``budget`` in tokens, or below 1 a fraction of the tokens seen; ``recent``,
-      ``sinks`` protected; ``storage=full|int8|int4|int2``); ``"quantized:bits=4,group_size=64,residual=32"`` (bits 8, 4 or 2).
-
-    The model's own sliding-window layers always get a ``WindowLayer`` of its window. ``model`` is
-    not changed. A cache with any bounded layer needs the model to run the ``"kvcache"`` attention
-    (their slots are not the past in order): call ``kvcache.use_kvcache_attention(model)`` first
-    (also a context manager); otherwise its first update raises, changing nothing.
-    """
-    config = text_config(model)
-    parsed = parse_spec(spec, **options)
-    layer_types, per_layer = get_layer_types_and_kwargs(config)
-    buffers = parsed.options.get("buffers")
-    n_full = sum(HYBRID_TYPES.get(t, t) == "full_attention" for t in layer_types)
-    if buffers is not None and len(buffers) != n_full:
-        raise SpecError(f"buffers: expected one (keys, values) pair per full-attention layer ({n_full}), got {len(buffers)}")
-
-    stores: list[KVLayer | None] = []
-    others: dict[int, tuple[str, Any]] = {}
-    full_seen = 0
-    for i, (layer_type, kwargs) in enumerate(zip(layer_types, per_layer)):
-        if layer_type in HYBRID_TYPES:  # kvcache attention beside Hugging Face's linear state
-            others[i] = (layer_type, foreign.linear_state(kwargs))
-            layer_type = HYBRID_TYPES[layer_type]
-        if layer_type == "dummy":
-            stores.append(None)
-        elif layer_type in SLIDING_TYPES:
-            stores.append(WindowLayer(window=kwargs["sliding_window"]))
-        elif layer_type == "full_attention":
-            pair = None if buffers is None else buffers[full_seen]
-            try:
-                stores.append(_full_layer(parsed, pair))
-            except ValueError as e:  # a layer's own check of its options
-                raise SpecError(f"cache spec {str(parsed)!r}: {e}") from None
-            full_seen += 1
-        else:
-            others[i] = (layer_type, foreign.foreign_layer(layer_type, kwargs, i))
-            stores.append(None)
-    foreign.check_spec(parsed.kind, {i: t for i, (t, _) in others.items() if stores[i] is None}, {i: o for i, (_, o) in others.items()})
-    if not any(s is not None for s in stores) and not any(not foreign.is_fixed_size(o) for _, o in others.values()):
-        raise UnsupportedOperation(
-            f"this model has no attention layer (layer types: {sorted(set(layer_types))}), so there are no keys "
-            f"and values to cache; use transformers' DynamicCache(config=model.config) for it"
-        )
-    return KVCache(stores, parsed, config_summary(config), config, others)
-
-
-def _full_layer(spec: CacheSpec, buffers: tuple[torch.Tensor, torch.Tensor] | None) -> KVLayer:
-    opts = {k: v for k, v in spec.options.items() if k != "buffers"}
-    if spec.kind == "growable":
-        return GrowableLayer(**opts)
-    if spec.kind == "static":
-        if buffers is not None:
-            keys, values = buffers
-            return StaticLayer(opts.get("capacity"), keys=keys, values=values)
-        return StaticLayer(**opts)
-    if spec.kind == "concat":
-        return ConcatLayer()
-    if spec.kind == "window":
-        return WindowLayer(**opts)
-    if spec.kind == "quantized":
-        return QuantizedLayer(**opts)
-    if spec.kind in EVICTION_KINDS:
-        return EvictingLayer(policy=spec.kind, **opts)
-    raise SpecError(f"no full-attention layer for kind {spec.kind!r}")
+    They must be ints in ``[0, vocab)`` (when ``vocab`` is an int), as many as ``seen``, or one
+    more: the token ``generate`` chose last and never fed back."""
+    if not all(type(t) is int and t >= 0 for t in ids):
+        bad = next(t for t in ids if not (type(t) is int and t >= 0))
+        return f"expected integers >= 0, got {bad!r}"
+    if not seen <= len(ids) <= seen + 1:
+        return f"{len(ids)} token ids for a cache of {seen} tokens (expected {seen}, or {seen + 1} with the last generated token)"
+    if type(vocab) is int and ids and max(ids) >= vocab:
+        return f"token id {max(ids)} is outside the model's vocabulary ({vocab})"
+    return None

@@ -28,8 +28,6 @@ from .errors import ShapeError, UnsupportedOperation
 ATTENTION_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 #: Layer types that hold a kvcache attention store and, beside it, a linear-attention state.
 HYBRID_TYPES = {"hybrid": "full_attention", "hybrid_sliding": "sliding_attention"}
-#: Spec kinds that promise nothing about memory, so layers that grow their own way fit beside them.
-UNBOUNDED_KINDS = ("growable", "concat")
 
 
 def foreign_layer(layer_type: str, kwargs: dict[str, Any], index: int):
@@ -53,10 +51,11 @@ def is_fixed_size(layer) -> bool:
     return isinstance(layer, LinearAttentionCacheLayerMixin) and not hasattr(layer, "keys")
 
 
-def check_spec(spec_kind: str, foreign_types: dict[int, str], foreign: dict[int, Any]) -> None:
-    """Refuse a bounded or fixed-capacity spec when a foreign layer grows with the sequence."""
+def check_spec(spec_kind: str, unbounded: bool, foreign_types: dict[int, str], foreign: dict[int, Any]) -> None:
+    """Refuse a bounded or fixed-capacity spec when a foreign layer grows with the sequence;
+    ``unbounded``: the spec's kind promises nothing about memory (its layers grow too)."""
     growing = {i: t for i, t in foreign_types.items() if not is_fixed_size(foreign[i])}
-    if spec_kind not in UNBOUNDED_KINDS and growing:
+    if not unbounded and growing:
         kinds = sorted(set(growing.values()))
         raise UnsupportedOperation(
             f"a {spec_kind!r} cache bounds or fixes the memory of every layer, and this model's "

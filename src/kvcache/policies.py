@@ -3,8 +3,7 @@
 A policy is a small object: ``initial`` scores new slots, ``observe`` folds in what one attention
 pass saw. ``weights`` says what that pass must report (see ``attention.attend_weighted``): the
 attention mass per KV head and slot summed over the pass's queries (``"sum"``), the last query's
-alone (``"last"``), or nothing. Adding a scorer (SnapKV, a learned one) is one new class here and
-one entry in ``POLICIES``.
+alone (``"last"``), or nothing. Adding a scorer (SnapKV, a learned one) is one new class here.
 """
 
 from __future__ import annotations
@@ -13,6 +12,11 @@ from abc import ABC, abstractmethod
 from typing import ClassVar
 
 import torch
+
+
+#: Every policy by name, as used in specs (``"h2o:budget=1024"``) and saved files; each subclass
+#: that names itself is added when it is defined, and is a spec kind at once (``registry.py``).
+POLICIES: dict[str, type[Policy]] = {}
 
 
 class Policy(ABC):
@@ -30,6 +34,11 @@ class Policy(ABC):
         """Scores after an attention pass: ``scores``, ``weights`` (float32) and ``positions``
         are ``[B, Hkv, N]`` over the slots that pass attended."""
         return scores
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if "name" in cls.__dict__:
+            POLICIES[cls.name] = cls
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -71,10 +80,6 @@ class LastQuery(Policy):
 
     def observe(self, scores, weights, positions):
         return weights.clone()
-
-
-#: Every policy by name, as used in specs (``"h2o:budget=1024"``) and saved files.
-POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (LastRecent, HeavyHitters, LastQuery)}
 
 
 def get_policy(name: str) -> Policy:

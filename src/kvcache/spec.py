@@ -4,55 +4,18 @@ seen), ``"concat"``.
 
 A spec is a kind, then optionally ``:`` and comma-separated ``name=value`` options. The same parser
 serves ``make_cache(model, spec, **options)`` and the CLI's ``--cache``; keyword options override
-those in the string.
+those in the string. The kinds and their options (types, bounds, which are required) are what the
+layer classes declare (``registry.py``).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import layers  # noqa: F401 - defining the layer classes registers the kinds read below
 from .errors import SpecError
-
-def number(value: Any) -> int | float:
-    """A token count (int) or, below 1, a fraction (float): ``"1024"`` -> 1024, ``"0.25"`` -> 0.25."""
-    out = float(value)
-    return int(out) if out.is_integer() else out
-
-
-#: The eviction policies, each a spec kind of its own (``policies.py``).
-EVICTION_KINDS = ("h2o", "tova", "lastrec")
-_EVICTION_OPTIONS: dict[str, type] = {"budget": number, "recent": int, "sinks": int, "storage": str}
-
-#: Option name -> type, per kind. Options typed ``object`` are Python-only (not from a string).
-SPEC_OPTIONS: dict[str, dict[str, type]] = {
-    "growable": {"initial_capacity": int, "growth": float},
-    "static": {"capacity": int, "buffers": object},
-    "window": {"window": int, "sinks": int},
-    "quantized": {"bits": int, "group_size": int, "residual": int},
-    **{kind: dict(_EVICTION_OPTIONS) for kind in EVICTION_KINDS},
-    "concat": {},
-}
-
-_REQUIRED: dict[str, tuple[str, ...]] = {
-    "static": ("capacity|buffers",),
-    "window": ("window",),
-    **{kind: ("budget",) for kind in EVICTION_KINDS},
-}
-
-#: Lower bounds per option: (smallest allowed, whether the bound itself is allowed).
-_BOUNDS: dict[str, tuple[float, bool]] = {
-    "capacity": (1, True),
-    "initial_capacity": (1, True),
-    "growth": (1.0, False),
-    "window": (1, True),
-    "sinks": (0, True),
-    "recent": (0, True),
-    "budget": (0, False),
-    "group_size": (1, True),
-    "residual": (0, True),
-}
+from .registry import SpecKind, spec_kind, spec_kinds
 
 
 @dataclass(frozen=True)
@@ -61,7 +24,8 @@ class CacheSpec:
     options: dict[str, Any] = field(default_factory=dict)
 
     def __str__(self) -> str:
-        text = [f"{k}={v}" for k, v in self.options.items() if SPEC_OPTIONS[self.kind][k] is not object]
+        declared = spec_kind(self.kind).options
+        text = [f"{k}={v}" for k, v in self.options.items() if not declared[k].python_only]
         return self.kind + (":" + ",".join(text) if text else "")
 
 
@@ -72,37 +36,35 @@ def _spec_error(message: str) -> SpecError:
 def valid_specs() -> str:
     """One line per kind with its options, for error messages and ``--help``."""
     lines = []
-    for kind, opts in SPEC_OPTIONS.items():
-        names = ", ".join(f"{n}=<{t.__name__}>" for n, t in opts.items() if t is not object)
-        lines.append(f"  {kind}" + (f" (options: {names})" if names else " (no options)"))
+    for name, kind in spec_kinds().items():
+        names = ", ".join(f"{n}=<{o.type_name}>" for n, o in kind.options.items() if not o.python_only)
+        lines.append(f"  {name}" + (f" (options: {names})" if names else " (no options)"))
     return "\n".join(lines)
 
 
 def parse_spec(spec: str | CacheSpec = "growable", **overrides: Any) -> CacheSpec:
     """Parse ``spec`` and merge keyword ``overrides``; raise ``SpecError`` listing valid choices."""
     if isinstance(spec, CacheSpec):
-        kind, options = spec.kind, dict(spec.options)
+        name, options = spec.kind, dict(spec.options)
     elif isinstance(spec, str):
-        kind, _, rest = spec.strip().partition(":")
-        kind = kind.strip()
+        name, _, rest = spec.strip().partition(":")
+        name = name.strip()
         options = _parse_options(rest, spec) if rest.strip() else {}
     else:
         raise _spec_error(f"a cache spec must be a string like 'growable', got {type(spec).__name__}")
-    if kind not in SPEC_OPTIONS:
-        raise _spec_error(f"unknown cache kind {kind!r} in spec {spec!r}")
+    kind = spec_kind(name)
+    if kind is None:
+        raise _spec_error(f"unknown cache kind {name!r} in spec {spec!r}")
     options.update(overrides)
-    allowed = SPEC_OPTIONS[kind]
-    for name, value in list(options.items()):
-        if name not in allowed:
-            raise _spec_error(f"unknown option {name!r} for cache kind {kind!r}")
-        options[name] = _coerce(kind, name, value, allowed[name])
-    for need in _REQUIRED.get(kind, ()):
+    for option, value in list(options.items()):
+        options[option] = _coerce(kind, option, value)
+    for need in kind.required:
         if not any(n in options for n in need.split("|")):
             raise _spec_error(
-                f"cache kind {kind!r} needs option {need.replace('|', ' or ')}, "
-                f"e.g. '{kind}:{need.split('|')[0]}=4096'"
+                f"cache kind {name!r} needs option {need.replace('|', ' or ')}, "
+                f"e.g. '{name}:{need.split('|')[0]}=4096'"
             )
-    return CacheSpec(kind, options)
+    return CacheSpec(name, options)
 
 
 def _parse_options(text: str, spec: str) -> dict[str, Any]:
@@ -116,22 +78,11 @@ def _parse_options(text: str, spec: str) -> dict[str, Any]:
     return options
 
 
-def _coerce(kind: str, name: str, value: Any, typ: type) -> Any:
-    if typ is object:
-        if isinstance(value, str):
-            raise _spec_error(f"option {name!r} of {kind!r} cannot be given in a spec string; pass it as a keyword")
-        return value
+def _coerce(kind: SpecKind, name: str, value: Any) -> Any:
+    declared = kind.options.get(name)
+    if declared is None:
+        raise _spec_error(f"unknown option {name!r} for cache kind {kind.name!r}")
     try:
-        if typ is int and isinstance(value, float) and not value.is_integer():
-            raise ValueError
-        coerced = typ(value)
-    except (TypeError, ValueError):
-        raise _spec_error(f"option {name!r} of cache kind {kind!r} must be {typ.__name__}, got {value!r}") from None
-    if isinstance(coerced, float) and not math.isfinite(coerced):
-        raise _spec_error(f"option {name!r} of cache kind {kind!r} must be a finite number, got {value!r}")
-    if name in _BOUNDS:
-        least, inclusive = _BOUNDS[name]
-        if coerced < least or (coerced == least and not inclusive):
-            relation = ">=" if inclusive else ">"
-            raise _spec_error(f"option {name!r} of cache kind {kind!r} must be {relation} {least}, got {value!r}")
-    return coerced
+        return declared.coerce(value)
+    except ValueError as e:
+        raise _spec_error(f"option {name!r} of cache kind {kind.name!r} {e}") from None

@@ -17,6 +17,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+import kvcache
 from kvcache.apps import cli
 from kvcache.apps.cli import main
 from helpers import hf_attention
@@ -51,8 +52,10 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
     return rc, captured.out, captured.err
 
 
-def sidecar(path) -> dict:
-    return json.loads(open(str(path) + ".ids.json", encoding="utf-8").read())
+def saved_conversation(path, model) -> dict:
+    """What ``--save-cache`` wrote: the token ids and how many of them the cache holds."""
+    cache = kvcache.load_cache(path, model)
+    return {"ids": cache.token_ids, "cached": cache.seen}
 
 
 @pytest.fixture(scope="module")
@@ -233,7 +236,7 @@ def test_save_then_load_continues_exactly_like_one_uninterrupted_run(spec, tiny,
     ids1 = encode(tok, p1)
     gen1 = reference(model, ids1, n1)
     assert out == decode(tok, gen1) + "\n"
-    saved = sidecar(first)
+    saved = saved_conversation(first, model)
     assert saved["ids"] == ids1 + gen1
     assert saved["cached"] == len(ids1) + n1 - 1  # generate never feeds its last token back
 
@@ -243,7 +246,7 @@ def test_save_then_load_continues_exactly_like_one_uninterrupted_run(spec, tiny,
     assert rc == 0, err
     whole = ids1 + gen1 + tok.encode(p2, add_special_tokens=False)
     gen2 = reference(model, whole, n2)  # one uninterrupted run over the concatenated ids
-    assert sidecar(second)["ids"] == whole + gen2
+    assert saved_conversation(second, model)["ids"] == whole + gen2
     assert out == decode(tok, gen2) + "\n"
     assert f"cache {spec.split(':')[0]}" in err and f"({saved['cached']} already cached)" in err
 
@@ -287,23 +290,29 @@ def test_sampling_is_reproducible_from_the_seed(tiny, capsys):
 
 
 @pytest.mark.parametrize("damage", ["missing", "other_cache", "not_json"])
-def test_load_cache_refuses_a_missing_or_mismatched_ids_file(damage, tmp_path, capsys):
+def test_load_cache_refuses_missing_or_mismatched_token_ids(damage, tiny, tmp_path, capsys):
+    """The token ids live in the cache file (format 2; format 1 kept them in FILE.ids.json): a file
+    saved without them, ids of another conversation, or ids that are not JSON (checksums
+    recomputed, as a tamperer would) are refused in one line naming the file."""
+    from mutations import Parts
+
     path = tmp_path / "c.kv"
     assert run(capsys, "generate", "--prompt", "abc", "--max-new-tokens", 3, "--save-cache", path)[0] == 0
-    side = tmp_path / "c.kv.ids.json"
-    if damage == "missing":
-        side.unlink()
-    elif damage == "other_cache":  # the cache file is replaced by another save, its ids file kept
-        keep = side.read_text()
-        assert run(capsys, "generate", "--prompt", "abcd", "--max-new-tokens", 3, "--save-cache", path)[0] == 0
-        side.write_text(keep)
+    parts = Parts(path.read_bytes())
+    if damage == "missing":  # saved through the API, without ids
+        kvcache.load_cache(path, tiny[0]).save(path)
+    elif damage == "other_cache":  # the ids of a longer conversation, with a cache of this one
+        assert run(capsys, "generate", "--prompt", "abcd", "--max-new-tokens", 3, "--save-cache", tmp_path / "d.kv")[0] == 0
+        parts.meta["token_ids"] = Parts((tmp_path / "d.kv").read_bytes()).meta["token_ids"]
+        path.write_bytes(parts.build())
     else:
-        side.write_text("{not json")
+        parts.meta["token_ids"] = "{not json"
+        path.write_bytes(parts.build())
     rc, out, err = run(capsys, "generate", "--load-cache", path, "--prompt", "x", "--max-new-tokens", 2)
     assert rc == 2 and out == ""
-    assert err.startswith("kvcache: error: --load-cache: ") and err.count("\n") == 1
-    assert "c.kv.ids.json" in err
-    assert {"missing": "missing", "other_cache": "checksum", "not_json": "cannot read"}[damage] in err
+    assert err.startswith("kvcache: error: ") and err.count("\n") == 1
+    assert "c.kv" in err
+    assert {"missing": "no token ids", "other_cache": "token ids", "not_json": "not valid JSON"}[damage] in err
 
 
 def test_an_empty_prompt_starts_from_bos_or_continues_a_loaded_cache(tiny, tmp_path, capsys):

@@ -573,7 +573,7 @@ def test_failed_save_keeps_previous_file(failure, tmp_path, monkeypatch):
     elif failure == "fsync":
         monkeypatch.setattr(os, "fsync", _raise)
     elif failure == "write":
-        real_save_file = kvcache.persist.save_file
+        real_save_file = kvcache.persist.fileformat.save_file
 
         def half_written(tensors, filename, metadata=None):
             # The real bytes, cut in half on disk, then the failure (a full disk, say).
@@ -582,7 +582,7 @@ def test_failed_save_keeps_previous_file(failure, tmp_path, monkeypatch):
                 f.truncate(os.path.getsize(filename) // 2)
             raise _Boom("disk full (simulated)")
 
-        monkeypatch.setattr(kvcache.persist, "save_file", half_written)
+        monkeypatch.setattr(kvcache.persist.fileformat, "save_file", half_written)
     else:
 
         def interrupt(*args, **kwargs):
@@ -611,3 +611,64 @@ def test_failed_save_keeps_previous_file(failure, tmp_path, monkeypatch):
     new_cache.save(path)
     assert_same_content(content(kvcache.load_cache(path, model)), content(new_cache), "after a good save")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.kv"]
+
+
+# ---- a conversation's token ids, format versions, the import graph -------------------------------
+
+
+def test_token_ids_round_trip_in_the_cache_file(tmp_path):
+    model, cache, path, _, _ = saved_file(tmp_path, family="llama")
+    assert kvcache.load_cache(path, model).token_ids is None  # saved without them
+    ids = [(7 * i) % model.config.vocab_size for i in range(cache.seen)]
+    for conversation in (ids, ids + [5]):  # the cached tokens, and generate's last one, not yet fed
+        kvcache.save_cache(cache, path, token_ids=conversation)
+        loaded = kvcache.load_cache(path, model)
+        assert loaded.token_ids == conversation
+        assert_same_content(content(loaded), content(cache))
+    cache.save(path, token_ids=torch.tensor(ids))
+    assert kvcache.load_cache(path, model).token_ids == ids
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache.kv"]  # one file, no side file
+
+
+@pytest.mark.parametrize(
+    "ids, problem",
+    [
+        (lambda n, v: list(range(n - 1)), "for a cache of"),
+        (lambda n, v: [1] * (n + 2), "for a cache of"),
+        (lambda n, v: [1] * (n - 1) + [v], "vocabulary"),
+        (lambda n, v: [1] * (n - 1) + [-1], "integers >= 0"),
+        (lambda n, v: [1] * (n - 1) + [2.0], "integers >= 0"),
+        (lambda n, v: [1] * (n - 1) + [True], "integers >= 0"),
+    ],
+)
+def test_saving_token_ids_that_do_not_fit_raises_and_writes_nothing(ids, problem, tmp_path):
+    model, cache, path, raw, _ = saved_file(tmp_path, family="llama")
+    with pytest.raises(ValueError, match=problem):
+        cache.save(path, token_ids=ids(cache.seen, model.config.vocab_size))
+    assert path.read_bytes() == raw
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache.kv"]
+
+
+def test_a_format_1_file_is_refused_naming_both_versions(tmp_path):
+    model, _, path, raw, _ = saved_file(tmp_path, family="llama")
+    meta = dict(header_of(raw)["__metadata__"], format_version="1")
+    from kvcache.persist import metadata_checksum
+
+    meta["meta_checksum"] = metadata_checksum(meta)
+    path.write_bytes(st_save(st_load(raw), metadata=meta))
+    with pytest.raises(kvcache.ForeignFileError, match=r"version '1'.*reads version 2"):
+        kvcache.load_cache(path, model)
+
+
+def test_persistence_depends_on_nothing_above_it():
+    """The import graph points one way: persist never imports the cache, the builder or the loader."""
+    import ast
+    from pathlib import Path
+
+    package = Path(kvcache.__file__).parent
+    above = {"cache", "build", "cachefile", "hf", "cli", "apps"}
+    for path in sorted((package / "persist").glob("*.py")) + [package / "registry.py", package / "fingerprint.py"]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                names = {(node.module or "").split(".")[0]} | {a.name for a in node.names}
+                assert not names & above, f"{path.name} imports {sorted(names & above)}"

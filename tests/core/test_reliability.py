@@ -85,13 +85,16 @@ def saved(spec: str) -> tuple[bytes, int, tuple[int, ...]]:
     m = model()
     cache = kvcache.make_cache(m, spec)
     ids = torch.randint(3, 256, (1, PROMPT), generator=torch.Generator().manual_seed(7))
-    last = greedy(m, cache, ids, GENERATED)[-1]
+    generated = greedy(m, cache, ids, GENERATED)
+    last = generated[-1]
+    conversation = ids[0].tolist() + generated  # the cached tokens and the last one, not yet fed
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "c.kv"
-        cache.save(path)
+        cache.save(path, token_ids=conversation)
         raw = path.read_bytes()
         loaded = kvcache.load_cache(path, m)
     assert loaded.seen == PROMPT + GENERATED - 1
+    assert loaded.token_ids == conversation
     return raw, last, tuple(greedy(m, loaded, torch.tensor([[last]]), CONTINUE))
 
 
@@ -178,7 +181,7 @@ def test_huge_claims_are_refused_quickly_and_allocate_nothing(tmp_path):
         "spec and every layer: first option = 1099511627776",
         "spec and every layer: first option = 4611686018427387904",
         "full layer seen = 4611686018427387904",
-        "full layer length = 2**40",
+        "full layer + a format-1 length = 1099511627776",
     }
     cases = [m for m in crafted(raw) if m.name in wanted]
     cases += [m for m in raw_headers(raw) if "2**40" in m.name or "2**64" in m.name or "huge" in m.name]
@@ -206,7 +209,7 @@ def _temps(folder: Path) -> list[str]:
 
 def test_sigkill_during_save_leaves_old_or_new_file_and_sweepable_temps(tmp_path):
     import reliability_worker as w
-    from kvcache.persist import _temp_pattern
+    from kvcache.persist.atomic import _temp_pattern
 
     trials = 20 if FULL else 3
     rng = random.Random(f"{SEED}:kill")
@@ -245,7 +248,7 @@ def test_sigkill_during_save_leaves_old_or_new_file_and_sweepable_temps(tmp_path
 def test_temps_of_live_processes_are_not_swept(tmp_path):
     """A temp file of a live save (this process) stays; one of a dead process is swept."""
     import reliability_worker as w
-    from kvcache.persist import _HOST
+    from kvcache.persist.atomic import _HOST
 
     path = tmp_path / "c.kv"
     mine = tmp_path / f".c.kv.{_HOST}~{os.getpid()}~abc123.tmp"
@@ -378,39 +381,43 @@ def _cli(capsys, *argv) -> tuple[int, str, str]:
     return rc, captured.out, captured.err
 
 
-def _ids_file(path: Path) -> Path:
-    return Path(str(path) + ".ids.json")
+def _forge(edit):
+    """Rewrite the file's metadata with ``edit(meta)``, every checksum recomputed (a tamperer who
+    knows the format)."""
+    from mutations import Parts
 
-
-def _rehash(path: Path) -> None:
-    """Make the ids file vouch for the cache file as it is now (a tamperer who knows the format)."""
-    import hashlib
-
-    side = _ids_file(path)
-    payload = json.loads(side.read_text())
-    payload["cache_sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
-    side.write_text(json.dumps(payload))
-
-
-def _edit_ids(fn):
     def damage(path: Path) -> None:
-        side = _ids_file(path)
-        payload = json.loads(side.read_text())
-        result = fn(payload)
-        side.write_text(json.dumps(payload if result is None else result))
+        parts = Parts(path.read_bytes())
+        edit(parts.meta)
+        path.write_bytes(parts.build())
 
     return damage
 
 
-def _write_ids(data: bytes):
-    return lambda path: _ids_file(path).write_bytes(data)
+def _edit_ids(fn):
+    """Forge the token ids: ``fn`` gets the list and returns the field's new text, or a value for JSON."""
+
+    def edit(meta: dict) -> None:
+        value = fn(json.loads(meta["token_ids"]))
+        meta["token_ids"] = value if isinstance(value, str) else json.dumps(value)
+
+    return _forge(edit)
 
 
 def _flip_data_byte(path: Path) -> None:
     raw = bytearray(path.read_bytes())
     raw[-5] ^= 0x40
     path.write_bytes(bytes(raw))
-    _rehash(path)
+
+
+def _flip_an_id_digit(path: Path) -> None:
+    """A digit of the token ids changed, checksums not recomputed."""
+    import re
+
+    raw = bytearray(path.read_bytes())
+    at = re.search(rb'"token_ids"\s*:\s*"\[', bytes(raw)).end()
+    raw[at] = ord("1") if raw[at] != ord("1") else ord("2")
+    path.write_bytes(bytes(raw))
 
 
 def _other_model_file(path: Path) -> None:
@@ -418,11 +425,13 @@ def _other_model_file(path: Path) -> None:
     cache = kvcache.make_cache(other)
     with torch.no_grad():
         other(torch.tensor([[5, 6, 7, 8]]), past_key_values=cache, use_cache=True)
-    cache.save(path)
-    payload = json.loads(_ids_file(path).read_text())
-    payload["cached"], payload["ids"] = 4, [5, 6, 7, 8, 9]
-    _ids_file(path).write_text(json.dumps(payload))
-    _rehash(path)
+    cache.save(path, token_ids=[5, 6, 7, 8, 9])
+
+
+def _without_ids(path: Path) -> None:
+    from kvcache.apps.trained import load_trained
+
+    kvcache.load_cache(path, load_trained()[0]).save(path)
 
 
 def _as_directory(path: Path) -> None:
@@ -430,36 +439,38 @@ def _as_directory(path: Path) -> None:
     path.mkdir()
 
 
+# The side file FILE.ids.json of format 1 is gone: its damages are the same lies told by the
+# token_ids field (forged with every checksum recomputed), and a file without ids is a missing one.
 CLI_DAMAGE = {
-    "ids file missing": lambda p: _ids_file(p).unlink(),
-    "ids file is a directory": lambda p: (_ids_file(p).unlink(), _ids_file(p).mkdir()),
-    "ids file not JSON": _write_ids(b"{not json"),
-    "ids file not UTF-8": _write_ids(b'{"ids": "\xff\xfe"}'),
-    "ids file empty": _write_ids(b""),
-    "ids file a JSON list": _write_ids(b"[1, 2, 3]"),
-    "ids file a JSON string": _write_ids(b'"ids"'),
-    "ids file nested 100000 deep": _write_ids(b"[" * 100_000 + b"]" * 100_000),
-    "ids file with NaN": _edit_ids(lambda d: d.update(cached=math.nan)),
-    "ids: a string id": _edit_ids(lambda d: d["ids"].__setitem__(0, "a")),
-    "ids: a negative id": _edit_ids(lambda d: d["ids"].__setitem__(0, -1)),
-    "ids: a boolean id": _edit_ids(lambda d: d["ids"].__setitem__(0, True)),
-    "ids: an id past the vocabulary": _edit_ids(lambda d: d["ids"].__setitem__(0, 10**9)),
-    "ids: not a list": _edit_ids(lambda d: d.update(ids={"0": 1})),
-    "ids: cached + 1": _edit_ids(lambda d: d.update(cached=d["cached"] + 1)),
-    "ids: cached - 1": _edit_ids(lambda d: d.update(cached=d["cached"] - 1)),
-    "ids: cached past the ids": _edit_ids(lambda d: d.update(cached=len(d["ids"]) + 1)),
-    "ids: cached negative": _edit_ids(lambda d: d.update(cached=-1)),
-    "ids: cached a string": _edit_ids(lambda d: d.update(cached="5")),
-    "ids: other format": _edit_ids(lambda d: d.update(format="other")),
-    "ids: version 2": _edit_ids(lambda d: d.update(version=2)),
-    "ids: checksum of another file": _edit_ids(lambda d: d.update(cache_sha256="0" * 64)),
-    "ids: checksum missing": _edit_ids(lambda d: d.pop("cache_sha256")),
+    "ids missing (saved without them)": _without_ids,
+    "ids field removed": _forge(lambda meta: meta.pop("token_ids")),
+    "ids field not JSON": _edit_ids(lambda ids: "{not json"),
+    "ids field empty": _edit_ids(lambda ids: ""),
+    "ids field null": _edit_ids(lambda ids: None),
+    "ids field a JSON object": _edit_ids(lambda ids: {"ids": ids}),
+    "ids field a JSON string": _edit_ids(lambda ids: "\"ids\""),
+    "ids field nested 100000 deep": _edit_ids(lambda ids: "[" * 100_000 + "]" * 100_000),
+    "ids field with NaN": _edit_ids(lambda ids: "[NaN]"),
+    "ids: a digit changed (checksums kept)": _flip_an_id_digit,
+    "ids: a string id": _edit_ids(lambda ids: ["a"] + ids[1:]),
+    "ids: a negative id": _edit_ids(lambda ids: [-1] + ids[1:]),
+    "ids: a boolean id": _edit_ids(lambda ids: [True] + ids[1:]),
+    "ids: a float id": _edit_ids(lambda ids: [float(ids[0])] + ids[1:]),
+    "ids: an id past the vocabulary": _edit_ids(lambda ids: [10**9] + ids[1:]),
+    "ids: not a list": _edit_ids(lambda ids: {"0": 1}),
+    "ids: one more than seen + 1": _edit_ids(lambda ids: ids + [ids[-1]]),
+    "ids: one fewer than seen": _edit_ids(lambda ids: ids[:-2]),
+    "ids: empty": _edit_ids(lambda ids: []),
+    "ids: another conversation's (twice as long)": _edit_ids(lambda ids: ids + ids),
+    "file: other format": _forge(lambda meta: meta.update(format="other")),
+    "file: format version 1": _forge(lambda meta: meta.update(format_version="1")),
+    "file: format version 3": _forge(lambda meta: meta.update(format_version="3")),
     "cache file missing": lambda p: p.unlink(),
     "cache path is a directory": _as_directory,
-    "cache file truncated (ids rehashed)": lambda p: (p.write_bytes(p.read_bytes()[:-100]), _rehash(p)),
-    "cache file byte flipped (ids rehashed)": _flip_data_byte,
-    "cache file empty (ids rehashed)": lambda p: (p.write_bytes(b""), _rehash(p)),
-    "cache file of another model (ids rehashed)": _other_model_file,
+    "cache file truncated": lambda p: p.write_bytes(p.read_bytes()[:-100]),
+    "cache file byte flipped": _flip_data_byte,
+    "cache file empty": lambda p: p.write_bytes(b""),
+    "cache file of another model": _other_model_file,
 }
 
 

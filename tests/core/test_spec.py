@@ -216,3 +216,99 @@ def test_make_cache_static_buffers_keyword():
     with pytest.raises(SpecError):
         make_cache(config, "static", buffers=buffers[:3])
     assert isinstance(kvcache.SpecError("x"), ValueError)
+
+
+# ---- the registry: a kind is declared once, by its layer class --------------------------------
+
+
+def test_every_spec_kind_comes_from_a_layer_declaration():
+    from kvcache import registry
+
+    kinds = registry.spec_kinds()
+    assert list(kinds)[:4] == ["growable", "static", "window", "quantized"]
+    assert {"h2o", "tova", "lastrec", "concat"} <= set(kinds)
+    assert {kinds[k].layer.kind for k in ("h2o", "tova", "lastrec")} == {"evicting"}
+    assert kinds["h2o"].fixed == {"policy": "h2o"}
+    for name, kind in kinds.items():
+        assert registry.layer_class(kind.layer.kind) is kind.layer
+        assert f"  {name}" in kvcache.spec.valid_specs()
+
+
+def test_a_new_policy_is_one_class_and_a_spec_kind_at_once():
+    from kvcache.layers import EvictingLayer
+    from kvcache.policies import POLICIES, Policy
+
+    class Oldest(Policy):  # keeps the oldest tokens: the smallest score leaves first
+        name = "oldest-test"
+
+        def initial(self, positions):
+            return -positions.to(torch.float32)
+
+    try:
+        spec = parse_spec("oldest-test:budget=8,sinks=1")
+        assert spec.options == {"budget": 8, "sinks": 1}
+        cache = make_cache(tiny_config("llama"), spec)
+        assert all(isinstance(s, EvictingLayer) and s.policy.name == "oldest-test" for s in cache.stores)
+        assert "oldest-test (options: budget=<number>" in kvcache.spec.valid_specs()
+    finally:
+        del POLICIES["oldest-test"]
+    with pytest.raises(SpecError):
+        parse_spec("oldest-test:budget=8")
+
+
+def test_a_new_layer_kind_is_one_class():
+    from kvcache import registry
+    from kvcache.layers import ConcatLayer
+    from kvcache.registry import Option
+
+    class CappedConcat(ConcatLayer):
+        kind = "capped-test"
+        spec_options = {"cap": Option(int, least=2)}
+        required_options = ("cap",)
+
+        def __init__(self, cap: int) -> None:
+            super().__init__()
+            self.cap = cap
+
+        def options(self):
+            return {"cap": self.cap}
+
+    try:
+        assert parse_spec("capped-test:cap=4").options == {"cap": 4}
+        cache = make_cache(tiny_config("llama"), "capped-test", cap=4)
+        assert all(type(s) is CappedConcat and s.cap == 4 for s in cache.stores)
+        for bad in ("capped-test", "capped-test:cap=1", "capped-test:cap=x", "capped-test:other=3"):
+            with pytest.raises(SpecError) as info:
+                parse_spec(bad)
+            assert "capped-test (options: cap=<int>)" in str(info.value)
+        with pytest.raises(TypeError, match="already registered"):
+            type("Impostor", (ConcatLayer,), {"kind": "capped-test"})
+    finally:
+        del registry._LAYERS["capped-test"]
+    with pytest.raises(SpecError):
+        parse_spec("capped-test:cap=4")
+
+
+@pytest.mark.parametrize(
+    "text, error",
+    [
+        ("h2o:budget=0", "> 0"),
+        ("h2o", "needs option budget"),
+        ("window:window=0", ">= 1"),
+        ("growable:growth=1", "> 1.0"),
+        ("quantized:group_size=0", ">= 1"),
+        ("static:capacity=inf", "int"),
+        ("growable:growth=nan", "finite"),
+    ],
+)
+def test_declared_bounds_and_requirements_are_spec_errors(text, error):
+    with pytest.raises(SpecError) as info:
+        parse_spec(text)
+    assert error in str(info.value)
+    assert_lists_kinds(info)
+
+
+def test_eviction_specs_round_trip():
+    for text in ("h2o:budget=1024", "tova:budget=0.25,recent=4", "lastrec:budget=16,sinks=2,storage=int4"):
+        spec = parse_spec(text)
+        assert str(spec) == text and parse_spec(str(spec)) == spec

@@ -13,8 +13,6 @@ Exit codes: 0 success, 2 bad arguments or a ``kvcache`` error (printed as one li
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import os
 import sys
 import time
@@ -32,10 +30,6 @@ from .cli_runs import add_bench, add_eval
 # ---- kvcache generate ----------------------------------------------------------------------
 
 TINY = "tiny"
-#: Suffix of the file beside a saved cache that holds the conversation's token ids.
-IDS_SUFFIX = ".ids.json"
-IDS_FORMAT = "kvcache-ids"
-IDS_VERSION = 1
 
 
 def load_model(name_or_dir: str, device: str = "cpu") -> tuple[Any, Any]:
@@ -60,45 +54,14 @@ def load_model(name_or_dir: str, device: str = "cpu") -> tuple[Any, Any]:
         raise KVCacheError(f"cannot load a model and tokenizer from {name_or_dir}: {reason}") from e
 
 
-def ids_path(cache_path: str | os.PathLike) -> str:
-    """Where ``--save-cache FILE`` keeps the token ids: ``FILE.ids.json``."""
-    return os.fspath(cache_path) + IDS_SUFFIX
-
-
-def _sha256_file(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def save_conversation(cache: Any, path: str, ids: list[int]) -> None:
-    """Save ``cache`` to ``path`` and the conversation's token ids to ``path + IDS_SUFFIX``.
+    """Save ``cache`` to ``path`` with the conversation's token ids, in one file, atomically.
 
     ``ids`` is every token so far; the cache holds the first ``cache.seen`` of them (``generate``
-    never feeds its last token back). Both files are written atomically (``persist.atomic_write``),
-    the cache first; the ids file records the cache file's SHA-256, so a pair from two saves (the
-    second one failed or was killed between the two renames) is refused on load, never misread.
+    never feeds its last token back).
     """
-    from ..persist import atomic_write
-
     try:
-        cache.save(path)
-        payload = {
-            "format": IDS_FORMAT,
-            "version": IDS_VERSION,
-            "cached": cache.seen,
-            "cache_sha256": _sha256_file(path),
-            "ids": ids,
-        }
-
-        def write(tmp: str) -> None:
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(payload, f)
-                f.write("\n")
-
-        atomic_write(ids_path(path), write)
+        cache.save(path, token_ids=ids)
     except KVCacheError:
         raise  # CacheSaveError: already names the file and the reason
     except OSError as e:
@@ -106,50 +69,20 @@ def save_conversation(cache: Any, path: str, ids: list[int]) -> None:
 
 
 def load_conversation(path: str, model: Any) -> tuple[Any, list[int]]:
-    """The cache saved at ``path`` for ``model`` and the token ids saved beside it."""
-    from ..persist import load_cache
+    """The cache saved at ``path`` for ``model`` and the token ids saved with it."""
+    from ..cachefile import load_cache
 
-    side = ids_path(path)
     if os.path.isdir(path):
         raise KVCacheError(f"--load-cache: {path} is a directory, not a cache file")
     if not os.path.isfile(path):
         raise KVCacheError(f"--load-cache: {path} does not exist")
-    if not os.path.isfile(side):
-        raise KVCacheError(
-            f"--load-cache: {side} is missing; a cache can only be continued with the token ids that "
-            f"--save-cache writes beside it"
-        )
-    try:
-        with open(side, encoding="utf-8") as f:
-            payload = json.load(f)
-    except (OSError, ValueError, RecursionError) as e:  # ValueError: JSONDecodeError, UnicodeDecodeError
-        reason = " ".join(str(e).split())[:200]
-        raise KVCacheError(f"--load-cache: cannot read {side}: {reason}") from None
-    if not isinstance(payload, dict):
-        payload = {}
-    ids, cached = payload.get("ids"), payload.get("cached")
-    if (
-        payload.get("format") != IDS_FORMAT
-        or payload.get("version") != IDS_VERSION
-        or not isinstance(ids, list)
-        or not all(type(i) is int and i >= 0 for i in ids)
-        or type(cached) is not int
-        or not 0 <= cached <= len(ids)
-    ):
-        raise KVCacheError(f"--load-cache: {side} is not a {IDS_FORMAT} v{IDS_VERSION} file written by --save-cache")
-    try:
-        digest = _sha256_file(path)
-    except OSError as e:
-        raise KVCacheError(f"--load-cache: cannot read {path}: {e.strerror or e}") from None
-    if payload.get("cache_sha256") != digest:
-        raise KVCacheError(f"--load-cache: {side} belongs to another version of {path} (checksum differs)")
     cache = load_cache(path, model)
-    if cache.seen != cached:
-        raise KVCacheError(f"--load-cache: {path} holds {cache.seen} tokens but {side} says {cached}")
-    vocab = model.config.get_text_config().vocab_size
-    if ids and max(ids) >= vocab:
-        raise KVCacheError(f"--load-cache: {side} has token id {max(ids)}, outside this model's vocabulary ({vocab})")
-    return cache, ids
+    if cache.token_ids is None:
+        raise KVCacheError(
+            f"--load-cache: {path} holds no token ids; a cache can only be continued with the token ids "
+            f"that --save-cache saves with it"
+        )
+    return cache, list(cache.token_ids)
 
 
 def add_generate(subparsers: argparse._SubParsersAction) -> None:
@@ -159,7 +92,7 @@ def add_generate(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=(
             "Generate a continuation of --prompt, printing text as each token arrives, then a summary\n"
-            "line on stderr. --save-cache keeps the cache (and FILE.ids.json, the token ids) so a\n"
+            "line on stderr. --save-cache keeps the cache and the token ids in one file, so a\n"
             "later --load-cache can continue the conversation: the new prompt is appended to it.\n\n"
             f"Cache specs (--cache):\n{valid_specs()}"
         ),
@@ -185,7 +118,7 @@ def add_generate(subparsers: argparse._SubParsersAction) -> None:
         "--max-new-tokens", type=int_at_least(1), default=64, metavar="N", help="tokens to generate (default: %(default)s)"
     )
     p.add_argument(
-        "--save-cache", type=output_file, default=None, metavar="FILE", help="save the cache afterwards (and FILE.ids.json)"
+        "--save-cache", type=output_file, default=None, metavar="FILE", help="save the cache and the token ids afterwards"
     )
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--greedy", dest="sample", action="store_false", help="greedy decoding (the default)")
@@ -205,7 +138,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
     from .bench.common import human_bytes
-    from ..cache import make_cache
+    from ..build import make_cache
     from ..hf import use_kvcache_attention
     from .tokenizer import TokenStreamer
 
@@ -255,7 +188,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     saved = ""
     if args.save_cache:
         save_conversation(cache, args.save_cache, ids + new)
-        saved = f"; saved {args.save_cache} (+ {IDS_SUFFIX})"
+        saved = f"; saved {args.save_cache}"
     rate = len(new) / seconds if seconds > 0 else float("inf")
     decode = ""
     if streamer.first_token_at is not None and len(new) > 1 and streamer.last_token_at > streamer.first_token_at:

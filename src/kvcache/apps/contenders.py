@@ -46,7 +46,7 @@ def spec_for(name: str, slots: int | float | None = None, capacity: int | None =
 
 def make_contender(name: str, model_or_config: Any, slots: int | float | None = None, capacity: int | None = None):
     """A fresh cache for contender ``name``: Hugging Face's for the references, else ``make_cache``."""
-    from ..cache import make_cache
+    from ..build import make_cache
 
     if name in HF_REFERENCES:
         from transformers import DynamicCache, StaticCache

@@ -54,7 +54,7 @@ from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel
 import kvcache
 
 from . import tasks
-from ..cache import make_cache
+from ..build import make_cache
 from ..hf import use_kvcache_attention
 from .bench.harness import alternate, greedy_generate
 from .contenders import make_contender, spec_for

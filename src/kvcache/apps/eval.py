@@ -34,7 +34,7 @@ import torch
 
 from . import tasks
 from .contenders import SINKS, spec_for
-from ..cache import make_cache
+from ..build import make_cache
 from ..hf import use_kvcache_attention
 from .trained import MODEL_DIR, load_trained
 

@@ -1,4 +1,8 @@
-"""Storage layers: one strategy per module, all behind the contract in ``base.py``."""
+"""Storage layers: one strategy per module, all behind the contract in ``base.py``.
+
+Each class that names a ``kind`` registers itself (``registry.py``); importing this package
+defines them all.
+"""
 
 from .base import Geometry, KVLayer, LayerState
 from .concat import ConcatLayer
@@ -9,13 +13,7 @@ from .static import StaticLayer
 from .store import SlotStore
 from .window import WindowLayer
 
-#: Every layer kind by its name, as used in specs and saved files.
-LAYER_KINDS: dict[str, type[KVLayer]] = {
-    cls.kind: cls for cls in (ConcatLayer, GrowableLayer, StaticLayer, WindowLayer, EvictingLayer, QuantizedLayer)
-}
-
 __all__ = [
-    "LAYER_KINDS",
     "ConcatLayer",
     "EvictingLayer",
     "Geometry",

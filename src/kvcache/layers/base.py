@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from ..errors import DTypeError, ShapeError, UnsupportedOperation
+from ..registry import RegisteredKind
 
 if TYPE_CHECKING:
     from .store import SlotStore
@@ -116,7 +117,7 @@ def as_index(index: torch.Tensor | list[int] | range, batch: int, device: torch.
     return idx % batch if idx.numel() else idx
 
 
-class KVLayer(ABC):
+class KVLayer(RegisteredKind, ABC):
     """One transformer layer's key/value store. Subclasses choose how storage grows or is bounded.
 
     The defaults below read a ``store`` (``store.py``) holding ``keys`` and ``values`` in the

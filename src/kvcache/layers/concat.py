@@ -16,6 +16,8 @@ from .store import SlotStore
 
 class ConcatLayer(KVLayer):
     kind = "concat"
+    spec_order = 5
+    unbounded = True
 
     def __init__(self) -> None:
         super().__init__()

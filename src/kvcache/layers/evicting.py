@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from ..errors import DTypeError, ShapeError, UnsupportedOperation
-from ..policies import Policy, get_policy
+from ..policies import POLICIES, Policy, get_policy
+from ..registry import Option, number
 from .base import Geometry, LayerState
 from ..attention import Reads
 from .bounded import BoundedLayer
@@ -33,6 +34,19 @@ from .store import Layout, SlotStore
 
 class EvictingLayer(BoundedLayer):
     kind = "evicting"
+    spec_options = {
+        "budget": Option(number, least=0, inclusive=False),
+        "recent": Option(int, least=0),
+        "sinks": Option(int, least=0),
+        "storage": Option(str),
+    }
+    required_options = ("budget",)
+    spec_order = 4
+
+    @classmethod
+    def spec_kinds(cls) -> dict[str, dict[str, Any]]:
+        """One spec kind per eviction policy (``"h2o:budget=1024"``), each fixing ``policy``."""
+        return {name: {"policy": name} for name in POLICIES}
 
     def __init__(
         self,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..registry import Option
 from .base import KVLayer
 from .store import Geometric, SlotStore
 
@@ -18,6 +19,9 @@ class GrowableLayer(KVLayer):
     """Capacity buffer with geometric growth. ``initial_capacity`` slots on the first append."""
 
     kind = "growable"
+    spec_options = {"initial_capacity": Option(int, least=1), "growth": Option(float, least=1.0, inclusive=False)}
+    spec_order = 0
+    unbounded = True
 
     def __init__(self, initial_capacity: int = 256, growth: float = 2.0) -> None:
         super().__init__()

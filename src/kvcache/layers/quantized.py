@@ -30,6 +30,7 @@ import torch
 from ..attention import BlockReader, Reads
 from ..errors import ShapeError, UnsupportedOperation
 from ..quant import BITS, Quantized, dequantize_per_channel, dequantize_per_token, quantize_per_channel, quantize_per_token
+from ..registry import Option
 from .base import Geometry, LayerState, check_kv
 from .bounded import BoundedLayer
 from .store import Layout, SlotStore
@@ -42,6 +43,8 @@ _KEY_STORE, _VALUE_STORE = _STORE[:3], _STORE[3:]
 
 class QuantizedLayer(BoundedLayer):
     kind = "quantized"
+    spec_options = {"bits": Option(int), "group_size": Option(int, least=1), "residual": Option(int, least=0)}
+    spec_order = 3
 
     def __init__(self, bits: int = 4, group_size: int = 64, residual: int = 32, block: int = 512) -> None:
         super().__init__()

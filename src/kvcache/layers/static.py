@@ -12,12 +12,24 @@ from typing import Any
 import torch
 
 from ..errors import CacheFullError, DTypeError, ShapeError
+from ..registry import Option
 from .base import Geometry, KVLayer
 from .store import Fixed, SlotStore
 
 
 class StaticLayer(KVLayer):
     kind = "static"
+    spec_options = {"capacity": Option(int, least=1), "buffers": Option(object)}
+    required_options = ("capacity|buffers",)
+    spec_order = 1
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any], buffers: tuple[torch.Tensor, torch.Tensor] | None = None) -> StaticLayer:
+        """From a spec's options, over a caller-owned ``(keys, values)`` pair ``[B, Hkv, C, D]`` if given."""
+        if buffers is None:
+            return cls(**options)
+        keys, values = buffers
+        return cls(options.get("capacity"), keys=keys, values=values)
 
     def __init__(
         self,

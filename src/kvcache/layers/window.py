@@ -27,6 +27,7 @@ import torch
 
 from ..errors import UnsupportedOperation
 from ..attention import Reads, Visibility
+from ..registry import Option
 from .base import Geometry, LayerState
 from .bounded import BoundedLayer
 from .rollback import Journal
@@ -35,6 +36,9 @@ from .store import SlotStore, UpTo
 
 class WindowLayer(BoundedLayer):
     kind = "window"
+    spec_options = {"window": Option(int, least=1), "sinks": Option(int, least=0)}
+    required_options = ("window",)
+    spec_order = 2
     is_sliding = True
 
     def __init__(self, window: int, sinks: int = 0, initial_capacity: int = 256) -> None:

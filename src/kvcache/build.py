@@ -1,0 +1,88 @@
+"""Building a cache for a model: one storage layer per transformer layer, read from its config.
+
+``make_cache(model, spec)`` reads the model's config (``layer_types``, ``sliding_window``) and
+builds the right layer for each: the spec's kind (as the registry declares it, ``registry.py``)
+for full-attention layers, a ``WindowLayer`` (a ring buffer of the model's own window, attended
+exactly as Hugging Face does) for sliding ones. The result goes straight into
+``model.generate(..., past_key_values=cache)`` or a plain forward loop.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers.cache_utils import get_layer_types_and_kwargs
+
+from . import foreign
+from .cache import KVCache
+from .errors import SpecError, UnsupportedOperation
+from .fingerprint import config_summary, text_config
+from .foreign import HYBRID_TYPES
+from .layers import KVLayer, WindowLayer
+from .registry import spec_kind
+from .spec import CacheSpec, parse_spec
+
+SLIDING_TYPES = ("sliding_attention", "chunked_attention")
+
+
+def make_cache(model: Any, spec: str | CacheSpec = "growable", **options: Any) -> KVCache:
+    """A cache for ``model`` (a ``transformers`` model or config), ready for ``generate``.
+
+    ``spec`` is a kind with options, as a string or keywords (``make_cache(model, "static",
+    capacity=4096)``; keywords override the string's):
+
+    - unbounded: ``"growable"`` (default), ``"static:capacity=N"`` (or caller-owned
+      ``buffers=[(keys, values), ...]``, one pair ``[B, Hkv, C, D]`` per full-attention layer),
+      ``"concat"``;
+    - bounded: ``"window:window=W,sinks=S"``; ``"h2o:budget=N"``, ``"tova:..."``,
+      ``"lastrec:..."`` (``budget`` in tokens, or below 1 a fraction of the tokens seen; ``recent``,
+      ``sinks`` protected; ``storage=full|int8|int4|int2``); ``"quantized:bits=4,group_size=64,residual=32"`` (bits 8, 4 or 2).
+
+    Every kind and its options are what the layer classes declare (``registry.py``; listed by
+    ``kvcache.spec.valid_specs()``).
+
+    The model's own sliding-window layers always get a ``WindowLayer`` of its window. ``model`` is
+    not changed. A cache with any bounded layer needs the model to run the ``"kvcache"`` attention
+    (their slots are not the past in order): call ``kvcache.use_kvcache_attention(model)`` first
+    (also a context manager); otherwise its first update raises, changing nothing.
+    """
+    config = text_config(model)
+    parsed = parse_spec(spec, **options)
+    layer_types, per_layer = get_layer_types_and_kwargs(config)
+    kind = spec_kind(parsed.kind)
+    # Caller-owned buffers are one (keys, values) pair per full-attention layer, handed out in order.
+    buffers = parsed.options.get("buffers")
+    layer_options = {k: v for k, v in parsed.options.items() if k != "buffers"}
+    n_full = sum(HYBRID_TYPES.get(t, t) == "full_attention" for t in layer_types)
+    if buffers is not None and len(buffers) != n_full:
+        raise SpecError(f"buffers: expected one (keys, values) pair per full-attention layer ({n_full}), got {len(buffers)}")
+
+    stores: list[KVLayer | None] = []
+    others: dict[int, tuple[str, Any]] = {}
+    full_seen = 0
+    for i, (layer_type, kwargs) in enumerate(zip(layer_types, per_layer)):
+        if layer_type in HYBRID_TYPES:  # kvcache attention beside Hugging Face's linear state
+            others[i] = (layer_type, foreign.linear_state(kwargs))
+            layer_type = HYBRID_TYPES[layer_type]
+        if layer_type == "dummy":
+            stores.append(None)
+        elif layer_type in SLIDING_TYPES:
+            stores.append(WindowLayer(window=kwargs["sliding_window"]))
+        elif layer_type == "full_attention":
+            pair = None if buffers is None else buffers[full_seen]
+            try:
+                stores.append(kind.build(layer_options, pair))
+            except ValueError as e:  # a layer's own check of its options
+                raise SpecError(f"cache spec {str(parsed)!r}: {e}") from None
+            full_seen += 1
+        else:
+            others[i] = (layer_type, foreign.foreign_layer(layer_type, kwargs, i))
+            stores.append(None)
+    foreign_types = {i: t for i, (t, _) in others.items() if stores[i] is None}
+    foreign.check_spec(parsed.kind, kind.layer.unbounded, foreign_types, {i: o for i, (_, o) in others.items()})
+    if not any(s is not None for s in stores) and not any(not foreign.is_fixed_size(o) for _, o in others.values()):
+        raise UnsupportedOperation(
+            f"this model has no attention layer (layer types: {sorted(set(layer_types))}), so there are no keys "
+            f"and values to cache; use transformers' DynamicCache(config=model.config) for it"
+        )
+    return KVCache(stores, parsed, config_summary(config), config, others)

@@ -1,0 +1,162 @@
+"""The registry of cache kinds: every layer class declares itself, and everything else reads it.
+
+A layer class names its ``kind`` and, beside it, declares what a cache spec may say about it:
+
+- ``spec_options``: option name -> ``Option`` (its type and lower bound; ``object`` for options
+  that only Python code can pass, such as caller-owned buffers);
+- ``required_options``: the options a spec must give (``"a|b"``: either of them);
+- ``spec_kinds()``: the spec kinds the class serves and the constructor arguments each one fixes
+  (by default its own kind alone; ``EvictingLayer`` serves one kind per eviction policy);
+- ``from_options()``: how a layer is built from a spec's checked options (by default the class
+  called with them);
+- ``unbounded`` (kinds whose memory grows with the sequence) and ``spec_order`` (its place in
+  listings).
+
+``KVLayer`` takes these declarations' defaults from ``RegisteredKind``, whose
+``__init_subclass__`` registers each class that names a kind of its own: adding a layer kind is
+one class. Parsing (``spec.py``), ``make_cache``, error messages and loading a saved file
+all read this registry; nothing else lists kinds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+
+def number(value: Any) -> int | float:
+    """A token count (int) or, below 1, a fraction (float): ``"1024"`` -> 1024, ``"0.25"`` -> 0.25."""
+    out = float(value)
+    return int(out) if out.is_integer() else out
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option of a cache kind: how to read it (``type``) and its smallest allowed value."""
+
+    type: Callable[[Any], Any]
+    least: float | None = None
+    #: Whether ``least`` itself is allowed (``>=``) or not (``>``).
+    inclusive: bool = True
+
+    @property
+    def python_only(self) -> bool:
+        """Options typed ``object`` (tensors, lists of them) cannot come from a spec string."""
+        return self.type is object
+
+    @property
+    def type_name(self) -> str:
+        return self.type.__name__
+
+    def coerce(self, value: Any) -> Any:
+        """``value`` read as this option's type and checked against its bound.
+
+        Raises ``ValueError`` saying what was expected (the caller names the option and kind).
+        """
+        if self.python_only:
+            if isinstance(value, str):
+                raise ValueError("cannot be given in a spec string; pass it as a keyword")
+            return value
+        try:
+            if self.type is int and isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            coerced = self.type(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"must be {self.type_name}, got {value!r}") from None
+        if isinstance(coerced, float) and not math.isfinite(coerced):
+            raise ValueError(f"must be a finite number, got {value!r}")
+        if self.least is not None and (coerced < self.least or (coerced == self.least and not self.inclusive)):
+            raise ValueError(f"must be {'>=' if self.inclusive else '>'} {self.least}, got {value!r}")
+        return coerced
+
+
+@dataclass(frozen=True)
+class SpecKind:
+    """A kind a cache spec can name: the layer class that serves it and the arguments it fixes."""
+
+    name: str
+    layer: type
+    #: Constructor arguments the kind itself sets (``EvictingLayer``'s ``policy``).
+    fixed: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def options(self) -> dict[str, Option]:
+        return self.layer.spec_options
+
+    @property
+    def required(self) -> tuple[str, ...]:
+        return self.layer.required_options
+
+    def build(self, options: Mapping[str, Any], buffers: Any = None) -> Any:
+        """An empty layer of this kind from a spec's checked options (python-only ones excluded);
+        ``buffers``: a caller-owned ``(keys, values)`` pair, for kinds that take one."""
+        return self.layer.from_options({**self.fixed, **options}, buffers)
+
+
+class RegisteredKind:
+    """The declarations a layer class makes about its kind, with their defaults; a subclass that
+    sets ``kind`` in its own body is registered when it is defined."""
+
+    kind: ClassVar[str]
+    #: What a cache spec may say about this kind: option name -> type and bound.
+    spec_options: ClassVar[dict[str, Option]] = {}
+    #: Options a spec must give; ``"a|b"`` means either of them.
+    required_options: ClassVar[tuple[str, ...]] = ()
+    #: True for kinds that promise nothing about memory (they grow with the sequence), so layers
+    #: of a model that grow their own way fit beside them (``foreign.check_spec``).
+    unbounded: ClassVar[bool] = False
+    #: Where the kind comes in listings (``--help``, error messages): lowest first.
+    spec_order: ClassVar[int] = 100
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "kind" in cls.__dict__:  # intermediate bases name no kind of their own
+            register_layer(cls)
+
+    @classmethod
+    def spec_kinds(cls) -> dict[str, dict[str, Any]]:
+        """The spec kinds this class serves, each with the constructor arguments it fixes."""
+        return {cls.kind: {}}
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any], buffers: Any = None) -> Any:
+        """An empty layer from a spec's checked options (``buffers``: for kinds that take them)."""
+        if buffers is not None:
+            raise ValueError(f"a {cls.kind} layer takes no caller-owned buffers")
+        return cls(**options)
+
+
+#: Layer kind (as saved in files) -> its class, in the order the classes were defined.
+_LAYERS: dict[str, type] = {}
+
+
+def register_layer(cls: type) -> None:
+    """Add a layer class under its ``kind``; a second class claiming the same kind is a mistake."""
+    kind = cls.kind
+    if not isinstance(kind, str) or not kind:
+        raise TypeError(f"{cls.__qualname__}.kind must be a non-empty string, got {kind!r}")
+    known = _LAYERS.get(kind)
+    if known is not None and known.__qualname__ != cls.__qualname__:
+        raise TypeError(f"layer kind {kind!r} is already registered by {known.__qualname__}; {cls.__qualname__} cannot take it")
+    _LAYERS[kind] = cls
+
+
+def layer_class(kind: Any) -> type | None:
+    """The class of a saved layer kind, or None for a kind nobody registered."""
+    return _LAYERS.get(kind) if isinstance(kind, str) else None
+
+
+def spec_kinds() -> dict[str, SpecKind]:
+    """Every kind a spec can name, read from the registered classes at the time of asking (so a
+    policy added later is a spec kind at once)."""
+    out: dict[str, SpecKind] = {}
+    for cls in sorted(_LAYERS.values(), key=lambda c: c.spec_order):
+        for name, fixed in cls.spec_kinds().items():
+            out[name] = SpecKind(name, cls, dict(fixed))
+    return out
+
+
+def spec_kind(name: Any) -> SpecKind | None:
+    return spec_kinds().get(name) if isinstance(name, str) else None
