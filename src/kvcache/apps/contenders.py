@@ -11,6 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from transformers import DynamicCache, StaticCache
+
+from ..build import make_cache
+
 #: Sinks a window keeps inside its budget.
 SINKS = 4
 
@@ -46,11 +50,7 @@ def spec_for(name: str, slots: int | float | None = None, capacity: int | None =
 
 def make_contender(name: str, model_or_config: Any, slots: int | float | None = None, capacity: int | None = None):
     """A fresh cache for contender ``name``: Hugging Face's for the references, else ``make_cache``."""
-    from ..build import make_cache
-
     if name in HF_REFERENCES:
-        from transformers import DynamicCache, StaticCache
-
         config = getattr(model_or_config, "config", model_or_config)
         if name == "dynamic":
             return DynamicCache(config=config)
