@@ -405,6 +405,21 @@ def test_kvcache_attention_picks_attend_for_decode_where_it_measured_faster():
     assert not prefer_attend(q_len=512, group=4, kv_len=512)  # prefill: SDPA
 
 
+@pytest.mark.parametrize("q_len", [1, 5])  # 1: short decode, SDPA runs; 5 with softcap: attend must
+def test_fastest_attention_is_attends_result_and_takes_only_its_keywords(q_len):
+    from kvcache.attention import fastest_attention
+
+    q, k, v = qkv(2, 4, 2, q_len, 9, capacity=12)
+    mask = torch.rand(2, 1, q_len, 9, generator=torch.Generator().manual_seed(1)) > 0.3
+    options = dict(scale=0.3, mask=mask, causal=False, softcap=4.0 if q_len == 5 else None)
+    with Recorder() as rec:
+        out = fastest_attention(q, k, v, **options)
+    assert any("scaled_dot_product" in name for name, _, _ in rec.ops) == (q_len == 1)
+    torch.testing.assert_close(out, attend(q, k, v, **options), atol=ATOL, rtol=0)
+    with pytest.raises(TypeError, match="mask_rows"):
+        fastest_attention(q, k, v, mask_rows=lambda start, stop: mask)  # attend_weighted's, not attend's
+
+
 @pytest.mark.parametrize("q_len,kv_len", [(1, 70), (6, 6), (3, 40)])
 @pytest.mark.parametrize("group", [1, 2])
 def test_softcap_matches_gemma2_eager_attention(q_len, kv_len, group):

@@ -613,7 +613,7 @@ def test_failed_save_keeps_previous_file(failure, tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.kv"]
 
 
-# ---- a conversation's token ids, format versions, the import graph -------------------------------
+# ---- a conversation's token ids, format versions -------------------------------------------------
 
 
 def test_token_ids_round_trip_in_the_cache_file(tmp_path):
@@ -659,16 +659,3 @@ def test_a_format_1_file_is_refused_naming_both_versions(tmp_path):
     with pytest.raises(kvcache.ForeignFileError, match=r"version '1'.*reads version 2"):
         kvcache.load_cache(path, model)
 
-
-def test_persistence_depends_on_nothing_above_it():
-    """The import graph points one way: persist never imports the cache, the builder or the loader."""
-    import ast
-    from pathlib import Path
-
-    package = Path(kvcache.__file__).parent
-    above = {"cache", "build", "cachefile", "hf", "cli", "apps"}
-    for path in sorted((package / "persist").glob("*.py")) + [package / "registry.py", package / "fingerprint.py"]:
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level:
-                names = {(node.module or "").split(".")[0]} | {a.name for a in node.names}
-                assert not names & above, f"{path.name} imports {sorted(names & above)}"

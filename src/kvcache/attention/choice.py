@@ -35,22 +35,19 @@ def prefer_attend(q_len: int, group: int, kv_len: int, kv_bytes: int | None = No
     return kv_len >= MHA_ATTEND_FROM
 
 
-def fastest_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    *,
-    scale: float | None = None,
-    mask: torch.Tensor | None = None,
-    causal: bool = False,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``attend``'s result (``[B, Hq, Sq, Dv]``, same arguments) from whichever of ``attend`` and
-    torch's SDPA is faster for these shapes; softcap and sinks need ``attend``. ``causal`` as in
-    SDPA's ``is_causal`` (queries and keys aligned) when SDPA runs."""
+#: The keywords the SDPA path knows how to pass on (softcap and sinks only as None); a call with
+#: any other goes to ``attend``, which takes it or raises its ``TypeError``.
+_SDPA_OPTIONS = frozenset({"scale", "mask", "causal", "softcap", "sinks"})
+
+
+def fastest_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **options) -> torch.Tensor:
+    """``attend(query, key, value, **options)``'s result ``[B, Hq, Sq, Dv]`` from whichever of
+    ``attend`` and torch's SDPA is faster for these shapes; softcap and sinks need ``attend``.
+    ``causal`` as in SDPA's ``is_causal`` (queries and keys aligned) when SDPA runs."""
     group = query.shape[1] // key.shape[1]
     kv_bytes = key.numel() * key.element_size() + value.numel() * value.element_size()
-    if softcap is not None or sinks is not None or prefer_attend(query.shape[2], group, key.shape[2], kv_bytes):
-        return attend(query, key, value, scale=scale, mask=mask, causal=causal, softcap=softcap, sinks=sinks)
+    sdpa_can = options.keys() <= _SDPA_OPTIONS and options.get("softcap") is None and options.get("sinks") is None
+    if not sdpa_can or prefer_attend(query.shape[2], group, key.shape[2], kv_bytes):
+        return attend(query, key, value, **options)
+    mask, scale, causal = options.get("mask"), options.get("scale"), options.get("causal", False)
     return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, is_causal=causal, enable_gqa=group > 1)
