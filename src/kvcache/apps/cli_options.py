@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ..errors import KVCacheError, SpecError
 from ..spec import CacheSpec, parse_spec
+from .run_options import RunOptions
 
 PROG = "kvcache"
 
@@ -101,6 +102,14 @@ def add_run_options(p: argparse.ArgumentParser, quick_help: str) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="(default: %(default)s)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # seconds-long run for tests
+
+
+def run_options(args: argparse.Namespace) -> RunOptions:
+    """The parsed ``add_run_options`` as :class:`RunOptions`; refuses an ``--out`` that is a file
+    and a ``--device cuda`` without CUDA before the run starts."""
+    out = output_dir(args.out)
+    check_device(args.device)
+    return RunOptions(quick=args.quick, out=out, device=args.device, progress=args.progress, tiny=args.tiny)
 
 
 def say_if_no_plots() -> bool:

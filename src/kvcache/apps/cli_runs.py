@@ -7,7 +7,7 @@ import argparse
 
 from ..errors import KVCacheError
 from .bench import SUITES
-from .cli_options import add_run_options, check_device, list_written, output_dir, say_if_no_plots
+from .cli_options import add_run_options, list_written, run_options, say_if_no_plots
 
 
 def add_bench(subparsers: argparse._SubParsersAction) -> None:
@@ -27,8 +27,7 @@ def add_bench(subparsers: argparse._SubParsersAction) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import get_suite
 
-    out = output_dir(args.out)
-    check_device(args.device)
+    options = run_options(args)
     try:
         suite = get_suite(args.suite)
     except ModuleNotFoundError as e:
@@ -36,10 +35,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise
         raise KVCacheError(f"benchmark suite {args.suite!r} is not available in this version of kvcache") from e
     plots = say_if_no_plots()
-    result = suite.run(quick=args.quick, out=out, device=args.device, progress=args.progress, tiny=args.tiny)
+    result = suite.run(options)
     text = suite.table(result)
     print(text, end="" if text.endswith("\n") else "\n", flush=True)
-    list_written(out, result.get("suite", args.suite), plots)
+    list_written(options.out, result.get("suite", args.suite), plots)
     return 0
 
 
@@ -94,16 +93,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
             raise KVCacheError(f"--budgets: expected fractions like 0.5,0.25, got {args.budgets!r}") from None
         if not budgets or not all(0 < b < 1 for b in budgets):
             raise KVCacheError(f"--budgets: every budget must be a fraction in (0, 1), got {args.budgets!r}")
-    out = output_dir(args.out)
-    check_device(args.device)
+    options = run_options(args)
     plots = say_if_no_plots()
     try:
-        result = run(
-            quick=args.quick, out=out, kinds=kinds, budgets=budgets, model_dir=args.model,
-            device=args.device, progress=args.progress, tiny=args.tiny,
-        )
+        result = run(options, kinds=kinds, budgets=budgets, model_dir=args.model)
     except FileNotFoundError as e:
         raise KVCacheError(str(e)) from e
     print(table(result))
-    list_written(out, "eval", plots)
+    list_written(options.out, "eval", plots)
     return 0
