@@ -4,6 +4,7 @@ it), the device check, output folders and files, and the options of the commands
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import sys
@@ -88,6 +89,26 @@ def output_dir(path: str) -> Path:
     if out.exists() and not out.is_dir():
         raise KVCacheError(f"--out: {out} exists and is not a directory")
     return out
+
+
+def add_command(
+    subparsers: argparse._SubParsersAction,
+    name: str,
+    handler: Callable[[argparse.Namespace], int],
+    raw: bool = False,
+    **details: str,
+) -> argparse.ArgumentParser:
+    """The parser of subcommand ``name``, run by ``handler(args)`` (it returns the exit code).
+
+    The handler's docstring is the command's help, written once: its first paragraph is the line in
+    ``kvcache --help``, the rest (``{name}`` fields filled from ``details``) heads ``kvcache NAME
+    --help``, rewrapped unless ``raw``.
+    """
+    summary, _, description = inspect.cleandoc(handler.__doc__ or name).partition("\n\n")
+    formatter = argparse.RawDescriptionHelpFormatter if raw else argparse.HelpFormatter
+    p = subparsers.add_parser(name, help=summary, description=description.format(**details), formatter_class=formatter)
+    p.set_defaults(handler=handler)
+    return p
 
 
 # ---- the commands that write results (bench, eval) -------------------------------------------
