@@ -201,6 +201,12 @@ def test_memory_counts_match_the_schemes(tiny_results):
         assert rows[name]["reported_nbytes"] == rows[name]["final_cache_bytes"]
 
 
+def test_run_options_pick_the_value_for_the_run_size():
+    assert RunOptions().pick("tiny", "quick", "full") == "full"
+    assert RunOptions(quick=True).pick("tiny", "quick", "full") == "quick"
+    assert RunOptions(tiny=True, quick=True).pick("tiny", "quick", "full") == "tiny"
+
+
 def test_memory_refuses_gpu():
     with pytest.raises(ValueError, match="CPU"):
         get_suite("memory").run(RunOptions(tiny=True, device="cuda", progress=False))

@@ -104,6 +104,7 @@ def add_command(
     ``kvcache --help``, the rest (``{name}`` fields filled from ``details``) heads ``kvcache NAME
     --help``, rewrapped unless ``raw``.
     """
+    # python -OO drops docstrings: the name stands in for the help then.
     summary, _, description = inspect.cleandoc(handler.__doc__ or name).partition("\n\n")
     formatter = argparse.RawDescriptionHelpFormatter if raw else argparse.HelpFormatter
     p = subparsers.add_parser(name, help=summary, description=description.format(**details), formatter_class=formatter)
