@@ -17,6 +17,7 @@ import transformers
 
 from helpers import boolean, nonneg_int, nonneg_number, positive_int, positive_list, positive_number, text
 from kvcache.apps.bench import SUITES, get_suite
+from kvcache.apps.run_options import RunOptions
 
 
 FIELDS = {
@@ -105,7 +106,7 @@ def tiny_results(tmp_path_factory):
     def get(name):
         if name not in cache:
             out = tmp_path_factory.mktemp(f"bench-{name}")
-            returned = get_suite(name).run(tiny=True, out=out, progress=False)
+            returned = get_suite(name).run(RunOptions(tiny=True, out=out, progress=False))
             cache[name] = (out, returned)
         return cache[name]
 
@@ -200,9 +201,15 @@ def test_memory_counts_match_the_schemes(tiny_results):
         assert rows[name]["reported_nbytes"] == rows[name]["final_cache_bytes"]
 
 
+def test_run_options_pick_the_value_for_the_run_size():
+    assert RunOptions().pick("tiny", "quick", "full") == "full"
+    assert RunOptions(quick=True).pick("tiny", "quick", "full") == "quick"
+    assert RunOptions(tiny=True, quick=True).pick("tiny", "quick", "full") == "tiny"
+
+
 def test_memory_refuses_gpu():
     with pytest.raises(ValueError, match="CPU"):
-        get_suite("memory").run(tiny=True, device="cuda", progress=False)
+        get_suite("memory").run(RunOptions(tiny=True, device="cuda", progress=False))
 
 
 def test_resume_round_trips_and_floor(tiny_results):

@@ -14,6 +14,7 @@ import transformers
 from helpers import boolean, nonneg_number, positive_int, positive_list, positive_number, text
 from kvcache.apps.bench import SUITES, get_suite
 from kvcache.apps.bench import bounded
+from kvcache.apps.run_options import RunOptions
 
 FP32, FP16 = 4, 2
 POSITION_AND_SCORE = 8 + 4  # int64 position and float32 score per slot and KV head
@@ -59,7 +60,7 @@ FIELDS = {
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench-bounded")
-    return out, get_suite("bounded").run(tiny=True, out=out, progress=False)
+    return out, get_suite("bounded").run(RunOptions(tiny=True, out=out, progress=False))
 
 
 def rows_of(result, part):
@@ -215,4 +216,4 @@ def test_refuses_unknown_names():
     with pytest.raises(ValueError, match="unknown contender 'nope'"):
         bounded.spec_for("nope", 16)
     with pytest.raises(ValueError, match="unknown part"):
-        bounded.run(tiny=True, parts=["nope"], progress=False)
+        bounded.run(RunOptions(tiny=True, progress=False), parts=["nope"])

@@ -13,6 +13,7 @@ import pytest
 from helpers import load_tool
 from kvcache.apps import eval as harness
 from kvcache.apps.cli import main
+from kvcache.apps.run_options import RunOptions
 
 RUN_KEYS = {"cache", "budget", "task", "accuracy", "kl", "top1", "bytes_per_token"}
 
@@ -35,7 +36,8 @@ def model_dir(tmp_path_factory):
 def tiny_result(tmp_path_factory, model_dir):
     out = tmp_path_factory.mktemp("eval")
     result = harness.run(
-        tiny=True, out=out, kinds=("h2o", "window", "quantized"), budgets=(0.25,), model_dir=model_dir, progress=False
+        RunOptions(tiny=True, out=out, progress=False), kinds=("h2o", "window", "quantized"), budgets=(0.25,),
+        model_dir=model_dir,
     )
     return result, out
 

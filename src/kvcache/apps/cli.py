@@ -1,8 +1,8 @@
 """The ``kvcache`` command line: ``kvcache demo``, ``kvcache generate``, ``kvcache bench``, ``kvcache eval``.
 
-Each subcommand is one ``add_<name>(subparsers)`` function that builds its parser and sets
-``handler`` to a ``cmd_<name>(args) -> int`` function; :data:`SUBCOMMANDS` lists them in ``--help``
-order. ``generate`` lives here, ``demo`` in :mod:`.cli_demo`, ``bench`` and ``eval`` in
+Each subcommand is one ``add_<name>(subparsers)`` function that builds its parser with
+:func:`.cli_options.add_command`, run by a ``cmd_<name>(args) -> int`` handler whose docstring is the
+command's help; :data:`SUBCOMMANDS` lists them in ``--help`` order. ``generate`` lives here, ``demo`` in :mod:`.cli_demo`, ``bench`` and ``eval`` in
 :mod:`.cli_runs`, what they share in :mod:`.cli_options`. Heavy imports happen inside the handlers,
 so ``--help`` and argument errors stay quick.
 
@@ -23,7 +23,7 @@ from .. import __version__
 from ..errors import KVCacheError
 from ..spec import parse_spec, valid_specs
 from .cli_demo import add_demo
-from .cli_options import PROG, cache_spec, check_device, int_at_least, output_file, positive_float, probability
+from .cli_options import PROG, add_command, cache_spec, check_device, int_at_least, output_file, positive_float, probability
 from .cli_runs import add_bench, add_eval
 
 
@@ -86,17 +86,7 @@ def load_conversation(path: str, model: Any) -> tuple[Any, list[int]]:
 
 
 def add_generate(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "generate",
-        help="generate text with a kvcache cache, streaming tokens as they come",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        description=(
-            "Generate a continuation of --prompt, printing text as each token arrives, then a summary\n"
-            "line on stderr. --save-cache keeps the cache and the token ids in one file, so a\n"
-            "later --load-cache can continue the conversation: the new prompt is appended to it.\n\n"
-            f"Cache specs (--cache):\n{valid_specs()}"
-        ),
-    )
+    p = add_command(subparsers, "generate", cmd_generate, raw=True, specs=valid_specs())
     p.add_argument(
         "--model",
         default=TINY,
@@ -131,10 +121,19 @@ def add_generate(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--seed", type=int, default=None, metavar="N", help="seed torch's random generator (for --sample)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="(default: %(default)s)")
-    p.set_defaults(handler=cmd_generate, sample=False)
+    p.set_defaults(sample=False)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    """generate text with a kvcache cache, streaming tokens as they come
+
+    Generate a continuation of --prompt, printing text as each token arrives, then a summary
+    line on stderr. --save-cache keeps the cache and the token ids in one file, so a
+    later --load-cache can continue the conversation: the new prompt is appended to it.
+
+    Cache specs (--cache):
+    {specs}
+    """
     import torch
 
     from .bench.common import human_bytes

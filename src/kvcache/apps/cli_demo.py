@@ -6,26 +6,13 @@ import argparse
 
 from . import tasks
 from ..errors import KVCacheError
-from .cli_options import int_at_least, output_file, probability, write_json
+from .cli_options import add_command, int_at_least, output_file, probability, write_json
 from .demo import DEPTH, RANDOM_PROMPT_TOKENS, TRAINED_PROMPT_TOKENS
 from .tiny import FAMILIES
 
 
 def add_demo(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "demo",
-        help="compare the caches on greedy generation with the shipped tiny model",
-        description=(
-            "Greedy generation with Hugging Face's DynamicCache and kvcache's caches on the small "
-            "model trained for kvcache and shipped with it (nothing is downloaded). The prompt is a "
-            "pass-key retrieval task on held-out text; the unbounded caches must reproduce "
-            "DynamicCache's tokens, and the bounded ones (window, H2O, TOVA, int4) show whether the "
-            "key survives what they drop. Contenders alternate round-robin; the table shows decode "
-            "tokens/s (median), the bytes each cache holds, how often its storage moved, whether the "
-            "tokens match DynamicCache's, and the answer. With --family, a random-weight model of "
-            "that family with a wide KV cache and a random prompt instead (unbounded caches only)."
-        ),
-    )
+    p = add_command(subparsers, "demo", cmd_demo)
     count = {"type": int_at_least(1), "metavar": "N"}
     p.add_argument(
         "--family",
@@ -56,10 +43,20 @@ def add_demo(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", **count, default=3, help="runs per cache (default: %(default)s)")
     p.add_argument("--threads", **count, default=None, help="torch threads (default: torch's own setting)")
     p.add_argument("--json", type=output_file, default=None, metavar="FILE", help="also write the results as JSON")
-    p.set_defaults(handler=cmd_demo)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    """compare the caches on greedy generation with the shipped tiny model
+
+    Greedy generation with Hugging Face's DynamicCache and kvcache's caches on the small model
+    trained for kvcache and shipped with it (nothing is downloaded). The prompt is a pass-key
+    retrieval task on held-out text; the unbounded caches must reproduce DynamicCache's tokens, and
+    the bounded ones (window, H2O, TOVA, int4) show whether the key survives what they drop.
+    Contenders alternate round-robin; the table shows decode tokens/s (median), the bytes each cache
+    holds, how often its storage moved, whether the tokens match DynamicCache's, and the answer.
+    With --family, a random-weight model of that family with a wide KV cache and a random prompt
+    instead (unbounded caches only).
+    """
     from . import demo
     from .cli import TINY, load_model  # the generate command's loader (cli imports this module)
 

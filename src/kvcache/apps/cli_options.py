@@ -4,6 +4,7 @@ it), the device check, output folders and files, and the options of the commands
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 
 from ..errors import KVCacheError, SpecError
 from ..spec import CacheSpec, parse_spec
+from .run_options import RunOptions
 
 PROG = "kvcache"
 
@@ -89,6 +91,27 @@ def output_dir(path: str) -> Path:
     return out
 
 
+def add_command(
+    subparsers: argparse._SubParsersAction,
+    name: str,
+    handler: Callable[[argparse.Namespace], int],
+    raw: bool = False,
+    **details: str,
+) -> argparse.ArgumentParser:
+    """The parser of subcommand ``name``, run by ``handler(args)`` (it returns the exit code).
+
+    The handler's docstring is the command's help, written once: its first paragraph is the line in
+    ``kvcache --help``, the rest (``{name}`` fields filled from ``details``) heads ``kvcache NAME
+    --help``, rewrapped unless ``raw``.
+    """
+    # python -OO drops docstrings: the name stands in for the help then.
+    summary, _, description = inspect.cleandoc(handler.__doc__ or name).partition("\n\n")
+    formatter = argparse.RawDescriptionHelpFormatter if raw else argparse.HelpFormatter
+    p = subparsers.add_parser(name, help=summary, description=description.format(**details), formatter_class=formatter)
+    p.set_defaults(handler=handler)
+    return p
+
+
 # ---- the commands that write results (bench, eval) -------------------------------------------
 
 
@@ -101,6 +124,14 @@ def add_run_options(p: argparse.ArgumentParser, quick_help: str) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="(default: %(default)s)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # seconds-long run for tests
+
+
+def run_options(args: argparse.Namespace) -> RunOptions:
+    """The parsed ``add_run_options`` as :class:`RunOptions`; refuses an ``--out`` that is a file
+    and a ``--device cuda`` without CUDA before the run starts."""
+    out = output_dir(args.out)
+    check_device(args.device)
+    return RunOptions(quick=args.quick, out=out, device=args.device, progress=args.progress, tiny=args.tiny)
 
 
 def say_if_no_plots() -> bool:

@@ -7,28 +7,24 @@ import argparse
 
 from ..errors import KVCacheError
 from .bench import SUITES
-from .cli_options import add_run_options, check_device, list_written, output_dir, say_if_no_plots
+from .cli_options import add_command, add_run_options, list_written, run_options, say_if_no_plots
 
 
 def add_bench(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "bench",
-        help="run a benchmark suite and write its JSON, table and plot",
-        description=(
-            "Run one benchmark suite, print its table and write SUITE.json, SUITE.md and SUITE.png into "
-            "--out. Suites: " + ", ".join(SUITES) + "."
-        ),
-    )
+    p = add_command(subparsers, "bench", cmd_bench, suites=", ".join(SUITES))
     p.add_argument("suite", choices=SUITES, metavar="SUITE", help="one of: %(choices)s")
     add_run_options(p, "a smaller run (about two minutes on 2 cores)")
-    p.set_defaults(handler=cmd_bench)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    """run a benchmark suite and write its JSON, table and plot
+
+    Run one benchmark suite, print its table and write SUITE.json, SUITE.md and SUITE.png into --out.
+    Suites: {suites}.
+    """
     from .bench import get_suite
 
-    out = output_dir(args.out)
-    check_device(args.device)
+    options = run_options(args)
     try:
         suite = get_suite(args.suite)
     except ModuleNotFoundError as e:
@@ -36,10 +32,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise
         raise KVCacheError(f"benchmark suite {args.suite!r} is not available in this version of kvcache") from e
     plots = say_if_no_plots()
-    result = suite.run(quick=args.quick, out=out, device=args.device, progress=args.progress, tiny=args.tiny)
+    result = suite.run(options)
     text = suite.table(result)
     print(text, end="" if text.endswith("\n") else "\n", flush=True)
-    list_written(out, result.get("suite", args.suite), plots)
+    list_written(options.out, result.get("suite", args.suite), plots)
     return 0
 
 
@@ -49,16 +45,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def add_eval(subparsers: argparse._SubParsersAction) -> None:
     from .eval import DEFAULT_BUDGETS, DEFAULT_KINDS, KINDS, QUICK_BUDGETS
 
-    p = subparsers.add_parser(
-        "eval",
-        help="measure what each bounded cache costs in accuracy, against the full cache",
-        description=(
-            "Run the quality harness on the trained model: passkey, associative recall and variable "
-            "tracking accuracy (needle early and late), KL divergence and top-1 agreement with the full "
-            "cache on held-out text, and bytes per token, for each cache kind and budget. Writes "
-            "eval.json, eval.md and eval.png into --out."
-        ),
-    )
+    p = add_command(subparsers, "eval", cmd_eval)
     add_run_options(p, "a smaller run (under three minutes on 2 cores)")
     p.add_argument(
         "--caches",
@@ -76,10 +63,16 @@ def add_eval(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument("--model", default=None, metavar="DIR", help="a trained model folder (default: the shipped one)")
-    p.set_defaults(handler=cmd_eval)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    """measure what each bounded cache costs in accuracy, against the full cache
+
+    Run the quality harness on the trained model: passkey, associative recall and variable tracking
+    accuracy (needle early and late), KL divergence and top-1 agreement with the full cache on
+    held-out text, and bytes per token, for each cache kind and budget. Writes eval.json, eval.md
+    and eval.png into --out.
+    """
     from .eval import KINDS, run, table
 
     kinds = tuple(k.strip() for k in args.caches.split(",") if k.strip())
@@ -94,16 +87,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
             raise KVCacheError(f"--budgets: expected fractions like 0.5,0.25, got {args.budgets!r}") from None
         if not budgets or not all(0 < b < 1 for b in budgets):
             raise KVCacheError(f"--budgets: every budget must be a fraction in (0, 1), got {args.budgets!r}")
-    out = output_dir(args.out)
-    check_device(args.device)
+    options = run_options(args)
     plots = say_if_no_plots()
     try:
-        result = run(
-            quick=args.quick, out=out, kinds=kinds, budgets=budgets, model_dir=args.model,
-            device=args.device, progress=args.progress, tiny=args.tiny,
-        )
+        result = run(options, kinds=kinds, budgets=budgets, model_dir=args.model)
     except FileNotFoundError as e:
         raise KVCacheError(str(e)) from e
     print(table(result))
-    list_written(out, "eval", plots)
+    list_written(options.out, "eval", plots)
     return 0

@@ -34,6 +34,7 @@ import torch
 
 from . import tasks
 from .contenders import SINKS, spec_for
+from .run_options import RunOptions
 from ..build import make_cache
 from ..hf import use_kvcache_attention
 from .trained import MODEL_DIR, load_trained
@@ -132,27 +133,24 @@ def _encode(tokenizer, text: str) -> torch.Tensor:
 
 
 def run(
-    quick: bool = False,
-    out: Path | None = None,
+    options: RunOptions = RunOptions(),
+    *,
     kinds: tuple[str, ...] = DEFAULT_KINDS,
     budgets: tuple[float, ...] | None = None,
     model_dir: str | Path | None = None,
-    device: str = "cpu",
-    progress: bool = True,
-    tiny: bool = False,
 ) -> dict[str, Any]:
-    """Run the harness; write ``eval.json``/``eval.md``/``eval.png`` into ``out`` if given."""
+    """Run the harness; write ``eval.json``/``eval.md``/``eval.png`` into ``options.out`` if given."""
     from tqdm.auto import tqdm
 
-    s = setting(quick, tiny)
+    s = setting(options.quick, options.tiny)
     if budgets is None:
-        budgets = QUICK_BUDGETS if quick or tiny else DEFAULT_BUDGETS
-    model, tokenizer = load_trained(model_dir, device)
+        budgets = QUICK_BUDGETS if options.quick or options.tiny else DEFAULT_BUDGETS
+    model, tokenizer = load_trained(model_dir, options.device)
     # Budgets are fractions of each run's own context: the task prompts' and the texts'.
     runs_spec = specs_for(tuple(kinds), tuple(budgets), s.context)
     text_specs = [spec for _, _, spec in specs_for(tuple(kinds), tuple(budgets), s.text_context)]
     jobs = len(runs_spec) * (len(TASKS) * len(DEPTHS) + 1)
-    bar = tqdm(total=jobs, desc="eval", disable=not progress)
+    bar = tqdm(total=jobs, desc="eval", disable=not options.progress)
     rows: list[dict[str, Any]] = []
     reference = None
     for (kind, label, spec), text_spec in zip(runs_spec, text_specs):
@@ -181,13 +179,13 @@ def run(
             "text_samples": s.text_samples,
             "depths": DEPTHS,
             "sinks": SINKS,
-            "quick": quick,
-            "tiny": tiny,
+            "quick": options.quick,
+            "tiny": options.tiny,
         },
         "runs": rows,
     }
-    if out is not None:
-        write(result, Path(out))
+    if options.out is not None:
+        write(result, Path(options.out))
     return result
 
 

@@ -1,9 +1,10 @@
 """Benchmark suites, run by ``kvcache bench SUITE``.
 
-Each suite is a module with ``run(quick=False, out=None, device="cpu", progress=True, tiny=False)``
-returning a JSON-able dict (``suite``, ``machine``, ``config``, ``rows``, ...) and, given ``out``,
-writing ``<suite>.json``, ``<suite>.md`` and ``<suite>.png`` there. ``quick`` finishes in under
-two minutes on 2 cores; ``tiny`` in seconds, for tests (its numbers mean nothing).
+Each suite is a module with ``run(options: RunOptions = RunOptions(), *, <its own settings>)``
+returning a JSON-able dict (``suite``, ``machine``, ``config``, ``rows``, ...) and, given
+``options.out``, writing ``<suite>.json``, ``<suite>.md`` and ``<suite>.png`` there.
+``options.quick`` finishes in under two minutes on 2 cores; ``options.tiny`` in seconds, for tests
+(its numbers mean nothing). See :class:`kvcache.apps.run_options.RunOptions`.
 """
 
 from __future__ import annotations

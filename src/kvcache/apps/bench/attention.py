@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from ...attention import attend
 from .common import clock, figure, finish_axes, markdown_table, median, read_bandwidth
 from .harness import alternate, report
+from ..run_options import RunOptions
 
 CONTENDERS = ("sdpa", "attend")
 VARIANTS = {"mha": 8, "gqa": 32}
@@ -38,38 +39,35 @@ def contender(name: str):
 
 
 def run(
-    quick: bool = False,
-    out: Path | None = None,
-    device: str = "cpu",
-    progress: bool = True,
-    tiny: bool = False,
+    options: RunOptions = RunOptions(),
+    *,
     lengths: list[int] | None = None,
     repeats: int | None = None,
 ) -> dict[str, Any]:
-    """Run the suite; write ``attention.json``/``.md``/``.png`` into ``out`` if given."""
+    """Run the suite; write ``attention.json``/``.md``/``.png`` into ``options.out`` if given."""
     from tqdm.auto import tqdm
 
     if lengths is None:
-        top = 2**7 if tiny else 2**14 if quick else 2**16
-        lengths = [2**i for i in range(6 if tiny else 10, top.bit_length())]
-    repeats = repeats or (2 if tiny else 10 if quick else 20)
-    dtypes = [torch.float32] + ([torch.bfloat16] if device.startswith("cuda") else [])
-    bandwidth = read_bandwidth(device, mib=16 if tiny else 512)
+        top = options.pick(2**7, 2**14, 2**16)
+        lengths = [2**i for i in range(6 if options.tiny else 10, top.bit_length())]
+    repeats = repeats or options.pick(2, 10, 20)
+    dtypes = [torch.float32] + ([torch.bfloat16] if options.device.startswith("cuda") else [])
+    bandwidth = read_bandwidth(options.device, mib=16 if options.tiny else 512)
     gen = torch.Generator(device="cpu").manual_seed(0)
     rows = []
-    bar = tqdm(total=len(dtypes) * len(VARIANTS) * len(lengths), desc="attention", disable=not progress)
+    bar = tqdm(total=len(dtypes) * len(VARIANTS) * len(lengths), desc="attention", disable=not options.progress)
     for dtype in dtypes:
         for variant, q_heads in VARIANTS.items():
             for total in lengths:
                 shape = (1, KV_HEADS, total + 256, HEAD_DIM)
-                kbuf = torch.randn(shape, generator=gen).to(device, dtype)
-                vbuf = torch.randn(shape, generator=gen).to(device, dtype)
+                kbuf = torch.randn(shape, generator=gen).to(options.device, dtype)
+                vbuf = torch.randn(shape, generator=gen).to(options.device, dtype)
                 key, value = kbuf[:, :, :total], vbuf[:, :, :total]
-                query = torch.randn(1, q_heads, 1, HEAD_DIM, generator=gen).to(device, dtype)
+                query = torch.randn(1, q_heads, 1, HEAD_DIM, generator=gen).to(options.device, dtype)
                 fns = {name: contender(name) for name in CONTENDERS}
                 outputs = {name: fn(query, key, value) for name, fn in fns.items()}  # warm-up + check
                 diff = (outputs["attend"].float() - outputs["sdpa"].float()).abs().max().item()
-                times = alternate(CONTENDERS, repeats, lambda name: clock(lambda: fns[name](query, key, value), device))
+                times = alternate(CONTENDERS, repeats, lambda name: clock(lambda: fns[name](query, key, value), options.device))
                 nbytes = key.nbytes + value.nbytes
                 for name in CONTENDERS:
                     seconds = median(times[name])
@@ -98,10 +96,10 @@ def run(
         "dtypes": [str(d).removeprefix("torch.") for d in dtypes],
         "lengths": lengths,
         "repeats": repeats,
-        "quick": quick,
-        "tiny": tiny,
+        "quick": options.quick,
+        "tiny": options.tiny,
     }
-    return report("attention", device, config, rows, out, table, plot, read_bandwidth_bytes_per_s=bandwidth)
+    return report("attention", options, config, rows, table, plot, read_bandwidth_bytes_per_s=bandwidth)
 
 
 def table(result: dict[str, Any]) -> str:

@@ -52,6 +52,7 @@ from ..contenders import SINKS
 from .common import cache_config, clock, figure, finish_axes, human_bytes, markdown_table, median, read_bandwidth
 from .decode import compare_decode, decode_table, prefilled
 from .harness import alternate, report, timed_generate
+from ..run_options import RunOptions
 
 #: Part 1's contenders, the baseline first.
 DECODE_CONTENDERS = (
@@ -241,11 +242,8 @@ def run_bandwidth(lengths, repeats, bandwidth, device, bar) -> list[dict[str, An
 
 
 def run(
-    quick: bool = False,
-    out: Path | None = None,
-    device: str = "cpu",
-    progress: bool = True,
-    tiny: bool = False,
+    options: RunOptions = RunOptions(),
+    *,
     contexts: list[int] | None = None,
     budget: int | None = None,
     new_tokens: int | None = None,
@@ -253,7 +251,7 @@ def run(
     lengths: list[int] | None = None,
     parts: list[str] | None = None,
 ) -> dict[str, Any]:
-    """Run the suite; write ``bounded.json``/``.md``/``.png`` into ``out`` if given.
+    """Run the suite; write ``bounded.json``/``.md``/``.png`` into ``options.out`` if given.
 
     ``contexts``, ``budget``, ``new_tokens``, ``repeats`` are part 1's (part 3 repeats 2/10/20
     times: tiny/quick/full); ``lengths`` the token counts of parts 2 and 3; ``parts`` a subset of
@@ -266,29 +264,29 @@ def run(
     if unknown:
         raise ValueError(f"unknown part(s) {unknown}; valid: {', '.join(PARTS)}")
     register_attention()
-    contexts = contexts or ([64] if tiny else [4096] if quick else [4096, 16384])
-    budget = budget or (16 if tiny else 1024)
-    new_tokens = new_tokens or (4 if tiny else 16 if quick else 32)
-    repeats = repeats or (1 if tiny or quick else 3)
-    layers = 1 if tiny else LAYERS
-    bytes_lengths = lengths or ([64] if tiny else [1024, 4096, 16384])
-    bw_lengths = lengths or ([64] if tiny else [1024, 4096] if quick else [1024, 4096, 16384])
-    bw_repeats = 2 if tiny else 10 if quick else 20
+    contexts = contexts or options.pick([64], [4096], [4096, 16384])
+    budget = budget or (16 if options.tiny else 1024)
+    new_tokens = new_tokens or options.pick(4, 16, 32)
+    repeats = repeats or options.pick(1, 1, 3)
+    layers = 1 if options.tiny else LAYERS
+    bytes_lengths = lengths or ([64] if options.tiny else [1024, 4096, 16384])
+    bw_lengths = lengths or options.pick([64], [1024, 4096], [1024, 4096, 16384])
+    bw_repeats = options.pick(2, 10, 20)
 
     rows: list[dict[str, Any]] = []
     bandwidth = None
     if "decode" in parts:
-        names = len(DECODE_CONTENDERS) + (1 if tiny else 0)
+        names = len(DECODE_CONTENDERS) + (1 if options.tiny else 0)
         total = len(VARIANTS) * len(contexts) * repeats * names
-        with tqdm(total=total, desc="bounded decode", disable=not progress) as bar:
-            rows += run_decode(contexts, budget, new_tokens, repeats, layers, device, tiny, bar)
+        with tqdm(total=total, desc="bounded decode", disable=not options.progress) as bar:
+            rows += run_decode(contexts, budget, new_tokens, repeats, layers, options.device, options.tiny, bar)
     if "bytes" in parts:
-        with tqdm(total=len(bytes_lengths) * len(BYTES_CONTENDERS), desc="bounded bytes", disable=not progress) as bar:
-            rows += run_bytes(bytes_lengths, budget, device, bar)
+        with tqdm(total=len(bytes_lengths) * len(BYTES_CONTENDERS), desc="bounded bytes", disable=not options.progress) as bar:
+            rows += run_bytes(bytes_lengths, budget, options.device, bar)
     if "bandwidth" in parts:
-        bandwidth = read_bandwidth(device, mib=16 if tiny else 512)
-        with tqdm(total=len(VARIANTS) * len(bw_lengths), desc="bounded bandwidth", disable=not progress) as bar:
-            rows += run_bandwidth(bw_lengths, bw_repeats, bandwidth, device, bar)
+        bandwidth = read_bandwidth(options.device, mib=16 if options.tiny else 512)
+        with tqdm(total=len(VARIANTS) * len(bw_lengths), desc="bounded bandwidth", disable=not options.progress) as bar:
+            rows += run_bandwidth(bw_lengths, bw_repeats, bandwidth, options.device, bar)
 
     config = {
         "parts": parts,
@@ -320,10 +318,10 @@ def run(
             "repeats": bw_repeats,
             "variants": VARIANTS,
         },
-        "quick": quick,
-        "tiny": tiny,
+        "quick": options.quick,
+        "tiny": options.tiny,
     }
-    return report("bounded", device, config, rows, out, table, plot, read_bandwidth_bytes_per_s=bandwidth)
+    return report("bounded", options, config, rows, table, plot, read_bandwidth_bytes_per_s=bandwidth)
 
 
 def _part(result: dict[str, Any], part: str) -> list[dict[str, Any]]:
@@ -427,4 +425,4 @@ if __name__ == "__main__":
     p.add_argument("--parts", type=lambda s: s.split(","))
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args()
-    print(table(run(quick=args.quick, tiny=args.tiny, out=args.out, contexts=args.contexts, parts=args.parts)))
+    print(table(run(RunOptions(quick=args.quick, out=args.out, tiny=args.tiny), contexts=args.contexts, parts=args.parts)))

@@ -27,6 +27,7 @@ from ..contenders import make_contender as make_named
 from ..tiny import tiny_model
 from .common import figure, finish_axes, human_bytes, markdown_table, median
 from .harness import alternate, report, timed_generate
+from ..run_options import RunOptions
 
 CONTENDERS = ("dynamic", "hf_static", "growable", "static", "growable+attend")
 VARIANTS = {"mha": 8, "gqa": 32}  # query heads over 8 KV heads
@@ -119,30 +120,27 @@ def compare_decode(names, repeats: int, decode, new_tokens: int, reference: str,
 
 
 def run(
-    quick: bool = False,
-    out: Path | None = None,
-    device: str = "cpu",
+    options: RunOptions = RunOptions(),
+    *,
     repeats: int | None = None,
     contexts: list[int] | None = None,
     new_tokens: int | None = None,
     variants: list[str] | None = None,
     layers: int = 4,
-    progress: bool = True,
-    tiny: bool = False,
 ) -> dict[str, Any]:
-    """Run the suite; write ``decode.json``/``decode.md``/``decode.png`` into ``out`` if given."""
+    """Run the suite; write ``decode.json``/``decode.md``/``decode.png`` into ``options.out`` if given."""
     from tqdm.auto import tqdm
 
     register_attention()
-    contexts = contexts or ([64] if tiny else [1024, 4096] if quick else [1024, 4096, 8192, 16384])
-    new_tokens = new_tokens or (4 if tiny else 16 if quick else 32)
-    repeats = repeats or (1 if tiny or quick else 3)
-    layers = 1 if tiny else layers
+    contexts = contexts or options.pick([64], [1024, 4096], [1024, 4096, 8192, 16384])
+    new_tokens = new_tokens or options.pick(4, 16, 32)
+    repeats = repeats or options.pick(1, 1, 3)
+    layers = 1 if options.tiny else layers
     variants = variants or list(VARIANTS)
-    bar = tqdm(total=len(variants) * len(contexts) * repeats * len(CONTENDERS), desc="decode", disable=not progress)
+    bar = tqdm(total=len(variants) * len(contexts) * repeats * len(CONTENDERS), desc="decode", disable=not options.progress)
     rows = []
     chosen = {v: VARIANTS[v] for v in variants}
-    for variant, heads, ctx, model, past, ids in prefilled(chosen, contexts, layers, device):
+    for variant, heads, ctx, model, past, ids in prefilled(chosen, contexts, layers, options.device):
         decode = lambda name: decode_once(model, name, past, ids, new_tokens)  # noqa: E731
         fields = compare_decode(CONTENDERS, repeats, decode, new_tokens, "dynamic", bar)
         for name in CONTENDERS:
@@ -155,9 +153,9 @@ def run(
         "new_tokens": new_tokens,
         "repeats": repeats,
         "variants": {v: VARIANTS[v] for v in variants},
-        "quick": quick,
+        "quick": options.quick,
     }
-    return report("decode", device, config, rows, out, table, plot)
+    return report("decode", options, config, rows, table, plot)
 
 
 def table(result: dict[str, Any]) -> str:
@@ -201,4 +199,4 @@ if __name__ == "__main__":
     p.add_argument("--contexts", type=lambda s: [int(x) for x in s.split(",")])
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args()
-    print(table(run(quick=args.quick, out=args.out, contexts=args.contexts)))
+    print(table(run(RunOptions(quick=args.quick, out=args.out), contexts=args.contexts)))

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import torch
 
 from ...hf import ATTENTION_NAME, use_kvcache_attention
+from ..run_options import RunOptions
 from .common import clock, machine_info, write_outputs
 
 T = TypeVar("T")
@@ -89,17 +90,16 @@ def storage_of(tensors: Iterable[torch.Tensor | None]) -> dict[int, int]:
 
 def report(
     suite: str,
-    device: str,
+    options: RunOptions,
     config: dict[str, Any],
     rows: list[dict[str, Any]],
-    out: Path | None,
     table: Callable[[dict[str, Any]], str],
     plot: Callable[[dict[str, Any], Path], None],
     **extra: Any,
 ) -> dict[str, Any]:
     """A suite's result (``suite``, ``machine``, ``extra``, ``config``, ``rows``), written into
-    ``out`` as JSON, markdown and (with matplotlib) PNG when ``out`` is given."""
-    result = {"suite": suite, "machine": machine_info(device), **extra, "config": config, "rows": rows}
-    if out is not None:
-        write_outputs(result, Path(out), table, plot)
+    ``options.out`` as JSON, markdown and (with matplotlib) PNG when ``options.out`` is given."""
+    result = {"suite": suite, "machine": machine_info(options.device), **extra, "config": config, "rows": rows}
+    if options.out is not None:
+        write_outputs(result, Path(options.out), table, plot)
     return result

@@ -63,6 +63,7 @@ import torch
 from ..contenders import make_contender as make_named
 from .common import cache_config, figure, human_bytes, markdown_table
 from .harness import report, storage_of
+from ..run_options import RunOptions
 from .update import Step256
 
 CONTENDERS = ("concat", "step256", "growable", "static")
@@ -357,30 +358,27 @@ def measure_isolated(name: str, setup: Setup, bar=None, timeout: float = 1800.0)
 
 
 def run(
-    quick: bool = False,
-    out: Path | None = None,
-    device: str = "cpu",
-    progress: bool = True,
-    tiny: bool = False,
+    options: RunOptions = RunOptions(),
+    *,
     tokens: int | None = None,
     layers: int | None = None,
     contenders: tuple[str, ...] = CONTENDERS,
     isolate: bool = True,
 ) -> dict[str, Any]:
-    """Run the suite; write ``memory.json``/``memory.md``/``memory.png`` into ``out`` if given.
+    """Run the suite; write ``memory.json``/``memory.md``/``memory.png`` into ``options.out`` if given.
 
     CPU only (process RSS is what is measured). ``isolate=False`` runs every contender in this
     process (faster, for debugging; memory freed by one contender may then be reused by the next).
     """
     from tqdm.auto import tqdm
 
-    if torch.device(device).type != "cpu":
-        raise ValueError(f"the memory suite measures process RSS on the CPU; got device={device!r}")
-    if tiny:
+    if torch.device(options.device).type != "cpu":
+        raise ValueError(f"the memory suite measures process RSS on the CPU; got device={options.device!r}")
+    if options.tiny:
         setup = Setup(tokens=tokens or 320, layers=layers or 2, kv_heads=2, head_dim=16, samples=64, checkpoints=4, window=2)
     else:
-        setup = Setup(tokens=tokens or (4096 if quick else 32768), layers=layers or 4)
-    bar = tqdm(total=setup.tokens * len(contenders), desc="memory", unit="tok", disable=not progress)
+        setup = Setup(tokens=tokens or (4096 if options.quick else 32768), layers=layers or 4)
+    bar = tqdm(total=setup.tokens * len(contenders), desc="memory", unit="tok", disable=not options.progress)
     rows = []
     for name in contenders:
         if isolate:
@@ -406,11 +404,11 @@ def run(
         "needed_bytes": needed,
         "isolated_processes": isolate,
         "rss_method": rows[0]["rss_method"] if rows else None,
-        "quick": quick,
-        "tiny": tiny,
+        "quick": options.quick,
+        "tiny": options.tiny,
         "model": f"llama-shaped: {setup.layers} layers x {setup.kv_heads} KV heads x {setup.head_dim}, {setup.dtype}, batch 1",
     }
-    return report("memory", device, config, rows, out, table, plot)
+    return report("memory", options, config, rows, table, plot)
 
 
 def mib(n: float) -> str:
@@ -492,4 +490,4 @@ if __name__ == "__main__":
     p.add_argument("--layers", type=int)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args()
-    print(table(run(quick=args.quick, out=args.out, tokens=args.tokens, layers=args.layers)))
+    print(table(run(RunOptions(quick=args.quick, out=args.out), tokens=args.tokens, layers=args.layers)))

@@ -41,6 +41,7 @@ from ...cachefile import load_cache
 from ...persist import checksum
 from .common import cache_config, clock, figure, finish_axes, human_bytes, markdown_table, median
 from .harness import alternate, report
+from ..run_options import RunOptions
 
 CONTENDERS = ("kvcache", "safetensors", "safetensors+fsync")
 FLOOR = "safetensors"
@@ -109,11 +110,8 @@ def identical(loaded: dict[str, torch.Tensor], original: dict[str, torch.Tensor]
 
 
 def run(
-    quick: bool = False,
-    out: Path | None = None,
-    device: str = "cpu",
-    progress: bool = True,
-    tiny: bool = False,
+    options: RunOptions = RunOptions(),
+    *,
     lengths: list[int] | None = None,
     layers: int = 1,
     repeats: int | None = None,
@@ -122,31 +120,31 @@ def run(
     dtype: torch.dtype = torch.float32,
     workdir: str | os.PathLike | None = None,
 ) -> dict[str, Any]:
-    """Run the suite; write ``resume.json``/``resume.md``/``resume.png`` into ``out`` if given.
+    """Run the suite; write ``resume.json``/``resume.md``/``resume.png`` into ``options.out`` if given.
 
     Files are written in a temporary directory under ``workdir`` (default: the system's temporary
     directory), removed at the end.
     """
     from tqdm.auto import tqdm
 
-    lengths = lengths or ([16, 32] if tiny else [256, 1024, 4096] if quick else [256, 1024, 4096, 16384])
-    repeats = repeats or (1 if tiny else 5 if quick else 7)
+    lengths = lengths or options.pick([16, 32], [256, 1024, 4096], [256, 1024, 4096, 16384])
+    repeats = repeats or options.pick(1, 5, 7)
     config = cache_config(layers, kv_heads, head_dim, max(lengths))
-    bar = tqdm(total=len(lengths) * repeats * len(CONTENDERS), desc="resume", disable=not progress)
+    bar = tqdm(total=len(lengths) * repeats * len(CONTENDERS), desc="resume", disable=not options.progress)
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvcache-resume-", dir=workdir) as tmp:
         for tokens in lengths:
-            cache = filled_cache(config, tokens, dtype, device)
+            cache = filled_cache(config, tokens, dtype, options.device)
             original = {k: t.clone() for k, t in cache_tensors(cache).items()}
             paths = {name: Path(tmp) / f"{name.replace('+', '_')}-{tokens}.safetensors" for name in CONTENDERS}
             sink: dict[str, dict[str, torch.Tensor]] = {}
             for name in CONTENDERS:  # warm-up: first-call costs (imports, allocator) are not timed
                 save_fn(name, cache, paths[name])()
-                load_fn(name, config, paths[name], device, sink)()
+                load_fn(name, config, paths[name], options.device, sink)()
 
             def save_and_load(name: str) -> tuple[float, float, bool]:
-                save_s = clock(save_fn(name, cache, paths[name]), device)
-                load_s = clock(load_fn(name, config, paths[name], device, sink), device)
+                save_s = clock(save_fn(name, cache, paths[name]), options.device)
+                load_s = clock(load_fn(name, config, paths[name], options.device, sink), options.device)
                 return save_s, load_s, identical(sink.pop(name), original)
 
             runs = alternate(CONTENDERS, repeats, save_and_load, bar)
@@ -188,10 +186,10 @@ def run(
         "lengths": lengths,
         "repeats": repeats,
         "workdir": str(workdir or tempfile.gettempdir()),
-        "quick": quick,
-        "tiny": tiny,
+        "quick": options.quick,
+        "tiny": options.tiny,
     }
-    return report("resume", device, config, rows, out, table, plot)
+    return report("resume", options, config, rows, table, plot)
 
 
 def table(result: dict[str, Any]) -> str:
@@ -250,4 +248,4 @@ if __name__ == "__main__":
     p.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")])
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args()
-    print(table(run(quick=args.quick, out=args.out, layers=args.layers, lengths=args.lengths)))
+    print(table(run(RunOptions(quick=args.quick, out=args.out), layers=args.layers, lengths=args.lengths)))

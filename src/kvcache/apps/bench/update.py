@@ -31,6 +31,7 @@ from transformers.cache_utils import StaticLayer as HFStaticLayer
 from ...layers import GrowableLayer, StaticLayer
 from .common import clock, figure, finish_axes, human_bytes, markdown_table, median
 from .harness import alternate, report, storage_of
+from ..run_options import RunOptions
 
 CONTENDERS = ("concat", "step256", "hf_static", "growable", "static")
 CONCAT_WINDOW = 32
@@ -149,26 +150,24 @@ def growth_profile(name: str, total: int, shape: Shape, max_tokens: int) -> dict
 
 
 def run(
-    quick: bool = False,
-    out: Path | None = None,
-    device: str = "cpu",
+    options: RunOptions = RunOptions(),
+    *,
     repeats: int | None = None,
     lengths: list[int] | None = None,
     shape: Shape | None = None,
-    progress: bool = True,
-    tiny: bool = False,
 ) -> dict[str, Any]:
-    """Run the suite; write ``update.json``/``update.md``/``update.png`` into ``out`` if given."""
+    """Run the suite; write ``update.json``/``update.md``/``update.png`` into ``options.out`` if given."""
     from tqdm.auto import tqdm
 
-    shape = shape or (Shape(kv_heads=2, head_dim=16, device=device) if tiny else Shape(device=device))
+    if shape is None:
+        shape = Shape(kv_heads=2, head_dim=16, device=options.device) if options.tiny else Shape(device=options.device)
     if lengths is None:
-        top = 512 if tiny else 4096 if quick else 16384
+        top = options.pick(512, 4096, 16384)
         lengths = [2**i for i in range(8, int(math.log2(top)) + 1)]
-    repeats = repeats or (1 if tiny else 3 if quick else 5)
+    repeats = repeats or options.pick(1, 3, 5)
     max_tokens = max(lengths)
     times: dict[tuple[str, int], list[float]] = {}
-    bar = tqdm(total=len(lengths) * repeats * len(CONTENDERS), desc="update", disable=not progress)
+    bar = tqdm(total=len(lengths) * repeats * len(CONTENDERS), desc="update", disable=not options.progress)
     for total in lengths:
         samples = alternate(CONTENDERS, repeats, lambda name: time_per_token(name, total, shape, max_tokens), bar)
         times.update({(name, total): seconds for name, seconds in samples.items()})
@@ -200,9 +199,9 @@ def run(
         "dtype": str(shape.dtype),
         "repeats": repeats,
         "lengths": lengths,
-        "quick": quick,
+        "quick": options.quick,
     }
-    return report("update", device, config, rows, out, table, plot, flatness_max_over_min=flat)
+    return report("update", options, config, rows, table, plot, flatness_max_over_min=flat)
 
 
 def table(result: dict[str, Any]) -> str:
@@ -239,4 +238,4 @@ if __name__ == "__main__":
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args()
-    print(table(run(quick=args.quick, out=args.out)))
+    print(table(run(RunOptions(quick=args.quick, out=args.out))))
