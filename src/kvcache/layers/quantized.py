@@ -44,18 +44,16 @@ _KEY_STORE, _VALUE_STORE = _STORE[:3], _STORE[3:]
 class QuantizedLayer(BoundedLayer):
     kind = "quantized"
     spec_options = {"bits": Option(int), "group_size": Option(int, least=1), "residual": Option(int, least=0)}
+    keyword_options = {"block": Option(int, least=1)}
     spec_order = 3
 
     def __init__(self, bits: int = 4, group_size: int = 64, residual: int = 32, block: int = 512) -> None:
         super().__init__()
         if int(bits) not in BITS:
             raise ValueError(f"bits must be one of {BITS}, got {bits}")
-        if int(group_size) < 1:
-            raise ValueError(f"group_size must be >= 1, got {group_size}")
-        if int(residual) < 0:
-            raise ValueError(f"residual must be >= 0 tokens, got {residual}")
-        self.bits, self.group_size, self.residual = int(bits), int(group_size), int(residual)
-        self.block = max(self.group_size, int(block) // self.group_size * self.group_size)
+        checked = self.check_options(bits=bits, group_size=group_size, residual=residual, block=block)
+        self.bits, self.group_size, self.residual = checked["bits"], checked["group_size"], checked["residual"]
+        self.block = max(self.group_size, checked["block"] // self.group_size * self.group_size)
         #: Quantized keys, a slot per block of ``group_size`` tokens: codes ``[B, Hkv, C/G, G, D']``,
         #: scale and minimum ``[B, Hkv, C/G, D]``; values a slot per token. They grow together.
         self._keys = SlotStore(layout=self._key_layout)
