@@ -26,7 +26,8 @@ import torch
 from ..errors import DTypeError, ShapeError, UnsupportedOperation
 from ..policies import POLICIES, Policy, get_policy
 from ..registry import Option, number
-from .base import Geometry, LayerState
+from .checks import Geometry
+from .state import LayerState
 from ..attention import Reads
 from .bounded import BoundedLayer
 from .slots import get_storage

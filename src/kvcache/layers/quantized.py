@@ -31,7 +31,8 @@ from ..attention import BlockReader, Reads
 from ..errors import ShapeError, UnsupportedOperation
 from ..quant import BITS, Quantized, dequantize_per_channel, dequantize_per_token, quantize_per_channel, quantize_per_token
 from ..registry import Option
-from .base import Geometry, LayerState, check_kv
+from .checks import Geometry, check_kv
+from .state import LayerState
 from .bounded import BoundedLayer
 from .store import Layout, SlotStore
 

@@ -28,7 +28,8 @@ import torch
 from ..errors import UnsupportedOperation
 from ..attention import Reads, Visibility
 from ..registry import Option
-from .base import Geometry, LayerState
+from .checks import Geometry
+from .state import LayerState
 from .bounded import BoundedLayer
 from .rollback import Journal
 from .store import SlotStore, UpTo
