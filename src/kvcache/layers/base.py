@@ -13,6 +13,7 @@ reads, as views of the store. Invariants (see DESIGN.md):
 from __future__ import annotations
 
 import copy
+import functools
 from abc import ABC, abstractmethod
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -28,6 +29,32 @@ if TYPE_CHECKING:
     from .store import SlotStore
 
 
+#: The calls that may change what a layer stores: each of them, in every subclass, bumps ``changes``.
+MUTATING = ("update", "attend", "settle", "trim", "reset", "select", "repeat", "reorder", "load_state")
+
+
+def _counting_changes(method):
+    """``method``, bumping ``changes`` and dropping the cached view before it runs (so even a call
+    that raised halfway, against the contract, leaves no stale view behind)."""
+
+    @functools.wraps(method)
+    def counted(self, *args, **kwargs):
+        self.changes += 1
+        self._viewed = None
+        return method(self, *args, **kwargs)
+
+    counted.counts_changes = True
+    return counted
+
+
+def _count_changes(cls: type) -> None:
+    """Wrap the mutating calls that ``cls`` defines itself (inherited ones are wrapped already)."""
+    for name in MUTATING:
+        method = cls.__dict__.get(name)
+        if method is not None and not getattr(method, "counts_changes", False):
+            setattr(cls, name, _counting_changes(method))
+
+
 class KVLayer(RegisteredKind, ABC):
     """One transformer layer's key/value store. Subclasses choose how storage grows or is bounded.
 
@@ -39,6 +66,13 @@ class KVLayer(RegisteredKind, ABC):
     is_sliding: ClassVar[bool] = False
     #: True for bounded kinds, whose attention must read their update's record (``bounded.py``).
     needs_own_attention: ClassVar[bool] = False
+    #: How many mutating calls (``MUTATING``) this layer has had: equal counts, equal content.
+    changes: int = 0
+    _viewed: tuple[torch.Tensor, torch.Tensor] | tuple[None, None] | None = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _count_changes(cls)
 
     def __init__(self) -> None:
         self.geometry: Geometry | None = None
@@ -138,6 +172,14 @@ class KVLayer(RegisteredKind, ABC):
         if not store.tensors:
             return None, None
         return store.run("keys", 0, store.length), store.run("values", 0, store.length)
+
+    def viewed(self) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
+        """``view()``, computed at most once per change: a quantized layer dequantizes its whole
+        store for a view, so repeated reads between two updates reuse the first. The cached view
+        is dropped by the next mutating call."""
+        if self._viewed is None:
+            self._viewed = self.view()
+        return self._viewed
 
     def positions(self) -> torch.Tensor:
         """Absolute position of each stored slot, ``[B, Hkv, L]`` (an expanded view)."""
@@ -257,10 +299,15 @@ class KVLayer(RegisteredKind, ABC):
 
     def fork(self) -> KVLayer:
         """An independent copy: appending to either never changes the other."""
-        return copy.deepcopy(self)
+        twin = copy.deepcopy(self)
+        twin._viewed = None  # a deep copy of a dequantized view is memory for nothing
+        return twin
 
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(length={self.length}, seen={self.seen}, "
             f"capacity={self.capacity}, nbytes={self.nbytes})"
         )
+
+
+_count_changes(KVLayer)
