@@ -13,7 +13,6 @@ reads, as views of the store. Invariants (see DESIGN.md):
 from __future__ import annotations
 
 import copy
-import functools
 from abc import ABC, abstractmethod
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -22,37 +21,12 @@ import torch
 
 from ..errors import ShapeError, UnsupportedOperation
 from ..registry import RegisteredKind
+from .changes import count_changes
 from .checks import Geometry, as_index, check_kv
 from .state import LayerState
 
 if TYPE_CHECKING:
     from .store import SlotStore
-
-
-#: The calls that may change what a layer stores: each of them, in every subclass, bumps ``changes``.
-MUTATING = ("update", "attend", "settle", "trim", "reset", "select", "repeat", "reorder", "load_state")
-
-
-def _counting_changes(method):
-    """``method``, bumping ``changes`` and dropping the cached view before it runs (so even a call
-    that raised halfway, against the contract, leaves no stale view behind)."""
-
-    @functools.wraps(method)
-    def counted(self, *args, **kwargs):
-        self.changes += 1
-        self._viewed = None
-        return method(self, *args, **kwargs)
-
-    counted.counts_changes = True
-    return counted
-
-
-def _count_changes(cls: type) -> None:
-    """Wrap the mutating calls that ``cls`` defines itself (inherited ones are wrapped already)."""
-    for name in MUTATING:
-        method = cls.__dict__.get(name)
-        if method is not None and not getattr(method, "counts_changes", False):
-            setattr(cls, name, _counting_changes(method))
 
 
 class KVLayer(RegisteredKind, ABC):
@@ -72,7 +46,7 @@ class KVLayer(RegisteredKind, ABC):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        _count_changes(cls)
+        count_changes(cls)
 
     def __init__(self) -> None:
         self.geometry: Geometry | None = None
@@ -310,4 +284,4 @@ class KVLayer(RegisteredKind, ABC):
         )
 
 
-_count_changes(KVLayer)
+count_changes(KVLayer)
