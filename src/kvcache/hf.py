@@ -128,11 +128,13 @@ class HFLayer(CacheLayerMixin):
 
     @property
     def keys(self) -> torch.Tensor | None:
-        return self.store.view()[0]
+        """The stored keys ``[B, Hkv, L, D]``; one view (one dequantization) per change of the layer."""
+        return self.store.viewed()[0]
 
     @property
     def values(self) -> torch.Tensor | None:
-        return self.store.view()[1]
+        """The stored values ``[B, Hkv, L, Dv]``; one view per change of the layer."""
+        return self.store.viewed()[1]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         # `early_initialization` passes empty [B, H, 0, D] tensors: an empty append fixes the geometry

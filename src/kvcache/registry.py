@@ -109,11 +109,26 @@ class RegisteredKind:
     unbounded: ClassVar[bool] = False
     #: Where the kind comes in listings (``--help``, error messages): lowest first.
     spec_order: ClassVar[int] = 100
+    #: Bounds of constructor arguments a spec cannot set (a window's ``initial_capacity``).
+    keyword_options: ClassVar[dict[str, Option]] = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if "kind" in cls.__dict__:  # intermediate bases name no kind of their own
             register_layer(cls)
+
+    @classmethod
+    def check_options(cls, **options: Any) -> dict[str, Any]:
+        """The given constructor arguments read by their declarations (type and bound), so a
+        bound lives in one place; ``ValueError`` naming the first option that fails."""
+        declared = {**cls.spec_options, **cls.keyword_options}
+        checked = {}
+        for name, value in options.items():
+            try:
+                checked[name] = declared[name].coerce(value)
+            except ValueError as e:
+                raise ValueError(f"{name} {e}") from None
+        return checked
 
     @classmethod
     def spec_kinds(cls) -> dict[str, dict[str, Any]]:

@@ -242,3 +242,57 @@ def test_head_dims_that_cannot_be_packed_are_refused_and_nothing_changes():
     with pytest.raises(kvcache.ShapeError, match="group_size"):
         layer.update(torch.randn(1, 1, 3, 8), torch.randn(1, 1, 3, 6))
     assert not layer.initialized
+
+
+def test_hf_layer_keys_and_values_dequantize_once_per_change():
+    """``HFLayer.keys``/``values`` reuse one view between changes (issue 11): reading them again
+    dequantizes nothing, and every mutating call makes the next read see the new content."""
+    from kvcache.hf import HFLayer
+
+    layer = QuantizedLayer(bits=4, group_size=4, residual=4)
+    views = []
+    real_view = layer.view
+    layer.view = lambda: views.append(1) or real_view()
+    hf = HFLayer(layer)
+
+    def kv(n, seed):
+        g = torch.Generator().manual_seed(seed)
+        return torch.randn(2, 2, n, 8, generator=g), torch.randn(2, 2, n, 8, generator=g)
+
+    def reads_fresh():
+        before = len(views)
+        keys, values = hf.keys, hf.values
+        assert len(views) == before + 1, "one view per change"
+        assert hf.keys is keys and hf.values is values and len(views) == before + 1
+        want_k, want_v = real_view()
+        torch.testing.assert_close(keys, want_k, rtol=0, atol=0)
+        torch.testing.assert_close(values, want_v, rtol=0, atol=0)
+
+    layer.update(*kv(11, 0))
+    assert not views, "nothing is dequantized unless someone reads"
+    reads_fresh()
+    layer.update(*kv(1, 1))
+    reads_fresh()
+    layer.settle()  # a bounded layer trims only after its update's attention
+    reads_fresh()
+    layer.trim(1)
+    reads_fresh()
+    layer.select(torch.tensor([1]))
+    reads_fresh()
+    layer.repeat(2)
+    reads_fresh()
+    layer.reorder(torch.tensor([1, 0]))
+    reads_fresh()
+    saved = layer.state()
+    saved = type(saved)(saved.kind, dict(saved.options), saved.seen, {k: t.clone() for k, t in saved.tensors.items()})
+    layer.update(*kv(3, 2))
+    reads_fresh()
+    layer.load_state(saved)
+    reads_fresh()
+    twin = layer.fork()
+    del twin.view  # the counting wrapper came along, bound to the original
+    twin.update(*kv(2, 3))
+    assert HFLayer(twin).keys.shape[2] == layer.seen + 2 and hf.keys.shape[2] == layer.seen
+    layer.reset()
+    before = len(views)
+    assert hf.keys is None and hf.values is None and len(views) == before + 1

@@ -4,7 +4,9 @@ Each class that names a ``kind`` registers itself (``registry.py``); importing t
 defines them all.
 """
 
-from .base import Geometry, KVLayer, LayerState
+from .base import KVLayer
+from .checks import Geometry
+from .state import LayerState
 from .concat import ConcatLayer
 from .evicting import EvictingLayer
 from .growable import GrowableLayer

@@ -1,4 +1,4 @@
-"""The contract every storage layer keeps, and the checks they share.
+"""The contract every storage layer keeps (its checks in ``checks.py``, its state in ``state.py``).
 
 A layer stores the keys and values of one transformer layer as ``[B, Hkv, L, D]`` (values may
 have their own head dim ``Dv``). ``update`` appends ``[B, Hkv, S, D]`` and returns what attention
@@ -14,107 +14,19 @@ from __future__ import annotations
 
 import copy
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from ..errors import DTypeError, ShapeError, UnsupportedOperation
+from ..errors import ShapeError, UnsupportedOperation
 from ..registry import RegisteredKind
+from .changes import count_changes
+from .checks import Geometry, as_index, check_kv
+from .state import LayerState
 
 if TYPE_CHECKING:
     from .store import SlotStore
-
-
-@dataclass
-class LayerState:
-    """A layer's content, detached from the layer: what save/load and snapshots carry.
-
-    ``tensors`` holds ``keys`` ``[B, Hkv, L, D]`` and ``values`` ``[B, Hkv, L, Dv]`` (and whatever
-    else a kind needs); ``options`` are the constructor's keyword arguments.
-    """
-
-    kind: str
-    options: dict[str, Any]
-    seen: int
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    def clone(self) -> LayerState:
-        return LayerState(
-            self.kind, dict(self.options), self.seen, {k: t.clone() for k, t in self.tensors.items()}
-        )
-
-
-@dataclass(frozen=True)
-class Geometry:
-    """What every append to a layer must agree on, fixed by the first append."""
-
-    batch: int
-    heads: int
-    key_dim: int
-    value_dim: int
-    dtype: torch.dtype
-    device: torch.device
-
-    @classmethod
-    def of(cls, key: torch.Tensor, value: torch.Tensor) -> Geometry:
-        return cls(key.shape[0], key.shape[1], key.shape[3], value.shape[3], key.dtype, key.device)
-
-
-def check_kv(key: Any, value: Any, expected: Geometry | None) -> None:
-    """Raise a clear error unless ``key``/``value`` are a valid append for ``expected``.
-
-    key: ``[B, Hkv, S, D]``; value: ``[B, Hkv, S, Dv]``. ``expected`` is None for a fresh layer.
-    """
-    for name, t in (("key", key), ("value", value)):
-        if not isinstance(t, torch.Tensor):
-            raise DTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ShapeError(
-                f"{name} must have rank 4 [batch, kv_heads, seq, head_dim], got shape {tuple(t.shape)}"
-            )
-        if not t.is_floating_point():
-            raise DTypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
-    if key.shape[:3] != value.shape[:3]:
-        raise ShapeError(
-            f"key and value must agree on [batch, kv_heads, seq]: key {tuple(key.shape)}, "
-            f"value {tuple(value.shape)}"
-        )
-    if key.dtype != value.dtype:
-        raise DTypeError(f"key and value must share a dtype: key {key.dtype}, value {value.dtype}")
-    if key.device != value.device:
-        raise DTypeError(f"key and value must share a device: key {key.device}, value {value.device}")
-    if expected is None:
-        return
-    got = Geometry.of(key, value)
-    for what in ("batch", "heads", "key_dim", "value_dim"):
-        want, came = getattr(expected, what), getattr(got, what)
-        if want != came:
-            raise ShapeError(
-                f"{what.replace('_', ' ')} mismatch: this cache holds {want}, the new "
-                f"key/value have {came} (key {tuple(key.shape)}, value {tuple(value.shape)})"
-            )
-    if got.dtype != expected.dtype:
-        raise DTypeError(f"dtype mismatch: this cache holds {expected.dtype}, the new key/value are {got.dtype}")
-    if got.device != expected.device:
-        raise DTypeError(
-            f"device mismatch: this cache lives on {expected.device}, the new key/value are on {got.device}"
-        )
-
-
-def as_index(index: torch.Tensor | list[int] | range, batch: int, device: torch.device) -> torch.Tensor:
-    """A batch index as a 1-D long tensor on ``device``, bounds-checked against ``batch``."""
-    idx = torch.as_tensor(index, device=device)
-    if idx.dtype == torch.bool:
-        if idx.shape != (batch,):
-            raise ShapeError(f"a boolean batch mask must have shape ({batch},), got {tuple(idx.shape)}")
-        idx = idx.nonzero().flatten()
-    if idx.dim() != 1 or idx.dtype not in (torch.int32, torch.int64):
-        raise ShapeError(f"a batch index must be a 1-D integer tensor, got {idx.dtype} of shape {tuple(idx.shape)}")
-    idx = idx.long()
-    if idx.numel() and (int(idx.min()) < -batch or int(idx.max()) >= batch):
-        raise ShapeError(f"batch index out of range for batch size {batch}: {idx.tolist()}")
-    return idx % batch if idx.numel() else idx
 
 
 class KVLayer(RegisteredKind, ABC):
@@ -128,6 +40,13 @@ class KVLayer(RegisteredKind, ABC):
     is_sliding: ClassVar[bool] = False
     #: True for bounded kinds, whose attention must read their update's record (``bounded.py``).
     needs_own_attention: ClassVar[bool] = False
+    #: How many mutating calls (``MUTATING``) this layer has had: equal counts, equal content.
+    changes: int = 0
+    _viewed: tuple[torch.Tensor, torch.Tensor] | tuple[None, None] | None = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        count_changes(cls)
 
     def __init__(self) -> None:
         self.geometry: Geometry | None = None
@@ -227,6 +146,14 @@ class KVLayer(RegisteredKind, ABC):
         if not store.tensors:
             return None, None
         return store.run("keys", 0, store.length), store.run("values", 0, store.length)
+
+    def viewed(self) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
+        """``view()``, computed at most once per change: a quantized layer dequantizes its whole
+        store for a view, so repeated reads between two updates reuse the first. The cached view
+        is dropped by the next mutating call."""
+        if self._viewed is None:
+            self._viewed = self.view()
+        return self._viewed
 
     def positions(self) -> torch.Tensor:
         """Absolute position of each stored slot, ``[B, Hkv, L]`` (an expanded view)."""
@@ -346,10 +273,15 @@ class KVLayer(RegisteredKind, ABC):
 
     def fork(self) -> KVLayer:
         """An independent copy: appending to either never changes the other."""
-        return copy.deepcopy(self)
+        twin = copy.deepcopy(self)
+        twin._viewed = None  # a deep copy of a dequantized view is memory for nothing
+        return twin
 
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(length={self.length}, seen={self.seen}, "
             f"capacity={self.capacity}, nbytes={self.nbytes})"
         )
+
+
+count_changes(KVLayer)

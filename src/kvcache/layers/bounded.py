@@ -19,7 +19,8 @@ import torch
 
 from ..attention import CAUSAL, Reads, Visibility, attend_reads
 from ..errors import UnsupportedOperation
-from .base import KVLayer, check_kv
+from .base import KVLayer
+from .checks import check_kv
 
 
 class BoundedLayer(KVLayer):

@@ -26,7 +26,8 @@ import torch
 from ..errors import DTypeError, ShapeError, UnsupportedOperation
 from ..policies import POLICIES, Policy, get_policy
 from ..registry import Option, number
-from .base import Geometry, LayerState
+from .checks import Geometry
+from .state import LayerState
 from ..attention import Reads
 from .bounded import BoundedLayer
 from .slots import get_storage
@@ -59,13 +60,9 @@ class EvictingLayer(BoundedLayer):
         super().__init__()
         self.policy = get_policy(policy) if isinstance(policy, str) else policy
         self.storage = get_storage(storage)
-        self.budget = _check_budget(budget)
-        self.sinks = int(sinks)
-        if self.sinks < 0:
-            raise ValueError(f"sinks must be >= 0 tokens, got {sinks}")
-        if recent is not None and int(recent) < 0:
-            raise ValueError(f"recent must be >= 0 tokens, got {recent}")
-        self.recent = None if recent is None else int(recent)
+        checked = self.check_options(budget=budget, sinks=sinks, **({} if recent is None else {"recent": recent}))
+        self.budget = _check_budget(checked["budget"])
+        self.sinks, self.recent = checked["sinks"], checked.get("recent")
         if isinstance(self.budget, int) and self.sinks + (self.recent or 0) >= self.budget:
             raise ValueError(
                 f"sinks ({self.sinks}) + recent ({self.recent}) must be less than the budget "

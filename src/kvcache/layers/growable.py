@@ -25,12 +25,8 @@ class GrowableLayer(KVLayer):
 
     def __init__(self, initial_capacity: int = 256, growth: float = 2.0) -> None:
         super().__init__()
-        if int(initial_capacity) < 1:
-            raise ValueError(f"initial_capacity must be >= 1, got {initial_capacity}")
-        if float(growth) <= 1.0:
-            raise ValueError(f"growth must be > 1.0, got {growth}")
-        self.initial_capacity = int(initial_capacity)
-        self.growth = float(growth)
+        checked = self.check_options(initial_capacity=initial_capacity, growth=growth)
+        self.initial_capacity, self.growth = checked["initial_capacity"], checked["growth"]
         self.store = SlotStore(growth=Geometric(self.initial_capacity, self.growth))
 
     def _append(self, key, value):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..quant import Quantized, dequantize_per_token, quantize_per_token
-from .base import Geometry
+from .checks import Geometry
 from .store import Layout
 
 STORAGES = ("full", "int8", "int4", "int2")

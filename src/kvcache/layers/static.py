@@ -44,9 +44,9 @@ class StaticLayer(KVLayer):
         if keys is not None:
             _check_buffers(keys, values, capacity)
             capacity = keys.shape[2]
-        if capacity is None or int(capacity) < 1:
-            raise ValueError(f"a static layer needs a capacity >= 1 (tokens), got {capacity}")
-        self._capacity = int(capacity)
+        if capacity is None:
+            raise ValueError("a static layer needs a capacity (tokens) or a keys/values buffer pair, got neither")
+        self._capacity = self.check_options(capacity=capacity)["capacity"]
         self.store = SlotStore(growth=Fixed(self._capacity))
         if keys is not None:
             self.store.adopt({"keys": keys, "values": values})

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from ..errors import CacheFullError, ShapeError
-from .base import Geometry
+from .checks import Geometry
 
 #: name -> (shape after ``[B, Hkv, C]``, dtype) of each tensor of a store.
 Layout = dict[str, tuple[tuple[int, ...], torch.dtype]]

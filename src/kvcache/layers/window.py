@@ -28,7 +28,8 @@ import torch
 from ..errors import UnsupportedOperation
 from ..attention import Reads, Visibility
 from ..registry import Option
-from .base import Geometry, LayerState
+from .checks import Geometry
+from .state import LayerState
 from .bounded import BoundedLayer
 from .rollback import Journal
 from .store import SlotStore, UpTo
@@ -38,21 +39,16 @@ class WindowLayer(BoundedLayer):
     kind = "window"
     spec_options = {"window": Option(int, least=1), "sinks": Option(int, least=0)}
     required_options = ("window",)
+    keyword_options = {"initial_capacity": Option(int, least=1)}
     spec_order = 2
     is_sliding = True
 
     def __init__(self, window: int, sinks: int = 0, initial_capacity: int = 256) -> None:
         super().__init__()
-        if int(window) < 1:
-            raise ValueError(f"window must be >= 1 token, got {window}")
-        if int(sinks) < 0:
-            raise ValueError(f"sinks must be >= 0 tokens, got {sinks}")
-        if int(initial_capacity) < 1:
-            raise ValueError(f"initial_capacity must be >= 1, got {initial_capacity}")
-        self.window = int(window)
-        self.sinks = int(sinks)
+        checked = self.check_options(window=window, sinks=sinks, initial_capacity=initial_capacity)
+        self.window, self.sinks = checked["window"], checked["sinks"]
         self.visibility = Visibility(self.window, self.sinks)
-        self.initial_capacity = int(initial_capacity)
+        self.initial_capacity = checked["initial_capacity"]
         self.journal: Journal | None = None  # the undo log while recording (rollback.py)
         #: Grows geometrically (from ``initial_capacity``) up to ``sinks + window`` slots.
         self.store = SlotStore(growth=UpTo(self.initial_capacity, self.max_length))

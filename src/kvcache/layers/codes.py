@@ -1,0 +1,250 @@
+"""The coded storage under a quantized layer: codes by block, and the recent tokens exact.
+
+Keys are kept a slot per block of ``group_size`` tokens: codes ``[B, Hkv, C/G, G, D']``, scale and
+minimum ``[B, Hkv, C/G, D]`` (quantized per channel); values a slot per token: codes
+``[B, Hkv, C, Dv']``, scale and minimum ``[B, Hkv, C, Dv/G]`` (per token, in groups of channels).
+``D'`` is ``D * bits / 8`` (4- and 2-bit codes are packed two and four a byte). The two grow
+together. Beside them, the residual: the most recent keys ``[B, Hkv, residual + group_size, D]``
+and values ``[B, Hkv, max(residual, 1), Dv]`` in full precision.
+
+Which tokens leave the residual, and how attention reads the codes, is the layer's business
+(``quantized.py``); this module owns the tensors, their growth, their saved form and its check.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ..errors import ShapeError
+from ..quant import Quantized, dequantize_per_channel, dequantize_per_token
+from .checks import Geometry, check_kv
+from .store import Layout, SlotStore
+
+#: Tensors of the coded store in a saved state, each ``[B, Hkv, slots, ...]``; keys'
+#: scale/minimum have one slot a block.
+SAVED = ("kcodes", "kscale", "kmin", "vcodes", "vscale", "vmin")
+_VALUE_SAVED = SAVED[3:]
+
+
+class CodedStore:
+    """Codes of ``bits`` bits by blocks of ``group_size`` tokens, and ``residual`` exact tokens."""
+
+    def __init__(self, bits: int, group_size: int, residual: int) -> None:
+        self.bits, self.group_size, self.residual = bits, group_size, residual
+        self.keys = SlotStore(layout=self._key_layout)
+        self.values = SlotStore(layout=self._value_layout)
+        #: Slots in use: ``seen - quantized_keys`` and ``seen - quantized_values``.
+        self.residual_keys = SlotStore(layout=_residual_key_layout)
+        self.residual_values = SlotStore(layout=_residual_value_layout)
+
+    @property
+    def stores(self) -> tuple[SlotStore, ...]:
+        return (self.keys, self.values, self.residual_keys, self.residual_values)
+
+    def drop(self) -> None:
+        for store in self.stores:
+            store.drop()
+
+    def _key_layout(self, g: Geometry) -> Layout:
+        return {
+            "kcodes": ((self.group_size, g.key_dim * self.bits // 8), torch.uint8),
+            "kscale": ((g.key_dim,), g.dtype),
+            "kmin": ((g.key_dim,), g.dtype),
+        }
+
+    def _value_layout(self, g: Geometry) -> Layout:
+        groups = g.value_dim // min(self.group_size, g.value_dim)
+        return {
+            "vcodes": ((g.value_dim * self.bits // 8,), torch.uint8),
+            "vscale": ((groups,), g.dtype),
+            "vmin": ((groups,), g.dtype),
+        }
+
+    # ---- sizes ----------------------------------------------------------------------------
+
+    @property
+    def allocated(self) -> bool:
+        return self.values.allocated
+
+    @property
+    def quantized_keys(self) -> int:
+        """Quantized keys (a multiple of group_size)."""
+        return self.keys.length * self.group_size
+
+    @property
+    def quantized_values(self) -> int:
+        return self.values.length
+
+    @property
+    def exact_keys(self) -> torch.Tensor | None:
+        """The residual keys buffer ``[B, Hkv, residual + group_size, D]`` (None before the first append)."""
+        return self.residual_keys.tensors.get("keys")
+
+    @property
+    def exact_values(self) -> torch.Tensor | None:
+        return self.residual_values.tensors.get("values")
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.capacity * self.group_size + self.residual_keys.capacity
+
+    @property
+    def nbytes(self) -> int:
+        """Codes, scales and minimums as allocated, plus the full-precision residual buffers."""
+        return sum(store.nbytes for store in self.stores)
+
+    def value_group(self, g: Geometry | None) -> int:
+        return min(self.group_size, g.value_dim) if g else self.group_size
+
+    def check_dims(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Raise unless head dims ``D`` and ``Dv`` pack into bytes and ``Dv`` splits into groups."""
+        d, dv, G = key.shape[3], value.shape[3], self.group_size
+        per_byte = 8 // self.bits
+        if d % per_byte or dv % per_byte:
+            raise ShapeError(
+                f"{self.bits}-bit storage packs {per_byte} codes a byte: head dims must be multiples of "
+                f"{per_byte}, got {d} and {dv}"
+            )
+        if dv % min(G, dv):
+            raise ShapeError(f"value head dim {dv} is not a multiple of group_size {G}")
+
+    # ---- reading --------------------------------------------------------------------------
+
+    def keys_block(self, g: Geometry, start: int, stop: int) -> torch.Tensor:
+        """Dequantized keys of positions ``start:stop`` (block-aligned), ``[B, Hkv, stop - start, D]``."""
+        G = self.group_size
+        blocks = self.keys.runs(start // G, stop // G)
+        codes, scale, minimum = blocks["kcodes"], blocks["kscale"].unsqueeze(3), blocks["kmin"].unsqueeze(3)
+        out = dequantize_per_channel(Quantized(codes, scale, minimum, self.bits), g.dtype)
+        return out.reshape(g.batch, g.heads, stop - start, g.key_dim)
+
+    def values_block(self, g: Geometry, start: int, stop: int) -> torch.Tensor:
+        """Dequantized values of positions ``start:stop``, ``[B, Hkv, stop - start, Dv]``."""
+        q = self.values.runs(start, stop)
+        part = Quantized(q["vcodes"], q["vscale"], q["vmin"], self.bits)
+        return dequantize_per_token(part, self.value_group(g), g.dtype)
+
+    def dequantized(self, g: Geometry, seen: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """All ``seen`` keys ``[B, Hkv, seen, D]`` and values ``[B, Hkv, seen, Dv]`` in full precision (a copy)."""
+        tk, tv = self.quantized_keys, self.quantized_values
+        keys = torch.cat([self.keys_block(g, 0, tk), self.exact_keys[:, :, : seen - tk]], dim=2)
+        values = torch.cat([self.values_block(g, 0, tv), self.exact_values[:, :, : seen - tv]], dim=2)
+        return keys, values
+
+    # ---- writing --------------------------------------------------------------------------
+
+    def write(self, g: Geometry, keys: Quantized | None, values: Quantized | None, exact_keys, exact_values) -> None:
+        """Append quantized key blocks (``[B, Hkv, n/G, G, D']`` codes) and quantized values, then
+        make ``exact_keys``/``exact_values`` ``[B, Hkv, r, D]`` the whole residual."""
+        if not self.allocated:
+            self._allocate(0, g)
+            self.residual_keys.allocate(self.residual + self.group_size, g)
+            self.residual_values.allocate(max(self.residual, 1), g)
+        qk = 0 if keys is None else keys.codes.shape[2] * self.group_size
+        qv = 0 if values is None else values.codes.shape[2]
+        self._ensure(self.quantized_keys + qk, self.quantized_values + qv, g)
+        if keys is not None:
+            self.keys.append({"kcodes": keys.codes, "kscale": keys.scale.squeeze(3), "kmin": keys.minimum.squeeze(3)})
+        if values is not None:
+            self.values.append({"vcodes": values.codes, "vscale": values.scale, "vmin": values.minimum})
+        self.residual_keys.write(0, {"keys": exact_keys})
+        self.residual_values.write(0, {"values": exact_values})
+        self.residual_keys.length, self.residual_values.length = exact_keys.shape[2], exact_values.shape[2]
+
+    def _allocate(self, tokens: int, g: Geometry) -> None:
+        """(Re)allocate the codes for ``tokens`` (a multiple of group_size), keeping their content."""
+        self.keys.allocate(tokens // self.group_size, g)
+        self.values.allocate(tokens, g)
+
+    def _ensure(self, tk: int, tv: int, g: Geometry) -> None:
+        have = self.values.capacity
+        need = max(tk, tv)
+        if need <= have:
+            return
+        grown = max(need, have + have // 4)  # a quarter more: the codes are the bulk of the memory
+        self._allocate(math.ceil(grown / self.group_size) * self.group_size, g)
+
+    def trim_exact(self, n: int) -> None:
+        """Drop the last ``n`` residual tokens (the caller checked they are all still exact)."""
+        self.residual_keys.trim(n)
+        self.residual_values.trim(n)
+
+    def rebatch(self, fn) -> int:
+        """Replace every stored row by ``fn(rows)``; returns the new batch size."""
+        for store in (self.keys, self.values, self.residual_keys):
+            store.rebatch(fn, store.capacity, count=False)
+        return self.residual_values.rebatch(fn, self.residual_values.capacity, count=False)
+
+    # ---- saved form -------------------------------------------------------------------------
+
+    def saved(self) -> dict[str, torch.Tensor]:
+        """The content as a saved state's tensors (views), each a slot per token; empty if nothing is stored."""
+        if not self.values.tensors:
+            return {}
+        tensors = {**self.keys.in_use(), **self.values.in_use()}
+        tensors["kcodes"] = tensors["kcodes"].flatten(2, 3)
+        tensors["residual_keys"] = self.residual_keys.in_use()["keys"]
+        tensors["residual_values"] = self.residual_values.in_use()["values"]
+        return tensors
+
+    def check(self, t: dict[str, torch.Tensor], seen: int) -> None:
+        """Raise ``ValueError``/``ShapeError`` unless ``load(t)`` would hold ``seen`` tokens consistently."""
+        missing = [name for name in (*SAVED, "residual_keys", "residual_values") if name not in t]
+        if missing:
+            raise ValueError(f"quantized layer state lacks {missing}")
+        rk, rv = t["residual_keys"], t["residual_values"]
+        # Residual keys and values differ in length (keys leave it a block at a time): only
+        # [batch, heads] and the dtype must agree.
+        check_kv(rk[:, :, :0], rv[:, :, :0], None) if rk.dim() == rv.dim() == 4 else check_kv(rk, rv, None)
+        self.check_dims(rk, rv)
+        if any(t[name].dim() != 4 for name in SAVED):
+            raise ShapeError(f"quantized layer state: {', '.join(f'{n} {tuple(t[n].shape)}' for n in SAVED)} must be 4-D")
+        tk, tv = t["kcodes"].shape[2], t["vcodes"].shape[2]
+        if tk % self.group_size or tk + rk.shape[2] != seen or tv + rv.shape[2] != seen:
+            raise ValueError(
+                f"quantized layer state is inconsistent: {tk} quantized + {rk.shape[2]} "
+                f"residual keys, {tv} + {rv.shape[2]} values, {seen} tokens seen"
+            )
+        if rk.shape[2] >= self.residual + self.group_size or rv.shape[2] > self.residual:
+            raise ValueError(
+                f"quantized layer state keeps {rk.shape[2]} keys and {rv.shape[2]} values in full precision; "
+                f"residual {self.residual} with group size {self.group_size} keeps at most "
+                f"{self.residual + self.group_size - 1} and {self.residual}"
+            )
+        g = Geometry.of(rk, rv)
+        self.values.check("quantized layer", t, g, tv)
+        self.keys.check("quantized layer (keys by blocks of group_size tokens)", _key_blocks(t, self.group_size), g, tk // self.group_size)
+
+    def load(self, t: dict[str, torch.Tensor]) -> Geometry:
+        """Hold ``t``'s content (copied; ``check`` passed, the store is empty); returns its geometry."""
+        rk, rv = t["residual_keys"], t["residual_values"]
+        g = Geometry.of(rk, rv)
+        tk, tv, G = t["kcodes"].shape[2], t["vcodes"].shape[2], self.group_size
+        self._allocate(math.ceil(max(tk, tv) / G) * G, g)
+        self.keys.append(_key_blocks(t, G))
+        self.values.append({name: t[name] for name in _VALUE_SAVED})
+        self.residual_keys.load({"keys": rk}, g, self.residual + G)
+        self.residual_values.load({"values": rv}, g, max(self.residual, 1))
+        return g
+
+
+def _residual_key_layout(g: Geometry) -> Layout:
+    return {"keys": ((g.key_dim,), g.dtype)}
+
+
+def _residual_value_layout(g: Geometry) -> Layout:
+    return {"values": ((g.value_dim,), g.dtype)}
+
+
+def _key_blocks(tensors: dict[str, torch.Tensor], group_size: int) -> dict[str, torch.Tensor]:
+    """A saved state's key codes ``[B, Hkv, T, D']`` as the store keeps them, ``[B, Hkv, T/G, G, D']``
+    (``T`` a multiple of G and the tensors 4-D: checked before), with the keys' scale and minimum."""
+    codes = tensors["kcodes"]
+    return {
+        "kcodes": codes.unflatten(2, (codes.shape[2] // group_size, group_size)),
+        "kscale": tensors["kscale"],
+        "kmin": tensors["kmin"],
+    }
