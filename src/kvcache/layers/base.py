@@ -21,7 +21,6 @@ import torch
 
 from ..errors import ShapeError, UnsupportedOperation
 from ..registry import RegisteredKind
-from .changes import count_changes
 from .checks import Geometry, as_index, check_kv
 from .state import LayerState
 
@@ -40,14 +39,6 @@ class KVLayer(RegisteredKind, ABC):
     is_sliding: ClassVar[bool] = False
     #: True for bounded kinds, whose attention must read their update's record (``bounded.py``).
     needs_own_attention: ClassVar[bool] = False
-    #: How many mutating calls (``MUTATING``) this layer has had: equal counts, equal content.
-    changes: int = 0
-    _viewed: tuple[torch.Tensor, torch.Tensor] | tuple[None, None] | None = None
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        count_changes(cls)
-
     def __init__(self) -> None:
         self.geometry: Geometry | None = None
         self._seen = 0
@@ -148,12 +139,10 @@ class KVLayer(RegisteredKind, ABC):
         return store.run("keys", 0, store.length), store.run("values", 0, store.length)
 
     def viewed(self) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
-        """``view()``, computed at most once per change: a quantized layer dequantizes its whole
-        store for a view, so repeated reads between two updates reuse the first. The cached view
-        is dropped by the next mutating call."""
-        if self._viewed is None:
-            self._viewed = self.view()
-        return self._viewed
+        """``view()`` for readers outside the hot path (``HFLayer.keys``/``values``): a kind whose
+        view is a computation (the quantized layer dequantizes its store) keeps it until its
+        content changes; for the others it is ``view()``."""
+        return self.view()
 
     def positions(self) -> torch.Tensor:
         """Absolute position of each stored slot, ``[B, Hkv, L]`` (an expanded view)."""
@@ -273,9 +262,7 @@ class KVLayer(RegisteredKind, ABC):
 
     def fork(self) -> KVLayer:
         """An independent copy: appending to either never changes the other."""
-        twin = copy.deepcopy(self)
-        twin._viewed = None  # a deep copy of a dequantized view is memory for nothing
-        return twin
+        return copy.deepcopy(self)
 
     def __repr__(self) -> str:
         return (
@@ -283,5 +270,3 @@ class KVLayer(RegisteredKind, ABC):
             f"capacity={self.capacity}, nbytes={self.nbytes})"
         )
 
-
-count_changes(KVLayer)

@@ -39,12 +39,16 @@ class CodedStore:
         #: Slots in use: ``seen - quantized_keys`` and ``seen - quantized_values``.
         self.residual_keys = SlotStore(layout=_residual_key_layout)
         self.residual_values = SlotStore(layout=_residual_value_layout)
+        #: Bumped by every call that changes the content (drop, write, trim_exact, rebatch, load):
+        #: equal versions, equal content (what a cached dequantized view is checked against).
+        self.version = 0
 
     @property
     def stores(self) -> tuple[SlotStore, ...]:
         return (self.keys, self.values, self.residual_keys, self.residual_values)
 
     def drop(self) -> None:
+        self.version += 1
         for store in self.stores:
             store.drop()
 
@@ -139,6 +143,7 @@ class CodedStore:
     def write(self, g: Geometry, keys: Quantized | None, values: Quantized | None, exact_keys, exact_values) -> None:
         """Append quantized key blocks (``[B, Hkv, n/G, G, D']`` codes) and quantized values, then
         make ``exact_keys``/``exact_values`` ``[B, Hkv, r, D]`` the whole residual."""
+        self.version += 1
         if not self.allocated:
             self._allocate(0, g)
             self.residual_keys.allocate(self.residual + self.group_size, g)
@@ -169,11 +174,13 @@ class CodedStore:
 
     def trim_exact(self, n: int) -> None:
         """Drop the last ``n`` residual tokens (the caller checked they are all still exact)."""
+        self.version += 1
         self.residual_keys.trim(n)
         self.residual_values.trim(n)
 
     def rebatch(self, fn) -> int:
         """Replace every stored row by ``fn(rows)``; returns the new batch size."""
+        self.version += 1
         for store in (self.keys, self.values, self.residual_keys):
             store.rebatch(fn, store.capacity, count=False)
         return self.residual_values.rebatch(fn, self.residual_values.capacity, count=False)
@@ -220,6 +227,7 @@ class CodedStore:
 
     def load(self, t: dict[str, torch.Tensor]) -> Geometry:
         """Hold ``t``'s content (copied; ``check`` passed, the store is empty); returns its geometry."""
+        self.version += 1
         rk, rv = t["residual_keys"], t["residual_values"]
         g = Geometry.of(rk, rv)
         tk, tv, G = t["kcodes"].shape[2], t["vcodes"].shape[2], self.group_size

@@ -53,6 +53,8 @@ class QuantizedLayer(BoundedLayer):
         self.bits, self.group_size, self.residual = checked["bits"], checked["group_size"], checked["residual"]
         self.block = max(self.group_size, checked["block"] // self.group_size * self.group_size)
         self.codes = CodedStore(self.bits, self.group_size, self.residual)
+        self._viewed: tuple[torch.Tensor, torch.Tensor] | tuple[None, None] | None = None
+        self._viewed_at: tuple[int, int] | None = None  # (codes.version, seen) of _viewed
         self._reset_storage()
 
     def _reset_storage(self) -> None:
@@ -89,6 +91,18 @@ class QuantizedLayer(BoundedLayer):
         if self.geometry is None:
             return None, None
         return self.codes.dequantized(self.geometry, self.seen)
+
+    def viewed(self):
+        """``view()``, dequantized once per change of content (``codes.version``) and only when read:
+        ``HFLayer.keys``/``values`` read it. The copy lives until the next change."""
+        at = (self.codes.version, self.seen)
+        if self._viewed_at != at:
+            self._viewed, self._viewed_at = self.view(), at
+        return self._viewed
+
+    def fork(self) -> QuantizedLayer:
+        self._viewed, self._viewed_at = None, None  # not copied: a dequantized view is memory for nothing
+        return super().fork()
 
     # ---- appending ------------------------------------------------------------------------
 
