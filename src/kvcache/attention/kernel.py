@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 
 from ..errors import DTypeError, ShapeError
+from . import native
 from .readers import BlockReader, TensorLike
 
 _BLOCK_BYTES = 64 * 2**20  # score bytes per query block
@@ -115,6 +116,10 @@ def attend_weighted(
     sinks5 = group_sinks(sinks, kv_heads, group)
     if group * q_len <= DECODE_ROWS:
         block = q_len
+        if weights is None and sinks5 is None and mask_rows is None and (q_len == 1 or not causal):
+            out = _native_decode(q5, key, value, mask5, scale, softcap)
+            if out is not None:
+                return out.to(query.dtype).reshape(batch, q_heads, q_len, value_dim), None
     outs = []
     reduced = _no_weights(weights, key)
     for start in range(0, q_len, block):
@@ -129,6 +134,21 @@ def attend_weighted(
         outs.append(_weighted_values(flat, value).view(batch, kv_heads, group, rows, value_dim))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)
     return out.reshape(batch, q_heads, q_len, value_dim), reduced
+
+
+def _native_decode(q5, key, value, mask5, scale, softcap) -> torch.Tensor | None:
+    """The one-pass decode library's result ``[B, Hkv, group * Sq, Dv]`` (``native.py``), or None
+    where it does not apply: keys not a tensor, or a mask that is more than one row per batch row."""
+    if not isinstance(key, torch.Tensor):
+        return None
+    keep = None
+    if mask5 is not None:
+        if mask5.dtype != torch.bool or mask5.shape[1] != 1 or mask5.shape[2] != 1 or mask5.shape[3] != 1:
+            return None
+        keep = mask5[:, 0, 0, 0, :]
+    batch, kv_heads, group, q_len, head_dim = q5.shape
+    q = (q5.float() * scale).reshape(batch, kv_heads, group * q_len, head_dim)
+    return native.decode_attention(q, key, value, keep, softcap)
 
 
 def _no_weights(weights: str | None, key: TensorLike) -> torch.Tensor | None:

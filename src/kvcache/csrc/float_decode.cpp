@@ -1,0 +1,210 @@
+// Decode attention over float32 / bfloat16 keys and values read in place (kvcache.attention.native).
+//
+// One plain C entry point, called through ctypes with raw pointers (no Python or torch headers,
+// so it builds in a second or two). For each (batch row, KV head) the R query rows that share the
+// head (grouped-query heads times decode queries) are scored against every key, and the softmax-
+// weighted values summed, in one pass over the keys and values ("flash decoding"): the tokens are
+// split into chunks, each chunk keeps its own running maximum, sum and weighted sum for the R
+// rows, and the chunks are merged at the end. Each key and value is read from memory once, and
+// (batch, head, chunk) tasks spread over the OpenMP threads, so one long sequence uses every core.
+//
+//   q    float32 [B, Hkv, R, D]   contiguous, already scaled
+//   k    [B, Hkv, T, D]           any strides for B, Hkv, T; D contiguous
+//   v    [B, Hkv, T, Dv]          likewise
+//   keep uint8 [B, T] or null     0 = masked key (per batch row: padding)
+//   out  float32 [B, Hkv, R, Dv]  contiguous; a row with every key masked gets zeros
+//
+// Scores are float32. Masked keys are skipped (never turned into -inf), so the exponent never
+// sees an infinity. softcap > 0 applies softcap * tanh(score / softcap) first.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include <omp.h>
+
+namespace {
+
+constexpr int kMaxRows = 16;
+constexpr int kMaxDim = 512;
+constexpr int kTile = 64;  // tokens scored before their values are summed (scores stay in L1)
+// The score of a masked key: finite (so no infinity meets the exponent), below any real score.
+constexpr float kMasked = -1.0e30f;
+
+// A row of keys or values as float32: float rows are read where they are, bfloat16 rows widened
+// into `scratch` (a bfloat16 is the top half of a float32).
+inline const float* widen(const float* row, int, float*) { return row; }
+inline const float* widen(const uint16_t* __restrict row, int n, float* __restrict scratch) {
+#pragma omp simd
+    for (int d = 0; d < n; ++d) {
+        const uint32_t bits = static_cast<uint32_t>(row[d]) << 16;
+        float f;
+        __builtin_memcpy(&f, &bits, 4);
+        scratch[d] = f;
+    }
+    return scratch;
+}
+
+// exp(x) for x <= 0 in a form the compiler vectorizes (std::exp stays a scalar call): x = n ln2 + r
+// with |r| <= ln2 / 2, exp(r) by its degree-6 Taylor polynomial (relative error below 2e-7), and
+// 2^n put straight into the exponent bits. Below -87 the result is 0.
+inline float exp_nonpositive(float x) {
+    const float clamped = x < -87.f ? -87.f : x;
+    const float n = __builtin_floorf(clamped * 1.44269504f + 0.5f);
+    const float r = clamped - n * 0.693145752f - n * 1.42860677e-6f;
+    float p = 1.f / 720.f;
+    p = p * r + 1.f / 120.f;
+    p = p * r + 1.f / 24.f;
+    p = p * r + 1.f / 6.f;
+    p = p * r + 0.5f;
+    p = p * r + 1.f;
+    p = p * r + 1.f;
+    const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+    float scale;
+    __builtin_memcpy(&scale, &bits, 4);
+    return x < -87.f ? 0.f : p * scale;
+}
+
+struct Partial {
+    float max[kMaxRows];
+    float sum[kMaxRows];
+};
+
+// One chunk [t0, t1) of one (batch, head): running max/sum per row and the unnormalised weighted
+// values acc [R, Dv] relative to that max.
+template <typename T>
+inline __attribute__((always_inline)) void chunk_pass(const float* __restrict q, int rows, int dim, int vdim,
+                                                      const T* __restrict k, int64_t k_t, const T* __restrict v,
+                                                      int64_t v_t, const uint8_t* __restrict keep, int64_t t0,
+                                                      int64_t t1, float softcap, Partial& part,
+                                                      float* __restrict acc) {
+    alignas(64) float scores[kMaxRows * kTile];
+    alignas(64) float krow[kMaxDim];
+    alignas(64) float vrow[kMaxDim];
+    bool live[kTile];
+    for (int r = 0; r < rows; ++r) {
+        part.max[r] = kMasked;
+        part.sum[r] = 0.f;
+    }
+    std::memset(acc, 0, sizeof(float) * rows * vdim);
+    for (int64_t base = t0; base < t1; base += kTile) {
+        const int n = static_cast<int>(std::min<int64_t>(kTile, t1 - base));
+        for (int j = 0; j < n; ++j) {
+            const int64_t t = base + j;
+            live[j] = keep == nullptr || keep[t] != 0;
+            if (!live[j]) {
+                for (int r = 0; r < rows; ++r) scores[r * kTile + j] = kMasked;
+                continue;
+            }
+            const float* kf = widen(k + t * k_t, dim, krow);
+            for (int r = 0; r < rows; ++r) {
+                const float* __restrict qr = q + r * dim;
+                float s = 0.f;
+#pragma omp simd reduction(+ : s)
+                for (int d = 0; d < dim; ++d) s += qr[d] * kf[d];
+                if (softcap > 0.f) s = softcap * std::tanh(s / softcap);
+                scores[r * kTile + j] = s;
+            }
+        }
+        for (int r = 0; r < rows; ++r) {
+            float m = part.max[r];
+            const float* __restrict tile = scores + r * kTile;
+#pragma omp simd reduction(max : m)
+            for (int j = 0; j < n; ++j) m = tile[j] > m ? tile[j] : m;
+            if (m > part.max[r]) {  // rescale what was summed under the old maximum
+                const float c = std::exp(part.max[r] - m);
+                part.sum[r] *= c;
+                float* __restrict a = acc + r * vdim;
+#pragma omp simd
+                for (int d = 0; d < vdim; ++d) a[d] *= c;
+                part.max[r] = m;
+            }
+            float s = 0.f;
+            float* __restrict sr = scores + r * kTile;
+#pragma omp simd reduction(+ : s)
+            for (int j = 0; j < n; ++j) {
+                const float p = sr[j] > 0.5f * kMasked ? exp_nonpositive(sr[j] - m) : 0.f;
+                sr[j] = p;
+                s += p;
+            }
+            part.sum[r] += s;
+        }
+        for (int j = 0; j < n; ++j) {
+            if (!live[j]) continue;
+            const float* vf = widen(v + (base + j) * v_t, vdim, vrow);
+            for (int r = 0; r < rows; ++r) {
+                const float p = scores[r * kTile + j];
+                float* __restrict a = acc + r * vdim;
+#pragma omp simd
+                for (int d = 0; d < vdim; ++d) a[d] += p * vf[d];
+            }
+        }
+    }
+}
+
+template <typename T>
+int decode(const float* q, const T* k, const T* v, const uint8_t* keep, float* out, int64_t batch, int64_t heads,
+           int rows, int dim, int vdim, int64_t len, int64_t k_b, int64_t k_h, int64_t k_t, int64_t v_b,
+           int64_t v_h, int64_t v_t, int64_t chunk, float softcap, int threads) {
+    if (rows < 1 || rows > kMaxRows || dim < 1 || dim > kMaxDim || vdim < 1 || vdim > kMaxDim || chunk < 1)
+        return 1;
+    const int64_t chunks = len == 0 ? 1 : (len + chunk - 1) / chunk;
+    const int64_t tasks = batch * heads * chunks;
+    std::vector<Partial> parts(tasks);
+    std::vector<float> accs(static_cast<size_t>(tasks) * rows * vdim);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t task = 0; task < tasks; ++task) {
+        const int64_t c = task % chunks, bh = task / chunks, h = bh % heads, b = bh / heads;
+        const int64_t t0 = c * chunk, t1 = std::min(len, t0 + chunk);
+        chunk_pass(q + (b * heads + h) * rows * dim, rows, dim, vdim, k + b * k_b + h * k_h, k_t,
+                   v + b * v_b + h * v_h, v_t, keep == nullptr ? nullptr : keep + b * len, t0, t1, softcap,
+                   parts[task], accs.data() + task * rows * vdim);
+    }
+#pragma omp parallel for num_threads(threads)
+    for (int64_t bh = 0; bh < batch * heads; ++bh) {
+        for (int r = 0; r < rows; ++r) {
+            float m = kMasked;
+            for (int64_t c = 0; c < chunks; ++c) {
+                const Partial& p = parts[bh * chunks + c];
+                if (p.sum[r] > 0.f && p.max[r] > m) m = p.max[r];
+            }
+            float total = 0.f;
+            float* o = out + (bh * rows + r) * vdim;
+            std::memset(o, 0, sizeof(float) * vdim);
+            for (int64_t c = 0; c < chunks; ++c) {
+                const Partial& p = parts[bh * chunks + c];
+                if (!(p.sum[r] > 0.f)) continue;
+                const float w = std::exp(p.max[r] - m);
+                total += p.sum[r] * w;
+                const float* a = accs.data() + ((bh * chunks + c) * rows + r) * vdim;
+                for (int d = 0; d < vdim; ++d) o[d] += w * a[d];
+            }
+            if (total > 0.f)
+                for (int d = 0; d < vdim; ++d) o[d] /= total;
+        }
+    }
+    return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+int kv_float_decode_max_rows() { return kMaxRows; }
+int kv_float_decode_max_dim() { return kMaxDim; }
+
+// dtype: 0 = float32, 1 = bfloat16 (keys and values alike).
+int kv_float_decode(const float* q, const void* k, const void* v, const uint8_t* keep, float* out,
+                              int dtype, int64_t batch, int64_t heads, int rows, int dim, int vdim, int64_t len,
+                              int64_t k_b, int64_t k_h, int64_t k_t, int64_t v_b, int64_t v_h, int64_t v_t,
+                              int64_t chunk, float softcap, int threads) {
+    if (dtype == 0)
+        return decode(q, static_cast<const float*>(k), static_cast<const float*>(v), keep, out, batch, heads, rows,
+                      dim, vdim, len, k_b, k_h, k_t, v_b, v_h, v_t, chunk, softcap, threads);
+    if (dtype == 1)
+        return decode(q, static_cast<const uint16_t*>(k), static_cast<const uint16_t*>(v), keep, out, batch, heads,
+                      rows, dim, vdim, len, k_b, k_h, k_t, v_b, v_h, v_t, chunk, softcap, threads);
+    return 2;
+}
+}
