@@ -19,13 +19,14 @@ from .errors import SpecError, UnsupportedOperation
 from .fingerprint import config_summary, text_config
 from .foreign import HYBRID_TYPES
 from .layers import KVLayer, WindowLayer
+from .layers.fixed import fixed_twin
 from .registry import spec_kind
 from .spec import CacheSpec, parse_spec
 
 SLIDING_TYPES = ("sliding_attention", "chunked_attention")
 
 
-def make_cache(model: Any, spec: str | CacheSpec = "growable", **options: Any) -> KVCache:
+def make_cache(model: Any, spec: str | CacheSpec = "growable", *, compile: bool = False, **options: Any) -> KVCache:
     """A cache for ``model`` (a ``transformers`` model or config), ready for ``generate``.
 
     ``spec`` is a kind with options, as a string or keywords (``make_cache(model, "static",
@@ -42,7 +43,10 @@ def make_cache(model: Any, spec: str | CacheSpec = "growable", **options: Any) -
     ``kvcache.spec.valid_specs()``).
 
     The model's own sliding-window layers always get a ``WindowLayer`` of its window. ``model`` is
-    not changed. A cache with any bounded layer needs the model to run the ``"kvcache"`` attention
+    not changed. ``compile=True`` builds the fixed-shape layers of ``layers/fixed.py`` (kinds
+    ``static``; refused for the others): the cache then decodes under
+    ``torch.compile(model.forward, fullgraph=True)`` without recompiling, and ``generate`` compiles
+    with it when given a ``compile_config``. A cache with any bounded layer needs the model to run the ``"kvcache"`` attention
     (their slots are not the past in order): call ``kvcache.use_kvcache_attention(model)`` first
     (also a context manager); otherwise its first update raises, changing nothing.
     """
@@ -78,6 +82,8 @@ def make_cache(model: Any, spec: str | CacheSpec = "growable", **options: Any) -
         else:
             others[i] = (layer_type, foreign.foreign_layer(layer_type, kwargs, i))
             stores.append(None)
+    if compile:
+        stores = [None if s is None else fixed_twin(s) for s in stores]
     foreign_types = {i: t for i, (t, _) in others.items() if stores[i] is None}
     foreign.check_spec(parsed.kind, kind.layer.unbounded, foreign_types, {i: o for i, (_, o) in others.items()})
     if not any(s is not None for s in stores) and not any(not foreign.is_fixed_size(o) for _, o in others.values()):

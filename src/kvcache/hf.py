@@ -192,6 +192,26 @@ class HFLayer(CacheLayerMixin):
         raise UnsupportedOperation("kvcache layers do not support offloading to CPU")
 
 
+class FixedHFLayer(HFLayer):
+    """``HFLayer`` over a fixed-shape layer (``layers/fixed.py``): compileable. Its update returns
+    the whole capacity, so the model's mask covers the capacity (``get_mask_sizes``) and the
+    query offset is the layer's ``seen`` as a tensor, which compiled code reads without baking
+    it in (as Hugging Face's ``StaticLayer`` does)."""
+
+    is_compileable = True
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.store.max_length, 0
+
+    def get_seq_length(self) -> torch.Tensor:
+        return self.store.seen_tensor
+
+
+def hf_layer(store: KVLayer) -> HFLayer:
+    """The ``transformers`` layer for ``store``: compileable for the fixed-shape layers."""
+    return FixedHFLayer(store) if getattr(store, "compiled", False) else HFLayer(store)
+
+
 def crop_count(tokens_to_remove: int) -> int:
     """Hugging Face ``crop`` semantics: a negative count removes that many tokens, 0 does nothing.
 

@@ -1,0 +1,143 @@
+"""Fixed-shape layers for ``torch.compile``: every decode step has the same shapes and reads no
+Python number, so a compiled forward pass decodes without a graph break or a recompilation.
+
+The eager layers return views of the slots in use (``[:, :, :length]``), which grow every step,
+and keep their counts as Python ints, which a compiled graph would bake in as constants (and
+recompile when they change). The layers here keep their counts in 0-d tensors on the buffers'
+device, write new tokens with ``index_copy_`` at positions computed from those tensors, and hand
+attention the whole capacity: the mask (built by ``transformers`` from ``get_mask_sizes``, or by
+the layer from its slot positions) hides the slots not filled yet. The buffers and counters are
+marked with ``torch._dynamo.mark_static_address``, as Hugging Face's ``StaticLayer`` does.
+
+Eager calls still work on them (prefill, trimming, saving): they read the counters back as ints
+(``int(tensor)``, a device sync), which is why the eager kinds keep Python ints.
+``make_cache(model, spec, compile=True)`` builds these layers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import UnsupportedOperation
+from .checks import Geometry
+from .static import StaticLayer
+from .store import SlotStore
+
+
+def mark_static(*tensors: torch.Tensor) -> None:
+    """Tell dynamo these tensors keep their address for the cache's life (not while tracing)."""
+    if not torch.compiler.is_compiling():
+        for t in tensors:
+            torch._dynamo.mark_static_address(t)
+
+
+class Counter:
+    """A count kept in a 0-d long tensor (``value``) that compiled code advances in place; eager
+    code reads and sets it as an int. Moves to the device of the buffers it counts (``to``)."""
+
+    def __init__(self) -> None:
+        self.value = torch.zeros((), dtype=torch.long)
+
+    def to(self, device: torch.device) -> None:
+        if self.value.device != device:
+            self.value = self.value.to(device)
+            mark_static(self.value)
+
+    def get(self) -> int:
+        return int(self.value)
+
+    def set(self, n: int) -> None:
+        self.value.fill_(int(n))
+
+
+class CountedStore(SlotStore):
+    """A ``SlotStore`` whose ``length`` lives in a ``Counter`` and whose tensors are marked static."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.count = Counter()
+        super().__init__(*args, **kwargs)
+
+    @property
+    def length(self) -> int:
+        return self.count.get()
+
+    @length.setter
+    def length(self, n: int) -> None:
+        self.count.set(n)
+
+    def _switch(self, tensors: dict[str, torch.Tensor]) -> None:
+        super()._switch(tensors)
+        if tensors:
+            self.count.to(next(iter(tensors.values())).device)
+            mark_static(*tensors.values())
+
+
+class FixedStaticLayer(StaticLayer):
+    """``static`` with fixed shapes: ``update`` returns the whole ``[B, Hkv, C, D]`` buffers, the
+    new tokens written at the positions ``seen..seen+S-1`` taken from a tensor (see the module
+    docstring). Same kind, options and saved state as ``StaticLayer``."""
+
+    compiled = True
+
+    def __init__(self, capacity: int | None = None, *, keys=None, values=None) -> None:
+        self.seen_counter = Counter()
+        super().__init__(capacity, keys=keys, values=values)
+        buffers = self.store.tensors
+        self.store = CountedStore(growth=self.store.growth)
+        if buffers:
+            self.store.adopt(buffers)
+            self.seen_counter.to(keys.device)
+
+    @classmethod
+    def like(cls, layer: StaticLayer) -> FixedStaticLayer:
+        buffers = layer.store.tensors
+        if buffers:
+            return cls(layer.max_length, keys=buffers["keys"], values=buffers["values"])
+        return cls(layer.max_length)
+
+    @property
+    def _seen(self) -> int:
+        return self.seen_counter.get()
+
+    @_seen.setter
+    def _seen(self, n: int) -> None:
+        self.seen_counter.set(n)
+
+    @property
+    def seen_tensor(self) -> torch.Tensor:
+        """``seen`` as a 0-d long tensor: what compiled code reads (``HFLayer.get_seq_length``)."""
+        return self.seen_counter.value
+
+    def _append(self, key, value):
+        store, n = self.store, key.shape[2]
+        if not store.tensors:
+            geometry = self.geometry or Geometry.of(key, value)
+            store.reserve(self._capacity, geometry)
+            self.geometry = geometry
+            self.seen_counter.to(geometry.device)
+        if not torch.compiler.is_compiling():
+            self.check_append(n)  # compiled code cannot read the count: index_copy_ refuses overflow
+        keys, values = store.tensors["keys"], store.tensors["values"]
+        at = store.count.value + torch.arange(n, device=keys.device)
+        keys.index_copy_(2, at, key)
+        values.index_copy_(2, at, value)
+        store.count.value.add_(n)
+        self.seen_counter.value.add_(n)
+        return keys, values
+
+
+def fixed_twin(layer):
+    """A new, empty fixed-shape layer like ``layer`` (an empty layer of a kind listed in
+    ``FIXED_KINDS``), over the same caller-owned buffers if it has them."""
+    twin = FIXED_KINDS.get(type(layer))
+    if twin is None:
+        names = ", ".join(sorted(k.kind for k in FIXED_KINDS))
+        raise UnsupportedOperation(
+            f"compile=True needs fixed shapes, which the kinds {names} keep; a {layer.kind} layer "
+            f"grows or reorders its storage; make the cache without compile=True, or use one of those kinds"
+        )
+    return twin.like(layer)
+
+
+#: The eager kinds that have a fixed-shape twin, and the twin.
+FIXED_KINDS: dict[type, type] = {StaticLayer: FixedStaticLayer}
