@@ -18,8 +18,9 @@ from .cache import KVCache
 from .errors import SpecError, UnsupportedOperation
 from .fingerprint import config_summary, text_config
 from .foreign import HYBRID_TYPES
-from .layers import KVLayer, WindowLayer
-from .layers.fixed import fixed_twin
+from .layers import KVLayer, StaticLayer, WindowLayer
+from .layers.fixed import FixedStaticLayer
+from .layers.fixed_window import FixedWindowLayer
 from .registry import spec_kind
 from .spec import CacheSpec, parse_spec
 
@@ -92,3 +93,19 @@ def make_cache(model: Any, spec: str | CacheSpec = "growable", *, compile: bool 
             f"and values to cache; use transformers' DynamicCache(config=model.config) for it"
         )
     return KVCache(stores, parsed, config_summary(config), config, others)
+
+
+#: The eager kinds that have a fixed-shape twin (``compile=True``), and the twin.
+FIXED_KINDS: dict[type, type] = {StaticLayer: FixedStaticLayer, WindowLayer: FixedWindowLayer}
+
+
+def fixed_twin(layer: KVLayer) -> KVLayer:
+    """A new, empty fixed-shape layer like the empty ``layer`` (over the same caller-owned buffers)."""
+    twin = FIXED_KINDS.get(type(layer))
+    if twin is None:
+        names = ", ".join(sorted(k.kind for k in FIXED_KINDS))
+        raise UnsupportedOperation(
+            f"compile=True needs fixed shapes, which the kinds {names} keep; a {layer.kind} layer "
+            f"grows or reorders its storage: make the cache without compile=True, or with one of those kinds"
+        )
+    return twin.like(layer)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import UnsupportedOperation
 from .checks import Geometry
 from .static import StaticLayer
 from .store import SlotStore
@@ -72,12 +71,31 @@ class CountedStore(SlotStore):
             mark_static(*tensors.values())
 
 
-class FixedStaticLayer(StaticLayer):
+class TensorSeen:
+    """For a layer class: ``seen`` kept in a ``Counter`` (``seen_counter``, made before the
+    layer's ``__init__`` sets it), read by compiled code as ``seen_tensor``."""
+
+    seen_counter: Counter
+    compiled = True
+
+    @property
+    def _seen(self) -> int:
+        return self.seen_counter.get()
+
+    @_seen.setter
+    def _seen(self, n: int) -> None:
+        self.seen_counter.set(n)
+
+    @property
+    def seen_tensor(self) -> torch.Tensor:
+        """``seen`` as a 0-d long tensor: what compiled code reads (``HFLayer.get_seq_length``)."""
+        return self.seen_counter.value
+
+
+class FixedStaticLayer(TensorSeen, StaticLayer):
     """``static`` with fixed shapes: ``update`` returns the whole ``[B, Hkv, C, D]`` buffers, the
     new tokens written at the positions ``seen..seen+S-1`` taken from a tensor (see the module
     docstring). Same kind, options and saved state as ``StaticLayer``."""
-
-    compiled = True
 
     def __init__(self, capacity: int | None = None, *, keys=None, values=None) -> None:
         self.seen_counter = Counter()
@@ -94,19 +112,6 @@ class FixedStaticLayer(StaticLayer):
         if buffers:
             return cls(layer.max_length, keys=buffers["keys"], values=buffers["values"])
         return cls(layer.max_length)
-
-    @property
-    def _seen(self) -> int:
-        return self.seen_counter.get()
-
-    @_seen.setter
-    def _seen(self, n: int) -> None:
-        self.seen_counter.set(n)
-
-    @property
-    def seen_tensor(self) -> torch.Tensor:
-        """``seen`` as a 0-d long tensor: what compiled code reads (``HFLayer.get_seq_length``)."""
-        return self.seen_counter.value
 
     def _append(self, key, value):
         store, n = self.store, key.shape[2]
@@ -125,19 +130,3 @@ class FixedStaticLayer(StaticLayer):
         self.seen_counter.value.add_(n)
         return keys, values
 
-
-def fixed_twin(layer):
-    """A new, empty fixed-shape layer like ``layer`` (an empty layer of a kind listed in
-    ``FIXED_KINDS``), over the same caller-owned buffers if it has them."""
-    twin = FIXED_KINDS.get(type(layer))
-    if twin is None:
-        names = ", ".join(sorted(k.kind for k in FIXED_KINDS))
-        raise UnsupportedOperation(
-            f"compile=True needs fixed shapes, which the kinds {names} keep; a {layer.kind} layer "
-            f"grows or reorders its storage; make the cache without compile=True, or use one of those kinds"
-        )
-    return twin.like(layer)
-
-
-#: The eager kinds that have a fixed-shape twin, and the twin.
-FIXED_KINDS: dict[type, type] = {StaticLayer: FixedStaticLayer}
