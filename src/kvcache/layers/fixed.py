@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from ..attention import attend
 from .checks import Geometry
 from .static import StaticLayer
 from .store import SlotStore
@@ -90,6 +91,30 @@ class TensorSeen:
     def seen_tensor(self) -> torch.Tensor:
         """``seen`` as a 0-d long tensor: what compiled code reads (``HFLayer.get_seq_length``)."""
         return self.seen_counter.value
+
+
+class FixedDecodeAttention(TensorSeen):
+    """For a bounded layer class: a decode step's record (its ``first_query`` a tensor) is attended
+    over the whole fixed buffers with the mask ``_decode_mask`` makes; other records the eager way."""
+
+    def attend(self, query, *, scale=None, softcap=None, mask=None, sinks=None):
+        reads = self.reads
+        if reads is None or not isinstance(reads.first_query, torch.Tensor):
+            return super().attend(query, scale=scale, softcap=softcap, mask=self._eager_mask(mask), sinks=sinks)
+        visible = self._decode_mask(reads.first_query, mask)
+        out = attend(query, reads.keys, reads.values, scale=scale, mask=visible, softcap=softcap, sinks=sinks)
+        self._reads_left -= 1
+        if self._reads_left <= 0:
+            self._finish(None)
+        return out
+
+    def _eager_mask(self, mask: torch.Tensor | None) -> torch.Tensor | None:
+        """The model's mask as the eager attention takes it (columns: absolute positions)."""
+        return mask
+
+    def _decode_mask(self, query_at: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Boolean mask over the fixed buffers' slots for the query at position ``query_at`` (0-d)."""
+        raise NotImplementedError
 
 
 class FixedStaticLayer(TensorSeen, StaticLayer):

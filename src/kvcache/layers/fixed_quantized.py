@@ -18,15 +18,15 @@ import math
 
 import torch
 
-from ..attention import Reads, attend
+from ..attention import Reads
 from ..errors import CacheFullError
 from ..quant import Quantized, dequantize_per_channel, dequantize_per_token, quantize_per_channel, quantize_per_token
 from .checks import Geometry
-from .fixed import Counter, CountedStore, TensorSeen
+from .fixed import Counter, CountedStore, FixedDecodeAttention
 from .quantized import QuantizedLayer
 
 
-class FixedQuantizedLayer(TensorSeen, QuantizedLayer):
+class FixedQuantizedLayer(FixedDecodeAttention, QuantizedLayer):
     """``quantized`` whose decode steps keep fixed shapes, for at most ``capacity`` tokens (rounded
     up to a multiple of ``group_size``). Same kind, options and saved state as ``QuantizedLayer``."""
 
@@ -122,19 +122,9 @@ class FixedQuantizedLayer(TensorSeen, QuantizedLayer):
             _overlay(values, codes.exact_values, position, codes.values.count.value),
         )
 
-    def attend(self, query, *, scale=None, softcap=None, mask=None, sinks=None):
-        """As ``BoundedLayer.attend``; a decode step's record is attended over the whole capacity,
-        masked past the query's position (and by the model's ``mask``, whose columns are positions)."""
-        reads = self.reads
-        if reads is None or not isinstance(reads.first_query, torch.Tensor):
-            return super().attend(query, scale=scale, softcap=softcap, mask=mask, sinks=sinks)
-        visible = torch.arange(self.token_capacity, device=query.device) <= reads.first_query  # [capacity]
-        visible = visible if mask is None else mask & visible
-        out = attend(query, reads.keys, reads.values, scale=scale, mask=visible, softcap=softcap, sinks=sinks)
-        self._reads_left -= 1
-        if self._reads_left <= 0:
-            self._finish(None)
-        return out
+    def _decode_mask(self, query_at, mask):
+        visible = torch.arange(self.token_capacity, device=query_at.device) <= query_at  # [capacity]: positions
+        return visible if mask is None else mask & visible
 
 
 def _put_where(store: CountedStore, slot: torch.Tensor, condition: torch.Tensor, **tensors: torch.Tensor) -> None:

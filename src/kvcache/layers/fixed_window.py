@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import Reads, attend
-from .fixed import Counter, CountedStore, TensorSeen, mark_static
+from ..attention import Reads
+from .fixed import Counter, CountedStore, FixedDecodeAttention, mark_static
 from .store import Fixed
 from .window import WindowLayer
 
 
-class FixedWindowLayer(TensorSeen, WindowLayer):
+class FixedWindowLayer(FixedDecodeAttention, WindowLayer):
     """``window`` whose decode steps keep fixed shapes (see the module docstring). Same kind,
     options and saved state as ``WindowLayer``."""
 
@@ -73,18 +73,11 @@ class FixedWindowLayer(TensorSeen, WindowLayer):
             self.slot_positions.fill_(-1)
             self.slot_positions[:n] = self._slot_positions(self.seen, n, self.slot_positions.device)
 
-    def attend(self, query, *, scale=None, softcap=None, mask=None, sinks=None):
-        """As ``BoundedLayer.attend``, without the model's ``mask`` (see the module docstring); a
-        decode step's record is attended over the whole ring, masked by slot positions."""
-        reads = self.reads
-        if reads is None or not isinstance(reads.first_query, torch.Tensor):
-            return super().attend(query, scale=scale, softcap=softcap, sinks=sinks)
-        visible = self.visibility(reads.first_query.view(1, 1), self.slot_positions.view(1, -1))  # [1, C]
-        out = attend(query, reads.keys, reads.values, scale=scale, mask=visible, softcap=softcap, sinks=sinks)
-        self._reads_left -= 1
-        if self._reads_left <= 0:
-            self._finish(None)
-        return out
+    def _eager_mask(self, mask):
+        return None  # its columns are absolute positions only up to the capacity (module docstring)
+
+    def _decode_mask(self, query_at, mask):
+        return self.visibility(query_at.view(1, 1), self.slot_positions.view(1, -1))  # [1, sinks + window]
 
     def trim(self, n: int) -> None:
         super().trim(n)
