@@ -19,6 +19,11 @@ reference in a ``threading.local``); ``hf_attention_forward`` asks that cache wh
 ``module.layer_idx`` reads (its own, or for a K/V-sharing layer the owner's) and uses that layer's
 read record only if the ``key`` it received is the one the record handed out (identity), so a
 stale cache never applies. Anything else is plain attention over the key and value as given.
+
+Layers made with ``make_cache(..., compile=True)`` (``layers/fixed*.py``) get ``FixedHFLayer``:
+``is_compileable``, a mask over their whole capacity and ``seen`` as a tensor, as Hugging Face's
+``StaticLayer`` does, so a compiled forward pass keeps one graph. The lookup above traces under
+dynamo (the weak reference and the identity check resolve while tracing).
 """
 
 from __future__ import annotations

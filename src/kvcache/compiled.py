@@ -1,0 +1,38 @@
+"""A compiled decode step over a cache made with ``make_cache(..., compile=True)``.
+
+::
+
+    cache = kvcache.make_cache(model, "static:capacity=4096", compile=True)
+    step = compiled_decode(model)           # torch.compile(model.forward, fullgraph=True)
+    with torch.no_grad():
+        logits = model(prompt_ids, past_key_values=cache).logits   # prefill: eager
+    token = logits[:, -1:].argmax(-1)
+    for _ in range(n):
+        token = step(token, cache).logits[:, -1:].argmax(-1)       # one graph, compiled once
+
+The first step compiles (tens of seconds on a CPU); the next ones reuse the graph as long as the
+batch size and the cache stay the same. Pass no 2-D ``attention_mask`` (it grows every step and
+so recompiles); a cache with bounded layers needs ``kvcache.use_kvcache_attention(model)`` first.
+``generate`` takes the same caches: ``model.generate(..., past_key_values=cache,
+compile_config=CompileConfig(fullgraph=True))`` (on a CPU also ``config._compile_all_devices = True``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def compiled_decode(model: Any, **compile_options: Any) -> Callable[..., Any]:
+    """``step(input_ids, cache, **kwargs)``: ``model.forward`` compiled with ``fullgraph=True``
+    (``compile_options`` go to ``torch.compile``: ``mode``, ``backend``, ...), run without autograd
+    (in-place writes to the cache would otherwise make its buffers require grad and recompile)."""
+    forward = torch.compile(model.forward, **{"fullgraph": True, **compile_options})
+
+    def step(input_ids: torch.Tensor, cache: Any, **kwargs: Any) -> Any:
+        with torch.no_grad():
+            return forward(input_ids=input_ids, past_key_values=cache, use_cache=True, **kwargs)
+
+    return step
