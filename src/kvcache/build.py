@@ -45,13 +45,15 @@ def make_cache(model: Any, spec: str | CacheSpec = "growable", *, compile: bool 
     ``kvcache.spec.valid_specs()``).
 
     The model's own sliding-window layers always get a ``WindowLayer`` of its window. ``model`` is
-    not changed. ``compile=True`` builds the fixed-shape layers of ``layers/fixed*.py`` (kinds
-    ``static``, ``window``, ``quantized``; refused for the others): the cache then decodes under
-    ``torch.compile(model.forward, fullgraph=True)`` without recompiling, and ``generate`` compiles
-    with it when given a ``compile_config``. Quantized layers then hold at most ``compile`` tokens
-    when it is a number, else the model's ``max_position_embeddings``. A cache with any bounded layer needs the model to run the ``"kvcache"`` attention
+    not changed. A cache with any bounded layer needs the model to run the ``"kvcache"`` attention
     (their slots are not the past in order): call ``kvcache.use_kvcache_attention(model)`` first
     (also a context manager); otherwise its first update raises, changing nothing.
+
+    ``compile=True`` builds the fixed-shape layers of ``layers/fixed*.py`` (kinds ``static``,
+    ``window``, ``quantized``; refused for the others): the cache then decodes under
+    ``torch.compile(model.forward, fullgraph=True)`` in one graph (``kvcache.compiled``), and
+    ``generate`` compiles with it when given a ``compile_config``. Quantized layers then hold at
+    most ``compile`` tokens when it is a number, else the model's ``max_position_embeddings``.
     """
     config = text_config(model)
     parsed = parse_spec(spec, **options)
@@ -112,4 +114,4 @@ def fixed_twin(layer: KVLayer, tokens: int) -> KVLayer:
             f"compile=True needs fixed shapes, which the kinds {names} keep; a {layer.kind} layer "
             f"grows or reorders its storage: make the cache without compile=True, or with one of those kinds"
         )
-    return twin.like(layer, tokens) if twin is FixedQuantizedLayer else twin.like(layer)
+    return twin.like(layer, tokens)

@@ -11,7 +11,8 @@
         token = step(token, cache).logits[:, -1:].argmax(-1)       # one graph, compiled once
 
 The first step compiles (tens of seconds on a CPU); the next ones reuse the graph as long as the
-batch size and the cache stay the same. Pass no 2-D ``attention_mask`` (it grows every step and
+batch size and the cache stay the same. A compiled step does not check the capacity (that would
+read a count out of the graph): stop before ``cache.seen`` reaches it (an eager call refuses). Pass no 2-D ``attention_mask`` (it grows every step and
 so recompiles); a cache with bounded layers needs ``kvcache.use_kvcache_attention(model)`` first.
 ``generate`` takes the same caches: ``model.generate(..., past_key_values=cache,
 compile_config=CompileConfig(fullgraph=True))`` (on a CPU also ``config._compile_all_devices = True``).

@@ -37,6 +37,7 @@ class Counter:
 
     def __init__(self) -> None:
         self.value = torch.zeros((), dtype=torch.long)
+        mark_static(self.value)
 
     def to(self, device: torch.device) -> None:
         if self.value.device != device:
@@ -132,7 +133,8 @@ class FixedStaticLayer(TensorSeen, StaticLayer):
             self.seen_counter.to(keys.device)
 
     @classmethod
-    def like(cls, layer: StaticLayer) -> FixedStaticLayer:
+    def like(cls, layer: StaticLayer, tokens: int | None = None) -> FixedStaticLayer:
+        """An empty twin of the empty ``layer`` (its capacity is its own: ``tokens`` is ignored)."""
         buffers = layer.store.tensors
         if buffers:
             return cls(layer.max_length, keys=buffers["keys"], values=buffers["values"])

@@ -42,8 +42,9 @@ class FixedQuantizedLayer(FixedDecodeAttention, QuantizedLayer):
         )
 
     @classmethod
-    def like(cls, layer: QuantizedLayer, capacity: int) -> FixedQuantizedLayer:
-        return cls(**layer.options(), capacity=capacity)
+    def like(cls, layer: QuantizedLayer, tokens: int) -> FixedQuantizedLayer:
+        """An empty twin of the empty ``layer`` holding at most ``tokens`` tokens."""
+        return cls(**layer.options(), capacity=tokens)
 
     @property
     def max_length(self) -> int:

@@ -33,7 +33,8 @@ class FixedWindowLayer(FixedDecodeAttention, WindowLayer):
         self.slot_positions = torch.full((self.max_length,), -1, dtype=torch.long)
 
     @classmethod
-    def like(cls, layer: WindowLayer) -> FixedWindowLayer:
+    def like(cls, layer: WindowLayer, tokens: int | None = None) -> FixedWindowLayer:
+        """An empty twin of the empty ``layer`` (its ring is its size: ``tokens`` is ignored)."""
         return cls(**layer.options())
 
     def _append(self, key, value):
