@@ -12,7 +12,7 @@ from transformers import CompileConfig
 import kvcache
 from kvcache.compiled import compiled_decode
 from kvcache.errors import UnsupportedOperation
-from tests.helpers import assert_same_tokens, model_for, prompt
+from tests.helpers import assert_same_tokens, left_padded, model_for, prompt
 
 STEPS = 12
 
@@ -88,11 +88,9 @@ def test_generate_compiles_with_our_cache(spec):
     try:
         ids = prompt(8, seed=3)
         reference = model.generate(ids, past_key_values=kvcache.make_cache(model, spec), max_new_tokens=10, do_sample=False)
-        config = CompileConfig(fullgraph=True, backend="eager", mode=None)
-        config._compile_all_devices = True  # generate compiles only on accelerators unless told
         cache = kvcache.make_cache(model, spec, compile=True)
         assert cache.is_compileable
-        got = model.generate(ids, past_key_values=cache, max_new_tokens=10, do_sample=False, compile_config=config)
+        got = model.generate(ids, past_key_values=cache, max_new_tokens=10, do_sample=False, compile_config=compile_config())
     finally:
         if switch is not None:
             switch.__exit__(None, None, None)
@@ -100,6 +98,38 @@ def test_generate_compiles_with_our_cache(spec):
     assert counters["stats"]["unique_graphs"] == 1
     assert_same_tokens(got, reference, spec)
     assert cache.seen == ids.shape[1] + 9  # the last token is never fed back
+
+
+def compile_config():
+    config = CompileConfig(fullgraph=True, backend="eager", mode=None)
+    config._compile_all_devices = True  # generate compiles only on accelerators unless told
+    return config
+
+
+@pytest.mark.parametrize("spec", ["static:capacity=64", "quantized:bits=4,group_size=4,residual=2"])
+def test_compiled_generate_of_a_left_padded_batch(spec):
+    """Static and quantized layers attend in position order over their capacity, so the model's
+    mask (padding included) applies as it comes."""
+    model, switch = model_running("llama", spec)
+    try:
+        ids, mask = left_padded((5, 8))
+        reference = model.generate(ids, attention_mask=mask, past_key_values=kvcache.make_cache(model, spec), max_new_tokens=8, do_sample=False)
+        cache = kvcache.make_cache(model, spec, compile=TOKENS)
+        got = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=8, do_sample=False, compile_config=compile_config())
+    finally:
+        if switch is not None:
+            switch.__exit__(None, None, None)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert_same_tokens(got, reference, spec)
+
+
+def test_compiled_window_refuses_a_left_padded_batch():
+    model, switch = model_running("llama", "window:window=6,sinks=2")
+    with switch:
+        ids, mask = left_padded((5, 8))
+        cache = kvcache.make_cache(model, "window:window=6,sinks=2", compile=True)
+        with pytest.raises(UnsupportedOperation, match="padded differently"):
+            model(ids, attention_mask=mask, past_key_values=cache)
 
 
 def test_inductor_decode_equals_eager():

@@ -8,7 +8,8 @@ by the window's ``Visibility``: no Python number and no data-dependent branch in
 
 Longer updates (a prefill) and rollback take the eager window's paths, which read the counts as
 ints; ``slot_positions`` is then recomputed from them. The attention ignores the model's mask: it
-covers absolute positions, which a fixed shape cannot (so left-padded batches are not supported).
+covers absolute positions, which a fixed shape cannot, so a batch whose rows are padded differently
+(left-padded prompts of several lengths) is refused at its prefill.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..attention import Reads
+from ..errors import UnsupportedOperation
 from .fixed import Counter, CountedStore, FixedDecodeAttention, mark_static
 from .store import Fixed
 from .window import WindowLayer
@@ -75,7 +77,14 @@ class FixedWindowLayer(FixedDecodeAttention, WindowLayer):
             self.slot_positions[:n] = self._slot_positions(self.seen, n, self.slot_positions.device)
 
     def _eager_mask(self, mask):
-        return None  # its columns are absolute positions only up to the capacity (module docstring)
+        """None: the model's mask covers absolute positions only up to the ring's size (module
+        docstring). Rows padded differently would need it: refused (checked on a prefill)."""
+        if mask is not None and mask.shape[0] > 1 and not torch.equal(mask, mask[:1].expand_as(mask)):
+            raise UnsupportedOperation(
+                "a window layer made with compile=True attends without the model's mask, so it cannot serve "
+                "a batch whose rows are padded differently; make the cache without compile=True for it"
+            )
+        return None
 
     def _decode_mask(self, query_at, mask):
         return self.visibility(query_at.view(1, 1), self.slot_positions.view(1, -1))  # [1, sinks + window]
