@@ -20,7 +20,8 @@ from . import foreign
 from .errors import ShapeError, UnsupportedOperation
 from .fingerprint import fingerprint_of
 from .foreign import ForeignLayers
-from .hf import SWITCH_HINT, crop_count, hf_layer, note_writer, runs_kvcache_attention
+from .compiled import hf_layer
+from .hf import SWITCH_HINT, crop_count, note_writer, runs_kvcache_attention
 from .layers.base import check_kv
 from .layers import KVLayer, LayerState
 from .persist import SavedCache, write_cache_file

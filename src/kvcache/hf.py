@@ -19,11 +19,8 @@ reference in a ``threading.local``); ``hf_attention_forward`` asks that cache wh
 ``module.layer_idx`` reads (its own, or for a K/V-sharing layer the owner's) and uses that layer's
 read record only if the ``key`` it received is the one the record handed out (identity), so a
 stale cache never applies. Anything else is plain attention over the key and value as given.
-
-Layers made with ``make_cache(..., compile=True)`` (``layers/fixed*.py``) get ``FixedHFLayer``:
-``is_compileable``, a mask over their whole capacity and ``seen`` as a tensor, as Hugging Face's
-``StaticLayer`` does, so a compiled forward pass keeps one graph. The lookup above traces under
-dynamo (the weak reference and the identity check resolve while tracing).
+The lookup traces under ``torch.compile`` (the weak reference and the identity check resolve while
+tracing); the fixed-shape layers' own bridge is ``compiled.FixedHFLayer``.
 """
 
 from __future__ import annotations
@@ -195,26 +192,6 @@ class HFLayer(CacheLayerMixin):
 
     def prefetch(self) -> None:
         raise UnsupportedOperation("kvcache layers do not support offloading to CPU")
-
-
-class FixedHFLayer(HFLayer):
-    """``HFLayer`` over a fixed-shape layer (``layers/fixed.py``): compileable. Its update returns
-    the whole capacity, so the model's mask covers the capacity (``get_mask_sizes``) and the
-    query offset is the layer's ``seen`` as a tensor, which compiled code reads without baking
-    it in (as Hugging Face's ``StaticLayer`` does)."""
-
-    is_compileable = True
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.store.max_length, 0
-
-    def get_seq_length(self) -> torch.Tensor:
-        return self.store.seen_tensor
-
-
-def hf_layer(store: KVLayer) -> HFLayer:
-    """The ``transformers`` layer for ``store``: compileable for the fixed-shape layers."""
-    return FixedHFLayer(store) if getattr(store, "compiled", False) else HFLayer(store)
 
 
 def crop_count(tokens_to_remove: int) -> int:
