@@ -33,6 +33,7 @@ class FixedWindowLayer(FixedDecodeAttention, WindowLayer):
         self.store = CountedStore(growth=Fixed(self.max_length))
         #: Absolute position held by each ring slot ``[sinks + window]``, -1 for an empty slot.
         self.slot_positions = torch.full((self.max_length,), -1, dtype=torch.long)
+        mark_static(self.slot_positions)
 
     @classmethod
     def like(cls, layer: WindowLayer, tokens: int | None = None) -> FixedWindowLayer:
