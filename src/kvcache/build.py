@@ -18,14 +18,17 @@ from .cache import KVCache
 from .errors import SpecError, UnsupportedOperation
 from .fingerprint import config_summary, text_config
 from .foreign import HYBRID_TYPES
-from .layers import KVLayer, WindowLayer
+from .layers import KVLayer, QuantizedLayer, StaticLayer, WindowLayer
+from .layers.fixed import FixedStaticLayer
+from .layers.fixed_quantized import FixedQuantizedLayer
+from .layers.fixed_window import FixedWindowLayer
 from .registry import spec_kind
 from .spec import CacheSpec, parse_spec
 
 SLIDING_TYPES = ("sliding_attention", "chunked_attention")
 
 
-def make_cache(model: Any, spec: str | CacheSpec = "growable", **options: Any) -> KVCache:
+def make_cache(model: Any, spec: str | CacheSpec = "growable", *, compile: bool | int = False, **options: Any) -> KVCache:
     """A cache for ``model`` (a ``transformers`` model or config), ready for ``generate``.
 
     ``spec`` is a kind with options, as a string or keywords (``make_cache(model, "static",
@@ -45,6 +48,12 @@ def make_cache(model: Any, spec: str | CacheSpec = "growable", **options: Any) -
     not changed. A cache with any bounded layer needs the model to run the ``"kvcache"`` attention
     (their slots are not the past in order): call ``kvcache.use_kvcache_attention(model)`` first
     (also a context manager); otherwise its first update raises, changing nothing.
+
+    ``compile=True`` builds the fixed-shape layers of ``layers/fixed*.py`` (kinds ``static``,
+    ``window``, ``quantized``; refused for the others): the cache then decodes under
+    ``torch.compile(model.forward, fullgraph=True)`` in one graph (``kvcache.compiled``), and
+    ``generate`` compiles with it when given a ``compile_config``. Quantized layers then hold at
+    most ``compile`` tokens when it is a number, else the model's ``max_position_embeddings``.
     """
     config = text_config(model)
     parsed = parse_spec(spec, **options)
@@ -78,6 +87,9 @@ def make_cache(model: Any, spec: str | CacheSpec = "growable", **options: Any) -
         else:
             others[i] = (layer_type, foreign.foreign_layer(layer_type, kwargs, i))
             stores.append(None)
+    if compile:
+        tokens = compile if type(compile) is int else getattr(config, "max_position_embeddings", None) or 4096
+        stores = [None if s is None else fixed_twin(s, tokens) for s in stores]
     foreign_types = {i: t for i, (t, _) in others.items() if stores[i] is None}
     foreign.check_spec(parsed.kind, kind.layer.unbounded, foreign_types, {i: o for i, (_, o) in others.items()})
     if not any(s is not None for s in stores) and not any(not foreign.is_fixed_size(o) for _, o in others.values()):
@@ -86,3 +98,20 @@ def make_cache(model: Any, spec: str | CacheSpec = "growable", **options: Any) -
             f"and values to cache; use transformers' DynamicCache(config=model.config) for it"
         )
     return KVCache(stores, parsed, config_summary(config), config, others)
+
+
+#: The eager kinds that have a fixed-shape twin (``compile=True``), and the twin.
+FIXED_KINDS: dict[type, type] = {StaticLayer: FixedStaticLayer, WindowLayer: FixedWindowLayer, QuantizedLayer: FixedQuantizedLayer}
+
+
+def fixed_twin(layer: KVLayer, tokens: int) -> KVLayer:
+    """A new, empty fixed-shape layer like the empty ``layer`` (over the same caller-owned buffers);
+    ``tokens``: the capacity of kinds that have none of their own (quantized)."""
+    twin = FIXED_KINDS.get(type(layer))
+    if twin is None:
+        names = ", ".join(sorted(k.kind for k in FIXED_KINDS))
+        raise UnsupportedOperation(
+            f"compile=True needs fixed shapes, which the kinds {names} keep; a {layer.kind} layer "
+            f"grows or reorders its storage: make the cache without compile=True, or with one of those kinds"
+        )
+    return twin.like(layer, tokens)

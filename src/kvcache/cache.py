@@ -20,7 +20,8 @@ from . import foreign
 from .errors import ShapeError, UnsupportedOperation
 from .fingerprint import fingerprint_of
 from .foreign import ForeignLayers
-from .hf import SWITCH_HINT, HFLayer, crop_count, note_writer, runs_kvcache_attention
+from .compiled import hf_layer
+from .hf import SWITCH_HINT, crop_count, note_writer, runs_kvcache_attention
 from .layers.base import check_kv
 from .layers import KVLayer, LayerState
 from .persist import SavedCache, write_cache_file
@@ -84,13 +85,15 @@ class KVCache(ForeignLayers, Cache):
         self._can_refuse = [s for s in self._live if type(s).check_append is not KVLayer.check_append]
         self._first_live = next((i for i, s in enumerate(self.stores) if s is not None), -1)
         self._first_state = min(([self._first_live] if self._first_live >= 0 else []) + list(self.linear), default=-1)
-        super().__init__(layers=[HFLayer(s) if s is not None else self._slot_layer(i, DummyLayer()) for i, s in enumerate(self.stores)])
+        super().__init__(layers=[hf_layer(s) if s is not None else self._slot_layer(i, DummyLayer()) for i, s in enumerate(self.stores)])
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         """Append to layer ``layer_idx``. Before the first layer of a forward pass writes, every
         layer is asked whether the new tokens fit, so a full static layer raises before any layer
         has changed (layers stay in step)."""
-        if layer_idx == self._first_live and key_states is not None:
+        # A compiled forward pass skips the checks: they read Python counts that would be baked into
+        # the graph (the fixed-shape layers it compiles for refuse an overflow in index_copy_).
+        if layer_idx == self._first_live and key_states is not None and not torch.compiler.is_compiling():
             self.check_attention()
             self._check_attended()
             for store in self._can_refuse:
@@ -159,7 +162,7 @@ class KVCache(ForeignLayers, Cache):
     @property
     def seen(self) -> int:
         """Tokens appended so far: the position of the next token."""
-        return self.get_seq_length()
+        return int(self.get_seq_length())
 
     @property
     def fingerprint(self) -> str | None:

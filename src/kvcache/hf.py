@@ -19,6 +19,8 @@ reference in a ``threading.local``); ``hf_attention_forward`` asks that cache wh
 ``module.layer_idx`` reads (its own, or for a K/V-sharing layer the owner's) and uses that layer's
 read record only if the ``key`` it received is the one the record handed out (identity), so a
 stale cache never applies. Anything else is plain attention over the key and value as given.
+The lookup traces under ``torch.compile`` (the weak reference and the identity check resolve while
+tracing); the fixed-shape layers' own bridge is ``compiled.FixedHFLayer``.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
       |
     api      kvcache (the package: the public names)
       |
-    model    cache, build, cachefile, spec, hf, foreign (the transformers-facing cache)
+    model    cache, build, cachefile, spec, hf, foreign, compiled (the transformers-facing cache)
       |
     storage  layers.*, attention.*, persist.*, quant, policies, registry, fingerprint
       |
@@ -29,7 +29,7 @@ PACKAGE = Path(kvcache.__file__).parent
 
 TIERS = ["errors", "storage", "model", "api", "apps"]
 STORAGE = ("layers", "attention", "persist", "quant", "policies", "registry", "fingerprint")
-MODEL = ("cache", "build", "cachefile", "spec", "hf", "foreign")
+MODEL = ("cache", "build", "cachefile", "spec", "hf", "foreign", "compiled")
 
 
 def module_name(path: Path) -> str:

@@ -1,0 +1,143 @@
+"""The ``quantized`` kind with fixed shapes, for ``torch.compile`` (see ``fixed.py``).
+
+The codes are allocated for a fixed number of tokens (``capacity``) on the first update, zeroed,
+and never reallocated. A decode step (one token) does what ``QuantizedLayer._plan`` decides,
+with the decisions as tensors instead of Python branches: it writes the key into the residual at
+slot ``seen - quantized_keys``, always quantizes the residual's first ``group_size`` keys and the
+oldest exact value, and stores them (and shifts the residual) only where the eager layer would,
+through ``torch.where``; so the codes are the eager layer's, bit for bit. Attention then reads the
+whole capacity in position order: the codes dequantized where a position is quantized, the
+residual where it is not, masked past the query (inductor fuses the dequantization into it).
+
+Longer updates (a prefill) take the eager layer's path, which reads the counts as ints.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..attention import Reads
+from ..errors import CacheFullError
+from ..quant import Quantized, dequantize_per_channel, dequantize_per_token, quantize_per_channel, quantize_per_token
+from .checks import Geometry
+from .fixed import Counter, CountedStore, FixedDecodeAttention
+from .quantized import QuantizedLayer
+
+
+class FixedQuantizedLayer(FixedDecodeAttention, QuantizedLayer):
+    """``quantized`` whose decode steps keep fixed shapes, for at most ``capacity`` tokens (rounded
+    up to a multiple of ``group_size``). Same kind, options and saved state as ``QuantizedLayer``."""
+
+    def __init__(self, bits: int = 4, group_size: int = 64, residual: int = 32, block: int = 512, *, capacity: int) -> None:
+        self.seen_counter = Counter()
+        super().__init__(bits, group_size, residual, block)
+        if int(capacity) < 1:
+            raise ValueError(f"capacity must be a positive number of tokens, got {capacity}")
+        self.token_capacity = math.ceil(int(capacity) / self.group_size) * self.group_size
+        codes = self.codes
+        codes.keys, codes.values, codes.residual_keys, codes.residual_values = (
+            CountedStore(layout=store.layout) for store in codes.stores
+        )
+
+    @classmethod
+    def like(cls, layer: QuantizedLayer, tokens: int) -> FixedQuantizedLayer:
+        """An empty twin of the empty ``layer`` holding at most ``tokens`` tokens."""
+        return cls(**layer.options(), capacity=tokens)
+
+    @property
+    def max_length(self) -> int:
+        return self.token_capacity
+
+    def check_append(self, n: int) -> None:
+        if self.seen + int(n) > self.token_capacity:
+            raise CacheFullError(
+                f"compiled quantized cache is full: capacity {self.token_capacity} tokens, {self.seen} stored, "
+                f"{n} more requested. Nothing was written; make the cache with a larger capacity."
+            )
+
+    def _append(self, key, value):
+        if not self.codes.allocated:
+            self._allocate(Geometry.of(key, value))
+        if not torch.compiler.is_compiling():
+            self.check_append(key.shape[2])
+        if key.shape[2] != 1:
+            return super()._append(key, value)
+        return self._decode_step(key, value)
+
+    def _allocate(self, g: Geometry) -> None:
+        """Every buffer at its final size, zeroed (unused code slots dequantize to finite zeros)."""
+        self.codes.check_dims(torch.empty(0, 0, 0, g.key_dim), torch.empty(0, 0, 0, g.value_dim))
+        codes, G, R = self.codes, self.group_size, self.residual
+        codes.keys.allocate(self.token_capacity // G, g, zeroed=True)
+        codes.values.allocate(self.token_capacity, g, zeroed=True)
+        codes.residual_keys.allocate(R + G, g, zeroed=True)
+        codes.residual_values.allocate(max(R, 1), g, zeroed=True)
+        self.seen_counter.to(g.device)
+        self.geometry = g
+
+    def _decode_step(self, key, value):
+        """Append one token ``[B, Hkv, 1, D]`` as ``QuantizedLayer._append`` would, with tensor counts."""
+        codes, G, R = self.codes, self.group_size, self.residual
+        rk, rv = codes.exact_keys, codes.exact_values
+        seen = self.seen_counter.value
+        blocks, quantized_values = codes.keys.count.value, codes.values.count.value
+        exact_keys, exact_values = seen - blocks * G, seen - quantized_values  # before this token
+
+        rk.index_copy_(2, exact_keys.view(1), key)
+        block_full = exact_keys + 1 == R + G  # a block of G keys leaves the residual
+        block = quantize_per_channel(rk[:, :, :G].unsqueeze(2), self.bits)
+        _put_where(codes.keys, blocks, block_full, kcodes=block.codes, kscale=block.scale.squeeze(3), kmin=block.minimum.squeeze(3))
+        rk.copy_(torch.where(block_full, rk.roll(-G, dims=2), rk))
+
+        value_leaves = exact_values + 1 > R  # the oldest exact value leaves the residual
+        oldest = torch.where(exact_values > 0, rv[:, :, :1], value)
+        q = quantize_per_token(oldest, self.bits, self.value_group)
+        _put_where(codes.values, quantized_values, value_leaves, vcodes=q.codes, vscale=q.scale, vmin=q.minimum)
+        placed = rv.index_copy(2, exact_values.clamp(max=rv.shape[2] - 1).view(1), value)
+        rv.copy_(torch.where(value_leaves, torch.cat([rv[:, :, 1:], value], dim=2), placed))
+
+        codes.residual_keys.count.value.copy_(exact_keys + 1 - G * block_full.long())
+        codes.residual_values.count.value.copy_(exact_values + 1 - value_leaves.long())
+        blocks.add_(block_full.long())
+        quantized_values.add_(value_leaves.long())
+        query_at = seen.clone()
+        seen.add_(1)
+        keys, values = self._in_order()
+        return Reads(keys, values, None, query_at, 1, returned=(rk, rv))
+
+    def _in_order(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys ``[B, Hkv, capacity, D]`` and values of positions ``0..capacity-1``: dequantized
+        codes below the quantized counts, the residual above (garbage past ``seen``: masked)."""
+        codes, g, G = self.codes, self.geometry, self.group_size
+        position = torch.arange(self.token_capacity, device=g.device)
+        k = codes.keys.tensors
+        keys = dequantize_per_channel(
+            Quantized(k["kcodes"], k["kscale"].unsqueeze(3), k["kmin"].unsqueeze(3), self.bits), g.dtype
+        ).reshape(g.batch, g.heads, self.token_capacity, g.key_dim)
+        v = codes.values.tensors
+        values = dequantize_per_token(Quantized(v["vcodes"], v["vscale"], v["vmin"], self.bits), self.value_group, g.dtype)
+        return (
+            _overlay(keys, codes.exact_keys, position, codes.keys.count.value * G),
+            _overlay(values, codes.exact_values, position, codes.values.count.value),
+        )
+
+    def _decode_mask(self, query_at, mask):
+        visible = torch.arange(self.token_capacity, device=query_at.device) <= query_at  # [capacity]: positions
+        return visible if mask is None else mask & visible
+
+
+def _put_where(store: CountedStore, slot: torch.Tensor, condition: torch.Tensor, **tensors: torch.Tensor) -> None:
+    """Write each ``[B, Hkv, 1, ...]`` tensor at ``slot`` of the store where ``condition`` holds;
+    elsewhere the slot keeps its content (a full store's last slot is rewritten unchanged)."""
+    at = slot.clamp(max=store.capacity - 1).view(1)
+    for name, new in tensors.items():
+        buffer = store.tensors[name]
+        buffer.index_copy_(2, at, torch.where(condition, new, buffer.index_select(2, at)))
+
+
+def _overlay(decoded: torch.Tensor, exact: torch.Tensor, position: torch.Tensor, quantized: torch.Tensor) -> torch.Tensor:
+    """Position ``p`` from ``decoded`` below ``quantized`` tokens, else residual slot ``p - quantized``."""
+    residual = exact.index_select(2, (position - quantized).clamp(0, exact.shape[2] - 1))
+    return torch.where((position < quantized).view(1, 1, -1, 1), decoded, residual)
