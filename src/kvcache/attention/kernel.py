@@ -138,8 +138,9 @@ def attend_weighted(
 
 def _native_decode(q5, key, value, mask5, scale, softcap) -> torch.Tensor | None:
     """The one-pass decode library's result ``[B, Hkv, group * Sq, Dv]`` (``native.py``), or None
-    where it does not apply: keys not a tensor, or a mask that is more than one row per batch row."""
-    if not isinstance(key, torch.Tensor):
+    where it does not apply: keys not a tensor, a mask that is more than one row per batch row, or
+    while ``torch.compile`` traces (a library call would break the graph)."""
+    if not isinstance(key, torch.Tensor) or torch.compiler.is_compiling():
         return None
     keep = None
     if mask5 is not None:
