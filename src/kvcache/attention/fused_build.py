@@ -26,7 +26,7 @@ from pathlib import Path
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "coded_decode.cpp"
 DISABLE_ENV = "KVCACHE_NO_EXTENSION"
 DIR_ENV = "KVCACHE_EXTENSION_DIR"
-_FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
+_FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-Wno-psabi"]
 
 _loaded: ctypes.CDLL | None = None
 _failed: str | None = None

@@ -23,7 +23,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) && !defined(KV_NO_CLONES)
 #define KV_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define KV_CLONES
@@ -121,17 +121,160 @@ inline __attribute__((always_inline)) void weighted_run(const float* __restrict 
     }
 }
 
-// One clone per instruction set for each width (the runtime picks the best the CPU has).
+// ---- fast paths: head dims of 64 or 128 (NV = D / 16 vectors of 16 floats), R <= 4 rows at a time,
+// the rows' products kept in registers (GCC vector extensions: the clones widen them to AVX-512,
+// split them for AVX2, or emulate them with SSE2).
+typedef float v16 __attribute__((vector_size(64)));
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+
+#define KV_INLINE inline __attribute__((always_inline))
+
+KV_INLINE v16 load16(const float* p) {
+    v16 v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+}
+
+KV_INLINE float hsum(v16 a) {
+    a += __builtin_shuffle(a, (v16)a, (__attribute__((vector_size(64))) int){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    a += __builtin_shuffle(a, (__attribute__((vector_size(64))) int){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+    a += __builtin_shuffle(a, (__attribute__((vector_size(64))) int){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    a += __builtin_shuffle(a, (__attribute__((vector_size(64))) int){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+    return a[0];
+}
+
+// One token's codes as NV float vectors in split order (see the top of the file). Plain loops
+// through memory: GCC 12 vectorizes them, while __builtin_convertvector from bytes goes scalar.
+template <int BITS, int NV>
+KV_INLINE void unpack_vectors(const uint8_t* __restrict bytes, v16* out) {
+    alignas(64) float f[NV * 16];
+    unpack_split<BITS>(bytes, NV * 16, f);
+    for (int k = 0; k < NV; ++k) out[k] = load16(f + 16 * k);
+}
+
+// Scores of R rows (qperm: the rows in split order, q: in channel order) against blocks [first, last).
+template <int BITS, int NV, int R>
+KV_INLINE void key_scores_fast(const float* qperm, const float* q, int group, const uint8_t* codes,
+                               const float* scale, const float* minimum, int first, int last, float* out,
+                               int64_t out_row) {
+    constexpr int dim = NV * 16, per_byte = 8 / BITS, n = dim / per_byte, packed = dim * BITS / 8;
+    alignas(64) float s_split[dim];
+    for (int blk = first; blk < last; ++blk) {
+        const float* s = scale + static_cast<int64_t>(blk) * dim;
+        const float* z = minimum + static_cast<int64_t>(blk) * dim;
+        for (int j = 0; j < per_byte; ++j)
+            for (int i = 0; i < n; ++i) s_split[j * n + i] = s[per_byte * i + j];
+        v16 qs[R][NV];
+        float bias[R];
+        for (int r = 0; r < R; ++r) {
+            v16 b = {};
+            for (int k = 0; k < NV; ++k) {
+                qs[r][k] = load16(qperm + r * dim + 16 * k) * load16(s_split + 16 * k);
+                b += load16(q + r * dim + 16 * k) * load16(z + 16 * k);
+            }
+            bias[r] = hsum(b);
+        }
+        const uint8_t* block_codes = codes + static_cast<int64_t>(blk) * group * packed;
+        for (int t = 0; t < group; ++t) {
+            v16 cf[NV];
+            unpack_vectors<BITS, NV>(block_codes + static_cast<int64_t>(t) * packed, cf);
+            const int64_t col = static_cast<int64_t>(blk) * group + t;
+            for (int r = 0; r < R; ++r) {
+                v16 a = qs[r][0] * cf[0];
+                for (int k = 1; k < NV; ++k) a += qs[r][k] * cf[k];
+                out[r * out_row + col] = hsum(a) + bias[r];
+            }
+        }
+    }
+}
+
+// Weighted values of tokens [first, last) for R rows, added into acc [R, dim] (split order) and
+// zacc [R, groups]; gidx[k]: the group of vector k.
+template <int BITS, int NV, int R>
+KV_INLINE void weighted_fast(const float* p, int64_t p_row, int groups, const int* gidx, const uint8_t* codes,
+                             const float* scale, const float* minimum, int64_t first, int64_t last, float* acc,
+                             float* zacc) {
+    constexpr int dim = NV * 16, packed = dim * BITS / 8;
+    v16 a[R][NV];
+    for (int r = 0; r < R; ++r)
+        for (int k = 0; k < NV; ++k) a[r][k] = load16(acc + r * dim + 16 * k);
+    for (int64_t t = first; t < last; ++t) {
+        float w[R];
+        bool any = false;
+        for (int r = 0; r < R; ++r) {
+            w[r] = p[r * p_row + t];
+            any |= w[r] != 0.f;
+        }
+        if (!any) continue;  // masked keys (padding) cost no arithmetic
+        v16 cf[NV];
+        unpack_vectors<BITS, NV>(codes + t * packed, cf);
+        const float* s = scale + t * groups;
+        const float* z = minimum + t * groups;
+        for (int k = 0; k < NV; ++k) cf[k] *= s[gidx[k]];
+        for (int r = 0; r < R; ++r) {
+            for (int k = 0; k < NV; ++k) a[r][k] += w[r] * cf[k];
+            for (int g = 0; g < groups; ++g) zacc[r * groups + g] += w[r] * z[g];
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int k = 0; k < NV; ++k) std::memcpy(acc + r * dim + 16 * k, &a[r][k], sizeof(v16));
+}
+
+template <int BITS, int NV>
+KV_INLINE void key_scores_rows(const float* q, int rows, int group, const uint8_t* codes, const float* scale,
+                               const float* minimum, int first, int last, float* out, int64_t out_row) {
+    constexpr int dim = NV * 16, per_byte = 8 / BITS, n = dim / per_byte;
+    alignas(64) float qperm[kMaxRows * dim];
+    for (int r = 0; r < rows; ++r)
+        for (int j = 0; j < per_byte; ++j)
+            for (int i = 0; i < n; ++i) qperm[r * dim + j * n + i] = q[r * dim + per_byte * i + j];
+    for (int r0 = 0; r0 < rows;) {
+        const int left = rows - r0;
+        const float *qp = qperm + r0 * dim, *qr = q + r0 * dim;
+        float* o = out + r0 * out_row;
+        if (left >= 4) key_scores_fast<BITS, NV, 4>(qp, qr, group, codes, scale, minimum, first, last, o, out_row), r0 += 4;
+        else if (left == 3) key_scores_fast<BITS, NV, 3>(qp, qr, group, codes, scale, minimum, first, last, o, out_row), r0 += 3;
+        else if (left == 2) key_scores_fast<BITS, NV, 2>(qp, qr, group, codes, scale, minimum, first, last, o, out_row), r0 += 2;
+        else key_scores_fast<BITS, NV, 1>(qp, qr, group, codes, scale, minimum, first, last, o, out_row), r0 += 1;
+    }
+}
+
+template <int BITS, int NV>
+KV_INLINE void weighted_rows(const float* p, int64_t p_row, int rows, int vgroup, const uint8_t* codes,
+                             const float* scale, const float* minimum, int64_t first, int64_t last, float* acc,
+                             float* zacc) {
+    constexpr int dim = NV * 16, per_byte = 8 / BITS, chunks = NV / per_byte;
+    const int groups = dim / vgroup, group_bytes = vgroup / per_byte;
+    int gidx[NV];
+    for (int k = 0; k < NV; ++k) gidx[k] = (k % chunks) * 16 / group_bytes;
+    for (int r0 = 0; r0 < rows;) {
+        const int left = rows - r0;
+        const float* pr = p + r0 * p_row;
+        float *ar = acc + r0 * dim, *zr = zacc + r0 * groups;
+        if (left >= 4) weighted_fast<BITS, NV, 4>(pr, p_row, groups, gidx, codes, scale, minimum, first, last, ar, zr), r0 += 4;
+        else if (left == 3) weighted_fast<BITS, NV, 3>(pr, p_row, groups, gidx, codes, scale, minimum, first, last, ar, zr), r0 += 3;
+        else if (left == 2) weighted_fast<BITS, NV, 2>(pr, p_row, groups, gidx, codes, scale, minimum, first, last, ar, zr), r0 += 2;
+        else weighted_fast<BITS, NV, 1>(pr, p_row, groups, gidx, codes, scale, minimum, first, last, ar, zr), r0 += 1;
+    }
+}
+
+// One clone per instruction set for each width (the runtime picks the best the CPU has): the fast
+// paths for head dims 64 and 128 (value groups a multiple of 16 bytes), the plain loops otherwise.
 #define KV_WRAP(BITS)                                                                                   \
     KV_CLONES void key_scores_##BITS(const float* q, int rows, int dim, int group, const uint8_t* codes,   \
                                      const float* scale, const float* minimum, int first, int last,       \
                                      float* out, int64_t out_row) {                                       \
-        key_scores_run<BITS>(q, rows, dim, group, codes, scale, minimum, first, last, out, out_row);      \
+        if (dim == 64) key_scores_rows<BITS, 4>(q, rows, group, codes, scale, minimum, first, last, out, out_row); \
+        else if (dim == 128) key_scores_rows<BITS, 8>(q, rows, group, codes, scale, minimum, first, last, out, out_row); \
+        else key_scores_run<BITS>(q, rows, dim, group, codes, scale, minimum, first, last, out, out_row); \
     }                                                                                                     \
     KV_CLONES void weighted_##BITS(const float* p, int64_t p_row, int rows, int dim, int vgroup,          \
                                    const uint8_t* codes, const float* scale, const float* minimum,        \
                                    int64_t first, int64_t last, float* acc, float* zacc) {                \
-        weighted_run<BITS>(p, p_row, rows, dim, vgroup, codes, scale, minimum, first, last, acc, zacc);   \
+        const bool whole = (vgroup / (8 / BITS)) % 16 == 0;                                               \
+        if (dim == 64 && whole) weighted_rows<BITS, 4>(p, p_row, rows, vgroup, codes, scale, minimum, first, last, acc, zacc); \
+        else if (dim == 128 && whole) weighted_rows<BITS, 8>(p, p_row, rows, vgroup, codes, scale, minimum, first, last, acc, zacc); \
+        else weighted_run<BITS>(p, p_row, rows, dim, vgroup, codes, scale, minimum, first, last, acc, zacc); \
     }
 KV_WRAP(8)
 KV_WRAP(4)
