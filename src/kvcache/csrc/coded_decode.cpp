@@ -143,6 +143,30 @@ KV_INLINE float hsum(v16 a) {
     return a[0];
 }
 
+// y[t] = the sum of x[t]'s 16 lanes, for 16 vectors at once: four rounds of pairwise shuffles and
+// adds (15 of each, against 64 for one horizontal sum a vector).
+typedef int i32x16 __attribute__((vector_size(64)));
+
+KV_INLINE v16 fold(v16 a, v16 b, i32x16 lo, i32x16 hi) {
+    return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);
+}
+
+KV_INLINE v16 transposed_sums(const v16* x) {
+    const i32x16 lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const i32x16 hi8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    const i32x16 lo4 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+    const i32x16 hi4 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
+    const i32x16 lo2 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+    const i32x16 hi2 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
+    const i32x16 lo1 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
+    const i32x16 hi1 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
+    v16 z[8], w[4], u[2];
+    for (int i = 0; i < 8; ++i) z[i] = fold(x[i], x[i + 8], lo8, hi8);  // lanes 0-7: x[i], 8-15: x[i+8]
+    for (int i = 0; i < 4; ++i) w[i] = fold(z[i], z[i + 4], lo4, hi4);  // x[i], x[i+4], x[i+8], x[i+12]
+    for (int i = 0; i < 2; ++i) u[i] = fold(w[i], w[i + 2], lo2, hi2);  // x[i], x[i+2], ..., x[i+14]
+    return fold(u[0], u[1], lo1, hi1);                                     // x[0], x[1], ..., x[15]
+}
+
 // One token's codes as NV float vectors in split order (see the top of the file). Plain loops
 // through memory: GCC 12 vectorizes them, while __builtin_convertvector from bytes goes scalar.
 template <int BITS, int NV>
@@ -175,7 +199,25 @@ KV_INLINE void key_scores_fast(const float* qperm, const float* q, int group, co
             bias[r] = hsum(b);
         }
         const uint8_t* block_codes = codes + static_cast<int64_t>(blk) * group * packed;
-        for (int t = 0; t < group; ++t) {
+        const int whole = group / 16 * 16;
+        v16 partial[R][16];
+        for (int t0 = 0; t0 < whole; t0 += 16) {
+            for (int t = 0; t < 16; ++t) {
+                v16 cf[NV];
+                unpack_vectors<BITS, NV>(block_codes + static_cast<int64_t>(t0 + t) * packed, cf);
+                for (int r = 0; r < R; ++r) {
+                    v16 a = qs[r][0] * cf[0];
+                    for (int k = 1; k < NV; ++k) a += qs[r][k] * cf[k];
+                    partial[r][t] = a;
+                }
+            }
+            const int64_t col = static_cast<int64_t>(blk) * group + t0;
+            for (int r = 0; r < R; ++r) {
+                const v16 sums = transposed_sums(partial[r]) + bias[r];
+                std::memcpy(out + r * out_row + col, &sums, sizeof sums);
+            }
+        }
+        for (int t = whole; t < group; ++t) {
             v16 cf[NV];
             unpack_vectors<BITS, NV>(block_codes + static_cast<int64_t>(t) * packed, cf);
             const int64_t col = static_cast<int64_t>(blk) * group + t;
