@@ -27,17 +27,21 @@ MAX_ROWS, MAX_DIM = 16, 512
 _TASKS_PER_THREAD, _MIN_CHUNK = 8, 256
 
 
-def key_scores(query: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int) -> torch.Tensor | None:
-    """Scores float32 ``[B, Hkv, R, n * G]`` of query rows ``[B, Hkv, R, D]`` against keys held as
-    per-channel codes ``[B, Hkv, n, G, D * bits / 8]`` with scale and minimum ``[B, Hkv, n, D]``,
-    or None (see the module docstring)."""
+def key_scores(
+    query: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int, width: int | None = None
+) -> torch.Tensor | None:
+    """Scores float32 ``[B, Hkv, R, width]`` of query rows ``[B, Hkv, R, D]`` against keys held as
+    per-channel codes ``[B, Hkv, n, G, D * bits / 8]`` with scale and minimum ``[B, Hkv, n, D]``
+    in the first ``n * G`` columns; the columns after them (``width``, default ``n * G``) are left
+    for the caller to fill (e.g. with a residual's scores). None: see the module docstring."""
     batch, heads, rows, dim = query.shape
     blocks, group = codes.shape[2], codes.shape[3]
+    width = blocks * group if width is None else width
     lib = library()
-    if lib is None or not _fits(rows, dim, bits, query.device):
+    if lib is None or not _fits(rows, dim, bits, query.device) or width < blocks * group:
         return None
-    out = torch.empty(batch, heads, rows, blocks * group, dtype=torch.float32)
-    if out.numel() == 0:
+    out = torch.empty(batch, heads, rows, width, dtype=torch.float32)
+    if blocks * group * out.shape[0] * heads * rows == 0:
         return out
     q = query.detach().float().contiguous()
     codes = _inner_contiguous(codes)

@@ -239,11 +239,11 @@ class StoreReader(BlockReader):
         layer, codes = self.layer, self.layer.codes
         tk = codes.quantized_keys
         blocks = codes.keys.runs(0, tk // layer.group_size)
-        coded = fused.key_scores(query, blocks["kcodes"], blocks["kscale"], blocks["kmin"], layer.bits)
-        if coded is None or layer.seen == tk:
-            return coded
-        exact = codes.exact_keys[:, :, : layer.seen - tk]
-        return torch.cat([coded, torch.matmul(query, exact.transpose(-1, -2)).float()], dim=3)
+        scores = fused.key_scores(query, blocks["kcodes"], blocks["kscale"], blocks["kmin"], layer.bits, layer.seen)
+        if scores is not None and layer.seen > tk:
+            exact = codes.exact_keys[:, :, : layer.seen - tk]
+            scores[..., tk:] = torch.matmul(query, exact.transpose(-1, -2))
+        return scores
 
     def decode_values(self, weights: torch.Tensor) -> torch.Tensor | None:
         """``weights @ values`` ``[B, Hkv, R, Dv]`` in the weights' dtype for weights ``[B, Hkv, R, T]``,
