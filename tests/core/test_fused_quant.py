@@ -143,7 +143,7 @@ def test_shapes_beyond_the_library_fall_back():
     """More than MAX_ROWS rows or a head dim over MAX_DIM: None, so the caller dequantizes instead."""
     codes = torch.zeros(1, 1, 2, 4, 8, dtype=torch.uint8)
     scale = minimum = torch.ones(1, 1, 2, 8)
-    assert fused.key_scores(torch.ones(1, 1, fused.MAX_ROWS + 1, 8), codes, scale, minimum, 8) is None
+    assert fused.key_scores(torch.ones(1, 1, fused.MAX_ROWS + 1, 8), codes, scale, minimum, 8, 2) is None
     weights = torch.ones(1, 1, 1, 3)
     wide = torch.zeros(1, 1, 3, fused.MAX_DIM + 8, dtype=torch.uint8)
     assert fused.weighted_values(weights, wide, torch.ones(1, 1, 3, 1), torch.ones(1, 1, 3, 1), 8, fused.MAX_DIM + 8) is None

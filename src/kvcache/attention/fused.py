@@ -28,17 +28,24 @@ _TASKS_PER_THREAD, _MIN_CHUNK = 8, 256
 
 
 def key_scores(
-    query: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int, width: int | None = None
+    query: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    minimum: torch.Tensor,
+    bits: int,
+    blocks: int,
+    width: int | None = None,
 ) -> torch.Tensor | None:
-    """Scores float32 ``[B, Hkv, R, width]`` of query rows ``[B, Hkv, R, D]`` against keys held as
-    per-channel codes ``[B, Hkv, n, G, D * bits / 8]`` with scale and minimum ``[B, Hkv, n, D]``
-    in the first ``n * G`` columns; the columns after them (``width``, default ``n * G``) are left
-    for the caller to fill (e.g. with a residual's scores). None: see the module docstring."""
+    """Scores float32 ``[B, Hkv, R, width]`` of query rows ``[B, Hkv, R, D]`` against the first
+    ``blocks`` blocks of keys held as per-channel codes ``[B, Hkv, n, G, D * bits / 8]`` with
+    scale and minimum ``[B, Hkv, n, D]`` (a store's whole buffers: no view of them is taken), in
+    the first ``blocks * G`` columns; the columns after them (``width``, default ``blocks * G``)
+    are left for the caller to fill (e.g. with a residual's scores). None: see the module docstring."""
     batch, heads, rows, dim = query.shape
-    blocks, group = codes.shape[2], codes.shape[3]
+    group = codes.shape[3]
     width = blocks * group if width is None else width
     lib = library()
-    if lib is None or not _fits(rows, dim, bits, query.device) or width < blocks * group:
+    if lib is None or not _fits(rows, dim, bits, query.device) or width < blocks * group or blocks > codes.shape[2]:
         return None
     out = torch.empty(batch, heads, rows, width, dtype=torch.float32)
     if blocks * group * out.shape[0] * heads * rows == 0:
@@ -60,13 +67,14 @@ def key_scores(
 def weighted_values(
     weights: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int, group: int
 ) -> torch.Tensor | None:
-    """``weights @ values`` float32 ``[B, Hkv, R, Dv]`` for weights ``[B, Hkv, R, T]`` and values
-    held as per-token codes ``[B, Hkv, T, Dv * bits / 8]`` with scale and minimum
-    ``[B, Hkv, T, Dv / group]``, or None (see the module docstring)."""
+    """``weights @ values`` float32 ``[B, Hkv, R, Dv]`` for weights ``[B, Hkv, R, T]`` and the
+    first ``T`` values held as per-token codes ``[B, Hkv, C, Dv * bits / 8]`` (``C >= T``: a
+    store's whole buffer) with scale and minimum ``[B, Hkv, C, Dv / group]``, or None (see the
+    module docstring)."""
     batch, heads, rows, tokens = weights.shape
     dim = codes.shape[3] * 8 // bits
     lib = library()
-    if lib is None or not _fits(rows, dim, bits, weights.device) or group % (8 // bits) or dim % group:
+    if lib is None or not _fits(rows, dim, bits, weights.device) or group % (8 // bits) or dim % group or tokens > codes.shape[2]:
         return None
     p = weights.detach().float()
     if p.stride(3) != 1:

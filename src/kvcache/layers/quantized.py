@@ -238,8 +238,8 @@ class StoreReader(BlockReader):
         fused path cannot run."""
         layer, codes = self.layer, self.layer.codes
         tk = codes.quantized_keys
-        blocks = codes.keys.runs(0, tk // layer.group_size)
-        scores = fused.key_scores(query, blocks["kcodes"], blocks["kscale"], blocks["kmin"], layer.bits, layer.seen)
+        k = codes.keys.tensors  # whole buffers, read up to tk: not even a view is made of the codes
+        scores = fused.key_scores(query, k["kcodes"], k["kscale"], k["kmin"], layer.bits, tk // layer.group_size, layer.seen)
         if scores is not None and layer.seen > tk:
             exact = codes.exact_keys[:, :, : layer.seen - tk]
             scores[..., tk:] = torch.matmul(query, exact.transpose(-1, -2))
@@ -250,8 +250,8 @@ class StoreReader(BlockReader):
         the codes' share straight from them; None when the fused path cannot run."""
         layer, codes = self.layer, self.layer.codes
         tv = codes.quantized_values
-        q = codes.values.runs(0, tv)
-        out = fused.weighted_values(weights[..., :tv], q["vcodes"], q["vscale"], q["vmin"], layer.bits, layer.value_group)
+        v = codes.values.tensors
+        out = fused.weighted_values(weights[..., :tv], v["vcodes"], v["vscale"], v["vmin"], layer.bits, layer.value_group)
         if out is None:
             return None
         if layer.seen > tv:
