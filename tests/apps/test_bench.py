@@ -228,3 +228,21 @@ def test_resume_round_trips_and_floor(tiny_results):
     floor = {r["tokens"]: r for r in result["rows"] if r["contender"] == "safetensors"}
     for t in lengths:  # our metadata and checksums cost bytes, never fewer than the plain file
         assert ours[t]["file_bytes"] > floor[t]["file_bytes"]
+
+
+def test_attention_quantized_rows(tiny_results):
+    """The quantized part: every contender at every (batch, T), bytes read as the layouts say
+    (int8 a quarter of fp32 plus scales and the residual, int4 less again), outputs near fp32's."""
+    _, result = tiny_results("attention")
+    rows = result["quantized_rows"]
+    cases = {(r["batch"], r["tokens"]) for r in rows}
+    assert len(rows) == 5 * len(cases)
+    for batch, tokens in cases:
+        by = {r["contender"]: r for r in rows if (r["batch"], r["tokens"]) == (batch, tokens)}
+        assert set(by) == {"fp32", "int8", "int4", "int8-pytorch", "int4-pytorch"}
+        assert by["fp32"]["bytes_read"] == 2 * batch * 3 * tokens * 64 * 4
+        assert by["int4"]["bytes_read"] < by["int8"]["bytes_read"] < by["fp32"]["bytes_read"] / 2
+        assert by["int8"]["bytes_read"] == by["int8-pytorch"]["bytes_read"]
+        assert by["int8"]["max_abs_diff_vs_fp32"] < 0.05 and by["int4"]["max_abs_diff_vs_fp32"] < 0.5
+        for r in by.values():
+            assert r["ms"] > 0 and r["bandwidth_fraction"] > 0 and len(r["samples_ms"]) > 0

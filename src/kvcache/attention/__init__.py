@@ -2,6 +2,7 @@
 (``readers``), masks from absolute positions (``masks``), the read record a layer's update keeps
 and the function that attends it (``reads``), and the SDPA-or-``attend`` choice (``choice``, whose thresholds live there)."""
 
+from . import fused
 from .choice import fastest_attention, prefer_attend
 from .kernel import DECODE_ROWS, WEIGHTS, attend, attend_weighted, group_heads, group_sinks, softmax
 from .masks import CAUSAL, Visibility, position_rows
@@ -19,6 +20,7 @@ __all__ = [
     "attend_reads",
     "attend_weighted",
     "fastest_attention",
+    "fused",
     "group_heads",
     "group_sinks",
     "position_rows",

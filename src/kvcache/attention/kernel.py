@@ -170,6 +170,9 @@ def _key_scores(key: TensorLike, keys_t: torch.Tensor | None, q: torch.Tensor, d
             return torch.matmul(key, q.transpose(-1, -2)).transpose(-1, -2)  # a view
         return torch.matmul(q, keys_t)
     if decode:
+        scores = key.decode_scores(q)
+        if scores is not None:
+            return scores
         q_t = q.transpose(-1, -2)
         return torch.cat([torch.matmul(block, q_t) for block in key.key_blocks()], dim=2).transpose(-1, -2)
     return torch.cat([torch.matmul(q, block.transpose(-1, -2)) for block in key.key_blocks()], dim=3)
@@ -180,7 +183,10 @@ def _weighted_values(flat: torch.Tensor, value: TensorLike) -> torch.Tensor:
     blocks each take their columns of the weights."""
     if isinstance(value, torch.Tensor):
         return torch.matmul(flat, value)
-    out, start = None, 0
+    out = value.decode_values(flat) if flat.shape[2] <= DECODE_ROWS else None
+    if out is not None:
+        return out
+    start = 0
     for block in value.value_blocks():
         stop = start + block.shape[2]
         part = torch.matmul(flat[..., start:stop], block)

@@ -47,6 +47,17 @@ class BlockReader(ABC):
     @abstractmethod
     def value_blocks(self) -> Iterator[torch.Tensor]: ...
 
+    def decode_scores(self, query: torch.Tensor) -> torch.Tensor | None:
+        """Scores ``[B, Hkv, R, T]`` of a decode step's scaled query rows ``[B, Hkv, R, D]``
+        computed by the reader itself (e.g. straight from codes), or None: the kernel then takes
+        them block by block from ``key_blocks()``."""
+        return None
+
+    def decode_values(self, weights: torch.Tensor) -> torch.Tensor | None:
+        """``weights @ values`` ``[B, Hkv, R, Dv]`` for weights ``[B, Hkv, R, T]`` computed by the
+        reader itself, or None: the kernel then reads ``value_blocks()``."""
+        return None
+
 
 #: What the kernel reads keys (and values) from.
 TensorLike = Union[torch.Tensor, BlockReader]

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..attention import BlockReader, Reads
+from ..attention import BlockReader, Reads, fused
 from ..errors import UnsupportedOperation
 from ..quant import BITS, quantize_per_channel, quantize_per_token
 from ..registry import Option
@@ -231,3 +231,29 @@ class StoreReader(BlockReader):
         for start in range(0, tv, layer.block):
             yield codes.values_block(layer.geometry, start, min(start + layer.block, tv))
         yield codes.exact_values[:, :, : layer.seen - tv]
+
+    def decode_scores(self, query: torch.Tensor) -> torch.Tensor | None:
+        """Scores float32 ``[B, Hkv, R, T]`` of scaled query rows ``[B, Hkv, R, D]``: the codes'
+        straight from them (``attention.fused``), the residual's by a product; None when the
+        fused path cannot run."""
+        layer, codes = self.layer, self.layer.codes
+        tk = codes.quantized_keys
+        k = codes.keys.tensors  # whole buffers, read up to tk: not even a view is made of the codes
+        scores = fused.key_scores(query, k["kcodes"], k["kscale"], k["kmin"], layer.bits, tk // layer.group_size, layer.seen)
+        if scores is not None and layer.seen > tk:
+            exact = codes.exact_keys[:, :, : layer.seen - tk]
+            scores[..., tk:] = torch.matmul(query, exact.transpose(-1, -2))
+        return scores
+
+    def decode_values(self, weights: torch.Tensor) -> torch.Tensor | None:
+        """``weights @ values`` ``[B, Hkv, R, Dv]`` in the weights' dtype for weights ``[B, Hkv, R, T]``,
+        the codes' share straight from them; None when the fused path cannot run."""
+        layer, codes = self.layer, self.layer.codes
+        tv = codes.quantized_values
+        v = codes.values.tensors
+        out = fused.weighted_values(weights[..., :tv], v["vcodes"], v["vscale"], v["vmin"], layer.bits, layer.value_group)
+        if out is None:
+            return None
+        if layer.seen > tv:
+            out += torch.matmul(weights[..., tv:], codes.exact_values[:, :, : layer.seen - tv]).float()
+        return out.to(weights.dtype)

@@ -10,6 +10,9 @@ Setting: B=1, 8 KV heads x 128, fp32 (bf16 on CUDA as well as fp32), MHA (8 quer
 tokens, as a cache holds them. Contenders: ``torch.nn.functional.scaled_dot_product_attention``
 (``enable_gqa=True``) and ``kvcache.attend``, alternating within each repeat; medians reported,
 with the largest difference between the two outputs.
+
+Then the quantized caches' decode attention beside fp32 (``coded_attention``: SmolLM2 geometry,
+batch 1 and 8, 4K and 16K tokens), on the same measured bandwidth.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ...attention import attend
+from . import coded_attention
 from .common import clock, figure, finish_axes, markdown_table, median, read_bandwidth
 from .harness import alternate, report
 from ..run_options import RunOptions
@@ -88,6 +92,7 @@ def run(
                 del kbuf, vbuf, key, value
                 bar.update()
     bar.close()
+    coded_rows = coded_attention.run(options, bandwidth, repeats)
     config = {
         "batch": 1,
         "kv_heads": KV_HEADS,
@@ -99,7 +104,9 @@ def run(
         "quick": options.quick,
         "tiny": options.tiny,
     }
-    return report("attention", options, config, rows, table, plot, read_bandwidth_bytes_per_s=bandwidth)
+    return report(
+        "attention", options, config, rows, table, plot, read_bandwidth_bytes_per_s=bandwidth, quantized_rows=coded_rows
+    )
 
 
 def table(result: dict[str, Any]) -> str:
@@ -117,7 +124,8 @@ def table(result: dict[str, Any]) -> str:
         ]
         for r in result["rows"]
     ]
-    return f"Measured read bandwidth: {bw:.1f} GB/s\n\n" + markdown_table(header, body)
+    coded = coded_attention.table(result["quantized_rows"]) if result.get("quantized_rows") else ""
+    return f"Measured read bandwidth: {bw:.1f} GB/s\n\n" + markdown_table(header, body) + coded
 
 
 def plot(result: dict[str, Any], path: Path) -> None:

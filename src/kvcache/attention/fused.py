@@ -1,0 +1,124 @@
+"""Decode attention's two products straight from int8/int4/int2 codes, never widening a block of them.
+
+A quantized store (``layers/codes.py``) keeps keys per channel over blocks of ``G`` tokens and
+values per token in groups of channels. For a decode step (a handful of query rows per KV head)
+the coded decode library (``csrc/coded_decode.cpp``, built by ``fused_build``) reads the codes
+once: scores as ``(q * scale) . codes + q . minimum`` per key block, and the weighted sum of
+values as ``sum_t (p_t * scale_t) codes_t + sum_t p_t * minimum_t``, unpacking and converting
+codes in registers, in float32, with OpenMP over batch rows, KV heads and chunks of tokens. The
+kernel (``kernel.py``) still does the cap, masks, sinks and softmax between the two products.
+
+Both functions return None when the library is off or cannot build, or the shapes are beyond it
+(more than ``MAX_ROWS`` rows, head dims over ``MAX_DIM``): the caller then takes the pure PyTorch
+path, which dequantizes a block at a time.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .fused_build import library
+
+#: Query rows per KV head (group * queries) and head dims the library takes.
+MAX_ROWS, MAX_DIM = 16, 512
+#: Tasks per thread the tokens are split into, and the fewest tokens a task gets.
+_TASKS_PER_THREAD, _MIN_CHUNK = 8, 256
+
+
+def key_scores(
+    query: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    minimum: torch.Tensor,
+    bits: int,
+    blocks: int,
+    width: int | None = None,
+) -> torch.Tensor | None:
+    """Scores float32 ``[B, Hkv, R, width]`` of query rows ``[B, Hkv, R, D]`` against the first
+    ``blocks`` blocks of keys held as per-channel codes ``[B, Hkv, n, G, D * bits / 8]`` with
+    scale and minimum ``[B, Hkv, n, D]`` (a store's whole buffers: no view of them is taken), in
+    the first ``blocks * G`` columns; the columns after them (``width``, default ``blocks * G``)
+    are left for the caller to fill (e.g. with a residual's scores). None: see the module docstring."""
+    batch, heads, rows, dim = query.shape
+    group = codes.shape[3]
+    width = blocks * group if width is None else width
+    lib = library()
+    if lib is None or not _fits(rows, dim, bits, query.device) or width < blocks * group or blocks > codes.shape[2]:
+        return None
+    out = torch.empty(batch, heads, rows, width, dtype=torch.float32)
+    if blocks * group * out.shape[0] * heads * rows == 0:
+        return out
+    q = query.detach().float().contiguous()
+    codes = _inner_contiguous(codes)
+    scale, minimum = _same_strides(scale, minimum)
+    threads = torch.get_num_threads()
+    chunk = _chunk(blocks, batch * heads, threads, max(1, _MIN_CHUNK // group))
+    failed = lib.kv_coded_key_scores(
+        q.data_ptr(), codes.data_ptr(), scale.data_ptr(), minimum.data_ptr(), out.data_ptr(),
+        batch, heads, rows, dim, group, bits, blocks,
+        codes.stride(0), codes.stride(1), scale.stride(0), scale.stride(1),
+        out.stride(0), out.stride(1), out.stride(2), chunk, threads,
+    )  # fmt: skip
+    return None if failed else out
+
+
+def weighted_values(
+    weights: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int, group: int
+) -> torch.Tensor | None:
+    """``weights @ values`` float32 ``[B, Hkv, R, Dv]`` for weights ``[B, Hkv, R, T]`` and the
+    first ``T`` values held as per-token codes ``[B, Hkv, C, Dv * bits / 8]`` (``C >= T``: a
+    store's whole buffer) with scale and minimum ``[B, Hkv, C, Dv / group]``, or None (see the
+    module docstring)."""
+    batch, heads, rows, tokens = weights.shape
+    dim = codes.shape[3] * 8 // bits
+    lib = library()
+    if lib is None or not _fits(rows, dim, bits, weights.device) or group % (8 // bits) or dim % group or tokens > codes.shape[2]:
+        return None
+    p = weights.detach().float()
+    if p.stride(3) != 1:
+        p = p.contiguous()
+    codes = _inner_contiguous(codes)
+    scale, minimum = _same_strides(scale, minimum)
+    threads = torch.get_num_threads()
+    chunk = _chunk(tokens, batch * heads, threads, _MIN_CHUNK)
+    chunks = max(1, math.ceil(tokens / chunk))
+    out = torch.empty(batch, heads, rows, dim, dtype=torch.float32)
+    scratch = torch.empty(batch * heads * chunks, rows, dim + dim // group, dtype=torch.float32)
+    failed = lib.kv_coded_weighted(
+        p.data_ptr(), codes.data_ptr(), scale.data_ptr(), minimum.data_ptr(), out.data_ptr(), scratch.data_ptr(),
+        batch, heads, rows, dim, group, bits, tokens,
+        p.stride(0), p.stride(1), p.stride(2), codes.stride(0), codes.stride(1), scale.stride(0), scale.stride(1),
+        chunk, threads,
+    )  # fmt: skip
+    return None if failed else out
+
+
+def _fits(rows: int, dim: int, bits: int, device: torch.device) -> bool:
+    return device.type == "cpu" and 1 <= rows <= MAX_ROWS and 1 <= dim <= MAX_DIM and bits in (8, 4, 2)
+
+
+def _chunk(items: int, jobs: int, threads: int, least: int) -> int:
+    """Items a task takes, so that ``jobs`` sequences of ``items`` make enough tasks to keep every
+    thread busy (one sequence too, with B = 1) without tasks too small to pay for themselves."""
+    per_job = max(1, math.ceil(_TASKS_PER_THREAD * threads / max(jobs, 1)))
+    return max(least, math.ceil(items / per_job), 1)
+
+
+def _inner_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t`` ``[B, Hkv, ...]`` with every dim after the first two contiguous (a store's view already is)."""
+    expected, step = [], 1
+    for size in reversed(t.shape[2:]):
+        expected.append(step)
+        step *= size
+    return t if list(t.stride()[2:]) == expected[::-1] else t.contiguous()
+
+
+def _same_strides(scale: torch.Tensor, minimum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and minimum as float32 with inner dims contiguous and equal strides (one pair of
+    strides reaches both)."""
+    scale, minimum = _inner_contiguous(scale.float()), _inner_contiguous(minimum.float())
+    if scale.stride() != minimum.stride():
+        scale, minimum = scale.contiguous(), minimum.contiguous()
+    return scale, minimum

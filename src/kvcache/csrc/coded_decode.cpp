@@ -1,0 +1,406 @@
+// Decode attention over int8/int4/int2 codes, dequantized in registers (kvcache.attention.fused).
+//
+// Two plain C entry points, called through ctypes with raw pointers (no Python or torch headers,
+// so the library builds in a second or two). Layouts are those of kvcache.layers.codes:
+//
+//   keys:   codes [B, Hkv, nblk, G, D'] (per channel over blocks of G tokens),
+//           scale / minimum float32 [B, Hkv, nblk, D]
+//   values: codes [B, Hkv, T, Dv'], scale / minimum float32 [B, Hkv, T, Dv / Gv] (per token)
+//
+// D' = D * bits / 8: 4- and 2-bit codes are packed lowest bits first, element per_byte * i + j in
+// bits [bits * j, bits * (j + 1)) of byte i. Both kernels work in a "split" channel order,
+// position j * (D / per_byte) + i for element per_byte * i + j, so that unpacking byte i's j-th
+// code is a contiguous loop the compiler vectorizes; the query and the output are permuted to match.
+//
+// Scale and minimum never widen a block of codes: for keys they fold into the query,
+//   q . (c * s + z) = (q * s) . c + q . z     (per block: s, z per channel),
+// for values into the weights and one extra sum per group,
+//   sum_t p_t (c_t * s_t + z_t) = sum_t (p_t s_t) c_t + sum_t p_t z_t.
+//
+// Batch rows and KV heads are split across OpenMP threads, and so are chunks of tokens (so one
+// sequence still uses every core). Everything accumulates in float32.
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) && !defined(KV_NO_CLONES)
+#define KV_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define KV_CLONES
+#endif
+
+namespace {
+
+constexpr int kMaxRows = 16;
+constexpr int kMaxDim = 512;
+
+template <int BITS>
+inline __attribute__((always_inline)) void unpack_split(const uint8_t* __restrict bytes, int dim, float* __restrict out) {
+    constexpr int per_byte = 8 / BITS;
+    constexpr int mask = (1 << BITS) - 1;
+    const int n = dim / per_byte;
+    for (int j = 0; j < per_byte; ++j) {
+        float* __restrict o = out + j * n;
+#pragma omp simd
+        for (int i = 0; i < n; ++i) o[i] = static_cast<float>((bytes[i] >> (BITS * j)) & mask);
+    }
+}
+
+// Scores of rows query rows against keys [first_block, last_block) of one (batch, head).
+template <int BITS>
+inline __attribute__((always_inline)) void key_scores_run(const float* __restrict q, int rows, int dim, int group, const uint8_t* __restrict codes,
+                    const float* __restrict scale, const float* __restrict minimum, int first_block,
+                    int last_block, float* __restrict out, int64_t out_row_stride) {
+    constexpr int per_byte = 8 / BITS;
+    const int n = dim / per_byte, packed = dim * BITS / 8;
+    alignas(64) float qs[kMaxRows * kMaxDim];
+    alignas(64) float codes_f[kMaxDim];
+    float bias[kMaxRows];
+    for (int blk = first_block; blk < last_block; ++blk) {
+        const float* s = scale + static_cast<int64_t>(blk) * dim;
+        const float* z = minimum + static_cast<int64_t>(blk) * dim;
+        for (int r = 0; r < rows; ++r) {
+            const float* qr = q + r * dim;
+            float* qsr = qs + r * dim;
+            float b = 0.f;
+            for (int j = 0; j < per_byte; ++j)
+                for (int i = 0; i < n; ++i) {
+                    const int d = per_byte * i + j;
+                    qsr[j * n + i] = qr[d] * s[d];
+                    b += qr[d] * z[d];
+                }
+            bias[r] = b;
+        }
+        const uint8_t* block_codes = codes + static_cast<int64_t>(blk) * group * packed;
+        for (int t = 0; t < group; ++t) {
+            unpack_split<BITS>(block_codes + static_cast<int64_t>(t) * packed, dim, codes_f);
+            const int64_t col = static_cast<int64_t>(blk) * group + t;
+            for (int r = 0; r < rows; ++r) {
+                const float* __restrict qsr = qs + r * dim;
+                float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+                for (int d = 0; d < dim; ++d) acc += qsr[d] * codes_f[d];
+                out[r * out_row_stride + col] = acc + bias[r];
+            }
+        }
+    }
+}
+
+// Weighted values of tokens [first, last) of one (batch, head), added into acc [rows, dim] (split
+// order) and zacc [rows, groups].
+template <int BITS>
+inline __attribute__((always_inline)) void weighted_run(const float* __restrict p, int64_t p_row_stride, int rows, int dim, int vgroup,
+                  const uint8_t* __restrict codes, const float* __restrict scale,
+                  const float* __restrict minimum, int64_t first, int64_t last, float* __restrict acc,
+                  float* __restrict zacc) {
+    constexpr int per_byte = 8 / BITS;
+    constexpr int mask = (1 << BITS) - 1;
+    const int n = dim / per_byte, packed = dim * BITS / 8, groups = dim / vgroup;
+    const int group_bytes = vgroup / per_byte;
+    alignas(64) float scaled[kMaxDim];
+    for (int64_t t = first; t < last; ++t) {
+        const uint8_t* b = codes + t * packed;
+        const float* s = scale + t * groups;
+        const float* z = minimum + t * groups;
+        for (int j = 0; j < per_byte; ++j)
+            for (int g = 0; g < groups; ++g) {
+                const float sg = s[g];
+                float* __restrict o = scaled + j * n + g * group_bytes;
+                const uint8_t* bg = b + g * group_bytes;
+#pragma omp simd
+                for (int i = 0; i < group_bytes; ++i) o[i] = static_cast<float>((bg[i] >> (BITS * j)) & mask) * sg;
+            }
+        for (int r = 0; r < rows; ++r) {
+            const float w = p[r * p_row_stride + t];
+            if (w == 0.f) continue;  // masked keys (padding) cost no arithmetic
+            float* __restrict a = acc + r * dim;
+#pragma omp simd
+            for (int d = 0; d < dim; ++d) a[d] += w * scaled[d];
+            for (int g = 0; g < groups; ++g) zacc[r * groups + g] += w * z[g];
+        }
+    }
+}
+
+// ---- fast paths: head dims of 64 or 128 (NV = D / 16 vectors of 16 floats), R <= 4 rows at a time,
+// the rows' products kept in registers (GCC vector extensions: the clones widen them to AVX-512,
+// split them for AVX2, or emulate them with SSE2).
+typedef float v16 __attribute__((vector_size(64)));
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+
+#define KV_INLINE inline __attribute__((always_inline))
+
+KV_INLINE v16 load16(const float* p) {
+    v16 v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+}
+
+KV_INLINE float hsum(v16 a) {
+    a += __builtin_shuffle(a, (v16)a, (__attribute__((vector_size(64))) int){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    a += __builtin_shuffle(a, (__attribute__((vector_size(64))) int){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+    a += __builtin_shuffle(a, (__attribute__((vector_size(64))) int){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    a += __builtin_shuffle(a, (__attribute__((vector_size(64))) int){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+    return a[0];
+}
+
+// y[t] = the sum of x[t]'s 16 lanes, for 16 vectors at once: four rounds of pairwise shuffles and
+// adds (15 of each, against 64 for one horizontal sum a vector).
+typedef int i32x16 __attribute__((vector_size(64)));
+
+KV_INLINE v16 fold(v16 a, v16 b, i32x16 lo, i32x16 hi) {
+    return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);
+}
+
+KV_INLINE v16 transposed_sums(const v16* x) {
+    const i32x16 lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const i32x16 hi8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    const i32x16 lo4 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+    const i32x16 hi4 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
+    const i32x16 lo2 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+    const i32x16 hi2 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
+    const i32x16 lo1 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
+    const i32x16 hi1 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
+    v16 z[8], w[4], u[2];
+    for (int i = 0; i < 8; ++i) z[i] = fold(x[i], x[i + 8], lo8, hi8);  // lanes 0-7: x[i], 8-15: x[i+8]
+    for (int i = 0; i < 4; ++i) w[i] = fold(z[i], z[i + 4], lo4, hi4);  // x[i], x[i+4], x[i+8], x[i+12]
+    for (int i = 0; i < 2; ++i) u[i] = fold(w[i], w[i + 2], lo2, hi2);  // x[i], x[i+2], ..., x[i+14]
+    return fold(u[0], u[1], lo1, hi1);                                     // x[0], x[1], ..., x[15]
+}
+
+// One token's codes as NV float vectors in split order (see the top of the file). Plain loops
+// through memory: GCC 12 vectorizes them, while __builtin_convertvector from bytes goes scalar.
+template <int BITS, int NV>
+KV_INLINE void unpack_vectors(const uint8_t* __restrict bytes, v16* out) {
+    alignas(64) float f[NV * 16];
+    unpack_split<BITS>(bytes, NV * 16, f);
+    for (int k = 0; k < NV; ++k) out[k] = load16(f + 16 * k);
+}
+
+// Scores of R rows (qperm: the rows in split order, q: in channel order) against blocks [first, last).
+template <int BITS, int NV, int R>
+KV_INLINE void key_scores_fast(const float* qperm, const float* q, int group, const uint8_t* codes,
+                               const float* scale, const float* minimum, int first, int last, float* out,
+                               int64_t out_row) {
+    constexpr int dim = NV * 16, per_byte = 8 / BITS, n = dim / per_byte, packed = dim * BITS / 8;
+    alignas(64) float s_split[dim];
+    for (int blk = first; blk < last; ++blk) {
+        const float* s = scale + static_cast<int64_t>(blk) * dim;
+        const float* z = minimum + static_cast<int64_t>(blk) * dim;
+        for (int j = 0; j < per_byte; ++j)
+            for (int i = 0; i < n; ++i) s_split[j * n + i] = s[per_byte * i + j];
+        v16 qs[R][NV];
+        float bias[R];
+        for (int r = 0; r < R; ++r) {
+            v16 b = {};
+            for (int k = 0; k < NV; ++k) {
+                qs[r][k] = load16(qperm + r * dim + 16 * k) * load16(s_split + 16 * k);
+                b += load16(q + r * dim + 16 * k) * load16(z + 16 * k);
+            }
+            bias[r] = hsum(b);
+        }
+        const uint8_t* block_codes = codes + static_cast<int64_t>(blk) * group * packed;
+        const int whole = group / 16 * 16;
+        v16 partial[R][16];
+        for (int t0 = 0; t0 < whole; t0 += 16) {
+            for (int t = 0; t < 16; ++t) {
+                v16 cf[NV];
+                unpack_vectors<BITS, NV>(block_codes + static_cast<int64_t>(t0 + t) * packed, cf);
+                for (int r = 0; r < R; ++r) {
+                    v16 a = qs[r][0] * cf[0];
+                    for (int k = 1; k < NV; ++k) a += qs[r][k] * cf[k];
+                    partial[r][t] = a;
+                }
+            }
+            const int64_t col = static_cast<int64_t>(blk) * group + t0;
+            for (int r = 0; r < R; ++r) {
+                const v16 sums = transposed_sums(partial[r]) + bias[r];
+                std::memcpy(out + r * out_row + col, &sums, sizeof sums);
+            }
+        }
+        for (int t = whole; t < group; ++t) {
+            v16 cf[NV];
+            unpack_vectors<BITS, NV>(block_codes + static_cast<int64_t>(t) * packed, cf);
+            const int64_t col = static_cast<int64_t>(blk) * group + t;
+            for (int r = 0; r < R; ++r) {
+                v16 a = qs[r][0] * cf[0];
+                for (int k = 1; k < NV; ++k) a += qs[r][k] * cf[k];
+                out[r * out_row + col] = hsum(a) + bias[r];
+            }
+        }
+    }
+}
+
+// Weighted values of tokens [first, last) for R rows, added into acc [R, dim] (split order) and
+// zacc [R, groups]; gidx[k]: the group of vector k.
+template <int BITS, int NV, int R>
+KV_INLINE void weighted_fast(const float* p, int64_t p_row, int groups, const int* gidx, const uint8_t* codes,
+                             const float* scale, const float* minimum, int64_t first, int64_t last, float* acc,
+                             float* zacc) {
+    constexpr int dim = NV * 16, packed = dim * BITS / 8;
+    v16 a[R][NV];
+    for (int r = 0; r < R; ++r)
+        for (int k = 0; k < NV; ++k) a[r][k] = load16(acc + r * dim + 16 * k);
+    for (int64_t t = first; t < last; ++t) {
+        float w[R];
+        bool any = false;
+        for (int r = 0; r < R; ++r) {
+            w[r] = p[r * p_row + t];
+            any |= w[r] != 0.f;
+        }
+        if (!any) continue;  // masked keys (padding) cost no arithmetic
+        v16 cf[NV];
+        unpack_vectors<BITS, NV>(codes + t * packed, cf);
+        const float* s = scale + t * groups;
+        const float* z = minimum + t * groups;
+        for (int k = 0; k < NV; ++k) cf[k] *= s[gidx[k]];
+        for (int r = 0; r < R; ++r) {
+            for (int k = 0; k < NV; ++k) a[r][k] += w[r] * cf[k];
+            for (int g = 0; g < groups; ++g) zacc[r * groups + g] += w[r] * z[g];
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int k = 0; k < NV; ++k) std::memcpy(acc + r * dim + 16 * k, &a[r][k], sizeof(v16));
+}
+
+template <int BITS, int NV>
+KV_INLINE void key_scores_rows(const float* q, int rows, int group, const uint8_t* codes, const float* scale,
+                               const float* minimum, int first, int last, float* out, int64_t out_row) {
+    constexpr int dim = NV * 16, per_byte = 8 / BITS, n = dim / per_byte;
+    alignas(64) float qperm[kMaxRows * dim];
+    for (int r = 0; r < rows; ++r)
+        for (int j = 0; j < per_byte; ++j)
+            for (int i = 0; i < n; ++i) qperm[r * dim + j * n + i] = q[r * dim + per_byte * i + j];
+    for (int r0 = 0; r0 < rows;) {
+        const int left = rows - r0;
+        const float *qp = qperm + r0 * dim, *qr = q + r0 * dim;
+        float* o = out + r0 * out_row;
+        if (left >= 4) key_scores_fast<BITS, NV, 4>(qp, qr, group, codes, scale, minimum, first, last, o, out_row), r0 += 4;
+        else if (left == 3) key_scores_fast<BITS, NV, 3>(qp, qr, group, codes, scale, minimum, first, last, o, out_row), r0 += 3;
+        else if (left == 2) key_scores_fast<BITS, NV, 2>(qp, qr, group, codes, scale, minimum, first, last, o, out_row), r0 += 2;
+        else key_scores_fast<BITS, NV, 1>(qp, qr, group, codes, scale, minimum, first, last, o, out_row), r0 += 1;
+    }
+}
+
+template <int BITS, int NV>
+KV_INLINE void weighted_rows(const float* p, int64_t p_row, int rows, int vgroup, const uint8_t* codes,
+                             const float* scale, const float* minimum, int64_t first, int64_t last, float* acc,
+                             float* zacc) {
+    constexpr int dim = NV * 16, per_byte = 8 / BITS, chunks = NV / per_byte;
+    const int groups = dim / vgroup, group_bytes = vgroup / per_byte;
+    int gidx[NV];
+    for (int k = 0; k < NV; ++k) gidx[k] = (k % chunks) * 16 / group_bytes;
+    for (int r0 = 0; r0 < rows;) {
+        const int left = rows - r0;
+        const float* pr = p + r0 * p_row;
+        float *ar = acc + r0 * dim, *zr = zacc + r0 * groups;
+        if (left >= 4) weighted_fast<BITS, NV, 4>(pr, p_row, groups, gidx, codes, scale, minimum, first, last, ar, zr), r0 += 4;
+        else if (left == 3) weighted_fast<BITS, NV, 3>(pr, p_row, groups, gidx, codes, scale, minimum, first, last, ar, zr), r0 += 3;
+        else if (left == 2) weighted_fast<BITS, NV, 2>(pr, p_row, groups, gidx, codes, scale, minimum, first, last, ar, zr), r0 += 2;
+        else weighted_fast<BITS, NV, 1>(pr, p_row, groups, gidx, codes, scale, minimum, first, last, ar, zr), r0 += 1;
+    }
+}
+
+// One clone per instruction set for each width (the runtime picks the best the CPU has): the fast
+// paths for head dims 64 and 128 (value groups a multiple of 16 bytes), the plain loops otherwise.
+#define KV_WRAP(BITS)                                                                                   \
+    KV_CLONES void key_scores_##BITS(const float* q, int rows, int dim, int group, const uint8_t* codes,   \
+                                     const float* scale, const float* minimum, int first, int last,       \
+                                     float* out, int64_t out_row) {                                       \
+        if (dim == 64) key_scores_rows<BITS, 4>(q, rows, group, codes, scale, minimum, first, last, out, out_row); \
+        else if (dim == 128) key_scores_rows<BITS, 8>(q, rows, group, codes, scale, minimum, first, last, out, out_row); \
+        else key_scores_run<BITS>(q, rows, dim, group, codes, scale, minimum, first, last, out, out_row); \
+    }                                                                                                     \
+    KV_CLONES void weighted_##BITS(const float* p, int64_t p_row, int rows, int dim, int vgroup,          \
+                                   const uint8_t* codes, const float* scale, const float* minimum,        \
+                                   int64_t first, int64_t last, float* acc, float* zacc) {                \
+        const bool whole = (vgroup / (8 / BITS)) % 16 == 0;                                               \
+        if (dim == 64 && whole) weighted_rows<BITS, 4>(p, p_row, rows, vgroup, codes, scale, minimum, first, last, acc, zacc); \
+        else if (dim == 128 && whole) weighted_rows<BITS, 8>(p, p_row, rows, vgroup, codes, scale, minimum, first, last, acc, zacc); \
+        else weighted_run<BITS>(p, p_row, rows, dim, vgroup, codes, scale, minimum, first, last, acc, zacc); \
+    }
+KV_WRAP(8)
+KV_WRAP(4)
+KV_WRAP(2)
+
+}  // namespace
+
+extern "C" {
+
+int kv_coded_max_rows() { return kMaxRows; }
+int kv_coded_max_dim() { return kMaxDim; }
+
+// scores[b, h, r, blk * G + t] = q[b, h, r] . key(b, h, blk * G + t) for blocks [0, nblk).
+// q float32 contiguous [B, H, rows, D]; out float32 with the given strides (row stride out_row).
+int kv_coded_key_scores(const float* q, const uint8_t* codes, const float* scale, const float* minimum, float* out,
+                        int64_t batch, int64_t heads, int rows, int dim, int group, int bits, int64_t nblk,
+                        int64_t codes_b, int64_t codes_h, int64_t scale_b, int64_t scale_h, int64_t out_b,
+                        int64_t out_h, int64_t out_row, int64_t chunk_blocks, int threads) {
+    if (rows < 1 || rows > kMaxRows || dim < 1 || dim > kMaxDim || dim % (8 / bits)) return 1;
+    const int64_t chunks = (nblk + chunk_blocks - 1) / chunk_blocks;
+    const int64_t tasks = batch * heads * chunks;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t task = 0; task < tasks; ++task) {
+        const int64_t bh = task / chunks, c = task % chunks, b = bh / heads, h = bh % heads;
+        const int first = static_cast<int>(c * chunk_blocks);
+        const int last = static_cast<int>(c * chunk_blocks + chunk_blocks < nblk ? c * chunk_blocks + chunk_blocks : nblk);
+        const float* qb = q + bh * rows * dim;
+        const uint8_t* cb = codes + b * codes_b + h * codes_h;
+        const float* sb = scale + b * scale_b + h * scale_h;
+        const float* zb = minimum + b * scale_b + h * scale_h;
+        float* ob = out + b * out_b + h * out_h;
+        if (bits == 8) key_scores_8(qb, rows, dim, group, cb, sb, zb, first, last, ob, out_row);
+        else if (bits == 4) key_scores_4(qb, rows, dim, group, cb, sb, zb, first, last, ob, out_row);
+        else key_scores_2(qb, rows, dim, group, cb, sb, zb, first, last, ob, out_row);
+    }
+    return 0;
+}
+
+// out[b, h, r] = sum_t p[b, h, r, t] * value(b, h, t) over tokens [0, tokens).
+// p float32 with strides (p_b, p_h, p_row, 1); out float32 contiguous [B, H, rows, Dv];
+// scratch float32 [B * H * chunks, rows, Dv + Dv / Gv] (chunks = ceil(tokens / chunk_tokens)).
+int kv_coded_weighted(const float* p, const uint8_t* codes, const float* scale, const float* minimum, float* out,
+                      float* scratch, int64_t batch, int64_t heads, int rows, int dim, int vgroup, int bits,
+                      int64_t tokens, int64_t p_b, int64_t p_h, int64_t p_row, int64_t codes_b, int64_t codes_h,
+                      int64_t scale_b, int64_t scale_h, int64_t chunk_tokens, int threads) {
+    const int per_byte = 8 / bits;
+    if (rows < 1 || rows > kMaxRows || dim < 1 || dim > kMaxDim || vgroup < 1 || dim % vgroup ||
+        vgroup % per_byte)
+        return 1;
+    const int groups = dim / vgroup, n = dim / per_byte;
+    const int64_t chunks = tokens > 0 ? (tokens + chunk_tokens - 1) / chunk_tokens : 1;
+    const int64_t tasks = batch * heads * chunks, part = static_cast<int64_t>(rows) * (dim + groups);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t task = 0; task < tasks; ++task) {
+        const int64_t bh = task / chunks, c = task % chunks, b = bh / heads, h = bh % heads;
+        float* acc = scratch + task * part;
+        float* zacc = acc + static_cast<int64_t>(rows) * dim;
+        std::memset(acc, 0, sizeof(float) * part);
+        const int64_t first = c * chunk_tokens, last = first + chunk_tokens < tokens ? first + chunk_tokens : tokens;
+        const float* pb = p + b * p_b + h * p_h;
+        const uint8_t* cb = codes + b * codes_b + h * codes_h;
+        const float* sb = scale + b * scale_b + h * scale_h;
+        const float* zb = minimum + b * scale_b + h * scale_h;
+        if (bits == 8) weighted_8(pb, p_row, rows, dim, vgroup, cb, sb, zb, first, last, acc, zacc);
+        else if (bits == 4) weighted_4(pb, p_row, rows, dim, vgroup, cb, sb, zb, first, last, acc, zacc);
+        else weighted_2(pb, p_row, rows, dim, vgroup, cb, sb, zb, first, last, acc, zacc);
+    }
+    // Sum the chunks, and put the channels back in order: element per_byte * i + j sits at j * n + i.
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t bh = 0; bh < batch * heads; ++bh) {
+        for (int r = 0; r < rows; ++r) {
+            float* o = out + (bh * rows + r) * dim;
+            for (int d = 0; d < dim; ++d) {
+                const int pos = (d % per_byte) * n + d / per_byte, g = d / vgroup;
+                float sum = 0.f;
+                for (int64_t c = 0; c < chunks; ++c) {
+                    const float* acc = scratch + (bh * chunks + c) * part;
+                    sum += acc[r * dim + pos] + acc[static_cast<int64_t>(rows) * dim + r * groups + g];
+                }
+                o[d] = sum;
+            }
+        }
+    }
+    return 0;
+}
+
+}  // extern "C"
