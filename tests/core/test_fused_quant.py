@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from kvcache.attention import attend_weighted, fused
-from kvcache.attention.fused_build import DISABLE_ENV, library
+from kvcache.attention.fused import library
+from kvcache.attention.native_build import DISABLE_ENV
 from kvcache.layers.quantized import QuantizedLayer, StoreReader
 
 FP32 = {"rtol": 1e-5, "atol": 1e-5}

@@ -2,7 +2,7 @@
 
 A quantized store (``layers/codes.py``) keeps keys per channel over blocks of ``G`` tokens and
 values per token in groups of channels. For a decode step (a handful of query rows per KV head)
-the coded decode library (``csrc/coded_decode.cpp``, built by ``fused_build``) reads the codes
+the coded decode library (``csrc/coded_decode.cpp``, built by ``native_build``) reads the codes
 once: scores as ``(q * scale) . codes + q . minimum`` per key block, and the weighted sum of
 values as ``sum_t (p_t * scale_t) codes_t + sum_t p_t * minimum_t``, unpacking and converting
 codes in registers, in float32, with OpenMP over batch rows, KV heads and chunks of tokens. The
@@ -15,14 +15,32 @@ path, which dequantizes a block at a time.
 
 from __future__ import annotations
 
+import ctypes
 import math
 
 import torch
 
-from .fused_build import library
+from . import native_build
 
 #: Query rows per KV head (group * queries) and head dims the library takes.
 MAX_ROWS, MAX_DIM = 16, 512
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    lib.kv_coded_key_scores.argtypes = [ptr] * 5 + [i64, i64, i32, i32, i32, i32, i64] + [i64] * 7 + [i64, i32]
+    lib.kv_coded_key_scores.restype = i32
+    lib.kv_coded_weighted.argtypes = [ptr] * 6 + [i64, i64, i32, i32, i32, i32, i64] + [i64] * 7 + [i64, i32]
+    lib.kv_coded_weighted.restype = i32
+    lib.kv_coded_max_rows.restype = lib.kv_coded_max_dim.restype = i32
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The coded decode library, built on first use; None when off or when it cannot build."""
+    return native_build.library("coded_decode", _declare)
+
+
 #: Tasks per thread the tokens are split into, and the fewest tokens a task gets.
 _TASKS_PER_THREAD, _MIN_CHUNK = 8, 256
 

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from ...attention import attend, attend_weighted
-from ...attention.fused_build import DISABLE_ENV, library
+from ...attention.fused import library
+from ...attention.native_build import DISABLE_ENV
 from ...layers.quantized import QuantizedLayer, StoreReader
 from ..run_options import RunOptions
 from .common import clock, markdown_table, median
