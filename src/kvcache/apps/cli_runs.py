@@ -15,7 +15,7 @@ def add_bench(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("suite", choices=SUITES, metavar="SUITE", help="one of: %(choices)s")
     add_run_options(p, "a smaller run (about two minutes on 2 cores)")
     real = p.add_argument_group("suite real (a real pretrained model)")
-    real.add_argument("--model", default=None, metavar="NAME|DIR", help="a model name or a local Hugging Face model folder (default: smollm2)")
+    real.add_argument("--model", default=None, metavar="NAME|DIR", help="a model name, tiny (the shipped model), or a local Hugging Face model folder (default: smollm2)")
     real.add_argument("--contexts", type=int_list, default=None, metavar="N,...", help="context lengths (default: 1024,4096,8192; --quick 1024)")
     real.add_argument("--batches", type=int_list, default=None, metavar="N,...", help="batch sizes (default: 1,8)")
     real.add_argument("--prefill-cache", default=None, metavar="DIR", help="keep the prefill's keys and values here for later runs")

@@ -28,8 +28,13 @@ Past = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def resolve_model(name_or_dir: str) -> Path:
-    """A local ``from_pretrained`` folder for ``--model``: a directory as given, or a registered name
-    through ``kvcache.models.model_path`` where this version has it."""
+    """A local ``from_pretrained`` folder for ``--model``: a directory as given, ``"tiny"`` the
+    small model shipped with kvcache, or a registered name through ``kvcache.models.model_path``
+    where this version has it."""
+    if name_or_dir == "tiny":
+        from ..trained import MODEL_DIR
+
+        return MODEL_DIR
     if os.path.isdir(name_or_dir):
         return Path(name_or_dir)
     try:
