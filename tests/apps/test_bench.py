@@ -68,6 +68,7 @@ FIELDS = {
         "counts_extrapolated": boolean,
         "seconds": positive_number,
     },
+    "real": {"batch": positive_int, "context": positive_int, "contender": text, "compiled": boolean},  # more: test_bench_real.py
     "resume": {
         "tokens": positive_int,
         "contender": text,

@@ -145,7 +145,7 @@ def say_if_no_plots() -> bool:
 
 
 def list_written(out, name: str, plots: bool) -> None:
-    for ext in ("json", "md") + (("png",) if plots else ()):
+    for ext in ("json", "csv", "md") + (("png",) if plots else ()):
         path = out / f"{name}.{ext}"
         if path.is_file():
             print(f"wrote {path}")

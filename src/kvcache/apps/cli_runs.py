@@ -14,6 +14,21 @@ def add_bench(subparsers: argparse._SubParsersAction) -> None:
     p = add_command(subparsers, "bench", cmd_bench, suites=", ".join(SUITES))
     p.add_argument("suite", choices=SUITES, metavar="SUITE", help="one of: %(choices)s")
     add_run_options(p, "a smaller run (about two minutes on 2 cores)")
+    real = p.add_argument_group("suite real (a real pretrained model)")
+    real.add_argument("--model", default=None, metavar="NAME|DIR", help="a model name, tiny (the shipped model), or a local Hugging Face model folder (default: smollm2)")
+    real.add_argument("--contexts", type=int_list, default=None, metavar="N,...", help="context lengths (default: 1024,4096,8192; --quick 1024)")
+    real.add_argument("--batches", type=int_list, default=None, metavar="N,...", help="batch sizes (default: 1,8)")
+    real.add_argument("--prefill-cache", default=None, metavar="DIR", help="keep the prefill's keys and values here for later runs")
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected positive integers like 1024,4096, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers like 1024,4096, got {text!r}")
+    return values
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -31,8 +46,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if e.name != f"kvcache.apps.bench.{args.suite}":
             raise
         raise KVCacheError(f"benchmark suite {args.suite!r} is not available in this version of kvcache") from e
+    given = {"model": args.model, "contexts": args.contexts, "batches": args.batches, "prefill_dir": args.prefill_cache}
+    given = {k: v for k, v in given.items() if v is not None}
+    if given and args.suite != "real":
+        raise KVCacheError(f"--model, --contexts, --batches and --prefill-cache apply to suite 'real' only, not {args.suite!r}")
     plots = say_if_no_plots()
-    result = suite.run(options)
+    result = suite.run(options, **given)
     text = suite.table(result)
     print(text, end="" if text.endswith("\n") else "\n", flush=True)
     list_written(options.out, result.get("suite", args.suite), plots)

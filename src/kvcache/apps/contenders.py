@@ -4,14 +4,15 @@ call a cache, and the cache spec each name stands for.
 ``{slots}`` is the budget (for ``window``, the window itself, its sinks kept apart; a fraction of
 the context is accepted where the spec accepts one) and ``{capacity}`` the fixed capacity.
 ``dynamic`` and ``hf_static`` are Hugging Face's ``DynamicCache`` and ``StaticCache``, the
-references; every other name is a kvcache spec.
+references, and ``hf_<backend>-int<bits>`` its ``QuantizedCache`` (needs the backend's package:
+``optimum-quanto`` for ``quanto``, ``hqq``); every other name is a kvcache spec.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from transformers import DynamicCache, StaticCache
+from transformers import DynamicCache, QuantizedCache, StaticCache
 
 from ..build import make_cache
 
@@ -33,8 +34,11 @@ SPECS: dict[str, str] = {
     "quantized-int2": "quantized:bits=2",
 }
 
+#: Hugging Face's quantized caches: contender name -> (backend, bits).
+HF_QUANTIZED: dict[str, tuple[str, int]] = {"hf_quanto-int4": ("quanto", 4), "hf_hqq-int8": ("hqq", 8), "hf_hqq-int4": ("hqq", 4)}
+
 #: Hugging Face's own caches, the references.
-HF_REFERENCES = ("dynamic", "hf_static")
+HF_REFERENCES = ("dynamic", "hf_static", *HF_QUANTIZED)
 
 
 def spec_for(name: str, slots: int | float | None = None, capacity: int | None = None) -> str:
@@ -54,5 +58,8 @@ def make_contender(name: str, model_or_config: Any, slots: int | float | None = 
         config = getattr(model_or_config, "config", model_or_config)
         if name == "dynamic":
             return DynamicCache(config=config)
+        if name in HF_QUANTIZED:
+            backend, bits = HF_QUANTIZED[name]
+            return QuantizedCache(backend, config, nbits=bits)
         return StaticCache(config=config, max_cache_len=capacity)
     return make_cache(model_or_config, spec_for(name, slots, capacity))

@@ -1,0 +1,201 @@
+"""Suite ``real``: greedy decode on a real pretrained model, against its floor.
+
+``kvcache bench real --model DIR`` (SmolLM2-135M is the reference workload): batch 1 and 8,
+contexts 1K/4K/8K (``--quick``: 1K). Contenders (``real_decode.CONTENDERS``): Hugging Face
+``DynamicCache``, ``StaticCache`` (eager and compiled) and ``QuantizedCache`` (quanto int4, HQQ
+int8/int4, where the backend is installed); ours ``growable``, ``static`` (eager and compiled),
+``quantized`` int8 and int4, all with ``use_kvcache_attention``.
+
+How: one prefill per run at the largest context (``workload``: real text, one prompt per batch
+row, chunked), whose keys and values fill every contender's cache for each context (the first
+``C`` positions of a causal model's prefill are exactly a ``C``-token prefill); then ``steps``
+greedy tokens from the same next token, timed. Contenders alternate over ``repeats`` rounds
+(``harness.alternate``); rows give medians. Per row: tokens/s (batch x steps / seconds),
+the ratio to ``DynamicCache``, whether the tokens equal ``DynamicCache``'s, cache bytes, and the
+step time over its floor (``floor``: max(bytes read / read bandwidth, FLOPs / matmul
+throughput), measured in the same run; K/V bytes read are fp32 keys and values of the context, or
+for quantized caches the bytes they hold at the context).
+"""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...hf import register_attention
+from ..run_options import RunOptions
+from .common import figure, finish_axes, human_bytes, markdown_table, median
+from .floor import Machine, ModelShape, floor_seconds, measure_machine, model_shape
+from .harness import alternate, report
+from .real_decode import CONTENDERS, REFERENCE, Runner
+from .workload import load_model, make_prompts, prefill_stored
+
+#: The model the suite runs when none is named (a ``tiny`` run: the small model shipped with kvcache).
+DEFAULT_MODEL = "smollm2"
+
+
+def run(
+    options: RunOptions = RunOptions(),
+    *,
+    model: str | None = None,
+    contexts: list[int] | None = None,
+    batches: list[int] | None = None,
+    steps: int | None = None,
+    repeats: int | None = None,
+    contenders: list[str] | None = None,
+    prefill_dir: Path | None = None,
+) -> dict[str, Any]:
+    """Run the suite; write ``real.json``/``.csv``/``.md``/``.png`` into ``options.out`` if given.
+    ``prefill_dir`` keeps the prefill's keys and values for a later run of the same model and sizes."""
+    from tqdm.auto import tqdm
+
+    names = list(contenders or CONTENDERS)
+    unknown = [n for n in names if n not in CONTENDERS]
+    if unknown:
+        raise ValueError(f"unknown contender(s) {', '.join(unknown)}; valid: {', '.join(CONTENDERS)}")
+    if REFERENCE not in names:
+        names.insert(0, REFERENCE)
+    contexts = sorted(contexts or options.pick([32], [1024], [1024, 4096, 8192]))
+    batches = sorted(batches or options.pick([1, 2], [1, 8], [1, 8]))
+    steps = steps or options.pick(3, 8, 16)
+    repeats = repeats or options.pick(1, 2, 3)
+    register_attention()
+    lm, tokenizer, folder = load_model(model or options.pick("tiny", DEFAULT_MODEL, DEFAULT_MODEL), options.device)
+    shape = model_shape(lm)
+    prompts = make_prompts(tokenizer, max(batches), max(contexts) + 1, shape.vocab).to(options.device)
+    with tqdm(total=max(batches) * max(contexts), desc="prefill tokens", disable=not options.progress) as bar:
+        past = prefill_stored(lm, prompts[:, : max(contexts)], prefill_dir, bar=bar)
+    backend = "eager" if options.tiny else "inductor"  # tiny: trace only (graph breaks, recompiles), in seconds
+    runner = Runner(lm, past, prompts, capacity=max(contexts) + steps + 8, steps=steps, backend=backend)
+    bar = tqdm(total=len(batches) * len(contexts) * repeats * len(names), desc="real", disable=not options.progress)
+    rows, machines = [], {}
+    for batch in batches:
+        machine = measure_machine(batch, shape.hidden, options.device, *options.pick((16, 256), (512, 1024), (512, 1024)))
+        machines[batch] = machine.as_dict()
+        for context in contexts:
+            runs = alternate(names, repeats, lambda name: runner.decode(name, batch, context), bar)
+            rows += compare(runs, shape, machine, batch, context, steps)
+        runner.caches.clear()  # this batch's shared caches: the next batch makes its own
+    bar.close()
+    runner.close()
+    config = {
+        "model": str(folder),
+        "model_shape": shape.as_dict(),
+        "contexts": contexts,
+        "batches": batches,
+        "steps": steps,
+        "repeats": repeats,
+        "contenders": names,
+        "quick": options.quick,
+        "compile": f"torch.compile(model.forward, fullgraph=True, dynamic=False, backend={backend!r})",
+        "prompts": "the kvcache package's source files, concatenated and tokenized; row b starts b/B of the way in",
+        "method": "one prefill at the largest context; each contender's cache gets the first C positions' keys and "
+        "values (exactly what a C-token prefill gives a causal model), then `steps` greedy steps are timed",
+        "floor": "max((weight bytes + K/V bytes read) / read bandwidth, step FLOPs / fp32 GEMM throughput)",
+    }
+    result = report("real", options, config, rows, table, plot, machine_rates=machines)
+    if options.out is not None:
+        write_csv(rows, Path(options.out) / "real.csv")
+    return result
+
+
+def compare(runs: dict[str, list[dict[str, Any]]], shape: ModelShape, machine: Machine, batch: int, context: int, steps: int) -> list[dict[str, Any]]:
+    """The rows of one (batch, context) from each contender's rounds of ``Runner.decode``."""
+    reference = runs[REFERENCE][-1]
+    reference_rate = batch * steps / median([r["seconds"] for r in runs[REFERENCE]]) if "seconds" in reference else None
+    rows = []
+    for name, samples in runs.items():
+        row: dict[str, Any] = {"batch": batch, "context": context, "contender": name, "compiled": CONTENDERS[name].compiled}
+        last = samples[-1]
+        if "reason" in last:
+            rows.append(row | {"tokens_per_s": None, "reason": last["reason"]})
+            continue
+        seconds = [s["seconds"] for s in samples]
+        step_s = median(seconds) / steps
+        fp32_kv = shape.kv_bytes_per_token * context * batch
+        kv_read = last["kv_bytes_at_context"] if CONTENDERS[name].quantized else fp32_kv
+        floor = floor_seconds(shape, machine, batch, context, kv_read)
+        same = last["tokens"] == reference["tokens"] if "tokens" in reference else None
+        rows.append(
+            row
+            | {
+                "tokens_per_s": batch / step_s,
+                f"speedup_vs_{REFERENCE}": batch / step_s / reference_rate if reference_rate else None,
+                f"identical_to_{REFERENCE}": None if same is None else bool(same.all()),
+                "token_agreement": None if same is None else float(same.float().mean()),
+                "cache_bytes": last["cache_bytes"],
+                "kv_bytes_read": kv_read,
+                "step_ms": step_s * 1e3,
+                "floor_ms": floor["floor_s"] * 1e3,
+                "memory_floor_ms": floor["memory_s"] * 1e3,
+                "compute_floor_ms": floor["compute_s"] * 1e3,
+                "step_over_floor": step_s / floor["floor_s"],
+                "compile_s": last["compile_s"],
+                "samples_s": seconds,
+                "reason": "",
+            }
+        )
+    return rows
+
+
+def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
+    fields: list[str] = []
+    for row in rows:
+        fields += [k for k in row if k not in fields]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: ";".join(f"{x:.6g}" for x in v) if isinstance(v, list) else v for k, v in row.items()})
+
+
+def table(result: dict[str, Any]) -> str:
+    header = ["batch", "context", "contender", "tokens/s", "x DynamicCache", "identical", "cache bytes", "step ms", "floor ms", "step / floor", "compile s", "note"]
+
+    def cell(value: Any, fmt: Any = None) -> Any:
+        return "—" if value is None else fmt(value) if fmt else value
+
+    body = [
+        [
+            r["batch"],
+            r["context"],
+            r["contender"],
+            cell(r["tokens_per_s"]),
+            cell(r.get(f"speedup_vs_{REFERENCE}")),
+            cell(r.get(f"identical_to_{REFERENCE}"), lambda same: "yes" if same else f"no ({r['token_agreement']:.0%} agree)"),
+            cell(r.get("cache_bytes"), human_bytes),
+            cell(r.get("step_ms")),
+            cell(r.get("floor_ms")),
+            cell(r.get("step_over_floor")),
+            cell(r.get("compile_s")),
+            r.get("reason", ""),
+        ]
+        for r in result["rows"]
+    ]
+    rates = result.get("machine_rates", {})
+    notes = [
+        f"- batch {b}: read bandwidth {m['read_bytes_per_s'] / 1e9:.1f} GB/s, fp32 GEMM {m['matmul_flops_per_s'] / 1e9:.1f} "
+        f"GFLOP/s (the floor's compute roof), decode-shaped GEMV {m['gemv_flops_per_s'] / 1e9:.1f} GFLOP/s (for reference)"
+        for b, m in rates.items()
+    ]
+    config = result["config"]
+    intro = (
+        f"Model {config['model']}; {config['steps']} greedy steps per decode, median of {config['repeats']} rounds; "
+        f"{config['method']}. Floor: {config['floor']}.\n\n"
+    )
+    return intro + markdown_table(header, body) + ("\n" + "\n".join(notes) + "\n" if notes else "")
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    batches = result["config"]["batches"]
+    with figure(path, panels=len(batches), size=(6, 4.5)) as axes:
+        for ax, batch in zip(axes, batches):
+            for name in result["config"]["contenders"]:
+                pts = [(r["context"], r["tokens_per_s"]) for r in result["rows"] if (r["batch"], r["contender"]) == (batch, name) and r["tokens_per_s"]]
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=name)
+            finish_axes(ax, "context tokens", "decode tokens/s (batch x steps / s)", f"real model decode, batch {batch}")

@@ -1,0 +1,213 @@
+"""The contenders of suite ``real`` and one timed greedy decode of each.
+
+A contender is a cache from the one contender table (``apps.contenders``), the attention the model
+runs with it, and whether the model's forward is compiled
+(``torch.compile(model.forward, fullgraph=True, dynamic=False)``). Every contender decodes with the
+same plain loop (:func:`greedy_steps`): one token per forward pass, argmax, explicit
+``cache_position``; only the steps are timed, never the filling of the cache.
+
+Compiled contenders keep one cache object per batch size, reset and refilled before every decode,
+so the compiled graph (specialised on shapes and on the cache's static buffers) is traced once per
+batch size; the first decode of each batch size compiles, untimed, and reports how long it took.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ...cache import KVCache
+from ...hf import ATTENTION_NAME, use_kvcache_attention
+from ..contenders import HF_QUANTIZED, make_contender
+from .common import clock
+from .workload import Past
+
+#: Steps a compiled contender decodes, untimed, to compile (and warm up) before it is timed.
+WARMUP_STEPS = 2
+
+
+@dataclass(frozen=True)
+class Contender:
+    """``cache``: a name of ``apps.contenders``; ``attention``: ``"sdpa"`` or ``"kvcache"``;
+    ``compiled``: decode through the compiled forward; ``quantized``: its floor counts the bytes it
+    stores (codes and scales), not fp32 keys and values."""
+
+    cache: str
+    attention: str = "sdpa"
+    compiled: bool = False
+    quantized: bool = False
+
+    @property
+    def shared(self) -> bool:
+        """Whether one cache object per batch size is reused (fixed-capacity kinds)."""
+        return self.cache in ("hf_static", "static")
+
+
+CONTENDERS: dict[str, Contender] = {
+    "dynamic": Contender("dynamic"),
+    "hf_static": Contender("hf_static"),
+    "hf_static+compile": Contender("hf_static", compiled=True),
+    **{name: Contender(name, quantized=True) for name in HF_QUANTIZED},
+    "growable": Contender("growable", ATTENTION_NAME),
+    "static": Contender("static", ATTENTION_NAME),
+    "static+compile": Contender("static", ATTENTION_NAME, compiled=True),
+    "quantized-int8": Contender("quantized-int8", ATTENTION_NAME, quantized=True),
+    "quantized-int4": Contender("quantized-int4", ATTENTION_NAME, quantized=True),
+}
+
+#: What every row is compared with.
+REFERENCE = "dynamic"
+
+#: The package each Hugging Face quantized backend needs.
+BACKEND_PACKAGES = {"quanto": "optimum.quanto", "hqq": "hqq"}
+
+
+def unavailable(name: str) -> str | None:
+    """Why contender ``name`` cannot run here (its backend is not installed), or None."""
+    if name in HF_QUANTIZED:
+        backend = HF_QUANTIZED[name][0]
+        package = BACKEND_PACKAGES[backend]
+        try:
+            found = importlib.util.find_spec(package) is not None
+        except ModuleNotFoundError:
+            found = False
+        if not found:
+            return f"backend {backend!r} needs the package {package!r}, not installed"
+    return None
+
+
+def held_bytes(obj: Any) -> int:
+    """Bytes of the tensors in ``obj``: a tensor (a quantized tensor subclass by its inner
+    tensors), or tuples, lists and dicts of them (Hugging Face's quantized layers keep those)."""
+    if isinstance(obj, torch.Tensor):
+        if type(obj) is not torch.Tensor and hasattr(obj, "__tensor_flatten__"):
+            names, _ = obj.__tensor_flatten__()
+            return sum(held_bytes(getattr(obj, n)) for n in names)
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (tuple, list)):
+        return sum(held_bytes(x) for x in obj)
+    if isinstance(obj, dict):
+        return sum(held_bytes(x) for x in obj.values())
+    return 0
+
+
+def cache_bytes(cache: Any) -> int:
+    """Bytes the cache holds: ours say (``nbytes``); Hugging Face's layers are summed over their
+    full-precision and quantized tensors."""
+    if isinstance(cache, KVCache):
+        return int(cache.nbytes)
+    names = ("keys", "values", "_quantized_keys", "_quantized_values")
+    return sum(held_bytes(getattr(layer, n, None)) for layer in cache.layers for n in names)
+
+
+def fill(cache: Any, past: Past, batch: int, context: int) -> None:
+    """Give ``cache`` the first ``batch`` rows and ``context`` positions of ``past`` through its
+    public path: ``extend`` for ours, ``update`` layer by layer for Hugging Face's."""
+    pairs = [(k[:batch, :, :context].contiguous(), v[:batch, :, :context].contiguous()) for k, v in past]
+    if isinstance(cache, KVCache):
+        cache.extend(pairs)
+        return
+    for i, (keys, values) in enumerate(pairs):
+        cache.update(keys, values, i)
+
+
+def greedy_steps(forward: Any, cache: Any, token: torch.Tensor, position: int, steps: int) -> torch.Tensor:
+    """``steps`` greedy tokens ``[B, steps]`` after ``token`` ``[B, 1]`` at ``position``."""
+    out = []
+    with torch.inference_mode():
+        token = token.clone()  # an inference tensor like every later token: one compiled graph for all steps
+        for i in range(steps):
+            where = torch.tensor([position + i], device=token.device)
+            logits = forward(input_ids=token, past_key_values=cache, cache_position=where, use_cache=True, logits_to_keep=1).logits
+            token = logits[:, -1].argmax(-1, keepdim=True)
+            out.append(token)
+    return torch.cat(out, dim=1)
+
+
+class Runner:
+    """Runs one decode of a contender at a (batch, context); holds the shared caches and the
+    compiled forwards between calls. ``close()`` frees them."""
+
+    def __init__(self, model: Any, past: Past, prompts: torch.Tensor, capacity: int, steps: int, backend: str = "inductor") -> None:
+        self.model, self.past, self.prompts, self.capacity, self.steps = model, past, prompts, capacity, steps
+        self.backend = backend  # "eager" traces (graph breaks, recompiles) without generating code: for tests
+        self.caches: dict[tuple[str, int], Any] = {}
+        self.forwards: dict[str, Any] = {}
+        self.compile_s: dict[tuple[str, int], float] = {}
+        self.failed: dict[tuple[str, int], str] = {}
+
+    def cache_for(self, contender: Contender, batch: int) -> Any:
+        if not contender.shared:
+            return make_contender(contender.cache, self.model, capacity=self.capacity)
+        key = (contender.cache, batch)
+        if key not in self.caches:
+            self.caches[key] = make_contender(contender.cache, self.model, capacity=self.capacity)
+        cache = self.caches[key]
+        cache.reset()
+        return cache
+
+    def forward_for(self, name: str, contender: Contender) -> Any:
+        if not contender.compiled:
+            return self.model.forward
+        if name not in self.forwards:
+            self.forwards[name] = torch.compile(self.model.forward, fullgraph=True, dynamic=False, backend=self.backend)
+        return self.forwards[name]
+
+    def decode(self, name: str, batch: int, context: int) -> dict[str, Any]:
+        """One timed decode: ``seconds``, ``tokens`` ``[batch, steps]``, ``cache_bytes`` and
+        ``kv_bytes_at_context`` (what the cache held for the context, before the steps); or
+        ``reason`` when the contender cannot run (a missing backend, a failed compile)."""
+        contender = CONTENDERS[name]
+        reason = unavailable(name) or self.failed.get((name, batch))
+        if reason is not None:
+            return {"reason": reason}
+        token = self.prompts[:batch, context : context + 1]
+        forward = self.forward_for(name, contender)
+        self.model.set_attn_implementation("sdpa")
+        switch = use_kvcache_attention(self.model) if contender.attention == ATTENTION_NAME else nullcontext()
+        with switch, torch._dynamo.config.patch(recompile_limit=64):
+            if contender.compiled and (name, batch) not in self.compile_s:
+                try:
+                    cache = self.cache_for(contender, batch)
+                    fill(cache, self.past, batch, context)
+                    self.compile_s[name, batch] = clock(lambda: greedy_steps(forward, cache, token, context, WARMUP_STEPS))
+                except Exception as e:  # a graph break, an unsupported op: the row reports it
+                    return self._fail(name, batch, "compile failed", e)
+            cache = self.cache_for(contender, batch)
+            fill(cache, self.past, batch, context)
+            at_context = cache_bytes(cache)
+            result: dict[str, torch.Tensor] = {}
+            # After warm-up a compiled decode must not compile again (fixed shapes); if it would, say so.
+            stance = torch.compiler.set_stance("fail_on_recompile") if contender.compiled else nullcontext()
+            try:
+                with stance:
+                    seconds = clock(lambda: result.setdefault("tokens", greedy_steps(forward, cache, token, context, self.steps)))
+            except Exception as e:
+                if not contender.compiled:
+                    raise
+                return self._fail(name, batch, "recompiled after warm-up", e)
+        return {
+            "seconds": seconds,
+            "tokens": result["tokens"],
+            "cache_bytes": cache_bytes(cache),
+            "kv_bytes_at_context": at_context,
+            "compile_s": self.compile_s.get((name, batch)),
+        }
+
+    def _fail(self, name: str, batch: int, what: str, error: Exception) -> dict[str, str]:
+        self.failed[name, batch] = f"{what}: {type(error).__name__}: {_first_line(error)}"
+        self.caches.pop((CONTENDERS[name].cache, batch), None)
+        return {"reason": self.failed[name, batch]}
+
+    def close(self) -> None:
+        self.caches.clear()
+        self.forwards.clear()
+
+
+def _first_line(error: Exception, limit: int = 240) -> str:
+    text = " ".join(str(error).strip().splitlines()[:1]) or "(no message)"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
