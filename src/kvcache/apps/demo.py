@@ -70,6 +70,8 @@ __all__ = [
     "build_model",
     "format_table",
     "header_line",
+    "results_of",
+    "run_contenders",
     "run_demo",
 ]
 
@@ -293,13 +295,13 @@ def run_demo(
     if threads is not None:
         torch.set_num_threads(int(threads))
     try:
-        runs, caches = _run(model, prompt, entries, new_tokens, repeats, progress)
+        runs, caches = run_contenders(model, prompt, entries, new_tokens, repeats, progress)
     finally:
         torch.set_num_threads(before)
-    return _results(entries, runs, caches, instance, tokenizer)
+    return results_of(entries, runs, caches, instance, tokenizer)
 
 
-def _run(
+def run_contenders(
     model: PreTrainedModel,
     prompt: torch.Tensor,
     entries: dict[str, Contender],
@@ -307,6 +309,8 @@ def _run(
     repeats: int,
     progress: bool,
 ) -> tuple[dict[str, list[dict[str, Any]]], dict[str, Any]]:
+    """Every contender once untimed, then ``repeats`` timed runs round-robin on ``prompt`` ``[1, T]``:
+    the runs per contender and each contender's cache of its last run."""
     names = list(entries)
     caches: dict[str, Any] = {}  # each contender's cache of its latest run
 
@@ -339,13 +343,14 @@ def _first_line(tokenizer: Any, tokens: list[int]) -> str:
     return tokenizer.decode(tokens, skip_special_tokens=True).split("\n", 1)[0]
 
 
-def _results(
+def results_of(
     entries: dict[str, Contender],
     runs: dict[str, list[dict[str, Any]]],
     caches: dict[str, Any],
     instance: tasks.Instance | None,
     tokenizer: Any,
 ) -> list[dict[str, Any]]:
+    """One result dict per contender (keys in :func:`run_demo`); answers only with ``instance``."""
     reference_tokens = runs[REFERENCE][0]["tokens"]
     reference_speed = statistics.median(_speeds(runs[REFERENCE]))
     results = []
@@ -393,6 +398,8 @@ def _identical_cell(result: dict[str, Any]) -> str:
 
 
 def _answer_cell(result: dict[str, Any]) -> str:
+    if result["correct"] is None:  # nothing to check it against (a real model's free answer)
+        return repr(result["answer"].strip())
     return f"{'right' if result['correct'] else 'WRONG'}: {result['answer'].strip()!r}"
 
 
@@ -426,9 +433,10 @@ def format_table(results: list[dict[str, Any]]) -> str:
     )
     if answers:
         specs = "; ".join(f"{r['cache']} = {r['spec']}" for r in results if r.get("bounded"))
+        checked = any(r.get("correct") is not None for r in results)
         lines.append(
-            f"answer: the first generated line, right if it is the pass key. Bounded caches ({specs}) "
-            "report their own bytes and reallocations and may change the output."
+            f"answer: the first generated line{', right if it is the pass key' if checked else ''}. "
+            f"Bounded caches ({specs}) report their own bytes and reallocations and may change the output."
         )
     return "\n".join(lines)
 
