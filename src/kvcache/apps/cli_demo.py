@@ -115,16 +115,11 @@ def demo_real_model(args: argparse.Namespace, load_model) -> int:
         raise KVCacheError("--prompt-tokens applies to the tiny models; with --model the prompt is --prompt")
     model, tokenizer = load_model(args.model)
     text = args.prompt or demo_real.DEFAULT_PROMPT
-    if args.threads is not None:  # before the header, so it shows the count the run uses
-        before = torch_threads(args.threads)
-    try:
+    with demo.torch_threads(args.threads):  # before the header, so it shows the count the run uses
         prompt = demo_real.chat_prompt(tokenizer, text)
         header = demo_real.header_line(model, args.model, prompt, text, args.new_tokens, args.repeats)
         print(header, flush=True)
         results, _ = demo_real.run_real_demo(model, tokenizer, text, args.new_tokens, args.repeats)
-    finally:
-        if args.threads is not None:
-            torch_threads(before)
     print(demo.format_table(results), flush=True)
     print(f"{demo.REFERENCE}'s reply: {results[0]['reply'].strip()!r}", flush=True)
     if args.json:
@@ -133,11 +128,3 @@ def demo_real_model(args: argparse.Namespace, load_model) -> int:
         write_json(args.json, {"header": header, "settings": settings, "results": results})
     return 0
 
-
-def torch_threads(count: int) -> int:
-    """Set torch's intra-op thread count; returns the previous one."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(count)
-    return before

@@ -42,7 +42,7 @@ import contextlib
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,6 +73,7 @@ __all__ = [
     "results_of",
     "run_contenders",
     "run_demo",
+    "torch_threads",
 ]
 
 #: Config overrides applied to the random tiny model: 16 query heads sharing 8 key/value heads of 128.
@@ -291,14 +292,21 @@ def run_demo(
         body = torch.randint(3, model.config.vocab_size, (1, prompt_tokens - 1), generator=generator)
         prompt = torch.cat([torch.tensor([[model.config.bos_token_id]]), body], dim=1)
     entries = contenders(model, prompt_tokens, new_tokens, bounded=instance is not None)
-    before = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(int(threads))
-    try:
+    with torch_threads(threads):
         runs, caches = run_contenders(model, prompt, entries, new_tokens, repeats, progress)
+    return results_of(entries, runs, caches, instance, tokenizer)
+
+
+@contextlib.contextmanager
+def torch_threads(count: int | None) -> Iterator[None]:
+    """torch's intra-op thread count is ``count`` inside the block (None: left as it is)."""
+    before = torch.get_num_threads()
+    if count is not None:
+        torch.set_num_threads(int(count))
+    try:
+        yield
     finally:
         torch.set_num_threads(before)
-    return results_of(entries, runs, caches, instance, tokenizer)
 
 
 def run_contenders(

@@ -18,7 +18,7 @@ import transformers
 import kvcache
 
 from .contenders import spec_for
-from .demo import Contender, contenders, results_of, run_contenders
+from .demo import Contender, contenders, results_of, run_contenders, torch_threads
 
 __all__ = ["DEFAULT_PROMPT", "QUANTIZED", "chat_prompt", "header_line", "reply_of", "run_real_demo"]
 
@@ -62,13 +62,8 @@ def run_real_demo(
     for name, contender in QUANTIZED.items():
         spec = spec_for(contender)
         entries[name] = Contender(spec, lambda spec=spec: kvcache.make_cache(model, spec), bounded=True)
-    before = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(int(threads))
-    try:
+    with torch_threads(threads):
         runs, caches = run_contenders(model, prompt, entries, new_tokens, repeats, progress)
-    finally:
-        torch.set_num_threads(before)
     results = results_of(entries, runs, caches, None, tokenizer)
     for result in results:
         tokens = runs[result["cache"]][-1]["tokens"]
