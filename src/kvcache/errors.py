@@ -53,3 +53,9 @@ class ModelMismatchError(CacheFileError):
 
 class CacheSaveError(KVCacheError, OSError):
     """A cache file could not be written (full disk, no permission, ...). The old file is intact."""
+
+
+class ModelUnavailableError(KVCacheError):
+    """A pretrained model cannot be had: unknown name, no network, a damaged download, a full disk,
+    a failed conversion or a converted folder that no longer matches its manifest. Nothing half-made
+    is left behind."""

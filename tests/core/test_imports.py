@@ -6,7 +6,8 @@
       |
     model    cache, build, cachefile, spec, hf, foreign, compiled (the transformers-facing cache)
       |
-    storage  layers.*, attention.*, persist.*, quant, policies, registry, fingerprint
+    storage  layers.*, attention.*, persist.*, quant, policies, registry, fingerprint,
+             models.* (real pretrained models: may import errors and transformers, nothing of the cache)
       |
     errors   errors
 
@@ -28,7 +29,7 @@ import kvcache
 PACKAGE = Path(kvcache.__file__).parent
 
 TIERS = ["errors", "storage", "model", "api", "apps"]
-STORAGE = ("layers", "attention", "persist", "quant", "policies", "registry", "fingerprint")
+STORAGE = ("layers", "attention", "persist", "quant", "policies", "registry", "fingerprint", "models")
 MODEL = ("cache", "build", "cachefile", "spec", "hf", "foreign", "compiled")
 
 
@@ -176,6 +177,19 @@ def test_no_library_module_imports_the_applications():
         if tier_of(target) == "apps"
     )
     assert not into_apps, "\n".join(into_apps)
+
+
+def test_the_model_registry_imports_nothing_of_the_cache():
+    graph = import_graph()
+    package = [name for name in graph if name == "kvcache.models" or name.startswith("kvcache.models.")]
+    assert "kvcache.models.install" in package
+    outside = sorted(
+        f"{name} imports {target}"
+        for name in package
+        for target in graph[name]
+        if target != "kvcache.errors" and not target.startswith("kvcache.models")
+    )
+    assert not outside, "\n".join(outside)
 
 
 def test_importing_kvcache_loads_no_application_module():

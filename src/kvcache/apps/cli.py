@@ -1,9 +1,10 @@
-"""The ``kvcache`` command line: ``kvcache demo``, ``kvcache generate``, ``kvcache bench``, ``kvcache eval``.
+"""The ``kvcache`` command line: ``kvcache demo``, ``kvcache generate``, ``kvcache bench``, ``kvcache eval``,
+``kvcache models``.
 
 Each subcommand is one ``add_<name>(subparsers)`` function that builds its parser with
 :func:`.cli_options.add_command`, run by a ``cmd_<name>(args) -> int`` handler whose docstring is the
 command's help; :data:`SUBCOMMANDS` lists them in ``--help`` order. ``generate`` lives here, ``demo`` in :mod:`.cli_demo`, ``bench`` and ``eval`` in
-:mod:`.cli_runs`, what they share in :mod:`.cli_options`. Heavy imports happen inside the handlers,
+:mod:`.cli_runs`, ``models`` in :mod:`.cli_models`, what they share in :mod:`.cli_options`. Heavy imports happen inside the handlers,
 so ``--help`` and argument errors stay quick.
 
 Exit codes: 0 success, 2 bad arguments or a ``kvcache`` error (printed as one line,
@@ -23,6 +24,7 @@ from .. import __version__
 from ..errors import KVCacheError
 from ..spec import parse_spec, valid_specs
 from .cli_demo import add_demo
+from .cli_models import add_models
 from .cli_options import PROG, add_command, cache_spec, check_device, int_at_least, output_file, positive_float, probability
 from .cli_runs import add_bench, add_eval
 
@@ -33,18 +35,26 @@ TINY = "tiny"
 
 
 def load_model(name_or_dir: str, device: str = "cpu") -> tuple[Any, Any]:
-    """``(model, tokenizer)`` for ``--model``: ``"tiny"`` or a local Hugging Face checkpoint folder.
+    """``(model, tokenizer)`` for ``--model``: ``"tiny"``, a registry model or a local Hugging Face
+    checkpoint folder.
 
     ``"tiny"`` is the small model trained for kvcache and shipped with it (:mod:`kvcache.apps.trained`),
-    with its byte-level tokenizer. A folder is loaded with ``AutoTokenizer`` /
-    ``AutoModelForCausalLM``, never from the hub.
+    with its byte-level tokenizer. A registry model (:mod:`kvcache.models`, e.g. ``smollm2``) is
+    downloaded and converted the first time, progress on stderr. A folder is loaded with
+    ``AutoTokenizer`` / ``AutoModelForCausalLM``, never from the hub.
     """
+    from ..models import find_entry, known_names, model_path
+
     if name_or_dir == TINY:
         from .trained import MODEL_DIR
 
         name_or_dir = str(MODEL_DIR)
+    elif find_entry(name_or_dir) is not None:
+        name_or_dir = str(model_path(name_or_dir))
     if not os.path.isdir(name_or_dir):
-        raise KVCacheError(f"--model: {name_or_dir!r} is neither {TINY!r} nor a model directory")
+        raise KVCacheError(
+            f"--model: {name_or_dir!r} is neither {TINY!r} nor a model directory nor a known model ({known_names()})"
+        )
     from .trained import load_pretrained
 
     try:
@@ -90,9 +100,10 @@ def add_generate(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--model",
         default=TINY,
-        metavar="DIR|tiny",
-        help="a local Hugging Face checkpoint folder, or 'tiny': the small model trained for kvcache "
-        "and shipped with it, byte-level tokenizer (default: %(default)s)",
+        metavar="NAME|DIR|tiny",
+        help="a real model by name (see kvcache models list; downloaded and converted once), a local "
+        "Hugging Face checkpoint folder, or 'tiny': the small model trained for kvcache and shipped "
+        "with it, byte-level tokenizer (default: %(default)s)",
     )
     source = p.add_mutually_exclusive_group()
     source.add_argument(
@@ -205,7 +216,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 # ---- the parser and the entry point --------------------------------------------------------
 
 #: One ``add_<name>`` per subcommand, in ``--help`` order.
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_demo, add_generate, add_bench, add_eval]
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_demo, add_generate, add_bench, add_eval, add_models]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -14,12 +14,21 @@ from .tiny import FAMILIES
 def add_demo(subparsers: argparse._SubParsersAction) -> None:
     p = add_command(subparsers, "demo", cmd_demo)
     count = {"type": int_at_least(1), "metavar": "N"}
-    p.add_argument(
+    which = p.add_mutually_exclusive_group()
+    which.add_argument(
         "--family",
         choices=FAMILIES,
         default=None,
         help="use a random tiny model of this family instead of the trained one",
     )
+    which.add_argument(
+        "--model",
+        default=None,
+        metavar="NAME|DIR",
+        help="use a real model instead: a name from kvcache models list (downloaded and converted once) "
+        "or a local Hugging Face model folder; it answers --prompt",
+    )
+    p.add_argument("--prompt", default=None, metavar="TEXT", help="with --model: the user message it answers")
     p.add_argument(
         "--prompt-tokens",
         **count,
@@ -55,11 +64,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
     Contenders alternate round-robin; the table shows decode tokens/s (median), the bytes each cache
     holds, how often its storage moved, whether the tokens match DynamicCache's, and the answer.
     With --family, a random-weight model of that family with a wide KV cache and a random prompt
-    instead (unbounded caches only).
+    instead (unbounded caches only). With --model (e.g. smollm2), a real model answering a short
+    chat prompt with the unbounded and the quantized caches.
     """
     from . import demo
     from .cli import TINY, load_model  # the generate command's loader (cli imports this module)
 
+    if args.prompt is not None and args.model is None:
+        raise KVCacheError("--prompt applies only with --model")
+    if args.model is not None and args.model != TINY:
+        return demo_real_model(args, load_model)
     tokenizer = None
     if args.family is None:
         model, tokenizer = load_model(TINY)
@@ -91,3 +105,26 @@ def cmd_demo(args: argparse.Namespace) -> int:
         settings["prompt_tokens"] = prompt_tokens
         write_json(args.json, {"header": header, "settings": settings, "results": results})
     return 0
+
+
+def demo_real_model(args: argparse.Namespace, load_model) -> int:
+    """``kvcache demo --model NAME|DIR``: see :mod:`kvcache.apps.demo_real`."""
+    from . import demo, demo_real
+
+    if args.prompt_tokens is not None:
+        raise KVCacheError("--prompt-tokens applies to the tiny models; with --model the prompt is --prompt")
+    model, tokenizer = load_model(args.model)
+    text = args.prompt or demo_real.DEFAULT_PROMPT
+    with demo.torch_threads(args.threads):  # before the header, so it shows the count the run uses
+        prompt = demo_real.chat_prompt(tokenizer, text)
+        header = demo_real.header_line(model, args.model, prompt, text, args.new_tokens, args.repeats)
+        print(header, flush=True)
+        results, _ = demo_real.run_real_demo(model, tokenizer, text, args.new_tokens, args.repeats)
+    print(demo.format_table(results), flush=True)
+    print(f"{demo.REFERENCE}'s reply: {results[0]['reply'].strip()!r}", flush=True)
+    if args.json:
+        settings = {"model": args.model, "prompt": text, "new_tokens": args.new_tokens, "repeats": args.repeats}
+        settings |= {"threads": args.threads, "prompt_tokens": int(prompt.shape[1])}
+        write_json(args.json, {"header": header, "settings": settings, "results": results})
+    return 0
+
