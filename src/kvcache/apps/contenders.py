@@ -52,8 +52,11 @@ def spec_for(name: str, slots: int | float | None = None, capacity: int | None =
     return template.format(slots=slots, capacity=capacity)
 
 
-def make_contender(name: str, model_or_config: Any, slots: int | float | None = None, capacity: int | None = None):
-    """A fresh cache for contender ``name``: Hugging Face's for the references, else ``make_cache``."""
+def make_contender(
+    name: str, model_or_config: Any, slots: int | float | None = None, capacity: int | None = None, compile: bool = False
+):
+    """A fresh cache for contender ``name``: Hugging Face's for the references, else ``make_cache``
+    (with ``compile=True``: its fixed-shape twin, for ``torch.compile``)."""
     if name in HF_REFERENCES:
         config = getattr(model_or_config, "config", model_or_config)
         if name == "dynamic":
@@ -62,4 +65,4 @@ def make_contender(name: str, model_or_config: Any, slots: int | float | None = 
             backend, bits = HF_QUANTIZED[name]
             return QuantizedCache(backend, config, nbits=bits)
         return StaticCache(config=config, max_cache_len=capacity)
-    return make_cache(model_or_config, spec_for(name, slots, capacity))
+    return make_cache(model_or_config, spec_for(name, slots, capacity), compile=compile)

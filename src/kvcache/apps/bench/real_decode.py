@@ -141,11 +141,13 @@ class Runner:
         self.failed: dict[tuple[str, int], str] = {}
 
     def cache_for(self, contender: Contender, batch: int) -> Any:
+        # Our compiled contenders take make_cache(..., compile=True): fixed shapes, one graph.
+        fixed = contender.compiled and contender.attention == ATTENTION_NAME
         if not contender.shared:
-            return make_contender(contender.cache, self.model, capacity=self.capacity)
-        key = (contender.cache, batch)
+            return make_contender(contender.cache, self.model, capacity=self.capacity, compile=fixed)
+        key = (contender.cache, fixed, batch)
         if key not in self.caches:
-            self.caches[key] = make_contender(contender.cache, self.model, capacity=self.capacity)
+            self.caches[key] = make_contender(contender.cache, self.model, capacity=self.capacity, compile=fixed)
         cache = self.caches[key]
         cache.reset()
         return cache

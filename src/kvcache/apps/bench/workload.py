@@ -30,20 +30,15 @@ Past = list[tuple[torch.Tensor, torch.Tensor]]
 def resolve_model(name_or_dir: str) -> Path:
     """A local ``from_pretrained`` folder for ``--model``: a directory as given, ``"tiny"`` the
     small model shipped with kvcache, or a registered name through ``kvcache.models.model_path``
-    where this version has it."""
+    (downloaded and converted once)."""
     if name_or_dir == "tiny":
         from ..trained import MODEL_DIR
 
         return MODEL_DIR
     if os.path.isdir(name_or_dir):
         return Path(name_or_dir)
-    try:
-        from ... import models  # type: ignore[attr-defined]
-    except ImportError:
-        raise KVCacheError(
-            f"--model: {name_or_dir!r} is not a directory, and this version of kvcache has no model registry "
-            f"(kvcache.models) to resolve names; pass a local Hugging Face model folder"
-        ) from None
+    from ... import models
+
     return Path(models.model_path(name_or_dir))
 
 
