@@ -20,7 +20,7 @@ from .native_build import library
 MAX_ROWS, MAX_DIM = 16, 512
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 #: Tokens per task: enough to amortise a task, few enough that a long sequence splits across threads.
-_MIN_CHUNK, _TASKS_PER_THREAD = 512, 4
+_MIN_CHUNK, _TASKS_PER_THREAD = 256, 16
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:

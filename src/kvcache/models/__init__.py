@@ -7,8 +7,8 @@
 :data:`MODELS` is the registry (name or alias -> :class:`ModelEntry`); anywhere a name is accepted,
 a local model folder is too. Converted models live in ``$KVCACHE_HOME/models/<name>`` (default
 ``~/.cache/kvcache``), each with a manifest of its files' sizes and hashes. Every failure is one
-:class:`~kvcache.errors.ModelUnavailableError`. Converting GGUF weights needs the optional
-packages of ``pip install "kvcache[models]"``.
+:class:`~kvcache.errors.ModelUnavailableError`. Converting GGUF weights needs ``gguf`` and
+``accelerate`` (dependencies of kvcache).
 """
 
 from ..errors import ModelUnavailableError
