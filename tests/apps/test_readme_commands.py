@@ -96,6 +96,8 @@ def test_extras_only_modules_are_found():
 def test_documented_command_works_after_the_readme_install(command, tmp_path):
     argv = shlex.split(command)[1:]
     argv += QUICK.get(argv[0], [])
+    if argv[0] == "demo" and "--model" in argv:  # a real model's prompt is text (--prompt), not a token count
+        argv = [a for a, b in zip(argv, ["", *argv]) if a != "--prompt-tokens" and b != "--prompt-tokens"]
     if argv[0] == "generate" and "--load-cache" in argv:  # continues what the --save-cache line wrote
         saving = next(c for c in documented_commands() if "--save-cache" in c)
         first = run_blocked(shlex.split(saving)[1:], tmp_path)
