@@ -105,7 +105,7 @@ def run(
 def compare(runs: dict[str, list[dict[str, Any]]], shape: ModelShape, machine: Machine, batch: int, context: int, steps: int) -> list[dict[str, Any]]:
     """The rows of one (batch, context) from each contender's rounds of ``Runner.decode``."""
     reference = runs[REFERENCE][-1]
-    reference_rate = batch * steps / median([r["seconds"] for r in runs[REFERENCE]]) if "seconds" in reference else None
+    reference_seconds = median([r["seconds"] for r in runs[REFERENCE]]) if "seconds" in reference else None
     rows = []
     for name, samples in runs.items():
         row: dict[str, Any] = {"batch": batch, "context": context, "contender": name, "compiled": CONTENDERS[name].compiled}
@@ -123,7 +123,8 @@ def compare(runs: dict[str, list[dict[str, Any]]], shape: ModelShape, machine: M
             row
             | {
                 "tokens_per_s": batch / step_s,
-                f"speedup_vs_{REFERENCE}": batch / step_s / reference_rate if reference_rate else None,
+                # the same steps at the same batch: the ratio of the median times (exactly 1 for the reference)
+                f"speedup_vs_{REFERENCE}": reference_seconds / median(seconds) if reference_seconds else None,
                 f"identical_to_{REFERENCE}": None if same is None else bool(same.all()),
                 "token_agreement": None if same is None else float(same.float().mean()),
                 "cache_bytes": last["cache_bytes"],
