@@ -21,6 +21,7 @@ import math
 import torch
 
 from . import native_build
+from .native import task_chunk
 
 #: Query rows per KV head (group * queries) and head dims the library takes.
 MAX_ROWS, MAX_DIM = 16, 512
@@ -32,7 +33,6 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.kv_coded_key_scores.restype = i32
     lib.kv_coded_weighted.argtypes = [ptr] * 6 + [i64, i64, i32, i32, i32, i32, i64] + [i64] * 7 + [i64, i32]
     lib.kv_coded_weighted.restype = i32
-    lib.kv_coded_max_rows.restype = lib.kv_coded_max_dim.restype = i32
     return lib
 
 
@@ -72,7 +72,7 @@ def key_scores(
     codes = _inner_contiguous(codes)
     scale, minimum = _same_strides(scale, minimum)
     threads = torch.get_num_threads()
-    chunk = _chunk(blocks, batch * heads, threads, max(1, _MIN_CHUNK // group))
+    chunk = task_chunk(blocks, batch * heads, threads, _TASKS_PER_THREAD, max(1, _MIN_CHUNK // group))
     failed = lib.kv_coded_key_scores(
         q.data_ptr(), codes.data_ptr(), scale.data_ptr(), minimum.data_ptr(), out.data_ptr(),
         batch, heads, rows, dim, group, bits, blocks,
@@ -100,7 +100,7 @@ def weighted_values(
     codes = _inner_contiguous(codes)
     scale, minimum = _same_strides(scale, minimum)
     threads = torch.get_num_threads()
-    chunk = _chunk(tokens, batch * heads, threads, _MIN_CHUNK)
+    chunk = task_chunk(tokens, batch * heads, threads, _TASKS_PER_THREAD, _MIN_CHUNK)
     chunks = max(1, math.ceil(tokens / chunk))
     out = torch.empty(batch, heads, rows, dim, dtype=torch.float32)
     scratch = torch.empty(batch * heads * chunks, rows, dim + dim // group, dtype=torch.float32)
@@ -115,13 +115,6 @@ def weighted_values(
 
 def _fits(rows: int, dim: int, bits: int, device: torch.device) -> bool:
     return device.type == "cpu" and 1 <= rows <= MAX_ROWS and 1 <= dim <= MAX_DIM and bits in (8, 4, 2)
-
-
-def _chunk(items: int, jobs: int, threads: int, least: int) -> int:
-    """Items a task takes, so that ``jobs`` sequences of ``items`` make enough tasks to keep every
-    thread busy (one sequence too, with B = 1) without tasks too small to pay for themselves."""
-    per_job = max(1, math.ceil(_TASKS_PER_THREAD * threads / max(jobs, 1)))
-    return max(least, math.ceil(items / per_job), 1)
 
 
 def _inner_contiguous(t: torch.Tensor) -> torch.Tensor:

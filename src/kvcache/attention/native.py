@@ -11,6 +11,7 @@ device other than the CPU, shapes beyond it): the caller then takes the PyTorch 
 from __future__ import annotations
 
 import ctypes
+import math
 
 import torch
 
@@ -57,8 +58,7 @@ def decode_attention(
     keep_u8 = None if keep is None else keep.to(torch.uint8).expand(batch, length).contiguous()
     out = torch.empty(batch, heads, rows, vdim, dtype=torch.float32)
     threads = torch.get_num_threads()
-    splits = -(-threads * _TASKS_PER_THREAD // max(batch * heads, 1))  # chunks per (row, head)
-    chunk = max(_MIN_CHUNK, -(-length // splits))
+    chunk = task_chunk(length, batch * heads, threads, _TASKS_PER_THREAD, _MIN_CHUNK)
     failed = lib.kv_float_decode(
         qf.data_ptr(), key.data_ptr(), value.data_ptr(), 0 if keep_u8 is None else keep_u8.data_ptr(), out.data_ptr(),
         _DTYPES[key.dtype], batch, heads, rows, dim, vdim, length,
@@ -66,6 +66,14 @@ def decode_attention(
         chunk, float(softcap or 0.0), threads,
     )  # fmt: skip
     return None if failed else out
+
+
+def task_chunk(items: int, jobs: int, threads: int, tasks_per_thread: int, least: int) -> int:
+    """Items (tokens, blocks) a library task takes, so that ``jobs`` sequences of ``items`` make about
+    ``tasks_per_thread`` tasks a thread (one sequence too, with B = 1) and no task has fewer than
+    ``least`` (too small to pay for itself)."""
+    per_job = max(1, math.ceil(tasks_per_thread * threads / max(jobs, 1)))
+    return max(least, math.ceil(items / per_job), 1)
 
 
 def _fits(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rows: int, dim: int, vdim: int) -> bool:

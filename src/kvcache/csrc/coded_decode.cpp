@@ -326,9 +326,6 @@ KV_WRAP(2)
 
 extern "C" {
 
-int kv_coded_max_rows() { return kMaxRows; }
-int kv_coded_max_dim() { return kMaxDim; }
-
 // scores[b, h, r, blk * G + t] = q[b, h, r] . key(b, h, blk * G + t) for blocks [0, nblk).
 // q float32 contiguous [B, H, rows, D]; out float32 with the given strides (row stride out_row).
 int kv_coded_key_scores(const float* q, const uint8_t* codes, const float* scale, const float* minimum, float* out,

@@ -17,13 +17,12 @@
 // Scores are float32. Masked keys are skipped (never turned into -inf), so the exponent never
 // sees an infinity. softcap > 0 applies softcap * tanh(score / softcap) first.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
 #include <vector>
-
-#include <omp.h>
 
 namespace {
 
@@ -253,9 +252,6 @@ int decode(const float* q, const T* k, const T* v, const uint8_t* keep, float* o
 }  // namespace
 
 extern "C" {
-
-int kv_float_decode_max_rows() { return kMaxRows; }
-int kv_float_decode_max_dim() { return kMaxDim; }
 
 // dtype: 0 = float32, 1 = bfloat16 (keys and values alike).
 int kv_float_decode(const float* q, const void* k, const void* v, const uint8_t* keep, float* out,
