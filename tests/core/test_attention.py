@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import kvcache
 import kvcache.attention.kernel
 from kvcache import DTypeError, ShapeError, attend
+from kvcache.attention import attend_weighted
 
 from helpers import Recorder
 
@@ -214,7 +215,9 @@ def test_long_prefill_blocks_queries(monkeypatch, q_len):
     full_scores = batch * q_heads * q_len * kv_len
     biggest = max(n for _, outs, _ in rec.ops for _, n, _ in outs)
     assert biggest < full_scores // 4, (biggest, full_scores)  # never a whole score matrix
-    assert sum("bmm" in name or "mm" in name for name, _, _ in rec.ops) >= 2 * (q_len // 8)
+    # One attention call per block of rows: fused SDPA (no weights asked for) or scores + values.
+    attention_calls = sum("scaled_dot_product" in name or "bmm" in name or "mm" in name for name, _, _ in rec.ops)
+    assert attention_calls >= q_len // 8
 
     # With an explicit mask and the same blocking.
     pad = bool_mask((batch, 1, q_len, kv_len), seed=5)
@@ -467,3 +470,50 @@ def test_gemma2_with_kvcache_attention_matches_eager_and_dynamic_cache():
     finally:
         model.set_attn_implementation("eager")
     assert torch.equal(out, ref)
+
+
+# ---- reduced weights: every mode against the full softmax ---------------------------------------
+
+
+def _full_probs(q, k, mask):
+    """Softmax weights ``[B, Hq, Sq, T]`` in float64, as SDPA's math defines them."""
+    group = q.shape[1] // k.shape[1]
+    scores = q.double() @ k.double().repeat_interleave(group, dim=1).transpose(-1, -2) / q.shape[-1] ** 0.5
+    return scores.masked_fill(~mask, float("-inf")).softmax(-1).nan_to_num(0.0)
+
+
+@pytest.mark.parametrize("q_len,kv_len,block_rows", [(1, 40, None), (37, 37, 5), (37, 50, 4), (5, 60, None)])
+def test_weight_modes_match_the_full_softmax(monkeypatch, q_len, kv_len, block_rows):
+    """sum / last / max / window:N (all asked at once), summed over each KV head's query heads,
+    equal the same reductions of the whole [B, Hq, Sq, T] softmax; blocks split where they must."""
+    batch, q_heads, kv_heads = 2, 6, 2
+    q, k, v = qkv(batch, q_heads, kv_heads, q_len, kv_len, capacity=kv_len + 3)
+    if block_rows is not None:
+        row_bytes = batch * q_heads * kv_len * 4
+        monkeypatch.setattr(kvcache.attention.kernel, "_BLOCK_BYTES", block_rows * row_bytes)
+    modes = ("sum", "last", "max", "window:3", "window:100")
+    out, got = attend_weighted(q, k, v, causal=True, weights=modes)
+    mask = end_aligned(q_len, kv_len)
+    close(out, reference(q, k, v, mask=mask))
+    p = _full_probs(q, k, mask).reshape(batch, kv_heads, q_heads // kv_heads, q_len, kv_len)
+    want = {
+        "sum": p.sum(dim=(2, 3)),
+        "last": p[:, :, :, -1].sum(dim=2),
+        "max": p.sum(dim=2).amax(dim=2),
+        "window:3": p[:, :, :, -3:].sum(dim=(2, 3)),
+        "window:100": p.sum(dim=(2, 3)),
+    }
+    assert set(got) == set(modes)
+    for mode in modes:
+        assert got[mode].shape == (batch, kv_heads, kv_len) and got[mode].dtype == torch.float32
+        torch.testing.assert_close(got[mode].double(), want[mode], atol=1e-5, rtol=1e-5, msg=mode)
+    # One mode alone comes back as a tensor, the same numbers.
+    _, alone = attend_weighted(q, k, v, causal=True, weights="window:3")
+    torch.testing.assert_close(alone, got["window:3"])
+
+
+@pytest.mark.parametrize("bad", ["mean", "window:", "window:0", "window:x", ("sum", "avg")])
+def test_weight_modes_refuse_unknown_names(bad):
+    q, k, v = qkv(1, 2, 1, 3, 5)
+    with pytest.raises(ValueError, match="weights must be"):
+        attend_weighted(q, k, v, weights=bad)

@@ -19,6 +19,7 @@ import math
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from ..errors import DTypeError, ShapeError
 from . import native
@@ -57,9 +58,13 @@ def attend(
     return out
 
 
-#: What ``attend_weighted`` can report about the attention weights, per KV head and key:
-#: ``"sum"`` over every query row (and the query heads of the group), ``"last"`` for the last query only.
-WEIGHTS = ("sum", "last")
+#: What ``attend_weighted`` can report about the attention weights, per KV head and key (each
+#: summed over the query heads of the group): ``"sum"`` over every query row, ``"last"`` for the
+#: last query only, ``"max"`` the largest weight any query row gave the key, and ``"window:N"``
+#: summed over the last N query rows (SnapKV's observation window).
+WEIGHTS = ("sum", "last", "max", "window:N")
+
+Weights = str | tuple[str, ...] | None
 
 
 def attend_weighted(
@@ -72,9 +77,9 @@ def attend_weighted(
     causal: bool = False,
     softcap: float | None = None,
     mask_rows: Callable[[int, int], torch.Tensor] | None = None,
-    weights: str | None = None,
+    weights: Weights = None,
     sinks: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor | dict[str, torch.Tensor] | None]:
     """``attend``, plus masks made per block of query rows and reduced attention weights.
 
     ``mask_rows(start, stop)`` returns a boolean mask ``[B|1, Hkv|1, stop - start, T]``, or per
@@ -82,21 +87,22 @@ def attend_weighted(
     ``start:stop``; it is called once per block, so a mask for a long prefill is never built whole.
     It combines (AND) with ``mask`` and ``causal``. ``sinks``: as for ``attend``.
 
-    ``weights`` is None, ``"sum"`` or ``"last"``: returns, besides the output ``[B, Hq, Sq, Dv]``,
-    the softmax weights summed over the query heads of each KV head and over every query
-    (``"sum"``) or the last query only (``"last"``), as float32 ``[B, Hkv, T]``; never the full
-    ``[B, Hq, Sq, T]``. With ``sinks`` the weights are the keys' real probabilities (the sink's
-    share is not reported).
+    ``weights``: None, one of ``WEIGHTS`` (``"window:32"``), or a tuple of them. Returns, besides
+    the output ``[B, Hq, Sq, Dv]``, the reduced softmax weights as float32 ``[B, Hkv, T]`` (a
+    dict mode -> tensor for a tuple), never the full ``[B, Hq, Sq, T]``. With ``sinks`` the
+    weights are the keys' real probabilities (the sink's share is not reported).
 
     ``key`` may be a ``BlockReader`` (with ``value`` None): keys and values are then read one
     block of slots at a time, as the reader hands them out.
+
+    Query rows whose weights nobody asked for go through torch's fused SDPA, a block at a time
+    (no softcap or sinks, keys a tensor); with ``causal`` a block reads only the keys it can see.
     """
     if isinstance(key, BlockReader):
         if value is not None:
             raise DTypeError(f"a BlockReader hands out both keys and values: pass value=None, got {type(value).__name__}")
         value = key  # the same reader, asked for its value blocks
-    if weights is not None and weights not in WEIGHTS:
-        raise ValueError(f"weights must be None or one of {WEIGHTS}, got {weights!r}")
+    modes = _weight_modes(weights)
     batch, q_heads, q_len, head_dim = _check_inputs(query, key, value, mask)
     kv_heads, kv_len, value_dim = key.shape[1], key.shape[2], _value_dim(value)
     group = q_heads // kv_heads
@@ -107,33 +113,128 @@ def attend_weighted(
     mask5 = _group_mask(mask, batch, kv_heads, group, q_len, kv_len)
     keys_t = key.transpose(-1, -2) if isinstance(key, torch.Tensor) else None  # [B, Hkv, D, T], a view
 
-    row_bytes = batch * q_heads * kv_len * 4
-    block = max(1, min(q_len, _BLOCK_BYTES // max(row_bytes, 1)))
     if q_len == 0:
-        return query.new_empty(batch, q_heads, 0, value_dim), _no_weights(weights, key)
+        return query.new_empty(batch, q_heads, 0, value_dim), _reduced(weights, modes, key)
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be a positive number or None, got {softcap}")
     sinks5 = group_sinks(sinks, kv_heads, group)
-    if group * q_len <= DECODE_ROWS:
-        block = q_len
-        if weights is None and sinks5 is None and mask_rows is None and (q_len == 1 or not causal):
-            out = _native_decode(q5, key, value, mask5, scale, softcap)
-            if out is not None:
-                return out.to(query.dtype).reshape(batch, q_heads, q_len, value_dim), None
+    if group * q_len <= DECODE_ROWS and not modes and sinks5 is None and mask_rows is None and (q_len == 1 or not causal):
+        out = _native_decode(q5, key, value, mask5, scale, softcap)
+        if out is not None:
+            return out.to(query.dtype).reshape(batch, q_heads, q_len, value_dim), None
+    reduced = {mode: _zeros(key) for mode in modes}
+    weighted_from = _first_weighted_row(modes, q_len)
+    sdpa_ok = isinstance(key, torch.Tensor) and softcap is None and sinks5 is None and (mask5 is None or mask5.dtype == torch.bool)
     outs = []
-    reduced = _no_weights(weights, key)
-    for start in range(0, q_len, block):
-        stop = min(q_len, start + block)
-        probs = _block_probs(q5, key, keys_t, mask5, mask_rows, causal, scale, softcap, start, stop, sinks5)
-        if weights == "sum":
-            reduced += probs.sum(dim=(2, 3))
-        elif weights == "last" and stop == q_len:
-            reduced += probs[:, :, :, -1].sum(dim=2)
+    for start, stop in _blocks(q_len, group, batch * q_heads * kv_len * 4, weighted_from):
+        # With causal, keys past this are in the future of every row of the block.
+        limit = kv_len - q_len + stop if causal and isinstance(key, torch.Tensor) else kv_len
+        if sdpa_ok and stop <= weighted_from:
+            outs.append(_sdpa_block(query, key, value, mask5, mask_rows, causal, scale, start, stop, limit))
+            continue
+        probs = _block_probs(q5, key, keys_t, mask5, mask_rows, causal, scale, softcap, start, stop, sinks5, limit)
+        for mode, acc in reduced.items():
+            _reduce_into(acc[..., :limit], mode, probs, start, q_len)
         rows = stop - start
-        flat = probs.to(query.dtype).reshape(batch, kv_heads, group * rows, kv_len)
-        outs.append(_weighted_values(flat, value).view(batch, kv_heads, group, rows, value_dim))
+        flat = probs.to(query.dtype).reshape(batch, kv_heads, group * rows, limit)
+        outs.append(_weighted_values(flat, _keys_to(value, limit)).view(batch, kv_heads, group, rows, value_dim))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)
-    return out.reshape(batch, q_heads, q_len, value_dim), reduced
+    return out.reshape(batch, q_heads, q_len, value_dim), _reduced(weights, modes, key, reduced)
+
+
+def _weight_modes(weights: Weights) -> tuple[str, ...]:
+    """The modes asked for, each checked: ``"sum"``, ``"last"``, ``"max"`` or ``"window:N"`` (N >= 1)."""
+    if weights is None:
+        return ()
+    modes = (weights,) if isinstance(weights, str) else tuple(weights)
+    for mode in modes:
+        if mode in ("sum", "last", "max"):
+            continue
+        if isinstance(mode, str) and mode.startswith("window:") and mode[7:].isdigit() and int(mode[7:]) >= 1:
+            continue
+        raise ValueError(f"weights must be None or one of {WEIGHTS} (N a whole number >= 1), or a tuple of them; got {mode!r}")
+    return modes
+
+
+def _first_weighted_row(modes: tuple[str, ...], q_len: int) -> int:
+    """The first query row whose softmax weights a mode needs (``q_len``: none does)."""
+    first = q_len
+    for mode in modes:
+        if mode in ("sum", "max"):
+            return 0
+        first = min(first, q_len - (1 if mode == "last" else min(q_len, int(mode[7:]))))
+    return first
+
+
+def _blocks(q_len: int, group: int, row_bytes: int, split_at: int) -> list[tuple[int, int]]:
+    """Query row blocks ``(start, stop)`` whose scores stay near ``_BLOCK_BYTES``, with a boundary
+    at ``split_at`` (where the rows whose weights are needed begin); a decode-sized call is one block."""
+    if group * q_len <= DECODE_ROWS:
+        return [(0, q_len)]
+    block = max(1, min(q_len, _BLOCK_BYTES // max(row_bytes, 1)))
+    out = []
+    for lo, hi in ((0, split_at), (split_at, q_len)):
+        out += [(s, min(hi, s + block)) for s in range(lo, hi, block)]
+    return out
+
+
+def _reduce_into(acc: torch.Tensor, mode: str, probs: torch.Tensor, start: int, q_len: int) -> None:
+    """Fold the weights ``[B, Hkv, group, rows, T']`` of query rows ``start...`` into ``acc`` ``[B, Hkv, T']``."""
+    rows = probs.shape[3]
+    if mode == "sum":
+        acc += probs.sum(dim=(2, 3))
+    elif mode == "max":
+        torch.maximum(acc, probs.sum(dim=2).amax(dim=2), out=acc)
+    else:
+        first = q_len - (1 if mode == "last" else min(q_len, int(mode[7:])))
+        lo = max(first - start, 0)
+        if lo < rows:
+            acc += probs[:, :, :, lo:].sum(dim=(2, 3))
+
+
+def _zeros(key: TensorLike) -> torch.Tensor:
+    return torch.zeros(key.shape[0], key.shape[1], key.shape[2], dtype=torch.float32, device=key.device)
+
+
+def _reduced(weights: Weights, modes: tuple[str, ...], key: TensorLike, reduced: dict | None = None):
+    """The weights in the form asked for: None, one tensor (one mode) or a dict (a tuple of modes)."""
+    if not modes:
+        return None
+    reduced = reduced if reduced is not None else {mode: _zeros(key) for mode in modes}
+    return reduced[modes[0]] if isinstance(weights, str) else reduced
+
+
+def _keys_to(t: TensorLike, limit: int) -> TensorLike:
+    """The first ``limit`` slots of a tensor (a view); a reader whole (it has no limit)."""
+    return t[:, :, :limit] if isinstance(t, torch.Tensor) and limit < t.shape[2] else t
+
+
+def _sdpa_block(query, key, value, mask5, mask_rows, causal, scale, start, stop, limit) -> torch.Tensor:
+    """Query rows ``start:stop`` through torch's fused SDPA: ``[B, Hkv, group, rows, Dv]``. The
+    block's boolean mask (causal, ``mask``, ``mask_rows``) is built for its rows only."""
+    batch, q_heads, _, _ = query.shape
+    kv_heads = key.shape[1]
+    group, rows = q_heads // kv_heads, stop - start
+    allowed = None  # [B|1, Hkv|1, group|1, rows, limit]
+    if causal:
+        allowed = torch.ones(rows, limit, dtype=torch.bool, device=query.device).tril(diagonal=limit - rows)
+    if mask5 is not None:
+        m = mask5[..., start:stop, :limit] if mask5.shape[-2] != 1 else mask5[..., :limit]
+        allowed = m if allowed is None else allowed & m
+    if mask_rows is not None:
+        r = mask_rows(start, stop)[..., :limit]
+        r = r if r.dim() == 5 else r.unsqueeze(2)
+        allowed = r if allowed is None else allowed & r
+    if allowed is not None:
+        while allowed.dim() < 5:
+            allowed = allowed.unsqueeze(0)
+        allowed = allowed.expand(allowed.shape[0], kv_heads, group, rows, limit).reshape(allowed.shape[0], q_heads, rows, limit)
+    out = F.scaled_dot_product_attention(
+        query[:, :, start:stop], key[:, :, :limit], value[:, :, :limit], attn_mask=allowed, scale=scale, enable_gqa=group > 1
+    )
+    if allowed is not None:
+        out = out.masked_fill(~allowed.any(dim=-1, keepdim=True), 0.0)  # a row with every key masked: zeros, not NaN
+    return out.reshape(batch, kv_heads, group, rows, -1)
 
 
 def _native_decode(q5, key, value, mask5, scale, softcap) -> torch.Tensor | None:
@@ -150,12 +251,6 @@ def _native_decode(q5, key, value, mask5, scale, softcap) -> torch.Tensor | None
     batch, kv_heads, group, q_len, head_dim = q5.shape
     q = (q5.float() * scale).reshape(batch, kv_heads, group * q_len, head_dim)
     return native.decode_attention(q, key, value, keep, softcap)
-
-
-def _no_weights(weights: str | None, key: TensorLike) -> torch.Tensor | None:
-    if weights is None:
-        return None
-    return torch.zeros(key.shape[0], key.shape[1], key.shape[2], dtype=torch.float32, device=key.device)
 
 
 def _value_dim(value: TensorLike) -> int:
@@ -194,7 +289,7 @@ def _weighted_values(flat: torch.Tensor, value: TensorLike) -> torch.Tensor:
     return out
 
 
-def _block_probs(q5, key, keys_t, mask5, mask_rows, causal, scale, softcap, start, stop, sinks5=None) -> torch.Tensor:
+def _block_probs(q5, key, keys_t, mask5, mask_rows, causal, scale, softcap, start, stop, sinks5=None, limit=None) -> torch.Tensor:
     """Softmax weights of query rows ``start:stop`` as float32 ``[B, Hkv, group, rows, T]``.
 
     A decode-sized block (few rows per KV head) computes its scores as ``K @ q^T``: with T rows
@@ -205,21 +300,26 @@ def _block_probs(q5, key, keys_t, mask5, mask_rows, causal, scale, softcap, star
     """
     batch, kv_heads, group, q_len, head_dim = q5.shape
     kv_len = key.shape[2]
+    limit = kv_len if limit is None else limit  # keys past it are masked for every row of the block
+    key, keys_t = _keys_to(key, limit), (None if keys_t is None else keys_t[..., :limit])
     rows = stop - start
     q = (q5[:, :, :, start:stop] * scale).reshape(batch, kv_heads, group * rows, head_dim)
-    scores = _key_scores(key, keys_t, q, group * rows <= DECODE_ROWS)  # [B, Hkv, group*rows, T]
-    scores = _cap(scores, softcap).view(batch, kv_heads, group, rows, kv_len)
-    masked = mask5 is not None or causal or mask_rows is not None
+    scores = _key_scores(key, keys_t, q, group * rows <= DECODE_ROWS)  # [B, Hkv, group*rows, limit]
+    scores = _cap(scores, softcap).view(batch, kv_heads, group, rows, limit)
+    masked = mask5 is not None or mask_rows is not None or (causal and q_len > kv_len)
     if mask5 is not None:
-        m = mask5[..., start:stop, :] if mask5.shape[-2] != 1 else mask5
+        m = mask5[..., start:stop, :limit] if mask5.shape[-2] != 1 else mask5[..., :limit]
         scores = scores.masked_fill(~m, -math.inf) if m.dtype == torch.bool else scores + m
     if mask_rows is not None:
-        rows_mask = mask_rows(start, stop)
+        rows_mask = mask_rows(start, stop)[..., :limit]
         scores = scores.masked_fill(~(rows_mask if rows_mask.dim() == 5 else rows_mask.unsqueeze(2)), -math.inf)
     if causal:
-        q_pos = torch.arange(start, stop, device=key.device).view(-1, 1) + (kv_len - q_len)
-        future = torch.arange(kv_len, device=key.device).view(1, -1) > q_pos  # [rows, T]
-        scores = scores.masked_fill(future, -math.inf)
+        # Row i sits at key index kv_len - q_len + start + i: only the block's last columns hold
+        # keys in some row's future (a triangle), every column before them is visible to all.
+        q_pos = torch.arange(start, stop, device=q5.device).view(-1, 1) + (kv_len - q_len)
+        lo = max(0, min(limit, kv_len - q_len + start + 1))
+        future = torch.arange(lo, limit, device=q5.device).view(1, -1) > q_pos  # [rows, limit - lo]
+        scores[..., lo:limit].masked_fill_(future, -math.inf)
     probs = softmax(scores, sinks5)
     return probs.nan_to_num(0.0) if masked else probs  # a row with every key masked: zeros, not NaN
 

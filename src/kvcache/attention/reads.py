@@ -28,7 +28,7 @@ class Reads:
     (-1 for an empty slot), a callable giving them when only a masked step needs them, or None
     when slot ``j`` holds position ``j``; ``first_query``: the position of the update's first
     token; ``queries``: how many tokens it appended; ``all_visible``: every slot is visible to
-    every query (no mask needed); ``returned``: the (keys, values) ``update`` handed the model
+    every query (no mask needed); ``new_at_end``: see the field; ``returned``: the (keys, values) ``update`` handed the model
     (default: ``keys``, ``values``), by which the attention of a forward pass recognises the record.
     """
 
@@ -38,6 +38,10 @@ class Reads:
     first_query: int
     queries: int
     all_visible: bool = False
+    #: The last ``queries`` slots are the update's tokens in order and every earlier slot is older
+    #: than the first of them (an eviction store's survivors, then the new tokens): causal
+    #: visibility is then the kernel's end-aligned ``causal``, which skips the keys in every row's future.
+    new_at_end: bool = False
     returned: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
@@ -61,16 +65,28 @@ def attend_reads(
     softcap: float | None = None,
     mask: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
-    weights: str | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    weights: str | tuple[str, ...] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | dict[str, torch.Tensor] | None]:
     """Attention of ``query`` ``[B, Hq, Sq, D]`` at positions ``first_query...`` (default: the
     record's) over what ``reads`` holds, masked by ``visible`` and ``mask`` (boolean over absolute
     positions, see ``position_rows``). Returns ``[B, Hq, Sq, Dv]`` and the weights asked for
-    (``attend_weighted``'s ``"sum"``/``"last"``, float32 ``[B, Hkv, N]``) or None."""
-    rows = None
-    if mask is not None or not reads.all_visible:
+    (``attend_weighted``'s modes, float32 ``[B, Hkv, N]``, a dict for a tuple of modes) or None."""
+    rows, causal = None, False
+    if visible == CAUSAL and mask is None and not reads.all_visible and _end_aligned(reads, first_query):
+        causal = True  # the same rule, with no mask to build (see ``Reads.new_at_end``)
+    elif mask is not None or not reads.all_visible:
         first = reads.first_query if first_query is None else first_query
         rows = position_rows(first, reads.slot_positions(), visible, mask, reads.keys.shape[1])
     return attend_weighted(
-        query, reads.keys, reads.values, scale=scale, softcap=softcap, mask_rows=rows, weights=weights, sinks=sinks
+        query, reads.keys, reads.values, scale=scale, softcap=softcap, mask_rows=rows, causal=causal, weights=weights,
+        sinks=sinks,
     )
+
+
+def _end_aligned(reads: Reads, first_query: int | None) -> bool:
+    """Whether causal visibility by position is the kernel's end-aligned ``causal`` for these queries."""
+    if first_query is not None and first_query != reads.first_query:
+        return False
+    if reads.new_at_end:
+        return True
+    return reads.positions is None and reads.keys.shape[2] == reads.first_query + reads.queries

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..attention import CAUSAL, Reads, Visibility, attend_reads
-from ..errors import UnsupportedOperation
+from ..errors import ShapeError, UnsupportedOperation
 from .base import KVLayer
 from .checks import check_kv
 
@@ -108,12 +108,22 @@ class BoundedLayer(KVLayer):
             self._finish(self._owner_weights)
         return out
 
-    def settle(self) -> None:
-        """Finish the last update without attention weights (keys and values imported from
+    def settle(self, weights: torch.Tensor | None = None) -> None:
+        """Finish the last update without attending it here (keys and values imported from
         elsewhere, or a forward pass that did not attend them): the layer keeps what its policy
-        keeps with the scores it has. Does nothing when nothing is left to settle."""
-        if self.reads is not None:
-            self._finish(None)
+        keeps with the scores it has, plus ``weights`` if given: the update's queries' attention
+        weights over the read record's slots as ``attend`` would have reduced them
+        (``attention_weights``'s mode, float32 ``[B, Hkv, N]``), computed elsewhere, e.g. by one
+        pass that scores for several policies at once. Does nothing when nothing is left to settle."""
+        if self.reads is None:
+            return
+        if weights is not None:
+            n = self.reads.keys.shape
+            if self.attention_weights is None:
+                raise ValueError(f"{self.kind} layer: its policy uses no attention weights, got some")
+            if tuple(weights.shape) != (n[0], n[1], n[2]):
+                raise ShapeError(f"{self.kind} layer: weights must be [B, Hkv, N] = {tuple(n[:3])} over the read record's slots, got {tuple(weights.shape)}")
+        self._finish(None if weights is None else weights.float())
 
     def _finish(self, weights: torch.Tensor | None) -> None:
         self.reads, self._owner_weights = None, None

@@ -134,7 +134,7 @@ class EvictingLayer(BoundedLayer):
             self.store.append(new)
             self._seen = seen + n
             keys, values = self.view()
-            return Reads(keys, values, self.positions(), seen, n, all_visible=n == 1)
+            return Reads(keys, values, self.positions(), seen, n, all_visible=n == 1, new_at_end=True)
         # Too many new tokens for the spare room: attend a temporary concatenation (the new tokens
         # in full precision), then keep the best.
         if not self.store.allocated:
@@ -147,7 +147,7 @@ class EvictingLayer(BoundedLayer):
             stored = self.store.in_use()
             self._set = {name: torch.cat([stored[name], t], dim=2) for name, t in new.items()}
         self._seen = seen + n
-        return Reads(keys, values, self._set["positions"], seen, n)
+        return Reads(keys, values, self._set["positions"], seen, n, new_at_end=True)
 
     def _capacity_for(self, seen: int) -> int:
         """Slots allocated for ``seen`` tokens: the budget then and one spare for a decode step."""
