@@ -82,6 +82,21 @@ class LastQuery(Policy):
         return weights.clone()
 
 
+def pooled(scores: torch.Tensor, positions: torch.Tensor, kernel: int) -> torch.Tensor:
+    """``scores`` ``[B, H, N]`` max-pooled over each head's slots in position order (``positions``
+    ``[B, H, N]``, distinct within a head), ``kernel`` slots wide and centred (SnapKV's clustering:
+    a slot next to a strongly attended one is kept with it). ``kernel`` 1 returns the scores."""
+    if kernel <= 1 or scores.shape[-1] == 0:
+        return scores
+    order = positions.argsort(dim=-1)
+    by_position = scores.gather(-1, order)
+    b, h, n = by_position.shape
+    padded = torch.nn.functional.max_pool1d(
+        by_position.reshape(b * h, 1, n), kernel_size=kernel, stride=1, padding=kernel // 2, ceil_mode=False
+    )[..., :n].reshape(b, h, n)
+    return torch.empty_like(scores).scatter_(-1, order, padded)
+
+
 def get_policy(name: str) -> Policy:
     try:
         return POLICIES[name]()
