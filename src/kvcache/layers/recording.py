@@ -1,0 +1,60 @@
+"""A layer that keeps every token and records what each update's queries paid each slot.
+
+It scores for several policies at once: one forward pass through a cache of recording layers
+reports, per layer, the attention weights in every mode asked for (``"sum"``, ``"last"``,
+``"max"``, ``"window:N"``; ``attention.attend_weighted``), over all the tokens. A bounded layer
+given the same keys and values and those weights (``BoundedLayer.settle(weights)``) then keeps
+exactly what it would have kept had it run the pass itself: so a harness, or KVzip's repetition
+pass (``kvcache.scoring``), runs the model once and compresses with many policies and budgets.
+
+Not a spec kind: built by ``kvcache.scoring.recording_cache``, never saved.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..attention import Reads
+from .bounded import BoundedLayer
+from .store import Geometric, SlotStore
+
+
+class RecordingLayer(BoundedLayer):
+    """Every token in order (a growable store); ``recorded`` holds the last attended update's
+    weights: mode -> float32 ``[B, Hkv, T]`` over every slot stored then."""
+
+    def __init__(self, modes: tuple[str, ...]) -> None:
+        super().__init__()
+        if not modes:
+            raise ValueError("a recording layer needs at least one weights mode to record")
+        self.attention_weights = tuple(modes)
+        self.recorded: dict[str, torch.Tensor] | None = None
+        self.store = SlotStore(growth=Geometric(256, 2.0))
+
+    def _append(self, key, value):
+        seen, n = self.seen, key.shape[2]
+        keys, values = self._append_in_order(key, value)
+        return Reads(keys, values, None, seen, n, all_visible=n == 1)
+
+    def _settle(self, weights: dict[str, torch.Tensor] | None) -> None:
+        self.recorded = weights
+
+    def view(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every stored key and value, ``[B, Hkv, T, D]`` views."""
+        t = self.store.tensors
+        return t["keys"][:, :, : self.length], t["values"][:, :, : self.length]
+
+    def reset(self) -> None:
+        super().reset()
+        self.store.drop()
+        self.geometry, self._seen, self.recorded = None, 0, None
+
+    def options(self) -> dict[str, Any]:
+        return {"modes": self.attention_weights}
+
+
+# Set after the class is made, so the registry (which registers classes that name a kind in their
+# body) does not make it a spec kind: a recording layer is a tool, not a cache to keep.
+RecordingLayer.kind = "recording"

@@ -1,0 +1,161 @@
+"""Score once, compress many ways; and KVzip's query-agnostic scores.
+
+A bounded cache decides what to keep from the attention weights of the pass that filled it. When
+several policies and budgets must be compared on one prompt (a quality harness), or one context
+compressed once and then asked many questions (a prompt store), the expensive part, the model's
+forward pass, need not run once per policy:
+
+- ``recording_cache(model, modes)``: a cache of ``RecordingLayer``s that keeps every token and
+  records, per layer, the weights of each forward pass in the modes asked for;
+- ``compress(model, spec, keys_values, weights)``: a cache of ``spec`` holding exactly what it would
+  hold had it attended those tokens itself in one pass with those weights (the layers' own
+  ``update`` then ``settle(weights)``: the same code path as a forward pass);
+- ``repeat_scores`` / ``compress_context``: KVzip (Kim et al., 2025, "KVzip: Query-Agnostic KV
+  Cache Compression with Context Reconstruction"): a slot's score is the largest attention any
+  query pays it while the model is asked to repeat the context, so what is kept serves any later
+  question, not only the one in the prompt. It costs one more pass over the context (the
+  repetition, as long as the context), once per context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .attention import CAUSAL
+from .build import make_cache
+from .cache import KVCache
+from .hf import use_kvcache_attention
+from .layers.bounded import BoundedLayer
+from .layers.recording import RecordingLayer
+from .policies import Policy
+
+#: The weights mode KVzip scores by: the most any query of the repetition paid each slot.
+KVZIP_MODE = "max"
+
+#: What KVzip asks, in a chat model's user turn, after the context (the paper's prompt, in spirit).
+REPEAT_REQUEST = "Repeat the previous context exactly."
+
+
+class RepeatScores(Policy):
+    """KVzip's scores: the largest attention weight each slot received from any query, summed over
+    the query heads of its KV head, kept as a running maximum over passes. Given the weights of a
+    pass that repeats the context (``compress_context``), this is KVzip's query-agnostic score;
+    in an ordinary forward pass it scores by the prompt's own queries."""
+
+    name = "kvzip"
+    weights = KVZIP_MODE
+
+    def initial(self, positions):
+        return torch.zeros(positions.shape, dtype=torch.float32, device=positions.device)
+
+    def observe(self, scores, weights, positions):
+        return torch.maximum(scores, weights)
+
+
+def recording_cache(model: Any, modes: Sequence[str]) -> KVCache:
+    """A cache whose attention layers keep every token and record each pass's weights in ``modes``
+    (see ``RecordingLayer``); the model must run the ``"kvcache"`` attention, as for any bounded cache."""
+    plain = make_cache(model, "growable")
+    modes = tuple(modes)
+    stores = [None if s is None else RecordingLayer(modes) for s in plain.stores]
+    return KVCache(stores, plain.spec, plain.config_summary, plain.attention_config, dict(plain.others))
+
+
+def recorded(cache: KVCache, mode: str) -> list[torch.Tensor | None]:
+    """The last pass's weights in ``mode``, per layer, float32 ``[B, Hkv, T]`` (None: no cache there)."""
+    out = []
+    for store in cache.stores:
+        if store is None:
+            out.append(None)
+            continue
+        if not isinstance(store, RecordingLayer):
+            raise TypeError(f"recorded() reads a recording_cache, got a {store.kind} layer")
+        if store.recorded is None or mode not in store.recorded:
+            raise ValueError(f"no weights recorded in mode {mode!r} (recording {store.attention_weights}; run a pass first)")
+        out.append(store.recorded[mode])
+    return out
+
+
+def keys_values(cache: KVCache, stop: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    """Every layer's stored keys and values ``[B, Hkv, T, D]`` (views), the first ``stop`` tokens."""
+    out = []
+    for store in cache.stores:
+        if store is None:
+            out.append(None)
+            continue
+        k, v = store.view()
+        out.append((k[:, :, :stop], v[:, :, :stop]))
+    return out
+
+
+def compress(
+    model: Any,
+    spec: str,
+    past: Sequence[tuple[torch.Tensor, torch.Tensor] | None],
+    weights: dict[str, Sequence[torch.Tensor | None]] | None = None,
+) -> KVCache:
+    """A new cache of ``spec`` holding what it keeps after one pass over ``past`` (per layer
+    ``(keys, values)`` ``[B, Hkv, T, D]``, every token from position 0), its bounded layers scored
+    by ``weights``: mode -> per layer float32 ``[B, Hkv, T]`` (each layer takes the mode its policy
+    asks for; a policy that asks for none needs none). Raises ``KeyError`` naming a missing mode.
+
+    Only kinds whose prompt pass attends every earlier token are reproduced this way; a sliding
+    window masks its prompt's own attention, so ``compress`` refuses it (``ValueError``)."""
+    cache = make_cache(model, spec)
+    masked = sorted({s.kind for s in cache.stores if isinstance(s, BoundedLayer) and s.visibility != CAUSAL})
+    if masked:
+        raise ValueError(f"compress: {spec!r} has {masked} layers, whose prompt pass does not attend every earlier token; prefill them instead")
+    if len(past) != len(cache.stores):
+        raise ValueError(f"compress: expected one (keys, values) per layer ({len(cache.stores)}), got {len(past)}")
+    for i, (store, pair) in enumerate(zip(cache.stores, past)):
+        if store is None:
+            continue
+        store.update(*pair)
+        if isinstance(store, BoundedLayer):
+            mode = store.attention_weights
+            if mode is None:
+                store.settle()
+                continue
+            if weights is None or mode not in weights:
+                raise KeyError(f"compress: {spec!r} layer {i} scores by attention weights {mode!r}, which were not given")
+            store.settle(weights[mode][i])
+    return cache
+
+
+@torch.inference_mode()
+def repeat_scores(model: Any, cache: KVCache, repeat_ids: torch.Tensor, *, chunk: int = 1024) -> list[torch.Tensor | None]:
+    """KVzip's score of every slot of ``cache`` (a ``recording_cache`` recording ``KVZIP_MODE``,
+    holding the context): feed ``repeat_ids`` ``[B, R]`` (a request to repeat the context, then
+    the context itself) in chunks of ``chunk`` tokens and keep, per slot, the largest weight any of
+    those queries paid it. The repetition is removed from the cache afterwards. Returns, per layer,
+    float32 ``[B, Hkv, T]`` over the context's ``T`` slots."""
+    context = cache.seen
+    scores: list[torch.Tensor | None] = [None] * len(cache.stores)
+    try:
+        with use_kvcache_attention(model):
+            for start in range(0, repeat_ids.shape[1], chunk):
+                model(repeat_ids[:, start : start + chunk], past_key_values=cache, use_cache=True)
+                for i, w in enumerate(recorded(cache, KVZIP_MODE)):
+                    if w is not None:
+                        w = w[..., :context]
+                        scores[i] = w.clone() if scores[i] is None else torch.maximum(scores[i], w)
+    finally:
+        cache.crop(-(cache.seen - context))
+    return scores
+
+
+@torch.inference_mode()
+def compress_context(model: Any, ids: torch.Tensor, spec: str, repeat_ids: torch.Tensor, *, chunk: int = 1024) -> KVCache:
+    """A cache of ``spec`` (a ``kvzip`` kind: ``"kvzip:budget=0.25"``) holding the context ``ids``
+    ``[B, T]`` compressed by KVzip's scores: prefill, ask the model to repeat (``repeat_ids``, see
+    ``repeat_scores``), keep the best slots. Reusable for any question appended after it (fork it
+    per question). The model runs twice over about the context's length."""
+    cache = recording_cache(model, (KVZIP_MODE,))
+    with use_kvcache_attention(model):
+        for start in range(0, ids.shape[1], chunk):
+            model(ids[:, start : start + chunk], past_key_values=cache, use_cache=True)
+    scores = repeat_scores(model, cache, repeat_ids, chunk=chunk)
+    return compress(model, spec, keys_values(cache), {KVZIP_MODE: scores})

@@ -1,0 +1,123 @@
+"""Score once, compress many ways (``kvcache.scoring``), and KVzip's repetition scores.
+
+References: each spec's own one-pass prefill through ``generate`` (what ``compress`` must
+reproduce: the same kept slots and the same greedy tokens after), and for KVzip the softmax
+weights of Hugging Face's eager attention (``output_attentions``) over the context, maximised over
+the repetition's queries in plain torch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvcache
+from helpers import model_for, prompt
+from kvcache import scoring
+
+PROMPT, NEW = 40, 8
+SPECS = (
+    "h2o:budget=16",
+    "tova:budget=12,sinks=2",
+    "lastrec:budget=0.5",
+    "kvzip:budget=20",
+    "h2o:budget=16,storage=int4",
+    "quantized:bits=4,group_size=16,residual=8",
+    "growable",
+)
+MODES = ("sum", "last", "max")
+
+
+def _stores(cache):
+    return [s for s in cache.stores if s is not None]
+
+
+def _greedy_from(model, cache, first: torch.Tensor, steps: int) -> torch.Tensor:
+    """``steps`` greedy tokens after ``first`` ``[B, 1]`` (the prompt's next token), one pass each."""
+    out, token = [first], first
+    with torch.inference_mode(), kvcache.use_kvcache_attention(model):
+        for _ in range(steps):
+            logits = model(token, past_key_values=cache, use_cache=True).logits[:, -1]
+            token = logits.argmax(-1, keepdim=True)
+            out.append(token)
+    return torch.cat(out, dim=1)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_compress_from_one_recording_equals_each_specs_own_prefill(spec):
+    """One recording pass, then ``compress`` for a spec, holds the slots the spec's own prefill
+    keeps (positions and keys per head) and decodes the same greedy tokens."""
+    model = model_for("llama")
+    ids = prompt(PROMPT, seed=3, batch=2)
+    rec = scoring.recording_cache(model, MODES)
+    own = kvcache.make_cache(model, spec)
+    with torch.inference_mode(), kvcache.use_kvcache_attention(model):
+        logits = model(ids, past_key_values=rec, use_cache=True).logits[:, -1]
+        own_logits = model(ids, past_key_values=own, use_cache=True).logits[:, -1]
+    torch.testing.assert_close(logits, own_logits, rtol=1e-4, atol=1e-4)  # the same pass: attention order only
+    weights = {mode: scoring.recorded(rec, mode) for mode in MODES}
+    ours = scoring.compress(model, spec, scoring.keys_values(rec), weights)
+    for mine, theirs in zip(_stores(ours), _stores(own)):
+        assert mine.length == theirs.length and mine.seen == theirs.seen == PROMPT
+        if hasattr(theirs, "positions"):
+            assert torch.equal(mine.positions(), theirs.positions())
+        k1, _ = mine.view()
+        k2, _ = theirs.view()
+        # Bit-equal where both passes attend alike; a spec that asks for fewer weights attends its
+        # early rows through fused SDPA, whose float32 sums come in another order (1e-6 measured).
+        torch.testing.assert_close(k1, k2, rtol=1e-4, atol=1e-5)
+    first = logits.argmax(-1, keepdim=True)
+    assert torch.equal(_greedy_from(model, ours, first, NEW), _greedy_from(model, own, first, NEW))
+
+
+def test_compress_says_which_weights_are_missing():
+    model = model_for("llama")
+    rec = scoring.recording_cache(model, ("last",))
+    with torch.inference_mode(), kvcache.use_kvcache_attention(model):
+        model(prompt(20), past_key_values=rec, use_cache=True)
+    with pytest.raises(KeyError, match="'sum'"):
+        scoring.compress(model, "h2o:budget=8", scoring.keys_values(rec), {"last": scoring.recorded(rec, "last")})
+    with pytest.raises(ValueError, match="does not attend every earlier token"):
+        scoring.compress(model, "window:window=8,sinks=2", scoring.keys_values(rec))
+    with pytest.raises(ValueError, match="no weights recorded in mode 'max'"):
+        scoring.recorded(rec, "max")
+
+
+def test_repeat_scores_are_the_max_attention_of_the_repetition():
+    """KVzip's score of a context slot: the largest weight any repetition query pays it (query
+    heads of a KV head summed), from HF's eager attention in plain torch; the repetition leaves
+    the cache as it was."""
+    model = model_for("llama")
+    context, repeat = prompt(24, seed=5), prompt(30, seed=6)
+    rec = scoring.recording_cache(model, (scoring.KVZIP_MODE,))
+    with torch.inference_mode(), kvcache.use_kvcache_attention(model):
+        model(context, past_key_values=rec, use_cache=True)
+    before = [s.view()[0].clone() for s in _stores(rec)]
+    scores = scoring.repeat_scores(model, rec, repeat, chunk=7)
+    assert rec.seen == 24 and all(torch.equal(s.view()[0], b) for s, b in zip(_stores(rec), before))
+
+    eager = model_for("llama")
+    eager.set_attn_implementation("eager")
+    try:
+        with torch.inference_mode():
+            att = eager(torch.cat([context, repeat], dim=1), output_attentions=True).attentions
+    finally:
+        eager.set_attn_implementation("sdpa")
+    kv_heads = model.config.num_key_value_heads
+    for layer, (got, a) in enumerate(zip(scores, att)):
+        b, hq, _, _ = a.shape
+        per_kv = a[:, :, 24:, :24].reshape(b, kv_heads, hq // kv_heads, 30, 24).sum(dim=2)  # [B, Hkv, R, T]
+        torch.testing.assert_close(got, per_kv.amax(dim=2).float(), rtol=1e-4, atol=1e-5, msg=f"layer {layer}")
+
+
+def test_compress_context_keeps_the_budget_and_serves_several_questions():
+    model = model_for("llama")
+    context, repeat = prompt(48, seed=7), prompt(50, seed=8)
+    cache = scoring.compress_context(model, context, "kvzip:budget=12", repeat, chunk=16)
+    assert all(s.length == 12 and s.seen == 48 for s in _stores(cache))
+    for seed in (1, 2):
+        fork = cache.fork()
+        with torch.inference_mode(), kvcache.use_kvcache_attention(model):
+            model(prompt(6, seed=seed), past_key_values=fork, use_cache=True)
+        assert all(s.length == 12 and s.seen == 54 for s in _stores(fork))
+    assert all(s.seen == 48 for s in _stores(cache))  # the compressed context is unchanged
