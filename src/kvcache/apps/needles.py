@@ -1,0 +1,183 @@
+"""Needles in natural prose, for a real tokenizer and an instruct model's chat template.
+
+Prose: the docstrings of the Python standard library (``ast.get_docstring`` of every module,
+class and function of its ``*.py`` sources, the files ``tasks.filler_files`` lists: PSF License),
+present on any machine with Python. Paragraphs that read as English are kept (mostly letters and
+spaces, no doctest lines, 120-1500 characters). Haystacks draw from the ``"train"`` files, held-out
+text for KL / top-1 from the ``"heldout"`` ones (the split rule of ``tasks.py``).
+
+A context holds three needles, pass keys for three named doors, at depths 0.1, 0.5 and 0.9 of its
+document; three questions ask one key each, so one context serves several questions (the case of a
+compressed prefix reused by many requests). The prompt is the model's chat template around::
+
+    Read the document below. ... <document> ... </document>
+    Question: What is the pass key for the {door} door? Answer with the number only.
+
+``Context.prefix_ids`` ends with ``</document>``: everything before the question, shared by the
+three questions (``Question.ids``: the question, the end of the user turn and the assistant's
+opening). ``Context.document`` is where the document's tokens start, for KVzip's repetition.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import inspect
+import random
+import re
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import tasks
+
+DEPTHS = (0.1, 0.5, 0.9)
+DOORS = ("blue", "green", "red", "amber", "violet", "silver", "copper", "white", "orange", "black")
+NEEDLE = "The pass key for the {door} door is {key}. Remember it."
+QUESTION = "Question: What is the pass key for the {door} door? Answer with the number only."
+#: The assistant's answer starts with this (as RULER primes its answers), so the key comes first.
+ANSWER = "The pass key for the {door} door is"
+INTRO = "Read the document below. It hides pass keys for some doors; you will be asked for one of them."
+MARK = "\x00QUESTION\x00"
+#: What KVzip's repetition asks (its context follows in the assistant's turn).
+REPEAT = "Repeat the document above exactly."
+
+
+@dataclass(frozen=True)
+class Question:
+    door: str
+    key: str
+    depth: float
+    ids: list[int]  # the question and the assistant's opening, after Context.prefix_ids
+
+
+@dataclass(frozen=True)
+class Context:
+    length: int  # the nominal length: prefix + the longest question stay within it
+    seed: int
+    prefix_ids: list[int]
+    document: int  # index in prefix_ids where the document's tokens start
+    questions: tuple[Question, ...]
+    repeat_ids: list[int]  # KVzip: ask for the document, then the document's own tokens
+
+
+@functools.lru_cache(maxsize=None)
+def paragraphs(split: str) -> tuple[str, ...]:
+    """English-looking docstring paragraphs of the stdlib files of ``split``, in file order, unique."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    seen: set[str] = set()
+    out: list[str] = []
+    for rel in tasks.filler_files(split):
+        try:
+            tree = ast.parse((root / rel).read_text(encoding="utf-8", errors="replace"))
+        except (SyntaxError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            doc = ast.get_docstring(node, clean=False)
+            for para in re.split(r"\n\s*\n", inspect.cleandoc(doc) if doc else ""):
+                para = " ".join(para.split())
+                if _prose(para) and para not in seen:
+                    seen.add(para)
+                    out.append(para)
+    return tuple(out)
+
+
+def _prose(text: str) -> bool:
+    if not 120 <= len(text) <= 1500 or ">>>" in text or not text.isascii():
+        return False
+    letters = sum(c.isalpha() or c == " " for c in text)
+    return letters / len(text) >= 0.85 and text[0].isupper() and text.rstrip()[-1] in ".:)"
+
+
+def prose(tokenizer, tokens: int, seed: int, split: str = "train") -> list[str]:
+    """Paragraphs of ``split`` drawn in a seeded order until they hold about ``tokens`` tokens."""
+    pool = list(paragraphs(split))
+    rng = random.Random(f"needles-{split}-{seed}")
+    rng.shuffle(pool)
+    out, total = [], 0
+    for para in pool:
+        if total >= tokens:
+            break
+        out.append(para)
+        total += len(tokenizer(para, add_special_tokens=False)["input_ids"]) + 1
+    if total < tokens:
+        raise RuntimeError(f"the standard library's docstrings hold fewer than {tokens} tokens of prose here")
+    return out
+
+
+def make_context(tokenizer, length: int, seed: int, reserve: int = 48) -> Context:
+    """A context of about ``length - reserve`` tokens (the prefix) with three needles at ``DEPTHS``
+    and one question per needle; ``reserve`` leaves room for the question and the answer."""
+    rng = random.Random(f"needles-keys-{seed}")
+    doors = rng.sample(DOORS, len(DEPTHS))
+    keys = [str(rng.randrange(10000, 100000)) for _ in DEPTHS]
+    budget = length - reserve - _overhead(tokenizer)
+    paras = prose(tokenizer, budget, seed)
+    sizes = [len(tokenizer(p, add_special_tokens=False)["input_ids"]) + 1 for p in paras]
+    while sum(sizes) > budget and len(paras) > 1:  # drop the last paragraph while over
+        paras, sizes = paras[:-1], sizes[:-1]
+    # A needle goes after the paragraph where the running total passes its depth.
+    cuts, running = [], 0
+    marks = list(DEPTHS)
+    for i, n in enumerate(sizes):
+        running += n
+        while marks and running >= marks[0] * sum(sizes):
+            cuts.append(i)
+            marks.pop(0)
+    cuts += [len(paras) - 1] * len(marks)
+    body: list[str] = []
+    for i, para in enumerate(paras):
+        body.append(para)
+        for j, cut in enumerate(cuts):
+            if cut == i:
+                body.append(NEEDLE.format(door=doors[j], key=keys[j]))
+    doc = "<document>\n" + "\n".join(body) + "\n</document>"
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": f"{INTRO}\n\n{doc}{MARK}"}], tokenize=False, add_generation_prompt=True
+    )
+    head, tail = rendered.split(MARK)
+    intro_at = head.index("<document>")
+    prefix_ids = _ids(tokenizer, head[:intro_at]) + _ids(tokenizer, head[intro_at:])
+    document = len(_ids(tokenizer, head[:intro_at]))
+    questions = tuple(
+        Question(door, key, depth, _ids(tokenizer, "\n\n" + QUESTION.format(door=door) + tail + ANSWER.format(door=door)))
+        for door, key, depth in zip(doors, keys, DEPTHS)
+    )
+    # The end of the document's user turn, the request, and the assistant's turn repeating the document.
+    repeat_ids = _ids(tokenizer, _repeat_request(tokenizer)) + prefix_ids[document:]
+    return Context(length, seed, prefix_ids, document, questions, repeat_ids)
+
+
+def _repeat_request(tokenizer) -> str:
+    """The text that closes the document's user turn and asks, in a new one, for the document back."""
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": MARK}, {"role": "user", "content": REPEAT}], tokenize=False, add_generation_prompt=True
+    )
+    return rendered.split(MARK, 1)[1]
+
+
+def _overhead(tokenizer) -> int:
+    """Tokens of the template, the introduction, the document tags and three needles."""
+    needles = " ".join(NEEDLE.format(door="violet", key="12345") for _ in DEPTHS)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": f"{INTRO}\n\n<document>\n{needles}\n</document>"}], tokenize=False, add_generation_prompt=False
+    )
+    return len(_ids(tokenizer, text))
+
+
+def _ids(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def answer_of(text: str) -> str | None:
+    """The first whole number in a generated answer, or None."""
+    found = re.search(r"\d+", text)
+    return found.group(0) if found else None
+
+
+def heldout_text(tokenizer, tokens: int, seed: int) -> list[int]:
+    """About ``tokens`` token ids of held-out prose (for KL / top-1), exactly ``tokens`` long."""
+    ids = _ids(tokenizer, "\n".join(prose(tokenizer, tokens + 16, seed, split="heldout")))
+    return ids[:tokens]
