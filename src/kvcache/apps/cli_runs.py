@@ -68,9 +68,10 @@ def add_eval(subparsers: argparse._SubParsersAction) -> None:
     add_run_options(p, "a smaller run (under three minutes on 2 cores)")
     p.add_argument(
         "--caches",
-        default=",".join(DEFAULT_KINDS),
+        default=None,
         metavar="KIND,...",
-        help=f"cache kinds, from: {', '.join(k for k in KINDS if k != 'full')} (default: %(default)s)",
+        help=f"cache kinds, from: {', '.join(k for k in KINDS if k != 'full')} (default: {','.join(DEFAULT_KINDS)}); "
+        "for a real model see `kvcache.apps.eval_real.KINDS` (default: all of them)",
     )
     p.add_argument(
         "--budgets",
@@ -81,7 +82,76 @@ def add_eval(subparsers: argparse._SubParsersAction) -> None:
             f"{','.join(map(str, DEFAULT_BUDGETS))}; with --quick {','.join(map(str, QUICK_BUDGETS))})"
         ),
     )
-    p.add_argument("--model", default=None, metavar="DIR", help="a trained model folder (default: the shipped one)")
+    p.add_argument(
+        "--model",
+        default=None,
+        metavar="NAME|DIR",
+        help="a real model by name (smollm2: needles in prose through its chat template, see --lengths), "
+        "or a trained model folder (default: the shipped tiny one)",
+    )
+    p.add_argument("--lengths", default=None, metavar="N,...", help="real model: context lengths in tokens (default: 1024,2048,4096,8192; --quick 1024,2048)")
+    p.add_argument("--contexts", type=int, default=None, metavar="N", help="real model: contexts per length (default 9; --quick 3)")
+    p.add_argument(
+        "--needles",
+        type=int,
+        default=1,
+        choices=(1, 3),
+        help="real model: needles per context, one question each (3: one context serves three questions; default %(default)s)",
+    )
+    p.add_argument(
+        "--reuse",
+        default=None,
+        metavar="KIND,...",
+        help="real model: kinds also run with the document compressed once and reused for every question (kvzip always is)",
+    )
+
+
+def _budgets(args: argparse.Namespace) -> tuple[float, ...] | None:
+    if args.budgets is None:
+        return None
+    try:
+        budgets = tuple(float(b) for b in args.budgets.split(",") if b.strip())
+    except ValueError:
+        raise KVCacheError(f"--budgets: expected fractions like 0.5,0.25, got {args.budgets!r}") from None
+    if not budgets or not all(0 < b < 1 for b in budgets):
+        raise KVCacheError(f"--budgets: every budget must be a fraction in (0, 1), got {args.budgets!r}")
+    return budgets
+
+
+def _names(value: str, valid, what: str) -> tuple[str, ...]:
+    names = tuple(k.strip() for k in value.split(",") if k.strip())
+    unknown = [k for k in names if k not in valid]
+    if unknown or not names:
+        raise KVCacheError(f"{what}: unknown kind(s) {', '.join(unknown) or '(none given)'}; valid: {', '.join(valid)}")
+    return names
+
+
+def _eval_real(args: argparse.Namespace) -> int:
+    from . import eval_real
+
+    kinds = eval_real.DEFAULT_KINDS if args.caches is None else _names(args.caches, eval_real.KINDS, "--caches")
+    reuse = eval_real.DEFAULT_CONTEXT_KINDS if args.reuse is None else _names(args.reuse, eval_real.KINDS, "--reuse")
+    lengths = None
+    if args.lengths is not None:
+        try:
+            lengths = tuple(int(n) for n in args.lengths.split(",") if n.strip())
+        except ValueError:
+            raise KVCacheError(f"--lengths: expected token counts like 1024,2048, got {args.lengths!r}") from None
+        if not lengths or min(lengths) < 256:
+            raise KVCacheError(f"--lengths: every length must be at least 256 tokens, got {args.lengths!r}")
+    if args.contexts is not None and args.contexts < 1:
+        raise KVCacheError(f"--contexts must be at least 1, got {args.contexts}")
+    options = run_options(args)
+    plots = say_if_no_plots()
+    try:
+        result = eval_real.run(options, model_name=args.model, kinds=kinds, context_kinds=reuse,
+                               budgets=_budgets(args), lengths=lengths, contexts=args.contexts,
+                               needles_per_context=args.needles)
+    except ValueError as e:
+        raise KVCacheError(str(e)) from e
+    print(eval_real.table(result))
+    list_written(options.out, "eval", plots)
+    return 0
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -92,20 +162,19 @@ def cmd_eval(args: argparse.Namespace) -> int:
     held-out text, and bytes per token, for each cache kind and budget. Writes eval.json, eval.md
     and eval.png into --out.
     """
-    from .eval import KINDS, run, table
+    from ..models.catalog import find_entry
+    from .eval import DEFAULT_KINDS, KINDS, run, table
 
-    kinds = tuple(k.strip() for k in args.caches.split(",") if k.strip())
+    if args.model is not None and find_entry(args.model) is not None:
+        return _eval_real(args)
+    for name in ("lengths", "contexts", "reuse") + (("needles",) if args.needles != 1 else ()):
+        if getattr(args, name) is not None:
+            raise KVCacheError(f"--{name} applies to a real model (--model smollm2), not to the trained tiny one")
+    kinds = tuple(k.strip() for k in (args.caches or ",".join(DEFAULT_KINDS)).split(",") if k.strip())
     unknown = [k for k in kinds if k not in KINDS]
     if unknown or not kinds:
         raise KVCacheError(f"--caches: unknown kind(s) {', '.join(unknown) or '(none given)'}; valid: {', '.join(KINDS)}")
-    budgets = None
-    if args.budgets is not None:
-        try:
-            budgets = tuple(float(b) for b in args.budgets.split(",") if b.strip())
-        except ValueError:
-            raise KVCacheError(f"--budgets: expected fractions like 0.5,0.25, got {args.budgets!r}") from None
-        if not budgets or not all(0 < b < 1 for b in budgets):
-            raise KVCacheError(f"--budgets: every budget must be a fraction in (0, 1), got {args.budgets!r}")
+    budgets = _budgets(args)
     options = run_options(args)
     plots = say_if_no_plots()
     try:

@@ -6,9 +6,11 @@ present on any machine with Python. Paragraphs that read as English are kept (mo
 spaces, no doctest lines, 120-1500 characters). Haystacks draw from the ``"train"`` files, held-out
 text for KL / top-1 from the ``"heldout"`` ones (the split rule of ``tasks.py``).
 
-A context holds three needles, pass keys for three named doors, at depths 0.1, 0.5 and 0.9 of its
-document; three questions ask one key each, so one context serves several questions (the case of a
-compressed prefix reused by many requests). The prompt is the model's chat template around::
+A context holds one needle, a pass key for a named door, at depth 0.1, 0.5 or 0.9 of its document
+(turning with the seed), or three of them at all three depths, one question each: one context then
+serves several questions (a compressed prefix reused by many requests). SmolLM2-135M tells three
+doors apart at 1K tokens (13 of 15 found with the full cache) but not at 2K (5 of 12: it answers
+another door's key), so the length sweep uses one needle per context. The prompt is the model's chat template around::
 
     Read the document below. ... <document> ... </document>
     Question: What is the pass key for the {door} door? Answer with the number only.
@@ -33,11 +35,11 @@ from . import tasks
 
 DEPTHS = (0.1, 0.5, 0.9)
 DOORS = ("blue", "green", "red", "amber", "violet", "silver", "copper", "white", "orange", "black")
-NEEDLE = "The pass key for the {door} door is {key}. Remember it."
+NEEDLE = "The pass key for the {door} door is {key}. Remember it. {key} is the pass key for the {door} door."
 QUESTION = "Question: What is the pass key for the {door} door? Answer with the number only."
 #: The assistant's answer starts with this (as RULER primes its answers), so the key comes first.
 ANSWER = "The pass key for the {door} door is"
-INTRO = "Read the document below. It hides pass keys for some doors; you will be asked for one of them."
+INTRO = "There is important information hidden inside a lot of irrelevant text. Find it and memorize it. I will quiz you about the important information there."
 MARK = "\x00QUESTION\x00"
 #: What KVzip's repetition asks (its context follows in the assistant's turn).
 REPEAT = "Repeat the document above exactly."
@@ -107,12 +109,15 @@ def prose(tokenizer, tokens: int, seed: int, split: str = "train") -> list[str]:
     return out
 
 
-def make_context(tokenizer, length: int, seed: int, reserve: int = 48) -> Context:
-    """A context of about ``length - reserve`` tokens (the prefix) with three needles at ``DEPTHS``
-    and one question per needle; ``reserve`` leaves room for the question and the answer."""
+def make_context(tokenizer, length: int, seed: int, reserve: int = 48, count: int = 3) -> Context:
+    """A context of about ``length - reserve`` tokens (the prefix) with ``count`` needles (3: one at
+    each of ``DEPTHS``; 1: at ``DEPTHS[seed % 3]``) and one question per needle; ``reserve`` leaves
+    room for the question and the answer."""
     rng = random.Random(f"needles-keys-{seed}")
     doors = rng.sample(DOORS, len(DEPTHS))
     keys = [str(rng.randrange(10000, 100000)) for _ in DEPTHS]
+    depths = DEPTHS if count == 3 else (DEPTHS[seed % 3],)
+    doors, keys = doors[: len(depths)], keys[: len(depths)]
     budget = length - reserve - _overhead(tokenizer)
     paras = prose(tokenizer, budget, seed)
     sizes = [len(tokenizer(p, add_special_tokens=False)["input_ids"]) + 1 for p in paras]
@@ -120,7 +125,7 @@ def make_context(tokenizer, length: int, seed: int, reserve: int = 48) -> Contex
         paras, sizes = paras[:-1], sizes[:-1]
     # A needle goes after the paragraph where the running total passes its depth.
     cuts, running = [], 0
-    marks = list(DEPTHS)
+    marks = list(depths)
     for i, n in enumerate(sizes):
         running += n
         while marks and running >= marks[0] * sum(sizes):
@@ -143,7 +148,7 @@ def make_context(tokenizer, length: int, seed: int, reserve: int = 48) -> Contex
     document = len(_ids(tokenizer, head[:intro_at]))
     questions = tuple(
         Question(door, key, depth, _ids(tokenizer, "\n\n" + QUESTION.format(door=door) + tail + ANSWER.format(door=door)))
-        for door, key, depth in zip(doors, keys, DEPTHS)
+        for door, key, depth in zip(doors, keys, depths)
     )
     # The end of the document's user turn, the request, and the assistant's turn repeating the document.
     repeat_ids = _ids(tokenizer, _repeat_request(tokenizer)) + prefix_ids[document:]
@@ -160,7 +165,7 @@ def _repeat_request(tokenizer) -> str:
 
 def _overhead(tokenizer) -> int:
     """Tokens of the template, the introduction, the document tags and three needles."""
-    needles = " ".join(NEEDLE.format(door="violet", key="12345") for _ in DEPTHS)
+    needles = " ".join(NEEDLE.format(door="violet", key="12345") for _ in DEPTHS)  # room for three
     text = tokenizer.apply_chat_template(
         [{"role": "user", "content": f"{INTRO}\n\n<document>\n{needles}\n</document>"}], tokenize=False, add_generation_prompt=False
     )

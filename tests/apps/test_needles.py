@@ -1,0 +1,84 @@
+"""Needles in prose for a real tokenizer (``apps/needles.py``) and the real-model harness's
+bookkeeping (``apps/eval_real.py``): where the needles sit, what the questions ask, how the two
+passes' weights add up to the prompt's, and the report's arithmetic on a result made by hand."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcache.apps import eval_real, needles
+
+
+def test_paragraphs_read_as_prose_and_splits_do_not_share_any():
+    train, heldout = needles.paragraphs("train"), needles.paragraphs("heldout")
+    assert len(train) > 500 and len(heldout) > 50
+    assert not set(train) & set(heldout)
+    for p in train[:200]:
+        assert 120 <= len(p) <= 1500 and ">>>" not in p and p[0].isupper()
+
+
+def test_answer_of_takes_the_first_word():
+    assert needles.answer_of(" 39539.") == "39539"
+    assert needles.answer_of(' "Lisbon", of course') == "Lisbon"
+    assert needles.answer_of(" ...") is None
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("length,seed", [(1024, 0), (2048, 4)])
+def test_contexts_hold_three_needles_at_their_depths(length, seed):
+    from kvcache.models import load
+
+    _, tokenizer = load("smollm2", progress=False)
+    ctx = needles.make_context(tokenizer, length, seed)
+    assert len(ctx.prefix_ids) + max(len(q.ids) for q in ctx.questions) + eval_real.ANSWER_TOKENS <= length
+    assert len(ctx.prefix_ids) > 0.8 * length
+    doc = ctx.prefix_ids[ctx.document :]
+    assert tokenizer.decode(doc).startswith("<document>") and tokenizer.decode(doc).endswith("</document>")
+    assert ctx.repeat_ids[-len(doc) :] == doc  # KVzip's repetition ends with the document itself
+    assert sorted(q.door for q in ctx.questions) == sorted(k.name for k in needles.KINDS)
+    for q in ctx.questions:
+        span = eval_real.needle_span(ctx.prefix_ids, tokenizer(" " + q.key, add_special_tokens=False)["input_ids"])
+        assert span is not None
+        where = (span[0] - ctx.document) / len(doc)
+        assert abs(where - q.depth) < 0.1, (q.depth, where)
+        kind = next(k for k in needles.KINDS if k.name == q.door)
+        assert tokenizer.decode(q.ids).rstrip().endswith(kind.answer)
+    # The same seed at another length asks the same questions.
+    again = needles.make_context(tokenizer, length + 512, seed)
+    assert [(q.door, q.key) for q in again.questions] == [(q.door, q.key) for q in ctx.questions]
+
+
+def test_prompt_weights_add_the_documents_pass_to_the_questions():
+    """sum: both passes; last: the question's; a window longer than the question takes the
+    document's last rows for the rest."""
+    doc = {"sum": [torch.ones(1, 2, 5)], "window:3": [torch.full((1, 2, 5), 2.0)]}
+    question = {"sum": [torch.ones(1, 2, 7)], "last": [torch.full((1, 2, 7), 3.0)], "window:5": [torch.ones(1, 2, 7)]}
+    out = eval_real.prompt_weights(doc, question, q_len=2)
+    assert torch.equal(out["sum"][0], torch.tensor([2.0] * 5 + [1.0] * 2).expand(1, 2, 7))
+    assert torch.equal(out["last"][0], question["last"][0])
+    assert torch.equal(out["window:5"][0], torch.tensor([3.0] * 5 + [1.0] * 2).expand(1, 2, 7))
+
+
+def test_runs_cover_every_kind_budget_and_mode():
+    plan = eval_real.runs_for(("h2o", "kvzip", "quantized-int4"), ("h2o",), (0.5, 0.25))
+    assert plan[0] == ("full", "question", None)
+    assert ("h2o", "question", 0.25) in plan and ("h2o", "context", 0.5) in plan
+    assert ("kvzip", "context", 0.5) in plan and ("kvzip", "question", 0.5) not in plan
+    assert ("quantized-int4", "question", None) in plan
+    with pytest.raises(ValueError, match="unknown cache kind 'nope'"):
+        eval_real.runs_for(("nope",), (), (0.5,))
+
+
+def test_summary_averages_depths_per_length_and_reads_text_rows():
+    runs = [
+        {"length": 1024, "depth": d, "cache": "h2o", "mode": "question", "budget": 0.5, "correct": ok, "bytes_per_token": 10.0}
+        for d, ok in ((0.1, False), (0.5, True), (0.9, True), (0.9, True))
+    ]
+    result = {"runs": runs, "text": [{"cache": "h2o", "budget": 0.5, "kl": 0.2, "top1": 0.9}],
+              "config": {"lengths": [1024], "depths": [0.1, 0.5, 0.9]}}
+    (line,) = eval_real.summary(result)
+    assert line["by_depth"] == {0.1: 0.0, 0.5: 1.0, 0.9: 1.0}
+    assert line["by_length"][1024] == pytest.approx(2 / 3)  # depths weigh alike
+    assert line["accuracy"] == 0.75 and line["kl"] == 0.2 and line["top1"] == 0.9
+    assert "| h2o | 50% | with question | 67% | 0% | 100% | 100% | 75% |" in eval_real.table(result)
