@@ -173,9 +173,9 @@ def _weights(cache, modes) -> dict[str, list]:
 
 
 def needle_span(prefix: list[int], key_ids: list[int]) -> tuple[int, int] | None:
-    """Where the key's tokens sit in the document (the last occurrence), or None."""
+    """Where the key's tokens first sit in the document, or None."""
     n = len(key_ids)
-    for start in range(len(prefix) - n, -1, -1):
+    for start in range(len(prefix) - n + 1):
         if prefix[start : start + n] == key_ids:
             return start, start + n
     return None

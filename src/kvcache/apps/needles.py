@@ -3,7 +3,7 @@
 Prose: the docstrings of the Python standard library (``ast.get_docstring`` of every module,
 class and function of its ``*.py`` sources, the files ``tasks.filler_files`` lists: PSF License),
 present on any machine with Python. Paragraphs that read as English are kept (mostly letters and
-spaces, no doctest lines, 120-1500 characters). Haystacks draw from the ``"train"`` files, held-out
+spaces, no doctest lines, 120-800 characters). Haystacks draw from the ``"train"`` files, held-out
 text for KL / top-1 from the ``"heldout"`` ones (the split rule of ``tasks.py``).
 
 A context holds one needle, a pass key for a named door, at depth 0.1, 0.5 or 0.9 of its document
@@ -65,7 +65,17 @@ class Context:
 
 @functools.lru_cache(maxsize=None)
 def paragraphs(split: str) -> tuple[str, ...]:
-    """English-looking docstring paragraphs of the stdlib files of ``split``, in file order, unique."""
+    """English-looking docstring paragraphs of the stdlib files of ``split``, in file order, unique;
+    a paragraph that some ``"train"`` file also holds (docstrings are copied between modules) is
+    left out of ``"heldout"``."""
+    if split == "heldout":
+        train = set(_paragraphs_of("train"))
+        return tuple(p for p in _paragraphs_of("heldout") if p not in train)
+    return _paragraphs_of(split)
+
+
+@functools.lru_cache(maxsize=None)
+def _paragraphs_of(split: str) -> tuple[str, ...]:
     root = Path(sysconfig.get_paths()["stdlib"])
     seen: set[str] = set()
     out: list[str] = []
@@ -87,7 +97,7 @@ def paragraphs(split: str) -> tuple[str, ...]:
 
 
 def _prose(text: str) -> bool:
-    if not 120 <= len(text) <= 1500 or ">>>" in text or not text.isascii():
+    if not 120 <= len(text) <= 800 or ">>>" in text or not text.isascii():
         return False
     letters = sum(c.isalpha() or c == " " for c in text)
     return letters / len(text) >= 0.85 and text[0].isupper() and text.rstrip()[-1] in ".:)"
@@ -109,7 +119,7 @@ def prose(tokenizer, tokens: int, seed: int, split: str = "train") -> list[str]:
     return out
 
 
-def make_context(tokenizer, length: int, seed: int, reserve: int = 48, count: int = 3) -> Context:
+def make_context(tokenizer, length: int, seed: int, reserve: int = 48, count: int = 1) -> Context:
     """A context of about ``length - reserve`` tokens (the prefix) with ``count`` needles (3: one at
     each of ``DEPTHS``; 1: at ``DEPTHS[seed % 3]``) and one question per needle; ``reserve`` leaves
     room for the question and the answer."""
@@ -123,21 +133,16 @@ def make_context(tokenizer, length: int, seed: int, reserve: int = 48, count: in
     sizes = [len(tokenizer(p, add_special_tokens=False)["input_ids"]) + 1 for p in paras]
     while sum(sizes) > budget and len(paras) > 1:  # drop the last paragraph while over
         paras, sizes = paras[:-1], sizes[:-1]
-    # A needle goes after the paragraph where the running total passes its depth.
-    cuts, running = [], 0
-    marks = list(depths)
-    for i, n in enumerate(sizes):
-        running += n
-        while marks and running >= marks[0] * sum(sizes):
-            cuts.append(i)
-            marks.pop(0)
-    cuts += [len(paras) - 1] * len(marks)
+    # A needle goes at the paragraph boundary nearest its depth (boundary i: after paragraph i - 1).
+    bounds = [0]
+    for n in sizes:
+        bounds.append(bounds[-1] + n)
+    at = [min(range(len(bounds)), key=lambda i: abs(bounds[i] - d * bounds[-1])) for d in depths]
     body: list[str] = []
-    for i, para in enumerate(paras):
-        body.append(para)
-        for j, cut in enumerate(cuts):
-            if cut == i:
-                body.append(NEEDLE.format(door=doors[j], key=keys[j]))
+    for i in range(len(paras) + 1):
+        body += [NEEDLE.format(door=doors[j], key=keys[j]) for j, b in enumerate(at) if b == i]
+        if i < len(paras):
+            body.append(paras[i])
     doc = "<document>\n" + "\n".join(body) + "\n</document>"
     rendered = tokenizer.apply_chat_template(
         [{"role": "user", "content": f"{INTRO}\n\n{doc}{MARK}"}], tokenize=False, add_generation_prompt=True
