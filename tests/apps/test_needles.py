@@ -81,7 +81,7 @@ def test_summary_averages_depths_per_length_and_reads_text_rows():
     assert line["by_depth"] == {0.1: 0.0, 0.5: 1.0, 0.9: 1.0}
     assert line["by_length"][1024] == pytest.approx(2 / 3)  # depths weigh alike
     assert line["accuracy"] == 0.75 and line["kl"] == 0.2 and line["top1"] == 0.9
-    assert "| h2o | 50% | with question | 67% | 0% | 100% | 100% | 75% |" in eval_real.table(result)
+    assert "| h2o | 50% | with question | 67% | 0% | 100% | 100% | 75% | - |" in eval_real.table(result)
 
 
 @pytest.mark.real_model

@@ -181,6 +181,24 @@ def needle_span(prefix: list[int], key_ids: list[int]) -> tuple[int, int] | None
     return None
 
 
+def needle_kept(cache, span: tuple[int, int] | None) -> float | None:
+    """The share of (layer, KV head) pairs of batch row 0 that still hold every token of the
+    needle's key; None for caches that keep every token or do not say which (full, quantized)."""
+    if span is None:
+        return None
+    wanted = torch.arange(*span)
+    kept, pairs = 0, 0
+    for store in cache.stores:
+        positions = getattr(store, "positions", None)
+        if store is None or not callable(positions) or getattr(store, "kind", "") != "evicting":
+            continue
+        pos = positions()[0]  # [Hkv, N]
+        hit = (pos.unsqueeze(-1) == wanted.to(pos.device)).any(dim=1).all(dim=-1)  # [Hkv]
+        kept += int(hit.sum())
+        pairs += hit.numel()
+    return kept / pairs if pairs else None
+
+
 def attention_profile(weights: dict[str, list], span: tuple[int, int], total: int) -> dict[str, list[list[float]]]:
     """Per mode, per layer and KV head: the share of the mode's attention mass on the needle's
     tokens divided by its share of the slots (1 = no preference), and the needle's best rank
@@ -219,13 +237,15 @@ def run_context(model, tokenizer, ctx: needles.Context, plan, specs, doc_modes, 
         info["repeat_seconds"] = time.perf_counter() - started
         doc_kv = scoring.keys_values(rec)
 
-        def emit(kind, mode, budget, spec, q, tokens, cache):
+        spans = {q.key: needle_span(ctx.prefix_ids, tokenizer(" " + q.key, add_special_tokens=False)["input_ids"]) for q in ctx.questions}
+
+        def emit(kind, mode, budget, spec, q, tokens, cache, kept):
             text = tokenizer.decode(tokens, skip_special_tokens=True)
             rows.append({
                 "length": ctx.length, "context": ctx.seed, "tokens": T + len(q.ids), "cache": kind, "mode": mode,
                 "budget": budget, "spec": spec, "depth": q.depth, "door": q.door,
                 "correct": needles.answer_of(text) == q.key, "answer": text.strip(),
-                "bytes_per_token": cache.nbytes / cache.seen,
+                "bytes_per_token": cache.nbytes / cache.seen, "needle_kept": kept,
             })
             if bar is not None:
                 bar.update()
@@ -243,7 +263,8 @@ def run_context(model, tokenizer, ctx: needles.Context, plan, specs, doc_modes, 
                 shared = scoring.compress(model, spec, doc_kv, w)
             for q in ctx.questions:
                 cache = shared.fork()
-                emit(kind, mode, budget, spec, q, _answer_after(model, cache, q.ids, ANSWER_TOKENS), cache)
+                tokens = _answer_after(model, cache, q.ids, ANSWER_TOKENS)
+                emit(kind, mode, budget, spec, q, tokens, cache, needle_kept(shared, spans[q.key]))
 
         # The question in the prompt: one recorded question pass, then every kind compressed from it.
         windows = {}
@@ -255,8 +276,7 @@ def run_context(model, tokenizer, ctx: needles.Context, plan, specs, doc_modes, 
             first = logits.argmax(-1, keepdim=True)
             weights = prompt_weights(doc_weights, _weights(fork, q_modes), len(q.ids))
             kv = scoring.keys_values(fork)
-            key_ids = tokenizer(" " + q.key, add_special_tokens=False)["input_ids"]
-            span = needle_span(ctx.prefix_ids, key_ids)
+            span = spans[q.key]
             if span is not None:
                 info["profiles"].append({"depth": q.depth, **attention_profile(weights, span, T)})
             for kind, mode, budget in plan:
@@ -268,11 +288,12 @@ def run_context(model, tokenizer, ctx: needles.Context, plan, specs, doc_modes, 
                         windows[spec] = make_cache(model, spec)
                         model(prefix, past_key_values=windows[spec], use_cache=True)
                     cache = windows[spec].fork()
-                    tokens = _answer_after(model, cache, q.ids, ANSWER_TOKENS)
+                    tokens, kept = _answer_after(model, cache, q.ids, ANSWER_TOKENS), None
                 else:
                     cache = scoring.compress(model, spec, kv, weights)
+                    kept = needle_kept(cache, span)
                     tokens = _decode(model, cache, first, ANSWER_TOKENS)
-                emit(kind, mode, budget, spec, q, tokens, cache)
+                emit(kind, mode, budget, spec, q, tokens, cache, kept)
             del fork, kv
     return rows, info
 
@@ -418,6 +439,8 @@ def summary(result: dict[str, Any]) -> list[dict[str, Any]]:
         key = (r["cache"], r["mode"], r["budget"])
         line = lines.setdefault(key, {"cache": r["cache"], "mode": r["mode"], "budget": r["budget"], "hits": {}, "bytes": []})
         line["hits"].setdefault((r["length"], r["depth"]), []).append(bool(r["correct"]))
+        if r.get("needle_kept") is not None:
+            line.setdefault("kept", []).append(r["needle_kept"])
         line["bytes"].append(r["bytes_per_token"])
     for t in result.get("text", []):
         for line in lines.values():
@@ -433,6 +456,7 @@ def summary(result: dict[str, Any]) -> list[dict[str, Any]]:
         line["by_depth"] = {d: _mean(x for (L, dd), v in hits.items() if dd == d for x in v) for d in depths}
         line["accuracy"] = _mean(x for v in hits.values() for x in v)
         line["bytes_per_token"] = _mean(line.pop("bytes"))
+        line["needle_kept"] = _mean(line.pop("kept", []))
         line["kl"] = _mean(line.get("kl", []))
         line["top1"] = _mean(line.get("top1", []))
         out.append(line)
@@ -448,13 +472,14 @@ def table(result: dict[str, Any]) -> str:
     lengths = result["config"]["lengths"]
     depths = result["config"]["depths"]
     header = ["cache", "kept", "compressed", *[f"{L // 1024}K" if L % 1024 == 0 else str(L) for L in lengths],
-              *[f"depth {d}" for d in depths], "all", "KL (nats)", "top-1", "bytes/token"]
+              *[f"depth {d}" for d in depths], "all", "key kept", "KL (nats)", "top-1", "bytes/token"]
     out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for line in lines:
         cells = [line["cache"], _budget(line["budget"]), "with question" if line["mode"] == "question" else "once, reused"]
         cells += [f"{line['by_length'].get(L, math.nan):.0%}" for L in lengths]
         cells += [f"{line['by_depth'].get(d, math.nan):.0%}" for d in depths]
-        cells += [f"{line['accuracy']:.0%}", f"{line['kl']:.3f}", f"{line['top1']:.1%}", f"{line['bytes_per_token']:,.0f}"]
+        kept = "-" if math.isnan(line["needle_kept"]) else f"{line['needle_kept']:.0%}"
+        cells += [f"{line['accuracy']:.0%}", kept, f"{line['kl']:.3f}", f"{line['top1']:.1%}", f"{line['bytes_per_token']:,.0f}"]
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
 
