@@ -81,6 +81,7 @@ def make_cache(model: Any, spec: str | CacheSpec = "growable", *, compile: bool 
             pair = None if buffers is None else buffers[full_seen]
             try:
                 stores.append(kind.build(layer_options, pair))
+                stores[-1].at_depth(full_seen, n_full)  # PyramidKV sizes its budget by depth
             except ValueError as e:  # a layer's own check of its options
                 raise SpecError(f"cache spec {str(parsed)!r}: {e}") from None
             full_seen += 1
