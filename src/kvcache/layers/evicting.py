@@ -35,6 +35,7 @@ from .checks import Geometry
 from .state import LayerState
 from ..attention import Reads
 from .bounded import BoundedLayer
+from .budget import Budget
 from .slots import get_storage
 from .store import Layout, SlotStore
 
@@ -80,16 +81,9 @@ class EvictingLayer(BoundedLayer):
         self.policy = get_policy(policy, **policy_options) if isinstance(policy, str) else policy
         self.storage = get_storage(storage)
         checked = self.check_options(budget=budget, sinks=sinks, **({} if recent is None else {"recent": recent}))
-        self.depth: tuple[int, int] | None = None
+        self.sizing = Budget(checked["budget"], checked["sinks"], checked.get("recent"), self.policy)
         if layer is not None or layers is not None:
             self.at_depth(layer, layers)
-        self.budget = _check_budget(checked["budget"])
-        self.sinks, self.recent = checked["sinks"], checked.get("recent")
-        if isinstance(self.budget, int) and self.sinks + (self.recent or 0) >= self.budget:
-            raise ValueError(
-                f"sinks ({self.sinks}) + recent ({self.recent}) must be less than the budget "
-                f"({self.budget}), or nothing is left for the policy to choose"
-            )
         self.attention_weights = self.policy.weights  # per pass: weights_for(its queries)
         #: The codec's tensors, each slot's position and score: name -> [B, Hkv, C(, D)]. Sized
         #: by the budget (``_capacity_for``), not by a growth strategy.
@@ -98,32 +92,24 @@ class EvictingLayer(BoundedLayer):
 
     # ---- sizes ----------------------------------------------------------------------------
 
+    # budget, sinks, recent: as given (``budget.py`` sizes the layer from them).
+    budget = property(lambda self: self.sizing.size)
+    sinks = property(lambda self: self.sizing.sinks)
+    recent = property(lambda self: self.sizing.recent)
+    depth = property(lambda self: self.sizing.depth)
+
     def at_depth(self, index: int, count: int) -> None:
         """Record the layer's place (layer ``index`` of ``count``) when the policy's budget depends on it."""
         checked = self.check_options(layer=index, layers=count)
-        if checked["layer"] >= checked["layers"]:
-            raise ValueError(f"layer must be below layers ({count}), got {index}")
-        if self.policy.by_depth:
-            self.depth = (checked["layer"], checked["layers"])
+        self.sizing.place(checked["layer"], checked["layers"])
 
     def budget_now(self, seen: int | None = None) -> int:
         """Slots kept after ``seen`` tokens (default: now): the budget, or its fraction of ``seen``,
         as the policy sizes it for this layer's depth."""
-        uniform = self._uniform_budget(seen)
-        if self.depth is None:
-            return uniform
-        return self.policy.layer_budget(uniform, self.sinks + self.recent_now(seen), self.depth)
-
-    def _uniform_budget(self, seen: int | None) -> int:
-        seen = self.seen if seen is None else seen
-        if isinstance(self.budget, int):
-            return self.budget
-        return max(1, math.ceil(self.budget * seen))
+        return self.sizing.now(self.seen if seen is None else seen)
 
     def recent_now(self, seen: int | None = None) -> int:
-        if self.recent is not None:
-            return self.recent
-        return self.policy.recent_for(self._uniform_budget(seen))
+        return self.sizing.recent_now(self.seen if seen is None else seen)
 
     # nbytes (the store's): keys and values as stored (codes and scales for int8/int4) and each
     # slot's position and score.
@@ -347,13 +333,3 @@ class EvictingLayer(BoundedLayer):
             self._seen = int(state.seen)
             self._keep_best(t, t["positions"].shape[2])
         self._seen = int(state.seen)
-
-
-def _check_budget(budget: int | float) -> int | float:
-    if isinstance(budget, float) and not budget.is_integer():
-        if not 0 < budget < 1:
-            raise ValueError(f"a fractional budget must be in (0, 1) (a share of the tokens seen), got {budget}")
-        return budget
-    if int(budget) < 1:
-        raise ValueError(f"budget must be >= 1 token (or a fraction in (0, 1)), got {budget}")
-    return int(budget)
