@@ -201,10 +201,11 @@ class DepthPyramid(ObservationWindow):
     Information Funneling"): SnapKV's scoring, with budgets that shrink with depth.
 
     The slots the scores choose (a layer's budget less its protected ``reserved`` ones: the
-    observation window, sinks) form an arithmetic sequence over the ``m`` layers, as in the paper's
-    section 3: the top layer gets ``k / beta`` of the uniform share ``k``, the bottom one
-    ``2k - k / beta``, the layers between evenly spaced (steps of ``(k^0 - k^{m-1}) / (m - 1)``, as
-    the authors' code has it, so the sequence's mean is ``k``). The same total as a uniform budget
+    observation window, sinks) form an arithmetic sequence over the ``m`` layers, by the paper's
+    budget formula: the top layer gets ``k^{m-1} = k / beta`` of the uniform share ``k``, the
+    bottom one ``k^0 = 2k - k^{m-1}``, the layers between evenly spaced (steps of
+    ``(k^0 - k^{m-1}) / (m - 1)``, as the authors' code has it, so the sequence's mean is ``k``;
+    like that code, the window is kept in every layer on top of its share). The same total as a uniform budget
     over all layers, within rounding; a fraction of the tokens seen scales per layer the same way.
     ``beta`` (default 20, the paper's) flattens the pyramid as it grows; 1 makes it uniform.
     """

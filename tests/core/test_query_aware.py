@@ -192,7 +192,7 @@ def test_snapkv_decode_step_asks_for_no_weights_and_keeps_scores():
 
 
 def pyramid_reference(k: int, reserved: int, beta: float, layers: int) -> list[int]:
-    """PyramidKV's budgets (Cai et al., 2024, section 3): the chosen share ``k - reserved`` as an
+    """PyramidKV's budgets (Cai et al., 2024, its budget formula): the chosen share ``k - reserved`` as an
     arithmetic sequence from ``2c - c / beta`` (bottom) to ``c / beta`` (top), plus the reserved."""
     c = k - reserved
     top, bottom = c / beta, 2 * c - c / beta

@@ -114,3 +114,22 @@ def test_save_load_keeps_options_and_continues_as_uninterrupted(kind, tmp_path):
     rest = greedy(model, first, loaded, max_new_tokens=12)
     assert_same_tokens(rest, whole, f"{spec} saved and loaded")
 
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_each_kind_composes_with_quantized_slot_storage(kind):
+    """The same slots chosen over int4 storage: lengths as the budget says, real bytes below full's."""
+    model = model_for("llama")
+    ids, feed = prompt(PROMPT_LEN, seed=37, batch=2), prompt(6, seed=38, batch=2)
+
+    def lengths_hold(cache, seen):
+        for store in cache.stores:
+            assert store.seen == seen and store.length == min(seen, store.budget_now())
+
+    full = kvcache.make_cache(model, SMALL[kind])
+    packed = kvcache.make_cache(model, SMALL[kind] + ",storage=int4")
+    forward_loop(model, ids, full, feed, budget_holds)
+    forward_loop(model, ids, packed, feed, lengths_hold)
+    assert all(s.storage.name == "int4" for s in packed.stores)
+    assert [s.length for s in packed.stores] == [s.length for s in full.stores]
+    assert packed.nbytes < full.nbytes / 2
