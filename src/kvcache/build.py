@@ -39,7 +39,9 @@ def make_cache(model: Any, spec: str | CacheSpec = "growable", *, compile: bool 
       ``"concat"``;
     - bounded: ``"window:window=W,sinks=S"``; ``"h2o:budget=N"``, ``"tova:..."``,
       ``"lastrec:..."`` (``budget`` in tokens, or below 1 a fraction of the tokens seen; ``recent``,
-      ``sinks`` protected; ``storage=full|int8|int4|int2``); ``"quantized:bits=4,group_size=64,residual=32"`` (bits 8, 4 or 2).
+      ``sinks`` protected; ``storage=full|int8|int4|int2``); the query-aware ``"snapkv:budget=0.25,
+      window=32,pool=7"``, ``"pyramidkv:...,beta=20"`` (budgets shrinking with depth, the same
+      total) and ``"tova-layer:..."`` (one kept set per layer); ``"quantized:bits=4,group_size=64,residual=32"`` (bits 8, 4 or 2).
 
     Every kind and its options are what the layer classes declare (``registry.py``; listed by
     ``kvcache.spec.valid_specs()``).
@@ -81,6 +83,7 @@ def make_cache(model: Any, spec: str | CacheSpec = "growable", *, compile: bool 
             pair = None if buffers is None else buffers[full_seen]
             try:
                 stores.append(kind.build(layer_options, pair))
+                stores[-1].at_depth(full_seen, n_full)  # PyramidKV sizes its budget by depth
             except ValueError as e:  # a layer's own check of its options
                 raise SpecError(f"cache spec {str(parsed)!r}: {e}") from None
             full_seen += 1

@@ -7,8 +7,12 @@ A layer class names its ``kind`` and, beside it, declares what a cache spec may 
 - ``required_options``: the options a spec must give (``"a|b"``: either of them);
 - ``spec_kinds()``: the spec kinds the class serves and the constructor arguments each one fixes
   (by default its own kind alone; ``EvictingLayer`` serves one kind per eviction policy);
+- ``kind_options()``: the options of one of those kinds (by default ``spec_options``; an
+  eviction kind adds its policy's own, SnapKV's ``window``);
 - ``from_options()``: how a layer is built from a spec's checked options (by default the class
   called with them);
+- ``at_depth()``: told its index among the cache's layers and their count (PyramidKV's budget
+  shrinks with depth); a layer that does not care ignores it;
 - ``unbounded`` (kinds whose memory grows with the sequence) and ``spec_order`` (its place in
   listings).
 
@@ -83,7 +87,7 @@ class SpecKind:
 
     @property
     def options(self) -> dict[str, Option]:
-        return self.layer.spec_options
+        return self.layer.kind_options(self.fixed)
 
     @property
     def required(self) -> tuple[str, ...]:
@@ -134,6 +138,15 @@ class RegisteredKind:
     def spec_kinds(cls) -> dict[str, dict[str, Any]]:
         """The spec kinds this class serves, each with the constructor arguments it fixes."""
         return {cls.kind: {}}
+
+    @classmethod
+    def kind_options(cls, fixed: Mapping[str, Any]) -> dict[str, Option]:
+        """The options a spec may give the kind that fixes ``fixed`` (one of ``spec_kinds()``'s)."""
+        return cls.spec_options
+
+    def at_depth(self, index: int, count: int) -> None:
+        """Told by ``make_cache`` that this is layer ``index`` of the ``count`` it builds from the
+        spec, before any update; only a layer whose behaviour depends on depth records it."""
 
     @classmethod
     def from_options(cls, options: dict[str, Any], buffers: Any = None) -> Any:

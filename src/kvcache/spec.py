@@ -1,6 +1,6 @@
 """Cache specs: ``"growable"``, ``"static:capacity=8192"``, ``"window:window=1024,sinks=4"``,
 ``"quantized:bits=4"``, ``"h2o:budget=1024"`` (or ``tova``, ``lastrec``; a budget below 1 is a fraction of the tokens
-seen), ``"concat"``.
+seen), ``"snapkv:budget=0.25,window=32,pool=7"`` (a policy's own options after the layer's), ``"concat"``.
 
 A spec is a kind, then optionally ``:`` and comma-separated ``name=value`` options. The same parser
 serves ``make_cache(model, spec, **options)`` and the CLI's ``--cache``; keyword options override

@@ -807,7 +807,7 @@ def test_beam_search(family, kind):
         (lambda: EvictingLayer(8, policy="lastrec", recent=9), "recent"),
         (lambda: EvictingLayer(8, recent=-1), "recent"),
         (lambda: EvictingLayer(8, sinks=-1), "sinks"),
-        (lambda: EvictingLayer(8, policy="snapkv"), "policy"),
+        (lambda: EvictingLayer(8, policy="no-such-policy"), "policy"),
     ],
 )
 def test_bad_layer_options_raise_value_error_naming_the_option(build, name):
@@ -830,7 +830,7 @@ def test_bad_layer_options_raise_value_error_naming_the_option(build, name):
         ("tova:budget=4,sinks=4", "sinks"),
         ("h2o:budget=8,recent=-1", "recent"),
         ("h2o:budget=8,policy=tova", "policy"),
-        ("snapkv:budget=8", "snapkv"),
+        ("no-such-kind:budget=8", "no-such-kind"),
         ("window:window=8,budget=4", "budget"),
     ],
 )

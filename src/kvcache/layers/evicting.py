@@ -13,12 +13,17 @@ tokens, masked causally by position; then the best ``budget`` of them are kept.
 
 With a budget at least the sequence length nothing is evicted and attention sees exactly the full
 cache. Trimming works only while nothing has been evicted: evicted tokens cannot come back.
+
+A policy may bring options of its own (SnapKV's ``window`` and ``pool``: ``"snapkv:budget=0.25,
+window=32"``), keep one set of positions for all the heads of a row (``shared_heads``), or size its
+budget by the layer's depth (PyramidKV: ``make_cache`` tells each layer its place, ``at_depth``).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import replace
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -30,6 +35,7 @@ from .checks import Geometry
 from .state import LayerState
 from ..attention import Reads
 from .bounded import BoundedLayer
+from .budget import Budget
 from .slots import get_storage
 from .store import Layout, SlotStore
 
@@ -41,6 +47,8 @@ class EvictingLayer(BoundedLayer):
         "sinks": Option(int, least=0),
         "storage": Option(str),
     }
+    #: The layer's place among the cache's layers, for policies whose budget depends on it.
+    keyword_options = {"layer": Option(int, least=0), "layers": Option(int, least=1)}
     required_options = ("budget",)
     spec_order = 4
 
@@ -49,6 +57,11 @@ class EvictingLayer(BoundedLayer):
         """One spec kind per eviction policy (``"h2o:budget=1024"``), each fixing ``policy``."""
         return {name: {"policy": name} for name in POLICIES}
 
+    @classmethod
+    def kind_options(cls, fixed: Mapping[str, Any]) -> dict[str, Option]:
+        """The layer's options and the policy's own (``"snapkv"``: ``window``, ``pool``)."""
+        return {**cls.spec_options, **POLICIES[fixed["policy"]].spec_options}
+
     def __init__(
         self,
         budget: int | float,
@@ -56,19 +69,22 @@ class EvictingLayer(BoundedLayer):
         recent: int | None = None,
         sinks: int = 0,
         storage: str = "full",
+        layer: int | None = None,
+        layers: int | None = None,
+        **policy_options: Any,
     ) -> None:
+        """``policy_options``: the policy's own (``window=32`` for SnapKV); ``layer`` of ``layers``:
+        the layer's place, as ``at_depth`` records it (saved files pass it back)."""
         super().__init__()
-        self.policy = get_policy(policy) if isinstance(policy, str) else policy
+        if not isinstance(policy, str) and policy_options:
+            raise ValueError(f"options {sorted(policy_options)} go with a policy name, not a {type(policy).__name__} instance")
+        self.policy = get_policy(policy, **policy_options) if isinstance(policy, str) else policy
         self.storage = get_storage(storage)
         checked = self.check_options(budget=budget, sinks=sinks, **({} if recent is None else {"recent": recent}))
-        self.budget = _check_budget(checked["budget"])
-        self.sinks, self.recent = checked["sinks"], checked.get("recent")
-        if isinstance(self.budget, int) and self.sinks + (self.recent or 0) >= self.budget:
-            raise ValueError(
-                f"sinks ({self.sinks}) + recent ({self.recent}) must be less than the budget "
-                f"({self.budget}), or nothing is left for the policy to choose"
-            )
-        self.attention_weights = self.policy.weights
+        self.sizing = Budget(checked["budget"], checked["sinks"], checked.get("recent"), self.policy)
+        if layer is not None or layers is not None:
+            self.at_depth(layer, layers)
+        self.attention_weights = self.policy.weights  # per pass: weights_for(its queries)
         #: The codec's tensors, each slot's position and score: name -> [B, Hkv, C(, D)]. Sized
         #: by the budget (``_capacity_for``), not by a growth strategy.
         self.store = SlotStore(layout=self._layout)
@@ -76,17 +92,24 @@ class EvictingLayer(BoundedLayer):
 
     # ---- sizes ----------------------------------------------------------------------------
 
+    # budget, sinks, recent: as given (``budget.py`` sizes the layer from them).
+    budget = property(lambda self: self.sizing.size)
+    sinks = property(lambda self: self.sizing.sinks)
+    recent = property(lambda self: self.sizing.recent)
+    depth = property(lambda self: self.sizing.depth)
+
+    def at_depth(self, index: int, count: int) -> None:
+        """Record the layer's place (layer ``index`` of ``count``) when the policy's budget depends on it."""
+        checked = self.check_options(layer=index, layers=count)
+        self.sizing.place(checked["layer"], checked["layers"])
+
     def budget_now(self, seen: int | None = None) -> int:
-        """Slots kept after ``seen`` tokens (default: now): the budget, or its fraction of ``seen``."""
-        seen = self.seen if seen is None else seen
-        if isinstance(self.budget, int):
-            return self.budget
-        return max(1, math.ceil(self.budget * seen))
+        """Slots kept after ``seen`` tokens (default: now): the budget, or its fraction of ``seen``,
+        as the policy sizes it for this layer's depth."""
+        return self.sizing.now(self.seen if seen is None else seen)
 
     def recent_now(self, seen: int | None = None) -> int:
-        if self.recent is not None:
-            return self.recent
-        return int(self.policy.default_recent * self.budget_now(seen))
+        return self.sizing.recent_now(self.seen if seen is None else seen)
 
     # nbytes (the store's): keys and values as stored (codes and scales for int8/int4) and each
     # slot's position and score.
@@ -126,6 +149,7 @@ class EvictingLayer(BoundedLayer):
         if self._set is not None or self.length > self.budget_now():
             self._settle(None)  # a store loaded with its spare slot in use: evict now
         batch, heads, n = key.shape[:3]
+        self.attention_weights = self.policy.weights_for(n)
         seen = self.seen
         pos = torch.arange(seen, seen + n, device=key.device).expand(batch, heads, n)
         new = {**self.storage.encode(key, value), "positions": pos, "scores": self.policy.initial(pos)}
@@ -168,14 +192,22 @@ class EvictingLayer(BoundedLayer):
         if self._set is not None:
             s, self._set = self._set, None
             if weights is not None:
-                s["scores"] = self.policy.observe(s["scores"], weights, s["positions"])
+                s["scores"] = self._observed(s["scores"], weights, s["positions"])
             self._keep_best(s, self.budget_now())
             return
         if weights is not None:
             live = self._slots["scores"][:, :, : self._len]
-            live.copy_(self.policy.observe(live, weights, self._slots["positions"][:, :, : self._len]))
+            live.copy_(self._observed(live, weights, self._slots["positions"][:, :, : self._len]))
         if self._len > self.budget_now():
             self._evict(self._len - self.budget_now())
+
+    def _observed(self, scores: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The policy's scores after a pass ``[B, Hkv, N]``; with ``shared_heads``, their mean over
+        the row's heads, so every head evicts the same positions (its slots hold the same ones)."""
+        out = self.policy.observe(scores, weights, positions)
+        if self.policy.shared_heads:
+            out = out.mean(dim=1, keepdim=True).expand_as(out).contiguous()
+        return out
 
     def _eviction_key(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Scores with the protected slots (sinks, recent tokens) raised above everything."""
@@ -241,12 +273,15 @@ class EvictingLayer(BoundedLayer):
     # ---- state ----------------------------------------------------------------------------
 
     def options(self) -> dict[str, Any]:
+        depth = {} if self.depth is None else {"layer": self.depth[0], "layers": self.depth[1]}
         return {
             "budget": self.budget,
             "policy": self.policy.name,
             "recent": self.recent,
             "sinks": self.sinks,
             "storage": self.storage.name,
+            **self.policy.options(),
+            **depth,
         }
 
     def _check_settled(self, what: str) -> None:
@@ -298,13 +333,3 @@ class EvictingLayer(BoundedLayer):
             self._seen = int(state.seen)
             self._keep_best(t, t["positions"].shape[2])
         self._seen = int(state.seen)
-
-
-def _check_budget(budget: int | float) -> int | float:
-    if isinstance(budget, float) and not budget.is_integer():
-        if not 0 < budget < 1:
-            raise ValueError(f"a fractional budget must be in (0, 1) (a share of the tokens seen), got {budget}")
-        return budget
-    if int(budget) < 1:
-        raise ValueError(f"budget must be >= 1 token (or a fraction in (0, 1)), got {budget}")
-    return int(budget)
