@@ -50,8 +50,11 @@ KINDS: dict[str, str] = {
     "lastrec": "lastrec:budget={slots}",
     "h2o": "h2o:budget={slots}",
     "tova": "tova:budget={slots}",
+    "tova-layer": "tova-layer:budget={slots}",
+    "snapkv": "snapkv:budget={slots}",
+    "pyramidkv": "pyramidkv:budget={slots}",
     "kvzip": "kvzip:budget={slots}",
-    "h2o-int4": "h2o:budget={slots},storage=int4",
+    "snapkv-int4": "snapkv:budget={slots},storage=int4",
     "quantized-int8": "quantized:bits=8",
     "quantized-int4": "quantized:bits=4",
     "quantized-int2": "quantized:bits=2",
@@ -62,7 +65,7 @@ UNBUDGETED = ("full", "quantized-int8", "quantized-int4", "quantized-int2")
 CONTEXT_ONLY = ("kvzip",)
 DEFAULT_KINDS = tuple(KINDS)
 #: Kinds also run the reuse way (``context``), besides kvzip.
-DEFAULT_CONTEXT_KINDS = ("h2o", "tova", "kvzip")
+DEFAULT_CONTEXT_KINDS = ("h2o", "snapkv", "kvzip")
 DEFAULT_BUDGETS = (0.5, 0.25, 0.125)
 ANSWER_TOKENS = 7  # a five-digit key, its full stop, one spare
 
@@ -116,7 +119,11 @@ def modes_for(model, specs: list[str], question_lengths: list[int]) -> tuple[tup
             cache = make_cache(model, spec)
         except Exception:
             continue
-        wanted |= {s.attention_weights for s in cache.stores if s is not None and isinstance(getattr(s, "attention_weights", None), str)}
+        for store in cache.stores:
+            policy = getattr(store, "policy", None)
+            mode = policy.weights_for(2) if policy is not None else getattr(store, "attention_weights", None)
+            if isinstance(mode, str):  # what a prompt pass (many queries) asks for
+                wanted.add(mode)
     wanted.discard(scoring.KVZIP_MODE)  # kvzip's scores come from its own repetition pass
     document = set(wanted) | {"sum", "last"}
     for mode in wanted:
