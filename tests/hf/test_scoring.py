@@ -28,7 +28,7 @@ SPECS = (
     "quantized:bits=4,group_size=16,residual=8",
     "growable",
 )
-MODES = ("sum", "last", "max")
+MODES = ("sum", "last", "max", "window:8", "window:4")
 
 
 def _stores(cache):
