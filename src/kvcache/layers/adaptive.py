@@ -212,8 +212,35 @@ class AdaptiveLayer(BoundedLayer):
         if weights is not None and self.length:
             live = self.store.in_use()
             live["scores"].copy_(self._observe(weights, live))
-        if self.length > self._keep_now():
+        extra = self.length - self._keep_now()
+        if extra > 0 and not (weights is None and extra <= self.kv_heads and self._drop_weakest(extra)):
             self._keep_best({name: t.clone() for name, t in self.store.in_use().items()}, self._keep_now())
+
+    def _drop_weakest(self, extra: int) -> bool:
+        """A decode step's eviction in place: the ``extra`` weakest unprotected slots of a row go and
+        the survivors among the last ``extra`` slots move into their places (O(extra) copying). Returns
+        False, changing nothing, where that would take a head below its floor (``_keep_best`` then)."""
+        live, keep, seen = self.store.in_use(), self._keep_now(), self.seen
+        protected = live["positions"][:, 0] >= seen - self.recent_now(seen)
+        drop = live["scores"][:, 0].masked_fill(protected, torch.inf).topk(extra, dim=-1, largest=False).indices
+        if bool(protected.gather(-1, drop).any()):
+            return False  # fewer unprotected slots than must go
+        heads = live["heads"][:, 0]
+        free = head_counts((heads + self.kv_heads * protected).unsqueeze(1), 2 * self.kv_heads)[:, : self.kv_heads]
+        left = free - head_counts(heads.gather(-1, drop).unsqueeze(1), self.kv_heads)
+        if bool((left < torch.clamp(free, max=self.floor_now(seen))).any()):
+            return False
+        dropped = torch.zeros_like(protected).scatter_(-1, drop, True)
+        holes = (~dropped[:, :keep]).to(torch.int8).argsort(dim=-1, stable=True)[:, :extra]  # dropped slots first
+        movers = dropped[:, keep:].to(torch.int8).argsort(dim=-1, stable=True)[:, :extra] + keep  # survivors first
+        moving = torch.arange(extra, device=drop.device) < dropped[:, :keep].sum(-1, keepdim=True)
+        target = torch.where(moving, holes, movers).unsqueeze(1)  # a row with fewer holes rewrites a tail slot onto itself
+        source = movers.unsqueeze(1)
+        for t in live.values():
+            src = gather_slots({"t": t}, source)["t"]
+            t.scatter_(2, target if t.dim() == 3 else target.unsqueeze(-1).expand(*target.shape, t.shape[-1]), src)
+        self.store.length = keep
+        return True
 
     def _observe(self, weights: torch.Tensor, slots: dict[str, torch.Tensor]) -> torch.Tensor:
         """SnapKV's score: the window's weights ``[B, 1, N]`` max-pooled over each head's positions."""
