@@ -36,24 +36,24 @@ from typing import Any
 import torch
 
 from ..attention import Reads
-from ..errors import DTypeError, ShapeError, UnsupportedOperation
+from ..errors import ShapeError, UnsupportedOperation
 from ..registry import Option, number
 from .bounded import BoundedLayer
 from .checks import Geometry
 from .shared_budget import (
     OwnHeads,
+    check_flat_state,
     flatten_heads,
     gather_slots,
     head_counts,
     keep_across_heads,
+    moves_in_place,
     new_slot_tags,
     pooled_by_head,
 )
 from .slots import get_storage
 from .state import LayerState
 from .store import Layout, SlotStore
-
-_TAGS = ("positions", "heads", "scores")
 
 
 class AdaptiveLayer(BoundedLayer):
@@ -217,25 +217,13 @@ class AdaptiveLayer(BoundedLayer):
             self._keep_best({name: t.clone() for name, t in self.store.in_use().items()}, self._keep_now())
 
     def _drop_weakest(self, extra: int) -> bool:
-        """A decode step's eviction in place: the ``extra`` weakest unprotected slots of a row go and
-        the survivors among the last ``extra`` slots move into their places (O(extra) copying). Returns
-        False, changing nothing, where that would take a head below its floor (``_keep_best`` then)."""
+        """A decode step's eviction in place (``shared_budget.moves_in_place``); False, changing
+        nothing, where that would take a head below its floor (``_keep_best`` then)."""
         live, keep, seen = self.store.in_use(), self._keep_now(), self.seen
-        protected = live["positions"][:, 0] >= seen - self.recent_now(seen)
-        drop = live["scores"][:, 0].masked_fill(protected, torch.inf).topk(extra, dim=-1, largest=False).indices
-        if bool(protected.gather(-1, drop).any()):
-            return False  # fewer unprotected slots than must go
-        heads = live["heads"][:, 0]
-        free = head_counts((heads + self.kv_heads * protected).unsqueeze(1), 2 * self.kv_heads)[:, : self.kv_heads]
-        left = free - head_counts(heads.gather(-1, drop).unsqueeze(1), self.kv_heads)
-        if bool((left < torch.clamp(free, max=self.floor_now(seen))).any()):
+        moves = moves_in_place(live, self.kv_heads, keep, seen - self.recent_now(seen), self.floor_now(seen))
+        if moves is None:
             return False
-        dropped = torch.zeros_like(protected).scatter_(-1, drop, True)
-        holes = (~dropped[:, :keep]).to(torch.int8).argsort(dim=-1, stable=True)[:, :extra]  # dropped slots first
-        movers = dropped[:, keep:].to(torch.int8).argsort(dim=-1, stable=True)[:, :extra] + keep  # survivors first
-        moving = torch.arange(extra, device=drop.device) < dropped[:, :keep].sum(-1, keepdim=True)
-        target = torch.where(moving, holes, movers).unsqueeze(1)  # a row with fewer holes rewrites a tail slot onto itself
-        source = movers.unsqueeze(1)
+        target, source = moves
         for t in live.values():
             src = gather_slots({"t": t}, source)["t"]
             t.scatter_(2, target if t.dim() == 3 else target.unsqueeze(-1).expand(*target.shape, t.shape[-1]), src)
@@ -323,39 +311,9 @@ class AdaptiveLayer(BoundedLayer):
         seen = int(state.seen)
         if seen < 0:
             raise ValueError(f"adakv layer state: seen must be >= 0, got {seen}")
-        t = state.tensors
-        if not t:
-            return
-        missing = [name for name in (*self.storage.names, *_TAGS, "head_lengths") if name not in t]
-        if missing:
-            raise ValueError(f"adakv layer state lacks {missing}")
-        counts = t["head_lengths"]
-        shapes = ", ".join(f"{name} {tuple(t[name].shape)}" for name in (*_TAGS, *self.storage.names, "head_lengths"))
-        if (
-            any(t[name].dim() != 3 or t[name].shape[1] != 1 for name in _TAGS)
-            or any(t[name].dim() != 4 or t[name].shape[1] != 1 for name in self.storage.names)
-            or counts.dim() != 2
-            or counts.dtype != torch.long
-        ):
-            raise ShapeError(f"adakv layer state needs {_TAGS} [B, 1, slots], {self.storage.names} [B, 1, slots, ...] and int64 head_lengths [B, Hkv], got {shapes}")
-        batch, _, n = t["positions"].shape
-        kv_heads = counts.shape[1]
-        g = self.storage.geometry(t)
-        if not g.dtype.is_floating_point:
-            raise DTypeError(f"adakv layer state: keys or scales must be floating-point, got {g.dtype}")
-        if kv_heads < 1 or counts.shape[0] != batch:
-            raise ShapeError(f"adakv layer state: head_lengths should be [{batch}, Hkv >= 1], got {tuple(counts.shape)}")
-        self.store.check("adakv layer", t, replace(g, batch=batch, heads=1), n)
-        pos, heads = t["positions"].long(), t["heads"].long()
-        budget = self.budget if isinstance(self.budget, int) else max(1, math.ceil(self.budget * seen))
-        if n > kv_heads * min(seen, budget + 1):
-            raise ValueError(f"adakv layer state holds {n} slots for {kv_heads} heads after {seen} tokens, budget {budget} per head")
-        if n and (int(pos.min()) < 0 or int(pos.max()) >= seen or int(heads.min()) < 0 or int(heads.max()) >= kv_heads):
-            raise ValueError(f"adakv layer state has positions outside [0, {seen}) or heads outside [0, {kv_heads})")
-        if not torch.equal(head_counts(t["heads"], kv_heads), counts):
-            raise ValueError("adakv layer state: head_lengths disagree with the slots' heads")
-        if n > 1 and not bool(((heads * (seen + 1) + pos).sort(dim=-1).values.diff(dim=-1) > 0).all()):
-            raise ValueError("adakv layer state holds a position twice in one head")
+        if state.tensors:
+            budget = self.budget if isinstance(self.budget, int) else max(1, math.ceil(self.budget * seen))
+            check_flat_state(state.tensors, self.storage, self.store, seen, budget)
 
     def load_state(self, state: LayerState) -> None:
         self.check_state(state)

@@ -8,14 +8,19 @@ are the pure pieces the adaptive layer (``adaptive.py``) composes:
 - ``pooled_by_head``: SnapKV's max-pooling (``policies.pooled``) over each head's slots;
 - ``keep_across_heads``: which slots a row keeps: the protected recent ones, each head's ``floor``
   best, then the best of the rest whatever their head (Ada-KV's allocation with its safeguard);
-- ``OwnHeads``: the visibility rule that lets a query head see only its own KV head's slots.
+- ``moves_in_place``: a decode step's eviction as a few slot moves, where no floor binds;
+- ``OwnHeads``: the visibility rule that lets a query head see only its own KV head's slots;
+- ``check_flat_state``: the checks a saved flat store must pass (untrusted input).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ..attention import CAUSAL
+from ..errors import DTypeError, ShapeError
 from ..policies import pooled
 
 
@@ -107,3 +112,64 @@ class OwnHeads:
 
     def __call__(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
         return CAUSAL(q_pos, k_pos) & self.own
+
+
+def moves_in_place(live: dict[str, torch.Tensor], kv_heads: int, keep: int, recent_from: int, floor: int):
+    """A decode step's eviction without rewriting the store: of ``live``'s ``N = keep + extra``
+    slots (``extra <= N - keep`` new ones at the end), the ``extra`` weakest unprotected slots of each
+    row go, and the survivors among the last ``extra`` move into their places. Returns ``(target,
+    source)``, slot indices ``[B, 1, extra]`` (copy ``source`` onto ``target``; a row with fewer
+    places to fill copies a leaving tail slot onto itself), or None where that would take a head
+    below ``floor`` (or a protected slot would go): ``keep_across_heads`` decides then."""
+    positions, heads, scores = live["positions"][:, 0], live["heads"][:, 0], live["scores"][:, 0]
+    extra = positions.shape[-1] - keep
+    protected = positions >= recent_from
+    drop = scores.masked_fill(protected, torch.inf).topk(extra, dim=-1, largest=False).indices
+    if bool(protected.gather(-1, drop).any()):
+        return None
+    free = head_counts((heads + kv_heads * protected).unsqueeze(1), 2 * kv_heads)[:, :kv_heads]  # unprotected per head
+    left = free - head_counts(heads.gather(-1, drop).unsqueeze(1), kv_heads)
+    if bool((left < torch.clamp(free, max=floor)).any()):
+        return None
+    dropped = torch.zeros_like(protected).scatter_(-1, drop, True)
+    holes = (~dropped[:, :keep]).to(torch.int8).argsort(dim=-1, stable=True)[:, :extra]  # leaving slots first
+    movers = dropped[:, keep:].to(torch.int8).argsort(dim=-1, stable=True)[:, :extra] + keep  # staying slots first
+    filling = torch.arange(extra, device=drop.device) < dropped[:, :keep].sum(-1, keepdim=True)
+    return torch.where(filling, holes, movers).unsqueeze(1), movers.unsqueeze(1)
+
+
+def check_flat_state(t: dict[str, torch.Tensor], storage, store, seen: int, budget: int) -> None:
+    """Raise unless ``t`` is a flat store's content ``seen`` tokens in, at most ``budget`` slots per
+    head on average (+1 spare): the codec's tensors ``[B, 1, N, ...]``, ``positions``/``heads``/
+    ``scores`` ``[B, 1, N]`` (``store``'s dtypes), int64 ``head_lengths`` ``[B, Hkv]`` agreeing with
+    ``heads``, positions in ``[0, seen)``, none twice in one head. Untrusted input: changes nothing."""
+    tags = ("positions", "heads", "scores")
+    missing = [name for name in (*storage.names, *tags, "head_lengths") if name not in t]
+    if missing:
+        raise ValueError(f"adakv layer state lacks {missing}")
+    counts = t["head_lengths"]
+    if (
+        any(t[name].dim() != 3 or t[name].shape[1] != 1 for name in tags)
+        or any(t[name].dim() != 4 or t[name].shape[1] != 1 for name in storage.names)
+        or counts.dim() != 2
+        or counts.dtype != torch.long
+    ):
+        shapes = ", ".join(f"{name} {tuple(t[name].shape)}" for name in (*tags, *storage.names, "head_lengths"))
+        raise ShapeError(f"adakv layer state needs {tags} [B, 1, slots], {storage.names} [B, 1, slots, ...] and int64 head_lengths [B, Hkv], got {shapes}")
+    batch, _, n = t["positions"].shape
+    kv_heads = counts.shape[1]
+    g = storage.geometry(t)
+    if not g.dtype.is_floating_point:
+        raise DTypeError(f"adakv layer state: keys or scales must be floating-point, got {g.dtype}")
+    if kv_heads < 1 or counts.shape[0] != batch:
+        raise ShapeError(f"adakv layer state: head_lengths should be [{batch}, Hkv >= 1], got {tuple(counts.shape)}")
+    store.check("adakv layer", t, replace(g, batch=batch, heads=1), n)
+    pos, heads = t["positions"].long(), t["heads"].long()
+    if n > kv_heads * min(seen, budget + 1):
+        raise ValueError(f"adakv layer state holds {n} slots for {kv_heads} heads after {seen} tokens, budget {budget} per head")
+    if n and (int(pos.min()) < 0 or int(pos.max()) >= seen or int(heads.min()) < 0 or int(heads.max()) >= kv_heads):
+        raise ValueError(f"adakv layer state has positions outside [0, {seen}) or heads outside [0, {kv_heads})")
+    if not torch.equal(head_counts(t["heads"], kv_heads), counts):
+        raise ValueError("adakv layer state: head_lengths disagree with the slots' heads")
+    if n > 1 and not bool(((heads * (seen + 1) + pos).sort(dim=-1).values.diff(dim=-1) > 0).all()):
+        raise ValueError("adakv layer state holds a position twice in one head")
