@@ -4,6 +4,7 @@ Each class that names a ``kind`` registers itself (``registry.py``); importing t
 defines them all.
 """
 
+from .adaptive import AdaptiveLayer
 from .base import KVLayer
 from .checks import Geometry
 from .state import LayerState
@@ -16,6 +17,7 @@ from .store import SlotStore
 from .window import WindowLayer
 
 __all__ = [
+    "AdaptiveLayer",
     "ConcatLayer",
     "EvictingLayer",
     "Geometry",

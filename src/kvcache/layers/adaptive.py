@@ -1,0 +1,336 @@
+"""Ada-KV: one budget shared by the KV heads of a layer, split by where the attention goes.
+
+Feng et al., 2024, "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation for
+Efficient LLM Inference". Slots are scored as SnapKV scores them (the attention of a pass's last
+``window`` queries, summed over the query heads of each KV head, max-pooled ``pool`` positions
+wide), but instead of the top ``budget`` per head, a batch row keeps the top ``Hkv * budget``
+slots across all its KV heads: a head whose attention is spread gets more slots, a focused one
+fewer. The paper's safeguard: every head keeps at least ``floor`` (default 0.2, the authors'
+``floor_alpha``) of its uniform share of the chosen slots, and at least one. The observation
+window (the last ``window`` positions, at most half the budget) is kept in every head, as SnapKV
+keeps it; the budget counts it.
+
+Memory is the layer's budget: the kept slots are stored flat, keys/values ``[B, 1, C, D]`` with
+``C = Hkv * (budget + 1)`` (one spare slot per head for a decode step), plus each slot's KV head
+(int16), absolute position (int32) and score (float32): 10 bytes per slot of bookkeeping, less
+than the 12 of a rectangular evicting store of the same budget. Attention reads the flat store as
+ONE KV head with every query head in its group, masked so that a query head sees only its own KV
+head's slots (``shared_budget.OwnHeads``): each query scores every slot of the layer, but each key
+is read once. ``view()`` and ``positions()`` are therefore ``[B, 1, L, ...]``; ``heads()`` says whose
+each slot is, ``head_lengths()`` how many each head keeps.
+
+A pass of several tokens (a prefill, a chunk) rescores every slot it attended with its window's
+weights; one that overflows the store is attended as a temporary concatenation of the kept slots
+and the new tokens (as the evicting layer does), then the row keeps its best ``Hkv * budget``. A
+decode step does not rescore (SnapKV compresses the prompt): a generated token scores 0, so once
+it leaves the window it is the first to go, and the prompt's chosen slots stay. With a budget at
+least the sequence nothing is evicted and attention equals the full cache's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from ..attention import Reads
+from ..errors import ShapeError, UnsupportedOperation
+from ..registry import Option, number
+from .bounded import BoundedLayer
+from .checks import Geometry
+from .shared_budget import (
+    OwnHeads,
+    check_flat_state,
+    flatten_heads,
+    gather_slots,
+    head_counts,
+    keep_across_heads,
+    moves_in_place,
+    new_slot_tags,
+    pooled_by_head,
+)
+from .slots import get_storage
+from .state import LayerState
+from .store import Layout, SlotStore
+
+
+class AdaptiveLayer(BoundedLayer):
+    """Ada-KV's shared layer budget over a flat store (see the module docstring)."""
+
+    kind = "adakv"
+    spec_options = {
+        "budget": Option(number, least=0, inclusive=False),
+        "window": Option(int, least=1),
+        "pool": Option(int, least=1),
+        "floor": Option(float, least=0.0),
+        "storage": Option(str),
+    }
+    required_options = ("budget",)
+    spec_order = 5
+
+    def __init__(self, budget: int | float, window: int = 32, pool: int = 7, floor: float = 0.2, storage: str = "full") -> None:
+        super().__init__()
+        self.storage = get_storage(storage)
+        checked = self.check_options(budget=budget, window=window, pool=pool, floor=floor)
+        self.budget = _check_budget(checked["budget"])
+        self.window, self.pool, self.floor = checked["window"], checked["pool"], checked["floor"]
+        if self.floor > 1:
+            raise ValueError(f"floor is a share of each head's uniform budget, in [0, 1], got {floor}")
+        self.store = SlotStore(layout=self._layout)
+        self._set: dict[str, torch.Tensor] | None = None  # the attended set of an overflowing pass
+        self._read_heads: torch.Tensor | None = None  # the KV head of each slot the last update reads
+
+    # ---- sizes ----------------------------------------------------------------------------
+
+    def budget_now(self, seen: int | None = None) -> int:
+        """Slots per head, on average, after ``seen`` tokens: the budget, or its share of ``seen``."""
+        seen = self.seen if seen is None else seen
+        return self.budget if isinstance(self.budget, int) else max(1, math.ceil(self.budget * seen))
+
+    def recent_now(self, seen: int | None = None) -> int:
+        """The observation window every head keeps: ``window``, at most half the budget."""
+        return min(self.window, self.budget_now(seen) // 2)
+
+    def floor_now(self, seen: int | None = None) -> int:
+        """Slots each head keeps besides the window, whatever the scores: ``floor`` of its share."""
+        chosen = self.budget_now(seen) - self.recent_now(seen)
+        return max(1, int(self.floor * chosen))
+
+    @property
+    def kv_heads(self) -> int:
+        return self.geometry.heads if self.geometry is not None else 0
+
+    def _keep_now(self, seen: int | None = None) -> int:
+        return self.kv_heads * self.budget_now(seen)
+
+    def _capacity_for(self, seen: int) -> int:
+        return self.kv_heads * (self.budget_now(seen) + 1)
+
+    def _layout(self, g: Geometry) -> Layout:
+        tags = {"positions": ((), torch.int32), "heads": ((), torch.int16), "scores": ((), torch.float32)}
+        return {**self.storage.layout(g), **tags}
+
+    def _flat_geometry(self, batch: int | None = None) -> Geometry:
+        g = self.geometry
+        return replace(g, heads=1, batch=g.batch if batch is None else batch)
+
+    # ---- reading --------------------------------------------------------------------------
+
+    def view(self):
+        """Stored keys ``[B, 1, L, D]`` and values ``[B, 1, L, Dv]``, every head's slots in one run
+        (``heads()`` says whose): views for full storage, dequantized copies otherwise."""
+        if not self.store.allocated:
+            return None, None
+        return self.storage.decode(self.store.tensors, self.length, self._flat_geometry())
+
+    def positions(self) -> torch.Tensor:
+        """Absolute position of each stored slot, int64 ``[B, 1, L]``."""
+        if not self.store.allocated:
+            return torch.empty(0, 0, 0, dtype=torch.long)
+        return self.store.run("positions", 0, self.length).long()
+
+    def heads(self) -> torch.Tensor:
+        """The KV head of each stored slot, int64 ``[B, 1, L]``."""
+        if not self.store.allocated:
+            return torch.empty(0, 0, 0, dtype=torch.long)
+        return self.store.run("heads", 0, self.length).long()
+
+    def scores(self) -> torch.Tensor:
+        """Each stored slot's score, float32 ``[B, 1, L]``."""
+        if not self.store.allocated:
+            return torch.empty(0, 0, 0)
+        return self.store.run("scores", 0, self.length)
+
+    def head_lengths(self) -> torch.Tensor:
+        """Slots each KV head keeps, int64 ``[B, Hkv]``."""
+        if not self.store.allocated:
+            return torch.empty(0, 0, dtype=torch.long)
+        return head_counts(self.store.run("heads", 0, self.length), self.kv_heads)
+
+    # ---- appending ------------------------------------------------------------------------
+
+    def _append(self, key, value):
+        if self._set is not None or self.length > self._keep_now():
+            self._settle(None)  # a loaded store with its spare slots in use: choose now
+        batch, kv_heads, n = key.shape[:3]
+        seen = self.seen
+        self.geometry = self.geometry or Geometry.of(key, value)
+        heads, pos = new_slot_tags(batch, kv_heads, seen, n, key.device)
+        encoded = {name: flatten_heads(t) for name, t in self.storage.encode(key, value).items()}
+        new = {**encoded, "positions": pos, "heads": heads, "scores": torch.zeros(pos.shape, dtype=torch.float32, device=key.device)}
+        self.attention_weights = f"window:{self.window}" if n > 1 else None  # decode steps do not rescore
+        if self.length + kv_heads * n <= max(self.capacity, self._capacity_for(seen + n)):
+            self._ensure_capacity(self.length + kv_heads * n, seen + n)
+            self.store.append(new)
+            self._seen = seen + n
+            keys, values = self.view()
+            self._read_heads = self.store.run("heads", 0, self.length)
+            return Reads(keys, values, self.positions(), seen, n)
+        # Too many new tokens for the spare room: attend the kept slots and the new tokens (in full
+        # precision) together, then keep the best.
+        if self.store.allocated and self.length:
+            old_k, old_v = self.view()
+            keys = torch.cat([old_k, flatten_heads(key)], dim=2)
+            values = torch.cat([old_v, flatten_heads(value)], dim=2)
+            stored = self.store.in_use()
+            self._set = {name: torch.cat([stored[name], t], dim=2) for name, t in new.items()}
+        else:
+            keys, values, self._set = flatten_heads(key), flatten_heads(value), new
+        self._seen = seen + n
+        self._read_heads = self._set["heads"]
+        return Reads(keys, values, self._set["positions"].long(), seen, n)
+
+    def _ensure_capacity(self, need: int, seen: int) -> None:
+        if self.store.allocated and self.capacity >= need:
+            return
+        target = self._capacity_for(seen)
+        if isinstance(self.budget, float):  # a share grows with the sequence: grow geometrically
+            target = max(target, 2 * self.capacity)
+        self.store.allocate(max(need, target), self._flat_geometry())  # the stored slots kept
+
+    def attend(self, query: torch.Tensor, **kwargs) -> torch.Tensor:
+        """As ``BoundedLayer.attend`` (query ``[B, Hq, Sq, D]``), each query head over its own KV head's slots."""
+        if self.reads is not None and self._read_heads is not None:
+            heads = query.shape[1] if query.dim() == 4 else 0
+            if heads == 0 or heads % self.kv_heads:
+                raise ShapeError(f"query heads ({heads}) must be a multiple of key/value heads ({self.kv_heads})")
+            self.visibility = OwnHeads(self._read_heads, self.kv_heads, heads)
+        return super().attend(query, **kwargs)
+
+    # ---- after attention: score, then keep the best across heads ------------------------
+
+    def _settle(self, weights: torch.Tensor | None) -> None:
+        self._read_heads = None
+        if self._set is not None:
+            s, self._set = self._set, None
+            if weights is not None:
+                s["scores"] = self._observe(weights, s)
+            self._keep_best(s, self._keep_now())
+            return
+        if weights is not None and self.length:
+            live = self.store.in_use()
+            live["scores"].copy_(self._observe(weights, live))
+        extra = self.length - self._keep_now()
+        if extra > 0 and not (weights is None and extra <= self.kv_heads and self._drop_weakest(extra)):
+            self._keep_best({name: t.clone() for name, t in self.store.in_use().items()}, self._keep_now())
+
+    def _drop_weakest(self, extra: int) -> bool:
+        """A decode step's eviction in place (``shared_budget.moves_in_place``); False, changing
+        nothing, where that would take a head below its floor (``_keep_best`` then)."""
+        live, keep, seen = self.store.in_use(), self._keep_now(), self.seen
+        moves = moves_in_place(live, self.kv_heads, keep, seen - self.recent_now(seen), self.floor_now(seen))
+        if moves is None:
+            return False
+        target, source = moves
+        for t in live.values():
+            src = gather_slots({"t": t}, source)["t"]
+            t.scatter_(2, target if t.dim() == 3 else target.unsqueeze(-1).expand(*target.shape, t.shape[-1]), src)
+        self.store.length = keep
+        return True
+
+    def _observe(self, weights: torch.Tensor, slots: dict[str, torch.Tensor]) -> torch.Tensor:
+        """SnapKV's score: the window's weights ``[B, 1, N]`` max-pooled over each head's positions."""
+        return pooled_by_head(weights.float(), slots["heads"], slots["positions"], self.kv_heads, self.pool)
+
+    def _keep_best(self, slots: dict[str, torch.Tensor], keep: int) -> None:
+        """Store the ``keep`` best of ``slots`` (``[B, 1, N(, X)]``, not views of the store)."""
+        if slots["positions"].shape[2] > keep:
+            seen = self.seen
+            recent_from = seen - self.recent_now(seen)
+            index = keep_across_heads(
+                slots["scores"], slots["heads"], slots["positions"], keep, self.kv_heads, self.floor_now(seen), recent_from
+            )
+            slots = gather_slots(slots, index)
+        kept = slots["positions"].shape[2]
+        batch = slots["positions"].shape[0]
+        target = self._capacity_for(self.seen)
+        if not self.store.allocated or self.capacity < kept or self.capacity > 2 * target or self.store.batch != batch:
+            self.geometry = replace(self.geometry, batch=batch)
+            self.store.allocate(max(target, kept), self._flat_geometry(), keep=False)
+        self.store.write(0, slots)
+        self.store.length = kept
+
+    # ---- rollback, reuse, batch work ------------------------------------------------------
+
+    def check_trim(self, n: int) -> None:
+        super().check_trim(n)
+        if int(n) > self.seen:
+            raise UnsupportedOperation(f"cannot remove {n} tokens from an adakv layer that has seen {self.seen}")
+        if int(n) and self.length != self.kv_heads * self.seen:
+            raise UnsupportedOperation(
+                f"cannot remove {n} tokens from an adakv cache that has evicted some of its {self.seen}: "
+                f"evicted tokens cannot come back"
+            )
+
+    def _trim(self, n: int) -> None:
+        # Nothing evicted (check_trim), but the slots are in pass order, head-major within each pass.
+        live = self.store.in_use()
+        keep = self.kv_heads * (self.seen - n)
+        index = (live["positions"] < self.seen - n).to(torch.int8).argsort(dim=-1, descending=True, stable=True)
+        kept = gather_slots(live, index[..., :keep].sort(dim=-1).values)
+        self.store.write(0, kept)
+        self.store.length = keep
+
+    def reset(self) -> None:
+        super().reset()
+        self.store.drop()
+        self._set = self._read_heads = None
+        self._seen = 0
+        self.geometry = None
+
+    def _rebatch(self, fn) -> None:
+        self._check_settled("change the batch")
+        if self.store.allocated:
+            batch = self.store.rebatch(fn, capacity=self._capacity_for(self.seen))
+            self.geometry = replace(self.geometry, batch=batch)
+
+    def _check_settled(self, what: str) -> None:
+        if self._set is not None:
+            raise UnsupportedOperation(
+                f"adakv layer: cannot {what} between an update that overflowed the budget and its "
+                f"attention (call attend() or settle() first)"
+            )
+
+    # ---- state ----------------------------------------------------------------------------
+
+    def options(self) -> dict[str, Any]:
+        return {"budget": self.budget, "window": self.window, "pool": self.pool, "floor": self.floor, "storage": self.storage.name}
+
+    def state(self) -> LayerState:
+        """The kept slots (views), plus ``head_lengths`` ``[B, Hkv]``, which carries the head count."""
+        self._check_settled("take its state")
+        if not self.store.allocated:
+            return LayerState(self.kind, self.options(), self.seen, {})
+        return LayerState(self.kind, self.options(), self.seen, {**self.store.in_use(), "head_lengths": self.head_lengths()})
+
+    def check_state(self, state: LayerState) -> None:
+        if state.kind != self.kind:
+            raise ValueError(f"state of kind {state.kind!r} cannot load into a {self.kind!r} layer")
+        seen = int(state.seen)
+        if seen < 0:
+            raise ValueError(f"adakv layer state: seen must be >= 0, got {seen}")
+        if state.tensors:
+            budget = self.budget if isinstance(self.budget, int) else max(1, math.ceil(self.budget * seen))
+            check_flat_state(state.tensors, self.storage, self.store, seen, budget)
+
+    def load_state(self, state: LayerState) -> None:
+        self.check_state(state)
+        self.reset()
+        self._seen = int(state.seen)
+        if state.tensors:
+            t = {name: x for name, x in state.tensors.items() if name != "head_lengths"}
+            g = self.storage.geometry(t)
+            self.geometry = replace(g, heads=state.tensors["head_lengths"].shape[1])
+            self._keep_best(dict(t), t["positions"].shape[2])
+
+
+def _check_budget(budget: int | float) -> int | float:
+    if isinstance(budget, float) and not budget.is_integer():
+        if not 0 < budget < 1:
+            raise ValueError(f"a fractional budget must be in (0, 1) (a share of the tokens seen), got {budget}")
+        return budget
+    if int(budget) < 1:
+        raise ValueError(f"budget must be >= 1 token per head (or a fraction in (0, 1)), got {budget}")
+    return int(budget)
