@@ -121,7 +121,11 @@ def compress(
                 continue
             if weights is None or mode not in weights:
                 raise KeyError(f"compress: {spec!r} layer {i} scores by attention weights {mode!r}, which were not given")
-            store.settle(weights[mode][i])
+            w = weights[mode][i]
+            read = store.reads.keys.shape
+            if read[1] == 1 and w.shape[1] > 1:  # a flat store (adakv): head 0's slots, then head 1's, ...
+                w = w.reshape(w.shape[0], 1, -1)
+            store.settle(w)
     return cache
 
 

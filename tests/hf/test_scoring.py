@@ -24,6 +24,7 @@ SPECS = (
     "snapkv:budget=16,window=8,pool=3",
     "pyramidkv:budget=0.5,window=4",
     "tova-layer:budget=12",
+    "adakv:budget=12,window=4",
     "h2o:budget=16,storage=int4",
     "quantized:bits=4,group_size=16,residual=8",
     "growable",

@@ -53,6 +53,8 @@ KINDS: dict[str, str] = {
     "tova-layer": "tova-layer:budget={slots}",
     "snapkv": "snapkv:budget={slots}",
     "pyramidkv": "pyramidkv:budget={slots}",
+    "adakv": "adakv:budget={slots}",
+    "adakv-int4": "adakv:budget={slots},storage=int4",
     "kvzip": "kvzip:budget={slots}",
     "snapkv-int4": "snapkv:budget={slots},storage=int4",
     "quantized-int8": "quantized:bits=8",
@@ -120,8 +122,7 @@ def modes_for(model, specs: list[str], question_lengths: list[int]) -> tuple[tup
         except Exception:
             continue
         for store in cache.stores:
-            policy = getattr(store, "policy", None)
-            mode = policy.weights_for(2) if policy is not None else getattr(store, "attention_weights", None)
+            mode = store.weights_for(2) if hasattr(store, "weights_for") else None
             if isinstance(mode, str):  # what a prompt pass (many queries) asks for
                 wanted.add(mode)
     wanted.discard(scoring.KVZIP_MODE)  # kvzip's scores come from its own repetition pass
@@ -196,13 +197,17 @@ def needle_kept(cache, span: tuple[int, int] | None) -> float | None:
     wanted = torch.arange(*span)
     kept, pairs = 0, 0
     for store in cache.stores:
-        positions = getattr(store, "positions", None)
-        if store is None or not callable(positions) or getattr(store, "kind", "") != "evicting":
+        kind = getattr(store, "kind", None)
+        if kind == "evicting":
+            per_head = list(store.positions()[0])  # Hkv x [N]
+        elif kind == "adakv":  # a flat store: each slot names its head
+            pos, head = store.positions()[0, 0], store.heads()[0, 0]
+            per_head = [pos[head == h] for h in range(int(store.head_lengths().shape[-1]))]
+        else:
             continue
-        pos = positions()[0]  # [Hkv, N]
-        hit = (pos.unsqueeze(-1) == wanted.to(pos.device)).any(dim=1).all(dim=-1)  # [Hkv]
-        kept += int(hit.sum())
-        pairs += hit.numel()
+        for pos in per_head:
+            kept += bool((pos.unsqueeze(-1) == wanted.to(pos.device)).any(dim=0).all())
+            pairs += 1
     return kept / pairs if pairs else None
 
 

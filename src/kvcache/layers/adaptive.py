@@ -125,6 +125,9 @@ class AdaptiveLayer(BoundedLayer):
             return None, None
         return self.storage.decode(self.store.tensors, self.length, self._flat_geometry())
 
+    def weights_for(self, queries: int) -> str | None:
+        return f"window:{self.window}" if queries > 1 else None  # decode steps do not rescore
+
     def positions(self) -> torch.Tensor:
         """Absolute position of each stored slot, int64 ``[B, 1, L]``."""
         if not self.store.allocated:
@@ -160,7 +163,7 @@ class AdaptiveLayer(BoundedLayer):
         heads, pos = new_slot_tags(batch, kv_heads, seen, n, key.device)
         encoded = {name: flatten_heads(t) for name, t in self.storage.encode(key, value).items()}
         new = {**encoded, "positions": pos, "heads": heads, "scores": torch.zeros(pos.shape, dtype=torch.float32, device=key.device)}
-        self.attention_weights = f"window:{self.window}" if n > 1 else None  # decode steps do not rescore
+        self.attention_weights = self.weights_for(n)
         if self.length + kv_heads * n <= max(self.capacity, self._capacity_for(seen + n)):
             self._ensure_capacity(self.length + kv_heads * n, seen + n)
             self.store.append(new)

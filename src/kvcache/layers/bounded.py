@@ -108,6 +108,11 @@ class BoundedLayer(KVLayer):
             self._finish(self._owner_weights)
         return out
 
+    def weights_for(self, queries: int) -> str | None:
+        """The attention weights mode a pass of ``queries`` tokens must report (what
+        ``attention_weights`` becomes on such an update)."""
+        return self.attention_weights
+
     def settle(self, weights: torch.Tensor | None = None) -> None:
         """Finish the last update without attending it here (keys and values imported from
         elsewhere, or a forward pass that did not attend them): the layer keeps what its policy

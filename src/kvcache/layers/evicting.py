@@ -173,6 +173,9 @@ class EvictingLayer(BoundedLayer):
         self._seen = seen + n
         return Reads(keys, values, self._set["positions"], seen, n, new_at_end=True)
 
+    def weights_for(self, queries: int) -> str | None:
+        return self.policy.weights_for(queries)
+
     def _capacity_for(self, seen: int) -> int:
         """Slots allocated for ``seen`` tokens: the budget then and one spare for a decode step."""
         return self.budget_now(seen) + 1
