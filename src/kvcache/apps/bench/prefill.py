@@ -12,7 +12,7 @@ Contenders (``CONTENDERS``), each one prefill of the whole prompt:
 Models: SmolLM2-135M (``kvcache.models.load("smollm2")``, real text, 8K context) at 8K tokens, and
 a random-weight model built from a config (``WIDE``: 2 Llama layers of 16 query and 16 KV heads of
 64, RoPE over 64K positions: as many K/V bytes per token as a model many times its size) at 16K
-and 32K; ``--quick`` 2K / 4K / 8K. Each row names its model.
+and 32K; ``--quick`` 1K / 2K / 4K with a budget and chunk of 256. Each row names its model.
 
 How: every run in a fresh process (forked from a ``forkserver`` that has imported this module and
 nothing else), one after another. There, after loading the model, making the prompt and a short
@@ -60,7 +60,7 @@ def sizes(options: RunOptions) -> list[tuple[str, int]]:
     """(model, prompt tokens) of each size of this run."""
     return options.pick(
         tiny=[("tiny", 192)],
-        quick=[("smollm2", 2048), ("wide", 4096), ("wide", 8192)],
+        quick=[("smollm2", 1024), ("wide", 2048), ("wide", 4096)],
         full=[("smollm2", 8192), ("wide", 16384), ("wide", 32768)],
     )
 
@@ -144,8 +144,8 @@ def run(options: RunOptions = RunOptions(), *, budget: int | None = None, chunk:
     """Run the suite; write ``prefill.json``/``.md``/``.png`` into ``options.out`` if given."""
     from tqdm.auto import tqdm
 
-    budget = budget or options.pick(32, 1024, 1024)
-    chunk = chunk or options.pick(32, 512, 512)
+    budget = budget or options.pick(32, 256, 1024)
+    chunk = chunk or options.pick(32, 256, 512)
     jobs = [(m, n, name) for m, n in sizes(options) for name in CONTENDERS]
     rows = []
     with fresh_processes() as pool, tqdm(total=len(jobs), desc="bench prefill", disable=not options.progress) as bar:
