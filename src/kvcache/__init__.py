@@ -28,6 +28,7 @@ from .errors import (
     UnsupportedOperation,
 )
 from .hf import register_attention, use_kvcache_attention
+from .prefill import prefill
 from .spec import CacheSpec, parse_spec
 
 __version__ = "0.1.0"
@@ -54,6 +55,7 @@ __all__ = [
     "load_cache",
     "make_cache",
     "parse_spec",
+    "prefill",
     "register_attention",
     "save_cache",
     "use_kvcache_attention",

@@ -30,9 +30,9 @@ import weakref
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
-from transformers.masking_utils import eager_mask, sdpa_mask
+from transformers.masking_utils import causal_mask_function, eager_mask, sdpa_mask
 
-from .attention import fastest_attention
+from .attention import attend, fastest_attention
 from .errors import UnsupportedOperation
 from .layers import KVLayer
 
@@ -99,7 +99,38 @@ def kvcache_mask(*args, **kwargs):
     their own biases to the mask or rely on it for causality (bigbird_pegasus, DeepSeek-V4)."""
     if getattr(kwargs.get("config"), EAGER_MASKS, False):
         return eager_mask(*args, **kwargs)
-    return sdpa_mask(*args, **kwargs)
+    if not args and causal_after_past(**kwargs):
+        return None  # a chunk after the past: causal aligned to the end, masked per block (hf_attention_forward)
+    mask = sdpa_mask(*args, **kwargs)
+    if mask is None and not args and 1 < kwargs.get("q_length", 1) < kwargs.get("kv_length", 1):
+        # SDPA's is_causal over a fixed capacity (queries aligned to its start) would read as the
+        # end-aligned causal above: such a prefill gets its mask.
+        mask = sdpa_mask(**{**kwargs, "allow_is_causal_skip": False})
+    return mask
+
+
+def causal_after_past(
+    q_length: int = 1,
+    kv_length: int = 1,
+    q_offset=0,
+    kv_offset: int = 0,
+    mask_function=causal_mask_function,
+    attention_mask: torch.Tensor | None = None,
+    local_size: int | None = None,
+    allow_is_causal_skip: bool = True,
+    **_,
+) -> bool:
+    """Whether the mask asked for is plain causal over keys that are the past in order followed by
+    the queries (``kv_length == q_offset + q_length``, no padding, no window): the ``"kvcache"``
+    attention then masks by the end-aligned causal rule a block of query rows at a time, so a
+    chunked prefill never builds a ``chunk x context`` mask."""
+    if not allow_is_causal_skip or mask_function is not causal_mask_function or local_size is not None:
+        return False
+    if not isinstance(q_offset, int) or kv_offset != 0 or kv_length != q_offset + q_length or q_length < 2:
+        return False
+    if torch.compiler.is_compiling():
+        return False
+    return attention_mask is None or bool(attention_mask[:, -kv_length:].all())
 
 
 def runs_kvcache_attention(config) -> bool:
@@ -275,9 +306,12 @@ def hf_attention_forward(
         out = layer.attend(query, scale=scaling, softcap=softcap, mask=boolean_mask(attention_mask), sinks=sinks)
         return out.transpose(1, 2).contiguous(), None
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    # transformers passes no mask only when the pattern is plain causal with queries and keys
-    # aligned, so is_causal is right for SDPA's prefill.
+    # No mask means plain causal: queries and keys aligned (SDPA's is_causal), or a chunk after the
+    # past in order (``causal_after_past``: causal aligned to the end, which ``attend`` does).
     causal = bool(causal) and attention_mask is None and query.shape[2] > 1
+    if causal and key.shape[2] > query.shape[2]:  # a chunk after the past (causal_after_past): blockwise, end-aligned
+        out = attend(query, key, value, scale=scaling, causal=True, softcap=softcap, sinks=sinks)
+        return out.transpose(1, 2).contiguous(), None
     out = fastest_attention(query, key, value, scale=scaling, mask=attention_mask, causal=causal, softcap=softcap, sinks=sinks)
     return out.transpose(1, 2).contiguous(), None
 

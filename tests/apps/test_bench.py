@@ -68,6 +68,22 @@ FIELDS = {
         "counts_extrapolated": boolean,
         "seconds": positive_number,
     },
+    "prefill": {
+        "model": text,
+        "tokens": positive_int,
+        "contender": text,
+        "spec": text,
+        "chunk": positive_int,
+        "seconds": positive_number,
+        "time_vs_full": positive_number,
+        "peak_rss_bytes": positive_int,
+        "prefill_rss_bytes": nonneg_int,
+        "cache_bytes_max": positive_int,
+        "full_kv_bytes": positive_int,
+        "weight_bytes": positive_int,
+        "peak_over_weights": positive_number,
+        "cache_over_weights": positive_number,
+    },
     "real": {"batch": positive_int, "context": positive_int, "contender": text, "compiled": boolean},  # more: test_bench_real.py
     "resume": {
         "tokens": positive_int,

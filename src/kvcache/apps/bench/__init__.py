@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-SUITES: tuple[str, ...] = ("update", "decode", "attention", "memory", "resume", "bounded", "real")
+SUITES: tuple[str, ...] = ("update", "decode", "attention", "memory", "resume", "bounded", "real", "prefill")
 
 
 def get_suite(name: str) -> ModuleType:
