@@ -69,7 +69,7 @@ DEFAULT_KINDS = tuple(KINDS)
 #: Kinds also run the reuse way (``context``), besides kvzip.
 DEFAULT_CONTEXT_KINDS = ("h2o", "snapkv", "kvzip")
 DEFAULT_BUDGETS = (0.5, 0.25, 0.125)
-ANSWER_TOKENS = 7  # a five-digit key, its full stop, one spare
+ANSWER_TOKENS = 6  # the space and a five-digit key (one digit a token)
 
 
 @dataclass(frozen=True)
@@ -85,8 +85,8 @@ class Setting:
 def setting(options: RunOptions) -> Setting:
     return options.pick(
         tiny=Setting((384,), 1, 128, 8, 1, (0.5,)),
-        quick=Setting((1024, 2048), 3, 1024, 48, 1, (0.5, 0.25)),
-        full=Setting((1024, 2048, 4096, 8192), 9, 2048, 96, 2, DEFAULT_BUDGETS),
+        quick=Setting((1024, 2048), 3, 1024, 32, 1, (0.5, 0.25)),
+        full=Setting((1024, 2048, 4096, 8192), 6, 1024, 64, 1, DEFAULT_BUDGETS),
     )
 
 
