@@ -369,7 +369,10 @@ def run(
     budgets: tuple[float, ...] | None = None,
     lengths: tuple[int, ...] | None = None,
     contexts: int | None = None,
+    text: bool = True,
 ) -> dict[str, Any]:
+    """Run the harness (see the module docstring); ``text=False`` skips the held-out text runs
+    (KL / top-1), e.g. for a run that adds lengths to another (``combine``)."""
     from tqdm.auto import tqdm
 
     from ..models import load
@@ -402,9 +405,9 @@ def run(
             profiles += [{"length": length, **p} for p in info["profiles"]]
             if c == 0:
                 costs[str(length)] = {"document_tokens": T, **_costs(model, ctx), "repeat_seconds": info["repeat_seconds"]}
-    text = []
-    for i in range(s.text_samples):
-        text += text_runs(model, tokenizer, plan, s, seed=i)
+    text_rows = []
+    for i in range(s.text_samples if text else 0):
+        text_rows += text_runs(model, tokenizer, plan, s, seed=i)
         bar.update()
     bar.close()
     result = {
@@ -413,7 +416,7 @@ def run(
                    "depths": list(needles.DEPTHS), "budgets": list(budgets), "text": vars(s) | {"budgets": None},
                    "quick": options.quick, "tiny": options.tiny, "prose": "Python standard library docstrings (PSF License)"},
         "runs": rows,
-        "text": text,
+        "text": text_rows,
         "costs": costs,
         "profiles": profiles,
     }
@@ -540,6 +543,25 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.set_title(f"{result['config']['model']}: needles found against memory")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7, ncol=2)
+
+
+def combine(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One result from runs over different lengths of the same kinds and budgets (rows, text
+    rows, costs and profiles put together; the config of the first, with every length)."""
+    out = json.loads(json.dumps(results[0], default=str))
+    for r in results[1:]:
+        out["runs"] += r["runs"]
+        out["text"] += r["text"]
+        out["costs"].update(r["costs"])
+        out["profiles"] += r["profiles"]
+        out["config"]["lengths"] = sorted(set(out["config"]["lengths"]) | set(r["config"]["lengths"]))
+        out["config"]["contexts"] = {**_as_map(out["config"]), **_as_map(r["config"])}
+    return out
+
+
+def _as_map(config: dict[str, Any]) -> dict[str, int]:
+    c = config["contexts"]
+    return dict(c) if isinstance(c, dict) else {str(L): c for L in config["lengths"]}
 
 
 def write(result: dict[str, Any], out: Path) -> None:
