@@ -39,6 +39,7 @@ from ..attention import Reads
 from ..errors import ShapeError, UnsupportedOperation
 from ..registry import Option, number
 from .bounded import BoundedLayer
+from .budget import check_budget
 from .checks import Geometry
 from .shared_budget import (
     OwnHeads,
@@ -74,7 +75,7 @@ class AdaptiveLayer(BoundedLayer):
         super().__init__()
         self.storage = get_storage(storage)
         checked = self.check_options(budget=budget, window=window, pool=pool, floor=floor)
-        self.budget = _check_budget(checked["budget"])
+        self.budget = check_budget(checked["budget"], "token per head")
         self.window, self.pool, self.floor = checked["window"], checked["pool"], checked["floor"]
         if self.floor > 1:
             raise ValueError(f"floor is a share of each head's uniform budget, in [0, 1], got {floor}")
@@ -328,12 +329,3 @@ class AdaptiveLayer(BoundedLayer):
             self.geometry = replace(g, heads=state.tensors["head_lengths"].shape[1])
             self._keep_best(dict(t), t["positions"].shape[2])
 
-
-def _check_budget(budget: int | float) -> int | float:
-    if isinstance(budget, float) and not budget.is_integer():
-        if not 0 < budget < 1:
-            raise ValueError(f"a fractional budget must be in (0, 1) (a share of the tokens seen), got {budget}")
-        return budget
-    if int(budget) < 1:
-        raise ValueError(f"budget must be >= 1 token per head (or a fraction in (0, 1)), got {budget}")
-    return int(budget)

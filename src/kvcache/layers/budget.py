@@ -10,6 +10,17 @@ from dataclasses import dataclass
 from ..policies import Policy
 
 
+def check_budget(size: int | float, unit: str = "token") -> int | float:
+    """A budget as kept: a whole count of ``unit`` >= 1 (int), or a share of the tokens seen in (0, 1)."""
+    if isinstance(size, float) and not size.is_integer():
+        if not 0 < size < 1:
+            raise ValueError(f"a fractional budget must be in (0, 1) (a share of the tokens seen), got {size}")
+        return size
+    if int(size) < 1:
+        raise ValueError(f"budget must be >= 1 {unit} (or a fraction in (0, 1)), got {size}")
+    return int(size)
+
+
 @dataclass
 class Budget:
     """``size``: tokens (int) or a share of the tokens seen (float in (0, 1)); ``recent`` None
@@ -22,14 +33,7 @@ class Budget:
     depth: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
-        size = self.size
-        if isinstance(size, float) and not size.is_integer():
-            if not 0 < size < 1:
-                raise ValueError(f"a fractional budget must be in (0, 1) (a share of the tokens seen), got {size}")
-        elif int(size) < 1:
-            raise ValueError(f"budget must be >= 1 token (or a fraction in (0, 1)), got {size}")
-        else:
-            self.size = int(size)
+        self.size = check_budget(self.size)
         if isinstance(self.size, int) and self.sinks + (self.recent or 0) >= self.size:
             raise ValueError(
                 f"sinks ({self.sinks}) + recent ({self.recent}) must be less than the budget "
