@@ -475,7 +475,7 @@ def summary(result: dict[str, Any]) -> list[dict[str, Any]]:
         line["kl"] = _mean(line.get("kl", []))
         line["top1"] = _mean(line.get("top1", []))
         out.append(line)
-    return out
+    return sorted(out, key=lambda l: l["mode"] != "question")  # stable: kinds in run order
 
 
 def _budget(b) -> str:
@@ -570,8 +570,9 @@ def write(result: dict[str, Any], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "eval.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
     c = result["config"]
+    contexts = c["contexts"] if not isinstance(c["contexts"], dict) else ", ".join(f"{n} at {L}" for L, n in c["contexts"].items())
     head = (
-        f"Needles in prose on {c['model']}: {c['contexts']} contexts per length, {c['questions_per_context']} pass key(s) "
+        f"Needles in prose on {c['model']}: {contexts} contexts per length, {c['questions_per_context']} pass key(s) "
         f"each (depths {', '.join(map(str, c['depths']))}; one needle: the depth turns with the context), one question "
         f"per key; kept = share of the document's tokens; "
         f"KL / top-1 against the full cache over {c['text']['text_steps']} held-out tokens x {c['text']['text_samples']}.\n\n"
