@@ -478,6 +478,10 @@ def summary(result: dict[str, Any]) -> list[dict[str, Any]]:
     return sorted(out, key=lambda l: l["mode"] != "question")  # stable: kinds in run order
 
 
+def _share(x: float) -> str:
+    return "-" if math.isnan(x) else f"{x:.0%}"
+
+
 def _budget(b) -> str:
     return "-" if b is None else f"{b:.1%}".replace(".0%", "%")
 
@@ -491,10 +495,11 @@ def table(result: dict[str, Any]) -> str:
     out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for line in lines:
         cells = [line["cache"], _budget(line["budget"]), "with question" if line["mode"] == "question" else "once, reused"]
-        cells += [f"{line['by_length'].get(L, math.nan):.0%}" for L in lengths]
-        cells += [f"{line['by_depth'].get(d, math.nan):.0%}" for d in depths]
+        cells += [_share(line["by_length"].get(L, math.nan)) for L in lengths]
+        cells += [_share(line["by_depth"].get(d, math.nan)) for d in depths]
         kept = "-" if math.isnan(line["needle_kept"]) else f"{line['needle_kept']:.0%}"
-        cells += [f"{line['accuracy']:.0%}", kept, f"{line['kl']:.3f}", f"{line['top1']:.1%}", f"{line['bytes_per_token']:,.0f}"]
+        text = ("-", "-") if math.isnan(line["kl"]) else (f"{line['kl']:.3f}", f"{line['top1']:.1%}")
+        cells += [f"{line['accuracy']:.0%}", kept, *text, f"{line['bytes_per_token']:,.0f}"]
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
 
