@@ -240,12 +240,12 @@ def run_context(model, tokenizer, ctx: needles.Context, plan, specs, doc_modes, 
     T = len(ctx.prefix_ids)
     info: dict[str, Any] = {"profiles": []}
     with use_kvcache_attention(model):
-        rec = scoring.recording_cache(model, doc_modes + ((scoring.KVZIP_MODE,) if any(k == "kvzip" for k, _, _ in plan) else ()))
+        wants_kvzip = any(k == "kvzip" for k, _, _ in plan)
+        rec = scoring.recording_cache(model, doc_modes + ((scoring.KVZIP_MODE,) if wants_kvzip else ()))
         model(prefix, past_key_values=rec, use_cache=True)
         doc_weights = _weights(rec, doc_modes)
-        doc_kv = scoring.keys_values(rec)
         started = time.perf_counter()
-        kvzip = scoring.repeat_scores(model, rec, torch.tensor([ctx.repeat_ids], device=device)) if any(k == "kvzip" for k, _, _ in plan) else None
+        kvzip = scoring.repeat_scores(model, rec, torch.tensor([ctx.repeat_ids], device=device)) if wants_kvzip else None
         info["repeat_seconds"] = time.perf_counter() - started
         doc_kv = scoring.keys_values(rec)
 
@@ -267,12 +267,7 @@ def run_context(model, tokenizer, ctx: needles.Context, plan, specs, doc_modes, 
             if mode != "context":
                 continue
             spec = specs[(kind, budget)]
-            if kind == "window":
-                shared = make_cache(model, spec)
-                model(prefix, past_key_values=shared, use_cache=True)
-            else:
-                w = {scoring.KVZIP_MODE: kvzip} if kind == "kvzip" else doc_weights
-                shared = scoring.compress(model, spec, doc_kv, w)
+            shared = _document_cache(model, kind, spec, prefix, doc_kv, doc_weights, kvzip)
             for q in ctx.questions:
                 cache = shared.fork()
                 tokens = _answer_after(model, cache, q.ids, ANSWER_TOKENS)
@@ -296,9 +291,8 @@ def run_context(model, tokenizer, ctx: needles.Context, plan, specs, doc_modes, 
                     continue
                 spec = specs[(kind, budget)]
                 if kind == "window":
-                    if spec not in windows:
-                        windows[spec] = make_cache(model, spec)
-                        model(prefix, past_key_values=windows[spec], use_cache=True)
+                    if spec not in windows:  # the document prefilled once, a fork per question
+                        windows[spec] = _document_cache(model, kind, spec, prefix)
                     cache = windows[spec].fork()
                     tokens, kept = _answer_after(model, cache, q.ids, ANSWER_TOKENS), None
                 else:
@@ -308,6 +302,17 @@ def run_context(model, tokenizer, ctx: needles.Context, plan, specs, doc_modes, 
                 emit(kind, mode, budget, spec, q, tokens, cache, kept)
             del fork, kv
     return rows, info
+
+
+def _document_cache(model, kind: str, spec: str, prefix: torch.Tensor, kv=None, weights=None, kvzip=None):
+    """A cache of ``spec`` holding the document ``prefix`` ``[1, T]``: a window prefilled for real
+    (its prompt pass is masked), every other kind compressed from the recording's keys and values
+    ``kv`` with the document's ``weights`` (kvzip: with its repetition scores ``kvzip``)."""
+    if kind == "window":
+        cache = make_cache(model, spec)
+        model(prefix, past_key_values=cache, use_cache=True)
+        return cache
+    return scoring.compress(model, spec, kv, {scoring.KVZIP_MODE: kvzip} if kind == "kvzip" else weights)
 
 
 # ---- held-out text: KL and top-1 ---------------------------------------------------------------
@@ -337,11 +342,7 @@ def text_runs(model, tokenizer, plan, s: Setting, seed: int) -> list[dict]:
             done.add((kind, budget))
             slots = half if budget is None else max(SINKS + 1, round(budget * half))
             spec = spec_of(kind, slots, capacity=len(ids))
-            if kind == "window":
-                cache = make_cache(model, spec)
-                model(prefix, past_key_values=cache, use_cache=True)
-            else:
-                cache = scoring.compress(model, spec, kv, {scoring.KVZIP_MODE: kvzip} if kind == "kvzip" else weights)
+            cache = _document_cache(model, kind, spec, prefix, kv, weights, kvzip)
             logps = [first]
             for t in rest[:-1]:
                 logits = model(torch.tensor([[t]], device=model.device), past_key_values=cache, use_cache=True).logits[:, -1]

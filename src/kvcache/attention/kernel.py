@@ -137,7 +137,7 @@ def attend_weighted(
             _reduce_into(acc[..., :limit], mode, probs, start, q_len)
         rows = stop - start
         flat = probs.to(query.dtype).reshape(batch, kv_heads, group * rows, limit)
-        outs.append(_weighted_values(flat, _keys_to(value, limit)).view(batch, kv_heads, group, rows, value_dim))
+        outs.append(_weighted_values(flat, _first_slots(value, limit)).view(batch, kv_heads, group, rows, value_dim))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)
     return out.reshape(batch, q_heads, q_len, value_dim), _reduced(weights, modes, key, reduced)
 
@@ -204,7 +204,7 @@ def _reduced(weights: Weights, modes: tuple[str, ...], key: TensorLike, reduced:
     return reduced[modes[0]] if isinstance(weights, str) else reduced
 
 
-def _keys_to(t: TensorLike, limit: int) -> TensorLike:
+def _first_slots(t: TensorLike, limit: int) -> TensorLike:
     """The first ``limit`` slots of a tensor (a view); a reader whole (it has no limit)."""
     return t[:, :, :limit] if isinstance(t, torch.Tensor) and limit < t.shape[2] else t
 
@@ -301,7 +301,7 @@ def _block_probs(q5, key, keys_t, mask5, mask_rows, causal, scale, softcap, star
     batch, kv_heads, group, q_len, head_dim = q5.shape
     kv_len = key.shape[2]
     limit = kv_len if limit is None else limit  # keys past it are masked for every row of the block
-    key, keys_t = _keys_to(key, limit), (None if keys_t is None else keys_t[..., :limit])
+    key, keys_t = _first_slots(key, limit), (None if keys_t is None else keys_t[..., :limit])
     rows = stop - start
     q = (q5[:, :, :, start:stop] * scale).reshape(batch, kv_heads, group * rows, head_dim)
     scores = _key_scores(key, keys_t, q, group * rows <= DECODE_ROWS)  # [B, Hkv, group*rows, limit]

@@ -38,7 +38,7 @@ import torch
 from ..attention import Reads
 from ..errors import ShapeError, UnsupportedOperation
 from ..registry import Option, number
-from .bounded import BoundedLayer
+from .bounded import SelectingLayer
 from .budget import check_budget
 from .checks import Geometry
 from .shared_budget import (
@@ -57,7 +57,7 @@ from .state import LayerState
 from .store import Layout, SlotStore
 
 
-class AdaptiveLayer(BoundedLayer):
+class AdaptiveLayer(SelectingLayer):
     """Ada-KV's shared layer budget over a flat store (see the module docstring)."""
 
     kind = "adakv"
@@ -283,19 +283,6 @@ class AdaptiveLayer(BoundedLayer):
         self._set = self._read_heads = None
         self._seen = 0
         self.geometry = None
-
-    def _rebatch(self, fn) -> None:
-        self._check_settled("change the batch")
-        if self.store.allocated:
-            batch = self.store.rebatch(fn, capacity=self._capacity_for(self.seen))
-            self.geometry = replace(self.geometry, batch=batch)
-
-    def _check_settled(self, what: str) -> None:
-        if self._set is not None:
-            raise UnsupportedOperation(
-                f"adakv layer: cannot {what} between an update that overflowed the budget and its "
-                f"attention (call attend() or settle() first)"
-            )
 
     # ---- state ----------------------------------------------------------------------------
 

@@ -34,12 +34,12 @@ from ..registry import Option, number
 from .checks import Geometry
 from .state import LayerState
 from ..attention import Reads
-from .bounded import BoundedLayer
+from .bounded import SelectingLayer
 from .budget import Budget
 from .slots import get_storage
 from .store import Layout, SlotStore
 
-class EvictingLayer(BoundedLayer):
+class EvictingLayer(SelectingLayer):
     kind = "evicting"
     spec_options = {
         "budget": Option(number, least=0, inclusive=False),
@@ -267,12 +267,6 @@ class EvictingLayer(BoundedLayer):
         self._seen = 0
         self.geometry = None
 
-    def _rebatch(self, fn) -> None:
-        self._check_settled("change the batch")
-        if self.store.allocated:  # another batch: the budget's capacity
-            batch = self.store.rebatch(fn, capacity=self._capacity_for(self.seen))
-            self.geometry = replace(self.geometry, batch=batch)
-
     # ---- state ----------------------------------------------------------------------------
 
     def options(self) -> dict[str, Any]:
@@ -287,12 +281,9 @@ class EvictingLayer(BoundedLayer):
             **depth,
         }
 
-    def _check_settled(self, what: str) -> None:
-        if self._set is not None:
-            raise UnsupportedOperation(
-                f"{self.policy.name} layer: cannot {what} between an update that overflowed the budget "
-                f"and its attention (call attend() or settle() first)"
-            )
+    @property
+    def selection_name(self) -> str:
+        return self.policy.name
 
     def state(self) -> LayerState:
         self._check_settled("take its state")

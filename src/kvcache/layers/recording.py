@@ -41,11 +41,6 @@ class RecordingLayer(BoundedLayer):
     def _settle(self, weights: dict[str, torch.Tensor] | None) -> None:
         self.recorded = weights
 
-    def view(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every stored key and value, ``[B, Hkv, T, D]`` views."""
-        t = self.store.tensors
-        return t["keys"][:, :, : self.length], t["values"][:, :, : self.length]
-
     def reset(self) -> None:
         super().reset()
         self.store.drop()
