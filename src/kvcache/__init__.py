@@ -24,12 +24,15 @@ from .errors import (
     ModelMismatchError,
     ShapeError,
     SpecError,
+    StoreEntryError,
+    StoreUnavailable,
     TruncatedFileError,
     UnsupportedOperation,
 )
 from .hf import register_attention, use_kvcache_attention
 from .prefill import prefill
 from .spec import CacheSpec, parse_spec
+from .store import PromptStore
 
 __version__ = "0.1.0"
 
@@ -46,9 +49,12 @@ __all__ = [
     "ForeignFileError",
     "KVCache",
     "KVCacheError",
+    "PromptStore",
     "ModelMismatchError",
     "ShapeError",
     "SpecError",
+    "StoreEntryError",
+    "StoreUnavailable",
     "TruncatedFileError",
     "UnsupportedOperation",
     "attend",

@@ -24,7 +24,7 @@ from .compiled import hf_layer
 from .hf import SWITCH_HINT, crop_count, note_writer, runs_kvcache_attention
 from .layers.base import check_kv
 from .layers import KVLayer, LayerState
-from .persist import SavedCache, write_cache_file
+from .persist import SavedCache, encode_cache, write_cache_file
 from .spec import CacheSpec
 
 
@@ -226,6 +226,14 @@ class KVCache(ForeignLayers, Cache):
         optionally one more (the token ``generate`` chose last and never fed back); loading gives
         them back as ``token_ids``. Raises, writing nothing, for ids that do not fit.
         """
+        write_cache_file(path, self._saved(token_ids))
+
+    def to_bytes(self, *, token_ids: Sequence[int] | None = None) -> bytes:
+        """The bytes ``save`` would write (a prompt store's entry); ``load_cache``'s checks read them
+        back with ``cachefile.cache_from_bytes``."""
+        return encode_cache(self._saved(token_ids))
+
+    def _saved(self, token_ids: Sequence[int] | None) -> SavedCache:
         foreign.refuse(
             "save",
             self.other_kinds,
@@ -239,7 +247,7 @@ class KVCache(ForeignLayers, Cache):
             if problem is not None:
                 raise ValueError(f"cannot save token_ids: {problem}")
         states = [None if s is None else s.state() for s in self.stores]
-        write_cache_file(path, SavedCache(str(self.spec), self.config_summary, states, token_ids))
+        return SavedCache(str(self.spec), self.config_summary, states, token_ids)
 
     def __repr__(self) -> str:
         return f"KVCache(spec={str(self.spec)!r}, seen={self.seen}, nbytes={self.nbytes}, layers={len(self.stores)})"

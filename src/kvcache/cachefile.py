@@ -23,7 +23,7 @@ from .cache import KVCache, token_ids_problem
 from .errors import CacheFileError, CorruptedFileError, ModelMismatchError, SpecError
 from .fingerprint import config_summary, fingerprint_of, text_config
 from .layers import KVLayer
-from .persist import SavedCache, one_line, read_cache_file, short
+from .persist import SavedCache, decode_cache, one_line, read_cache_file, short
 from .registry import layer_class
 from .spec import CacheSpec, parse_spec
 
@@ -47,8 +47,16 @@ def load_cache(path: str | os.PathLike, model: Any, *, device: str | torch.devic
     foreign or other-model files, before changing anything.
     """
     config = text_config(model)  # a wrong `model` is the caller's error, not the file's
-    path = str(path)
-    saved = read_cache_file(path)
+    return _load(read_cache_file(str(path)), str(path), model, config, device)
+
+
+def cache_from_bytes(raw: bytes, model: Any, *, name: str, device: str | torch.device | None = None) -> KVCache:
+    """``load_cache`` for the bytes of a cache file (a prompt store's entry); ``name`` names it in errors."""
+    config = text_config(model)
+    return _load(decode_cache(raw, name), name, model, config, device)
+
+
+def _load(saved: SavedCache, path: str, model: Any, config: Any, device: str | torch.device | None) -> KVCache:
     if device is None:
         device = next((p.device for p in getattr(model, "parameters", lambda: iter(()))()), torch.device("cpu"))
     try:

@@ -59,3 +59,13 @@ class ModelUnavailableError(KVCacheError):
     """A pretrained model cannot be had: unknown name, no network, a damaged download, a full disk,
     a failed conversion or a converted folder that no longer matches its manifest. Nothing half-made
     is left behind."""
+
+
+class StoreEntryError(CacheFileError):
+    """A prompt store entry cannot be used: damaged, truncated, foreign, for another model or
+    cache, not the prefix it is stored under, or (with a secret) not signed with it. The store
+    treats it as a miss and recomputes."""
+
+
+class StoreUnavailable(KVCacheError, OSError):
+    """DEV PLACEHOLDER (the backends branch defines it)."""

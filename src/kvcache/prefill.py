@@ -44,7 +44,8 @@ def prefill(
     Runs under ``use_kvcache_attention(model)`` (the model's attention comes back after) and
     without autograd. ``attention_mask``: Hugging Face's 2-D padding mask ``[B, seen + S]`` over
     the cache's tokens and these (1 = attend), as ``generate`` takes it; each chunk gets its
-    columns up to the chunk's end. ``progress``: a tqdm bar over the tokens. ``after_chunk(done)``
+    columns up to the chunk's end, and the position ids ``generate`` would give (a left-padded
+    row's first real token is position 0), so a prefill here and ``generate`` agree. ``progress``: a tqdm bar over the tokens. ``after_chunk(done)``
     runs after every chunk with the tokens of ``ids`` done so far (to watch ``cache.nbytes``).
 
     Returns the logits of the last position, ``[B, V]``: the next token's distribution. To go on
@@ -58,11 +59,14 @@ def prefill(
 
     batch, length = ids.shape
     seen = cache.seen
+    positions = None if attention_mask is None else mask_positions(attention_mask)
     logits = None
     with torch.no_grad(), use_kvcache_attention(model), tqdm(total=length, unit="tok", disable=not progress) as bar:
         for start in range(0, length, chunk):
             stop = min(length, start + chunk)
-            kwargs = {} if attention_mask is None else {"attention_mask": attention_mask[:, : seen + stop]}
+            kwargs = {}
+            if attention_mask is not None:  # generate's positions: a padded row's real tokens count from 0
+                kwargs = {"attention_mask": attention_mask[:, : seen + stop], "position_ids": positions[:, seen + start : seen + stop]}
             out = model(input_ids=ids[:, start:stop], past_key_values=cache, use_cache=True, logits_to_keep=1, **kwargs)
             logits = out.logits[:, -1]
             del out  # the chunk's hidden states go before the next chunk comes
@@ -70,6 +74,12 @@ def prefill(
             if after_chunk is not None:
                 after_chunk(stop)
     return logits
+
+
+def mask_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """``generate``'s position ids ``[B, T]`` for a left-padded 2-D mask: real tokens count from 0
+    (pads get 0; they are masked out)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)
 
 
 def _check(ids, cache, chunk, attention_mask) -> None:

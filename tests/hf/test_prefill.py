@@ -116,9 +116,24 @@ def test_a_left_padded_batch_prefills_in_chunks_as_dynamic_cache_does_in_one_pas
     ids, mask = left_padded((37, 26))
     cache = kvcache.make_cache(model)
     got = kvcache.prefill(model, ids, cache, chunk=CHUNK, attention_mask=mask)
+    # generate's position ids for a left-padded batch (GenerationMixin._prepare_position_ids_for_generation)
+    positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
     with hf_attention(model), torch.no_grad():
-        want = model(ids, attention_mask=mask, past_key_values=DynamicCache(config=model.config)).logits[:, -1]
+        past = DynamicCache(config=model.config)
+        want = model(ids, attention_mask=mask, position_ids=positions, past_key_values=past).logits[:, -1]
     torch.testing.assert_close(got, want, **LOGITS_TOL)
+
+
+def test_a_left_padded_prefill_then_generate_gives_generates_own_tokens():
+    """The prefill numbers a padded row's positions as generate does, so generate can go on from it."""
+    model = model_for("llama")
+    ids, mask = left_padded((37, 26, 31))
+    cache = kvcache.make_cache(model)
+    kvcache.prefill(model, ids[:, :-1], cache, chunk=CHUNK, attention_mask=mask[:, :-1])
+    with torch.no_grad():
+        got = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=6, do_sample=False)
+        want = model.generate(ids, attention_mask=mask, past_key_values=DynamicCache(config=model.config), max_new_tokens=6, do_sample=False)
+    assert_same_tokens(got, want, "left-padded prefill + generate")
 
 
 @pytest.mark.parametrize("spec", ["growable", "h2o:budget=16", "window:window=12,sinks=2", "tova:budget=16"])

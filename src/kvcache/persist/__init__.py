@@ -16,7 +16,7 @@ accidents, not attackers (there is no signature).
 """
 
 from .atomic import atomic_write, sweep_temps
-from .fileformat import SavedCache, checksum, read_cache_file, write_cache_file
+from .fileformat import SavedCache, checksum, decode_cache, encode_cache, read_cache_file, write_cache_file
 from .header import FORMAT_VERSION, metadata_checksum, one_line, short
 
 __all__ = [
@@ -24,6 +24,8 @@ __all__ = [
     "SavedCache",
     "atomic_write",
     "checksum",
+    "decode_cache",
+    "encode_cache",
     "metadata_checksum",
     "one_line",
     "read_cache_file",

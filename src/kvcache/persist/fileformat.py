@@ -19,7 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from safetensors.torch import load as safetensors_load
 from safetensors.torch import load_file, save_file
+from safetensors.torch import save as safetensors_bytes
 
 from ..errors import CorruptedFileError, ForeignFileError
 from ..fingerprint import fingerprint_of
@@ -59,6 +61,15 @@ def _owned(t: torch.Tensor) -> torch.Tensor:
 
 def write_cache_file(path: str | os.PathLike, saved: SavedCache) -> None:
     """Write ``saved`` to ``path`` atomically (see ``atomic.atomic_write``)."""
+    atomic_write(path, _write_safetensors(*_tensors_and_metadata(saved)))
+
+
+def encode_cache(saved: SavedCache) -> bytes:
+    """The bytes of the cache file for ``saved`` (what ``write_cache_file`` would write)."""
+    return safetensors_bytes(*_tensors_and_metadata(saved))
+
+
+def _tensors_and_metadata(saved: SavedCache) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     tensors: dict[str, torch.Tensor] = {}
     table: list[dict[str, Any] | None] = []
     for i, state in enumerate(saved.layers):
@@ -80,7 +91,7 @@ def write_cache_file(path: str | os.PathLike, saved: SavedCache) -> None:
     if saved.token_ids is not None:
         metadata["token_ids"] = json.dumps(list(saved.token_ids))
     metadata["meta_checksum"] = metadata_checksum(metadata)
-    atomic_write(path, _write_safetensors(tensors, metadata))
+    return tensors, metadata
 
 
 def _write_safetensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> Callable[[str], None]:
@@ -110,6 +121,17 @@ def read_cache_file(path: str | os.PathLike) -> SavedCache:
     if os.path.isdir(path):
         raise ForeignFileError(f"{path}: is a directory, not a cache file")
     _, meta = read_header(head_bytes(path), path, os.path.getsize(path))
+    return _saved_cache(meta, path, lambda: load_file(path))
+
+
+def decode_cache(raw: bytes, name: str) -> SavedCache:
+    """``read_cache_file`` for the bytes of a cache file (``name`` is used in error messages)."""
+    _, meta = read_header(raw, name)
+    return _saved_cache(meta, name, lambda: safetensors_load(bytes(raw)))
+
+
+def _saved_cache(meta: dict[str, str], path: str, load_tensors: Callable[[], dict[str, torch.Tensor]]) -> SavedCache:
+    """The checks after the header's: fields, layer table, checksums, then the tensors."""
     config = parse_json(meta.get("config"), path, "the model configuration")
     if not isinstance(config, dict):
         raise CorruptedFileError(f"{path}: the file records no model configuration (got {short(config)})")
@@ -133,7 +155,7 @@ def read_cache_file(path: str | os.PathLike) -> SavedCache:
             raise CorruptedFileError(f"{path}: the token ids are {short(token_ids)}, not a list")
 
     try:
-        tensors = load_file(path)
+        tensors = load_tensors()
     except Exception as e:  # safetensors raises its own error types
         raise CorruptedFileError(f"{path}: tensor data cannot be read ({one_line(e)})") from None
     listed = {f"layer.{i}.{n}" for i, e in enumerate(table) if e is not None for n in e["tensors"]}

@@ -1,0 +1,379 @@
+"""``PromptStore``: caches pre-filled with the longest stored prefix of a prompt.
+
+::
+
+    store = kvcache.PromptStore("redis://cache-host:6379/0")          # or a folder, or "memory"
+    cache, reused = store.cache_for(model, input_ids, "growable")     # holds `reused` tokens
+    out = model.generate(input_ids, past_key_values=cache)            # computes only the rest
+    store.put(cache, out)                                             # keeps the new full chunks
+
+Two ways to store, by cache kind (``mode``):
+
+- ``"chunks"`` (growable, static, concat: every token's keys and values, in order): one entry per
+  chunk of ``chunk`` tokens, holding that chunk's keys and values for every layer; a prefix is the
+  chain of its chunks, so prompts that share a beginning share its entries. Batches may mix rows
+  of any left padding.
+- ``"states"`` (quantized, windows, eviction policies, ...: state that depends on the whole
+  prefix): one entry per chunk boundary holding the whole cache as it was after exactly that many
+  tokens. Such a state exists only if the prompt was run up to the boundary and stored there:
+  ``PromptStore.prefill`` does that. One request at a time (batch 1, no padding). Reusing one is
+  exact with respect to a prefill split at the boundary, which for these kinds can differ from a
+  single pass over the whole prompt (a split prefill evicts or quantizes at the boundary).
+
+Every entry read is untrusted: a damaged, foreign, other-model, other-prefix or lying entry is a
+miss, logged on ``kvcache.store`` and recomputed (``entry.py`` and ``cachefile``'s checks). A
+backend that cannot be reached (``StoreUnavailable``) makes the store a no-op for ``retry_after``
+seconds, with one warning per outage.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+from ..build import make_cache
+from ..cache import KVCache
+from ..cachefile import cache_from_bytes
+from ..errors import CacheFileError, StoreEntryError, StoreUnavailable, UnsupportedOperation
+from ..prefill import prefill as run_prefill
+from ..spec import CacheSpec, parse_spec
+from .backends import Backend, open_backend
+from .entry import seal, unseal
+from .keys import Row, chain, rows, salt
+
+log = logging.getLogger("kvcache.store")
+T = TypeVar("T")
+
+#: Kinds whose slots are every token's keys and values in order: a prefix is its chunks, joined.
+CHUNKED_KINDS = frozenset({"growable", "static", "concat"})
+#: What a chunk entry is saved as (the target's spec is in the key's salt; the bytes are the same).
+_CHUNK_SPEC = "growable"
+
+
+@dataclass
+class StoreStats:
+    """What the store did since it was made (``PromptStore.stats``)."""
+
+    hits: int = 0
+    misses: int = 0
+    reused_tokens: int = 0
+    stored_tokens: int = 0
+    bad_entries: int = 0
+    unavailable: int = 0
+
+
+class PromptStore:
+    """Keys and values of computed prompt prefixes, kept in a ``backend`` and found by token prefix.
+
+    ``backend``: ``"memory"`` (this process), a folder path, ``"redis://[:password@]host:port/db"``
+    or a ``Backend``. ``chunk``: tokens per key (reuse is at chunk granularity). ``max_bytes`` and
+    ``ttl`` (seconds) bound the backend (least recently used entries go first). ``secret``: entries
+    are signed with it (HMAC-SHA256) and entries not signed with it are misses: set it when others
+    can write to the backend. ``retry_after``: seconds an unreachable backend is left alone.
+    """
+
+    def __init__(
+        self,
+        backend: str | Backend = "memory",
+        *,
+        chunk: int = 256,
+        max_bytes: int | None = None,
+        ttl: float | None = None,
+        secret: bytes | str | None = None,
+        retry_after: float = 30.0,
+    ) -> None:
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+            raise ValueError(f"chunk must be a whole number of tokens >= 1, got {chunk!r}")
+        self.backend = open_backend(backend, max_bytes=max_bytes, ttl=ttl)
+        self.chunk = chunk
+        self.secret = secret.encode() if isinstance(secret, str) else secret
+        self.retry_after = retry_after
+        self.stats = StoreStats()
+        self._down_until = 0.0
+
+    def __repr__(self) -> str:
+        return f"PromptStore({self.backend.location!r}, chunk={self.chunk})"
+
+    # ---- finding --------------------------------------------------------------------------
+
+    def cache_for(
+        self, model: Any, input_ids: torch.Tensor, spec: str | CacheSpec = "growable", *, attention_mask: torch.Tensor | None = None, **options: Any
+    ) -> tuple[KVCache, int]:
+        """A new cache of ``spec`` for ``model`` holding the longest stored prefix of ``input_ids``
+        ``[B, T]``, and how many tokens (columns) it holds.
+
+        Give the prompt's ``attention_mask`` for a left-padded batch. The cache always leaves at
+        least the last token to compute, so ``model.generate(input_ids, attention_mask=...,
+        past_key_values=cache)`` goes on from it. Raises ``UnsupportedOperation`` for a cache kind
+        the store cannot hold (layers that are not attention) or a batch a ``"states"`` kind
+        cannot take; never for what is (or is not) in the backend.
+        """
+        parsed = parse_spec(spec, **options)
+        cache = make_cache(model, parsed)
+        found = rows(input_ids, attention_mask)
+        mode = self.mode(cache)
+        key_salt = salt(cache.fingerprint or "", _model_dtype(model), str(cache.spec), self.chunk)
+        width = input_ids.shape[1]
+        if mode == "chunks":
+            reused = self._fill_from_chunks(model, cache, found, key_salt, width)
+        else:
+            _one_request(found, width, "cache_for")
+            loaded = self._state_for(model, cache, found[0].tokens[: width - 1], key_salt)
+            cache, reused = (cache, 0) if loaded is None else (loaded, loaded.seen)
+        if reused:
+            self.stats.hits += 1
+            self.stats.reused_tokens += reused
+        else:
+            self.stats.misses += 1
+        return cache, reused
+
+    def mode(self, cache: KVCache) -> str:
+        """``"chunks"`` or ``"states"`` (see the module), or ``UnsupportedOperation`` for caches
+        with layers that are not attention (linear attention, state-space layers)."""
+        if cache.other_kinds:
+            raise UnsupportedOperation(
+                f"the prompt store holds attention caches; this model has non-attention layers "
+                f"({', '.join(sorted(set(cache.other_kinds.values())))}) whose state it cannot store"
+            )
+        kinds = {s.kind for s in cache.stores if s is not None}
+        return "chunks" if kinds <= CHUNKED_KINDS else "states"
+
+    def _fill_from_chunks(self, model: Any, cache: KVCache, found: list[Row], key_salt: bytes, width: int) -> int:
+        """Extend the empty ``cache`` with the longest prefix every row has stored; returns its columns."""
+        keys = [chain(key_salt, row.tokens, self.chunk) for row in found]
+        present = [self._call(self.backend.contains_many, [False] * len(k), k) for k in keys]
+        matched = [next((i for i, p in enumerate(here) if not p), len(here)) for here in present]
+        loaded: dict[str, list[tuple[torch.Tensor, torch.Tensor] | None]] = {}
+        while True:
+            # Columns every row can fill: a row padded by p with n chunks found fills p + n * chunk.
+            columns = min(min(row.pad + n * self.chunk for row, n in zip(found, matched)), width - 1)
+            if all(columns <= row.pad for row in found):
+                return 0  # nothing but padding to reuse
+            wanted = [(r, keys[r][j]) for r, row in enumerate(found) for j in range(_chunks_needed(columns - row.pad, self.chunk))]
+            fetch = [key for _, key in wanted if key not in loaded]
+            values = self._call(self.backend.get_many, [None] * len(fetch), fetch) if fetch else []
+            for key, raw in zip(fetch, values):
+                loaded[key] = self._open_chunk(model, key, raw, _chunk_tokens(found, keys, key, self.chunk))
+            bad = [(r, keys[r].index(key)) for r, key in wanted if loaded[key] is None]
+            if not bad:
+                break
+            for r, j in bad:  # that row's prefix ends before the chunk that failed
+                matched[r] = min(matched[r], j)
+        cache.extend(_assemble(cache, found, keys, loaded, columns, self.chunk))
+        return columns
+
+    def _open_chunk(self, model: Any, key: str, raw: bytes | None, tokens: list[int]) -> list | None:
+        """The per-layer ``(keys [1, Hkv, chunk, D], values)`` of a chunk entry, or None (a miss, logged)."""
+        if raw is None:
+            return None  # gone between the presence check and the read (evicted, expired)
+        try:
+            chunk = cache_from_bytes(unseal(key, raw, self.secret), model, name=f"entry {key[:16]}")
+            if str(chunk.spec) != _CHUNK_SPEC or chunk.token_ids != tokens:
+                raise StoreEntryError(f"entry {key[:16]}: holds {chunk.seen} tokens of another prefix or cache kind")
+            return [None if s is None else s.view() for s in chunk.stores]
+        except CacheFileError as e:
+            return self._bad(key, e)
+
+    def _state_for(self, model: Any, cache: KVCache, tokens: list[int], key_salt: bytes) -> KVCache | None:
+        """The stored state at the longest chunk boundary within ``tokens``, or None."""
+        keys = ["s-" + k for k in chain(key_salt, tokens, self.chunk)]
+        present = self._call(self.backend.contains_many, [False] * len(keys), keys)
+        for n in range(len(keys), 0, -1):
+            if not present[n - 1]:
+                continue
+            key = keys[n - 1]
+            raw = self._call(self.backend.get, None, key)
+            if raw is None:
+                continue
+            try:
+                loaded = cache_from_bytes(unseal(key, raw, self.secret), model, name=f"entry {key[:16]}")
+                if str(loaded.spec) != str(cache.spec) or loaded.token_ids != tokens[: n * self.chunk]:
+                    raise StoreEntryError(f"entry {key[:16]}: a {loaded.spec} cache of another prefix")
+            except CacheFileError as e:
+                self._bad(key, e)
+                continue
+            loaded.token_ids = None
+            return loaded
+        return None
+
+    def _bad(self, key: str, error: Exception) -> None:
+        """A damaged or lying entry: logged, deleted (a later put writes it again), a miss."""
+        self.stats.bad_entries += 1
+        log.warning("prompt store %s: %s; recomputing", self.backend.location, error)
+        self._call(self.backend.delete, None, key)
+        return None
+
+    # ---- storing --------------------------------------------------------------------------
+
+    def put(self, cache: KVCache, token_ids: torch.Tensor, *, attention_mask: torch.Tensor | None = None) -> int:
+        """Store what ``cache`` computed for ``token_ids`` ``[B, T]`` (the prompt, or ``generate``'s
+        output: its first ``cache.seen`` columns are what the cache holds); returns the tokens newly
+        stored. ``attention_mask``: the prompt's, for a left-padded batch.
+
+        ``"chunks"`` kinds store every full chunk not stored yet; ``"states"`` kinds store the
+        whole cache when it holds exactly a multiple of ``chunk`` tokens (else nothing: use
+        ``prefill``, which stops at the boundaries).
+        """
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"put expects a kvcache.KVCache, got {type(cache).__name__}")
+        found = rows(token_ids, attention_mask)
+        columns = cache.seen
+        mode = self.mode(cache)
+        if token_ids.shape[1] < columns:
+            raise ValueError(f"token_ids has {token_ids.shape[1]} columns; the cache holds {columns} tokens: give every token it holds")
+        geometry = next((s.geometry for s in cache.stores if s is not None and s.geometry is not None), None)
+        if geometry is None:
+            return 0
+        if geometry.batch != len(found):
+            raise ValueError(f"token_ids has {len(found)} rows; the cache holds a batch of {geometry.batch}")
+        key_salt = salt(cache.fingerprint or "", geometry.dtype, str(cache.spec), self.chunk)
+        if mode == "states":
+            _one_request(found, token_ids.shape[1], "put")
+            return self._put_state(cache, found[0].tokens[:columns], key_salt)
+        stored = 0
+        for r, row in enumerate(found):
+            held = row.tokens[: max(0, columns - row.pad)]
+            keys = chain(key_salt, held, self.chunk)
+            present = self._call(self.backend.contains_many, [True] * len(keys), keys)
+            for j, (key, here) in enumerate(zip(keys, present)):
+                if here:
+                    continue
+                start = row.pad + j * self.chunk
+                payload = _chunk_payload(cache, r, start, self.chunk, held[j * self.chunk : (j + 1) * self.chunk])
+                if self._call(self.backend.put, False, key, seal(key, payload, self.secret)):
+                    stored += self.chunk
+        self.stats.stored_tokens += stored
+        return stored
+
+    def _put_state(self, cache: KVCache, tokens: list[int], key_salt: bytes) -> int:
+        if not tokens or len(tokens) % self.chunk:
+            log.debug("prompt store: a %s cache of %d tokens is not at a chunk boundary; nothing stored", cache.spec, len(tokens))
+            return 0
+        key = "s-" + chain(key_salt, tokens, self.chunk)[-1]
+        if self._call(self.backend.contains_many, [True], [key])[0]:
+            return 0
+        stored = self._call(self.backend.put, False, key, seal(key, cache.to_bytes(token_ids=tokens), self.secret))
+        self.stats.stored_tokens += len(tokens) if stored else 0
+        return len(tokens) if stored else 0
+
+    # ---- both -----------------------------------------------------------------------------
+
+    def prefill(
+        self,
+        model: Any,
+        input_ids: torch.Tensor,
+        spec: str | CacheSpec = "growable",
+        *,
+        attention_mask: torch.Tensor | None = None,
+        progress: bool = False,
+        **options: Any,
+    ) -> tuple[KVCache, int]:
+        """``cache_for``, then every prompt token but the last through ``model`` (so ``generate``
+        computes the last and the first new token), storing as it goes; returns the cache and the
+        tokens it reused. A ``"states"`` kind runs to each chunk boundary and stores its state there."""
+        cache, reused = self.cache_for(model, input_ids, spec, attention_mask=attention_mask, **options)
+        end = input_ids.shape[1] - 1
+        if end <= reused:
+            return cache, reused
+        if self.mode(cache) == "chunks":
+            mask = None if attention_mask is None else attention_mask[:, :end]
+            run_prefill(model, input_ids[:, reused:end], cache, chunk=max(self.chunk, 512), attention_mask=mask, progress=progress)
+            self.put(cache, input_ids[:, :end], attention_mask=mask)
+            return cache, reused
+        bounds = [b for b in range(reused + self.chunk - reused % self.chunk, end + 1, self.chunk)] + [end]
+        start = reused
+        for stop in bounds:
+            if stop > start:
+                run_prefill(model, input_ids[:, start:stop], cache, chunk=self.chunk, progress=progress)
+                self.put(cache, input_ids[:, :stop])
+                start = stop
+        return cache, reused
+
+    def _call(self, fn: Callable[..., T], default: T, *args: Any) -> T:
+        """``fn(*args)`` on the backend, or ``default`` while it is unreachable (one warning an outage)."""
+        now = time.monotonic()
+        if now < self._down_until:
+            return default
+        try:
+            result = fn(*args)
+        except StoreUnavailable as e:
+            self.stats.unavailable += 1
+            if self._down_until == 0.0:
+                warnings.warn(f"prompt store unavailable, going on without it for {self.retry_after:g} s: {e}", RuntimeWarning, stacklevel=3)
+            self._down_until = now + self.retry_after
+            return default
+        if self._down_until:
+            log.info("prompt store %s is reachable again", self.backend.location)
+            self._down_until = 0.0
+        return result
+
+
+def _model_dtype(model: Any) -> torch.dtype:
+    params = getattr(model, "parameters", None)
+    found = next((p.dtype for p in params() if p.is_floating_point()), None) if params is not None else None
+    return found or torch.get_default_dtype()
+
+
+def _one_request(found: list[Row], width: int, what: str) -> None:
+    if len(found) != 1 or found[0].pad:
+        raise UnsupportedOperation(
+            f"{what}: a cache kind whose state depends on the whole prefix (quantized, windows, eviction) is "
+            f"stored per request: one unpadded row, got {len(found)} row(s) of {width} columns with padding "
+            f"{[row.pad for row in found]}; use growable, static or concat to reuse prefixes in batches"
+        )
+
+
+def _chunks_needed(tokens: int, chunk: int) -> int:
+    return 0 if tokens <= 0 else -(-tokens // chunk)
+
+
+def _chunk_tokens(found: list[Row], keys: list[list[str]], key: str, chunk: int) -> list[int]:
+    """The token ids of the chunk stored under ``key`` (any row that keys it)."""
+    for row, row_keys in zip(found, keys):
+        if key in row_keys:
+            j = row_keys.index(key)
+            return row.tokens[j * chunk : (j + 1) * chunk]
+    raise KeyError(key)
+
+
+def _assemble(cache: KVCache, found: list[Row], keys: list[list[str]], loaded: dict, columns: int, chunk: int) -> list:
+    """Per layer ``(keys [B, Hkv, columns, D], values)``: each row's stored tokens after zeros for
+    its padding (masked out by the attention mask, as ``generate``'s own pad slots are)."""
+    past = []
+    for i, store in enumerate(cache.stores):
+        if store is None:
+            past.append(None)
+            continue
+        like = next(v[i] for v in loaded.values() if v is not None)  # any chunk's (keys, values) of this layer
+        sides = []
+        for side in (0, 1):
+            per_row = []
+            for r, row in enumerate(found):
+                real = max(0, columns - row.pad)
+                parts = [loaded[k][i][side] for k in keys[r][: _chunks_needed(real, chunk)]]
+                body = torch.cat(parts, dim=2)[:, :, :real] if parts else like[side][:, :, :0]
+                pad = like[side].new_zeros(1, body.shape[1], columns - real, body.shape[3])
+                per_row.append(torch.cat([pad, body], dim=2))
+            sides.append(torch.cat(per_row))
+        past.append(tuple(sides))
+    return past
+
+
+def _chunk_payload(cache: KVCache, row: int, start: int, chunk: int, tokens: Sequence[int]) -> bytes:
+    """A chunk entry's payload: a one-row growable cache file of slots ``[start, start + chunk)``."""
+    piece = make_cache(cache.attention_config, _CHUNK_SPEC)
+    past = []
+    for store in cache.stores:
+        if store is None:
+            past.append(None)
+            continue
+        keys, values = store.view()
+        past.append((keys[row : row + 1, :, start : start + chunk].contiguous(), values[row : row + 1, :, start : start + chunk].contiguous()))
+    piece.extend(past)
+    return piece.to_bytes(token_ids=list(tokens))
