@@ -174,8 +174,10 @@ class PromptStore:
             return None  # gone between the presence check and the read (evicted, expired)
         try:
             chunk = cache_from_bytes(unseal(key, raw, self.secret), model, name=f"entry {key[:16]}")
-            if str(chunk.spec) != _CHUNK_SPEC or chunk.token_ids != tokens:
-                raise StoreEntryError(f"entry {key[:16]}: holds {chunk.seen} tokens of another prefix or cache kind")
+            if str(chunk.spec) != _CHUNK_SPEC or chunk.seen != self.chunk:
+                raise StoreEntryError(f"entry {key[:16]}: a {chunk.spec} cache of {chunk.seen} tokens, not a {self.chunk}-token chunk")
+            if chunk.token_ids != tokens:
+                raise StoreEntryError(f"entry {key[:16]}: holds other tokens than the chunk it is stored for")
             return [None if s is None else s.view() for s in chunk.stores]
         except CacheFileError as e:
             return self._bad(key, e)
@@ -193,7 +195,7 @@ class PromptStore:
                 continue
             try:
                 loaded = cache_from_bytes(unseal(key, raw, self.secret), model, name=f"entry {key[:16]}")
-                if str(loaded.spec) != str(cache.spec) or loaded.token_ids != tokens[: n * self.chunk]:
+                if str(loaded.spec) != str(cache.spec) or loaded.seen != n * self.chunk or loaded.token_ids != tokens[: n * self.chunk]:
                     raise StoreEntryError(f"entry {key[:16]}: a {loaded.spec} cache of another prefix")
             except CacheFileError as e:
                 self._bad(key, e)
