@@ -59,3 +59,8 @@ class ModelUnavailableError(KVCacheError):
     """A pretrained model cannot be had: unknown name, no network, a damaged download, a full disk,
     a failed conversion or a converted folder that no longer matches its manifest. Nothing half-made
     is left behind."""
+
+
+class StoreUnavailable(KVCacheError, OSError):
+    """The prompt store's backend cannot be reached or written: Redis down or timing out, a folder
+    that cannot be written. PromptStore turns it into a miss with one warning."""

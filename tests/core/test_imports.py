@@ -30,7 +30,7 @@ PACKAGE = Path(kvcache.__file__).parent
 
 TIERS = ["errors", "storage", "model", "api", "apps"]
 STORAGE = ("layers", "attention", "persist", "quant", "policies", "registry", "fingerprint", "models")
-MODEL = ("cache", "build", "cachefile", "spec", "hf", "foreign", "compiled", "scoring", "prefill")
+MODEL = ("cache", "build", "cachefile", "spec", "hf", "foreign", "compiled", "scoring", "prefill", "store")
 
 
 def module_name(path: Path) -> str:
