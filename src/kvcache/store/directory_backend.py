@@ -85,7 +85,8 @@ class DirectoryBackend(Backend):
             raise StoreUnavailable(f"prompt store {self.location}: cannot {what}: {e.strerror or e}") from e
 
     def file_of(self, key: str) -> Path:
-        return self.path / fan_of(key) / (check_key(key) + SUFFIX)
+        check_key(key)
+        return self.path / fan_of(key) / (key + SUFFIX)
 
     def _expired(self, mtime_ns: int) -> bool:
         return self.ttl is not None and time.time_ns() - mtime_ns > self.ttl * 1e9
