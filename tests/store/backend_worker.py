@@ -40,6 +40,20 @@ def load_store_modules():
     return backends
 
 
+def run_workers(location: str, namespace: str, count: int, ops: int = 150, keys: int = 4) -> None:
+    """Run ``count`` of these workers at once on one store; assert each read only whole values."""
+    import subprocess
+
+    workers = [
+        subprocess.Popen([sys.executable, __file__, location, namespace, str(seed), str(ops), str(keys)],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for seed in range(count)
+    ]
+    outputs = [worker.communicate(timeout=120)[0] for worker in workers]
+    assert [worker.returncode for worker in workers] == [0] * count, outputs
+    assert all(output.startswith("ok") for output in outputs), outputs
+
+
 def main(location: str, namespace: str, seed: int, ops: int, nkeys: int) -> int:
     backends = load_store_modules()
     if location.startswith("redis://"):

@@ -10,28 +10,13 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
-from backend_worker import checked_value, verifies
+from backend_worker import checked_value, run_workers, verifies
 
 from kvcache.errors import StoreUnavailable
 from kvcache.persist.atomic import _HOST
 from kvcache.store.directory_backend import DirectoryBackend, fan_of
-
-WORKER = Path(__file__).with_name("backend_worker.py")
-
-
-def run_workers(location: str, namespace: str, count: int, ops: int = 150, keys: int = 4) -> None:
-    workers = [
-        subprocess.Popen([sys.executable, str(WORKER), location, namespace, str(seed), str(ops), str(keys)],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for seed in range(count)
-    ]
-    outputs = [worker.communicate(timeout=120)[0] for worker in workers]
-    assert [worker.returncode for worker in workers] == [0] * count, outputs
-    assert all(output.startswith("ok") for output in outputs), outputs
-
 
 def test_entries_are_files_in_fan_out_folders_and_no_temporary_is_left(tmp_path):
     store = DirectoryBackend(tmp_path / "a" / "b")

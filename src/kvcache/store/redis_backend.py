@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import redis
 from redis.backoff import NoBackoff
@@ -132,7 +132,10 @@ def redact(url: str) -> str:
     if query:
         pairs = parse_qsl(query, keep_blank_values=True)
         query = urlencode([(k, "***" if k.lower() == "password" else v) for k, v in pairs], safe="*/")
-    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+    # Not urlunsplit: it writes unix:///path as unix:/path.
+    return f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if query else "") + (
+        f"#{parts.fragment}" if parts.fragment else ""
+    )
 
 
 class RedisBackend(Backend):
