@@ -159,3 +159,37 @@ def test_an_expired_file_is_removed_when_met(tmp_path):
     path = store.file_of("old")
     time.sleep(0.3)
     assert store.get("old") is None and not path.exists()
+
+
+def test_eviction_sees_what_other_processes_did_since_it_last_listed(tmp_path):
+    """The evicting store keeps listings between puts (``FolderIndex``); another store on the
+    folder (as another process would) writes an entry and uses an old one after those listings
+    settled. Eviction must count the new entry and spare the entry just used."""
+    evicting, other = DirectoryBackend(tmp_path, max_bytes=100), DirectoryBackend(tmp_path)
+    for key in "abc":
+        assert evicting.put(key, key.encode() * 30)
+    time.sleep(0.6)  # past the index's racy margin: listings from now on are trusted
+    assert evicting.put("w", b"w")  # 91 bytes: lists every folder, evicts nothing
+    time.sleep(0.6)
+    assert other.get("a") == b"a" * 30  # a use: only the file's atime changes, not its folder
+    # 121 bytes, written behind the index's back into a folder it has listed already
+    e = next(key for key in (f"e{i}" for i in range(10_000)) if fan_of(key) == fan_of("c"))
+    assert other.put(e, b"e" * 30)
+    assert evicting.put("f", b"f")  # 122: the least recently used is b, not a
+    assert evicting.contains_many(["a", "b", "c", "w", e, "f"]) == [True, False, True, True, True, True]
+    assert evicting.nbytes() == 92
+
+
+def test_a_change_within_the_clock_tick_of_a_listing_is_not_missed(tmp_path):
+    """Folder mtimes come from a coarse clock: a write right after a listing can leave the mtime
+    as the listing saw it (simulated here by setting it back). The index must list again."""
+    evicting, other = DirectoryBackend(tmp_path, max_bytes=100), DirectoryBackend(tmp_path)
+    assert evicting.put("a", b"a" * 30) and evicting.put("b", b"b" * 30)
+    assert evicting.put("c", b"c" * 30)  # lists c's folder just after changing it
+    fan = evicting.path / fan_of("c")
+    seen = fan.stat()
+    e = next(key for key in (f"e{i}" for i in range(10_000)) if fan_of(key) == fan_of("c"))
+    assert other.put(e, b"e" * 30)
+    os.utime(fan, ns=(seen.st_atime_ns, seen.st_mtime_ns))
+    assert evicting.put("f", b"f" * 11)  # 131 bytes: a and b go
+    assert evicting.contains_many(["a", "b", "c", e, "f"]) == [False, False, True, True, True]

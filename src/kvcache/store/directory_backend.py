@@ -13,7 +13,6 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
-import re
 import stat
 import threading
 import time
@@ -21,12 +20,10 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from ..errors import StoreUnavailable
-from ..persist.atomic import atomic_write, sweep_temps
+from ..persist.atomic import atomic_write
 from .backend_base import DEFAULT_MAX_ENTRY_BYTES, Backend, as_bytes_view, check_budget, check_key
+from .folder_index import SUFFIX, FolderIndex, Listed, fan_folders, list_fan, remove_if_same
 
-SUFFIX = ".kvp"
-_FAN = re.compile(r"[0-9a-f]{2}")
-_TEMP = re.compile(r"\.([A-Za-z0-9_-][A-Za-z0-9_.-]*\.kvp)\.[A-Za-z0-9-]*~\d+~[A-Za-z0-9_]+\.tmp")
 # A read that finds no usable file is a miss; any other failure means the folder is unusable.
 _MISSING = {errno.ENOENT, errno.ENOTDIR, errno.EACCES, errno.EPERM, errno.EISDIR, errno.ELOOP, errno.ENXIO}
 
@@ -52,17 +49,11 @@ class _Clock:
 _now_ns = _Clock()
 
 
-class _Entry:
-    __slots__ = ("path", "size", "used_ns")
-
-    def __init__(self, path: str, size: int, used_ns: int):
-        self.path, self.size, self.used_ns = path, size, used_ns
-
-
 class DirectoryBackend(Backend):
     """Entries as files under ``path`` (created with its parents). After a ``put`` that takes the
-    folder over ``max_bytes``, the least recently used files go until it fits; this scans the
-    folder (one ``stat`` per entry). ``max_entry_bytes``: a larger file is a miss, never read."""
+    folder over ``max_bytes``, the least recently used files go until it fits (``FolderIndex``
+    lists only the fan-out folders that changed). ``nbytes``, ``len`` and ``clear`` list the whole
+    folder. ``max_entry_bytes``: a larger file is a miss, never read."""
 
     def __init__(
         self,
@@ -77,6 +68,7 @@ class DirectoryBackend(Backend):
         self.location, self.max_bytes, self.ttl = str(self.path), max_bytes, ttl
         self.max_entry_bytes = max_entry_bytes
         self._io("create the folder", lambda: self.path.mkdir(parents=True, exist_ok=True))
+        self._index = FolderIndex(str(self.path))
 
     def _io(self, what: str, call: Callable):
         try:
@@ -88,8 +80,12 @@ class DirectoryBackend(Backend):
         check_key(key)
         return self.path / fan_of(key) / (key + SUFFIX)
 
+    def _written_before_ns(self) -> int:
+        """Entries last written before this time (ns) have expired (0: none has)."""
+        return 0 if self.ttl is None else time.time_ns() - round(self.ttl * 1e9)
+
     def _expired(self, mtime_ns: int) -> bool:
-        return self.ttl is not None and time.time_ns() - mtime_ns > self.ttl * 1e9
+        return mtime_ns < self._written_before_ns()
 
     def get(self, key: str) -> bytes | None:
         path = self.file_of(key)
@@ -103,7 +99,7 @@ class DirectoryBackend(Backend):
             if not stat.S_ISREG(info.st_mode) or info.st_size > self.max_entry_bytes:
                 return None
             if self._expired(info.st_mtime_ns):
-                self._remove_if_same(path, info)
+                remove_if_same(str(path), info.st_ino, info.st_mtime_ns)
                 return None
             with os.fdopen(fd, "rb", closefd=False) as f:
                 data = f.read(info.st_size + 1)
@@ -123,16 +119,6 @@ class DirectoryBackend(Backend):
         if error.errno in _MISSING:
             return None
         raise StoreUnavailable(f"prompt store {self.location}: cannot read: {error.strerror or error}") from error
-
-    @staticmethod
-    def _remove_if_same(path: Path, info: os.stat_result) -> None:
-        """Remove an expired file unless a writer replaced it meanwhile (best effort)."""
-        try:
-            now = os.stat(path, follow_symlinks=False)
-            if (now.st_ino, now.st_mtime_ns) == (info.st_ino, info.st_mtime_ns):
-                os.unlink(path)
-        except OSError:
-            pass
 
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
         paths = [self.file_of(key) for key in keys]
@@ -164,47 +150,12 @@ class DirectoryBackend(Backend):
         return True
 
     def _evict(self, budget: int) -> None:
-        entries = list(self._scan())
-        total = sum(entry.size for entry in entries)
-        if total <= budget:
-            return
-        for entry in sorted(entries, key=lambda entry: (entry.used_ns, entry.path)):
-            try:
-                os.unlink(entry.path)
-            except FileNotFoundError:
-                pass  # another process evicted it first
-            except OSError as e:
-                raise StoreUnavailable(f"prompt store {self.location}: cannot evict: {e.strerror or e}") from e
-            total -= entry.size
-            if total <= budget:
-                return
+        self._io("evict", lambda: self._index.evict(budget, self._written_before_ns()))
 
-    def _scan(self) -> Iterator[_Entry]:
-        """Every live entry file (removing expired ones and sweeping temporary folders of killed
-        writers on the way). Files that vanish meanwhile are skipped."""
-        try:
-            fans = [e.path for e in os.scandir(self.path) if _FAN.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]
-        except OSError as e:
-            raise StoreUnavailable(f"prompt store {self.location}: cannot list: {e.strerror or e}") from e
-        for fan in fans:
-            try:
-                names = list(os.scandir(fan))
-            except OSError:
-                continue  # removed meanwhile, or not ours to read
-            for item in names:
-                if item.name.endswith(SUFFIX):
-                    try:
-                        info = item.stat(follow_symlinks=False)
-                    except OSError:
-                        continue
-                    if not stat.S_ISREG(info.st_mode):
-                        continue
-                    if self._expired(info.st_mtime_ns):
-                        self._remove_if_same(Path(item.path), info)
-                        continue
-                    yield _Entry(item.path, info.st_size, info.st_atime_ns)
-                elif (match := _TEMP.fullmatch(item.name)) is not None:
-                    sweep_temps(os.path.join(fan, match[1]))
+    def _scan(self) -> Iterator[Listed]:
+        """Every live entry file, listed now (see ``folder_index.list_fan``)."""
+        for fan in self._io("list the folder", lambda: fan_folders(str(self.path))):
+            yield from list_fan(fan, self._written_before_ns())
 
     def delete(self, key: str) -> None:
         path = self.file_of(key)
