@@ -18,8 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-redis = pytest.importorskip("redis")
+import redis
 
 
 def redis_server_binary() -> str | None:

@@ -128,7 +128,8 @@ class DirectoryBackend(Backend):
                 info = os.stat(path, follow_symlinks=False)
                 found.append(stat.S_ISREG(info.st_mode) and not self._expired(info.st_mtime_ns))
             except OSError as e:
-                found.append(bool(self._miss(e)))
+                self._miss(e)  # raises unless the file is just absent or unusable
+                found.append(False)
         return found
 
     def put(self, key: str, value) -> bool:

@@ -54,7 +54,7 @@ class MemoryBackend(Backend):
 
     def put(self, key: str, value) -> bool:
         check_key(key)
-        data = bytes(as_bytes_view(value))
+        data = value if type(value) is bytes else bytes(as_bytes_view(value))  # immutable: no copy needed
         if self.max_bytes is not None and len(data) > self.max_bytes:
             return False
         expiry = time.monotonic() + self.ttl if self.ttl is not None else float("inf")
