@@ -1,4 +1,4 @@
-"""A process hammering one store: ``python backend_worker.py LOCATION NAMESPACE SEED OPS KEYS``.
+"""A process hammering one store: ``python backend_worker.py LOCATION NAMESPACE SEED OPS KEYS [MAX_BYTES]``.
 
 Puts self-checking values (``checked_value``) and reads them back, under a few shared keys.
 Prints ``ok <puts> <hits>`` and exits 0, or prints the bad read and exits 1.
@@ -40,12 +40,13 @@ def load_store_modules():
     return backends
 
 
-def run_workers(location: str, namespace: str, count: int, ops: int = 150, keys: int = 4) -> None:
+def run_workers(location: str, namespace: str, count: int, ops: int = 150, keys: int = 4, max_bytes: int = -1) -> None:
     """Run ``count`` of these workers at once on one store; assert each read only whole values."""
     import subprocess
 
+    args = [location, namespace, "SEED", str(ops), str(keys), str(max_bytes)]
     workers = [
-        subprocess.Popen([sys.executable, __file__, location, namespace, str(seed), str(ops), str(keys)],
+        subprocess.Popen([sys.executable, __file__, *(str(seed) if arg == "SEED" else arg for arg in args)],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for seed in range(count)
     ]
@@ -54,12 +55,13 @@ def run_workers(location: str, namespace: str, count: int, ops: int = 150, keys:
     assert all(output.startswith("ok") for output in outputs), outputs
 
 
-def main(location: str, namespace: str, seed: int, ops: int, nkeys: int) -> int:
+def main(location: str, namespace: str, seed: int, ops: int, nkeys: int, max_bytes: int) -> int:
     backends = load_store_modules()
+    budget = None if max_bytes < 0 else max_bytes
     if location.startswith("redis://"):
-        store = backends.RedisBackend(location, namespace=namespace)
+        store = backends.RedisBackend(location, namespace=namespace, max_bytes=budget)
     else:
-        store = backends.DirectoryBackend(location)
+        store = backends.DirectoryBackend(location, max_bytes=budget)
     rng = random.Random(seed)
     keys = [f"k{i}" for i in range(nkeys)]
     puts = hits = 0
@@ -82,4 +84,4 @@ def main(location: str, namespace: str, seed: int, ops: int, nkeys: int) -> int:
 
 if __name__ == "__main__":
     location, namespace, seed, ops, nkeys = sys.argv[1:6]
-    sys.exit(main(location, namespace, int(seed), int(ops), int(nkeys)))
+    sys.exit(main(location, namespace, int(seed), int(ops), int(nkeys), int(sys.argv[6]) if len(sys.argv) > 6 else -1))

@@ -34,6 +34,13 @@ def test_processes_writing_and_reading_one_folder_never_see_a_torn_value(tmp_pat
     assert sum(value is not None for value in values) == len(store) >= 1
 
 
+def test_processes_evicting_in_one_folder_keep_the_budget(tmp_path):
+    run_workers(str(tmp_path / "shared"), "-", count=3, ops=120, keys=12, max_bytes=60_000)
+    store = DirectoryBackend(tmp_path / "shared")
+    assert 0 < store.nbytes() <= 60_000
+    assert not list(store.path.rglob(".*.tmp"))
+
+
 def test_two_stores_on_one_folder_share_the_lru(tmp_path):
     first, second = DirectoryBackend(tmp_path, max_bytes=100), DirectoryBackend(tmp_path, max_bytes=100)
     assert first.put("x", b"x" * 40) and first.put("y", b"y" * 40)

@@ -120,6 +120,16 @@ def test_processes_sharing_a_namespace_never_see_a_torn_value_and_keep_the_count
     store.close()
 
 
+def test_processes_evicting_in_one_namespace_keep_the_byte_count_and_the_budget(redis_session_server, redis_url):
+    run_workers(redis_url, "budget", count=3, ops=120, keys=12, max_bytes=60_000)
+    store = RedisBackend(redis_url, namespace="budget")
+    client = redis_session_server.client(int(redis_url.rsplit("/", 1)[1]))
+    held = [name for name in client.scan_iter(match="{budget}:*")]
+    assert 0 < store.nbytes() == sum(client.strlen(name) for name in held) <= 60_000
+    assert len(store) == len(held) and client.zcard("{budget}/lru") == len(held)
+    store.close()
+
+
 def test_clear_leaves_other_namespaces_and_foreign_keys(redis_session_server, redis_url):
     client = redis_session_server.client(int(redis_url.rsplit("/", 1)[1]))
     for name in ("plain", "kvcache:a", "{kvcache2}:a", "{kvcachex}/lru"):
