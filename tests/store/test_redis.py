@@ -47,6 +47,21 @@ def test_a_restarted_server_is_used_again(redis_server):
     store.close()
 
 
+def test_a_server_that_stops_answering_times_out_and_is_used_again_when_it_answers(redis_server):
+    import signal
+
+    store = RedisBackend(redis_server.url(), timeout=0.3)
+    assert store.put("k", b"before")
+    redis_server.process.send_signal(signal.SIGSTOP)  # connections stay open, answers never come
+    try:
+        with pytest.raises(StoreUnavailable, match="(?i)timeout|timed out"):
+            store.get("k")
+    finally:
+        redis_server.process.send_signal(signal.SIGCONT)
+    assert store.get("k") == b"before" and store.put("k", b"after") and store.get("k") == b"after"
+    store.close()
+
+
 def test_passwords(redis_password_server):
     right = RedisBackend(redis_password_server.url(), timeout=1)
     assert "s3cret-pw" not in right.location and ":***@" in right.location

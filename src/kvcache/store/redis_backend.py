@@ -33,6 +33,7 @@ _NAMESPACE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 
 # KEYS: 1 lru, 2 sizes, 3 bytes, 4 clock, 5 expiry. ARGV[1]: the value keys' prefix "{ns}:".
 _COMMON = """
+if redis.replicate_commands then redis.replicate_commands() end  -- Redis < 5: TIME before writes
 local prefix = ARGV[1]
 local function drop(m)
   local size = redis.call('HGET', KEYS[2], m)
