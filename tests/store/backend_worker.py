@@ -30,7 +30,9 @@ def verifies(value: bytes) -> bool:
 
 def load_store_modules():
     root = importlib.util.find_spec("kvcache").submodule_search_locations[0]
-    for name, folder in (("kvcache", root), ("kvcache.persist", os.path.join(root, "persist"))):
+    # Empty packages in place of kvcache's, its persist's and its store's __init__ (which import torch).
+    packages = (("kvcache", root), ("kvcache.persist", os.path.join(root, "persist")), ("kvcache.store", os.path.join(root, "store")))
+    for name, folder in packages:
         if name not in sys.modules:
             package = types.ModuleType(name)
             package.__path__ = [folder]
