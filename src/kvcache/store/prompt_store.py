@@ -346,7 +346,8 @@ def _chunk_tokens(found: list[Row], keys: list[list[str]], key: str, chunk: int)
 
 def _assemble(cache: KVCache, found: list[Row], keys: list[list[str]], loaded: dict, columns: int, chunk: int) -> list:
     """Per layer ``(keys [B, Hkv, columns, D], values)``: each row's stored tokens after zeros for
-    its padding (masked out by the attention mask, as ``generate``'s own pad slots are)."""
+    its padding (masked out by the attention mask, as ``generate``'s own pad slots are). Each
+    chunk's slots are copied once, into place."""
     past = []
     for i, store in enumerate(cache.stores):
         if store is None:
@@ -355,14 +356,17 @@ def _assemble(cache: KVCache, found: list[Row], keys: list[list[str]], loaded: d
         like = next(v[i] for v in loaded.values() if v is not None)  # any chunk's (keys, values) of this layer
         sides = []
         for side in (0, 1):
-            per_row = []
+            heads, dim = like[side].shape[1], like[side].shape[3]
+            out = like[side].new_empty(len(found), heads, columns, dim)
             for r, row in enumerate(found):
                 real = max(0, columns - row.pad)
-                parts = [loaded[k][i][side] for k in keys[r][: _chunks_needed(real, chunk)]]
-                body = torch.cat(parts, dim=2)[:, :, :real] if parts else like[side][:, :, :0]
-                pad = like[side].new_zeros(1, body.shape[1], columns - real, body.shape[3])
-                per_row.append(torch.cat([pad, body], dim=2))
-            sides.append(torch.cat(per_row))
+                out[r, :, : columns - real].zero_()
+                at = columns - real
+                for k in keys[r][: _chunks_needed(real, chunk)]:
+                    take = min(chunk, columns - at)
+                    out[r, :, at : at + take].copy_(loaded[k][i][side][0, :, :take])
+                    at += take
+            sides.append(out)
         past.append(tuple(sides))
     return past
 
