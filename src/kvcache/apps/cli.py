@@ -124,11 +124,11 @@ def add_generate(subparsers: argparse._SubParsersAction) -> None:
         "--load-cache", default=None, metavar="FILE", help="continue from a cache saved with --save-cache "
         "(its spec is the one it was saved with)"
     )
-    source.add_argument(
+    p.add_argument(
         "--prompt-store", default=None, metavar="DIR|redis://...|memory",
         help="reuse the longest stored prefix of the prompt from this prompt store (a folder, or "
         "redis://[:password@]host:port/db) and store what this run computes; reports reused and computed "
-        "tokens. Entries are signed with $KVCACHE_STORE_SECRET when it is set",
+        "tokens. Entries are signed with $KVCACHE_STORE_SECRET when it is set. Not with --load-cache",
     )
     p.add_argument("--prompt", required=True, metavar="TEXT", help="prompt text (appended to a loaded cache)")
     p.add_argument(
@@ -170,6 +170,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if not args.sample and (args.temperature is not None or args.top_p is not None):
         raise KVCacheError("--temperature and --top-p apply only with --sample")
+    if args.prompt_store and args.load_cache:
+        raise KVCacheError("--prompt-store and --load-cache both give the cache's beginning: use one of them")
     check_device(args.device)
     if args.seed is not None:
         torch.manual_seed(args.seed)
