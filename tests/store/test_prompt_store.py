@@ -211,3 +211,18 @@ def test_put_refuses_token_ids_that_do_not_cover_the_cache():
     with pytest.raises(ValueError, match="the cache holds a batch of 1"):
         store.put(cache, prompt(40, batch=2))
     assert len(store.backend) == 0
+
+
+def test_padded_rows_of_a_model_that_takes_no_position_ids_are_refused():
+    llama = model_for("llama")
+
+    class NoPositionIds(type(llama)):
+        def forward(self, input_ids=None, attention_mask=None, past_key_values=None, **kwargs):
+            return super().forward(input_ids=input_ids, attention_mask=attention_mask, past_key_values=past_key_values, **kwargs)
+
+    model = NoPositionIds(llama.config).eval()
+    store = kvcache.PromptStore(chunk=CHUNK)
+    ids, mask = left_padded((20, 18))
+    with pytest.raises(UnsupportedOperation, match="takes no position_ids"):
+        store.cache_for(model, ids, attention_mask=mask)
+    assert store.cache_for(model, prompt(20))[1] == 0  # unpadded rows are fine

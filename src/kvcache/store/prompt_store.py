@@ -28,6 +28,7 @@ seconds, with one warning per outage.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 import warnings
@@ -117,6 +118,11 @@ class PromptStore:
         cache = make_cache(model, parsed)
         found = rows(input_ids, attention_mask)
         mode = self.mode(cache)
+        if any(row.pad for row in found) and "position_ids" not in inspect.signature(model.forward).parameters:
+            raise UnsupportedOperation(
+                f"{type(model).__name__}.forward takes no position_ids, so generate numbers a padded row's "
+                "positions from its pads and its keys are not the unpadded prompt's: reuse it without padding"
+            )
         key_salt = salt(cache.fingerprint or "", _model_dtype(model), str(cache.spec), self.chunk)
         width = input_ids.shape[1]
         if mode == "chunks":
