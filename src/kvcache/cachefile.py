@@ -50,10 +50,14 @@ def load_cache(path: str | os.PathLike, model: Any, *, device: str | torch.devic
     return _load(read_cache_file(str(path)), str(path), model, config, device)
 
 
-def cache_from_bytes(raw: bytes, model: Any, *, name: str, device: str | torch.device | None = None) -> KVCache:
-    """``load_cache`` for the bytes of a cache file (a prompt store's entry); ``name`` names it in errors."""
+def cache_from_bytes(
+    raw: bytes, model: Any, *, name: str, device: str | torch.device | None = None, digest_checked: bool = False
+) -> KVCache:
+    """``load_cache`` for the bytes of a cache file (a prompt store's entry); ``name`` names it in
+    errors. ``digest_checked``: a digest over all of ``raw`` was checked, so the per-tensor
+    checksums are not computed again (every other check is made)."""
     config = text_config(model)
-    return _load(decode_cache(raw, name), name, model, config, device)
+    return _load(decode_cache(raw, name, digest_checked=digest_checked), name, model, config, device)
 
 
 def _load(saved: SavedCache, path: str, model: Any, config: Any, device: str | torch.device | None) -> KVCache:

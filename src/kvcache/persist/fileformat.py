@@ -124,13 +124,19 @@ def read_cache_file(path: str | os.PathLike) -> SavedCache:
     return _saved_cache(meta, path, lambda: load_file(path))
 
 
-def decode_cache(raw: bytes, name: str) -> SavedCache:
-    """``read_cache_file`` for the bytes of a cache file (``name`` is used in error messages)."""
+def decode_cache(raw: bytes, name: str, *, digest_checked: bool = False) -> SavedCache:
+    """``read_cache_file`` for the bytes of a cache file (``name`` is used in error messages).
+
+    ``digest_checked``: the caller has checked a digest over all of ``raw`` (a prompt store entry),
+    so the per-tensor checksums, which could only repeat that check, are skipped.
+    """
     _, meta = read_header(raw, name)
-    return _saved_cache(meta, name, lambda: safetensors_load(bytes(raw)))
+    return _saved_cache(meta, name, lambda: safetensors_load(bytes(raw)), check_tensors=not digest_checked)
 
 
-def _saved_cache(meta: dict[str, str], path: str, load_tensors: Callable[[], dict[str, torch.Tensor]]) -> SavedCache:
+def _saved_cache(
+    meta: dict[str, str], path: str, load_tensors: Callable[[], dict[str, torch.Tensor]], *, check_tensors: bool = True
+) -> SavedCache:
     """The checks after the header's: fields, layer table, checksums, then the tensors."""
     config = parse_json(meta.get("config"), path, "the model configuration")
     if not isinstance(config, dict):
@@ -162,7 +168,7 @@ def _saved_cache(meta: dict[str, str], path: str, load_tensors: Callable[[], dic
     if not set(tensors) == set(checksums) == listed:
         odd = sorted(set(tensors) ^ listed | set(tensors) ^ set(checksums))
         raise CorruptedFileError(f"{path}: the tensors in the file, the checksums and the layer table disagree on {short(odd)}")
-    for name, want in checksums.items():
+    for name, want in checksums.items() if check_tensors else ():
         if checksum(tensors[name]) != want:
             raise CorruptedFileError(f"{path}: checksum mismatch in tensor {name!r}: its bytes changed after saving")
     layers = [

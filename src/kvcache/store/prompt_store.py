@@ -178,7 +178,7 @@ class PromptStore:
         if raw is None:
             return None  # gone between the presence check and the read (evicted, expired)
         try:
-            chunk = cache_from_bytes(unseal(key, raw, self.secret), model, name=f"entry {key[:16]}")
+            chunk = cache_from_bytes(unseal(key, raw, self.secret), model, name=f"entry {key[:16]}", digest_checked=True)
             if str(chunk.spec) != CHUNK_SPEC or chunk.seen != self.chunk:
                 raise StoreEntryError(f"entry {key[:16]}: a {chunk.spec} cache of {chunk.seen} tokens, not a {self.chunk}-token chunk")
             if chunk.token_ids != tokens:
@@ -201,7 +201,7 @@ class PromptStore:
             if raw is None:
                 continue
             try:
-                loaded = cache_from_bytes(unseal(key, raw, self.secret), model, name=f"entry {key[:16]}")
+                loaded = cache_from_bytes(unseal(key, raw, self.secret), model, name=f"entry {key[:16]}", digest_checked=True)
                 if str(loaded.spec) != str(cache.spec) or loaded.seen != n * self.chunk or loaded.token_ids != tokens[: n * self.chunk]:
                     raise StoreEntryError(f"entry {key[:16]}: a {loaded.spec} cache of another prefix")
             except CacheFileError as e:
