@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 import socket
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from kvcache.apps.bench import SUITES, prompt
-from kvcache.apps.bench.prompt_request import FirstToken, Prompts, redis_binary, redis_server
+from kvcache.apps.bench.prompt_request import FirstToken, Prompts, StoreTimer, redis_binary, redis_server
 from kvcache.apps.run_options import RunOptions
 
 
@@ -37,11 +38,12 @@ def test_every_workload_and_contender_has_rows(result):
     res, _ = result
     s = prompt.sizes(RunOptions(tiny=True))
     rows = res["rows"]
-    chat = [(r["step"], r["contender"]) for r in rows if r["workload"] == "chat"]
-    assert sorted(chat) == sorted((t, n) for t in range(1, s.turns + 1) for n in ("recompute", "memory"))
-    shared = [(r["step"], r["contender"]) for r in rows if r["workload"] == "shared"]
-    assert sorted(shared) == sorted((q, n) for q in range(1, s.requests + 1) for n in ("recompute", "memory"))
-    assert {r["contender"] for r in rows if r["workload"] == "backends"} == set(prompt.CONTENDERS)
+    chat = [(r["round"], r["step"], r["contender"]) for r in rows if r["workload"] == "chat"]
+    assert sorted(chat) == sorted((k, t, n) for k in range(1, s.chat_rounds + 1) for t in range(1, s.turns + 1) for n in ("recompute", "memory"))
+    shared = [(r["round"], r["step"], r["contender"]) for r in rows if r["workload"] == "shared"]
+    assert sorted(shared) == sorted((1, q, n) for q in range(1, s.requests + 1) for n in ("recompute", "memory"))
+    backends = [(r["round"], r["contender"]) for r in rows if r["workload"] == "backends"]
+    assert sorted(backends) == sorted((k, n) for k in range(1, s.repeats + 1) for n in prompt.CONTENDERS)
 
 
 def test_reuse_rows_reuse_and_match_recompute(result):
@@ -57,18 +59,22 @@ def test_reuse_rows_reuse_and_match_recompute(result):
         else:
             assert set(r["split_s"]) == {"fetch", "open", "assemble", "prefill_first_token"}
             assert r["floor_s"] >= 0 and r["read_bytes"] >= 0
-    by = {(r["workload"], r["step"], r["contender"]): r for r in measured}
-    # The chat reuses every full chunk of the conversation so far from turn 2 on.
-    for turn in range(2, s.turns + 1):
-        before = by[("chat", turn - 1, "recompute")]["prompt_tokens"] + s.new_tokens - 1
-        assert by[("chat", turn, "memory")]["reused_tokens"] == before // s.chat_chunk * s.chat_chunk
+    by = {(r["workload"], r["round"], r["step"], r["contender"]): r for r in measured}
+    # The chat reuses every full chunk of the conversation so far from turn 2 on, in every round (a new store each).
+    for round_ in range(1, s.chat_rounds + 1):
+        assert by[("chat", round_, 1, "memory")]["reused_tokens"] == 0
+        for turn in range(2, s.turns + 1):
+            before = by[("chat", round_, turn - 1, "recompute")]["prompt_tokens"] + s.new_tokens - 1
+            assert by[("chat", round_, turn, "memory")]["reused_tokens"] == before // s.chat_chunk * s.chat_chunk
     # The shared prompt: the first request computes, the others reuse the whole system prompt.
-    assert by[("shared", 1, "memory")]["reused_tokens"] == 0
+    assert by[("shared", 1, 1, "memory")]["reused_tokens"] == 0
     for q in range(2, s.requests + 1):
-        assert by[("shared", q, "memory")]["reused_tokens"] == s.shared_prefix
+        assert by[("shared", 1, q, "memory")]["reused_tokens"] == s.shared_prefix
     backends = [r for r in measured if r["workload"] == "backends" and r["contender"] != "recompute"]
     assert backends and all(r["reused_tokens"] == s.backend_prefix for r in backends)
-    assert all(r["read_bytes"] > 0 for r in backends)
+    # Each reuse reads the prefix's entries once: the bytes stored for it.
+    for r in backends:
+        assert r["read_bytes"] == res["storage"][r["contender"]]["bytes"], r
 
 
 def test_storage_and_summary(result):
@@ -82,7 +88,9 @@ def test_storage_and_summary(result):
     summary = res["summary"]
     assert set(summary) == {"chat", "shared", "backends", "targets"}
     assert summary["backends"]["recompute"]["ttft_speedup"] == 1.0
-    assert summary["chat"]["memory"]["reused_tokens"] > 0
+    chat = summary["chat"]["memory"]
+    assert chat["reused_tokens"] == sum(t["reused_tokens"] for t in chat["turns"]) > 0
+    assert [t["turn"] for t in chat["turns"]] == list(range(1, s.turns + 1))
     targets = summary["targets"]
     assert targets["ttft_speedup_min"] == min(f["ttft_speedup"] for n, f in summary["backends"].items() if n != "recompute")
 
@@ -96,6 +104,33 @@ def test_first_token_is_the_second_put():
     streamer.put(torch.zeros(1))
     streamer.end()
     assert first is not None and streamer.at == first
+
+
+class _GetsOneByOne:
+    """A backend whose ``get_many`` is made of ``get`` calls (the interface's default)."""
+
+    def __init__(self, values):
+        self.values = values
+
+    def get(self, key):
+        return self.values.get(key)
+
+    def get_many(self, keys):
+        return [self.get(k) for k in keys]
+
+    def contains_many(self, keys):
+        return [k in self.values for k in keys]
+
+
+def test_store_timer_counts_nested_reads_once():
+    store = SimpleNamespace(backend=_GetsOneByOne({"a": b"12345", "b": b"xyz"}))
+    timer = StoreTimer(store)
+    assert store.backend.get_many(["a", "b", "c"]) == [b"12345", b"xyz", None]
+    assert timer.read_bytes == 8 and timer.seconds["fetch"] > 0
+    timer.reset()
+    assert (timer.read_bytes, timer.seconds["fetch"]) == (0, 0.0)
+    store.backend.get("a")
+    assert timer.read_bytes == 5
 
 
 def test_prompts_are_exact_lengths_and_distinct():

@@ -51,6 +51,7 @@ class Sizes:
     """Tokens and counts of one run (``sizes``)."""
 
     turns: int
+    chat_rounds: int
     message_tokens: tuple[int, int]
     chat_chunk: int
     shared_prefix: int
@@ -64,9 +65,9 @@ class Sizes:
 
 def sizes(options: RunOptions) -> Sizes:
     return options.pick(
-        tiny=Sizes(3, (6, 12), 8, 48, 3, 6, 64, 1, 16, 4),
-        quick=Sizes(4, (60, 100), 64, 1024, 8, 40, 1024, 1, 256, 32),
-        full=Sizes(8, (60, 100), 64, 2048, 8, 40, 4096, 3, 256, 32),
+        tiny=Sizes(3, 2, (6, 12), 8, 48, 3, 6, 64, 1, 16, 4),
+        quick=Sizes(4, 1, (60, 100), 64, 1024, 8, 40, 1024, 1, 256, 32),
+        full=Sizes(8, 3, (60, 100), 64, 2048, 8, 40, 4096, 3, 256, 32),
     )
 
 
@@ -91,7 +92,7 @@ def run(options: RunOptions = RunOptions()) -> dict[str, Any]:
     s = sizes(options)
     model, prompts, model_name = load(options)
     warm_up(model, prompts, s)
-    total = 2 * s.turns + 2 * s.requests + s.repeats * len(CONTENDERS)
+    total = 2 * s.turns * s.chat_rounds + 2 * s.requests + s.repeats * len(CONTENDERS)
     with tqdm(total=total, desc="bench prompt", disable=not options.progress) as bar:
         rows = chat(model, prompts, s, bar) + shared(model, prompts, s, bar)
         backend_rows, storage = backends(model, prompts, s, bar)
@@ -117,48 +118,53 @@ def run(options: RunOptions = RunOptions()) -> dict[str, Any]:
 
 
 def warm_up(model: Any, prompts: Prompts, s: Sizes) -> None:
-    """One short request each way, so first-call costs land in no measurement."""
-    ids = torch.cat([prompts.system(2 * s.chunk), prompts.user(999, 8, False)], 1)
+    """Requests each way at the chat's size, so first-call costs (thread pools, kernels picked for
+    new shapes, allocations) land in no measurement."""
+    ids = torch.cat([prompts.system(2 * s.chunk), prompts.user(999, s.question_tokens, False)], 1)
     store = PromptStore("memory", chunk=s.chunk)
     for _ in range(2):
-        timed_request(model, ids, 2, store)
-    timed_request(model, ids, 2)
+        timed_request(model, ids, s.new_tokens, store)
+        timed_request(model, ids, s.new_tokens)
 
 
-def rotated(names: tuple[str, ...], step: int) -> tuple[str, ...]:
-    shift = step % len(names)
-    return names[shift:] + names[:shift]
-
-
-def compared(workload: str, step: int, results: dict[str, dict[str, Any]], backend: dict[str, str]) -> list[dict[str, Any]]:
-    """Rows of one step (turn, request or round): each contender's times, and whether its tokens
-    are recompute's (``out`` leaves the rows)."""
+def compared(workload: str, round_: int, step: int, results: dict[str, dict[str, Any]], backend: dict[str, str]) -> list[dict[str, Any]]:
+    """Rows of one step (a turn, a request or a backends round): each contender's times, and
+    whether its tokens are recompute's (``out`` leaves the rows)."""
     reference = results[REFERENCE]["out"]
     rows = []
     for name, result in results.items():
         out = result.pop("out")
-        rows.append({"workload": workload, "step": step, "contender": name, "backend": backend.get(name, "none")} | result | {"identical": bool(torch.equal(out, reference)), "reason": ""})
+        head = {"workload": workload, "round": round_, "step": step, "contender": name, "backend": backend.get(name, "none")}
+        rows.append(head | result | {"identical": bool(torch.equal(out, reference)), "reason": ""})
     return rows
 
 
-def chat(model: Any, prompts: Prompts, s: Sizes, bar: Any) -> list[dict[str, Any]]:
-    """The multi-turn chat (module docstring); turn ``t`` continues recompute's tokens of turn ``t - 1``."""
-    store = PromptStore("memory", chunk=s.chat_chunk)
-    timer = StoreTimer(store)
+def both_ways(model: Any, ids: torch.Tensor, s: Sizes, store: PromptStore, timer: StoreTimer, step: int, bar: Any, label: str) -> dict[str, dict[str, Any]]:
+    """Recompute and through ``store`` (``memory``), the order rotated by ``step``."""
     names = (REFERENCE, "memory")
+    results = {}
+    for name in names[step % 2 :] + names[: step % 2]:
+        bar.set_postfix_str(f"{label} {name}")
+        results[name] = timed_request(model, ids, s.new_tokens, *((store, timer) if name == "memory" else ()))
+        bar.update()
+    return {name: results[name] for name in names}
+
+
+def chat(model: Any, prompts: Prompts, s: Sizes, bar: Any) -> list[dict[str, Any]]:
+    """The multi-turn chat (module docstring), ``chat_rounds`` times with a new store each: turn
+    ``t`` continues recompute's tokens of turn ``t - 1``."""
     low, high = s.message_tokens
-    history = prompts.system(48)
+    messages = [prompts.user(turn, low + (turn * 37) % (high - low + 1), after_reply=turn > 0) for turn in range(s.turns)]
     rows = []
-    for turn in range(s.turns):
-        message = prompts.user(turn, low + (turn * 37) % (high - low + 1), after_reply=turn > 0)
-        ids = torch.cat([history, message], 1)
-        results = {}
-        for name in rotated(names, turn):
-            bar.set_postfix_str(f"chat turn {turn + 1} {name}")
-            results[name] = timed_request(model, ids, s.new_tokens, store if name == "memory" else None, timer if name == "memory" else None)
-            bar.update()
-        history = results[REFERENCE]["out"]
-        rows += compared("chat", turn + 1, {n: results[n] for n in names}, {"memory": "memory"})
+    for round_ in range(s.chat_rounds):
+        store = PromptStore("memory", chunk=s.chat_chunk)
+        timer = StoreTimer(store)
+        history = prompts.system(48)
+        for turn, message in enumerate(messages):
+            ids = torch.cat([history, message], 1)
+            results = both_ways(model, ids, s, store, timer, round_ + turn, bar, f"chat round {round_ + 1} turn {turn + 1}")
+            history = results[REFERENCE]["out"]
+            rows += compared("chat", round_ + 1, turn + 1, results, {"memory": "memory"})
     return rows
 
 
@@ -166,17 +172,12 @@ def shared(model: Any, prompts: Prompts, s: Sizes, bar: Any) -> list[dict[str, A
     """Requests sharing one system prompt (module docstring)."""
     store = PromptStore("memory", chunk=s.chunk)
     timer = StoreTimer(store)
-    names = (REFERENCE, "memory")
     system = prompts.system(s.shared_prefix)
     rows = []
     for request in range(s.requests):
         ids = torch.cat([system, prompts.user(100 + request, s.question_tokens, False)], 1)
-        results = {}
-        for name in rotated(names, request):
-            bar.set_postfix_str(f"shared request {request + 1} {name}")
-            results[name] = timed_request(model, ids, s.new_tokens, store if name == "memory" else None, timer if name == "memory" else None)
-            bar.update()
-        rows += compared("shared", request + 1, {n: results[n] for n in names}, {"memory": "memory"})
+        results = both_ways(model, ids, s, store, timer, request, bar, f"shared request {request + 1}")
+        rows += compared("shared", 1, request + 1, results, {"memory": "memory"})
     return rows
 
 
@@ -203,8 +204,8 @@ def backends(model: Any, prompts: Prompts, s: Sizes, bar: Any) -> tuple[list[dic
             getattr(store.backend, "close", lambda: None)()
     rows = []
     for r in range(s.repeats):
-        rows += compared("backends", r + 1, {n: samples[n][r] for n in names}, {n: n for n in stores})
-    rows += [{"workload": "backends", "step": 1, "contender": n, "backend": n, "identical": None, "reason": why} for n, why in skipped.items()]
+        rows += compared("backends", r + 1, 1, {n: samples[n][r] for n in names}, {n: n for n in stores})
+    rows += [{"workload": "backends", "round": 1, "step": 1, "contender": n, "backend": n, "identical": None, "reason": why} for n, why in skipped.items()]
     return rows, storage
 
 

@@ -23,15 +23,23 @@ def _measured(rows: list[dict[str, Any]], workload: str) -> dict[str, list[dict[
     return out
 
 
+def _chat_turns(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """One contender's chat: per turn the medians over rounds, and their sums over the turns."""
+    turns = []
+    for turn in sorted({r["step"] for r in rows}):
+        mine = [r for r in rows if r["step"] == turn]
+        turns.append({"turn": turn, "prompt_tokens": mine[0]["prompt_tokens"], "reused_tokens": mine[0]["reused_tokens"]}
+                     | {key: median([r[key] for r in mine]) for key in ("ttft_s", "e2e_s", "store_s")}
+                     | {"identical": all(r["identical"] for r in mine), "samples_ttft_s": [r["ttft_s"] for r in mine]})
+    sums = {key: sum(t[key] for t in turns) for key in ("prompt_tokens", "reused_tokens", "ttft_s", "e2e_s", "store_s")}
+    return sums | {"identical": all(t["identical"] for t in turns), "turns": turns}
+
+
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per workload and contender: ``chat`` sums over turns; ``shared`` the first request and the
-    medians of the others; ``backends`` medians over rounds, each lookup part's median, and the
+    """Per workload and contender: ``shared`` the first request and the
+    medians of the others; ``chat`` per turn medians over rounds, and their sums; ``backends`` medians over rounds, each lookup part's median, and the
     TTFT ratios the targets name."""
-    chat = {
-        name: {key: sum(r[key] for r in rs) for key in ("prompt_tokens", "reused_tokens", "ttft_s", "e2e_s", "store_s")}
-        | {"identical": all(r["identical"] for r in rs)}
-        for name, rs in _measured(rows, "chat").items()
-    }
+    chat = {name: _chat_turns(rs) for name, rs in _measured(rows, "chat").items()}
     shared = {
         name: {"first_ttft_s": rs[0]["ttft_s"], "first_e2e_s": rs[0]["e2e_s"], "first_reused_tokens": rs[0]["reused_tokens"],
                "ttft_s": median([r["ttft_s"] for r in rs[1:]]), "e2e_s": median([r["e2e_s"] for r in rs[1:]]),
@@ -89,7 +97,7 @@ def table(result: dict[str, Any]) -> str:
     head = ["contender", "reused", "TTFT s", "x recompute", "e2e s", "fetch ms", "open ms", "assemble ms", "prefill+1st ms",
             "read", "floor ms", "put s", "stored B/token", "x K/V", "identical", "note"]
     body = []
-    for name in [r["contender"] for r in result["rows"] if r["workload"] == "backends" and r["step"] == 1]:
+    for name in [r["contender"] for r in result["rows"] if r["workload"] == "backends" and r["round"] == 1]:
         facts, held = b.get(name), storage.get(name, {})
         note = next((r["reason"] for r in result["rows"] if r["workload"] == "backends" and r["contender"] == name and r["reason"]), "")
         if facts is None:
@@ -107,19 +115,14 @@ def table(result: dict[str, Any]) -> str:
     body = [[n, _s(f["first_ttft_s"]), _s(f["first_e2e_s"]), _s(f["ttft_s"]), _s(f["e2e_s"]), f["reused_tokens"], _s(f.get("ttft_speedup")), _same(f["identical"])]
             for n, f in sh.items()]
     lines.append(markdown_table(head, body))
-    lines.append(f"## Chat: {c['turns']} turns, each reusing the earlier ones (store: memory, chunk {c['chat_chunk']})\n")
-    chat = {(r["step"], r["contender"]): r for r in result["rows"] if r["workload"] == "chat"}
+    lines.append(f"## Chat: {c['turns']} turns, each reusing the earlier ones (store: memory, chunk {c['chat_chunk']}), median of {c['chat_rounds']}\n")
+    chat = summary["chat"]
     head = ["turn", "prompt", "reused", "TTFT recompute s", "TTFT store s", "x", "e2e recompute s", "e2e store s", "put s", "identical"]
     body = []
-    for turn in range(1, c["turns"] + 1):
-        ref, mine = chat[(turn, REFERENCE)], chat[(turn, "memory")]
-        body.append([turn, mine["prompt_tokens"], mine["reused_tokens"], _s(ref["ttft_s"]), _s(mine["ttft_s"]), _s(ref["ttft_s"] / mine["ttft_s"]),
-                     _s(ref["e2e_s"]), _s(mine["e2e_s"]), _s(mine["store_s"]), _same(mine["identical"])])
-    total = summary["chat"]
-    if {REFERENCE, "memory"} <= set(total):
-        ref, mine = total[REFERENCE], total["memory"]
-        body.append(["sum", mine["prompt_tokens"], mine["reused_tokens"], _s(ref["ttft_s"]), _s(mine["ttft_s"]), _s(ref["ttft_s"] / mine["ttft_s"]),
-                     _s(ref["e2e_s"]), _s(mine["e2e_s"]), _s(mine["store_s"]), _same(mine["identical"])])
+    if {REFERENCE, "memory"} <= set(chat):
+        for ref, mine in zip(chat[REFERENCE]["turns"] + [chat[REFERENCE]], chat["memory"]["turns"] + [chat["memory"]]):
+            body.append([mine.get("turn", "sum"), mine["prompt_tokens"], mine["reused_tokens"], _s(ref["ttft_s"]), _s(mine["ttft_s"]),
+                         _s(ref["ttft_s"] / mine["ttft_s"]), _s(ref["e2e_s"]), _s(mine["e2e_s"]), _s(mine["store_s"]), _same(mine["identical"])])
     lines.append(markdown_table(head, body))
     lines.append("fetch: backend reads; open: checking and decoding entries; assemble: the rest of `cache_for`; prefill+1st: "
                  "`generate` up to the first new token. floor: entry bytes read / read bandwidth. stored B/token: backend "
@@ -128,7 +131,7 @@ def table(result: dict[str, Any]) -> str:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    b, rows = result["summary"]["backends"], result["rows"]
+    b, chat = result["summary"]["backends"], result["summary"]["chat"]
     with figure(path, panels=2) as (bars, turns):
         names = list(b)
         bars.bar(names, [b[n]["ttft_s"] for n in names], color=["tab:gray" if n == REFERENCE else "tab:blue" for n in names])
@@ -137,11 +140,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
         bars.set_title(f"{result['config']['backend_prefix']}-token shared prefix, by backend")
         bars.grid(True, axis="y", which="both", alpha=0.3)
         for name, label in ((REFERENCE, "recompute"), ("memory", "prompt store (memory)")):
-            mine = [r for r in rows if r["workload"] == "chat" and r["contender"] == name]
-            turns.plot([r["step"] for r in mine], [r["ttft_s"] for r in mine], marker="o", label=label)
+            mine = chat.get(name, {}).get("turns", [])
+            turns.plot([t["turn"] for t in mine], [t["ttft_s"] for t in mine], marker="o", label=label)
         turns.set_yscale("log")
         turns.set_xlabel("chat turn")
-        turns.set_ylabel("time to first token, s")
+        turns.set_ylabel("time to first token, s (median)")
         turns.set_title("multi-turn chat")
         turns.grid(True, which="both", alpha=0.3)
         turns.legend(fontsize="small")
