@@ -42,8 +42,15 @@ def test_every_workload_and_contender_has_rows(result):
     assert sorted(chat) == sorted((k, t, n) for k in range(1, s.chat_rounds + 1) for t in range(1, s.turns + 1) for n in ("recompute", "memory"))
     shared = [(r["round"], r["step"], r["contender"]) for r in rows if r["workload"] == "shared"]
     assert sorted(shared) == sorted((1, q, n) for q in range(1, s.requests + 1) for n in ("recompute", "memory"))
-    backends = [(r["round"], r["contender"]) for r in rows if r["workload"] == "backends"]
-    assert sorted(backends) == sorted((k, n) for k in range(1, s.repeats + 1) for n in prompt.CONTENDERS)
+    backends = [r for r in rows if r["workload"] == "backends"]
+    assert {r["contender"] for r in backends} == set(prompt.CONTENDERS)
+    measured = {r["contender"] for r in backends if not r["reason"]}
+    assert {"recompute", "memory", "directory"} <= measured  # redis too where a redis-server binary exists
+    assert sorted((r["round"], r["contender"]) for r in backends if not r["reason"]) == sorted(
+        (k, n) for k in range(1, s.repeats + 1) for n in measured
+    )
+    if redis_binary() is not None:
+        assert "redis" in measured
 
 
 def test_reuse_rows_reuse_and_match_recompute(result):
