@@ -134,8 +134,13 @@ def plot(result: dict[str, Any], path: Path) -> None:
     b, chat = result["summary"]["backends"], result["summary"]["chat"]
     with figure(path, panels=2) as (bars, turns):
         names = list(b)
-        bars.bar(names, [b[n]["ttft_s"] for n in names], color=["tab:gray" if n == REFERENCE else "tab:blue" for n in names])
+        heights = [b[n]["ttft_s"] for n in names]
+        bars.bar(names, heights, color=["tab:gray" if n == REFERENCE else "tab:blue" for n in names])
         bars.set_yscale("log")
+        bars.set_ylim(min(heights) / 4, max(heights) * 2)
+        for x, name in enumerate(names):
+            label = f"{b[name]['ttft_s']:.2g} s" + ("" if name == REFERENCE else f"\n{b[name]['ttft_speedup']:.1f}x faster")
+            bars.annotate(label, (x, b[name]["ttft_s"]), textcoords="offset points", xytext=(0, 3), ha="center", fontsize="small")
         bars.set_ylabel("time to first token, s (median)")
         bars.set_title(f"{result['config']['backend_prefix']}-token shared prefix, by backend")
         bars.grid(True, axis="y", which="both", alpha=0.3)
