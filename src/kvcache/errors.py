@@ -68,4 +68,5 @@ class StoreEntryError(CacheFileError):
 
 
 class StoreUnavailable(KVCacheError, OSError):
-    """DEV PLACEHOLDER (the backends branch defines it)."""
+    """The prompt store's backend cannot be reached or written: Redis down or timing out, a folder
+    that cannot be written. PromptStore turns it into a miss with one warning."""

@@ -441,3 +441,35 @@ def test_building_the_parser_imports_no_suite(monkeypatch):
     parser = cli.build_parser()
     assert parser.parse_args(["bench", "attention"]).suite == "attention"
     assert not [m for m in sys.modules if m.startswith("kvcache.apps.bench.")]
+
+
+@pytest.mark.parametrize("spec", ["growable", "h2o:budget=64"])
+def test_prompt_store_reuses_the_shared_beginning_and_says_how_much(spec, tiny, tmp_path, capsys):
+    store = tmp_path / "prompts"
+    shared = "The key value cache keeps every past token. " * 16  # 704 bytes: two 256-token chunks
+    first, second = shared + "What does it keep?", shared + "Why?"
+    rc, out, err = run(capsys, "generate", "--cache", spec, "--prompt-store", store, "--prompt", first, "--max-new-tokens", 5)
+    assert rc == 0, err
+    assert "(0 reused from the prompt store)" in err and f"prompt store {store}" in err
+    rc, out, err = run(capsys, "generate", "--cache", spec, "--prompt-store", store, "--prompt", second, "--max-new-tokens", 5)
+    assert rc == 0, err
+    model, tok = tiny
+    ids = encode(tok, second)
+    assert f"prefill {len(ids) - 512} tokens (512 reused from the prompt store)" in err
+    if spec == "growable":  # a state kind's reuse is a prefill split at the boundary, not one pass
+        assert out == decode(tok, reference(model, ids, 5)) + "\n"
+
+
+def test_prompt_store_that_cannot_be_reached_warns_once_and_generates(tiny, capsys):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    prompt = "Nothing listens on that port. " * 10  # over one chunk: the store is asked
+    with pytest.warns(RuntimeWarning, match="prompt store unavailable") as caught:
+        rc, out, err = run(capsys, "generate", "--prompt-store", f"redis://127.0.0.1:{port}/0", "--prompt", prompt, "--max-new-tokens", 3)
+    assert rc == 0, err
+    assert len([w for w in caught if "prompt store unavailable" in str(w.message)]) == 1
+    model, tok = tiny
+    assert out == decode(tok, reference(model, encode(tok, prompt), 3)) + "\n"

@@ -95,6 +95,16 @@ def load_conversation(path: str, model: Any) -> tuple[Any, list[int]]:
     return cache, list(cache.token_ids)
 
 
+def open_prompt_store(location: str) -> Any:
+    """The ``--prompt-store``: a folder, a Redis URL or ``memory``, signed with ``$KVCACHE_STORE_SECRET`` if set."""
+    from ..store import PromptStore
+
+    try:
+        return PromptStore(location, secret=os.environ.get("KVCACHE_STORE_SECRET") or None)
+    except (OSError, ValueError) as e:
+        raise KVCacheError(f"--prompt-store {location}: {e}") from e
+
+
 def add_generate(subparsers: argparse._SubParsersAction) -> None:
     p = add_command(subparsers, "generate", cmd_generate, raw=True, specs=valid_specs())
     p.add_argument(
@@ -113,6 +123,12 @@ def add_generate(subparsers: argparse._SubParsersAction) -> None:
     source.add_argument(
         "--load-cache", default=None, metavar="FILE", help="continue from a cache saved with --save-cache "
         "(its spec is the one it was saved with)"
+    )
+    p.add_argument(
+        "--prompt-store", default=None, metavar="DIR|redis://...|memory",
+        help="reuse the longest stored prefix of the prompt from this prompt store (a folder, or "
+        "redis://[:password@]host:port/db) and store what this run computes; reports reused and computed "
+        "tokens. Entries are signed with $KVCACHE_STORE_SECRET when it is set. Not with --load-cache",
     )
     p.add_argument("--prompt", required=True, metavar="TEXT", help="prompt text (appended to a loaded cache)")
     p.add_argument(
@@ -154,11 +170,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if not args.sample and (args.temperature is not None or args.top_p is not None):
         raise KVCacheError("--temperature and --top-p apply only with --sample")
+    if args.prompt_store and args.load_cache:
+        raise KVCacheError("--prompt-store and --load-cache both give the cache's beginning: use one of them")
     check_device(args.device)
     if args.seed is not None:
         torch.manual_seed(args.seed)
     model, tokenizer = load_model(args.model, args.device)
     use_kvcache_attention(model)  # our model: fast decode attention, and what bounded caches need
+    store = None
     if args.load_cache:
         cache, ids = load_conversation(args.load_cache, model)
     else:
@@ -167,6 +186,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     cached = cache.seen
     if len(ids) <= cached:
         raise KVCacheError("the prompt is empty and there is nothing left to feed the model")
+    start = time.perf_counter()  # a prompt store's lookup counts in the time to the first token
+    if args.prompt_store:
+        store = open_prompt_store(args.prompt_store)
+        cache, cached = store.prefill(model, torch.tensor([ids], device=args.device), args.cache or "growable")
 
     options: dict[str, Any] = {"do_sample": args.sample}
     if args.sample:
@@ -178,7 +201,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
         pad = eos[0] if isinstance(eos, list) else eos
     input_ids = torch.tensor([ids], dtype=torch.long, device=args.device)
     streamer = TokenStreamer(tokenizer, sys.stdout)
-    start = time.perf_counter()
     try:
         out = model.generate(
             input_ids,
@@ -199,6 +221,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.save_cache:
         save_conversation(cache, args.save_cache, ids + new)
         saved = f"; saved {args.save_cache}"
+    reused_from = "already cached"
+    if store is not None:
+        store.put(cache, out)
+        kept = store.stats.stored_tokens
+        saved += f"; prompt store {store.backend.location}: {kept} tokens stored"
+        reused_from = "reused from the prompt store"
     rate = len(new) / seconds if seconds > 0 else float("inf")
     decode = ""
     if streamer.first_token_at is not None and len(new) > 1 and streamer.last_token_at > streamer.first_token_at:
@@ -206,7 +234,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         decode = f", decode {decode_rate:.1f} tokens/s after a {streamer.first_token_at - start:.3f} s prefill"
     print(
         f"{PROG}: {len(new)} tokens in {seconds:.2f} s ({rate:.1f} tokens/s{decode}); "
-        f"prefill {len(ids) - cached} tokens ({cached} already cached); "
+        f"prefill {len(ids) - cached} tokens ({cached} {reused_from}); "
         f"cache {cache.spec}, {human_bytes(cache.nbytes)} ({cache.nbytes} bytes){saved}",
         file=sys.stderr,
     )

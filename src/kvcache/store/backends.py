@@ -1,58 +1,35 @@
-"""DEV PLACEHOLDER: replaced by the backends branch."""
+"""The prompt store's byte backends and ``open_backend``, which picks one from a location string.
+
+    backend = open_backend("memory" | "/some/folder" | "redis://:pw@host:6379/0", max_bytes=..., ttl=...)
+
+``Backend`` (the interface) lives in ``backend_base``; each backend in a module of its own.
+"""
+
 from __future__ import annotations
-import threading
-from collections import OrderedDict
+
+import os
+
+from .backend_base import Backend, check_key
+from .directory_backend import DirectoryBackend
+from .memory_backend import MemoryBackend
+from .redis_backend import RedisBackend
+
+__all__ = ["Backend", "DirectoryBackend", "MemoryBackend", "RedisBackend", "check_key", "open_backend"]
 
 
-class Backend:
-    location = "memory"
-    max_bytes = None
-    ttl = None
-
-
-class MemoryBackend(Backend):
-    def __init__(self, max_bytes=None, ttl=None):
-        self.max_bytes, self.ttl = max_bytes, ttl
-        self._d = OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, key):
-        with self._lock:
-            v = self._d.get(key)
-            if v is not None:
-                self._d.move_to_end(key)
-            return v
-
-    def get_many(self, keys):
-        return [self.get(k) for k in keys]
-
-    def contains_many(self, keys):
-        with self._lock:
-            return [k in self._d for k in keys]
-
-    def put(self, key, value):
-        with self._lock:
-            self._d[key] = bytes(value)
-            return True
-
-    def delete(self, key):
-        with self._lock:
-            self._d.pop(key, None)
-
-    def nbytes(self):
-        return sum(map(len, self._d.values()))
-
-    def __len__(self):
-        return len(self._d)
-
-    def clear(self):
-        self._d.clear()
-
-    def close(self):
-        pass
-
-
-def open_backend(location, *, max_bytes=None, ttl=None):
+def open_backend(location: str | Backend, *, max_bytes: int | None = None, ttl: float | None = None) -> Backend:
+    """The backend a location names: ``"memory"`` / ``"memory://"``; ``redis://``, ``rediss://``,
+    ``unix://`` URLs; a folder path or ``file://path``; or a ``Backend``, returned as it is."""
     if isinstance(location, Backend):
         return location
-    return MemoryBackend(max_bytes, ttl)
+    if isinstance(location, os.PathLike):
+        location = os.fspath(location)
+    if not isinstance(location, str) or not location:
+        raise ValueError(f"a prompt store location is 'memory', a redis:// URL or a folder, got {location!r}")
+    if location in ("memory", "memory://"):
+        return MemoryBackend(max_bytes, ttl)
+    if location.startswith(("redis://", "rediss://", "unix://")):
+        return RedisBackend(location, max_bytes=max_bytes, ttl=ttl)
+    if location.startswith("file://"):
+        location = location[len("file://") :]
+    return DirectoryBackend(location, max_bytes=max_bytes, ttl=ttl)

