@@ -82,6 +82,7 @@ def test_reuse_rows_reuse_and_match_recompute(result):
     # Each reuse reads the prefix's entries once: the bytes stored for it.
     for r in backends:
         assert r["read_bytes"] == res["storage"][r["contender"]]["bytes"], r
+        assert r["split_s"]["fetch"] > 0 and r["split_s"]["open"] > 0, r  # the timer's hooks still reach the store
 
 
 def test_storage_and_summary(result):
