@@ -119,7 +119,7 @@ def run(options: RunOptions = RunOptions()) -> dict[str, Any]:
         "tiny": options.tiny,
         "ttft": "from before cache_for (or make_cache) to generate's first new token (a streamer)",
     }
-    summary = summarize(rows)
+    summary = summarize(rows, s.backend_prefix)
     return report("prompt", options, config, rows, table, plot, storage=storage, summary=summary)
 
 
