@@ -84,6 +84,7 @@ FIELDS = {
         "peak_over_weights": positive_number,
         "cache_over_weights": positive_number,
     },
+    "prompt": {"workload": text, "step": positive_int, "contender": text, "backend": text},  # more: test_bench_prompt.py
     "real": {"batch": positive_int, "context": positive_int, "contender": text, "compiled": boolean},  # more: test_bench_real.py
     "resume": {
         "tokens": positive_int,

