@@ -64,7 +64,7 @@ def _load(saved: SavedCache, path: str, model: Any, config: Any, device: str | t
     if device is None:
         device = next((p.device for p in getattr(model, "parameters", lambda: iter(()))()), torch.device("cpu"))
     try:
-        return _build(saved, path, config, _model_dtype(model), device)
+        return _build(saved, path, config, model_dtype(model), device)
     except CacheFileError:
         raise
     except (KeyError, TypeError, ValueError, IndexError, OverflowError, RecursionError) as e:
@@ -72,7 +72,8 @@ def _load(saved: SavedCache, path: str, model: Any, config: Any, device: str | t
         raise CorruptedFileError(f"{path}: the cache metadata cannot be used ({type(e).__name__}: {one_line(e)})") from None
 
 
-def _model_dtype(model: Any) -> torch.dtype | None:
+def model_dtype(model: Any) -> torch.dtype | None:
+    """The dtype of ``model``'s first floating-point parameter (None for a config)."""
     params = getattr(model, "parameters", None)
     if params is None:
         return None

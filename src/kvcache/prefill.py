@@ -82,17 +82,27 @@ def mask_positions(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)
 
 
+def check_chunk(chunk: object) -> None:
+    """Raise ``ValueError`` unless ``chunk`` is a whole number of tokens >= 1."""
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk must be a whole number of tokens >= 1, got {chunk!r}")
+
+
+def check_token_ids(ids: object, name: str, shape: str) -> None:
+    """Raise ``ValueError`` unless ``ids`` is a 2-D integer tensor (``name`` and ``shape`` say what was expected)."""
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        got = f"a {ids.dim()}-D {ids.dtype} tensor" if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise ValueError(f"{name} must be token ids {shape} (a 2-D integer tensor), got {got}")
+
+
 def _check(ids, cache, chunk, attention_mask) -> None:
     if not isinstance(cache, KVCache):
         raise TypeError(
             f"prefill expects a kvcache.KVCache (kvcache.make_cache(model, spec)), got {type(cache).__name__}; "
             "for transformers' own caches use model.generate(..., prefill_chunk_size=N)"
         )
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-        raise ValueError(f"chunk must be a whole number of tokens >= 1, got {chunk!r}")
-    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
-        got = f"a {ids.dim()}-D {ids.dtype} tensor" if isinstance(ids, torch.Tensor) else type(ids).__name__
-        raise ValueError(f"ids must be token ids [B, S] (a 2-D integer tensor), got {got}")
+    check_chunk(chunk)
+    check_token_ids(ids, "ids", "[B, S]")
     if ids.shape[1] == 0:
         raise ValueError(f"ids must hold at least one token, got shape {tuple(ids.shape)}")
     if attention_mask is not None:

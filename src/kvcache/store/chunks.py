@@ -67,6 +67,6 @@ def chunk_payload(cache: KVCache, row: int, start: int, chunk: int, tokens: Sequ
             past.append(None)
             continue
         keys, values = store.view()
-        past.append((keys[row : row + 1, :, start : start + chunk].contiguous(), values[row : row + 1, :, start : start + chunk].contiguous()))
-    piece.extend(past)
+        past.append((keys[row : row + 1, :, start : start + chunk], values[row : row + 1, :, start : start + chunk]))
+    piece.extend(past)  # copies the slices into the piece's own buffers
     return piece.to_bytes(token_ids=list(tokens))

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..prefill import check_token_ids
+
 #: Version of the key scheme and entry format: a change makes every old entry a miss.
 SCHEME = "kvcache-prompt/1"
 
@@ -54,9 +56,7 @@ def rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) ->
     """The rows of ``input_ids`` ``[B, T]`` without their left padding (``attention_mask`` ``[B, T']``,
     1 = a real token; ``T' <= T`` covers the prompt, the tokens after it count as real, as after
     ``generate``). Raises ``ValueError`` for anything but left padding."""
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
-        got = f"a {input_ids.dim()}-D {input_ids.dtype} tensor" if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
-        raise ValueError(f"input_ids must be token ids [B, T] (a 2-D integer tensor), got {got}")
+    check_token_ids(input_ids, "input_ids", "[B, T]")
     batch, width = input_ids.shape
     ids = input_ids.tolist()
     if attention_mask is None:

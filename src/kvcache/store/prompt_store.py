@@ -40,8 +40,9 @@ import torch
 
 from ..build import make_cache
 from ..cache import KVCache
-from ..cachefile import cache_from_bytes
+from ..cachefile import cache_from_bytes, model_dtype
 from ..errors import CacheFileError, StoreEntryError, StoreUnavailable, UnsupportedOperation
+from ..prefill import check_chunk
 from ..prefill import prefill as run_prefill
 from ..spec import CacheSpec, parse_spec
 from .backends import Backend, open_backend
@@ -88,8 +89,7 @@ class PromptStore:
         secret: bytes | str | None = None,
         retry_after: float = 30.0,
     ) -> None:
-        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-            raise ValueError(f"chunk must be a whole number of tokens >= 1, got {chunk!r}")
+        check_chunk(chunk)
         self.backend = open_backend(backend, max_bytes=max_bytes, ttl=ttl)
         self.chunk = chunk
         self.secret = secret.encode() if isinstance(secret, str) else secret
@@ -123,7 +123,7 @@ class PromptStore:
                 f"{type(model).__name__}.forward takes no position_ids, so generate numbers a padded row's "
                 "positions from its pads and its keys are not the unpadded prompt's: reuse it without padding"
             )
-        key_salt = salt(cache.fingerprint or "", _model_dtype(model), str(cache.spec), self.chunk)
+        key_salt = salt(cache.fingerprint or "", model_dtype(model) or torch.get_default_dtype(), str(cache.spec), self.chunk)
         width = input_ids.shape[1]
         if mode == "chunks":
             reused = self._fill_from_chunks(model, cache, found, key_salt, width)
@@ -160,12 +160,12 @@ class PromptStore:
             columns = min(min(row.pad + n * self.chunk for row, n in zip(found, matched)), width - 1)
             if all(columns <= row.pad for row in found):
                 return 0  # nothing but padding to reuse
-            wanted = [(r, keys[r][j]) for r, row in enumerate(found) for j in range(chunks_needed(columns - row.pad, self.chunk))]
-            fetch = [key for _, key in wanted if key not in loaded]
+            wanted = [(r, j, keys[r][j]) for r, row in enumerate(found) for j in range(chunks_needed(columns - row.pad, self.chunk))]
+            fetch = list(dict.fromkeys(key for _, _, key in wanted if key not in loaded))
             values = self._call(self.backend.get_many, [None] * len(fetch), fetch) if fetch else []
             for key, raw in zip(fetch, values):
                 loaded[key] = self._open_chunk(model, key, raw, chunk_tokens(found, keys, key, self.chunk))
-            bad = [(r, keys[r].index(key)) for r, key in wanted if loaded[key] is None]
+            bad = [(r, j) for r, j, key in wanted if loaded[key] is None]
             if not bad:
                 break
             for r, j in bad:  # that row's prefix ends before the chunk that failed
@@ -175,19 +175,14 @@ class PromptStore:
 
     def _open_chunk(self, model: Any, key: str, raw: bytes | None, tokens: list[int]) -> list | None:
         """The per-layer ``(keys [1, Hkv, chunk, D], values)`` of a chunk entry, or None (a miss, logged)."""
-        if raw is None:
-            return None  # gone between the presence check and the read (evicted, expired)
-        try:
-            chunk = cache_from_bytes(unseal(key, raw, self.secret), model, name=f"entry {key[:16]}", digest_checked=True)
+
+        def problem(chunk: KVCache) -> str | None:
             if str(chunk.spec) != CHUNK_SPEC or chunk.seen != self.chunk:
-                raise StoreEntryError(f"entry {key[:16]}: a {chunk.spec} cache of {chunk.seen} tokens, not a {self.chunk}-token chunk")
-            if chunk.token_ids != tokens:
-                raise StoreEntryError(f"entry {key[:16]}: holds other tokens than the chunk it is stored for")
-            return [None if s is None else s.view() for s in chunk.stores]
-        except CacheFileError as e:
-            return self._bad(key, e)
-        except Exception as e:  # noqa: BLE001 - an entry nothing above foresaw is still only a miss
-            return self._bad(key, StoreEntryError(f"entry {key[:16]}: cannot be read ({type(e).__name__}: {e})"))
+                return f"a {chunk.spec} cache of {chunk.seen} tokens, not a {self.chunk}-token chunk"
+            return None if chunk.token_ids == tokens else "holds other tokens than the chunk it is stored for"
+
+        chunk = self._open(model, key, raw, problem)
+        return None if chunk is None else [None if s is None else s.view() for s in chunk.stores]
 
     def _state_for(self, model: Any, cache: KVCache, tokens: list[int], key_salt: bytes) -> KVCache | None:
         """The stored state at the longest chunk boundary within ``tokens``, or None."""
@@ -196,23 +191,33 @@ class PromptStore:
         for n in range(len(keys), 0, -1):
             if not present[n - 1]:
                 continue
-            key = keys[n - 1]
-            raw = self._call(self.backend.get, None, key)
-            if raw is None:
-                continue
-            try:
-                loaded = cache_from_bytes(unseal(key, raw, self.secret), model, name=f"entry {key[:16]}", digest_checked=True)
-                if str(loaded.spec) != str(cache.spec) or loaded.seen != n * self.chunk or loaded.token_ids != tokens[: n * self.chunk]:
-                    raise StoreEntryError(f"entry {key[:16]}: a {loaded.spec} cache of another prefix")
-            except CacheFileError as e:
-                self._bad(key, e)
-                continue
-            except Exception as e:  # noqa: BLE001 - as in _open_chunk
-                self._bad(key, StoreEntryError(f"entry {key[:16]}: cannot be read ({type(e).__name__}: {e})"))
-                continue
-            loaded.token_ids = None
-            return loaded
+            prefix = tokens[: n * self.chunk]
+
+            def problem(loaded: KVCache) -> str | None:
+                same = str(loaded.spec) == str(cache.spec) and loaded.seen == len(prefix) and loaded.token_ids == prefix
+                return None if same else f"a {loaded.spec} cache of another prefix"
+
+            loaded = self._open(model, keys[n - 1], self._call(self.backend.get, None, keys[n - 1]), problem)
+            if loaded is not None:
+                loaded.token_ids = None
+                return loaded
         return None
+
+    def _open(self, model: Any, key: str, raw: bytes | None, problem: Callable[[KVCache], str | None]) -> KVCache | None:
+        """The cache an entry holds if its digest, ``load_cache``'s checks and ``problem`` (what it
+        must hold: None if right) all pass; else None, a miss (logged and deleted if it was bad)."""
+        if raw is None:
+            return None  # gone between the presence check and the read (evicted, expired)
+        try:
+            loaded = cache_from_bytes(unseal(key, raw, self.secret), model, name=f"entry {key[:16]}", digest_checked=True)
+            wrong = problem(loaded)
+            if wrong is not None:
+                raise StoreEntryError(f"entry {key[:16]}: {wrong}")
+            return loaded
+        except CacheFileError as e:
+            return self._bad(key, e)
+        except Exception as e:  # noqa: BLE001 - an entry nothing above foresaw is still only a miss
+            return self._bad(key, StoreEntryError(f"entry {key[:16]}: cannot be read ({type(e).__name__}: {e})"))
 
     def _bad(self, key: str, error: Exception) -> None:
         """A damaged or lying entry: logged, deleted (a later put writes it again), a miss."""
@@ -324,12 +329,6 @@ class PromptStore:
             log.info("prompt store %s is reachable again", self.backend.location)
             self._down_until = 0.0
         return result
-
-
-def _model_dtype(model: Any) -> torch.dtype:
-    params = getattr(model, "parameters", None)
-    found = next((p.dtype for p in params() if p.is_floating_point()), None) if params is not None else None
-    return found or torch.get_default_dtype()
 
 
 def _one_request(found: list[Row], width: int, what: str) -> None:
