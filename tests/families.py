@@ -70,6 +70,13 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
     "zamba2": dict(n_mamba_heads=8, mamba_d_state=16, chunk_size=4, adapter_rank=8, num_hidden_layers=2,
                    layers_block_type=["linear_attention", "hybrid"]),
     "zamba": dict(n_mamba_heads=2, num_hidden_layers=3, layers_block_type=["linear_attention", "hybrid", "hybrid"]),
+    # Inkling: sliding layers with heads and a window of their own; a relative-position extent.
+    **{f: dict(swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16, sliding_window_size=4,
+               rel_extent=32) for f in ("inkling_text", "inkling2_text")},
+    # dots3: the indexer (DSA) sizes and the shared experts; index_topk below the runs' length.
+    "dots3_note_text": dict(index_topk=4, index_head_dim=16, index_n_heads=2, shared_experts_intermediate_size=32,
+                            swa_num_attention_heads=4, swa_num_key_value_heads=4, swa_q_lora_rank=16,
+                            swa_kv_lora_rank=16, swa_head_dim=16, swa_qk_nope_head_dim=8, swa_v_head_dim=16),
     # Qwen4-Exp's indexed (QSA) layers need their indexer sizes; a budget of 4 tokens in blocks of 2.
     **{f: dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=4,
                indexer_compress_ratio=2, linear_key_head_dim=16, linear_value_head_dim=16,

@@ -1,9 +1,12 @@
 """Building a cache for a model: one storage layer per transformer layer, read from its config.
 
 ``make_cache(model, spec)`` reads the model's config (``layer_types``, ``sliding_window``) and
-builds the right layer for each: the spec's kind (as the registry declares it, ``registry.py``)
-for full-attention layers, a ``WindowLayer`` (a ring buffer of the model's own window, attended
-exactly as Hugging Face does) for sliding ones. The result goes straight into
+builds the right layer for each: the spec's kind (``registry.py``) for full-attention layers, and
+for the model's own sliding (or chunked) layers one of its window: a ``SlidingLayer`` (the last
+tokens in position order, as Hugging Face keeps them, so the model's own attention and masks
+apply) beside the kinds that work on the model's own attention (growable, static, concat), a
+``WindowLayer`` (a ring buffer, attended by the ``"kvcache"`` attention) beside the bounded kinds,
+which need that attention anyway. The result goes straight into
 ``model.generate(..., past_key_values=cache)`` or a plain forward loop.
 """
 
@@ -18,7 +21,7 @@ from .cache import KVCache
 from .errors import SpecError, UnsupportedOperation
 from .fingerprint import config_summary, text_config
 from .foreign import HYBRID_TYPES
-from .layers import KVLayer, QuantizedLayer, StaticLayer, WindowLayer
+from .layers import KVLayer, QuantizedLayer, SlidingLayer, StaticLayer, WindowLayer
 from .layers.fixed import FixedStaticLayer
 from .layers.fixed_quantized import FixedQuantizedLayer
 from .layers.fixed_window import FixedWindowLayer
@@ -43,10 +46,11 @@ def make_cache(model: Any, spec: str | CacheSpec = "growable", *, compile: bool 
       window=32,pool=7"``, ``"pyramidkv:...,beta=20"`` (budgets shrinking with depth, the same
       total) and ``"tova-layer:..."`` (one kept set per layer); ``"quantized:bits=4,group_size=64,residual=32"`` (bits 8, 4 or 2).
 
-    Every kind and its options are what the layer classes declare (``registry.py``; listed by
-    ``kvcache.spec.valid_specs()``).
+    Every kind is in the registry's table (``registry.py``; listed by ``kvcache.spec.valid_specs()``),
+    its options what its layer class declares.
 
-    The model's own sliding-window layers always get a ``WindowLayer`` of its window. ``model`` is
+    The model's own sliding-window layers get a layer of its window (see the module docstring):
+    the unbounded kinds work on the model's own attention, sliding layers included. ``model`` is
     not changed. A cache with any bounded layer needs the model to run the ``"kvcache"`` attention
     (their slots are not the past in order): call ``kvcache.use_kvcache_attention(model)`` first
     (also a context manager); otherwise its first update raises, changing nothing.
@@ -78,7 +82,7 @@ def make_cache(model: Any, spec: str | CacheSpec = "growable", *, compile: bool 
         if layer_type == "dummy":
             stores.append(None)
         elif layer_type in SLIDING_TYPES:
-            stores.append(WindowLayer(window=kwargs["sliding_window"]))
+            stores.append(sliding_layer(kind.layer, kwargs["sliding_window"]))
         elif layer_type == "full_attention":
             pair = None if buffers is None else buffers[full_seen]
             try:
@@ -103,6 +107,15 @@ def make_cache(model: Any, spec: str | CacheSpec = "growable", *, compile: bool 
     return KVCache(stores, parsed, config_summary(config), config, others)
 
 
+def sliding_layer(spec_layer: type, window: int) -> KVLayer:
+    """The layer for a model's own sliding layer of ``window`` beside layers of ``spec_layer``: in
+    position order where the spec's layers attend on the model's own attention, a ring buffer
+    beside bounded layers (the cache needs the ``"kvcache"`` attention then)."""
+    if spec_layer.needs_own_attention:
+        return WindowLayer(window=window)
+    return SlidingLayer(window=window)
+
+
 #: The eager kinds that have a fixed-shape twin (``compile=True``), and the twin.
 FIXED_KINDS: dict[type, type] = {StaticLayer: FixedStaticLayer, WindowLayer: FixedWindowLayer, QuantizedLayer: FixedQuantizedLayer}
 
@@ -110,6 +123,8 @@ FIXED_KINDS: dict[type, type] = {StaticLayer: FixedStaticLayer, WindowLayer: Fix
 def fixed_twin(layer: KVLayer, tokens: int) -> KVLayer:
     """A new, empty fixed-shape layer like the empty ``layer`` (over the same caller-owned buffers);
     ``tokens``: the capacity of kinds that have none of their own (quantized)."""
+    if type(layer) is SlidingLayer:  # fixed shapes: the ring of the model's window
+        layer = WindowLayer(window=layer.window)
     twin = FIXED_KINDS.get(type(layer))
     if twin is None:
         names = ", ".join(sorted(k.kind for k in FIXED_KINDS))

@@ -22,7 +22,7 @@ from .build import make_cache
 from .cache import KVCache, token_ids_problem
 from .errors import CacheFileError, CorruptedFileError, ModelMismatchError, SpecError
 from .fingerprint import config_summary, fingerprint_of, text_config
-from .layers import KVLayer
+from .layers import KVLayer, SlidingLayer, WindowLayer
 from .persist import SavedCache, decode_cache, one_line, read_cache_file, short
 from .registry import layer_class
 from .spec import CacheSpec, parse_spec
@@ -90,6 +90,7 @@ def _build(saved: SavedCache, path: str, config: Any, model_dtype: torch.dtype |
         raise CorruptedFileError(f"{path}: the layer table has {len(saved.layers)} layers, this model {len(expected)}")
     stores: list[KVLayer | None] = []
     for i, (state, want) in enumerate(zip(saved.layers, expected)):
+        state = _in_order_if_ring(i, state, want, path)
         _check_layer(i, state, want, spec, path)
         if state is None:
             stores.append(None)
@@ -129,6 +130,21 @@ def _layout(text: str, config: Any, summary: dict[str, Any], path: str) -> tuple
     except ValueError as e:  # SpecError, or a layer's own check of its options
         raise CorruptedFileError(f"{path}: the saved cache spec {short(text)} does not fit this model: {one_line(e)}") from None
     return spec, layout.stores
+
+
+def _in_order_if_ring(i: int, state: Any, want: KVLayer | None, path: str) -> Any:
+    """A model's sliding layer as files of kvcache <= 0.1.0 hold it beside an unbounded kind: a
+    ring of the window (kind ``window``, no sinks), read as the layer this version makes there,
+    the window less one in position order (``SlidingLayer``). Anything else is returned as it is."""
+    if not (isinstance(want, SlidingLayer) and state is not None and state.kind == WindowLayer.kind):
+        return state
+    if state.options != {"window": want.window, "sinks": 0, "initial_capacity": state.options.get("initial_capacity")}:
+        return state  # not this layer's ring: _check_layer refuses it
+    try:
+        ring = WindowLayer.from_state(state)
+    except (ValueError, TypeError) as e:
+        raise CorruptedFileError(f"{path}: layer {i}: {one_line(e)}") from None
+    return SlidingLayer.state_of_ring(ring, want.options())
 
 
 def _check_layer(i: int, state: Any, want: KVLayer | None, spec: CacheSpec, path: str) -> None:

@@ -33,6 +33,7 @@ from transformers.cache_utils import CacheLayerMixin
 from transformers.masking_utils import causal_mask_function, eager_mask, sdpa_mask
 
 from .attention import attend, fastest_attention
+from .attention_kwargs import AttentionExtras
 from .errors import UnsupportedOperation
 from .layers import KVLayer
 
@@ -179,9 +180,7 @@ class HFLayer(CacheLayerMixin):
         return self.store.update(key_states, value_states)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        # Every column from position 0: bounded layers pick the mask's columns at their slots'
-        # absolute positions; the others hold the whole past in order (length == seen).
-        return self.store.seen + query_length, 0
+        return self.store.mask_sizes(query_length)
 
     def get_seq_length(self) -> int:
         return self.store.seen
@@ -295,24 +294,37 @@ def hf_attention_forward(
 
     A bounded layer's read (found as the module docstring says) is attended by that layer, which
     masks by absolute position and settles; anything else runs ``fastest_attention`` over the key
-    and value as given. Learned attention sinks (``s_aux``, ``[Hq]``: gpt-oss and others) go to
-    ``attend``, which SDPA cannot do; a model's per-head masks (``[B, Hq, Sq, T]``) are taken as they come."""
+    and value as given. The model's other keywords (``attention_kwargs``: a logit cap, attention
+    sinks, relative-position logits, a sparse indexer's choice) are applied or refused, never
+    dropped; a model's per-head masks (``[B, Hq, Sq, T]``) are taken as they come."""
     if dropout and module.training:
         raise UnsupportedOperation("kvcache attention is for inference: dropout is not supported")
-    softcap = kwargs.get("softcap")
-    sinks = kwargs.get("s_aux")
+    extras = AttentionExtras.from_kwargs(kwargs)
     layer = reading_layer(module, key)
     if layer is not None:
-        out = layer.attend(query, scale=scaling, softcap=softcap, mask=boolean_mask(attention_mask), sinks=sinks)
+        if extras.indices is not None:
+            raise UnsupportedOperation(
+                f"a {layer.kind} layer keeps its slots out of position order, so it cannot apply the keys this "
+                f"model's sparse indexer chose by index; use an unbounded kind (growable, static, concat)"
+            )
+        out = layer.attend(
+            query, scale=scaling, softcap=extras.softcap, mask=boolean_mask(attention_mask), sinks=extras.sinks, bias=extras.bias
+        )
         return out.transpose(1, 2).contiguous(), None
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     # No mask means plain causal: queries and keys aligned (SDPA's is_causal), or a chunk after the
     # past in order (``causal_after_past``: causal aligned to the end, which ``attend`` does).
     causal = bool(causal) and attention_mask is None and query.shape[2] > 1
-    if causal and key.shape[2] > query.shape[2]:  # a chunk after the past (causal_after_past): blockwise, end-aligned
-        out = attend(query, key, value, scale=scaling, causal=True, softcap=softcap, sinks=sinks)
+    if extras.changes_mask:  # one explicit mask over the keys as given
+        mask = extras.mask_over_keys(attention_mask, query.shape[2], key.shape[2], causal, query.device)
+        out = attend(query, key, value, scale=scaling, mask=mask, softcap=extras.softcap, sinks=extras.sinks)
         return out.transpose(1, 2).contiguous(), None
-    out = fastest_attention(query, key, value, scale=scaling, mask=attention_mask, causal=causal, softcap=softcap, sinks=sinks)
+    if causal and key.shape[2] > query.shape[2]:  # a chunk after the past (causal_after_past): blockwise, end-aligned
+        out = attend(query, key, value, scale=scaling, causal=True, softcap=extras.softcap, sinks=extras.sinks)
+        return out.transpose(1, 2).contiguous(), None
+    out = fastest_attention(
+        query, key, value, scale=scaling, mask=attention_mask, causal=causal, softcap=extras.softcap, sinks=extras.sinks
+    )
     return out.transpose(1, 2).contiguous(), None
 
 

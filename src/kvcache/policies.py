@@ -7,8 +7,11 @@ queries (``"sum"``), the last query's alone (``"last"``), the last N queries' (`
 nothing. A policy may declare options of its own (``spec_options``: SnapKV's ``window`` and
 ``pool``), which specs, saved files and ``--help`` read through the layer (``EvictingLayer``);
 ``shared_heads`` keeps one set of positions per layer instead of one per KV head, and
-``layer_budget`` lets the budget depend on the layer's depth (PyramidKV). Adding a scorer is one
-new class here.
+``layer_budget`` lets the budget depend on the layer's depth (PyramidKV).
+
+``POLICIES`` at the bottom lists every policy: each is an eviction spec kind (``registry.py``).
+Adding a scorer is one new class here and one entry in that table (or, from outside the package,
+``kvcache.registry.register_policy``).
 """
 
 from __future__ import annotations
@@ -19,12 +22,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from .registry import Option, number
-
-
-#: Every policy by name, as used in specs (``"h2o:budget=1024"``) and saved files; each subclass
-#: that names itself is added when it is defined, and is a spec kind at once (``registry.py``).
-POLICIES: dict[str, type[Policy]] = {}
+from .options import Option, number
 
 
 class Policy(ABC):
@@ -81,11 +79,6 @@ class Policy(ABC):
         """Scores after an attention pass: ``scores``, ``weights`` (float32) and ``positions``
         are ``[B, Hkv, N]`` over the slots that pass attended."""
         return scores
-
-    def __init_subclass__(cls, **kwargs) -> None:
-        super().__init_subclass__(**kwargs)
-        if "name" in cls.__dict__:
-            POLICIES[cls.name] = cls
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({', '.join(f'{k}={v}' for k, v in self.settings.items())})"
@@ -223,6 +216,31 @@ class DepthPyramid(ObservationWindow):
         top = 1 / self.settings["beta"]
         share = (2 - top) - (2 - 2 * top) * index / (count - 1)  # 2 - 1/beta at the bottom, 1/beta on top
         return reserved + max(1, math.floor(chosen * share + 0.5))
+
+
+class RepeatScores(Policy):
+    """KVzip (Kim et al., 2025, "KVzip: Query-Agnostic KV Cache Compression with Context
+    Reconstruction"): the largest attention weight each slot received from any query, summed over
+    the query heads of its KV head, kept as a running maximum over passes. Given the weights of a
+    pass that repeats the context (``kvcache.scoring.compress_context``), this is KVzip's
+    query-agnostic score; in an ordinary forward pass it scores by the prompt's own queries."""
+
+    name = "kvzip"
+    weights = "max"
+
+    def initial(self, positions):
+        return _zeros(positions)
+
+    def observe(self, scores, weights, positions):
+        return torch.maximum(scores, weights)
+
+
+#: Every policy by name, as specs (``"h2o:budget=1024"``) and saved files name it: each one is an
+#: eviction spec kind. The one table of policies; nothing is added by importing a module.
+POLICIES: dict[str, type[Policy]] = {
+    cls.name: cls
+    for cls in (LastRecent, HeavyHitters, LastQuery, LayerLastQuery, ObservationWindow, DepthPyramid, RepeatScores)
+}
 
 
 def get_policy(name: str, **options: Any) -> Policy:

@@ -1,79 +1,32 @@
-"""The registry of cache kinds: every layer class declares itself, and everything else reads it.
+"""The registry of cache kinds: the one table that says which kinds exist.
 
-A layer class names its ``kind`` and, beside it, declares what a cache spec may say about it:
+``LAYERS`` lists every layer class by the kind its saved files name; the spec kinds are what those
+classes serve (``options.DeclaredKind.spec_kinds``): their own kind, or for ``EvictingLayer`` one
+kind per eviction policy of ``policies.POLICIES``. Parsing (``spec.py``), ``make_cache``, error
+messages, ``--help`` and loading a saved file all read these two tables; nothing else lists kinds,
+and nothing is registered by importing a module, so every kind exists in every process that
+imported ``kvcache``.
 
-- ``spec_options``: option name -> ``Option`` (its type and lower bound; ``object`` for options
-  that only Python code can pass, such as caller-owned buffers);
-- ``required_options``: the options a spec must give (``"a|b"``: either of them);
-- ``spec_kinds()``: the spec kinds the class serves and the constructor arguments each one fixes
-  (by default its own kind alone; ``EvictingLayer`` serves one kind per eviction policy);
-- ``kind_options()``: the options of one of those kinds (by default ``spec_options``; an
-  eviction kind adds its policy's own, SnapKV's ``window``);
-- ``from_options()``: how a layer is built from a spec's checked options (by default the class
-  called with them);
-- ``at_depth()``: told its index among the cache's layers and their count (PyramidKV's budget
-  shrinks with depth); a layer that does not care ignores it;
-- ``unbounded`` (kinds whose memory grows with the sequence) and ``spec_order`` (its place in
-  listings).
-
-``KVLayer`` takes these declarations' defaults from ``RegisteredKind``, whose
-``__init_subclass__`` registers each class that names a kind of its own: adding a layer kind is
-one class. Parsing (``spec.py``), ``make_cache``, error messages and loading a saved file
-all read this registry; nothing else lists kinds.
+A kind defined outside the package is added by an explicit call, ``register_layer(cls)`` or
+``register_policy(cls)``, and taken back by ``unregister_layer`` / ``unregister_policy``.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
+from .layers import AdaptiveLayer, ConcatLayer, EvictingLayer, GrowableLayer, QuantizedLayer, SlidingLayer, StaticLayer, WindowLayer
+from .options import Option
+from .policies import POLICIES, Policy
 
-def number(value: Any) -> int | float:
-    """A token count (int) or, below 1, a fraction (float): ``"1024"`` -> 1024, ``"0.25"`` -> 0.25."""
-    out = float(value)
-    return int(out) if out.is_integer() else out
-
-
-@dataclass(frozen=True)
-class Option:
-    """One option of a cache kind: how to read it (``type``) and its smallest allowed value."""
-
-    type: Callable[[Any], Any]
-    least: float | None = None
-    #: Whether ``least`` itself is allowed (``>=``) or not (``>``).
-    inclusive: bool = True
-
-    @property
-    def python_only(self) -> bool:
-        """Options typed ``object`` (tensors, lists of them) cannot come from a spec string."""
-        return self.type is object
-
-    @property
-    def type_name(self) -> str:
-        return self.type.__name__
-
-    def coerce(self, value: Any) -> Any:
-        """``value`` read as this option's type and checked against its bound.
-
-        Raises ``ValueError`` saying what was expected (the caller names the option and kind).
-        """
-        if self.python_only:
-            if isinstance(value, str):
-                raise ValueError("cannot be given in a spec string; pass it as a keyword")
-            return value
-        try:
-            if self.type is int and isinstance(value, float) and not value.is_integer():
-                raise ValueError
-            coerced = self.type(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"must be {self.type_name}, got {value!r}") from None
-        if isinstance(coerced, float) and not math.isfinite(coerced):
-            raise ValueError(f"must be a finite number, got {value!r}")
-        if self.least is not None and (coerced < self.least or (coerced == self.least and not self.inclusive)):
-            raise ValueError(f"must be {'>=' if self.inclusive else '>'} {self.least}, got {value!r}")
-        return coerced
+#: Layer kind (as saved in files) -> its class. ``SlidingLayer`` serves no spec kind: ``make_cache``
+#: places it on a model's own sliding-window layers.
+LAYERS: dict[str, type] = {
+    cls.kind: cls
+    for cls in (GrowableLayer, StaticLayer, WindowLayer, QuantizedLayer, EvictingLayer, AdaptiveLayer, ConcatLayer, SlidingLayer)
+}
 
 
 @dataclass(frozen=True)
@@ -99,88 +52,16 @@ class SpecKind:
         return self.layer.from_options({**self.fixed, **options}, buffers)
 
 
-class RegisteredKind:
-    """The declarations a layer class makes about its kind, with their defaults; a subclass that
-    sets ``kind`` in its own body is registered when it is defined."""
-
-    kind: ClassVar[str]
-    #: What a cache spec may say about this kind: option name -> type and bound.
-    spec_options: ClassVar[dict[str, Option]] = {}
-    #: Options a spec must give; ``"a|b"`` means either of them.
-    required_options: ClassVar[tuple[str, ...]] = ()
-    #: True for kinds that promise nothing about memory (they grow with the sequence), so layers
-    #: of a model that grow their own way fit beside them (``foreign.check_spec``).
-    unbounded: ClassVar[bool] = False
-    #: Where the kind comes in listings (``--help``, error messages): lowest first.
-    spec_order: ClassVar[int] = 100
-    #: Bounds of constructor arguments a spec cannot set (a window's ``initial_capacity``).
-    keyword_options: ClassVar[dict[str, Option]] = {}
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if "kind" in cls.__dict__:  # intermediate bases name no kind of their own
-            register_layer(cls)
-
-    @classmethod
-    def check_options(cls, **options: Any) -> dict[str, Any]:
-        """The given constructor arguments read by their declarations (type and bound), so a
-        bound lives in one place; ``ValueError`` naming the first option that fails."""
-        declared = {**cls.spec_options, **cls.keyword_options}
-        checked = {}
-        for name, value in options.items():
-            try:
-                checked[name] = declared[name].coerce(value)
-            except ValueError as e:
-                raise ValueError(f"{name} {e}") from None
-        return checked
-
-    @classmethod
-    def spec_kinds(cls) -> dict[str, dict[str, Any]]:
-        """The spec kinds this class serves, each with the constructor arguments it fixes."""
-        return {cls.kind: {}}
-
-    @classmethod
-    def kind_options(cls, fixed: Mapping[str, Any]) -> dict[str, Option]:
-        """The options a spec may give the kind that fixes ``fixed`` (one of ``spec_kinds()``'s)."""
-        return cls.spec_options
-
-    def at_depth(self, index: int, count: int) -> None:
-        """Told by ``make_cache`` that this is layer ``index`` of the ``count`` it builds from the
-        spec, before any update; only a layer whose behaviour depends on depth records it."""
-
-    @classmethod
-    def from_options(cls, options: dict[str, Any], buffers: Any = None) -> Any:
-        """An empty layer from a spec's checked options (``buffers``: for kinds that take them)."""
-        if buffers is not None:
-            raise ValueError(f"a {cls.kind} layer takes no caller-owned buffers")
-        return cls(**options)
-
-
-#: Layer kind (as saved in files) -> its class, in the order the classes were defined.
-_LAYERS: dict[str, type] = {}
-
-
-def register_layer(cls: type) -> None:
-    """Add a layer class under its ``kind``; a second class claiming the same kind is a mistake."""
-    kind = cls.kind
-    if not isinstance(kind, str) or not kind:
-        raise TypeError(f"{cls.__qualname__}.kind must be a non-empty string, got {kind!r}")
-    known = _LAYERS.get(kind)
-    if known is not None and known.__qualname__ != cls.__qualname__:
-        raise TypeError(f"layer kind {kind!r} is already registered by {known.__qualname__}; {cls.__qualname__} cannot take it")
-    _LAYERS[kind] = cls
-
-
 def layer_class(kind: Any) -> type | None:
-    """The class of a saved layer kind, or None for a kind nobody registered."""
-    return _LAYERS.get(kind) if isinstance(kind, str) else None
+    """The class of a saved layer kind, or None for a kind the table does not have."""
+    return LAYERS.get(kind) if isinstance(kind, str) else None
 
 
 def spec_kinds() -> dict[str, SpecKind]:
-    """Every kind a spec can name, read from the registered classes at the time of asking (so a
-    policy added later is a spec kind at once)."""
+    """Every kind a spec can name, in listing order (``spec_order``), read from the tables at the
+    time of asking (so a kind registered later is a spec kind at once)."""
     out: dict[str, SpecKind] = {}
-    for cls in sorted(_LAYERS.values(), key=lambda c: c.spec_order):
+    for cls in sorted(LAYERS.values(), key=lambda c: c.spec_order):
         for name, fixed in cls.spec_kinds().items():
             out[name] = SpecKind(name, cls, dict(fixed))
     return out
@@ -188,3 +69,53 @@ def spec_kinds() -> dict[str, SpecKind]:
 
 def spec_kind(name: Any) -> SpecKind | None:
     return spec_kinds().get(name) if isinstance(name, str) else None
+
+
+# ---- kinds from outside the package: explicit calls ---------------------------------------------
+
+
+def register_layer(cls: type) -> None:
+    """Add a layer class (a ``KVLayer`` subclass naming its ``kind``) to ``LAYERS``: its kind and
+    the spec kinds it serves exist from now on, in this process. A kind or spec kind another
+    class already has is refused (``TypeError``), changing nothing."""
+    kind = cls.__dict__.get("kind")
+    if not isinstance(kind, str) or not kind:
+        raise TypeError(f"{cls.__qualname__} must name a non-empty string kind of its own, got {kind!r}")
+    if kind in LAYERS and LAYERS[kind] is not cls:
+        raise TypeError(f"layer kind {kind!r} is already registered by {LAYERS[kind].__qualname__}; {cls.__qualname__} cannot take it")
+    taken = sorted(set(cls.spec_kinds()) & {n for n, k in spec_kinds().items() if k.layer is not cls})
+    if taken:
+        raise TypeError(f"spec kind {taken[0]!r} is already served by another class; {cls.__qualname__} cannot take it")
+    LAYERS[kind] = cls
+
+
+def unregister_layer(kind: str) -> None:
+    """Take a layer kind added by ``register_layer`` out again (a built-in kind is refused)."""
+    if kind in _BUILT_IN_LAYERS:
+        raise ValueError(f"layer kind {kind!r} is built in and cannot be unregistered")
+    LAYERS.pop(kind, None)
+
+
+def register_policy(cls: type[Policy]) -> None:
+    """Add an eviction policy (a ``Policy`` subclass naming its ``name``): from now on it is an
+    eviction spec kind (``"<name>:budget=N"``) and saved files may name it. A name another policy
+    or spec kind has is refused (``TypeError``), changing nothing."""
+    name = cls.__dict__.get("name")
+    if not (isinstance(cls, type) and issubclass(cls, Policy)) or not isinstance(name, str) or not name:
+        raise TypeError(f"register_policy takes a Policy subclass naming a non-empty string name, got {cls!r}")
+    if name in POLICIES and POLICIES[name] is not cls:
+        raise TypeError(f"eviction policy {name!r} is already registered by {POLICIES[name].__qualname__}")
+    if name not in POLICIES and name in spec_kinds():
+        raise TypeError(f"{name!r} is already a cache kind; choose another name for the policy")
+    POLICIES[name] = cls
+
+
+def unregister_policy(name: str) -> None:
+    """Take a policy added by ``register_policy`` out again (a built-in policy is refused)."""
+    if name in _BUILT_IN_POLICIES:
+        raise ValueError(f"eviction policy {name!r} is built in and cannot be unregistered")
+    POLICIES.pop(name, None)
+
+
+_BUILT_IN_LAYERS = frozenset(LAYERS)
+_BUILT_IN_POLICIES = frozenset(POLICIES)

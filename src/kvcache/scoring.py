@@ -14,7 +14,8 @@ forward pass, need not run once per policy:
   Cache Compression with Context Reconstruction"): a slot's score is the largest attention any
   query pays it while the model is asked to repeat the context, so what is kept serves any later
   question, not only the one in the prompt. It costs one more pass over the context (the
-  repetition, as long as the context), once per context.
+  repetition, as long as the context), once per context. The ``kvzip`` spec kind's policy,
+  ``policies.RepeatScores``, keeps the running maximum those weights give.
 """
 
 from __future__ import annotations
@@ -30,29 +31,13 @@ from .cache import KVCache
 from .hf import use_kvcache_attention
 from .layers.bounded import BoundedLayer
 from .layers.recording import RecordingLayer
-from .policies import Policy
+from .policies import RepeatScores
 
 #: The weights mode KVzip scores by: the most any query of the repetition paid each slot.
-KVZIP_MODE = "max"
+KVZIP_MODE = RepeatScores.weights
 
 #: What KVzip asks, in a chat model's user turn, after the context (the paper's prompt, in spirit).
 REPEAT_REQUEST = "Repeat the previous context exactly."
-
-
-class RepeatScores(Policy):
-    """KVzip's scores: the largest attention weight each slot received from any query, summed over
-    the query heads of its KV head, kept as a running maximum over passes. Given the weights of a
-    pass that repeats the context (``compress_context``), this is KVzip's query-agnostic score;
-    in an ordinary forward pass it scores by the prompt's own queries."""
-
-    name = "kvzip"
-    weights = KVZIP_MODE
-
-    def initial(self, positions):
-        return torch.zeros(positions.shape, dtype=torch.float32, device=positions.device)
-
-    def observe(self, scores, weights, positions):
-        return torch.maximum(scores, weights)
 
 
 def recording_cache(model: Any, modes: Sequence[str]) -> KVCache:

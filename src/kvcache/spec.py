@@ -4,8 +4,8 @@ seen), ``"snapkv:budget=0.25,window=32,pool=7"`` (a policy's own options after t
 
 A spec is a kind, then optionally ``:`` and comma-separated ``name=value`` options. The same parser
 serves ``make_cache(model, spec, **options)`` and the CLI's ``--cache``; keyword options override
-those in the string. The kinds and their options (types, bounds, which are required) are what the
-layer classes declare (``registry.py``).
+those in the string. The kinds are the registry's table (``registry.py``); their options (types,
+bounds, which are required) are what the layer classes declare (``options.py``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import layers  # noqa: F401 - defining the layer classes registers the kinds read below
 from .errors import SpecError
 from .registry import SpecKind, spec_kind, spec_kinds
 

@@ -20,7 +20,7 @@ from safetensors.torch import save_file as st_save_file
 from transformers import DynamicCache
 
 import kvcache
-from kvcache.layers import WindowLayer
+from kvcache.layers import SlidingLayer, WindowLayer
 from helpers import LOGITS_TOL, attention_for, hf_attention, model_for, prompt
 from kvcache.apps.tiny import tiny_model
 
@@ -363,14 +363,20 @@ def test_crop_past_stored_length_raises_and_changes_nothing():
     ("family", "window"),
     (("mistral", None), ("gemma2", None), ("qwen2", 16)),  # qwen2: layers 0-1 full, 2-3 sliding
 )
-def test_crop_on_sliding_layer_past_dropped_tokens_raises_and_changes_nothing(family, window):
+@pytest.mark.parametrize("spec", ("growable", "h2o:budget=4096"))  # sliding layers in order; rings beside a bounded kind
+def test_crop_on_sliding_layer_past_dropped_tokens_raises_and_changes_nothing(family, window, spec):
     model = model_for(family, sliding_window=window)
     ids = prompt(PROMPT_LEN, seed=12)
-    cache = kvcache.make_cache(model)
+    cache = kvcache.make_cache(model, spec)
     first = greedy_loop(model, cache, ids, 6)
     before = content(cache)
-    assert any(isinstance(s, WindowLayer) and s.seen > s.length for s in cache.stores)
-    for k in (1, 3, 20):
+    sliding = [s for s in cache.stores if isinstance(s, (WindowLayer, SlidingLayer)) and s.seen > s.length]
+    assert sliding
+    # A ring has overwritten every slot a crop needs; the buffer in order still holds the tokens the
+    # 5 decode steps moved past the window, not those the 40-token prompt did.
+    limit = min(s.rollback_tokens for s in sliding)
+    assert limit == (0 if spec != "growable" else 5)
+    for k in (limit + 1, limit + 3, 20):
         with pytest.raises(kvcache.UnsupportedOperation, match="window"):
             cache.crop(-k)
         # No layer changed, the full-attention ones (which could have cropped) included.

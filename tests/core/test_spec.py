@@ -7,7 +7,7 @@ import torch
 
 import kvcache
 from kvcache import CacheSpec, SpecError, make_cache, parse_spec
-from kvcache.layers import ConcatLayer, GrowableLayer, WindowLayer, StaticLayer
+from kvcache.layers import ConcatLayer, GrowableLayer, SlidingLayer, StaticLayer
 from kvcache.apps.tiny import tiny_config
 
 VALID_KINDS = ("growable", "static", "concat")
@@ -164,7 +164,7 @@ def test_make_cache_string_equals_keywords(family, text, kwargs):
     assert layout(by_string) == layout(by_keywords)
     expected_full = {"growable": GrowableLayer, "static": StaticLayer, "concat": ConcatLayer}[kind]
     types = {type(s) for s in by_string.stores if s is not None}
-    assert types <= {expected_full, WindowLayer}
+    assert types <= {expected_full, SlidingLayer}  # the model's own sliding layers in order (the window less one)
     # Behaviour agrees too: same content, memory and capacity after the same appends.
     g = torch.Generator().manual_seed(0)
     for layer_a, layer_b in zip(by_string.stores, by_keywords.stores):
@@ -218,25 +218,39 @@ def test_make_cache_static_buffers_keyword():
     assert isinstance(kvcache.SpecError("x"), ValueError)
 
 
-# ---- the registry: a kind is declared once, by its layer class --------------------------------
+# ---- the registry: one table of kinds; a kind from outside is one explicit call ----------------
 
 
-def test_every_spec_kind_comes_from_a_layer_declaration():
+def test_every_spec_kind_comes_from_the_registry_table():
     from kvcache import registry
 
     kinds = registry.spec_kinds()
     assert list(kinds)[:4] == ["growable", "static", "window", "quantized"]
-    assert {"h2o", "tova", "lastrec", "concat"} <= set(kinds)
-    assert {kinds[k].layer.kind for k in ("h2o", "tova", "lastrec")} == {"evicting"}
+    assert {"h2o", "tova", "lastrec", "concat", "kvzip", "snapkv", "pyramidkv", "adakv", "tova-layer"} <= set(kinds)
+    assert {kinds[k].layer.kind for k in ("h2o", "tova", "lastrec", "kvzip")} == {"evicting"}
     assert kinds["h2o"].fixed == {"policy": "h2o"}
+    assert "sliding" in registry.LAYERS and "sliding" not in kinds  # placed by make_cache, never named by a spec
     for name, kind in kinds.items():
         assert registry.layer_class(kind.layer.kind) is kind.layer
         assert f"  {name}" in kvcache.spec.valid_specs()
 
 
-def test_a_new_policy_is_one_class_and_a_spec_kind_at_once():
-    from kvcache.layers import EvictingLayer
+def test_defining_a_class_registers_nothing():
+    from kvcache import registry
+    from kvcache.layers import ConcatLayer
     from kvcache.policies import POLICIES, Policy
+
+    type("Unlisted", (ConcatLayer,), {"kind": "unlisted-test"})
+    type("UnlistedPolicy", (Policy,), {"name": "unlisted-policy-test", "initial": lambda self, positions: positions.float()})
+    assert registry.layer_class("unlisted-test") is None and "unlisted-policy-test" not in POLICIES
+    with pytest.raises(SpecError):
+        parse_spec("unlisted-policy-test:budget=8")
+
+
+def test_a_new_policy_is_one_class_and_one_call():
+    from kvcache import registry
+    from kvcache.layers import EvictingLayer
+    from kvcache.policies import Policy
 
     class Oldest(Policy):  # keeps the oldest tokens: the smallest score leaves first
         name = "oldest-test"
@@ -244,22 +258,30 @@ def test_a_new_policy_is_one_class_and_a_spec_kind_at_once():
         def initial(self, positions):
             return -positions.to(torch.float32)
 
+    registry.register_policy(Oldest)
     try:
         spec = parse_spec("oldest-test:budget=8,sinks=1")
         assert spec.options == {"budget": 8, "sinks": 1}
         cache = make_cache(tiny_config("llama"), spec)
         assert all(isinstance(s, EvictingLayer) and s.policy.name == "oldest-test" for s in cache.stores)
         assert "oldest-test (options: budget=<number>" in kvcache.spec.valid_specs()
+        impostor = type("Impostor", (Policy,), {"name": "oldest-test", "initial": Oldest.initial})
+        with pytest.raises(TypeError, match="already registered"):
+            registry.register_policy(impostor)
+        with pytest.raises(TypeError, match="already a cache kind"):
+            registry.register_policy(type("Clash", (Policy,), {"name": "growable", "initial": Oldest.initial}))
     finally:
-        del POLICIES["oldest-test"]
+        registry.unregister_policy("oldest-test")
     with pytest.raises(SpecError):
         parse_spec("oldest-test:budget=8")
+    with pytest.raises(ValueError, match="built in"):
+        registry.unregister_policy("h2o")
 
 
-def test_a_new_layer_kind_is_one_class():
+def test_a_new_layer_kind_is_one_class_and_one_call():
     from kvcache import registry
     from kvcache.layers import ConcatLayer
-    from kvcache.registry import Option
+    from kvcache.options import Option
 
     class CappedConcat(ConcatLayer):
         kind = "capped-test"
@@ -273,6 +295,7 @@ def test_a_new_layer_kind_is_one_class():
         def options(self):
             return {"cap": self.cap}
 
+    registry.register_layer(CappedConcat)
     try:
         assert parse_spec("capped-test:cap=4").options == {"cap": 4}
         cache = make_cache(tiny_config("llama"), "capped-test", cap=4)
@@ -282,11 +305,13 @@ def test_a_new_layer_kind_is_one_class():
                 parse_spec(bad)
             assert "capped-test (options: cap=<int>)" in str(info.value)
         with pytest.raises(TypeError, match="already registered"):
-            type("Impostor", (ConcatLayer,), {"kind": "capped-test"})
+            registry.register_layer(type("Impostor", (ConcatLayer,), {"kind": "capped-test"}))
     finally:
-        del registry._LAYERS["capped-test"]
+        registry.unregister_layer("capped-test")
     with pytest.raises(SpecError):
         parse_spec("capped-test:cap=4")
+    with pytest.raises(ValueError, match="built in"):
+        registry.unregister_layer("growable")
 
 
 @pytest.mark.parametrize(

@@ -66,11 +66,20 @@ def test_bounded_cache_on_another_attention_raises_naming_the_fix_and_changes_no
     assert cache.seen == 23
 
 
-def test_a_sliding_window_model_needs_the_switch_even_with_the_default_cache():
-    """Its sliding layers are ring buffers (bounded), so the default cache needs the switch too."""
+def test_a_sliding_window_model_needs_no_switch_with_the_default_cache_but_does_with_a_bounded_one():
+    """The default kinds keep a sliding layer in position order, as Hugging Face does, so the
+    model's own attention and masks apply; beside a bounded kind it is a ring, and the switch is
+    required (the first update raises, changing nothing)."""
     model = model_for("mistral")
-    with pytest.raises(kvcache.UnsupportedOperation, match="window"):
-        model.generate(prompt(10), past_key_values=kvcache.make_cache(model), max_new_tokens=2, do_sample=False)
+    ids = prompt(30)
+    ref = model.generate(ids, past_key_values=DynamicCache(config=model.config), max_new_tokens=8, do_sample=False)
+    assert model.config._attn_implementation != "kvcache"
+    ours = model.generate(ids, past_key_values=kvcache.make_cache(model), max_new_tokens=8, do_sample=False)
+    assert torch.equal(ours, ref)
+    bounded = kvcache.make_cache(model, "h2o:budget=64")
+    with pytest.raises(kvcache.UnsupportedOperation, match="use_kvcache_attention"):
+        model.generate(ids, past_key_values=bounded, max_new_tokens=2, do_sample=False)
+    assert bounded.seen == 0
 
 
 def test_use_kvcache_attention_as_a_context_manager_restores_even_on_error():

@@ -43,7 +43,8 @@ def greedy(model, forward, cache, ids, steps=STEPS, after_first=None):
 
 def model_running(family, spec):
     model = model_for(family)
-    needs_ours = kvcache.make_cache(model, spec).needs_kvcache_attention
+    # compile=True keeps a model's sliding layers as fixed rings, which need the switch
+    needs_ours = kvcache.make_cache(model, spec, compile=TOKENS).needs_kvcache_attention
     return model, (kvcache.use_kvcache_attention(model) if needs_ours else None)
 
 

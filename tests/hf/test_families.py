@@ -1,13 +1,19 @@
-"""Every causal-LM family in ``transformers``: greedy generation with ``make_cache(model)`` on the
-``"kvcache"`` attention is token-identical to ``DynamicCache(config=model.config)`` on the model's
-own attention, for one prompt and a 2-row left-padded batch (``families.py`` builds the models).
+"""Every causal-LM family in ``transformers``: greedy generation with ``make_cache(model)`` is
+token-identical to ``DynamicCache(config=model.config)`` on the model's own attention, for one
+prompt and a 2-row left-padded batch (``families.py`` builds the models), both on the model's own
+attention (no switch: the default cache must just work) and on the ``"kvcache"`` attention
+(``use_kvcache_attention``, the fast path). Prompts pass the tiny configs' windows of 4 tokens and
+the runs are long enough for a sliding layer's kept run to move to the front of its buffer.
 
-Two tables name the exceptions, and both are asserted exact, so a new ``transformers`` shows
-what broke and what got fixed: ``NOT_RUNNABLE`` (cannot be built tiny here, or does not run on
-``input_ids`` even with ``DynamicCache``) and ``EXPECTED_UNSUPPORTED`` (our cache fails: refuses,
-raises or differs). An entry that starts working fails its test until it is removed.
+A family whose tokens differ fails: there is no list of expected mismatches. Two tables name the
+exceptions, both asserted exact, so a new ``transformers`` shows what broke and what got fixed:
+``NOT_RUNNABLE`` (cannot be built tiny here, or does not run on ``input_ids`` even with
+``DynamicCache``) and ``REFUSED`` (kvcache refuses the family up front with ``UnsupportedOperation``,
+before anything changed, naming what it cannot do). An entry that starts working fails its test
+until it is removed.
 """
 
+import contextlib
 import warnings
 
 import pytest
@@ -24,7 +30,6 @@ NOT_RUNNABLE: dict[str, str] = {
     'blt': 'builder limit, not yet shrunk: patcher/encoder/decoder/global sub-configs keep their defaults (4.5G parameters)',
     'cpmant': 'builder limit, not yet shrunk: 4.3M parameters (its own dim_model/dim_ff/prompt fields)',
     'dots3_note': 'builder limit, not yet shrunk: 39M parameters (vision/audio adapters sized by their own fields)',
-    'dots3_note_text': 'builder limit, not yet shrunk: 39M parameters (MLA + mlp_layer_types fields not shrunk)',
     'falcon_mamba': 'no Cache path: the model takes no past_key_values (its state goes in cache_params, a MambaCache of its own)',
     'fuyu': 'from_pretrained only: its config cannot be built from defaults (AutoConfig raises OSError)',
     'gemma3n': 'needs timm (uninstalled): its vision tower is a TimmWrapperModel; gemma3n_text covers the decoder',
@@ -32,8 +37,6 @@ NOT_RUNNABLE: dict[str, str] = {
     'gemma4_unified_assistant': 'from_pretrained only: its config cannot be built from defaults (AutoConfig raises OSError)',
     'git': 'builder limit, not yet shrunk: its vision_config keeps its defaults (86M parameters)',
     'got_ocr2': 'from_pretrained only: its config cannot be built from defaults (AutoConfig raises OSError)',
-    'inkling2_text': 'builder limit, not yet shrunk: 7.2M parameters (fields of its own not shrunk)',
-    'inkling_text': 'builder limit, not yet shrunk: 7.2M parameters (fields of its own not shrunk)',
     'kimi_linear': 'builder limit, not yet shrunk: 8.9M parameters (its linear-attention head fields not shrunk)',
     'longcat_flash': 'builder limit, not yet shrunk: 73M parameters (its own MoE/MLA fields not shrunk)',
     'mamba': 'no Cache path: the model takes no past_key_values (its state goes in cache_params, a MambaCache of its own)',
@@ -53,30 +56,39 @@ NOT_RUNNABLE: dict[str, str] = {
     'xmod': 'no input_ids-only path: X-MOD needs a language id (set_default_language) before any forward',
 }
 
-#: Families where our cache fails, with the reason (shrink after merging the named branches).
-EXPECTED_UNSUPPORTED: dict[str, str] = {
-    "doge": "differs: Doge builds its additive dynamic mask over the slots the cache returns and slices Hugging Face's position mask to that many columns, which assumes slots in position order; its sliding layers are ring buffers here (per-head masks themselves are supported)",
-}
+#: Families kvcache refuses up front (``UnsupportedOperation`` from ``make_cache`` or the switch,
+#: before anything changed), with a fragment of the message it gives.
+REFUSED: dict[str, str] = {}
+
+#: New tokens per run: a 10-token prompt plus these passes a sliding layer's spare room
+#: (``window - 1 + 16`` slots for the tiny configs' window of 4), so the kept run moves once.
+NEW_TOKENS = 12
 
 
 def _outcome(family: str) -> tuple[str, str]:
-    """("ok", ""), ("not_runnable", why) or ("unsupported", why), from one build and two runs each."""
+    """("ok", ""), ("not_runnable", why), ("refused", message) or ("differs", how), from one build
+    and, for each prompt, the reference and our default cache without and with the switch."""
     try:
         model = build_model(family)
     except Exception as e:  # noqa: BLE001 - the sweep records why a family cannot be built
         return "not_runnable", f"build: {type(e).__name__}: {str(e)[:120]}"
     for ids, mask in prompts():
         try:
-            expected = reference(model, ids, mask)
+            expected = reference(model, ids, mask, NEW_TOKENS)
         except Exception as e:  # noqa: BLE001
             return "not_runnable", f"DynamicCache: {type(e).__name__}: {str(e)[:120]}"
-        try:
-            with kvcache.use_kvcache_attention(model):
-                got = greedy(model, ids, mask, kvcache.make_cache(model))
-        except Exception as e:  # noqa: BLE001
-            return "unsupported", f"{type(e).__name__}: {str(e)[:200]}"
-        if not torch.equal(got, expected):
-            return "unsupported", f"tokens differ (batch {ids.shape[0]}): expected {expected.tolist()}, got {got.tolist()}"
+        for switch in (False, True):
+            where = "on the kvcache attention" if switch else "on its own attention"
+            try:
+                with kvcache.use_kvcache_attention(model) if switch else contextlib.nullcontext():
+                    cache = kvcache.make_cache(model)
+                    got = greedy(model, ids, mask, cache, NEW_TOKENS)
+            except kvcache.UnsupportedOperation as e:
+                return "refused", f"{where}: {e}"
+            except Exception as e:  # noqa: BLE001
+                return "differs", f"{where}: raised {type(e).__name__}: {str(e)[:200]}"
+            if not torch.equal(got, expected):
+                return "differs", f"{where}, batch {ids.shape[0]}: expected {expected.tolist()}, got {got.tolist()}"
     return "ok", ""
 
 
@@ -95,13 +107,13 @@ def test_family_generates_like_dynamic_cache(family):
     kind, why = _outcome(family)
     if family in NOT_RUNNABLE:
         assert kind == "not_runnable", f"{family} now runs ({kind}: {why}): remove it from NOT_RUNNABLE"
-    elif family in EXPECTED_UNSUPPORTED:
-        assert kind == "unsupported", f"{family} now {kind} ({why}): remove it from EXPECTED_UNSUPPORTED"
+    elif family in REFUSED:
+        assert kind == "refused" and REFUSED[family] in why, f"{family}: expected a refusal saying {REFUSED[family]!r}, got {kind}: {why}"
     else:
         assert kind == "ok", f"{family}: {kind}: {why}"
 
 
 def test_tables_name_only_families_of_this_transformers():
     assert set(NOT_RUNNABLE) <= set(CASES), set(NOT_RUNNABLE) - set(CASES)
-    assert set(EXPECTED_UNSUPPORTED) <= set(CASES), set(EXPECTED_UNSUPPORTED) - set(CASES)
-    assert not set(NOT_RUNNABLE) & set(EXPECTED_UNSUPPORTED)
+    assert set(REFUSED) <= set(CASES), set(REFUSED) - set(CASES)
+    assert not set(NOT_RUNNABLE) & set(REFUSED)

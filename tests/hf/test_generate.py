@@ -17,7 +17,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 import kvcache
-from kvcache.layers import WindowLayer, StaticLayer
+from kvcache.layers import SlidingLayer, StaticLayer, WindowLayer
 from helpers import LOGITS_TOL, assert_same_tokens, attention_for, hf_attention, left_padded, model_for, prompt
 from kvcache.apps.tiny import DEFAULT_SLIDING_WINDOW, FAMILIES
 
@@ -53,7 +53,8 @@ def assert_same_stored(store, layer) -> None:
     """``store`` holds what the DynamicCache ``layer`` holds, matched by absolute position.
 
     A window layer holds its ``window`` last tokens as a ring; DynamicCache's sliding layer keeps
-    ``window - 1`` in order: they must agree on every position both hold."""
+    ``window - 1`` in order, as the default kinds' sliding layer does: they must agree on every
+    position both hold."""
     keys, values = store.view()
     if not isinstance(store, WindowLayer):
         assert keys.shape == layer.keys.shape
@@ -76,6 +77,8 @@ def check_cache_shape_after(cache: kvcache.KVCache, total: int) -> None:
         assert store.seen == total - 1
         if isinstance(store, WindowLayer):
             assert store.length == min(store.window, total - 1)
+        elif isinstance(store, SlidingLayer):  # Hugging Face's sliding layer keeps window - 1
+            assert store.length == min(store.window - 1, total - 1)
         else:
             assert store.length == total - 1
 
@@ -113,7 +116,7 @@ def test_optional_sliding_layouts_match_dynamic_cache(family, spec):
     """Families whose sliding window is opt-in: qwen2/qwen3 upper half, phi3 all, smollm3 NoPE layers."""
     model = model_for(family, sliding_window=DEFAULT_SLIDING_WINDOW)
     cache = kvcache.make_cache(model, spec)
-    assert any(isinstance(s, WindowLayer) for s in cache.stores)
+    assert any(isinstance(s, SlidingLayer) for s in cache.stores)
     ids = prompt(PROMPT_LEN, seed=2)
     assert_same_tokens(greedy(model, ids, cache), greedy(model, ids, reference_cache(model)), f"{family} sliding")
     check_cache_shape_after(cache, PROMPT_LEN + NEW_TOKENS)
@@ -372,14 +375,16 @@ def test_sliding_layers_memory_bounded_while_generating(family):
     assert_same_tokens(after_150, ref, f"{family} 150 tokens")
 
     per_token = 2 * model.config.num_key_value_heads * 16 * 4  # keys + values, fp32, batch 1
-    bound = per_token * DEFAULT_SLIDING_WINDOW  # the ring: exactly the window, whatever the prompt
-    sliding = [i for i, s in enumerate(cache.stores) if isinstance(s, WindowLayer)]
+    sliding = [i for i, s in enumerate(cache.stores) if isinstance(s, SlidingLayer)]
     assert sliding
     if family == "mistral":
         assert len(sliding) == len(cache.stores)
     for i in sliding:
+        # The window less one in order, and the spare room that spares a copy per step: the same
+        # bytes whatever the prompt and however long the run.
+        bound = per_token * (DEFAULT_SLIDING_WINDOW - 1 + cache.stores[i].spare)
         assert bytes_150[i] == bytes_50[i] == bound, f"layer {i}: {bytes_50[i]}, {bytes_150[i]} bytes, bound {bound}"
-        assert cache.stores[i].length == DEFAULT_SLIDING_WINDOW
+        assert cache.stores[i].length == DEFAULT_SLIDING_WINDOW - 1
     for i, store in enumerate(cache.stores):
         if i not in sliding:  # full layers keep everything
             assert store.length == PROMPT_LEN + 150 - 1

@@ -1,8 +1,10 @@
 """Speculative decoding (assisted generation, prompt-lookup decoding) on sliding-window models.
 
 ``generate`` appends candidate tokens in one update and removes the rejected ones with
-``crop(-n)``; it calls ``activate_past_recording()`` first. By then the window's ring buffer has
-written the candidates over the slots the shorter sequence needs, so the window layer logs each
+``crop(-n)``; it calls ``activate_past_recording()`` first. The default cache keeps a sliding
+layer in position order (``SlidingLayer``): while recording it lets nothing since the last crop
+leave its buffer. Beside bounded kinds a sliding layer is a ring buffer (``WindowLayer``), which
+has by then written the candidates over the slots the shorter sequence needs, so it logs each
 update until the next crop (``layers/rollback.py``) and ``trim`` puts the window back exactly.
 
 References: Hugging Face's ``DynamicCache`` on the model's own attention (greedy, token-identical),
@@ -12,6 +14,7 @@ list of every token for the window layer's kept (position, key) pairs.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import pytest
@@ -23,7 +26,7 @@ from transformers import DynamicCache
 
 import kvcache
 from kvcache.errors import UnsupportedOperation
-from kvcache.layers import WindowLayer
+from kvcache.layers import SlidingLayer, WindowLayer
 from kvcache.apps.tiny import tiny_model
 
 from helpers import assert_same_tokens, layer_fingerprint, prompt
@@ -75,23 +78,41 @@ METHODS = {
 }
 
 
+#: (spec, whether the model runs the "kvcache" attention): the default cache on the model's own
+#: attention and on ours (sliding layers in order), and a bounded kind whose budget is never reached
+#: (sliding layers as rings, rolled back by their logs).
+SETUPS = {"default": ("growable", False), "default+switch": ("growable", True), "rings": ("h2o:budget=4096", True)}
+
+
+def attention(model, switch: bool):
+    return kvcache.use_kvcache_attention(model) if switch else contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("setup", sorted(SETUPS))
 @pytest.mark.parametrize("family", ["gemma2", "mistral", "qwen2"])
 @pytest.mark.parametrize("method", sorted(METHODS))
-def test_speculative_decoding_matches_dynamic_cache(family, method):
+def test_speculative_decoding_matches_dynamic_cache(family, method, setup):
+    spec, switch = SETUPS[setup]
     target, assistant = target_and_assistant(family)
     ids = repetitive_prompt()
     kwargs = dict(max_new_tokens=NEW_TOKENS, do_sample=False, **METHODS[method](assistant))
     ref = target.generate(ids, past_key_values=DynamicCache(config=target.config), **kwargs)
-    cache = kvcache.make_cache(target)
+    cache = kvcache.make_cache(target, spec)
     crops = record_crops(cache)
-    with kvcache.use_kvcache_attention(target):
+    with attention(target, switch):
         ours = target.generate(ids, past_key_values=cache, **kwargs)
-    assert_same_tokens(ours, ref, f"{family} {method}")
-    # The test took back tokens the ring had written over (past the window), and some rounds kept part of their candidates.
+    assert_same_tokens(ours, ref, f"{family} {method} {setup}")
+    # The test took back tokens past the window, and some rounds kept part of their candidates.
     assert any(n > 0 and seen > WINDOW + n for n, seen in crops), crops
+    per_token = 2 * 16 * 2 * 4  # [1, 2, 1, 16] keys + values, fp32
     windows = [s for s in cache.stores if isinstance(s, WindowLayer)]
-    assert windows and all(s.journal is not None and s.journal.nbytes == 0 for s in windows)  # emptied by the last crop
-    assert all(s.nbytes == s.max_length * 2 * 16 * 2 * 4 for s in windows)  # the ring, [1, 2, W, 16] keys + values, fp32
+    sliding = [s for s in cache.stores if isinstance(s, SlidingLayer)]
+    assert (windows if setup == "rings" else sliding) and not (sliding if setup == "rings" else windows)
+    assert all(s.journal is not None and s.journal.nbytes == 0 for s in windows)  # emptied by the last crop
+    assert all(s.nbytes == s.max_length * per_token for s in windows)  # the ring
+    # In order: the window less one and the spare room, at most twice over once the last crop gave
+    # back what recording kept (the 30-token prompt, before the first crop).
+    assert all(s.nbytes <= 2 * (WINDOW - 1 + s.spare) * per_token for s in sliding)
 
 
 def test_assisted_rounds_accept_part_of_their_candidates():
@@ -105,10 +126,12 @@ def test_assisted_rounds_accept_part_of_their_candidates():
     assert any(0 < n < 5 for n in removed), removed
 
 
+@pytest.mark.parametrize("setup", sorted(SETUPS))
 @pytest.mark.parametrize("family", ["mistral", "gemma2"])
-def test_crop_within_the_log_continues_like_dynamic_cache_and_beyond_it_refuses(family):
+def test_crop_within_the_log_continues_like_dynamic_cache_and_beyond_it_refuses(family, setup):
     """Manual speculation: feed past the window, record, append 3 candidates, crop 2, continue.
-    Cropping more than the log holds raises and changes nothing."""
+    Cropping more than the layers can take back raises and changes nothing."""
+    spec, switch = SETUPS[setup]
     target, _ = target_and_assistant(family)
     ids = prompt(20, seed=9)
     cand, nxt = prompt(3, seed=10), prompt(2, seed=11)
@@ -119,14 +142,16 @@ def test_crop_within_the_log_continues_like_dynamic_cache_and_beyond_it_refuses(
     ref.crop(-2)
     want = target(nxt, past_key_values=ref).logits
 
-    cache = kvcache.make_cache(target)
-    with kvcache.use_kvcache_attention(target):
+    cache = kvcache.make_cache(target, spec)
+    with attention(target, switch):
         target(ids, past_key_values=cache)
         cache.activate_past_recording()
         target(cand, past_key_values=cache)
         before = [layer_fingerprint(s) for s in cache.stores]
-        with pytest.raises(UnsupportedOperation, match="can take back the last 3"):
-            cache.crop(-4)
+        limit = min(s.rollback_tokens for s in cache.stores if isinstance(s, (WindowLayer, SlidingLayer)))
+        assert limit == 3 if setup == "rings" else limit >= 3  # a ring's log; the buffer in order holds more
+        with pytest.raises(UnsupportedOperation, match=f"can take back the last {limit}"):
+            cache.crop(-(limit + 1))
         assert [layer_fingerprint(s) for s in cache.stores] == before
         cache.crop(-2)
         got = target(nxt, past_key_values=cache).logits

@@ -50,8 +50,8 @@ def attend(
     equal to SDPA's ``is_causal`` when ``Sq == T``). Rows with every key masked return zeros.
     ``softcap`` caps the scaled scores as ``softcap * tanh(score / softcap)`` before the mask
     (gemma2's attention logit softcapping). ``sinks`` ``[Hq]`` are learned attention sinks (gpt-oss
-    and others): one extra logit per query head that takes part in the softmax's normalisation and
-    adds no value, so a row's weights sum to less than one (a row with every key masked attends
+    and others; or ``[B|1, Hq, Sq|1, 1]``, one per query row, Inkling 2): one extra logit per query
+    head that takes part in the softmax's normalisation and adds no value, so a row's weights sum to less than one (a row with every key masked attends
     only its sink: zeros).
     """
     out, _ = attend_weighted(query, key, value, scale=scale, mask=mask, causal=causal, softcap=softcap, sinks=sinks)
@@ -132,7 +132,7 @@ def attend_weighted(
         if sdpa_ok and stop <= weighted_from:
             outs.append(_sdpa_block(query, key, value, mask5, mask_rows, causal, scale, start, stop, limit))
             continue
-        probs = _block_probs(q5, key, keys_t, mask5, mask_rows, causal, scale, softcap, start, stop, sinks5, limit)
+        probs = _block_probs(q5, key, keys_t, mask5, mask_rows, causal, scale, softcap, start, stop, _sink_rows(sinks5, start, stop), limit)
         for mode, acc in reduced.items():
             _reduce_into(acc[..., :limit], mode, probs, start, q_len)
         rows = stop - start
@@ -327,7 +327,7 @@ def _block_probs(q5, key, keys_t, mask5, mask_rows, causal, scale, softcap, star
 def softmax(scores: torch.Tensor, sinks5: torch.Tensor | None) -> torch.Tensor:
     """float32 softmax over the last dim of ``[B, Hkv, group, rows, T]`` scores; with sinks
     ``[1, Hkv, group, 1, 1]`` (see ``attend``), one more logit per row joins the normalisation and
-    is dropped from the result."""
+    is dropped from the result (``[B|1, Hkv, group, rows|1, 1]``: one per row)."""
     if sinks5 is None:
         return torch.softmax(scores, dim=-1, dtype=torch.float32)
     sink = sinks5.expand(*scores.shape[:-1], 1)
@@ -335,13 +335,23 @@ def softmax(scores: torch.Tensor, sinks5: torch.Tensor | None) -> torch.Tensor:
 
 
 def group_sinks(sinks: torch.Tensor | None, kv_heads: int, group: int) -> torch.Tensor | None:
-    """Sinks ``[Hq]`` as float32 ``[1, Hkv, group, 1, 1]`` (query head h sits under KV head h // group)."""
+    """Sinks as float32 ``[B|1, Hkv, group, Sq|1, 1]`` (query head h sits under KV head h // group):
+    learned ones, one logit per query head ``[Hq]`` (gpt-oss), or one per query row
+    ``[B|1, Hq, Sq|1, 1]``, computed from each query's own state (Inkling 2)."""
     if sinks is None:
         return None
-    if not isinstance(sinks, torch.Tensor) or sinks.numel() != kv_heads * group:
-        shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
-        raise ShapeError(f"sinks must hold one logit per query head ({kv_heads * group}), got {shape}")
-    return sinks.detach().float().reshape(1, kv_heads, group, 1, 1)
+    q_heads = kv_heads * group
+    if isinstance(sinks, torch.Tensor) and sinks.dim() == 1 and sinks.numel() == q_heads:
+        return sinks.detach().float().reshape(1, kv_heads, group, 1, 1)
+    if isinstance(sinks, torch.Tensor) and sinks.dim() == 4 and sinks.shape[1] == q_heads and sinks.shape[3] == 1:
+        return sinks.detach().float().reshape(sinks.shape[0], kv_heads, group, sinks.shape[2], 1)
+    shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+    raise ShapeError(f"sinks must be one logit per query head [{q_heads}] or per query row [B, {q_heads}, Sq, 1], got {shape}")
+
+
+def _sink_rows(sinks5: torch.Tensor | None, start: int, stop: int) -> torch.Tensor | None:
+    """The sinks of query rows ``start:stop`` (all of them when they are the same for every row)."""
+    return sinks5 if sinks5 is None or sinks5.shape[3] == 1 else sinks5[:, :, :, start:stop]
 
 
 def group_heads(mask: torch.Tensor, kv_heads: int) -> torch.Tensor:

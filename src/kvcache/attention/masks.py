@@ -82,3 +82,17 @@ def position_rows(
         return picked if per_head else picked.squeeze(2)
 
     return rows
+
+
+def bias_at_slots(bias: torch.Tensor, k_pos: torch.Tensor, q_heads: int) -> torch.Tensor:
+    """An additive bias over absolute positions (a model's relative-position logits, Inkling)
+    ``[B|1, Hq|1, Sq, P]`` picked at each slot's position ``k_pos`` (``[B|1, Hkv|1, N]`` or
+    ``[N]``, -1 = empty, masked elsewhere): ``[B|1, Hq|1, Sq, N]``, an additive mask over the slots."""
+    while k_pos.dim() < 3:
+        k_pos = k_pos.unsqueeze(0)
+    if k_pos.shape[1] > 1:  # query head h reads KV head h // group
+        k_pos = k_pos.repeat_interleave(q_heads // k_pos.shape[1], dim=1)
+    batch, heads = max(bias.shape[0], k_pos.shape[0]), max(bias.shape[1], k_pos.shape[1])
+    rows, slots = bias.shape[2], k_pos.shape[2]
+    index = k_pos.clamp(0, bias.shape[3] - 1).unsqueeze(2).expand(batch, heads, rows, slots)
+    return bias.expand(batch, heads, rows, bias.shape[3]).gather(3, index)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .kernel import attend_weighted
-from .masks import CAUSAL, Visibility, position_rows
+from .masks import CAUSAL, Visibility, bias_at_slots, position_rows
 from .readers import TensorLike
 
 
@@ -66,20 +66,23 @@ def attend_reads(
     mask: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     weights: str | tuple[str, ...] | None = None,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | dict[str, torch.Tensor] | None]:
     """Attention of ``query`` ``[B, Hq, Sq, D]`` at positions ``first_query...`` (default: the
     record's) over what ``reads`` holds, masked by ``visible`` and ``mask`` (boolean over absolute
-    positions, see ``position_rows``). Returns ``[B, Hq, Sq, Dv]`` and the weights asked for
-    (``attend_weighted``'s modes, float32 ``[B, Hkv, N]``, a dict for a tuple of modes) or None."""
+    positions, see ``position_rows``), plus ``bias``: additive logits over absolute positions
+    ``[B|1, Hq|1, Sq, P]`` (``bias_at_slots``). Returns ``[B, Hq, Sq, Dv]`` and the weights asked
+    for (``attend_weighted``'s modes, float32 ``[B, Hkv, N]``, a dict for a tuple of modes) or None."""
     rows, causal = None, False
     if visible == CAUSAL and mask is None and not reads.all_visible and _end_aligned(reads, first_query):
         causal = True  # the same rule, with no mask to build (see ``Reads.new_at_end``)
     elif mask is not None or not reads.all_visible:
         first = reads.first_query if first_query is None else first_query
         rows = position_rows(first, reads.slot_positions(), visible, mask, reads.keys.shape[1])
+    slot_bias = None if bias is None else bias_at_slots(bias, reads.slot_positions(), query.shape[1])
     return attend_weighted(
-        query, reads.keys, reads.values, scale=scale, softcap=softcap, mask_rows=rows, causal=causal, weights=weights,
-        sinks=sinks,
+        query, reads.keys, reads.values, scale=scale, softcap=softcap, mask=slot_bias, mask_rows=rows, causal=causal,
+        weights=weights, sinks=sinks,
     )
 
 

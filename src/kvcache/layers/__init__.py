@@ -1,7 +1,6 @@
 """Storage layers: one strategy per module, all behind the contract in ``base.py``.
 
-Each class that names a ``kind`` registers itself (``registry.py``); importing this package
-defines them all.
+Which kinds exist is the table in ``registry.py``; importing this package registers nothing.
 """
 
 from .adaptive import AdaptiveLayer
@@ -12,6 +11,7 @@ from .concat import ConcatLayer
 from .evicting import EvictingLayer
 from .growable import GrowableLayer
 from .quantized import QuantizedLayer
+from .sliding import SlidingLayer
 from .static import StaticLayer
 from .store import SlotStore
 from .window import WindowLayer
@@ -25,6 +25,7 @@ __all__ = [
     "KVLayer",
     "LayerState",
     "QuantizedLayer",
+    "SlidingLayer",
     "SlotStore",
     "StaticLayer",
     "WindowLayer",

@@ -37,7 +37,7 @@ import torch
 
 from ..attention import Reads
 from ..errors import ShapeError, UnsupportedOperation
-from ..registry import Option, number
+from ..options import Option, number
 from .bounded import SelectingLayer
 from .budget import check_budget
 from .checks import Geometry

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from ..errors import ShapeError, UnsupportedOperation
-from ..registry import RegisteredKind
+from ..options import DeclaredKind
 from .checks import Geometry, as_index, check_kv
 from .state import LayerState
 
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from .store import SlotStore
 
 
-class KVLayer(RegisteredKind, ABC):
+class KVLayer(DeclaredKind, ABC):
     """One transformer layer's key/value store. Subclasses choose how storage grows or is bounded.
 
     The defaults below read a ``store`` (``store.py``) holding ``keys`` and ``values`` in the
@@ -121,6 +121,12 @@ class KVLayer(RegisteredKind, ABC):
     def capacity(self) -> int:
         """Slots the current allocation can hold without reallocating."""
         return self.store.capacity
+
+    def mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """``(kv_length, kv_offset)`` of the mask ``transformers`` builds for the next
+        ``query_length`` queries: every position from 0. Unbounded kinds hold the past in order;
+        bounded kinds pick the mask's columns at their slots' positions (``hf.py``)."""
+        return self.seen + query_length, 0
 
     @property
     def nbytes(self) -> int:

@@ -66,13 +66,16 @@ class BoundedLayer(KVLayer):
         softcap: float | None = None,
         mask: torch.Tensor | None = None,
         sinks: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of the last update's queries ``[B, Hq, Sq, D]`` over what they may see.
 
         ``mask`` is optional extra masking, boolean (True = attend) ``[B|1, 1|Hq, Sq|1, P]`` over
-        absolute positions ``0..P-1``: it carries the padding of a left-padded batch, or a model's
-        own per-head masking (Doge). ``sinks`` ``[Hq]``: learned attention sinks, as in ``attend``.
-        Returns ``[B, Hq, Sq, Dv]``.
+        absolute positions ``0..P-1`` (``P``: the positions up to the update's last, what the
+        layer's ``mask_sizes`` announced): it carries the padding of a left-padded batch, or a
+        model's own per-head masking. ``bias``: additive logits over the same positions
+        ``[B|1, Hq|1, Sq, P]`` (relative-position logits, Inkling). ``sinks``: attention sinks, as
+        in ``attend``. Returns ``[B, Hq, Sq, Dv]``.
 
         A layer that shares this one's keys and values (``readers > 1``) reads after the owner and
         may bring only the last ``Sq`` of the update's queries (Gemma 4 skips the others in the
@@ -92,6 +95,14 @@ class BoundedLayer(KVLayer):
                 f"{self.kind} layer: the last update appended {appended} tokens, but attend() got {n} queries"
                 + ("" if owner else f" (a layer sharing its keys and values may bring at most {appended})")
             )
+        positions = reads.first_query + appended
+        for name, t in (("mask", mask), ("bias", bias)):
+            if t is not None and t.shape[-1] < positions:
+                raise UnsupportedOperation(
+                    f"{self.kind} layer: the model's attention {name} has {t.shape[-1]} columns, fewer than the positions "
+                    f"up to the last token ({positions}): this model builds it over the slots the cache returned, "
+                    f"which a bounded layer keeps out of position order; use an unbounded kind (growable, static, concat)"
+                )
         out, weights = attend_reads(
             query,
             reads,
@@ -102,6 +113,7 @@ class BoundedLayer(KVLayer):
             mask=mask,
             sinks=sinks,
             weights=self.attention_weights,
+            bias=bias,
         )
         if owner:
             self._owner_weights = weights

@@ -30,7 +30,7 @@ import torch
 
 from ..errors import DTypeError, ShapeError, UnsupportedOperation
 from ..policies import POLICIES, Policy, get_policy
-from ..registry import Option, number
+from ..options import Option, number
 from .checks import Geometry
 from .state import LayerState
 from ..attention import Reads

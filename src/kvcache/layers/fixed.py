@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..attention import attend
+from ..errors import UnsupportedOperation
 from .checks import Geometry
 from .static import StaticLayer
 from .store import SlotStore
@@ -98,7 +99,12 @@ class FixedDecodeAttention(TensorSeen):
     """For a bounded layer class: a decode step's record (its ``first_query`` a tensor) is attended
     over the whole fixed buffers with the mask ``_decode_mask`` makes; other records the eager way."""
 
-    def attend(self, query, *, scale=None, softcap=None, mask=None, sinks=None):
+    def attend(self, query, *, scale=None, softcap=None, mask=None, sinks=None, bias=None):
+        if bias is not None:
+            raise UnsupportedOperation(
+                f"a {self.kind} layer made with compile=True attends without the model's position bias; "
+                f"make the cache without compile=True for this model"
+            )
         reads = self.reads
         if reads is None or not isinstance(reads.first_query, torch.Tensor):
             return super().attend(query, scale=scale, softcap=softcap, mask=self._eager_mask(mask), sinks=sinks)

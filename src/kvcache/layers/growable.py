@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..registry import Option
+from ..options import Option
 from .base import KVLayer
 from .store import Geometric, SlotStore
 

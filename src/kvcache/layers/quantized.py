@@ -29,7 +29,7 @@ import torch
 from ..attention import BlockReader, Reads, fused
 from ..errors import UnsupportedOperation
 from ..quant import BITS, quantize_per_channel, quantize_per_token
-from ..registry import Option
+from ..options import Option
 from .bounded import BoundedLayer
 from .checks import Geometry
 from .codes import CodedStore

@@ -23,7 +23,10 @@ from .store import Geometric, SlotStore
 
 class RecordingLayer(BoundedLayer):
     """Every token in order (a growable store); ``recorded`` holds the last attended update's
-    weights: mode -> float32 ``[B, Hkv, T]`` over every slot stored then."""
+    weights: mode -> float32 ``[B, Hkv, T]`` over every slot stored then. Not in the registry's
+    table: a tool, not a cache to keep."""
+
+    kind = "recording"
 
     def __init__(self, modes: tuple[str, ...]) -> None:
         super().__init__()
@@ -49,7 +52,3 @@ class RecordingLayer(BoundedLayer):
     def options(self) -> dict[str, Any]:
         return {"modes": self.attention_weights}
 
-
-# Set after the class is made, so the registry (which registers classes that name a kind in their
-# body) does not make it a spec kind: a recording layer is a tool, not a cache to keep.
-RecordingLayer.kind = "recording"

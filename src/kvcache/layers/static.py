@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ..errors import CacheFullError, DTypeError, ShapeError
-from ..registry import Option
+from ..options import Option
 from .base import Geometry, KVLayer
 from .store import Fixed, SlotStore
 

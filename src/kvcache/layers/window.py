@@ -27,7 +27,7 @@ import torch
 
 from ..errors import UnsupportedOperation
 from ..attention import Reads, Visibility
-from ..registry import Option
+from ..options import Option
 from .checks import Geometry
 from .state import LayerState
 from .bounded import BoundedLayer

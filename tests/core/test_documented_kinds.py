@@ -1,0 +1,127 @@
+"""Every kind the README, ``valid_specs()`` and ``kvcache generate --help`` name exists in a fresh
+process that imported nothing but ``kvcache``: it builds there, runs a forward pass, and a file
+saved of it loads there. (A kind that registered itself only when some other module happened to
+be imported, as ``kvzip`` once did, fails here.)
+
+The files are saved by this test's own process; each kind is built and loaded in a subprocess of
+its own, two at a time (the machines have two cores), so one kind's imports cannot help another.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import textwrap
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+import kvcache
+from kvcache.spec import valid_specs
+
+ROOT = Path(__file__).resolve().parents[2]
+
+#: Options that make a small cache of each kind (the rest keep their defaults).
+OPTIONS = {
+    "static": "capacity=64", "window": "window=8", "quantized": "bits=4,group_size=4,residual=4",
+    "adakv": "budget=6,window=2", "snapkv": "budget=6,window=2", "pyramidkv": "budget=6,window=2",
+}
+BUDGETED = "budget=6"
+
+
+def documented_kinds() -> set[str]:
+    """The kinds the README's kinds tables (the first cell of each row, up to ``:``), the spec listing
+    and ``kvcache generate --help`` name."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Cache kinds") :]
+    section = section[: section.index("\n## ", 1)]
+    from_readme = {m.group(1) for m in re.finditer(r"^\| `([a-z0-9-]+)[:`]", section, flags=re.M)}
+    from_listing = {line.split()[0] for line in valid_specs().splitlines()}
+    help_text = subprocess.run(
+        [sys.executable, "-m", "kvcache", "generate", "--help"], capture_output=True, text=True, cwd=ROOT, check=True
+    ).stdout
+    from_help = {k for k in from_listing if re.search(rf"\b{re.escape(k)}\b", help_text)}
+    assert from_readme and from_listing, "no kinds found: did the README's kinds table move?"
+    assert from_help == from_listing, f"--help does not name {sorted(from_listing - from_help)}"
+    return from_readme | from_listing
+
+
+def spec_of(kind: str) -> str:
+    if kind in OPTIONS:
+        return f"{kind}:{OPTIONS[kind]}"
+    return f"{kind}:{BUDGETED}" if "budget" in kvcache.registry.spec_kind(kind).required else kind
+
+
+def tiny_llama() -> transformers.LlamaForCausalLM:
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+#: Run in a fresh interpreter: imports kvcache alone (transformers and torch come with it), loads the
+#: file saved for the kind, then builds the kind and runs a forward pass through it.
+FRESH = textwrap.dedent(
+    """
+    import json, sys
+    import kvcache
+    import torch, transformers
+    spec, path, config = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
+    loaded = kvcache.load_cache(path, model)
+    cache = kvcache.make_cache(model, spec)
+    with torch.no_grad(), kvcache.use_kvcache_attention(model):
+        model(torch.arange(10).view(1, 10) + 3, past_key_values=cache)
+    print(json.dumps({"loaded": [s.kind for s in loaded.stores], "seen": loaded.seen, "built": [s.kind for s in cache.stores], "after": cache.seen}))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def fresh_runs(tmp_path_factory) -> dict[str, tuple[str, dict | str]]:
+    """kind -> (spec, the fresh process's report or its stderr)."""
+    folder = tmp_path_factory.mktemp("kinds")
+    model = tiny_llama()
+    config = json.dumps({k: getattr(model.config, k) for k in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "max_position_embeddings")})
+    jobs = {}
+    for kind in sorted(documented_kinds()):
+        spec = spec_of(kind)
+        cache = kvcache.make_cache(model, spec)
+        with torch.no_grad(), kvcache.use_kvcache_attention(model):
+            model(torch.arange(12).view(1, 12) + 3, past_key_values=cache)
+        path = folder / f"{kind}.kv"
+        cache.save(path)
+        jobs[kind] = (spec, str(path))
+
+    def fresh(kind: str) -> tuple[str, dict | str]:
+        spec, path = jobs[kind]
+        proc = subprocess.run([sys.executable, "-c", FRESH, spec, path, config], capture_output=True, text=True, cwd=ROOT)
+        return spec, (json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else proc.stderr[-2000:])
+
+    with ThreadPoolExecutor(2) as pool:
+        return dict(zip(jobs, pool.map(fresh, jobs)))
+
+
+def test_the_documented_kinds_include_every_spec_kind_and_kvzip():
+    kinds = documented_kinds()
+    assert set(kvcache.registry.spec_kinds()) <= kinds and "kvzip" in kinds
+    assert kinds <= set(kvcache.registry.spec_kinds()), f"documented but unknown: {sorted(kinds - set(kvcache.registry.spec_kinds()))}"
+
+
+@pytest.mark.parametrize("kind", sorted(set(kvcache.registry.spec_kinds())))
+def test_each_documented_kind_builds_and_loads_in_a_fresh_process(fresh_runs, kind):
+    spec, report = fresh_runs[kind]
+    assert isinstance(report, dict), f"{spec} in a fresh process:\n{report}"
+    layer = kvcache.registry.spec_kind(kind).layer.kind
+    assert report["loaded"] == report["built"] == [layer, layer]
+    assert report["seen"] == 12 and report["after"] == 10
