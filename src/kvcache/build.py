@@ -27,6 +27,7 @@ from .layers.fixed_quantized import FixedQuantizedLayer
 from .layers.fixed_window import FixedWindowLayer
 from .registry import spec_kind
 from .spec import CacheSpec, parse_spec
+from .support import bounded_refusal
 
 SLIDING_TYPES = ("sliding_attention", "chunked_attention")
 
@@ -97,6 +98,12 @@ def make_cache(model: Any, spec: str | CacheSpec = "growable", *, compile: bool 
     if compile:
         tokens = compile if type(compile) is int else getattr(config, "max_position_embeddings", None) or 4096
         stores = [None if s is None else fixed_twin(s, tokens) for s in stores]
+    refusal = bounded_refusal(config) if any(s is not None and s.needs_own_attention for s in stores) else None
+    if refusal is not None:
+        raise UnsupportedOperation(
+            f"a {parsed.kind!r} cache has bounded layers, which cannot serve this model: {refusal}; "
+            f"use an unbounded kind ('growable', 'static', 'concat') for it"
+        )
     foreign_types = {i: t for i, (t, _) in others.items() if stores[i] is None}
     foreign.check_spec(parsed.kind, kind.layer.unbounded, foreign_types, {i: o for i, (_, o) in others.items()})
     if not any(s is not None for s in stores) and not any(not foreign.is_fixed_size(o) for _, o in others.values()):

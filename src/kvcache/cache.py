@@ -26,6 +26,7 @@ from .layers.base import check_kv
 from .layers import KVLayer, LayerState
 from .persist import SavedCache, encode_cache, write_cache_file
 from .spec import CacheSpec
+from .support import bounded_refusal
 
 
 @dataclass
@@ -139,11 +140,19 @@ class KVCache(ForeignLayers, Cache):
         """Raise, changing nothing, if a bounded layer would be attended by another implementation
         than ``"kvcache"`` (read from the config of the model the cache was made for)."""
         config = self.attention_config
-        if config is not None and self._bounded_kinds and not runs_kvcache_attention(config):
+        if config is None or not self._bounded_kinds:
+            return
+        if not runs_kvcache_attention(config):
             raise UnsupportedOperation(
                 f"this cache has bounded layers ({', '.join(self._bounded_kinds)}) that need the 'kvcache' attention "
                 f"implementation, and the model runs {config._attn_implementation!r}; call {SWITCH_HINT} "
                 f"(or use it as a context manager around generate) first; the cache is unchanged"
+            )
+        refusal = bounded_refusal(config)  # what the switch found in the model's modules
+        if refusal is not None:
+            raise UnsupportedOperation(
+                f"this cache has bounded layers ({', '.join(self._bounded_kinds)}), which cannot serve this model: "
+                f"{refusal}; use an unbounded kind ('growable', 'static', 'concat'); the cache is unchanged"
             )
 
     # ---- sizes ----------------------------------------------------------------------------

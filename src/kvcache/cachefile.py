@@ -20,7 +20,7 @@ import torch
 
 from .build import make_cache
 from .cache import KVCache, token_ids_problem
-from .errors import CacheFileError, CorruptedFileError, ModelMismatchError, SpecError
+from .errors import CacheFileError, CorruptedFileError, ModelMismatchError, SpecError, UnsupportedOperation
 from .fingerprint import config_summary, fingerprint_of, text_config
 from .layers import KVLayer, SlidingLayer, WindowLayer
 from .persist import SavedCache, decode_cache, one_line, read_cache_file, short
@@ -127,6 +127,8 @@ def _layout(text: str, config: Any, summary: dict[str, Any], path: str) -> tuple
             )
     try:
         layout = make_cache(config, spec)
+    except UnsupportedOperation:  # a valid spec this model cannot run (a bounded kind on latent attention)
+        raise
     except ValueError as e:  # SpecError, or a layer's own check of its options
         raise CorruptedFileError(f"{path}: the saved cache spec {short(text)} does not fit this model: {one_line(e)}") from None
     return spec, layout.stores

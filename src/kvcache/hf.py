@@ -35,6 +35,7 @@ from transformers.masking_utils import causal_mask_function, eager_mask, sdpa_ma
 from .attention import attend, fastest_attention
 from .attention_kwargs import AttentionExtras
 from .errors import UnsupportedOperation
+from .support import NONCAUSAL_FLAG, noncausal_attention
 from .layers import KVLayer
 
 ATTENTION_NAME = "kvcache"
@@ -64,9 +65,12 @@ class use_kvcache_attention:
         # A model written only for eager attention may rely on eager's additive masks (it adds
         # biases to them, or has no causal flag of its own): it gets those masks (see kvcache_mask).
         self.flagged = [] if getattr(model, "_supports_sdpa", True) else _configs(model)
-        self.flags_before = [getattr(c, EAGER_MASKS, None) for c in self.flagged]
-        for config in self.flagged:
-            setattr(config, EAGER_MASKS, True)
+        # A model whose attention is not causal: bounded caches refuse it up front (``support.py``).
+        noncausal = noncausal_attention(model)
+        self.flags = [(c, EAGER_MASKS, True) for c in self.flagged] + [(c, NONCAUSAL_FLAG, noncausal) for c in _configs(model) if noncausal]
+        self.flags_before = [getattr(c, name, None) for c, name, _ in self.flags]
+        for config, name, value in self.flags:
+            setattr(config, name, value)
         if self.previous != ATTENTION_NAME:
             model.set_attn_implementation(ATTENTION_NAME)
 
@@ -76,11 +80,11 @@ class use_kvcache_attention:
     def __exit__(self, *exc) -> None:
         if self.model.config._attn_implementation != self.previous:
             self.model.set_attn_implementation(self.previous)
-        for config, before in zip(self.flagged, self.flags_before):
+        for (config, name, _), before in zip(self.flags, self.flags_before):
             if before is None:
-                delattr(config, EAGER_MASKS)
+                delattr(config, name)
             else:
-                setattr(config, EAGER_MASKS, before)
+                setattr(config, name, before)
 
 
 #: Set on the configs of a switched model that does not support SDPA: its masks are eager's.
@@ -302,6 +306,12 @@ def hf_attention_forward(
     extras = AttentionExtras.from_kwargs(kwargs)
     layer = reading_layer(module, key)
     if layer is not None:
+        if value is not layer.reads.returned[1] or is_causal is False or getattr(module, "is_causal", True) is False:
+            raise UnsupportedOperation(
+                f"a {layer.kind} layer attends the keys and values it returned, causally; this model's attention "
+                f"{'changed the values' if value is not layer.reads.returned[1] else 'is not causal'}; use an unbounded "
+                f"kind (growable, static, concat)"
+            )
         if extras.indices is not None:
             raise UnsupportedOperation(
                 f"a {layer.kind} layer keeps its slots out of position order, so it cannot apply the keys this "

@@ -4,7 +4,7 @@
       |
     api      kvcache (the package: the public names)
       |
-    model    cache, build, cachefile, spec, hf, attention_kwargs, foreign, compiled, prefill (the transformers-facing cache)
+    model    cache, build, cachefile, spec, hf, attention_kwargs, support, foreign, compiled, prefill (the transformers-facing cache)
       |
     storage  layers.*, attention.*, persist.*, quant, policies, options, registry, fingerprint,
              models.* (real pretrained models: may import errors and transformers, nothing of the cache)
@@ -30,7 +30,7 @@ PACKAGE = Path(kvcache.__file__).parent
 
 TIERS = ["errors", "storage", "model", "api", "apps"]
 STORAGE = ("layers", "attention", "persist", "quant", "policies", "options", "registry", "fingerprint", "models")
-MODEL = ("cache", "build", "cachefile", "spec", "hf", "attention_kwargs", "foreign", "compiled", "scoring", "prefill", "store")
+MODEL = ("cache", "build", "cachefile", "spec", "hf", "attention_kwargs", "support", "foreign", "compiled", "scoring", "prefill", "store")
 
 
 def module_name(path: Path) -> str:

@@ -152,3 +152,25 @@ def test_prefill_is_causal_on_a_model_whose_attention_flags_are_not_kept_for_sdp
         with kvcache.use_kvcache_attention(model):
             got = model(input_ids=ids).logits
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "family, says",
+    [("doge", "dynamic attention mask"), ("deepseek_v3", "latent attention"), ("diffllama", "halves of the values"), ("bert", "not causal")],
+)
+def test_bounded_kinds_are_refused_before_anything_is_written_where_they_cannot_serve(family, says):
+    """Bounded layers attend the keys and values they returned, causally, by absolute position
+    (``support.py``): models that do otherwise are refused by ``make_cache`` (read from the config)
+    or by the first update (what the switch found in the modules), the cache still empty."""
+    from families import build_model
+
+    model = build_model(family)
+    ids = torch.randint(3, 100, (1, 8))
+    with kvcache.use_kvcache_attention(model):
+        cache = None
+        with pytest.raises(kvcache.UnsupportedOperation, match=says):
+            cache = kvcache.make_cache(model, "h2o:budget=64")
+            model(ids, past_key_values=cache)
+        assert cache is None or cache.seen == 0
+        out = model.generate(ids, past_key_values=kvcache.make_cache(model), max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert out.shape == (1, 11)  # the default cache serves it

@@ -11,6 +11,10 @@ exceptions, both asserted exact, so a new ``transformers`` shows what broke and 
 ``DynamicCache``) and ``REFUSED`` (kvcache refuses the family up front with ``UnsupportedOperation``,
 before anything changed, naming what it cannot do). An entry that starts working fails its test
 until it is removed.
+
+Bounded kinds (a ring, an eviction policy, coded storage) run on the ``"kvcache"`` attention with
+budgets no run reaches, so they too must give ``DynamicCache``'s tokens, unless kvcache refuses
+them for the family before the first token is written (``support.py`` says which and why).
 """
 
 import contextlib
@@ -92,6 +96,35 @@ def _outcome(family: str) -> tuple[str, str]:
     return "ok", ""
 
 
+#: Bounded kinds whose budgets a sweep run never reaches: each must give DynamicCache's tokens, or
+#: be refused before anything is written (``UnsupportedOperation``, the cache still empty).
+BOUNDED = ("h2o:budget=4096", "window:window=4096", "quantized:bits=8,group_size=4,residual=64")
+
+
+def _bounded_outcome(family: str, spec: str) -> tuple[str, str]:
+    """Like ``_outcome`` for a bounded spec on the ``"kvcache"`` attention, with the left-padded batch."""
+    try:
+        model = build_model(family)
+        ids, mask = prompts()[1]
+        expected = reference(model, ids, mask, NEW_TOKENS)
+    except Exception as e:  # noqa: BLE001
+        return "not_runnable", f"{type(e).__name__}: {str(e)[:120]}"
+    cache = None
+    try:
+        with kvcache.use_kvcache_attention(model):
+            cache = kvcache.make_cache(model, spec)
+            got = greedy(model, ids, mask, cache, NEW_TOKENS)
+    except kvcache.UnsupportedOperation as e:
+        if cache is not None and cache.seen:
+            return "differs", f"refused only after {cache.seen} tokens: {e}"
+        return "refused", str(e)
+    except Exception as e:  # noqa: BLE001
+        return "differs", f"raised {type(e).__name__}: {str(e)[:200]}"
+    if not torch.equal(got, expected):
+        return "differs", f"expected {expected.tolist()}, got {got.tolist()}"
+    return "ok", ""
+
+
 @pytest.fixture(autouse=True)
 def _quiet():
     verbosity = transformers.logging.get_verbosity()
@@ -111,6 +144,13 @@ def test_family_generates_like_dynamic_cache(family):
         assert kind == "refused" and REFUSED[family] in why, f"{family}: expected a refusal saying {REFUSED[family]!r}, got {kind}: {why}"
     else:
         assert kind == "ok", f"{family}: {kind}: {why}"
+
+
+@pytest.mark.parametrize("family", [c for c in CASES if c not in NOT_RUNNABLE])
+def test_bounded_kinds_with_unreached_budgets_generate_like_dynamic_cache_or_refuse_up_front(family):
+    outcomes = {spec: _bounded_outcome(family, spec) for spec in BOUNDED}
+    wrong = {spec: why for spec, (kind, why) in outcomes.items() if kind == "differs"}
+    assert not wrong, f"{family}: {wrong}"
 
 
 def test_tables_name_only_families_of_this_transformers():

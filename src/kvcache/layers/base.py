@@ -2,7 +2,7 @@
 
 A layer stores the keys and values of one transformer layer as ``[B, Hkv, L, D]`` (values may
 have their own head dim ``Dv``). ``update`` appends ``[B, Hkv, S, D]`` and returns what attention
-reads, as views of the store. Invariants (see DESIGN.md):
+reads, as views of the store. Invariants (docs/architecture.md):
 
 - a call that raises changes nothing;
 - returned views stay valid until the next mutating call;

@@ -149,8 +149,19 @@ class SlidingLayer(KVLayer):
 
     def activate_past_recording(self, on: bool = True) -> None:
         """Keep every token from now until the next trim (``generate`` calls it before speculative
-        decoding, whose rejected tokens ``crop`` removes); ``False`` stops."""
-        self.recording_from = (self.seen if self.recording_from is None else self.recording_from) if on else None
+        decoding, whose rejected tokens ``crop`` removes); ``False`` stops, and the layer keeps
+        the window less one again (a buffer grown while recording is given back)."""
+        if on:
+            self.recording_from = self.seen if self.recording_from is None else self.recording_from
+            return
+        self.recording_from = None
+        self.head = self.store.length - min(self.length, self.window - 1)
+        self._give_back()
+
+    def _give_back(self) -> None:
+        """Move the kept run into a smaller buffer if the current one is more than twice too large."""
+        if self.store.allocated and self.store.capacity > 2 * self._room_for(self.length):
+            self._move_to_front(*self.view())
 
     @property
     def rollback_tokens(self) -> int:
@@ -181,8 +192,7 @@ class SlidingLayer(KVLayer):
         self.head = self.store.length - min(self.store.length, self.window - 1)
         if self.recording_from is not None:
             self.recording_from = self.seen
-        if self.store.allocated and self.store.capacity > 2 * self._room_for(self.length):
-            self._move_to_front(*self.view())
+        self._give_back()
 
     # ---- the rest of the contract ---------------------------------------------------------
 

@@ -30,7 +30,7 @@ from ..run_options import RunOptions
 from .common import figure, finish_axes, human_bytes, markdown_table, median
 from .floor import Machine, ModelShape, floor_seconds, measure_machine, model_shape
 from .harness import alternate, report
-from .real_decode import CONTENDERS, REFERENCE, Runner
+from .real_decode import CONFIGURED, CONTENDERS, REFERENCE, Runner
 from .workload import load_model, make_prompts, prefill_stored
 
 #: The model the suite runs when none is named (a ``tiny`` run: the small model shipped with kvcache).
@@ -69,7 +69,7 @@ def run(
     with tqdm(total=max(batches) * max(contexts), desc="prefill tokens", disable=not options.progress) as bar:
         past = prefill_stored(lm, prompts[:, : max(contexts)], prefill_dir, bar=bar)
     backend = "eager" if options.tiny else "inductor"  # tiny: trace only (graph breaks, recompiles), in seconds
-    runner = Runner(lm, past, prompts, capacity=max(contexts) + steps + 8, steps=steps, backend=backend)
+    runner = Runner(lm, past, prompts, steps=steps, backend=backend)
     bar = tqdm(total=len(batches) * len(contexts) * repeats * len(names), desc="real", disable=not options.progress)
     rows, machines = [], {}
     for batch in batches:
@@ -95,6 +95,8 @@ def run(
         "method": "one prefill at the largest context; each contender's cache gets the first C positions' keys and "
         "values (exactly what a C-token prefill gives a causal model), then `steps` greedy steps are timed",
         "floor": "max((weight bytes + K/V bytes read) / read bandwidth, step FLOPs / fp32 GEMM throughput)",
+        "configured": {name: CONFIGURED[name] for name in names},
+        "capacity": "fixed caches hold exactly the request: context + steps (per row)",
     }
     result = report("real", options, config, rows, table, plot, machine_rates=machines)
     if options.out is not None:
@@ -135,6 +137,7 @@ def compare(runs: dict[str, list[dict[str, Any]]], shape: ModelShape, machine: M
                 "compute_floor_ms": floor["compute_s"] * 1e3,
                 "step_over_floor": step_s / floor["floor_s"],
                 "compile_s": last["compile_s"],
+                "capacity": last.get("capacity"),
                 "samples_s": seconds,
                 "reason": "",
             }
@@ -188,7 +191,10 @@ def table(result: dict[str, Any]) -> str:
         f"Model {config['model']}; {config['steps']} greedy steps per decode, median of {config['repeats']} rounds; "
         f"{config['method']}. Floor: {config['floor']}.\n\n"
     )
-    return intro + markdown_table(header, body) + ("\n" + "\n".join(notes) + "\n" if notes else "")
+    configured = config.get("configured", {})
+    how = ["", "How each contender is configured (`{capacity}` = context + steps of the row: fixed caches sized to the request):", ""]
+    how += [f"- `{name}`: {text}" for name, text in configured.items()]
+    return intro + markdown_table(header, body) + ("\n" + "\n".join(notes) + "\n" if notes else "") + ("\n".join(how) + "\n" if configured else "")
 
 
 def plot(result: dict[str, Any], path: Path) -> None:

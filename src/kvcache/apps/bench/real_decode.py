@@ -6,9 +6,15 @@ runs with it, and whether the model's forward is compiled
 same plain loop (:func:`greedy_steps`): one token per forward pass, argmax, explicit
 ``cache_position``; only the steps are timed, never the filling of the cache.
 
-Compiled contenders keep one cache object per batch size, reset and refilled before every decode,
-so the compiled graph (specialised on shapes and on the cache's static buffers) is traced once per
-batch size; the first decode of each batch size compiles, untimed, and reports how long it took.
+Every fixed-capacity cache (Hugging Face's ``StaticCache``, ours ``static``) is sized to the
+request, as a competent user sizes it: the context plus the steps decoded (``capacity_for``), so a
+static cache never attends more slots than the request needs. ``CONFIGURED`` says how each
+contender is set up; the suite's table prints it.
+
+Compiled contenders keep one cache object per (batch size, context), reset and refilled before
+every decode, so the compiled graph (specialised on shapes and on the cache's static buffers) is
+traced once per (batch, context); the first decode of each compiles, untimed, and reports how long
+it took.
 """
 
 from __future__ import annotations
@@ -59,8 +65,27 @@ CONTENDERS: dict[str, Contender] = {
     "quantized-int4": Contender("quantized-int4", ATTENTION_NAME, quantized=True),
 }
 
+#: How each contender is configured, as the table says (``{capacity}``: ``capacity_for``).
+CONFIGURED: dict[str, str] = {
+    "dynamic": "Hugging Face DynamicCache(config=model.config), model on SDPA",
+    "hf_static": "Hugging Face StaticCache(config=model.config, max_cache_len={capacity}), model on SDPA",
+    "hf_static+compile": "the same StaticCache, model.forward compiled (fullgraph, static shapes)",
+    **{name: f"Hugging Face QuantizedCache(backend={b!r}, nbits={n}), model on SDPA" for name, (b, n) in HF_QUANTIZED.items()},
+    "growable": "make_cache(model) (growable), model on the kvcache attention",
+    "static": "make_cache(model, 'static:capacity={capacity}'), model on the kvcache attention",
+    "static+compile": "make_cache(model, 'static:capacity={capacity}', compile=True), model.forward compiled",
+    "quantized-int8": "make_cache(model, 'quantized:bits=8') (group 64, residual 32), model on the kvcache attention",
+    "quantized-int4": "make_cache(model, 'quantized:bits=4') (group 64, residual 32), model on the kvcache attention",
+}
+
 #: What every row is compared with.
 REFERENCE = "dynamic"
+
+
+def capacity_for(context: int, steps: int) -> int:
+    """A fixed cache's capacity for a decode of ``steps`` tokens after ``context``: exactly what
+    the request holds at its end (the prompt and the tokens fed back)."""
+    return context + steps
 
 #: The package each Hugging Face quantized backend needs.
 BACKEND_PACKAGES = {"quanto": "optimum.quanto", "hqq": "hqq"}
@@ -132,22 +157,23 @@ class Runner:
     """Runs one decode of a contender at a (batch, context); holds the shared caches and the
     compiled forwards between calls. ``close()`` frees them."""
 
-    def __init__(self, model: Any, past: Past, prompts: torch.Tensor, capacity: int, steps: int, backend: str = "inductor") -> None:
-        self.model, self.past, self.prompts, self.capacity, self.steps = model, past, prompts, capacity, steps
+    def __init__(self, model: Any, past: Past, prompts: torch.Tensor, steps: int, backend: str = "inductor") -> None:
+        self.model, self.past, self.prompts, self.steps = model, past, prompts, steps
         self.backend = backend  # "eager" traces (graph breaks, recompiles) without generating code: for tests
-        self.caches: dict[tuple[str, int], Any] = {}
+        self.caches: dict[tuple[str, bool, int, int], Any] = {}
         self.forwards: dict[str, Any] = {}
-        self.compile_s: dict[tuple[str, int], float] = {}
-        self.failed: dict[tuple[str, int], str] = {}
+        self.compile_s: dict[tuple[str, int, int], float] = {}
+        self.failed: dict[tuple[str, int, int], str] = {}
 
-    def cache_for(self, contender: Contender, batch: int) -> Any:
+    def cache_for(self, contender: Contender, batch: int, context: int) -> Any:
         # Our compiled contenders take make_cache(..., compile=True): fixed shapes, one graph.
         fixed = contender.compiled and contender.attention == ATTENTION_NAME
+        capacity = capacity_for(context, self.steps)
         if not contender.shared:
-            return make_contender(contender.cache, self.model, capacity=self.capacity, compile=fixed)
-        key = (contender.cache, fixed, batch)
+            return make_contender(contender.cache, self.model, capacity=capacity, compile=fixed)
+        key = (contender.cache, fixed, batch, context)
         if key not in self.caches:
-            self.caches[key] = make_contender(contender.cache, self.model, capacity=self.capacity, compile=fixed)
+            self.caches[key] = make_contender(contender.cache, self.model, capacity=capacity, compile=fixed)
         cache = self.caches[key]
         cache.reset()
         return cache
@@ -164,7 +190,7 @@ class Runner:
         ``kv_bytes_at_context`` (what the cache held for the context, before the steps); or
         ``reason`` when the contender cannot run (a missing backend, a failed compile)."""
         contender = CONTENDERS[name]
-        reason = unavailable(name) or self.failed.get((name, batch))
+        reason = unavailable(name) or self.failed.get((name, batch, context))
         if reason is not None:
             return {"reason": reason}
         token = self.prompts[:batch, context : context + 1]
@@ -172,14 +198,14 @@ class Runner:
         self.model.set_attn_implementation("sdpa")
         switch = use_kvcache_attention(self.model) if contender.attention == ATTENTION_NAME else nullcontext()
         with switch, torch._dynamo.config.patch(recompile_limit=64):
-            if contender.compiled and (name, batch) not in self.compile_s:
+            if contender.compiled and (name, batch, context) not in self.compile_s:
                 try:
-                    cache = self.cache_for(contender, batch)
+                    cache = self.cache_for(contender, batch, context)
                     fill(cache, self.past, batch, context)
-                    self.compile_s[name, batch] = clock(lambda: greedy_steps(forward, cache, token, context, WARMUP_STEPS))
+                    self.compile_s[name, batch, context] = clock(lambda: greedy_steps(forward, cache, token, context, WARMUP_STEPS))
                 except Exception as e:  # a graph break, an unsupported op: the row reports it
-                    return self._fail(name, batch, "compile failed", e)
-            cache = self.cache_for(contender, batch)
+                    return self._fail(name, batch, context, "compile failed", e)
+            cache = self.cache_for(contender, batch, context)
             fill(cache, self.past, batch, context)
             at_context = cache_bytes(cache)
             result: dict[str, torch.Tensor] = {}
@@ -191,19 +217,21 @@ class Runner:
             except Exception as e:
                 if not contender.compiled:
                     raise
-                return self._fail(name, batch, "recompiled after warm-up", e)
+                return self._fail(name, batch, context, "recompiled after warm-up", e)
         return {
             "seconds": seconds,
             "tokens": result["tokens"],
             "cache_bytes": cache_bytes(cache),
             "kv_bytes_at_context": at_context,
-            "compile_s": self.compile_s.get((name, batch)),
+            "compile_s": self.compile_s.get((name, batch, context)),
+            "capacity": capacity_for(context, self.steps) if contender.shared else None,
         }
 
-    def _fail(self, name: str, batch: int, what: str, error: Exception) -> dict[str, str]:
-        self.failed[name, batch] = f"{what}: {type(error).__name__}: {_first_line(error)}"
-        self.caches.pop((CONTENDERS[name].cache, batch), None)
-        return {"reason": self.failed[name, batch]}
+    def _fail(self, name: str, batch: int, context: int, what: str, error: Exception) -> dict[str, str]:
+        self.failed[name, batch, context] = f"{what}: {type(error).__name__}: {_first_line(error)}"
+        contender = CONTENDERS[name]
+        self.caches.pop((contender.cache, contender.compiled and contender.attention == ATTENTION_NAME, batch, context), None)
+        return {"reason": self.failed[name, batch, context]}
 
     def close(self) -> None:
         self.caches.clear()
