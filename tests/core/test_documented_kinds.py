@@ -125,3 +125,14 @@ def test_each_documented_kind_builds_and_loads_in_a_fresh_process(fresh_runs, ki
     layer = kvcache.registry.spec_kind(kind).layer.kind
     assert report["loaded"] == report["built"] == [layer, layer]
     assert report["seen"] == 12 and report["after"] == 10
+
+
+def test_the_cli_generates_with_kvzip_in_a_fresh_process():
+    """The command the issue that found the registration bug ran, as a user runs it."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvcache", "generate", "--cache", "kvzip:budget=64", "--prompt", "The quick brown fox",
+         "--max-new-tokens", "4"],
+        capture_output=True, text=True, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "cache kvzip:budget=64" in proc.stderr
