@@ -77,6 +77,9 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
     "dots3_note_text": dict(index_topk=4, index_head_dim=16, index_n_heads=2, shared_experts_intermediate_size=32,
                             swa_num_attention_heads=4, swa_num_key_value_heads=4, swa_q_lora_rank=16,
                             swa_kv_lora_rank=16, swa_head_dim=16, swa_qk_nope_head_dim=8, swa_v_head_dim=16),
+    # Kimi Linear: its linear-attention (KDA) heads; LongCat-Flash: its dense and expert FFNs.
+    "kimi_linear": dict(linear_head_dim=16, linear_num_heads=4),
+    "longcat_flash": dict(ffn_hidden_size=128, expert_ffn_hidden_size=32, zero_expert_num=2, moe_topk=2),
     # Qwen4-Exp's indexed (QSA) layers need their indexer sizes; a budget of 4 tokens in blocks of 2.
     **{f: dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=4,
                indexer_compress_ratio=2, linear_key_head_dim=16, linear_value_head_dim=16,

@@ -26,7 +26,7 @@ from .layers.base import check_kv
 from .layers import KVLayer, LayerState
 from .persist import SavedCache, encode_cache, write_cache_file
 from .spec import CacheSpec
-from .support import bounded_refusal
+from .support import switched_refusal
 
 
 @dataclass
@@ -148,7 +148,7 @@ class KVCache(ForeignLayers, Cache):
                 f"implementation, and the model runs {config._attn_implementation!r}; call {SWITCH_HINT} "
                 f"(or use it as a context manager around generate) first; the cache is unchanged"
             )
-        refusal = bounded_refusal(config)  # what the switch found in the model's modules
+        refusal = switched_refusal(config)  # what the switch found in the model's modules
         if refusal is not None:
             raise UnsupportedOperation(
                 f"this cache has bounded layers ({', '.join(self._bounded_kinds)}), which cannot serve this model: "

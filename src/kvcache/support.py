@@ -14,7 +14,8 @@ models do otherwise, and a bounded cache would give them wrong tokens:
   run as a language model without ``is_decoder``), found by the switch on the model's modules.
 
 ``make_cache`` refuses a bounded spec for the first, and a ``KVCache`` with bounded layers refuses
-its first update for the second (the switch records it on the config); either way nothing changed.
+its first update for the second (the switch records it on the config: ``switched_refusal``);
+either way nothing changed.
 The ``"kvcache"`` attention keeps its own checks as a last line (``hf.hf_attention_forward``).
 """
 
@@ -44,6 +45,12 @@ def bounded_refusal(config: Any) -> str | None:
             "this model uses multi-head latent attention: it caches compressed latents and expands them into "
             "keys and values after the cache, which a bounded layer's attention never sees"
         )
+    return None
+
+
+def switched_refusal(config: Any) -> str | None:
+    """What the switch found in the model's modules that a bounded layer cannot serve (cheap: read
+    on every forward pass of a bounded cache), or None."""
     return getattr(config, NONCAUSAL_FLAG, None)
 
 

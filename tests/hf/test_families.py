@@ -41,8 +41,6 @@ NOT_RUNNABLE: dict[str, str] = {
     'gemma4_unified_assistant': 'from_pretrained only: its config cannot be built from defaults (AutoConfig raises OSError)',
     'git': 'builder limit, not yet shrunk: its vision_config keeps its defaults (86M parameters)',
     'got_ocr2': 'from_pretrained only: its config cannot be built from defaults (AutoConfig raises OSError)',
-    'kimi_linear': 'builder limit, not yet shrunk: 8.9M parameters (its linear-attention head fields not shrunk)',
-    'longcat_flash': 'builder limit, not yet shrunk: 73M parameters (its own MoE/MLA fields not shrunk)',
     'mamba': 'no Cache path: the model takes no past_key_values (its state goes in cache_params, a MambaCache of its own)',
     'mamba2': 'no Cache path: the model takes no past_key_values (its state goes in cache_params, a Mamba2Cache of its own)',
     'minimax': 'the reference refuses: MiniMax raises on any past_key_values that is not its own cache class',
