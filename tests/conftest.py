@@ -1,5 +1,40 @@
 import pytest
-import torch
+
+from kvcache.half_precision import HalfPrecision, use_safe_isa
+
+# Before any test runs a kernel: on CPUs whose oneDNN AMX kernels crash half-precision matmul, the
+# cap below AMX must be in place before oneDNN first dispatches (it reads it once). Children of
+# tests inherit it. Where even the cap does not help, half-precision tests are skipped, saying why.
+HALF_PRECISION = use_safe_isa()
+
+import torch  # noqa: E402  (after the cap)
+
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def pytest_report_header(config):
+    found = HALF_PRECISION
+    if found.status is HalfPrecision.NEEDS_ISA_CAP:
+        return f"half precision: {found.describe()}; set for this run"
+    if found.status is HalfPrecision.BROKEN:
+        return f"half precision: {found.describe()}; tests marked half_precision or run in half dtypes are skipped"
+    return f"half precision: {found.describe()}"
+
+
+def runs_half_precision(item: pytest.Item) -> bool:
+    if item.get_closest_marker("half_precision") is not None:
+        return True
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return any(value in HALF_DTYPES for value in params.values() if isinstance(value, torch.dtype))
+
+
+def pytest_collection_modifyitems(config, items):
+    if HALF_PRECISION.status is not HalfPrecision.BROKEN:
+        return
+    skip = pytest.mark.skip(reason=f"half precision: {HALF_PRECISION.describe()}")
+    for item in items:
+        if runs_half_precision(item):
+            item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -175,6 +175,7 @@ def test_fully_masked_rows_are_zero():
     close(out_f[ok], reference(q, k, v, mask=mask)[ok])
 
 
+@pytest.mark.half_precision
 def test_bf16_inputs():
     q, k, v = qkv(2, 8, 2, 5, 40, capacity=48)
     qb, kb, vb = q.bfloat16(), k.bfloat16(), v.bfloat16()

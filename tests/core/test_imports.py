@@ -6,7 +6,7 @@
       |
     model    cache, build, cachefile, spec, hf, attention_kwargs, support, foreign, compiled, prefill (the transformers-facing cache)
       |
-    storage  layers.*, attention.*, persist.*, quant, policies, options, registry, fingerprint,
+    storage  layers.*, attention.*, persist.*, quant, policies, options, registry, fingerprint, half_precision,
              models.* (real pretrained models: may import errors and transformers, nothing of the cache)
       |
     errors   errors
@@ -29,7 +29,7 @@ import kvcache
 PACKAGE = Path(kvcache.__file__).parent
 
 TIERS = ["errors", "storage", "model", "api", "apps"]
-STORAGE = ("layers", "attention", "persist", "quant", "policies", "options", "registry", "fingerprint", "models")
+STORAGE = ("layers", "attention", "persist", "quant", "policies", "options", "registry", "fingerprint", "half_precision", "models")
 MODEL = ("cache", "build", "cachefile", "spec", "hf", "attention_kwargs", "support", "foreign", "compiled", "scoring", "prefill", "store")
 
 

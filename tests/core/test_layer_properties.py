@@ -43,7 +43,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from helpers import layer_fingerprint
+from helpers import dtypes_here, layer_fingerprint
 from kvcache import CacheFullError, DTypeError, ShapeError, UnsupportedOperation
 from kvcache.layers import ConcatLayer, EvictingLayer, GrowableLayer, StaticLayer, WindowLayer
 
@@ -298,7 +298,7 @@ GEOMETRY = dict(
     group=st.just(1),
     key_dim=st.integers(1, 8),
     value_dim=st.integers(1, 8),
-    dtype=st.sampled_from((torch.float32, torch.bfloat16, torch.float16)),
+    dtype=st.sampled_from(dtypes_here(torch.float32, torch.bfloat16, torch.float16)),
     seed=st.integers(0, 2**31 - 1),
 )
 #: Bounded kinds attend (GQA groups; dtypes SDPA compares within TOLERANCE).
@@ -308,7 +308,7 @@ BOUNDED_GEOMETRY = dict(
     group=st.integers(1, 2),
     key_dim=st.integers(1, 6),
     value_dim=st.integers(1, 6),
-    dtype=st.sampled_from((torch.float32, torch.bfloat16)),
+    dtype=st.sampled_from(dtypes_here(torch.float32, torch.bfloat16)),
 )
 STATIC_LARGE = 30 * MAX_CHUNK + 10  # more than any run appends
 

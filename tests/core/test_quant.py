@@ -184,6 +184,7 @@ def test_error_within_bound(dtype, bits, layout, data):
         assert (bound <= scale * 0.501).all()
 
 
+@pytest.mark.half_precision
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_bf16_output_rounding_is_in_the_bound(bits, layout):

@@ -25,7 +25,20 @@ from ..errors import KVCacheError
 from ..spec import parse_spec, valid_specs
 from .cli_demo import add_demo
 from .cli_models import add_models
-from .cli_options import PROG, add_command, cache_spec, check_device, int_at_least, output_file, positive_float, probability
+from .cli_options import (
+    DTYPES,
+    HALF_DTYPES,
+    PROG,
+    add_command,
+    cache_spec,
+    check_device,
+    check_half_precision,
+    int_at_least,
+    output_file,
+    positive_float,
+    probability,
+    weights_dtype,
+)
 from .cli_runs import add_bench, add_eval
 
 
@@ -34,14 +47,15 @@ from .cli_runs import add_bench, add_eval
 TINY = "tiny"
 
 
-def load_model(name_or_dir: str, device: str = "cpu") -> tuple[Any, Any]:
+def load_model(name_or_dir: str, device: str = "cpu", dtype: str = "auto") -> tuple[Any, Any]:
     """``(model, tokenizer)`` for ``--model``: ``"tiny"``, a registry model or a local Hugging Face
-    checkpoint folder.
+    checkpoint folder, weights in ``dtype`` (``"auto"``: as the checkpoint stores them).
 
     ``"tiny"`` is the small model trained for kvcache and shipped with it (:mod:`kvcache.apps.trained`),
     with its byte-level tokenizer. A registry model (:mod:`kvcache.models`, e.g. ``smollm2``) is
     downloaded and converted the first time, progress on stderr. A folder is loaded with
-    ``AutoTokenizer`` / ``AutoModelForCausalLM``, never from the hub.
+    ``AutoTokenizer`` / ``AutoModelForCausalLM``, never from the hub. Half-precision weights on the
+    CPU are checked first (:func:`.cli_options.check_half_precision`).
     """
     from ..models import find_entry, known_names, model_path
 
@@ -55,10 +69,12 @@ def load_model(name_or_dir: str, device: str = "cpu") -> tuple[Any, Any]:
         raise KVCacheError(
             f"--model: {name_or_dir!r} is neither {TINY!r} nor a model directory nor a known model ({known_names()})"
         )
+    if device == "cpu" and weights_dtype(name_or_dir, dtype) in HALF_DTYPES:
+        check_half_precision(f"--model {name_or_dir} in {weights_dtype(name_or_dir, dtype)}")
     from .trained import load_pretrained
 
     try:
-        return load_pretrained(name_or_dir, device)
+        return load_pretrained(name_or_dir, device, dtype)
     except (OSError, ValueError, KeyError) as e:
         reason = " ".join(str(e).split())
         raise KVCacheError(f"cannot load a model and tokenizer from {name_or_dir}: {reason}") from e
@@ -148,6 +164,10 @@ def add_generate(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--seed", type=int, default=None, metavar="N", help="seed torch's random generator (for --sample)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="(default: %(default)s)")
+    p.add_argument(
+        "--dtype", choices=DTYPES, default="auto",
+        help="weights and cache dtype; auto: as the checkpoint stores them (default: %(default)s)",
+    )
     p.set_defaults(sample=False)
 
 
@@ -175,7 +195,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     check_device(args.device)
     if args.seed is not None:
         torch.manual_seed(args.seed)
-    model, tokenizer = load_model(args.model, args.device)
+    model, tokenizer = load_model(args.model, args.device, args.dtype)
     use_kvcache_attention(model)  # our model: fast decode attention, and what bounded caches need
     store = None
     if args.load_cache:

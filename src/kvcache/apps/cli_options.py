@@ -83,6 +83,37 @@ def check_device(device: str) -> None:
         raise KVCacheError(f"--device cuda: CUDA is not available ({why}; torch {torch.__version__}); use --device cpu")
 
 
+#: ``--dtype`` choices: ``auto`` keeps the checkpoint's own.
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+HALF_DTYPES = ("bfloat16", "float16")
+
+
+def weights_dtype(folder: str, dtype: str) -> str:
+    """The dtype a model in ``folder`` loads in under ``--dtype dtype``: ``auto`` reads the
+    checkpoint's ``config.json`` (``dtype``, or the older ``torch_dtype``; float32 when absent)."""
+    if dtype != "auto":
+        return dtype
+    try:
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return "float32"  # loading reports the broken folder
+    stored = config.get("dtype", config.get("torch_dtype")) if isinstance(config, dict) else None
+    return stored if isinstance(stored, str) else "float32"
+
+
+def check_half_precision(what: str) -> None:
+    """Before a model runs in half precision on the CPU: where this CPU's oneDNN AMX kernels kill the
+    process (see :mod:`kvcache.half_precision`), cap oneDNN for this run and say so, or refuse."""
+    from ..half_precision import HalfPrecision, use_safe_isa
+
+    found = use_safe_isa()
+    if found.status is HalfPrecision.NEEDS_ISA_CAP:
+        print(f"{PROG}: note: {found.describe()}; set for this run", file=sys.stderr, flush=True)
+    elif found.status is HalfPrecision.BROKEN:
+        raise KVCacheError(f"{what}: {found.describe()} (--dtype float32)")
+
+
 def output_dir(path: str) -> Path:
     """``--out`` as a Path; refused if it exists and is not a directory."""
     out = Path(path)

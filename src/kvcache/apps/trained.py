@@ -18,9 +18,10 @@ __all__ = ["MODEL_DIR", "load_pretrained", "load_trained"]
 MODEL_DIR = Path(__file__).parent / "weights" / "tiny"
 
 
-def load_pretrained(path: str | Path, device: str = "cpu") -> tuple[Any, Any]:
-    """``(model, tokenizer)`` from a local model folder, in eval mode, without the hub and without
-    ``transformers``' weight-loading progress bar (a tiny model loads in milliseconds)."""
+def load_pretrained(path: str | Path, device: str = "cpu", dtype: str = "auto") -> tuple[Any, Any]:
+    """``(model, tokenizer)`` from a local model folder, in eval mode, weights in ``dtype`` (a torch
+    dtype's name, or ``"auto"``: as stored), without the hub and without ``transformers``'
+    weight-loading progress bar (a tiny model loads in milliseconds)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -28,7 +29,7 @@ def load_pretrained(path: str | Path, device: str = "cpu") -> tuple[Any, Any]:
     hf_logging.disable_progress_bar()
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
     finally:
         if shown:
             hf_logging.enable_progress_bar()
