@@ -39,7 +39,7 @@ from ..attention import Reads
 from ..errors import ShapeError, UnsupportedOperation
 from ..options import Option, number
 from .bounded import SelectingLayer
-from .budget import check_budget
+from .budget import check_budget, holds_wrong_size, slots_to_allocate
 from .checks import Geometry
 from .shared_budget import (
     OwnHeads,
@@ -189,10 +189,9 @@ class AdaptiveLayer(SelectingLayer):
     def _ensure_capacity(self, need: int, seen: int) -> None:
         if self.store.allocated and self.capacity >= need:
             return
-        target = self._capacity_for(seen)
-        if isinstance(self.budget, float):  # a share grows with the sequence: grow geometrically
-            target = max(target, 2 * self.capacity)
-        self.store.allocate(max(need, target), self._flat_geometry())  # the stored slots kept
+        need = max(need, self._capacity_for(seen))
+        growing = isinstance(self.budget, float)
+        self.store.allocate(slots_to_allocate(need, growing, self.kv_heads), self._flat_geometry())  # the stored slots kept
 
     def attend(self, query: torch.Tensor, **kwargs) -> torch.Tensor:
         """As ``BoundedLayer.attend`` (query ``[B, Hq, Sq, D]``), each query head over its own KV head's slots."""
@@ -249,10 +248,11 @@ class AdaptiveLayer(SelectingLayer):
             slots = gather_slots(slots, index)
         kept = slots["positions"].shape[2]
         batch = slots["positions"].shape[0]
-        target = self._capacity_for(self.seen)
-        if not self.store.allocated or self.capacity < kept or self.capacity > 2 * target or self.store.batch != batch:
+        need, growing = max(self._capacity_for(self.seen), kept), isinstance(self.budget, float)
+        wrong_size = not self.store.allocated or holds_wrong_size(self.capacity, need, growing, self.kv_heads)
+        if wrong_size or self.store.batch != batch:
             self.geometry = replace(self.geometry, batch=batch)
-            self.store.allocate(max(target, kept), self._flat_geometry(), keep=False)
+            self.store.allocate(slots_to_allocate(need, growing, self.kv_heads), self._flat_geometry(), keep=False)
         self.store.write(0, slots)
         self.store.length = kept
 

@@ -1,6 +1,12 @@
 """How many slots an evicting layer keeps after some number of tokens: its budget (a count, or
 below 1 a share of the tokens seen), the protected sinks and recent tokens, and the policy's
-sizing by the layer's depth (PyramidKV: ``Policy.layer_budget``)."""
+sizing by the layer's depth (PyramidKV: ``Policy.layer_budget``); and how many it allocates.
+
+A count is allocated once, at its size. A share grows with the sequence, a slot every few tokens:
+its store is allocated with room to grow of :data:`GROWTH_ROOM` of what it keeps (at least
+:data:`MIN_ROOM` steps' worth), so its bytes stay within a few percent of what a count of the same
+size would hold, and a sequence of n tokens reallocates O(log n) times, not once per slot.
+Doubling would keep up to twice the bytes the budget promises."""
 
 from __future__ import annotations
 
@@ -19,6 +25,26 @@ def check_budget(size: int | float, unit: str = "token") -> int | float:
     if int(size) < 1:
         raise ValueError(f"budget must be >= 1 {unit} (or a fraction in (0, 1)), got {size}")
     return int(size)
+
+
+#: Room a growing budget allocates beyond what it needs, as a share of that (1/16: ~6% of bytes).
+GROWTH_ROOM = 1 / 16
+#: ... and at least this many steps of slots, so small stores do not reallocate every step.
+MIN_ROOM = 8
+
+
+def slots_to_allocate(need: int, growing: bool, step: int = 1) -> int:
+    """Capacity for a store that must hold ``need`` slots: exactly that for a fixed budget; with
+    room to grow for a budget that ``growing`` with the sequence, ``step`` slots per token."""
+    if not growing:
+        return need
+    return need + max(MIN_ROOM * step, math.ceil(need * GROWTH_ROOM))
+
+
+def holds_wrong_size(capacity: int, need: int, growing: bool, step: int = 1) -> bool:
+    """Whether a store of ``capacity`` slots should be reallocated to hold ``need``: too small, or
+    larger than ``slots_to_allocate`` would make it (after a trim, a load or a batch change)."""
+    return capacity < need or capacity > slots_to_allocate(need, growing, step)
 
 
 @dataclass

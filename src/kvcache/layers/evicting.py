@@ -35,7 +35,7 @@ from .checks import Geometry
 from .state import LayerState
 from ..attention import Reads
 from .bounded import SelectingLayer
-from .budget import Budget
+from .budget import Budget, holds_wrong_size, slots_to_allocate
 from .slots import get_storage
 from .store import Layout, SlotStore
 
@@ -177,17 +177,20 @@ class EvictingLayer(SelectingLayer):
         return self.policy.weights_for(queries)
 
     def _capacity_for(self, seen: int) -> int:
-        """Slots allocated for ``seen`` tokens: the budget then and one spare for a decode step."""
+        """Slots needed for ``seen`` tokens: the budget then and one spare for a decode step."""
         return self.budget_now(seen) + 1
+
+    @property
+    def _growing(self) -> bool:
+        """A share of the sequence: allocated with room to grow (``budget.slots_to_allocate``)."""
+        return isinstance(self.budget, float)
 
     def _ensure_capacity(self, need: int, key, value) -> None:
         if self.store.allocated and self.capacity >= need:
             return
-        target = self._capacity_for(self.seen + key.shape[2])
-        if isinstance(self.budget, float):  # a fraction grows with the sequence: grow geometrically
-            target = max(target, 2 * self.capacity)
+        need = max(need, self._capacity_for(self.seen + key.shape[2]))
         self.geometry = self.geometry or Geometry.of(key, value)
-        self.store.allocate(max(need, target), self.geometry)  # the stored slots kept
+        self.store.allocate(slots_to_allocate(need, self._growing), self.geometry)  # the stored slots kept
 
     # ---- after attention: score, then evict ------------------------------------------------
 
@@ -241,10 +244,10 @@ class EvictingLayer(SelectingLayer):
                 for name, t in slots.items()
             }
         kept = slots["positions"].shape[2]
-        target = self._capacity_for(self.seen)
-        if not self.store.allocated or self.capacity < kept or self.capacity > 2 * target:
+        need = max(self._capacity_for(self.seen), kept)
+        if not self.store.allocated or holds_wrong_size(self.capacity, need, self._growing):
             self.geometry = replace(self.geometry, batch=slots["positions"].shape[0])
-            self.store.allocate(max(target, kept), self.geometry, keep=False)
+            self.store.allocate(slots_to_allocate(need, self._growing), self.geometry, keep=False)
         self.store.write(0, slots)
         self.store.length = kept
 
