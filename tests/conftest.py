@@ -37,6 +37,21 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _shared_models_left_as_found(request):
+    """A test that switches a shared model's attention (helpers.model_for) must switch it back."""
+    from helpers import SHARED_MODELS
+
+    before = {key: model.config._attn_implementation for key, model in SHARED_MODELS.items()}
+    yield
+    changed = [
+        f"{key[0]}: {before[key]} -> {model.config._attn_implementation}"
+        for key, model in SHARED_MODELS.items()
+        if key in before and model.config._attn_implementation != before[key]
+    ]
+    assert not changed, f"{request.node.nodeid} left shared models switched: {changed}"
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
     """Tiny models are overhead-bound: one intra-op thread is much faster on a busy 2-core box."""

@@ -24,9 +24,16 @@ def dtypes_here(*dtypes: torch.dtype) -> tuple[torch.dtype, ...]:
     return tuple(d for d in dtypes if d not in (torch.bfloat16, torch.float16))
 
 
-@functools.lru_cache(maxsize=None)
+#: The tiny models tests share, by (family, overrides): a test that changes one must put it back
+#: (conftest checks their attention implementation after every test).
+SHARED_MODELS: dict[tuple, object] = {}
+
+
 def model_for(family: str, **overrides):
-    return tiny_model(family, **overrides)
+    key = (family, tuple(sorted(overrides.items())))
+    if key not in SHARED_MODELS:
+        SHARED_MODELS[key] = tiny_model(family, **overrides)
+    return SHARED_MODELS[key]
 
 
 def prompt(length: int, seed: int = 0, batch: int = 1) -> torch.Tensor:

@@ -52,6 +52,10 @@ class use_kvcache_attention:
     implementation comes back when the block ends, also on an error. Bounded caches need it (their
     slots are not the past in order); unbounded ones are faster with it for decode with grouped
     heads. Works on anything with ``set_attn_implementation`` (every ``transformers`` model).
+
+    Blocks on one model may overlap (threads sharing a model, nested blocks): the model is
+    switched while any of them runs and the implementation it had before the first comes back
+    when the last ends. A plain call holds the switch for good, so no later block undoes it.
     """
 
     def __init__(self, model) -> None:
@@ -61,30 +65,62 @@ class use_kvcache_attention:
                 f"got {type(model).__name__}"
             )
         self.model = model
-        self.previous = model.config._attn_implementation
-        # A model written only for eager attention may rely on eager's additive masks (it adds
-        # biases to them, or has no causal flag of its own): it gets those masks (see kvcache_mask).
-        self.flagged = [] if getattr(model, "_supports_sdpa", True) else _configs(model)
-        # A model whose attention is not causal: bounded caches refuse it up front (``support.py``).
-        noncausal = noncausal_attention(model)
-        self.flags = [(c, EAGER_MASKS, True) for c in self.flagged] + [(c, NONCAUSAL_FLAG, noncausal) for c in _configs(model) if noncausal]
-        self.flags_before = [getattr(c, name, None) for c, name, _ in self.flags]
-        for config, name, value in self.flags:
-            setattr(config, name, value)
-        if self.previous != ATTENTION_NAME:
-            model.set_attn_implementation(ATTENTION_NAME)
+        with _SWITCHED_LOCK:
+            held = _SWITCHED.get(model)
+            if held is None:
+                _SWITCHED[model] = held = _Switched.of(model)
+            held.holders += 1
+            if model.config._attn_implementation != ATTENTION_NAME:
+                model.set_attn_implementation(ATTENTION_NAME)
 
     def __enter__(self):
         return self.model
 
     def __exit__(self, *exc) -> None:
-        if self.model.config._attn_implementation != self.previous:
-            self.model.set_attn_implementation(self.previous)
-        for (config, name, _), before in zip(self.flags, self.flags_before):
+        with _SWITCHED_LOCK:
+            held = _SWITCHED.get(self.model)
+            if held is None:  # exited twice
+                return
+            held.holders -= 1
+            if held.holders == 0:
+                del _SWITCHED[self.model]
+                held.restore(self.model)
+
+
+class _Switched:
+    """What a switch changed on a model, to put back when the last block on it ends: the
+    attention implementation it had and the flags set on its configs (each with its old value)."""
+
+    def __init__(self, previous: str, flags: list[tuple[object, str, object]]) -> None:
+        self.previous, self.flags, self.holders = previous, flags, 0
+
+    @classmethod
+    def of(cls, model) -> "_Switched":
+        """Set the flags a switched ``model`` needs on its configs; the record of what was there."""
+        # A model written only for eager attention may rely on eager's additive masks (it adds
+        # biases to them, or has no causal flag of its own): it gets those masks (see kvcache_mask).
+        flagged = [] if getattr(model, "_supports_sdpa", True) else _configs(model)
+        # A model whose attention is not causal: bounded caches refuse it up front (``support.py``).
+        noncausal = noncausal_attention(model)
+        wanted = [(c, EAGER_MASKS, True) for c in flagged] + [(c, NONCAUSAL_FLAG, noncausal) for c in _configs(model) if noncausal]
+        record = cls(model.config._attn_implementation, [(c, name, getattr(c, name, None)) for c, name, _ in wanted])
+        for config, name, value in wanted:
+            setattr(config, name, value)
+        return record
+
+    def restore(self, model) -> None:
+        if model.config._attn_implementation != self.previous:
+            model.set_attn_implementation(self.previous)
+        for config, name, before in self.flags:
             if before is None:
                 delattr(config, name)
             else:
                 setattr(config, name, before)
+
+
+#: Models switched now, with what to put back (weak: a model that goes away takes its entry).
+_SWITCHED: "weakref.WeakKeyDictionary[object, _Switched]" = weakref.WeakKeyDictionary()
+_SWITCHED_LOCK = threading.Lock()
 
 
 #: Set on the configs of a switched model that does not support SDPA: its masks are eager's.

@@ -198,8 +198,8 @@ def test_generate_tiny_streams_tokens_as_they_come(tiny, capsys, monkeypatch):
     events: list = []
     real_load = cli.load_model
 
-    def load_with_hook(name, device):
-        model, tokenizer = real_load(name, device)
+    def load_with_hook(name, device, dtype):
+        model, tokenizer = real_load(name, device, dtype)
         model.register_forward_hook(lambda *_: events.append(("forward",)))
         return model, tokenizer
 

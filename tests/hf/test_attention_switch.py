@@ -7,6 +7,8 @@ and the model unchanged.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -174,3 +176,49 @@ def test_bounded_kinds_are_refused_before_anything_is_written_where_they_cannot_
         assert cache is None or cache.seen == 0
         out = model.generate(ids, past_key_values=kvcache.make_cache(model), max_new_tokens=3, do_sample=False, pad_token_id=0)
     assert out.shape == (1, 11)  # the default cache serves it
+
+
+def test_overlapping_blocks_on_one_model_restore_when_the_last_ends():
+    """Threads sharing a model (a prompt store's prefill from several threads) open overlapping
+    blocks: the first to end must not switch the model back under the others, and the last to end
+    puts back what the model had before the first began."""
+    model = tiny_model("llama")
+    before = model.config._attn_implementation
+    outer = kvcache.use_kvcache_attention(model)
+    inner = kvcache.use_kvcache_attention(model)
+    outer.__exit__(None, None, None)  # ends first: the inner block still runs
+    assert model.config._attn_implementation == "kvcache"
+    inner.__exit__(None, None, None)
+    assert model.config._attn_implementation == before
+
+
+def test_threads_switching_one_model_leave_it_as_it_was():
+    model = tiny_model("llama")
+    before = model.config._attn_implementation
+    start = threading.Barrier(4)
+    errors = []
+
+    def work():
+        try:
+            start.wait()
+            for _ in range(50):
+                with kvcache.use_kvcache_attention(model):
+                    assert model.config._attn_implementation == "kvcache"
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert model.config._attn_implementation == before
+
+
+def test_a_plain_call_holds_the_switch_past_later_blocks():
+    model = tiny_model("llama")
+    kvcache.use_kvcache_attention(model)
+    with kvcache.use_kvcache_attention(model):
+        pass
+    assert model.config._attn_implementation == "kvcache"
