@@ -32,6 +32,18 @@ FIELDS = {
         "final_bytes": positive_int,
     },
     "bounded": {"part": text, "contender": text, "spec": text},  # per-part checks: test_bench_bounded.py
+    "budget": {
+        "kind": text,
+        "budget_type": text,
+        "spec": text,
+        "bytes_after_prompt": positive_int,
+        "bytes_end": positive_int,
+        "bytes_peak": positive_int,
+        "kept_slots_end": positive_int,
+        "reallocations_decode": nonneg_int,
+        "decode_tokens_per_s": positive_number,
+        "bytes_vs_count": positive_number,
+    },
     "decode": {
         "variant": text,
         "query_heads": positive_int,
@@ -264,3 +276,19 @@ def test_attention_quantized_rows(tiny_results):
         assert by["int8"]["max_abs_diff_vs_fp32"] < 0.05 and by["int4"]["max_abs_diff_vs_fp32"] < 0.5
         for r in by.values():
             assert r["ms"] > 0 and r["bandwidth_fraction"] > 0 and len(r["samples_ms"]) > 0
+
+
+def test_budget_share_holds_the_bytes_it_keeps_and_a_count_never_moves(tiny_results):
+    """Both keep the same slots at the end; the share's bytes grew in steps (room of 1/16, at
+    least 8 slots: on the tiny run's small stores the minimum room is up to ~12%), the count's
+    store was allocated once, before the decode, at its size."""
+    _, result = tiny_results("budget")
+    rows = {(r["kind"], r["budget_type"]): r for r in result["rows"]}
+    assert {kind for kind, _ in rows} == set(get_suite("budget").KINDS)
+    for kind in get_suite("budget").KINDS:
+        share, count = rows[(kind, "share")], rows[(kind, "count")]
+        assert share["kept_slots_end"] == count["kept_slots_end"], kind
+        assert count["reallocations_decode"] == 0 and count["bytes_peak"] == count["bytes_end"], kind
+        assert share["bytes_after_prompt"] < share["bytes_end"] == share["bytes_peak"], kind
+        assert 1.0 <= share["bytes_vs_count"] <= 1.15, (kind, share["bytes_vs_count"])
+        assert share["reallocations_decode"] >= 1, kind
