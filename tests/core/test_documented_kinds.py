@@ -35,12 +35,14 @@ BUDGETED = "budget=6"
 
 
 def documented_kinds() -> set[str]:
-    """The kinds the README's kinds tables (the first cell of each row, up to ``:``), the spec listing
+    """The kinds the kinds tables of the README and docs/kinds.md (the first cell of each row, up to ``:``), the spec listing
     and ``kvcache generate --help`` name."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Cache kinds") :]
-    section = section[: section.index("\n## ", 1)]
-    from_readme = {m.group(1) for m in re.finditer(r"^\| `([a-z0-9-]+)[:`]", section, flags=re.M)}
+    from_readme = set()
+    for page, heading in ((ROOT / "README.md", "## Cache kinds"), (ROOT / "docs" / "kinds.md", "## Cache kinds")):
+        text = page.read_text()
+        section = text[text.index(heading) :]
+        section = section[: section.index("\n## ", 1)]
+        from_readme |= {m.group(1) for m in re.finditer(r"^\| `([a-z0-9-]+)[:`]", section, flags=re.M)}
     from_listing = {line.split()[0] for line in valid_specs().splitlines()}
     help_text = subprocess.run(
         [sys.executable, "-m", "kvcache", "generate", "--help"], capture_output=True, text=True, cwd=ROOT, check=True
