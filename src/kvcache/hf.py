@@ -55,7 +55,8 @@ class use_kvcache_attention:
 
     Blocks on one model may overlap (threads sharing a model, nested blocks): the model is
     switched while any of them runs and the implementation it had before the first comes back
-    when the last ends. A plain call holds the switch for good, so no later block undoes it.
+    when the last ends. A plain call holds the switch for good, so no later block undoes it, until
+    the model is switched to another implementation by hand: a block after that puts that one back.
     """
 
     def __init__(self, model) -> None:
@@ -67,7 +68,9 @@ class use_kvcache_attention:
         self.model = model
         with _SWITCHED_LOCK:
             held = _SWITCHED.get(model)
-            if held is None:
+            if held is None or model.config._attn_implementation != ATTENTION_NAME:
+                # Not switched, or switched away since by someone else: what it runs now is what
+                # the blocks from here on put back.
                 _SWITCHED[model] = held = _Switched.of(model)
             held.holders += 1
             if model.config._attn_implementation != ATTENTION_NAME:

@@ -222,3 +222,12 @@ def test_a_plain_call_holds_the_switch_past_later_blocks():
     with kvcache.use_kvcache_attention(model):
         pass
     assert model.config._attn_implementation == "kvcache"
+
+
+def test_a_block_after_switching_back_by_hand_puts_back_what_the_model_runs_then():
+    model = tiny_model("llama")
+    kvcache.use_kvcache_attention(model)
+    model.set_attn_implementation("eager")
+    with kvcache.use_kvcache_attention(model):
+        assert model.config._attn_implementation == "kvcache"
+    assert model.config._attn_implementation == "eager"
