@@ -69,8 +69,9 @@ def load_model(name_or_dir: str, device: str = "cpu", dtype: str = "auto") -> tu
         raise KVCacheError(
             f"--model: {name_or_dir!r} is neither {TINY!r} nor a model directory nor a known model ({known_names()})"
         )
-    if device == "cpu" and weights_dtype(name_or_dir, dtype) in HALF_DTYPES:
-        check_half_precision(f"--model {name_or_dir} in {weights_dtype(name_or_dir, dtype)}")
+    loads_in = weights_dtype(name_or_dir, dtype)
+    if device == "cpu" and loads_in in HALF_DTYPES:
+        check_half_precision(f"--model {name_or_dir} in {loads_in}")
     from .trained import load_pretrained
 
     try:

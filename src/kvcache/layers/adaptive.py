@@ -190,8 +190,7 @@ class AdaptiveLayer(SelectingLayer):
         if self.store.allocated and self.capacity >= need:
             return
         need = max(need, self._capacity_for(seen))
-        growing = isinstance(self.budget, float)
-        self.store.allocate(slots_to_allocate(need, growing, self.kv_heads), self._flat_geometry())  # the stored slots kept
+        self.store.allocate(slots_to_allocate(need, self._growing, self.kv_heads), self._flat_geometry())  # the stored slots kept
 
     def attend(self, query: torch.Tensor, **kwargs) -> torch.Tensor:
         """As ``BoundedLayer.attend`` (query ``[B, Hq, Sq, D]``), each query head over its own KV head's slots."""
@@ -248,11 +247,11 @@ class AdaptiveLayer(SelectingLayer):
             slots = gather_slots(slots, index)
         kept = slots["positions"].shape[2]
         batch = slots["positions"].shape[0]
-        need, growing = max(self._capacity_for(self.seen), kept), isinstance(self.budget, float)
-        wrong_size = not self.store.allocated or holds_wrong_size(self.capacity, need, growing, self.kv_heads)
+        need = max(self._capacity_for(self.seen), kept)
+        wrong_size = not self.store.allocated or holds_wrong_size(self.capacity, need, self._growing, self.kv_heads)
         if wrong_size or self.store.batch != batch:
             self.geometry = replace(self.geometry, batch=batch)
-            self.store.allocate(slots_to_allocate(need, growing, self.kv_heads), self._flat_geometry(), keep=False)
+            self.store.allocate(slots_to_allocate(need, self._growing, self.kv_heads), self._flat_geometry(), keep=False)
         self.store.write(0, slots)
         self.store.length = kept
 

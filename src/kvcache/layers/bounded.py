@@ -174,6 +174,12 @@ class SelectingLayer(BoundedLayer):
     _set: dict[str, torch.Tensor] | None = None
 
     @property
+    def _growing(self) -> bool:
+        """The budget is a share of the sequence: its store is allocated with room to grow
+        (``budget.slots_to_allocate``)."""
+        return isinstance(self.budget, float)
+
+    @property
     def selection_name(self) -> str:
         """How error messages name the layer (its policy, for eviction)."""
         return self.kind

@@ -180,11 +180,6 @@ class EvictingLayer(SelectingLayer):
         """Slots needed for ``seen`` tokens: the budget then and one spare for a decode step."""
         return self.budget_now(seen) + 1
 
-    @property
-    def _growing(self) -> bool:
-        """A share of the sequence: allocated with room to grow (``budget.slots_to_allocate``)."""
-        return isinstance(self.budget, float)
-
     def _ensure_capacity(self, need: int, key, value) -> None:
         if self.store.allocated and self.capacity >= need:
             return
