@@ -76,9 +76,9 @@ class KVCache(ForeignLayers, Cache):
         for store, readers in zip(self.stores, kv_readers(attention_config, len(self.stores))):
             if store is not None and store.needs_own_attention:
                 store.readers = readers
-        #: For each layer, the bounded layer whose read record its attention reads (its own, or for a
-        #: layer reusing another's keys and values the owner's), or None: what "kvcache" attention asks.
-        self.read_layers = [
+        # For each layer index, the bounded layer whose pending record its attention reads (its own, or
+        # for a layer reusing another's keys and values the owner's), or None (``pending_layer``).
+        self._read_layers = [
             self.stores[j] if j is not None and self.stores[j] in self.bounded_layers else None
             for j in kv_owners(attention_config, len(self.stores))
         ]
@@ -101,6 +101,20 @@ class KVCache(ForeignLayers, Cache):
                 store.check_append(key_states.shape[-2])
         note_writer(self)  # the attention that follows finds its layer's read record here (hf.py)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def pending_layer(self, layer_idx: object, key: torch.Tensor) -> KVLayer | None:
+        """The bounded layer whose pending read record (``layer.pending``) the attention of layer
+        ``layer_idx`` reads, if that record handed out ``key`` (identity: a stale record never
+        applies); None for a layer that keeps its past in order (or none). A model that numbers
+        its attention modules otherwise (``layer_idx`` unknown) gets the bounded layer whose record
+        handed out ``key``, if any. What the ``"kvcache"`` attention asks (``hf.reading_layer``)."""
+        known = isinstance(layer_idx, int) and 0 <= layer_idx < len(self._read_layers)
+        layer = self._read_layers[layer_idx] if known else None
+        if layer is not None and _handed_out(layer, key):
+            return layer
+        if known and layer is None:
+            return None
+        return next((layer for layer in self.bounded_layers if _handed_out(layer, key)), None)
 
     def extend(self, past: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
         """Append keys/values computed elsewhere (e.g. another cache's ``[(keys, values), ...]``,
@@ -260,6 +274,10 @@ class KVCache(ForeignLayers, Cache):
 
     def __repr__(self) -> str:
         return f"KVCache(spec={str(self.spec)!r}, seen={self.seen}, nbytes={self.nbytes}, layers={len(self.stores)})"
+
+
+def _handed_out(layer: KVLayer, key: torch.Tensor) -> bool:
+    return layer.pending is not None and layer.pending.returned[0] is key
 
 
 def kv_readers(config: PretrainedConfig | None, n_layers: int) -> list[int]:

@@ -15,10 +15,10 @@ context manager, for a block; it then runs ``attend`` for decode steps where it 
 How the attention finds a bounded layer: transformers calls ``cache.update(k, v, layer_idx)`` and
 then the attention function, which does not receive the cache. A ``KVCache`` notes itself, on
 each update, as the cache that last wrote in this thread (``note_writer``: a weak
-reference in a ``threading.local``); ``hf_attention_forward`` asks that cache which layer
-``module.layer_idx`` reads (its own, or for a K/V-sharing layer the owner's) and uses that layer's
-read record only if the ``key`` it received is the one the record handed out (identity), so a
-stale cache never applies. Anything else is plain attention over the key and value as given.
+reference in a ``threading.local``, the one hidden piece of the protocol); ``hf_attention_forward``
+asks that cache for the pending read record of layer ``module.layer_idx`` (its own, or for a
+K/V-sharing layer the owner's: ``KVCache.pending_layer``), which counts only if the ``key`` it
+received is the one the record handed out (identity), so a stale cache never applies. Anything else is plain attention over the key and value as given.
 The lookup traces under ``torch.compile`` (the weak reference and the identity check resolve while
 tracing); the fixed-shape layers' own bridge is ``compiled.FixedHFLayer``.
 """
@@ -289,26 +289,12 @@ def note_writer(cache) -> None:
 
 
 def reading_layer(module: torch.nn.Module, key: torch.Tensor):
-    """The layer whose read record this attention call reads, or None: found through the cache
-    that last wrote (``note_writer``) and ``module.layer_idx``, and only if ``key`` is the keys
-    that layer's last update handed out."""
+    """The bounded layer whose pending read record this attention call reads, or None: asked of
+    the cache that last wrote in this thread (``note_writer``) by ``module.layer_idx``
+    (``KVCache.pending_layer``: only a record that handed out ``key`` counts)."""
     ref = getattr(_last_writer, "ref", None)
     cache = ref() if ref is not None else None
-    if cache is None:
-        return None
-    idx = getattr(module, "layer_idx", None)
-    known = isinstance(idx, int) and 0 <= idx < len(cache.read_layers)
-    layer = cache.read_layers[idx] if known else None
-    if layer is not None and _handed_out(layer, key):
-        return layer
-    if known and layer is None:
-        return None  # a layer that keeps its past in order (or keeps none)
-    # A model that numbers its attention modules otherwise: the bounded layer that handed out `key`.
-    return next((layer for layer in cache.bounded_layers if _handed_out(layer, key)), None)
-
-
-def _handed_out(layer, key: torch.Tensor) -> bool:
-    return layer.reads is not None and layer.reads.returned[0] is key
+    return None if cache is None else cache.pending_layer(getattr(module, "layer_idx", None), key)
 
 
 _last_writer = threading.local()
@@ -345,10 +331,10 @@ def hf_attention_forward(
     extras = AttentionExtras.from_kwargs(kwargs)
     layer = reading_layer(module, key)
     if layer is not None:
-        if value is not layer.reads.returned[1] or is_causal is False or getattr(module, "is_causal", True) is False:
+        if value is not layer.pending.returned[1] or is_causal is False or getattr(module, "is_causal", True) is False:
             raise UnsupportedOperation(
                 f"a {layer.kind} layer attends the keys and values it returned, causally; this model's attention "
-                f"{'changed the values' if value is not layer.reads.returned[1] else 'is not causal'}; use an unbounded "
+                f"{'changed the values' if value is not layer.pending.returned[1] else 'is not causal'}; use an unbounded "
                 f"kind (growable, static, concat)"
             )
         if extras.indices is not None:

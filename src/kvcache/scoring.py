@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 
-from .attention import CAUSAL
 from .build import make_cache
 from .cache import KVCache
 from .hf import use_kvcache_attention
@@ -59,7 +58,7 @@ def recorded(cache: KVCache, mode: str) -> list[torch.Tensor | None]:
         if not isinstance(store, RecordingLayer):
             raise TypeError(f"recorded() reads a recording_cache, got a {store.kind} layer")
         if store.recorded is None or mode not in store.recorded:
-            raise ValueError(f"no weights recorded in mode {mode!r} (recording {store.attention_weights}; run a pass first)")
+            raise ValueError(f"no weights recorded in mode {mode!r} (recording {store.modes}; run a pass first)")
         out.append(store.recorded[mode])
     return out
 
@@ -90,7 +89,7 @@ def compress(
     Only kinds whose prompt pass attends every earlier token are reproduced this way; a sliding
     window masks its prompt's own attention, so ``compress`` refuses it (``ValueError``)."""
     cache = make_cache(model, spec)
-    masked = sorted({s.kind for s in cache.stores if isinstance(s, BoundedLayer) and s.visibility != CAUSAL})
+    masked = sorted({s.kind for s in cache.stores if isinstance(s, BoundedLayer) and s.is_sliding})
     if masked:
         raise ValueError(f"compress: {spec!r} has {masked} layers, whose prompt pass does not attend every earlier token; prefill them instead")
     if len(past) != len(cache.stores):
@@ -98,16 +97,16 @@ def compress(
     for i, (store, pair) in enumerate(zip(cache.stores, past)):
         if store is None:
             continue
-        store.update(*pair)
+        reads = store.append(*pair)
         if isinstance(store, BoundedLayer):
-            mode = store.attention_weights
+            mode = reads.weights
             if mode is None:
                 store.settle()
                 continue
             if weights is None or mode not in weights:
                 raise KeyError(f"compress: {spec!r} layer {i} scores by attention weights {mode!r}, which were not given")
             w = weights[mode][i]
-            read = store.reads.keys.shape
+            read = reads.keys.shape
             if read[1] == 1 and w.shape[1] > 1:  # a flat store (adakv): head 0's slots, then head 1's, ...
                 w = w.reshape(w.shape[0], 1, -1)
             store.settle(w)

@@ -182,11 +182,11 @@ def test_snapkv_decode_step_asks_for_no_weights_and_keeps_scores():
     q, k, v = crafted(seed=5, total=12, heavy=({2}, {5}))
     layer = EvictingLayer(64, policy="snapkv", window=4)
     layer.update(k[:, :, :10].float(), v[:, :, :10].float())
-    assert layer.attention_weights == "window:4"
+    assert layer.pending.weights == "window:4"
     layer.attend(q[:, :, :10].float())
     before = layer.scores().clone()
     layer.update(k[:, :, 10:11].float(), v[:, :, 10:11].float())
-    assert layer.attention_weights is None
+    assert layer.pending.weights is None
     layer.attend(q[:, :, 10:11].float())
     assert torch.equal(layer.scores()[..., :10], before) and bool((layer.scores()[..., 10] == 0).all())
 
@@ -288,7 +288,7 @@ def test_policy_options_parse_list_and_build():
     assert (layer.policy.window, layer.policy.pool, layer.recent_now()) == (5, 3, 5)
     assert layer.options() == {"budget": 16, "policy": "snapkv", "recent": None, "sinks": 0, "storage": "full", "window": 5, "pool": 3}
     again = EvictingLayer(**layer.options())
-    assert again.options() == layer.options() and again.attention_weights == "window:5"
+    assert again.options() == layer.options() and again.weights_for(2) == "window:5"
 
 
 @pytest.mark.parametrize(

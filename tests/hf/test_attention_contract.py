@@ -179,7 +179,7 @@ def test_a_module_without_a_layer_index_finds_the_layer_that_handed_out_its_key(
     want = store.fork().attend(q)
     out, _ = hf_attention_forward(torch.nn.Module(), q, keys, values, None)
     torch.testing.assert_close(out.transpose(1, 2), want, atol=0, rtol=0)
-    assert store.reads is None  # attended, and settled
+    assert store.pending is None  # attended, and settled
 
 
 def test_a_block_reader_comes_without_a_value_tensor():

@@ -158,9 +158,9 @@ def test_every_reader_attends_the_set_before_the_layer_settles(kind):
         alone.update(k, v)
         want = alone.attend(q)
         for reader in range(3):
-            assert shared.reads is not None
+            assert shared.pending is not None
             torch.testing.assert_close(shared.attend(q), want, atol=0, rtol=0, msg=f"step {step} reader {reader}")
-        assert shared.reads is None
+        assert shared.pending is None
         torch.testing.assert_close(shared.positions(), alone.positions(), atol=0, rtol=0)
         torch.testing.assert_close(shared.view()[0], alone.view()[0], atol=0, rtol=0)
 
@@ -185,4 +185,4 @@ def test_the_owner_must_bring_every_query_and_a_refused_read_changes_nothing():
     with pytest.raises(UnsupportedOperation, match="at most 7"):
         layer.attend(torch.cat([q, q], dim=2))
     layer.attend(q)
-    assert layer.reads is None
+    assert layer.pending is None

@@ -5,7 +5,7 @@ and the function that attends it (``reads``), and the SDPA-or-``attend`` choice 
 from . import fused
 from .choice import fastest_attention, prefer_attend
 from .kernel import DECODE_ROWS, WEIGHTS, attend, attend_weighted, group_heads, group_sinks, softmax
-from .masks import CAUSAL, Visibility, position_rows
+from .masks import CAUSAL, Visibility, VisibilityRule, position_rows
 from .readers import BlockReader
 from .reads import Reads, attend_reads
 
@@ -16,6 +16,7 @@ __all__ = [
     "BlockReader",
     "Reads",
     "Visibility",
+    "VisibilityRule",
     "attend",
     "attend_reads",
     "attend_weighted",

@@ -10,11 +10,22 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from ..errors import DTypeError
 from .kernel import group_heads
+
+
+class VisibilityRule(Protocol):
+    """Which slots a query may see: ``rule(q_pos, k_pos)`` with ``q_pos`` ``[rows, 1]`` and
+    ``k_pos`` ``[..., 1, N]`` gives booleans ``[..., rows, N]``. ``for_query_heads(Hq)`` is the rule
+    for a pass with ``Hq`` query heads (a rule that differs per query head needs the count)."""
+
+    def __call__(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor: ...
+
+    def for_query_heads(self, query_heads: int) -> VisibilityRule: ...
 
 
 @dataclass(frozen=True)
@@ -32,6 +43,9 @@ class Visibility:
         if self.window is None:
             return seen
         return seen & ((k_pos > q_pos - self.window) | (k_pos < self.sinks))
+
+    def for_query_heads(self, query_heads: int) -> Visibility:
+        return self  # the same for every query head
 
 
 CAUSAL = Visibility()

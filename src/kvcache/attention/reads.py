@@ -1,10 +1,12 @@
 """What a layer's queries read, and the one function that attends it.
 
-``update`` of a bounded layer keeps a ``Reads`` record: the keys and values its new queries
-attend (views of the store, a temporary concatenation for a chunk that overflows the store, or a
-``BlockReader`` over codes), where each slot sits in the sequence, and where the queries sit.
-``attend_reads`` builds the mask from those positions and the layer's ``Visibility`` (``masks.py``),
-runs the kernel once and returns the attention weights a policy asked for.
+Every layer's append returns a ``Reads`` record: the keys and values its new queries attend
+(views of the store, a temporary concatenation for a chunk that overflows the store, or a
+``BlockReader`` over codes), where each slot sits in the sequence, where the queries sit, and what
+the pass must do for this update (its ``Visibility`` rule, the attention weights its policy asks
+for). Unbounded layers hand the model ``returned`` and forget the record; a bounded layer keeps it
+as ``pending`` until its attention settles it. ``attend_reads`` builds the mask from the positions
+and the visibility rule (``masks.py``), runs the kernel once and returns the weights asked for.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .kernel import attend_weighted
-from .masks import CAUSAL, Visibility, bias_at_slots, position_rows
+from .masks import CAUSAL, Visibility, VisibilityRule, bias_at_slots, position_rows
 from .readers import TensorLike
 
 
@@ -29,7 +31,9 @@ class Reads:
     when slot ``j`` holds position ``j``; ``first_query``: the position of the update's first
     token; ``queries``: how many tokens it appended; ``all_visible``: every slot is visible to
     every query (no mask needed); ``new_at_end``: see the field; ``returned``: the (keys, values) ``update`` handed the model
-    (default: ``keys``, ``values``), by which the attention of a forward pass recognises the record.
+    (default: ``keys``, ``values``), by which the attention of a forward pass recognises the record;
+    ``visibility``: which slot each query may see (a rule of ``masks.py``; None: ``CAUSAL``); ``weights``: the
+    attention weights this update's pass must report (``attend_weighted``'s modes; None for none).
     """
 
     keys: TensorLike
@@ -43,6 +47,8 @@ class Reads:
     #: visibility is then the kernel's end-aligned ``causal``, which skips the keys in every row's future.
     new_at_end: bool = False
     returned: tuple[torch.Tensor, torch.Tensor] | None = None
+    visibility: VisibilityRule | None = None
+    weights: str | tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.returned is None:
@@ -58,7 +64,7 @@ class Reads:
 def attend_reads(
     query: torch.Tensor,
     reads: Reads,
-    visible: Visibility = CAUSAL,
+    visible: VisibilityRule | None = None,
     *,
     first_query: int | None = None,
     scale: float | None = None,
@@ -69,11 +75,12 @@ def attend_reads(
     bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | dict[str, torch.Tensor] | None]:
     """Attention of ``query`` ``[B, Hq, Sq, D]`` at positions ``first_query...`` (default: the
-    record's) over what ``reads`` holds, masked by ``visible`` and ``mask`` (boolean over absolute
+    record's) over what ``reads`` holds, masked by ``visible`` (default: the record's rule) and ``mask`` (boolean over absolute
     positions, see ``position_rows``), plus ``bias``: additive logits over absolute positions
     ``[B|1, Hq|1, Sq, P]`` (``bias_at_slots``). Returns ``[B, Hq, Sq, Dv]`` and the weights asked
     for (``attend_weighted``'s modes, float32 ``[B, Hkv, N]``, a dict for a tuple of modes) or None."""
     rows, causal = None, False
+    visible = (reads.visibility or CAUSAL) if visible is None else visible
     if visible == CAUSAL and mask is None and not reads.all_visible and _end_aligned(reads, first_query):
         causal = True  # the same rule, with no mask to build (see ``Reads.new_at_end``)
     elif mask is not None or not reads.all_visible:

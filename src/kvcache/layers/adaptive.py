@@ -81,7 +81,6 @@ class AdaptiveLayer(SelectingLayer):
             raise ValueError(f"floor is a share of each head's uniform budget, in [0, 1], got {floor}")
         self.store = SlotStore(layout=self._layout)
         self._set: dict[str, torch.Tensor] | None = None  # the attended set of an overflowing pass
-        self._read_heads: torch.Tensor | None = None  # the KV head of each slot the last update reads
 
     # ---- sizes ----------------------------------------------------------------------------
 
@@ -164,14 +163,12 @@ class AdaptiveLayer(SelectingLayer):
         heads, pos = new_slot_tags(batch, kv_heads, seen, n, key.device)
         encoded = {name: flatten_heads(t) for name, t in self.storage.encode(key, value).items()}
         new = {**encoded, "positions": pos, "heads": heads, "scores": torch.zeros(pos.shape, dtype=torch.float32, device=key.device)}
-        self.attention_weights = self.weights_for(n)
         if self.length + kv_heads * n <= max(self.capacity, self._capacity_for(seen + n)):
             self._ensure_capacity(self.length + kv_heads * n, seen + n)
             self.store.append(new)
             self._seen = seen + n
             keys, values = self.view()
-            self._read_heads = self.store.run("heads", 0, self.length)
-            return Reads(keys, values, self.positions(), seen, n)
+            return self._record(keys, values, self.positions(), self.store.run("heads", 0, self.length), seen, n)
         # Too many new tokens for the spare room: attend the kept slots and the new tokens (in full
         # precision) together, then keep the best.
         if self.store.allocated and self.length:
@@ -183,8 +180,13 @@ class AdaptiveLayer(SelectingLayer):
         else:
             keys, values, self._set = flatten_heads(key), flatten_heads(value), new
         self._seen = seen + n
-        self._read_heads = self._set["heads"]
-        return Reads(keys, values, self._set["positions"].long(), seen, n)
+        return self._record(keys, values, self._set["positions"].long(), self._set["heads"], seen, n)
+
+    def _record(self, keys, values, positions, heads, seen: int, n: int) -> Reads:
+        """The read record of an update: every slot in one run ``[B, 1, N, D]``, each query head
+        seeing only its own KV head's slots (``heads`` ``[B, 1, N]``)."""
+        visibility = OwnHeads(heads, self.kv_heads)
+        return Reads(keys, values, positions, seen, n, visibility=visibility, weights=self.weights_for(n))
 
     def _ensure_capacity(self, need: int, seen: int) -> None:
         if self.store.allocated and self.capacity >= need:
@@ -192,19 +194,9 @@ class AdaptiveLayer(SelectingLayer):
         need = max(need, self._capacity_for(seen))
         self.store.allocate(slots_to_allocate(need, self._growing, self.kv_heads), self._flat_geometry())  # the stored slots kept
 
-    def attend(self, query: torch.Tensor, **kwargs) -> torch.Tensor:
-        """As ``BoundedLayer.attend`` (query ``[B, Hq, Sq, D]``), each query head over its own KV head's slots."""
-        if self.reads is not None and self._read_heads is not None:
-            heads = query.shape[1] if query.dim() == 4 else 0
-            if heads == 0 or heads % self.kv_heads:
-                raise ShapeError(f"query heads ({heads}) must be a multiple of key/value heads ({self.kv_heads})")
-            self.visibility = OwnHeads(self._read_heads, self.kv_heads, heads)
-        return super().attend(query, **kwargs)
-
     # ---- after attention: score, then keep the best across heads ------------------------
 
     def _settle(self, weights: torch.Tensor | None) -> None:
-        self._read_heads = None
         if self._set is not None:
             s, self._set = self._set, None
             if weights is not None:
@@ -279,7 +271,7 @@ class AdaptiveLayer(SelectingLayer):
     def reset(self) -> None:
         super().reset()
         self.store.drop()
-        self._set = self._read_heads = None
+        self._set = None
         self._seen = 0
         self.geometry = None
 

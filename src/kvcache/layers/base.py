@@ -1,8 +1,9 @@
 """The contract every storage layer keeps (its checks in ``checks.py``, its state in ``state.py``).
 
 A layer stores the keys and values of one transformer layer as ``[B, Hkv, L, D]`` (values may
-have their own head dim ``Dv``). ``update`` appends ``[B, Hkv, S, D]`` and returns what attention
-reads, as views of the store. Invariants (docs/architecture.md):
+have their own head dim ``Dv``). ``append`` adds ``[B, Hkv, S, D]`` and returns the read record
+(``attention.Reads``) of what attention reads, as views of the store; ``update`` (the
+``transformers`` verb) returns its keys and values. Invariants (docs/architecture.md):
 
 - a call that raises changes nothing;
 - returned views stay valid until the next mutating call;
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from ..attention import Reads
 from ..errors import ShapeError, UnsupportedOperation
 from ..options import DeclaredKind
 from .checks import Geometry, as_index, check_kv
@@ -51,14 +53,17 @@ class KVLayer(DeclaredKind, ABC):
 
     # ---- the hot path -------------------------------------------------------------------
 
-    def update(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append ``key`` ``[B, Hkv, S, D]`` and ``value`` ``[B, Hkv, S, Dv]``.
-
-        Returns the keys and values attention reads, as views of the store (not copies).
-        """
+    def append(self, key: torch.Tensor, value: torch.Tensor) -> Reads:
+        """Append ``key`` ``[B, Hkv, S, D]`` and ``value`` ``[B, Hkv, S, Dv]``; returns the read
+        record of this update: what its queries attend (views of the store, not copies), where
+        each slot and query sits, and what the pass must report (``attention.Reads``)."""
         if not self._fits(key, value):
             check_kv(key, value, self.geometry)  # raises with a message, or accepts a first append
         return self._append(key, value)
+
+    def update(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``append``, returning the keys and values the model attends (``Reads.returned``)."""
+        return self.append(key, value).returned
 
     def _fits(self, key: Any, value: Any) -> bool:
         """Fast path of ``check_kv`` for the common case: an append like the previous ones."""
@@ -83,15 +88,16 @@ class KVLayer(DeclaredKind, ABC):
         )
 
     @abstractmethod
-    def _append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append already-validated tensors. Must raise before changing anything."""
+    def _append(self, key: torch.Tensor, value: torch.Tensor) -> Reads:
+        """Append already-validated tensors; the update's read record. Must raise before changing anything."""
 
     def settle(self) -> None:
         """Finish the last update without attention weights; only bounded layers have work to do."""
 
     def _append_in_order(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append after the stored slots, growing the store by its strategy (which may refuse,
-        before anything changes); returns views of every stored slot ``[B, Hkv, L, D]``."""
+        before anything changes); returns views of every stored slot ``[B, Hkv, L, D]``
+        (``_record_in_order`` makes them the record of an in-order update)."""
         store, n = self.store, key.shape[2]
         need = store.length + n
         if need > store.capacity or not store.tensors:
@@ -104,6 +110,12 @@ class KVLayer(DeclaredKind, ABC):
         store.length = need
         self._seen += n
         return keys.narrow(2, 0, need), values.narrow(2, 0, need)
+
+    def _record_in_order(self, key: torch.Tensor, value: torch.Tensor) -> Reads:
+        """``_append_in_order`` as the record of an update: slot ``j`` holds position ``j``."""
+        seen, n = self._seen, key.shape[2]
+        keys, values = self._append_in_order(key, value)
+        return Reads(keys, values, None, seen, n, all_visible=n == 1)
 
     # ---- sizes --------------------------------------------------------------------------
 

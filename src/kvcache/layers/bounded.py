@@ -2,11 +2,12 @@
 
 A bounded layer (window, eviction, quantized storage) keeps slots out of position order, drops
 some positions, or stores codes instead of keys. The keys ``update`` returns are then not "the
-past, in order" that a plain attention call expects. So ``update`` also keeps a read record
-(``attention.Reads``: keys and values, each slot's absolute position, where the new queries sit),
-and ``attend(query)`` runs the one attention function over it (``attention.attend_reads``) with
-the layer's ``visibility`` rule, then settles: it hands the weights its policy asked for
-(``attention_weights``) to ``_settle`` (an eviction policy scores and evicts there).
+past, in order" that a plain attention call expects. So the layer keeps the read record its
+append returned (``attention.Reads``: keys and values, each slot's absolute position, where the
+new queries sit, the visibility rule and the weights the pass must report) as ``pending``, and
+``attend(query)`` runs the one attention function over it (``attention.attend_reads``), then
+settles: it hands the weights the record asked for to ``_settle`` (an eviction policy scores and
+evicts there).
 
 Nothing waits for a call a caller could forget: an update that comes before the last one was
 attended settles it first without weights, and ``settle()`` does that on demand. Through
@@ -19,7 +20,7 @@ from dataclasses import replace
 
 import torch
 
-from ..attention import CAUSAL, Reads, Visibility, attend_reads
+from ..attention import CAUSAL, Reads, attend_reads
 from ..errors import ShapeError, UnsupportedOperation
 from .base import KVLayer
 from .checks import check_kv
@@ -29,34 +30,34 @@ class BoundedLayer(KVLayer):
     """A layer whose attention goes through its read record (see the module docstring)."""
 
     needs_own_attention = True
-    #: What the layer needs from the attention pass: None, "sum" or "last" (see ``attend_weighted``).
-    attention_weights: str | None = None
-    #: Which keys a query sees, by absolute position (the window layer sets its own).
-    visibility: Visibility = CAUSAL
 
     def __init__(self) -> None:
         super().__init__()
-        self.reads: Reads | None = None  # the last update's read record, until it settles
+        self.pending: Reads | None = None  # the last update's read record, until it settles
         #: Attention calls that read each update's record: the layer's own, plus one per later layer
         #: that reuses this layer's keys and values (Gemma 3n / 4 ``kv_sharing_modes``; set by ``KVCache``).
         self.readers = 1
         self._reads_left = 0
         self._owner_weights: torch.Tensor | None = None
 
-    def update(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append ``[B, Hkv, S, D]`` keys and values; returns the keys and values for the model and
-        keeps the read record its queries attend (``reads``). An unattended last update settles first."""
+    def append(self, key: torch.Tensor, value: torch.Tensor) -> Reads:
+        """Append ``[B, Hkv, S, D]`` keys and values; returns the read record, kept as ``pending``
+        until its attention (``attend``) or ``settle``. An unattended last update settles first."""
         if not self._fits(key, value):
             check_kv(key, value, self.geometry)
         self.settle()
-        self.reads = self._append(key, value)
+        self.pending = self._append(key, value)
         self._reads_left = self.readers
-        return self.reads.returned
+        return self.pending
+
+    def update(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``append``, returning what the model gets: the record's ``returned`` keys and values."""
+        return self.append(key, value).returned
 
     @property
     def unattended(self) -> bool:
         """Whether the last update appended tokens that no attention has read yet."""
-        return self.reads is not None and self.reads.queries > 0 and self._reads_left == self.readers
+        return self.pending is not None and self.pending.queries > 0 and self._reads_left == self.readers
 
     def attend(
         self,
@@ -82,7 +83,7 @@ class BoundedLayer(KVLayer):
         shared layers); ``mask`` then has those rows. After the last reader the layer settles
         with the owner's weights, so every reader attends the record as the owner did.
         """
-        reads = self.reads
+        reads = self.pending
         if reads is None:
             raise UnsupportedOperation(
                 f"{self.kind} layer: attend() reads the queries of the last update(), which was already attended"
@@ -106,13 +107,13 @@ class BoundedLayer(KVLayer):
         out, weights = attend_reads(
             query,
             reads,
-            self.visibility,
+            (reads.visibility or CAUSAL).for_query_heads(query.shape[1] if query.dim() == 4 else 0),
             first_query=reads.first_query + appended - n,  # a sharing reader's queries are the last n
             scale=scale,
             softcap=softcap,
             mask=mask,
             sinks=sinks,
-            weights=self.attention_weights,
+            weights=reads.weights,
             bias=bias,
         )
         if owner:
@@ -122,45 +123,45 @@ class BoundedLayer(KVLayer):
             self._finish(self._owner_weights)
         return out
 
-    def weights_for(self, queries: int) -> str | None:
-        """The attention weights mode a pass of ``queries`` tokens must report (what
-        ``attention_weights`` becomes on such an update)."""
-        return self.attention_weights
+    def weights_for(self, queries: int) -> str | tuple[str, ...] | None:
+        """The attention weights mode a pass of ``queries`` tokens must report (the ``weights`` of
+        such an update's record): none, for a layer without a policy that scores."""
+        return None
 
     def settle(self, weights: torch.Tensor | None = None) -> None:
         """Finish the last update without attending it here (keys and values imported from
         elsewhere, or a forward pass that did not attend them): the layer keeps what its policy
         keeps with the scores it has, plus ``weights`` if given: the update's queries' attention
         weights over the read record's slots as ``attend`` would have reduced them
-        (``attention_weights``'s mode, float32 ``[B, Hkv, N]``), computed elsewhere, e.g. by one
+        (the record's ``weights`` mode, float32 ``[B, Hkv, N]``), computed elsewhere, e.g. by one
         pass that scores for several policies at once. Does nothing when nothing is left to settle."""
-        if self.reads is None:
+        if self.pending is None:
             return
         if weights is not None:
-            n = self.reads.keys.shape
-            if self.attention_weights is None:
+            n = self.pending.keys.shape
+            if self.pending.weights is None:
                 raise ValueError(f"{self.kind} layer: its policy uses no attention weights, got some")
             if tuple(weights.shape) != (n[0], n[1], n[2]):
                 raise ShapeError(f"{self.kind} layer: weights must be [B, Hkv, N] = {tuple(n[:3])} over the read record's slots, got {tuple(weights.shape)}")
         self._finish(None if weights is None else weights.float())
 
     def _finish(self, weights: torch.Tensor | None) -> None:
-        self.reads, self._owner_weights = None, None
+        self.pending, self._owner_weights = None, None
         self._settle(weights)
 
     def _settle(self, weights: torch.Tensor | None) -> None:
         """Called once per update, after its attention, with the weights asked for in
-        ``attention_weights`` (None when it went unattended)."""
+        the record's ``weights`` (None when it went unattended)."""
 
     def reset(self) -> None:
-        self.reads = self._owner_weights = None
+        self.pending = self._owner_weights = None
 
     def check_trim(self, n: int) -> None:
         super().check_trim(n)
         self._refuse_unsettled_trim(n)
 
     def _refuse_unsettled_trim(self, n: int) -> None:
-        if int(n) and self.reads is not None:
+        if int(n) and self.pending is not None:
             raise UnsupportedOperation(
                 f"{self.kind} layer: cannot trim between an update and its attention (attend() or settle() first)"
             )

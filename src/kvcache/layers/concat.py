@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from ..attention import Reads
 from .base import Geometry, KVLayer
 from .store import SlotStore
 
@@ -28,8 +29,10 @@ class ConcatLayer(KVLayer):
         self.store.allocate(self.length + key.shape[-2], geometry)  # the past copied, every time
         self.store.append({"keys": key, "values": value})
         self.geometry = geometry
-        self._seen += key.shape[-2]
-        return self.view()
+        seen, n = self._seen, key.shape[-2]
+        self._seen = seen + n
+        keys, values = self.view()
+        return Reads(keys, values, None, seen, n, all_visible=n == 1)
 
     def _trim(self, n: int) -> None:
         self.store.trim(n)

@@ -84,7 +84,6 @@ class EvictingLayer(SelectingLayer):
         self.sizing = Budget(checked["budget"], checked["sinks"], checked.get("recent"), self.policy)
         if layer is not None or layers is not None:
             self.at_depth(layer, layers)
-        self.attention_weights = self.policy.weights  # per pass: weights_for(its queries)
         #: The codec's tensors, each slot's position and score: name -> [B, Hkv, C(, D)]. Sized
         #: by the budget (``_capacity_for``), not by a growth strategy.
         self.store = SlotStore(layout=self._layout)
@@ -149,7 +148,6 @@ class EvictingLayer(SelectingLayer):
         if self._set is not None or self.length > self.budget_now():
             self._settle(None)  # a store loaded with its spare slot in use: evict now
         batch, heads, n = key.shape[:3]
-        self.attention_weights = self.policy.weights_for(n)
         seen = self.seen
         pos = torch.arange(seen, seen + n, device=key.device).expand(batch, heads, n)
         new = {**self.storage.encode(key, value), "positions": pos, "scores": self.policy.initial(pos)}
@@ -158,7 +156,7 @@ class EvictingLayer(SelectingLayer):
             self.store.append(new)
             self._seen = seen + n
             keys, values = self.view()
-            return Reads(keys, values, self.positions(), seen, n, all_visible=n == 1, new_at_end=True)
+            return Reads(keys, values, self.positions(), seen, n, all_visible=n == 1, new_at_end=True, weights=self.weights_for(n))
         # Too many new tokens for the spare room: attend a temporary concatenation (the new tokens
         # in full precision), then keep the best.
         if not self.store.allocated:
@@ -171,7 +169,7 @@ class EvictingLayer(SelectingLayer):
             stored = self.store.in_use()
             self._set = {name: torch.cat([stored[name], t], dim=2) for name, t in new.items()}
         self._seen = seen + n
-        return Reads(keys, values, self._set["positions"], seen, n, new_at_end=True)
+        return Reads(keys, values, self._set["positions"], seen, n, new_at_end=True, weights=self.weights_for(n))
 
     def weights_for(self, queries: int) -> str | None:
         return self.policy.weights_for(queries)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import attend
+from ..attention import Reads, attend
 from ..errors import UnsupportedOperation
 from .checks import Geometry
 from .static import StaticLayer
@@ -105,7 +105,7 @@ class FixedDecodeAttention(TensorSeen):
                 f"a {self.kind} layer made with compile=True attends without the model's position bias; "
                 f"make the cache without compile=True for this model"
             )
-        reads = self.reads
+        reads = self.pending
         if reads is None or not isinstance(reads.first_query, torch.Tensor):
             return super().attend(query, scale=scale, softcap=softcap, mask=self._eager_mask(mask), sinks=sinks)
         visible = self._decode_mask(reads.first_query, mask)
@@ -159,7 +159,8 @@ class FixedStaticLayer(TensorSeen, StaticLayer):
         at = store.count.value + torch.arange(n, device=keys.device)
         keys.index_copy_(2, at, key)
         values.index_copy_(2, at, value)
+        query_at = self.seen_counter.value.clone()  # unused by the model's attention: traced away
         store.count.value.add_(n)
         self.seen_counter.value.add_(n)
-        return keys, values
+        return Reads(keys, values, None, query_at, n)
 

@@ -57,7 +57,7 @@ class FixedWindowLayer(FixedDecodeAttention, WindowLayer):
         count = self.store.count.value
         count.copy_(torch.clamp(count + 1, max=self.max_length))
         seen.add_(1)
-        return Reads(keys, values, self.slot_positions, query_at, 1)
+        return Reads(keys, values, self.slot_positions, query_at, 1, visibility=self.visibility)
 
     def _ensure_full_buffers(self, key, value) -> None:
         super()._ensure_full_buffers(key, value)

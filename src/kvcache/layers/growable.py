@@ -30,7 +30,7 @@ class GrowableLayer(KVLayer):
         self.store = SlotStore(growth=Geometric(self.initial_capacity, self.growth))
 
     def _append(self, key, value):
-        return self._append_in_order(key, value)
+        return self._record_in_order(key, value)
 
     def reset(self) -> None:
         self.store.drop()

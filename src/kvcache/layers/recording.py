@@ -12,11 +12,11 @@ Not a spec kind: built by ``kvcache.scoring.recording_cache``, never saved.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
 
-from ..attention import Reads
 from .bounded import BoundedLayer
 from .store import Geometric, SlotStore
 
@@ -32,14 +32,12 @@ class RecordingLayer(BoundedLayer):
         super().__init__()
         if not modes:
             raise ValueError("a recording layer needs at least one weights mode to record")
-        self.attention_weights = tuple(modes)
+        self.modes = tuple(modes)
         self.recorded: dict[str, torch.Tensor] | None = None
         self.store = SlotStore(growth=Geometric(256, 2.0))
 
     def _append(self, key, value):
-        seen, n = self.seen, key.shape[2]
-        keys, values = self._append_in_order(key, value)
-        return Reads(keys, values, None, seen, n, all_visible=n == 1)
+        return replace(self._record_in_order(key, value), weights=self.modes)
 
     def _settle(self, weights: dict[str, torch.Tensor] | None) -> None:
         self.recorded = weights
@@ -50,5 +48,5 @@ class RecordingLayer(BoundedLayer):
         self.geometry, self._seen, self.recorded = None, 0, None
 
     def options(self) -> dict[str, Any]:
-        return {"modes": self.attention_weights}
+        return {"modes": self.modes}
 

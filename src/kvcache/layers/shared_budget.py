@@ -20,7 +20,7 @@ from dataclasses import replace
 import torch
 
 from ..attention import CAUSAL
-from ..errors import DTypeError, ShapeError
+from ..errors import DTypeError, ShapeError, UnsupportedOperation
 from ..policies import pooled
 
 
@@ -102,15 +102,26 @@ def pooled_by_head(scores: torch.Tensor, heads: torch.Tensor, positions: torch.T
 
 class OwnHeads:
     """Causal visibility by position where query head ``i`` sees only the slots of KV head
-    ``i // (Hq / Hkv)``: called with ``q_pos`` ``[rows, 1]`` and the slots' positions
-    ``[B|1, 1, 1, 1, N]`` (as ``attention.position_rows`` hands them), returns a per-query-head
-    mask ``[B, 1, Hq, rows, N]`` for the flat store read as one KV head."""
+    ``i // (Hq / Hkv)``, for a flat store read as one KV head: ``heads`` ``[B, 1, N]`` is each
+    slot's KV head. ``for_query_heads(Hq)`` gives the rule a pass with ``Hq`` query heads applies:
+    called with ``q_pos`` ``[rows, 1]`` and the slots' positions ``[B|1, 1, 1, 1, N]`` (as
+    ``attention.position_rows`` hands them), it returns a per-query-head mask ``[B, 1, Hq, rows, N]``."""
 
-    def __init__(self, heads: torch.Tensor, kv_heads: int, query_heads: int) -> None:
-        owner = torch.arange(query_heads, device=heads.device) // (query_heads // kv_heads)
-        self.own = heads.long().view(heads.shape[0], 1, 1, 1, heads.shape[-1]) == owner.view(1, 1, -1, 1, 1)
+    def __init__(self, heads: torch.Tensor, kv_heads: int) -> None:
+        self.heads, self.kv_heads = heads, kv_heads
+        self.own: torch.Tensor | None = None
+
+    def for_query_heads(self, query_heads: int) -> OwnHeads:
+        if query_heads <= 0 or query_heads % self.kv_heads:
+            raise ShapeError(f"query heads ({query_heads}) must be a multiple of key/value heads ({self.kv_heads})")
+        rule = OwnHeads(self.heads, self.kv_heads)
+        owner = torch.arange(query_heads, device=self.heads.device) // (query_heads // self.kv_heads)
+        rule.own = self.heads.long().view(self.heads.shape[0], 1, 1, 1, self.heads.shape[-1]) == owner.view(1, 1, -1, 1, 1)
+        return rule
 
     def __call__(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        if self.own is None:
+            raise UnsupportedOperation("OwnHeads: call for_query_heads(Hq) first, for the rule of a pass with Hq query heads")
         return CAUSAL(q_pos, k_pos) & self.own
 
 

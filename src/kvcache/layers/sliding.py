@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from ..attention import Reads
 from ..errors import UnsupportedOperation
 from ..options import Option
 from .base import KVLayer
@@ -95,6 +96,14 @@ class SlidingLayer(KVLayer):
     # ---- appending ------------------------------------------------------------------------
 
     def _append(self, key, value):
+        keys, values = self._append_window(key, value)
+        n, seen = key.shape[2], self.seen - key.shape[2]
+        first = seen - (keys.shape[2] - n)  # the position of the first slot returned: in order from there
+        positions = lambda: torch.arange(first, seen + n, device=keys.device)  # noqa: E731 (rarely read)
+        return Reads(keys, values, positions, seen, n)
+
+    def _append_window(self, key, value) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append; returns the keys and values the new queries see: the visible kept tokens, then the new."""
         n, visible = key.shape[2], self.visible
         first = self.store.length - visible  # the first slot the new queries see
         if visible + n > self.window - 1 + self.spare:  # longer than the spare room: attend a temporary concatenation

@@ -56,7 +56,7 @@ class StaticLayer(KVLayer):
         self.store.check_room(self.length + int(n))
 
     def _append(self, key, value):
-        return self._append_in_order(key, value)
+        return self._record_in_order(key, value)
 
     @property
     def max_length(self) -> int:

@@ -47,6 +47,7 @@ class WindowLayer(BoundedLayer):
         super().__init__()
         checked = self.check_options(window=window, sinks=sinks, initial_capacity=initial_capacity)
         self.window, self.sinks = checked["window"], checked["sinks"]
+        #: Which slots a query sees: the window by absolute position, plus the sinks (every record's rule).
         self.visibility = Visibility(self.window, self.sinks)
         self.initial_capacity = checked["initial_capacity"]
         self.journal: Journal | None = None  # the undo log while recording (rollback.py)
@@ -87,19 +88,19 @@ class WindowLayer(BoundedLayer):
         if seen + n <= cap:  # nothing leaves the window: written in order at the cursor
             self._write(key, value)
             keys, values = self.view()
-            return Reads(keys, values, None, seen, n, all_visible=n == 1)  # slot j holds position j
+            return Reads(keys, values, None, seen, n, all_visible=n == 1, visibility=self.visibility)  # slot j holds position j
         self._ensure_full_buffers(key, value)
         if n == 1:  # decode: the slot taken is the one leaving the window, which this query cannot see
             self._write(key, value)
             pos = lambda: self._slot_positions(seen + 1, cap, device)  # noqa: E731 (only a masked step needs it)
-            return Reads(*self._ring(), pos, seen, 1, all_visible=True)
+            return Reads(*self._ring(), pos, seen, 1, all_visible=True, visibility=self.visibility)
         # Several tokens, some of whose queries need slots this update overwrites: attend a copy.
         old_k, old_v = self.view()
         old_pos = self._slot_positions(seen, self.length, device)
         keys, values = torch.cat([old_k, key], dim=2), torch.cat([old_v, value], dim=2)
         self._write(key, value)
         new_pos = torch.arange(seen, seen + n, device=device)
-        return Reads(keys, values, torch.cat([old_pos, new_pos]), seen, n)
+        return Reads(keys, values, torch.cat([old_pos, new_pos]), seen, n, visibility=self.visibility)
 
     def _write(self, key, value, record: bool = True) -> None:
         """Store tokens ``seen..seen+n-1``: in order while they fit, else each in its ring slot
