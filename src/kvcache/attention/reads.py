@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .kernel import attend_weighted
-from .masks import CAUSAL, Visibility, VisibilityRule, bias_at_slots, position_rows
+from .masks import CAUSAL, VisibilityRule, bias_at_slots, position_rows
 from .readers import TensorLike
 
 

@@ -36,10 +36,10 @@ from typing import Any
 import torch
 
 from ..attention import Reads
-from ..errors import ShapeError, UnsupportedOperation
+from ..errors import UnsupportedOperation
 from ..options import Option, number
-from .bounded import SelectingLayer
-from .budget import check_budget, holds_wrong_size, slots_to_allocate
+from .budget import check_budget
+from .selecting import SelectingLayer
 from .checks import Geometry
 from .shared_budget import (
     OwnHeads,
@@ -80,7 +80,6 @@ class AdaptiveLayer(SelectingLayer):
         if self.floor > 1:
             raise ValueError(f"floor is a share of each head's uniform budget, in [0, 1], got {floor}")
         self.store = SlotStore(layout=self._layout)
-        self._set: dict[str, torch.Tensor] | None = None  # the attended set of an overflowing pass
 
     # ---- sizes ----------------------------------------------------------------------------
 
@@ -154,55 +153,36 @@ class AdaptiveLayer(SelectingLayer):
 
     # ---- appending ------------------------------------------------------------------------
 
-    def _append(self, key, value):
-        if self._set is not None or self.length > self._keep_now():
-            self._settle(None)  # a loaded store with its spare slots in use: choose now
+    def _new_slots(self, key, value, seen):
         batch, kv_heads, n = key.shape[:3]
-        seen = self.seen
-        self.geometry = self.geometry or Geometry.of(key, value)
         heads, pos = new_slot_tags(batch, kv_heads, seen, n, key.device)
         encoded = {name: flatten_heads(t) for name, t in self.storage.encode(key, value).items()}
-        new = {**encoded, "positions": pos, "heads": heads, "scores": torch.zeros(pos.shape, dtype=torch.float32, device=key.device)}
-        if self.length + kv_heads * n <= max(self.capacity, self._capacity_for(seen + n)):
-            self._ensure_capacity(self.length + kv_heads * n, seen + n)
-            self.store.append(new)
-            self._seen = seen + n
-            keys, values = self.view()
-            return self._record(keys, values, self.positions(), self.store.run("heads", 0, self.length), seen, n)
-        # Too many new tokens for the spare room: attend the kept slots and the new tokens (in full
-        # precision) together, then keep the best.
-        if self.store.allocated and self.length:
-            old_k, old_v = self.view()
-            keys = torch.cat([old_k, flatten_heads(key)], dim=2)
-            values = torch.cat([old_v, flatten_heads(value)], dim=2)
-            stored = self.store.in_use()
-            self._set = {name: torch.cat([stored[name], t], dim=2) for name, t in new.items()}
+        return {**encoded, "positions": pos, "heads": heads, "scores": torch.zeros(pos.shape, dtype=torch.float32, device=key.device)}
+
+    def _as_slots(self, t):
+        return flatten_heads(t)
+
+    @property
+    def _unit(self) -> int:
+        return self.kv_heads
+
+    def _store_geometry(self) -> Geometry:
+        return self._flat_geometry()
+
+    def _record(self, keys, values, held, seen, n):
+        """Every slot in one run ``[B, 1, N, D]``, each query head seeing only its own KV head's slots."""
+        if held is None:
+            positions, heads = self.positions(), self.store.run("heads", 0, self.length)
         else:
-            keys, values, self._set = flatten_heads(key), flatten_heads(value), new
-        self._seen = seen + n
-        return self._record(keys, values, self._set["positions"].long(), self._set["heads"], seen, n)
-
-    def _record(self, keys, values, positions, heads, seen: int, n: int) -> Reads:
-        """The read record of an update: every slot in one run ``[B, 1, N, D]``, each query head
-        seeing only its own KV head's slots (``heads`` ``[B, 1, N]``)."""
-        visibility = OwnHeads(heads, self.kv_heads)
-        return Reads(keys, values, positions, seen, n, visibility=visibility, weights=self.weights_for(n))
-
-    def _ensure_capacity(self, need: int, seen: int) -> None:
-        if self.store.allocated and self.capacity >= need:
-            return
-        need = max(need, self._capacity_for(seen))
-        self.store.allocate(slots_to_allocate(need, self._growing, self.kv_heads), self._flat_geometry())  # the stored slots kept
+            positions, heads = held["positions"].long(), held["heads"]
+        return Reads(keys, values, positions, seen, n, visibility=OwnHeads(heads, self.kv_heads), weights=self.weights_for(n))
 
     # ---- after attention: score, then keep the best across heads ------------------------
 
-    def _settle(self, weights: torch.Tensor | None) -> None:
-        if self._set is not None:
-            s, self._set = self._set, None
-            if weights is not None:
-                s["scores"] = self._observe(weights, s)
-            self._keep_best(s, self._keep_now())
-            return
+    def _scored(self, weights, slots):
+        return self._observe(weights, slots)
+
+    def _settle_in_place(self, weights: torch.Tensor | None) -> None:
         if weights is not None and self.length:
             live = self.store.in_use()
             live["scores"].copy_(self._observe(weights, live))
@@ -237,15 +217,7 @@ class AdaptiveLayer(SelectingLayer):
                 slots["scores"], slots["heads"], slots["positions"], keep, self.kv_heads, self.floor_now(seen), recent_from
             )
             slots = gather_slots(slots, index)
-        kept = slots["positions"].shape[2]
-        batch = slots["positions"].shape[0]
-        need = max(self._capacity_for(self.seen), kept)
-        wrong_size = not self.store.allocated or holds_wrong_size(self.capacity, need, self._growing, self.kv_heads)
-        if wrong_size or self.store.batch != batch:
-            self.geometry = replace(self.geometry, batch=batch)
-            self.store.allocate(slots_to_allocate(need, self._growing, self.kv_heads), self._flat_geometry(), keep=False)
-        self.store.write(0, slots)
-        self.store.length = kept
+        self._store_kept(slots)
 
     # ---- rollback, reuse, batch work ------------------------------------------------------
 
@@ -267,13 +239,6 @@ class AdaptiveLayer(SelectingLayer):
         kept = gather_slots(live, index[..., :keep].sort(dim=-1).values)
         self.store.write(0, kept)
         self.store.length = keep
-
-    def reset(self) -> None:
-        super().reset()
-        self.store.drop()
-        self._set = None
-        self._seen = 0
-        self.geometry = None
 
     # ---- state ----------------------------------------------------------------------------
 

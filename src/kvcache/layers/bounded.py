@@ -16,8 +16,6 @@ attended settles it first without weights, and ``settle()`` does that on demand.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from ..attention import CAUSAL, Reads, attend_reads
@@ -165,35 +163,3 @@ class BoundedLayer(KVLayer):
             raise UnsupportedOperation(
                 f"{self.kind} layer: cannot trim between an update and its attention (attend() or settle() first)"
             )
-
-
-class SelectingLayer(BoundedLayer):
-    """A bounded layer that keeps a selection of slots (eviction by a policy, Ada-KV): an update
-    that overflows its room is held as a candidate set (``_set``) until its attention settles it,
-    and nothing that reads or reshapes the store may come in between."""
-
-    _set: dict[str, torch.Tensor] | None = None
-
-    @property
-    def _growing(self) -> bool:
-        """The budget is a share of the sequence: its store is allocated with room to grow
-        (``budget.slots_to_allocate``)."""
-        return isinstance(self.budget, float)
-
-    @property
-    def selection_name(self) -> str:
-        """How error messages name the layer (its policy, for eviction)."""
-        return self.kind
-
-    def _check_settled(self, what: str) -> None:
-        if self._set is not None:
-            raise UnsupportedOperation(
-                f"{self.selection_name} layer: cannot {what} between an update that overflowed the budget "
-                f"and its attention (call attend() or settle() first)"
-            )
-
-    def _rebatch(self, fn) -> None:
-        self._check_settled("change the batch")
-        if self.store.allocated:  # another batch: the budget's capacity
-            batch = self.store.rebatch(fn, capacity=self._capacity_for(self.seen))
-            self.geometry = replace(self.geometry, batch=batch)

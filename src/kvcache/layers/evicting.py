@@ -31,11 +31,11 @@ import torch
 from ..errors import DTypeError, ShapeError, UnsupportedOperation
 from ..policies import POLICIES, Policy, get_policy
 from ..options import Option, number
+from ..attention import Reads
 from .checks import Geometry
 from .state import LayerState
-from ..attention import Reads
-from .bounded import SelectingLayer
-from .budget import Budget, holds_wrong_size, slots_to_allocate
+from .selecting import SelectingLayer
+from .budget import Budget
 from .slots import get_storage
 from .store import Layout, SlotStore
 
@@ -87,7 +87,6 @@ class EvictingLayer(SelectingLayer):
         #: The codec's tensors, each slot's position and score: name -> [B, Hkv, C(, D)]. Sized
         #: by the budget (``_capacity_for``), not by a growth strategy.
         self.store = SlotStore(layout=self._layout)
-        self._set: dict[str, torch.Tensor] | None = None  # the attended set of an overflowing chunk
 
     # ---- sizes ----------------------------------------------------------------------------
 
@@ -144,32 +143,19 @@ class EvictingLayer(SelectingLayer):
 
     # ---- appending ------------------------------------------------------------------------
 
-    def _append(self, key, value):
-        if self._set is not None or self.length > self.budget_now():
-            self._settle(None)  # a store loaded with its spare slot in use: evict now
+    def _keep_now(self, seen: int | None = None) -> int:
+        return self.budget_now(seen)
+
+    def _new_slots(self, key, value, seen):
         batch, heads, n = key.shape[:3]
-        seen = self.seen
         pos = torch.arange(seen, seen + n, device=key.device).expand(batch, heads, n)
-        new = {**self.storage.encode(key, value), "positions": pos, "scores": self.policy.initial(pos)}
-        if self.length + n <= max(self.capacity, self._capacity_for(seen + n)):
-            self._ensure_capacity(self.length + n, key, value)
-            self.store.append(new)
-            self._seen = seen + n
-            keys, values = self.view()
-            return Reads(keys, values, self.positions(), seen, n, all_visible=n == 1, new_at_end=True, weights=self.weights_for(n))
-        # Too many new tokens for the spare room: attend a temporary concatenation (the new tokens
-        # in full precision), then keep the best.
-        if not self.store.allocated:
-            self.geometry = Geometry.of(key, value)
-            keys, values = key, value
-            self._set = new
-        else:
-            old_k, old_v = self.view()
-            keys, values = torch.cat([old_k, key], dim=2), torch.cat([old_v, value], dim=2)
-            stored = self.store.in_use()
-            self._set = {name: torch.cat([stored[name], t], dim=2) for name, t in new.items()}
-        self._seen = seen + n
-        return Reads(keys, values, self._set["positions"], seen, n, new_at_end=True, weights=self.weights_for(n))
+        return {**self.storage.encode(key, value), "positions": pos, "scores": self.policy.initial(pos)}
+
+    def _record(self, keys, values, held, seen, n):
+        # The new tokens are the last slots, after every survivor: causal is end-aligned.
+        fits = held is None
+        positions = self.positions() if fits else held["positions"]
+        return Reads(keys, values, positions, seen, n, all_visible=fits and n == 1, new_at_end=True, weights=self.weights_for(n))
 
     def weights_for(self, queries: int) -> str | None:
         return self.policy.weights_for(queries)
@@ -178,22 +164,12 @@ class EvictingLayer(SelectingLayer):
         """Slots needed for ``seen`` tokens: the budget then and one spare for a decode step."""
         return self.budget_now(seen) + 1
 
-    def _ensure_capacity(self, need: int, key, value) -> None:
-        if self.store.allocated and self.capacity >= need:
-            return
-        need = max(need, self._capacity_for(self.seen + key.shape[2]))
-        self.geometry = self.geometry or Geometry.of(key, value)
-        self.store.allocate(slots_to_allocate(need, self._growing), self.geometry)  # the stored slots kept
-
     # ---- after attention: score, then evict ------------------------------------------------
 
-    def _settle(self, weights: torch.Tensor | None) -> None:
-        if self._set is not None:
-            s, self._set = self._set, None
-            if weights is not None:
-                s["scores"] = self._observed(s["scores"], weights, s["positions"])
-            self._keep_best(s, self.budget_now())
-            return
+    def _scored(self, weights, slots):
+        return self._observed(slots["scores"], weights, slots["positions"])
+
+    def _settle_in_place(self, weights: torch.Tensor | None) -> None:
         if weights is not None:
             live = self._slots["scores"][:, :, : self._len]
             live.copy_(self._observed(live, weights, self._slots["positions"][:, :, : self._len]))
@@ -236,13 +212,7 @@ class EvictingLayer(SelectingLayer):
                 name: t.gather(2, index if t.dim() == 3 else index.unsqueeze(-1).expand(*index.shape, t.shape[-1]))
                 for name, t in slots.items()
             }
-        kept = slots["positions"].shape[2]
-        need = max(self._capacity_for(self.seen), kept)
-        if not self.store.allocated or holds_wrong_size(self.capacity, need, self._growing):
-            self.geometry = replace(self.geometry, batch=slots["positions"].shape[0])
-            self.store.allocate(slots_to_allocate(need, self._growing), self.geometry, keep=False)
-        self.store.write(0, slots)
-        self.store.length = kept
+        self._store_kept(slots)
 
     # ---- rollback, reuse, batch work ------------------------------------------------------
 
@@ -255,13 +225,6 @@ class EvictingLayer(SelectingLayer):
             )
 
     # _trim (the store's): nothing evicted (check_trim), so slots are positions 0..len-1 in order.
-
-    def reset(self) -> None:
-        super().reset()
-        self.store.drop()
-        self._set = None
-        self._seen = 0
-        self.geometry = None
 
     # ---- state ----------------------------------------------------------------------------
 

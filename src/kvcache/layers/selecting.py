@@ -1,0 +1,172 @@
+"""What eviction layers share: keep a selection of slots within a budget, chosen after attention.
+
+An evicting layer (one policy's scores per KV head, ``evicting.py``) and an Ada-KV layer (one
+budget shared by a layer's heads over a flat store, ``adaptive.py``) store the same way:
+
+- an update that fits the store's spare room is appended and attended where it lies;
+- one that does not is attended as a temporary concatenation of the kept slots and the new
+  tokens (the new ones in full precision), held as a candidate set (``_set``) until its
+  attention settles it, and nothing that reads or reshapes the store may come in between;
+- settling scores the slots with the weights the pass reported, then keeps the best ``keep``
+  (``_keep_best``, each kind's own choice) in a store sized by ``budget.py``'s one rule.
+
+A kind supplies its slots (``_new_slots``: the codec's tensors plus tags, ``[B, H, N, ...]``),
+its record (``_record``), its scores (``_scored``) and its choice (``_keep_best``); ``_unit`` is
+how many slots one token takes (1 per head's row, or ``Hkv`` in a flat store).
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from dataclasses import replace
+
+import torch
+
+from ..attention import Reads
+from ..errors import UnsupportedOperation
+from .bounded import BoundedLayer
+from .budget import holds_wrong_size, slots_to_allocate
+from .checks import Geometry
+
+
+class SelectingLayer(BoundedLayer):
+    """A bounded layer that keeps a selection of slots (see the module docstring)."""
+
+    _set: dict[str, torch.Tensor] | None = None
+
+    # ---- what a kind supplies -------------------------------------------------------------
+
+    @abstractmethod
+    def _new_slots(self, key: torch.Tensor, value: torch.Tensor, seen: int) -> dict[str, torch.Tensor]:
+        """The store's tensors for the new tokens at positions ``seen...``: name -> ``[B, H, N(, X)]``."""
+
+    def _as_slots(self, t: torch.Tensor) -> torch.Tensor:
+        """New keys or values ``[B, Hkv, n, D]`` laid out as the store's slots (full precision)."""
+        return t
+
+    @abstractmethod
+    def _record(self, keys: torch.Tensor, values: torch.Tensor, held: dict[str, torch.Tensor] | None, seen: int, n: int) -> Reads:
+        """The read record of an update of ``n`` tokens from position ``seen``: ``keys``/``values``
+        attended; their tags (positions, ...) are ``held``'s, the candidate set of an update that
+        overflowed, or the store's slots in use when ``held`` is None (the update fitted)."""
+
+    @abstractmethod
+    def _scored(self, weights: torch.Tensor, slots: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``slots``' scores after a pass that reported ``weights`` over them."""
+
+    @abstractmethod
+    def _keep_best(self, slots: dict[str, torch.Tensor], keep: int) -> None:
+        """Store the ``keep`` best of ``slots`` (not views of the store): choose, then ``_store_kept``."""
+
+    @abstractmethod
+    def _settle_in_place(self, weights: torch.Tensor | None) -> None:
+        """Settle an update that fitted the store: rescore with ``weights``, evict what is over."""
+
+    @abstractmethod
+    def _keep_now(self, seen: int | None = None) -> int:
+        """Slots kept after ``seen`` tokens (default: now)."""
+
+    @abstractmethod
+    def _capacity_for(self, seen: int) -> int:
+        """Slots the store needs after ``seen`` tokens: the budget then, and a decode step's spare."""
+
+    @property
+    def _unit(self) -> int:
+        """Slots one token takes: 1 (a row per head), or ``Hkv`` in a flat store."""
+        return 1
+
+    def _store_geometry(self) -> Geometry:
+        """The geometry the store is allocated with."""
+        return self.geometry
+
+    # ---- sizes ----------------------------------------------------------------------------
+
+    @property
+    def _growing(self) -> bool:
+        """The budget is a share of the sequence: its store is allocated with room to grow
+        (``budget.slots_to_allocate``)."""
+        return isinstance(self.budget, float)
+
+    @property
+    def selection_name(self) -> str:
+        """How error messages name the layer (its policy, for eviction)."""
+        return self.kind
+
+    # ---- appending ------------------------------------------------------------------------
+
+    def _append(self, key: torch.Tensor, value: torch.Tensor) -> Reads:
+        if self._set is not None or self.length > self._keep_now():
+            self._settle(None)  # a store loaded with its spare slots in use: choose now
+        n, seen = key.shape[2], self.seen
+        new = self._new_slots(key, value, seen)  # encodes (may raise): nothing changed yet
+        self.geometry = self.geometry or Geometry.of(key, value)
+        added = new["positions"].shape[2]
+        if self.length + added <= max(self.capacity, self._capacity_for(seen + n)):
+            self._ensure_capacity(self.length + added, seen + n)
+            self.store.append(new)
+            self._seen = seen + n
+            keys, values = self.view()
+            return self._record(keys, values, None, seen, n)
+        # Too many new tokens for the spare room: attend a temporary concatenation (the new tokens
+        # in full precision), then keep the best when it settles.
+        new_keys, new_values = self._as_slots(key), self._as_slots(value)
+        if self.store.allocated and self.length:
+            old_k, old_v = self.view()
+            keys, values = torch.cat([old_k, new_keys], dim=2), torch.cat([old_v, new_values], dim=2)
+            stored = self.store.in_use()
+            self._set = {name: torch.cat([stored[name], t], dim=2) for name, t in new.items()}
+        else:
+            keys, values, self._set = new_keys, new_values, new
+        self._seen = seen + n
+        return self._record(keys, values, self._set, seen, n)
+
+    def _ensure_capacity(self, need: int, seen: int) -> None:
+        if self.store.allocated and self.capacity >= need:
+            return
+        need = max(need, self._capacity_for(seen))
+        self.store.allocate(slots_to_allocate(need, self._growing, self._unit), self._store_geometry())  # the stored slots kept
+
+    # ---- after attention --------------------------------------------------------------------
+
+    def _settle(self, weights: torch.Tensor | None) -> None:
+        if self._set is not None:
+            s, self._set = self._set, None
+            if weights is not None:
+                s["scores"] = self._scored(weights, s)
+            self._keep_best(s, self._keep_now())
+            return
+        self._settle_in_place(weights)
+
+    def _store_kept(self, slots: dict[str, torch.Tensor]) -> None:
+        """Write the chosen ``slots`` (``[B, H, kept(, X)]``) from slot 0, reallocating the store when
+        its size (``budget.holds_wrong_size``) or batch is not what they need."""
+        kept, batch = slots["positions"].shape[2], slots["positions"].shape[0]
+        need = max(self._capacity_for(self.seen), kept)
+        wrong_size = not self.store.allocated or holds_wrong_size(self.capacity, need, self._growing, self._unit)
+        if wrong_size or self.store.batch != batch:
+            self.geometry = replace(self.geometry, batch=batch)
+            self.store.allocate(slots_to_allocate(need, self._growing, self._unit), self._store_geometry(), keep=False)
+        self.store.write(0, slots)
+        self.store.length = kept
+
+    # ---- rollback, reuse, batch work ------------------------------------------------------
+
+    def _check_settled(self, what: str) -> None:
+        if self._set is not None:
+            raise UnsupportedOperation(
+                f"{self.selection_name} layer: cannot {what} between an update that overflowed the budget "
+                f"and its attention (call attend() or settle() first)"
+            )
+
+    def _rebatch(self, fn) -> None:
+        self._check_settled("change the batch")
+        if self.store.allocated:  # another batch: the budget's capacity
+            batch = self.store.rebatch(fn, capacity=self._capacity_for(self.seen))
+            self.geometry = replace(self.geometry, batch=batch)
+
+    def reset(self) -> None:
+        super().reset()
+        self.store.drop()
+        self._set = None
+        self._seen = 0
+        self.geometry = None
