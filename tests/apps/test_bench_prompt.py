@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import socket
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,6 +13,9 @@ import torch
 from kvcache.apps.bench import SUITES, prompt
 from kvcache.apps.bench.prompt_request import FirstToken, Prompts, StoreTimer, redis_binary, redis_server
 from kvcache.apps.run_options import RunOptions
+from kvcache.apps.tiny import tiny_model
+from kvcache.store import Backend, PromptStore
+from kvcache.store.backends import MemoryBackend
 
 
 @pytest.fixture(scope="module")
@@ -115,31 +117,29 @@ def test_first_token_is_the_second_put():
     assert first is not None and streamer.at == first
 
 
-class _GetsOneByOne:
+class _GetsOneByOne(MemoryBackend):
     """A backend whose ``get_many`` is made of ``get`` calls (the interface's default)."""
 
-    def __init__(self, values):
-        self.values = values
-
-    def get(self, key):
-        return self.values.get(key)
-
-    def get_many(self, keys):
-        return [self.get(k) for k in keys]
-
-    def contains_many(self, keys):
-        return [k in self.values for k in keys]
+    get_many = Backend.get_many
 
 
 def test_store_timer_counts_nested_reads_once():
-    store = SimpleNamespace(backend=_GetsOneByOne({"a": b"12345", "b": b"xyz"}))
-    timer = StoreTimer(store)
-    assert store.backend.get_many(["a", "b", "c"]) == [b"12345", b"xyz", None]
-    assert timer.read_bytes == 8 and timer.seconds["fetch"] > 0
+    """The store's ``timer`` hook reports each of its backend reads once, whatever the backend
+    does inside it, and the entries it opens; ``reset`` starts again from zero."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
+    timer = StoreTimer()
+    store = PromptStore(_GetsOneByOne(), chunk=16, timer=timer)
+    store.prefill(model, ids)  # stores the two full chunks of the 39 tokens before the last
     timer.reset()
-    assert (timer.read_bytes, timer.seconds["fetch"]) == (0, 0.0)
-    store.backend.get("a")
-    assert timer.read_bytes == 5
+    assert (timer.read_bytes, timer.seconds) == (0, {"fetch": 0.0, "open": 0.0})
+    _, reused = store.cache_for(model, ids)
+    assert reused == 32 and len(store.backend) == 2
+    assert timer.read_bytes == store.backend.nbytes()  # both entries, each once
+    assert timer.seconds["fetch"] > 0 and timer.seconds["open"] > 0
+    timer.reset()
+    PromptStore(store.backend, chunk=16).cache_for(model, ids)  # another store: not this timer's
+    assert (timer.read_bytes, timer.seconds) == (0, {"fetch": 0.0, "open": 0.0})
 
 
 def test_prompts_are_exact_lengths_and_distinct():

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import kvcache
-from kvcache.apps import demo, tasks
+from kvcache.apps import demo, demo_table, tasks
 from kvcache.apps.cli import main
 
 CONTENDERS = ["DynamicCache", "concat", "growable", "static"]
@@ -101,7 +101,7 @@ def test_demo_writes_json_and_prints_table(tmp_path, capsys):
 
 
 def test_demo_flags_differing_tokens_and_restores_threads(monkeypatch):
-    real = demo._generate
+    real = demo.measured_generate
 
     def sabotaged(model, prompt, cache, new_tokens):
         run = real(model, prompt, cache, new_tokens)
@@ -109,13 +109,13 @@ def test_demo_flags_differing_tokens_and_restores_threads(monkeypatch):
             run["tokens"] = run["tokens"][:-1] + [(run["tokens"][-1] + 1) % model.config.vocab_size]
         return run
 
-    monkeypatch.setattr(demo, "_generate", sabotaged)
+    monkeypatch.setattr(demo, "measured_generate", sabotaged)
     before = torch.get_num_threads()
     results = demo.run_demo("llama", prompt_tokens=8, new_tokens=2, repeats=1, progress=False, threads=1)
     assert torch.get_num_threads() == before
     identical = {r["cache"]: r["identical"] for r in results}
     assert identical == {"DynamicCache": True, "concat": False, "growable": True, "static": True}
-    table = demo.format_table(results).splitlines()
+    table = demo_table.format_table(results).splitlines()
     assert next(line for line in table if line.startswith("concat ")).endswith(" NO")
     assert next(line for line in table if line.startswith("growable ")).endswith(" yes")
 

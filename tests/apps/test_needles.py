@@ -1,5 +1,5 @@
 """Needles in prose for a real tokenizer (``apps/needles.py``) and the real-model harness's
-bookkeeping (``apps/eval_real.py``): where the needles sit, what the questions ask, how the two
+bookkeeping (``apps/eval_real*.py``): where the needles sit, what the questions ask, how the two
 passes' weights add up to the prompt's, and the report's arithmetic on a result made by hand."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcache.apps import eval_real, needles
+from kvcache.apps import eval_real, eval_real_plan, eval_real_report, eval_real_weights, needles
 
 
 def test_paragraphs_read_as_prose_and_splits_do_not_share_any():
@@ -31,7 +31,7 @@ def test_contexts_hold_their_needles_at_their_depths(length, seed, count):
 
     _, tokenizer = load("smollm2", progress=False)
     ctx = needles.make_context(tokenizer, length, seed, count=count)
-    assert len(ctx.prefix_ids) + max(len(q.ids) for q in ctx.questions) + eval_real.ANSWER_TOKENS <= length
+    assert len(ctx.prefix_ids) + max(len(q.ids) for q in ctx.questions) + eval_real_plan.ANSWER_TOKENS <= length
     assert len(ctx.prefix_ids) > 0.8 * length
     doc = ctx.prefix_ids[ctx.document :]
     assert tokenizer.decode(doc).startswith("<document>") and tokenizer.decode(doc).endswith("</document>")
@@ -39,7 +39,7 @@ def test_contexts_hold_their_needles_at_their_depths(length, seed, count):
     assert len({q.door for q in ctx.questions}) == len(ctx.questions) == count
     assert [q.depth for q in ctx.questions] == (list(needles.DEPTHS) if count == 3 else [needles.DEPTHS[seed % 3]])
     for q in ctx.questions:
-        span = eval_real.needle_span(ctx.prefix_ids, tokenizer(" " + q.key, add_special_tokens=False)["input_ids"])
+        span = eval_real_weights.needle_span(ctx.prefix_ids, tokenizer(" " + q.key, add_special_tokens=False)["input_ids"])
         assert span is not None
         where = (span[0] - ctx.document) / len(doc)
         assert abs(where - q.depth) < 0.1, (q.depth, where)
@@ -54,20 +54,20 @@ def test_prompt_weights_add_the_documents_pass_to_the_questions():
     document's last rows for the rest."""
     doc = {"sum": [torch.ones(1, 2, 5)], "window:3": [torch.full((1, 2, 5), 2.0)]}
     question = {"sum": [torch.ones(1, 2, 7)], "last": [torch.full((1, 2, 7), 3.0)], "window:5": [torch.ones(1, 2, 7)]}
-    out = eval_real.prompt_weights(doc, question, q_len=2)
+    out = eval_real_weights.prompt_weights(doc, question, q_len=2)
     assert torch.equal(out["sum"][0], torch.tensor([2.0] * 5 + [1.0] * 2).expand(1, 2, 7))
     assert torch.equal(out["last"][0], question["last"][0])
     assert torch.equal(out["window:5"][0], torch.tensor([3.0] * 5 + [1.0] * 2).expand(1, 2, 7))
 
 
 def test_runs_cover_every_kind_budget_and_mode():
-    plan = eval_real.runs_for(("h2o", "kvzip", "quantized-int4"), ("h2o",), (0.5, 0.25))
+    plan = eval_real_plan.runs_for(("h2o", "kvzip", "quantized-int4"), ("h2o",), (0.5, 0.25))
     assert plan[0] == ("full", "question", None)
     assert ("h2o", "question", 0.25) in plan and ("h2o", "context", 0.5) in plan
     assert ("kvzip", "context", 0.5) in plan and ("kvzip", "question", 0.5) not in plan
     assert ("quantized-int4", "question", None) in plan
     with pytest.raises(ValueError, match="unknown cache kind 'nope'"):
-        eval_real.runs_for(("nope",), (), (0.5,))
+        eval_real_plan.runs_for(("nope",), (), (0.5,))
 
 
 def test_summary_averages_depths_per_length_and_reads_text_rows():
@@ -77,11 +77,11 @@ def test_summary_averages_depths_per_length_and_reads_text_rows():
     ]
     result = {"runs": runs, "text": [{"cache": "h2o", "budget": 0.5, "kl": 0.2, "top1": 0.9}],
               "config": {"lengths": [1024], "depths": [0.1, 0.5, 0.9]}}
-    (line,) = eval_real.summary(result)
+    (line,) = eval_real_report.summary(result)
     assert line["by_depth"] == {0.1: 0.0, 0.5: 1.0, 0.9: 1.0}
     assert line["by_length"][1024] == pytest.approx(2 / 3)  # depths weigh alike
     assert line["accuracy"] == 0.75 and line["kl"] == 0.2 and line["top1"] == 0.9
-    assert "| h2o | 50% | with question | 67% | 0% | 100% | 100% | 75% | - |" in eval_real.table(result)
+    assert "| h2o | 50% | with question | 67% | 0% | 100% | 100% | 75% | - |" in eval_real_report.table(result)
 
 
 @pytest.mark.real_model
@@ -99,7 +99,7 @@ def test_real_eval_runs_every_kind_and_writes_its_report(tmp_path):
         contexts=1,
     )
     got = {(r["cache"], r["mode"], r["budget"]) for r in result["runs"]}
-    assert got == set(eval_real.runs_for(("h2o", "kvzip", "quantized-int4"), ("h2o",), (0.5,)))
+    assert got == set(eval_real_plan.runs_for(("h2o", "kvzip", "quantized-int4"), ("h2o",), (0.5,)))
     full = next(r for r in result["runs"] if r["cache"] == "full")
     for r in result["runs"]:
         if r["budget"] is not None:

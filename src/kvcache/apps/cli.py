@@ -4,7 +4,8 @@
 Each subcommand is one ``add_<name>(subparsers)`` function that builds its parser with
 :func:`.cli_options.add_command`, run by a ``cmd_<name>(args) -> int`` handler whose docstring is the
 command's help; :data:`SUBCOMMANDS` lists them in ``--help`` order. ``generate`` lives here, ``demo`` in :mod:`.cli_demo`, ``bench`` and ``eval`` in
-:mod:`.cli_runs`, ``models`` in :mod:`.cli_models`, what they share in :mod:`.cli_options`. Heavy imports happen inside the handlers,
+:mod:`.cli_runs`, ``models`` in :mod:`.cli_models`, what they share in :mod:`.cli_options`, and what ``--model``
+loads in :mod:`.cli_load`. Heavy imports happen inside the handlers,
 so ``--help`` and argument errors stay quick.
 
 Exit codes: 0 success, 2 bad arguments or a ``kvcache`` error (printed as one line,
@@ -25,60 +26,22 @@ from ..errors import KVCacheError
 from ..spec import parse_spec, valid_specs
 from .cli_demo import add_demo
 from .cli_models import add_models
+from .cli_load import TINY, load_model
 from .cli_options import (
     DTYPES,
-    HALF_DTYPES,
     PROG,
     add_command,
     cache_spec,
     check_device,
-    check_half_precision,
     int_at_least,
     output_file,
     positive_float,
     probability,
-    weights_dtype,
 )
 from .cli_runs import add_bench, add_eval
 
 
 # ---- kvcache generate ----------------------------------------------------------------------
-
-TINY = "tiny"
-
-
-def load_model(name_or_dir: str, device: str = "cpu", dtype: str = "auto") -> tuple[Any, Any]:
-    """``(model, tokenizer)`` for ``--model``: ``"tiny"``, a registry model or a local Hugging Face
-    checkpoint folder, weights in ``dtype`` (``"auto"``: as the checkpoint stores them).
-
-    ``"tiny"`` is the small model trained for kvcache and shipped with it (:mod:`kvcache.apps.trained`),
-    with its byte-level tokenizer. A registry model (:mod:`kvcache.models`, e.g. ``smollm2``) is
-    downloaded and converted the first time, progress on stderr. A folder is loaded with
-    ``AutoTokenizer`` / ``AutoModelForCausalLM``, never from the hub. Half-precision weights on the
-    CPU are checked first (:func:`.cli_options.check_half_precision`).
-    """
-    from ..models import find_entry, known_names, model_path
-
-    if name_or_dir == TINY:
-        from .trained import MODEL_DIR
-
-        name_or_dir = str(MODEL_DIR)
-    elif find_entry(name_or_dir) is not None:
-        name_or_dir = str(model_path(name_or_dir))
-    if not os.path.isdir(name_or_dir):
-        raise KVCacheError(
-            f"--model: {name_or_dir!r} is neither {TINY!r} nor a model directory nor a known model ({known_names()})"
-        )
-    loads_in = weights_dtype(name_or_dir, dtype)
-    if device == "cpu" and loads_in in HALF_DTYPES:
-        check_half_precision(f"--model {name_or_dir} in {loads_in}")
-    from .trained import load_pretrained
-
-    try:
-        return load_pretrained(name_or_dir, device, dtype)
-    except (OSError, ValueError, KeyError) as e:
-        reason = " ".join(str(e).split())
-        raise KVCacheError(f"cannot load a model and tokenizer from {name_or_dir}: {reason}") from e
 
 
 def save_conversation(cache: Any, path: str, ids: list[int]) -> None:

@@ -6,6 +6,7 @@ import argparse
 
 from . import tasks
 from ..errors import KVCacheError
+from .cli_load import TINY, load_model
 from .cli_options import add_command, int_at_least, output_file, probability, write_json
 from .demo import DEPTH, RANDOM_PROMPT_TOKENS, TRAINED_PROMPT_TOKENS
 from .tiny import FAMILIES
@@ -67,13 +68,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     instead (unbounded caches only). With --model (e.g. smollm2), a real model answering a short
     chat prompt with the unbounded and the quantized caches.
     """
-    from . import demo
-    from .cli import TINY, load_model  # the generate command's loader (cli imports this module)
+    from . import demo, demo_table
 
     if args.prompt is not None and args.model is None:
         raise KVCacheError("--prompt applies only with --model")
     if args.model is not None and args.model != TINY:
-        return demo_real_model(args, load_model)
+        return demo_real_model(args)
     tokenizer = None
     if args.family is None:
         model, tokenizer = load_model(TINY)
@@ -85,7 +85,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     else:
         model = demo.build_model(args.family)
         prompt_tokens = args.prompt_tokens or RANDOM_PROMPT_TOKENS
-    header = demo.header_line(
+    header = demo_table.header_line(
         model, args.family, prompt_tokens, args.new_tokens, args.repeats, args.threads, depth=args.depth
     )
     print(header, flush=True)
@@ -99,7 +99,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         tokenizer=tokenizer,
         threads=args.threads,
     )
-    print(demo.format_table(results), flush=True)
+    print(demo_table.format_table(results), flush=True)
     if args.json:
         settings = {k: getattr(args, k) for k in ("family", "new_tokens", "depth", "repeats", "threads")}
         settings["prompt_tokens"] = prompt_tokens
@@ -107,9 +107,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def demo_real_model(args: argparse.Namespace, load_model) -> int:
+def demo_real_model(args: argparse.Namespace) -> int:
     """``kvcache demo --model NAME|DIR``: see :mod:`kvcache.apps.demo_real`."""
-    from . import demo, demo_real
+    from . import demo, demo_real, demo_table
 
     if args.prompt_tokens is not None:
         raise KVCacheError("--prompt-tokens applies to the tiny models; with --model the prompt is --prompt")
@@ -120,7 +120,7 @@ def demo_real_model(args: argparse.Namespace, load_model) -> int:
         header = demo_real.header_line(model, args.model, prompt, text, args.new_tokens, args.repeats)
         print(header, flush=True)
         results, _ = demo_real.run_real_demo(model, tokenizer, text, args.new_tokens, args.repeats)
-    print(demo.format_table(results), flush=True)
+    print(demo_table.format_table(results), flush=True)
     print(f"{demo.REFERENCE}'s reply: {results[0]['reply'].strip()!r}", flush=True)
     if args.json:
         settings = {"model": args.model, "prompt": text, "new_tokens": args.new_tokens, "repeats": args.repeats}

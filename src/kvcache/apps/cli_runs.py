@@ -71,7 +71,7 @@ def add_eval(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         metavar="KIND,...",
         help=f"cache kinds, from: {', '.join(k for k in KINDS if k != 'full')} (default: {','.join(DEFAULT_KINDS)}); "
-        "for a real model see `kvcache.apps.eval_real.KINDS` (default: all of them)",
+        "for a real model see `kvcache.apps.eval_real_plan.KINDS` (default: all of them)",
     )
     p.add_argument(
         "--budgets",
@@ -128,9 +128,11 @@ def _names(value: str, valid, what: str) -> tuple[str, ...]:
 
 def _eval_real(args: argparse.Namespace) -> int:
     from . import eval_real
+    from .eval_real_plan import DEFAULT_CONTEXT_KINDS, DEFAULT_KINDS, KINDS
+    from .eval_real_report import table
 
-    kinds = eval_real.DEFAULT_KINDS if args.caches is None else _names(args.caches, eval_real.KINDS, "--caches")
-    reuse = eval_real.DEFAULT_CONTEXT_KINDS if args.reuse is None else _names(args.reuse, eval_real.KINDS, "--reuse")
+    kinds = DEFAULT_KINDS if args.caches is None else _names(args.caches, KINDS, "--caches")
+    reuse = DEFAULT_CONTEXT_KINDS if args.reuse is None else _names(args.reuse, KINDS, "--reuse")
     lengths = None
     if args.lengths is not None:
         try:
@@ -149,7 +151,7 @@ def _eval_real(args: argparse.Namespace) -> int:
                                needles_per_context=args.needles)
     except ValueError as e:
         raise KVCacheError(str(e)) from e
-    print(eval_real.table(result))
+    print(table(result))
     list_written(options.out, "eval", plots)
     return 0
 

@@ -34,30 +34,31 @@ said:
   bounded caches, the library's own counter);
 * identical: the generated tokens equal ``DynamicCache``'s in every repeat;
 * answer: the first generated line, and whether it is the pass key (trained model only).
+
+This module builds the contenders and runs them; :mod:`kvcache.apps.demo_measure` measures one
+generation, :mod:`kvcache.apps.demo_table` prints the header line and the table.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import statistics
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import transformers
 from tqdm import tqdm
-from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel
+from transformers import PreTrainedModel
 
 import kvcache
 
 from . import tasks
 from ..build import make_cache
 from ..hf import use_kvcache_attention
-from .bench.harness import alternate, greedy_generate
+from .bench.harness import alternate
 from .contenders import make_contender, spec_for
+from .demo_measure import measured_generate
 from .tiny import tiny_model
 
 __all__ = [
@@ -68,8 +69,6 @@ __all__ = [
     "REFERENCE",
     "TRAINED_PROMPT_TOKENS",
     "build_model",
-    "format_table",
-    "header_line",
     "results_of",
     "run_contenders",
     "run_demo",
@@ -126,115 +125,6 @@ def contenders(model: PreTrainedModel, prompt_tokens: int, new_tokens: int, boun
             spec = spec_for(kind, slots=max(1, int(prompt_tokens * share)) if kind == "window" else share)
             out[name] = Contender(spec, lambda spec=spec: make_cache(model, spec), bounded=True)
     return out
-
-
-def _describe(model: PreTrainedModel, family: str | None) -> str:
-    if family is not None:
-        return f"tiny {family} (random weights; "
-    n_params = sum(p.numel() for p in model.parameters())
-    return f"kvcache tiny retrieval model (trained, {n_params / 1e6:.2f}M parameters; "
-
-
-def header_line(
-    model: PreTrainedModel,
-    family: str | None,
-    prompt_tokens: int,
-    new_tokens: int,
-    repeats: int,
-    threads: int | None = None,
-    depth: float = DEPTH,
-) -> str:
-    """One line: the model, the prompt, the sizes, and the library versions."""
-    c = model.config
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    attn = getattr(c, "_attn_implementation", None) or "default"
-    per_token = 2 * c.num_key_value_heads * head_dim * next(model.parameters()).element_size() * c.num_hidden_layers
-    threads = threads or torch.get_num_threads()
-    prompt = (
-        f"prompt {prompt_tokens}"
-        if family is not None
-        else f"pass-key prompt {prompt_tokens} (key at depth {depth:g}, held-out text)"
-    )
-    return (
-        f"kvcache demo: {_describe(model, family)}{c.num_hidden_layers} layers, hidden {c.hidden_size}, "
-        f"{c.num_attention_heads} query / {c.num_key_value_heads} KV heads x {head_dim}, {dtype}; DynamicCache on {attn} attention, kvcache on kvcache attention; "
-        f"{per_token / 1024:g} KiB of KV per token) | {prompt} + {new_tokens} new tokens, batch 1, "
-        f"greedy, {_plural(repeats, 'repeat')} | kvcache {kvcache.__version__}, "
-        f"torch {torch.__version__}, transformers {transformers.__version__}, {_plural(threads, 'thread')}"
-    )
-
-
-def _storages(cache: Any) -> list[tuple[tuple[int, int], int]]:
-    """Per cache layer with content: ((keys storage ptr, values storage ptr), bytes of both storages)."""
-    out = []
-    for layer in cache.layers:
-        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
-        if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor) or keys.numel() == 0:
-            out.append(((0, 0), 0))
-            continue
-        ks, vs = keys.untyped_storage(), values.untyped_storage()
-        out.append(((ks.data_ptr(), vs.data_ptr()), ks.nbytes() + vs.nbytes()))
-    return out
-
-
-class _StepProbe(LogitsProcessor):
-    """Called by ``generate`` after every forward pass: stamps the time and, if ``watch``, watches
-    the storages (not for bounded caches: their ``keys`` may be a dequantized copy, built per call)."""
-
-    def __init__(self, cache: Any, watch: bool = True) -> None:
-        self.cache = cache
-        self.watch = watch
-        self.stamps: list[float] = []  # time after each forward, probe time excluded
-        self.overhead = 0.0
-        self.pointers: list[tuple[int, int]] | None = None
-        self.moves = 0
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
-        start = time.perf_counter()
-        self.stamps.append(start - self.overhead)
-        if self.watch:
-            self._watch()
-        self.overhead += time.perf_counter() - start
-        return scores
-
-    def _watch(self) -> None:
-        pointers = [ptr for ptr, _ in _storages(self.cache)]
-        if self.pointers is None:
-            self.pointers = [(0, 0)] * len(pointers)
-        for old, new in zip(self.pointers, pointers):
-            if new != (0, 0) and new != old:
-                self.moves += 1
-        self.pointers = pointers
-
-
-def _generate(model: PreTrainedModel, prompt: torch.Tensor, cache: Any, new_tokens: int) -> dict[str, Any]:
-    """One greedy generation into ``cache``; the tokens and what the probe measured (for a bounded
-    cache, its own byte and reallocation counters instead)."""
-    bounded = getattr(cache, "needs_kvcache_attention", False)
-    probe = _StepProbe(cache, watch=not bounded)
-    with torch.inference_mode():
-        started = time.perf_counter()
-        out = greedy_generate(
-            model,
-            prompt,
-            cache,
-            new_tokens,
-            attention_mask=torch.ones_like(prompt),
-            logits_processor=LogitsProcessorList([probe]),
-            pad_token_id=model.config.pad_token_id,
-        )
-    tokens = out[0, prompt.shape[1] :].tolist()
-    decode_steps = len(probe.stamps) - 1
-    decode_s = probe.stamps[-1] - probe.stamps[0] if decode_steps > 0 else math.nan
-    return {
-        "tokens": tokens,
-        "prefill_s": probe.stamps[0] - started,
-        "decode_steps": decode_steps,
-        "decode_s": decode_s,
-        "reallocations": cache.reallocations if bounded else probe.moves,
-        "bytes": cache.nbytes if bounded else sum(nbytes for _, nbytes in _storages(cache)),
-    }
 
 
 def run_demo(
@@ -327,7 +217,7 @@ def run_contenders(
         context = use_kvcache_attention(model) if entries[name].ours else contextlib.nullcontext()
         with context:
             cache = entries[name].make()
-            return _generate(model, prompt, cache, tokens), cache
+            return measured_generate(model, prompt, cache, tokens), cache
 
     bar = tqdm(total=len(names) * (repeats + 1), desc="kvcache demo", unit="run", disable=not progress, leave=False)
     try:
@@ -391,63 +281,3 @@ def results_of(
 
 def _speeds(runs: list[dict[str, Any]]) -> list[float]:
     return [run["decode_steps"] / run["decode_s"] for run in runs]
-
-
-def _mib(nbytes: int) -> str:
-    return f"{nbytes / 2**20:.2f} MiB"
-
-
-def _identical_cell(result: dict[str, Any]) -> str:
-    if result["cache"] == REFERENCE:
-        return "reference" if result["identical"] else "NO: reference varies between repeats"
-    if result["identical"]:
-        return "yes"
-    return "differs (bounded)" if result.get("bounded") else "NO"
-
-
-def _answer_cell(result: dict[str, Any]) -> str:
-    if result["correct"] is None:  # nothing to check it against (a real model's free answer)
-        return repr(result["answer"].strip())
-    return f"{'right' if result['correct'] else 'WRONG'}: {result['answer'].strip()!r}"
-
-
-def format_table(results: list[dict[str, Any]]) -> str:
-    """A plain-text table of :func:`run_demo`'s results, with a legend."""
-    answers = any(r.get("answer") is not None for r in results)
-    head = ("cache", "tokens/s", f"vs {REFERENCE}", "cache bytes", "reallocations", "identical output")
-    head += ("answer",) if answers else ()
-    rows = [
-        (
-            r["cache"],
-            f"{r['tokens_per_s']:.1f}",
-            f"{r['speedup']:.2f}x",
-            _mib(r["cache_bytes"]),
-            str(r["reallocations"]),
-            _identical_cell(r),
-        )
-        + ((_answer_cell(r),) if answers else ())
-        for r in results
-    ]
-    widths = [max(len(cell) for cell in column) for column in zip(head, *rows)]
-    lines = []
-    for i, row in enumerate([head, *rows]):
-        cells = [cell.ljust(w) if j in (0, 6) else cell.rjust(w) for j, (cell, w) in enumerate(zip(row, widths))]
-        lines.append("  ".join(cells).rstrip())
-        if i == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    lines.append(
-        "tokens/s: decode, median over repeats; cache bytes: storage held at the end; reallocations: "
-        "times a layer's key/value storage moved, summed over layers (measured from storage pointers)"
-    )
-    if answers:
-        specs = "; ".join(f"{r['cache']} = {r['spec']}" for r in results if r.get("bounded"))
-        checked = any(r.get("correct") is not None for r in results)
-        lines.append(
-            f"answer: the first generated line{', right if it is the pass key' if checked else ''}. "
-            f"Bounded caches ({specs}) report their own bytes and reallocations and may change the output."
-        )
-    return "\n".join(lines)
-
-
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}" + ("" if n == 1 else "s")

@@ -5,7 +5,7 @@ The prompt is one short user message, put through the tokenizer's chat template 
 (``DynamicCache`` the reference, ``concat``, ``growable``, ``static``), whose replies must be
 DynamicCache's token for token, and the quantized caches of :data:`QUANTIZED`, which round what
 they hold and may reply differently. Timing, bytes and reallocations are measured as in
-:mod:`kvcache.apps.demo`, whose table this is.
+:mod:`kvcache.apps.demo`, and the results make its table (:mod:`kvcache.apps.demo_table`).
 """
 
 from __future__ import annotations

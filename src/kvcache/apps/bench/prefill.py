@@ -19,7 +19,7 @@ and 32K; ``--quick`` 1K / 2K / 4K with a budget and chunk of 256. Each row names
 How: every run in a fresh process (forked from a ``forkserver`` that has imported this module and
 nothing else), one after another. There, after loading the model, making the prompt and a short
 warm-up forward pass, the baseline is the current RSS and the kernel's peak-RSS mark is reset
-(``memory.PeakRSS``); after the prefill, the mark is the process peak. Per row: seconds, the ratio
+(``rss.PeakRSS``); after the prefill, the mark is the process peak. Per row: seconds, the ratio
 to the full cache's time, the process peak and the peak over the baseline (what the prefill
 added: K/V, activations, attention blocks), the cache's ``nbytes`` (largest after any chunk, the
 bound the tests check), the K/V bytes a full cache holds for the prompt, and the model's weight
@@ -40,7 +40,7 @@ import torch
 from ..run_options import RunOptions
 from .common import figure, finish_axes, human_bytes, markdown_table
 from .harness import report
-from .memory import PeakRSS, current_rss
+from .rss import PeakRSS, current_rss
 
 #: name -> (cache spec with ``{budget}`` for the bound, chunked)
 CONTENDERS: dict[str, tuple[str, bool]] = {

@@ -26,7 +26,6 @@ from __future__ import annotations
 import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -145,13 +144,13 @@ def compared(workload: str, round_: int, step: int, results: dict[str, dict[str,
     return rows
 
 
-def both_ways(model: Any, ids: torch.Tensor, s: Sizes, store: PromptStore, timer: StoreTimer, step: int, bar: Any, label: str) -> dict[str, dict[str, Any]]:
+def both_ways(model: Any, ids: torch.Tensor, s: Sizes, store: PromptStore, step: int, bar: Any, label: str) -> dict[str, dict[str, Any]]:
     """Recompute and through ``store`` (``memory``), the order rotated by ``step``."""
     names = (REFERENCE, "memory")
     results = {}
     for name in names[step % 2 :] + names[: step % 2]:
         bar.set_postfix_str(f"{label} {name}")
-        results[name] = timed_request(model, ids, s.new_tokens, *((store, timer) if name == "memory" else ()))
+        results[name] = timed_request(model, ids, s.new_tokens, store if name == "memory" else None)
         bar.update()
     return {name: results[name] for name in names}
 
@@ -163,12 +162,11 @@ def chat(model: Any, prompts: Prompts, s: Sizes, bar: Any) -> list[dict[str, Any
     messages = [prompts.user(turn, low + (turn * 37) % (high - low + 1), after_reply=turn > 0) for turn in range(s.turns)]
     rows = []
     for round_ in range(s.chat_rounds):
-        store = PromptStore("memory", chunk=s.chat_chunk)
-        timer = StoreTimer(store)
+        store = PromptStore("memory", chunk=s.chat_chunk, timer=StoreTimer())
         history = prompts.system(48)
         for turn, message in enumerate(messages):
             ids = torch.cat([history, message], 1)
-            results = both_ways(model, ids, s, store, timer, round_ + turn, bar, f"chat round {round_ + 1} turn {turn + 1}")
+            results = both_ways(model, ids, s, store, round_ + turn, bar, f"chat round {round_ + 1} turn {turn + 1}")
             history = results[REFERENCE]["out"]
             rows += compared("chat", round_ + 1, turn + 1, results, {"memory": "memory"})
     return rows
@@ -176,13 +174,12 @@ def chat(model: Any, prompts: Prompts, s: Sizes, bar: Any) -> list[dict[str, Any
 
 def shared(model: Any, prompts: Prompts, s: Sizes, bar: Any) -> list[dict[str, Any]]:
     """Requests sharing one system prompt (module docstring)."""
-    store = PromptStore("memory", chunk=s.chunk)
-    timer = StoreTimer(store)
+    store = PromptStore("memory", chunk=s.chunk, timer=StoreTimer())
     system = prompts.system(s.shared_prefix)
     rows = []
     for request in range(s.requests):
         ids = torch.cat([system, prompts.user(100 + request, s.question_tokens, False)], 1)
-        results = both_ways(model, ids, s, store, timer, request, bar, f"shared request {request + 1}")
+        results = both_ways(model, ids, s, store, request, bar, f"shared request {request + 1}")
         rows += compared("shared", 1, request + 1, results, {"memory": "memory"})
     return rows
 
@@ -195,14 +192,13 @@ def backends(model: Any, prompts: Prompts, s: Sizes, bar: Any) -> tuple[list[dic
     with tempfile.TemporaryDirectory(prefix="kvcache-bench-store-") as folder, redis_server() as (url, why):
         stores, skipped = open_stores({"memory": "memory", "directory": folder, "redis": url or why}, s.chunk)
         storage = fill(model, prefix, stores)
-        timers = {name: StoreTimer(store) for name, store in stores.items()}
         names = tuple(n for n in CONTENDERS if n == REFERENCE or n in stores)
         rounds = {name: 0 for name in names}
 
         def measure(name: str) -> dict[str, Any]:
             ids = torch.cat([prefix, questions[rounds[name]]], 1)
             rounds[name] += 1
-            return timed_request(model, ids, s.new_tokens, stores.get(name), timers.get(name))
+            return timed_request(model, ids, s.new_tokens, stores.get(name))
 
         bar.update(len(skipped) * s.repeats)
         samples = alternate(names, s.repeats, measure, bar)
@@ -216,15 +212,16 @@ def backends(model: Any, prompts: Prompts, s: Sizes, bar: Any) -> tuple[list[dic
 
 
 def open_stores(locations: dict[str, str], chunk: int) -> tuple[dict[str, PromptStore], dict[str, str]]:
-    """Stores by contender name, and the reason for each that could not be opened. A location not
-    a URL for ``redis`` is the reason there is no server."""
+    """Stores by contender name, each timed by a ``StoreTimer`` of its own (``store.timer``), and
+    the reason for each that could not be opened. A location not a URL for ``redis`` is the reason
+    there is no server."""
     stores, skipped = {}, {}
     for name, location in locations.items():
         if name == "redis" and not location.startswith("redis://"):
             skipped[name] = location
             continue
         try:
-            stores[name] = PromptStore(location, chunk=chunk)
+            stores[name] = PromptStore(location, chunk=chunk, timer=StoreTimer())
         except (KVCacheError, OSError, ImportError) as e:
             skipped[name] = f"{type(e).__name__}: {e}"
     return stores, skipped

@@ -4,8 +4,8 @@ token ids, and a throwaway ``redis-server``.
 A request is timed from before the cache is made (or looked up in the store) to the first new
 token (``FirstToken``, a ``generate`` streamer: Hugging Face calls ``put`` once with the prompt,
 then once per new token) and to ``generate``'s return; storing the finished turn is timed
-separately. ``StoreTimer`` splits the lookup by wrapping the store's backend reads and entry
-opening with ``time.perf_counter`` (the rest of ``cache_for`` is assembling the cache).
+separately. ``StoreTimer``, the store's ``timer`` hook, splits the lookup into its backend reads and
+entry opening (the rest of ``cache_for`` is assembling the cache).
 """
 
 from __future__ import annotations
@@ -45,47 +45,28 @@ class StoreTimer:
     """Seconds a ``PromptStore`` spends reading its backend (``fetch``) and opening entries
     (``open``: checking digests, decoding cache files), and the entry bytes it read, since ``reset``.
 
-    Wraps the methods on the instances (the store and its backend), so only this store is timed."""
+    The store's ``timer`` hook: ``PromptStore(..., timer=StoreTimer())`` calls it after each backend
+    read and each entry it opens, so only that store is timed."""
 
-    def __init__(self, store: Any) -> None:
-        self.seconds = {"fetch": 0.0, "open": 0.0}
-        self.read_bytes = 0
-        self._inside = False
-        for name in ("contains_many", "get_many", "get"):
-            self._wrap(store.backend, name, "fetch")
-        self._wrap(store, "_open_chunk", "open")
+    def __init__(self) -> None:
+        self.reset()
 
     def reset(self) -> None:
-        self.seconds = dict.fromkeys(self.seconds, 0.0)
+        self.seconds = {"fetch": 0.0, "open": 0.0}
         self.read_bytes = 0
 
-    def _wrap(self, owner: Any, name: str, part: str) -> None:
-        fn = getattr(owner, name, None)
-        if fn is None:
-            return
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            if self._inside:  # a timed call inside another (get_many made of gets): counted by the outer one
-                return fn(*args, **kwargs)
-            self._inside = True
-            start = time.perf_counter()
-            try:
-                result = fn(*args, **kwargs)
-            finally:
-                self.seconds[part] += time.perf_counter() - start
-                self._inside = False
-            if name in ("get_many", "get"):
-                self.read_bytes += sum(len(v) for v in (result if name == "get_many" else [result]) if v is not None)
-            return result
-
-        with contextlib.suppress(AttributeError):  # a backend with __slots__: its reads go untimed
-            setattr(owner, name, timed)
+    def __call__(self, part: str, seconds: float, nbytes: int) -> None:
+        self.seconds[part] += seconds
+        if part == "fetch":
+            self.read_bytes += nbytes
 
 
-def timed_request(model: Any, ids: torch.Tensor, new_tokens: int, store: Any = None, timer: StoreTimer | None = None) -> dict[str, Any]:
+def timed_request(model: Any, ids: torch.Tensor, new_tokens: int, store: Any = None) -> dict[str, Any]:
     """One greedy request for ``ids`` ``[1, T]``: recomputed (``store`` None: a new growable cache)
-    or through ``store`` (``cache_for``, ``generate``, ``put``). Returns the tokens (``out``
+    or through ``store`` (``cache_for``, ``generate``, ``put``), its lookup split by its
+    ``StoreTimer`` (``store.timer``) where it has one. Returns the tokens (``out``
     ``[1, T + new_tokens]``) and the times in seconds (see the module docstring)."""
+    timer = store.timer if store is not None else None
     if timer is not None:
         timer.reset()
     mask = torch.ones_like(ids)
