@@ -28,13 +28,13 @@ def make(seed: int, tokens: int) -> kvcache.KVCache:
     """A growable cache of ``tokens`` seeded random keys/values per layer (~1 KiB a token)."""
     cache = kvcache.make_cache(CONFIG)
     g = torch.Generator().manual_seed(seed)
-    past = [(torch.randn(1, 2, tokens, 16, generator=g), torch.randn(1, 2, tokens, 16, generator=g)) for _ in cache.stores]
+    past = [(torch.randn(1, 2, tokens, 16, generator=g), torch.randn(1, 2, tokens, 16, generator=g)) for _ in cache.kv_layers]
     cache.extend(past)
     return cache
 
 
 def content(cache: kvcache.KVCache) -> list[torch.Tensor]:
-    return [t for s in cache.stores for t in s.view()]
+    return [t for s in cache.kv_layers for t in s.view()]
 
 
 def main(argv: list[str]) -> None:

@@ -32,7 +32,7 @@ from .errors import (
 from .hf import register_attention, use_kvcache_attention
 from .prefill import prefill
 from .spec import CacheSpec, parse_spec
-from .store import PromptStore
+from .prompts import PromptStore
 
 __version__ = "0.1.0"
 

@@ -41,7 +41,7 @@ class CacheSnapshot:
 class KVCache(ForeignLayers, Cache):
     """A ``transformers.Cache`` whose layers are kvcache storage layers.
 
-    ``stores[i]`` is layer i's ``KVLayer`` (None for layers that keep no cache, or no K/V of
+    ``kv_layers[i]`` is layer i's ``KVLayer`` (None for layers that keep no cache, or no K/V of
     kvcache's). ``others[i] = (layer_type, layer)`` holds Hugging Face's own layer for layers that
     are not plain attention (linear attention, conv, mamba, indexed attention; see ``foreign``), or
     the linear state of a hybrid layer. Everything
@@ -55,38 +55,38 @@ class KVCache(ForeignLayers, Cache):
 
     def __init__(
         self,
-        stores: list[KVLayer | None],
+        kv_layers: list[KVLayer | None],
         spec: CacheSpec,
         config_summary: dict[str, Any] | None = None,
         attention_config: PretrainedConfig | None = None,
         others: dict[int, tuple[str, Any]] | None = None,
     ) -> None:
-        self.stores = list(stores)
+        self.kv_layers = list(kv_layers)
         self._set_others(others or {})
         self.spec = spec
         self.config_summary = config_summary
         #: The (text) config of the model this cache was made for: bounded layers check, before
         #: anything is written, that it selects the "kvcache" attention.
         self.attention_config = attention_config
-        self._live = [s for s in self.stores if s is not None]
+        self._live = [s for s in self.kv_layers if s is not None]
         # Fixed for the cache's life (the layers are never swapped), and read on every forward pass.
-        #: The layers whose attention must read their update's record (``layers/bounded.py``).
-        self.bounded_layers = [s for s in self._live if s.needs_own_attention]
-        self._bounded_kinds = sorted({s.kind for s in self.bounded_layers})
-        for store, readers in zip(self.stores, kv_readers(attention_config, len(self.stores))):
-            if store is not None and store.needs_own_attention:
-                store.readers = readers
+        #: The layers whose attention must read their update's record (``layers/own_attention.py``).
+        self.own_attention_layers = [s for s in self._live if s.needs_own_attention]
+        self._own_attention_kinds = sorted({s.kind for s in self.own_attention_layers})
+        for layer, readers in zip(self.kv_layers, kv_readers(attention_config, len(self.kv_layers))):
+            if layer is not None and layer.needs_own_attention:
+                layer.readers = readers
         # For each layer index, the bounded layer whose pending record its attention reads (its own, or
         # for a layer reusing another's keys and values the owner's), or None (``pending_layer``).
         self._read_layers = [
-            self.stores[j] if j is not None and self.stores[j] in self.bounded_layers else None
-            for j in kv_owners(attention_config, len(self.stores))
+            self.kv_layers[j] if j is not None and self.kv_layers[j] in self.own_attention_layers else None
+            for j in kv_owners(attention_config, len(self.kv_layers))
         ]
         # Only fixed-capacity kinds can refuse an append; the others need no check per step.
         self._can_refuse = [s for s in self._live if type(s).check_append is not KVLayer.check_append]
-        self._first_live = next((i for i, s in enumerate(self.stores) if s is not None), -1)
+        self._first_live = next((i for i, s in enumerate(self.kv_layers) if s is not None), -1)
         self._first_state = min(([self._first_live] if self._first_live >= 0 else []) + list(self.linear), default=-1)
-        super().__init__(layers=[hf_layer(s) if s is not None else self._slot_layer(i, DummyLayer()) for i, s in enumerate(self.stores)])
+        super().__init__(layers=[hf_layer(s) if s is not None else self._slot_layer(i, DummyLayer()) for i, s in enumerate(self.kv_layers)])
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         """Append to layer ``layer_idx``. Before the first layer of a forward pass writes, every
@@ -97,8 +97,8 @@ class KVCache(ForeignLayers, Cache):
         if layer_idx == self._first_live and key_states is not None and not torch.compiler.is_compiling():
             self.check_attention()
             self._check_attended()
-            for store in self._can_refuse:
-                store.check_append(key_states.shape[-2])
+            for layer in self._can_refuse:
+                layer.check_append(key_states.shape[-2])
         note_writer(self)  # the attention that follows finds its layer's read record here (hf.py)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
@@ -114,58 +114,58 @@ class KVCache(ForeignLayers, Cache):
             return layer
         if known and layer is None:
             return None
-        return next((layer for layer in self.bounded_layers if _handed_out(layer, key)), None)
+        return next((layer for layer in self.own_attention_layers if _handed_out(layer, key)), None)
 
     def extend(self, past: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
         """Append keys/values computed elsewhere (e.g. another cache's ``[(keys, values), ...]``,
         ``[B, Hkv, S, D]`` per layer, None for layers without a cache), with no attention pass:
         bounded layers settle at once, keeping what their policy keeps without attention scores."""
         foreign.refuse("extend", self.other_kinds, "extend works on caches whose layers are all attention (or dummy)")
-        if len(past) != len(self.stores):
-            raise ShapeError(f"extend: expected one (keys, values) per layer ({len(self.stores)}), got {len(past)}")
-        for store, pair in zip(self.stores, past):
-            if (store is None) != (pair is None):
+        if len(past) != len(self.kv_layers):
+            raise ShapeError(f"extend: expected one (keys, values) per layer ({len(self.kv_layers)}), got {len(past)}")
+        for layer, pair in zip(self.kv_layers, past):
+            if (layer is None) != (pair is None):
                 raise ShapeError("extend: layers without a cache need None, the others a (keys, values) pair")
-            if store is not None:
-                check_kv(*pair, store.geometry)  # every layer checked before any changes
-                store.check_append(pair[0].shape[2])
-        for store, pair in zip(self.stores, past):
-            if store is not None:
-                store.update(*pair)
-                store.settle()
+            if layer is not None:
+                check_kv(*pair, layer.geometry)  # every layer checked before any changes
+                layer.check_append(pair[0].shape[2])
+        for layer, pair in zip(self.kv_layers, past):
+            if layer is not None:
+                layer.update(*pair)
+                layer.settle()
 
     def _check_attended(self) -> None:
         """Raise, changing nothing, if a bounded layer's last update went unattended through the model:
         its attention did not run the "kvcache" implementation (or did not get the keys the layer
         handed out), so it did not mask by position. (``extend`` and direct use settle instead.)"""
-        for store in self.bounded_layers:
-            if store.unattended:
+        for layer in self.own_attention_layers:
+            if layer.unattended:
                 raise UnsupportedOperation(
-                    f"a {store.kind} cache layer needs the 'kvcache' attention implementation, and the last "
+                    f"a {layer.kind} cache layer needs the 'kvcache' attention implementation, and the last "
                     f"forward pass attended without it; call {SWITCH_HINT} first; the cache is unchanged"
                 )
 
     @property
     def needs_kvcache_attention(self) -> bool:
         """Whether a layer is bounded, so the model must run the ``"kvcache"`` attention."""
-        return bool(self._bounded_kinds)
+        return bool(self._own_attention_kinds)
 
     def check_attention(self) -> None:
         """Raise, changing nothing, if a bounded layer would be attended by another implementation
         than ``"kvcache"`` (read from the config of the model the cache was made for)."""
         config = self.attention_config
-        if config is None or not self._bounded_kinds:
+        if config is None or not self._own_attention_kinds:
             return
         if not runs_kvcache_attention(config):
             raise UnsupportedOperation(
-                f"this cache has bounded layers ({', '.join(self._bounded_kinds)}) that need the 'kvcache' attention "
+                f"this cache has layers ({', '.join(self._own_attention_kinds)}) that need the 'kvcache' attention "
                 f"implementation, and the model runs {config._attn_implementation!r}; call {SWITCH_HINT} "
                 f"(or use it as a context manager around generate) first; the cache is unchanged"
             )
         refusal = switched_refusal(config)  # what the switch found in the model's modules
         if refusal is not None:
             raise UnsupportedOperation(
-                f"this cache has bounded layers ({', '.join(self._bounded_kinds)}), which cannot serve this model: "
+                f"this cache has layers ({', '.join(self._own_attention_kinds)}) that attend their own slots, which cannot serve this model: "
                 f"{refusal}; use an unbounded kind ('growable', 'static', 'concat'); the cache is unchanged"
             )
 
@@ -202,45 +202,45 @@ class KVCache(ForeignLayers, Cache):
         n = crop_count(tokens_to_remove)
         for i, (kind, layer) in self.others.items():
             foreign.check_crop(layer, kind, i, n)
-        for store in self._live:
-            store.check_trim(n)
-        for store in self._live:
-            store.trim(n)
+        for layer in self._live:
+            layer.check_trim(n)
+        for layer in self._live:
+            layer.trim(n)
         for _, layer in self.others.values():
             foreign.crop(layer, n)
 
     def snapshot(self) -> CacheSnapshot:
         """A copy of the content that ``restore`` brings back bit-exactly."""
         others = {i: (kind, foreign.clone(layer)) for i, (kind, layer) in self.others.items()}
-        return CacheSnapshot([None if s is None else s.state().clone() for s in self.stores], others)
+        return CacheSnapshot([None if s is None else s.state().clone() for s in self.kv_layers], others)
 
     def restore(self, snapshot: CacheSnapshot) -> None:
         """Put back the content of ``snapshot`` (taken from this cache or one of the same layout)."""
-        if len(snapshot.states) != len(self.stores):
-            raise ShapeError(f"snapshot has {len(snapshot.states)} layers, this cache {len(self.stores)}")
-        for i, (store, state) in enumerate(zip(self.stores, snapshot.states)):
-            if (store is None) != (state is None) or (store is not None and store.kind != state.kind):
+        if len(snapshot.states) != len(self.kv_layers):
+            raise ShapeError(f"snapshot has {len(snapshot.states)} layers, this cache {len(self.kv_layers)}")
+        for i, (layer, state) in enumerate(zip(self.kv_layers, snapshot.states)):
+            if (layer is None) != (state is None) or (layer is not None and layer.kind != state.kind):
                 raise ShapeError(
                     f"snapshot layer {i} is {getattr(state, 'kind', None)!r}, "
-                    f"this cache's is {getattr(store, 'kind', None)!r}"
+                    f"this cache's is {getattr(layer, 'kind', None)!r}"
                 )
-            if store is not None:
-                store.check_state(state)
+            if layer is not None:
+                layer.check_state(state)
         theirs = {i: kind for i, (kind, _) in snapshot.others.items()}
         if theirs != self.other_kinds:
             raise ShapeError(f"snapshot has non-attention layers {theirs}, this cache {self.other_kinds}")
-        for store, state in zip(self.stores, snapshot.states):
-            if store is not None:
-                store.load_state(state)
+        for layer, state in zip(self.kv_layers, snapshot.states):
+            if layer is not None:
+                layer.load_state(state)
         self._set_others({i: (kind, foreign.clone(layer)) for i, (kind, layer) in snapshot.others.items()})
         for i in self.others:
             self.layers[i] = self._slot_layer(i, self.layers[i])
 
     def fork(self) -> KVCache:
         """An independent copy: appending to one never changes the other."""
-        stores = [None if s is None else s.fork() for s in self.stores]
+        forked = [None if s is None else s.fork() for s in self.kv_layers]
         others = {i: (kind, foreign.clone(layer)) for i, (kind, layer) in self.others.items()}
-        return KVCache(stores, self.spec, self.config_summary, self.attention_config, others)
+        return KVCache(forked, self.spec, self.config_summary, self.attention_config, others)
 
     def save(self, path: str | os.PathLike, *, token_ids: Sequence[int] | None = None) -> None:
         """Write this cache to one safetensors file (atomically: a failed save keeps the old file).
@@ -269,11 +269,11 @@ class KVCache(ForeignLayers, Cache):
             problem = token_ids_problem(token_ids, self.seen, vocab)
             if problem is not None:
                 raise ValueError(f"cannot save token_ids: {problem}")
-        states = [None if s is None else s.state() for s in self.stores]
+        states = [None if s is None else s.state() for s in self.kv_layers]
         return SavedCache(str(self.spec), self.config_summary, states, token_ids)
 
     def __repr__(self) -> str:
-        return f"KVCache(spec={str(self.spec)!r}, seen={self.seen}, nbytes={self.nbytes}, layers={len(self.stores)})"
+        return f"KVCache(spec={str(self.spec)!r}, seen={self.seen}, nbytes={self.nbytes}, layers={len(self.kv_layers)})"
 
 
 def _handed_out(layer: KVLayer, key: torch.Tensor) -> bool:

@@ -131,7 +131,7 @@ def _layout(text: str, config: Any, summary: dict[str, Any], path: str) -> tuple
         raise
     except ValueError as e:  # SpecError, or a layer's own check of its options
         raise CorruptedFileError(f"{path}: the saved cache spec {short(text)} does not fit this model: {one_line(e)}") from None
-    return spec, layout.stores
+    return spec, layout.kv_layers
 
 
 def _in_order_if_ring(i: int, state: Any, want: KVLayer | None, path: str) -> Any:

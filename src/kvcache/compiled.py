@@ -44,15 +44,15 @@ class FixedHFLayer(HFLayer):
     is_compileable = True
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.store.max_length, 0
+        return self.layer.max_length, 0
 
     def get_seq_length(self) -> torch.Tensor:
-        return self.store.seen_tensor
+        return self.layer.seen_tensor
 
 
-def hf_layer(store: KVLayer) -> HFLayer:
-    """The ``transformers`` layer for ``store``: compileable for the fixed-shape layers."""
-    return FixedHFLayer(store) if getattr(store, "compiled", False) else HFLayer(store)
+def hf_layer(layer: KVLayer) -> HFLayer:
+    """The ``transformers`` layer for ``layer``: compileable for the fixed-shape layers."""
+    return FixedHFLayer(layer) if getattr(layer, "compiled", False) else HFLayer(layer)
 
 
 def compiled_decode(model: Any, **compile_options: Any) -> Callable[..., Any]:

@@ -160,11 +160,11 @@ class ForeignLayers:
         self.other_kinds = {i: t for i, (t, _) in self.others.items()}
         self.linear = {i: obj for i, (_, obj) in self.others.items() if isinstance(obj, LinearAttentionCacheLayerMixin)}
         # Linear states that are not a slot's layer (the linear half of hybrid layers).
-        self._companions = {i: obj for i, obj in self.linear.items() if self.stores[i] is not None}
+        self._companions = {i: obj for i, obj in self.linear.items() if self.kv_layers[i] is not None}
 
     def _slot_layer(self, i: int, default):
         kind_and_layer = self.others.get(i)
-        return default if kind_and_layer is None or self.stores[i] is not None else kind_and_layer[1]
+        return default if kind_and_layer is None or self.kv_layers[i] is not None else kind_and_layer[1]
 
     # ---- what models call for linear attention / mamba / conv layers -----------------------
 
@@ -178,7 +178,7 @@ class ForeignLayers:
         return layer
 
     def _kind(self, i: int) -> str:
-        return self.other_kinds.get(i, "attention" if self.stores[i] is not None else "dummy")
+        return self.other_kinds.get(i, "attention" if self.kv_layers[i] is not None else "dummy")
 
     def get_conv_state(self, layer_idx: int, state_idx: int = 0):
         layer = self._linear_at(layer_idx)

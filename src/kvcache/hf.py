@@ -183,59 +183,59 @@ def runs_kvcache_attention(config) -> bool:
 
 
 class HFLayer(CacheLayerMixin):
-    """One ``transformers`` cache layer backed by a ``KVLayer`` store."""
+    """One ``transformers`` cache layer backed by a kvcache ``KVLayer`` (``layer``)."""
 
     is_compileable = False
     is_croppable = True
     supports_early_init = True
 
-    def __init__(self, store: KVLayer) -> None:  # no super().__init__: keys/values are properties
-        self.store = store
+    def __init__(self, layer: KVLayer) -> None:  # no super().__init__: keys/values are properties
+        self.layer = layer
 
     def __repr__(self) -> str:
-        return f"HFLayer({self.store!r})"
+        return f"HFLayer({self.layer!r})"
 
     @property
     def is_sliding(self) -> bool:
-        return self.store.is_sliding
+        return self.layer.is_sliding
 
     @property
     def is_initialized(self) -> bool:
-        return self.store.initialized
+        return self.layer.initialized
 
     @property
     def keys(self) -> torch.Tensor | None:
         """The stored keys ``[B, Hkv, L, D]``; one view (one dequantization) per change of the layer."""
-        return self.store.viewed()[0]
+        return self.layer.memo_view()[0]
 
     @property
     def values(self) -> torch.Tensor | None:
         """The stored values ``[B, Hkv, L, Dv]``; one view per change of the layer."""
-        return self.store.viewed()[1]
+        return self.layer.memo_view()[1]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         # `early_initialization` passes empty [B, H, 0, D] tensors: an empty append fixes the geometry
         # (and allocates a static layer's buffers up front). No queries come for it: the next update settles it.
-        if not self.store.initialized:
-            self.store.update(key_states[:, :, :0], value_states[:, :, :0])
+        if not self.layer.initialized:
+            self.layer.update(key_states[:, :, :0], value_states[:, :, :0])
 
     def update(self, key_states, value_states, *args, **kwargs):
-        return self.store.update(key_states, value_states)
+        return self.layer.update(key_states, value_states)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.store.mask_sizes(query_length)
+        return self.layer.mask_sizes(query_length)
 
     def get_seq_length(self) -> int:
-        return self.store.seen
+        return self.layer.seen
 
     def get_max_length(self) -> int:
-        return getattr(self.store, "max_length", -1)
+        return getattr(self.layer, "max_length", -1)
 
     def reset(self) -> None:
-        self.store.reset()
+        self.layer.reset()
 
     def crop(self, tokens_to_remove: int) -> None:
-        self.store.trim(crop_count(tokens_to_remove))
+        self.layer.trim(crop_count(tokens_to_remove))
 
     def activate_past_recording(self) -> None:
         """``generate`` calls this before speculative decoding, whose rejected tokens ``crop`` removes:
@@ -244,21 +244,21 @@ class HFLayer(CacheLayerMixin):
 
     @property
     def record_past(self) -> bool:
-        return getattr(self.store, "journal", None) is not None
+        return getattr(self.layer, "journal", None) is not None
 
     @record_past.setter
     def record_past(self, on: bool) -> None:  # generate sets it False when it hands the cache back
-        if hasattr(self.store, "activate_past_recording"):
-            self.store.activate_past_recording(bool(on))
+        if hasattr(self.layer, "activate_past_recording"):
+            self.layer.activate_past_recording(bool(on))
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self.store.reorder(beam_idx)
+        self.layer.reorder(beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self.store.repeat(repeats)
+        self.layer.repeat(repeats)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self.store.select(indices)
+        self.layer.select(indices)
 
     def offload(self) -> None:
         raise UnsupportedOperation("kvcache layers do not support offloading to CPU")

@@ -28,7 +28,7 @@ import torch
 from .build import make_cache
 from .cache import KVCache
 from .hf import use_kvcache_attention
-from .layers.bounded import BoundedLayer
+from .layers.own_attention import OwnAttentionLayer
 from .layers.recording import RecordingLayer
 from .policies import RepeatScores
 
@@ -44,14 +44,14 @@ def recording_cache(model: Any, modes: Sequence[str]) -> KVCache:
     (see ``RecordingLayer``); the model must run the ``"kvcache"`` attention, as for any bounded cache."""
     plain = make_cache(model, "growable")
     modes = tuple(modes)
-    stores = [None if s is None else RecordingLayer(modes) for s in plain.stores]
+    stores = [None if s is None else RecordingLayer(modes) for s in plain.kv_layers]
     return KVCache(stores, plain.spec, plain.config_summary, plain.attention_config, dict(plain.others))
 
 
 def recorded(cache: KVCache, mode: str) -> list[torch.Tensor | None]:
     """The last pass's weights in ``mode``, per layer, float32 ``[B, Hkv, T]`` (None: no cache there)."""
     out = []
-    for store in cache.stores:
+    for store in cache.kv_layers:
         if store is None:
             out.append(None)
             continue
@@ -66,7 +66,7 @@ def recorded(cache: KVCache, mode: str) -> list[torch.Tensor | None]:
 def keys_values(cache: KVCache, stop: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
     """Every layer's stored keys and values ``[B, Hkv, T, D]`` (views), the first ``stop`` tokens."""
     out = []
-    for store in cache.stores:
+    for store in cache.kv_layers:
         if store is None:
             out.append(None)
             continue
@@ -89,16 +89,16 @@ def compress(
     Only kinds whose prompt pass attends every earlier token are reproduced this way; a sliding
     window masks its prompt's own attention, so ``compress`` refuses it (``ValueError``)."""
     cache = make_cache(model, spec)
-    masked = sorted({s.kind for s in cache.stores if isinstance(s, BoundedLayer) and s.is_sliding})
+    masked = sorted({s.kind for s in cache.kv_layers if isinstance(s, OwnAttentionLayer) and s.is_sliding})
     if masked:
         raise ValueError(f"compress: {spec!r} has {masked} layers, whose prompt pass does not attend every earlier token; prefill them instead")
-    if len(past) != len(cache.stores):
-        raise ValueError(f"compress: expected one (keys, values) per layer ({len(cache.stores)}), got {len(past)}")
-    for i, (store, pair) in enumerate(zip(cache.stores, past)):
+    if len(past) != len(cache.kv_layers):
+        raise ValueError(f"compress: expected one (keys, values) per layer ({len(cache.kv_layers)}), got {len(past)}")
+    for i, (store, pair) in enumerate(zip(cache.kv_layers, past)):
         if store is None:
             continue
         reads = store.append(*pair)
-        if isinstance(store, BoundedLayer):
+        if isinstance(store, OwnAttentionLayer):
             mode = reads.weights
             if mode is None:
                 store.settle()
@@ -121,7 +121,7 @@ def repeat_scores(model: Any, cache: KVCache, repeat_ids: torch.Tensor, *, chunk
     those queries paid it. The repetition is removed from the cache afterwards. Returns, per layer,
     float32 ``[B, Hkv, T]`` over the context's ``T`` slots."""
     context = cache.seen
-    scores: list[torch.Tensor | None] = [None] * len(cache.stores)
+    scores: list[torch.Tensor | None] = [None] * len(cache.kv_layers)
     try:
         with use_kvcache_attention(model):
             for start in range(0, repeat_ids.shape[1], chunk):

@@ -2,7 +2,7 @@
 
 A bounded layer (a window's ring, an eviction policy's survivors, coded storage) hands the model
 keys that are not the past in order, and attends its own read record with a causal mask by
-absolute position (``layers/bounded.py``). That serves a model whose attention takes the keys and
+absolute position (``layers/own_attention.py``). That serves a model whose attention takes the keys and
 values the cache returned, causally, with the mask ``transformers`` builds over positions. Some
 models do otherwise, and a bounded cache would give them wrong tokens:
 

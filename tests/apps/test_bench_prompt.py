@@ -14,8 +14,8 @@ from kvcache.apps.bench import SUITES, prompt
 from kvcache.apps.bench.prompt_request import FirstToken, Prompts, StoreTimer, redis_binary, redis_server
 from kvcache.apps.run_options import RunOptions
 from kvcache.apps.tiny import tiny_model
-from kvcache.store import Backend, PromptStore
-from kvcache.store.backends import MemoryBackend
+from kvcache.prompts import Backend, PromptStore
+from kvcache.prompts.backends import MemoryBackend
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def test_every_workload_and_contender_has_rows(result):
     backends = [r for r in rows if r["workload"] == "backends"]
     assert {r["contender"] for r in backends} == set(prompt.CONTENDERS)
     measured = {r["contender"] for r in backends if not r["reason"]}
-    assert {"recompute", "memory", "directory"} <= measured  # redis too where a redis-server binary exists
+    assert {"recompute", "memory", "folder"} <= measured  # redis too where a redis-server binary exists
     assert sorted((r["round"], r["contender"]) for r in backends if not r["reason"]) == sorted(
         (k, n) for k in range(1, s.repeats + 1) for n in measured
     )

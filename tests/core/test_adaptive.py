@@ -303,7 +303,7 @@ def test_spec_options_and_errors():
     spec = kvcache.parse_spec("adakv:budget=0.25,window=32,pool=7,floor=0.2")
     assert spec.options == {"budget": 0.25, "window": 32, "pool": 7, "floor": 0.2}
     cache = kvcache.make_cache(tiny_config("llama"), spec)
-    assert all(isinstance(s, AdaptiveLayer) and s.budget == 0.25 and s.floor == 0.2 for s in cache.stores)
+    assert all(isinstance(s, AdaptiveLayer) and s.budget == 0.25 and s.floor == 0.2 for s in cache.kv_layers)
     for bad in ("adakv", "adakv:budget=0", "adakv:budget=8,window=0", "adakv:budget=8,recent=3", "adakv:budget=8,pool=x"):
         with pytest.raises(kvcache.SpecError):
             kvcache.parse_spec(bad)

@@ -518,3 +518,53 @@ def test_weight_modes_refuse_unknown_names(bad):
     q, k, v = qkv(1, 2, 1, 3, 5)
     with pytest.raises(ValueError, match="weights must be"):
         attend_weighted(q, k, v, weights=bad)
+
+
+# ---- one path over readers; the choice of path in one place ----------------------------------
+
+
+def test_route_is_the_one_choice_of_path():
+    from kvcache.attention.kernel import DECODE_ROWS, Settings, route
+
+    plain = Settings(scale=0.25, softcap=None, causal=False, mask=None, mask_rows=None, sinks=None)
+    one_row = torch.ones(2, 1, 1, 1, 9, dtype=torch.bool)  # [B, Hkv|1, group|1, Sq|1, T]: one row per batch row
+    # Decode over plain tensors: the C++ decode first (SDPA behind it if the library declines).
+    assert route(True, plain, 4, 1, 1) == (True, 1)
+    assert route(True, plain._replace(mask=one_row, causal=True), 4, 1, 1) == (True, 1)
+    # A block reader: neither the library nor SDPA, every row blockwise.
+    assert route(False, plain, 4, 1, 1) == (False, 0)
+    # Too many rows per KV head, weights asked for, sinks, mask_rows, causal over several queries,
+    # a mask of more than one row per batch row: no C++ decode.
+    assert route(True, plain, 4, DECODE_ROWS // 4 + 1, DECODE_ROWS // 4 + 1) == (False, DECODE_ROWS // 4 + 1)
+    assert route(True, plain, 4, 1, 0) == (False, 0)
+    assert route(True, plain._replace(mask_rows=lambda start, stop: None), 1, 1, 1) == (False, 1)
+    assert route(True, plain._replace(causal=True), 2, 3, 3) == (False, 3)
+    assert route(True, plain._replace(mask=one_row.expand(2, 1, 1, 3, 9)), 1, 3, 3) == (False, 3)
+    # Softcap, sinks or an additive mask: blockwise; the C++ decode takes softcap and no others.
+    assert route(True, plain._replace(softcap=5.0), 4, 1, 1) == (True, 0)
+    assert route(True, plain._replace(sinks=torch.zeros(1, 2, 4, 1, 1)), 4, 1, 1) == (False, 0)
+    assert route(True, plain._replace(mask=one_row.float()), 4, 1, 1) == (False, 0)
+    # With weights from row 5 on, rows 0:5 go through SDPA, the rest blockwise.
+    assert route(True, plain, 4, 64, 5) == (False, 5)
+
+
+@pytest.mark.parametrize("q_len", [1, 3, 40])
+@pytest.mark.parametrize("weights", [None, "sum"])
+def test_plain_tensors_read_blockwise_are_the_same_path_as_a_reader_of_them(q_len, weights):
+    """The blockwise path over plain tensors (softcap keeps SDPA and the C++ decode out) and over
+    the same tensors behind a reader that does not hand them out whole run the very same ops."""
+    from kvcache.attention.readers import TensorReader
+
+    class Hidden(TensorReader):
+        def tensors(self):
+            return None
+
+    q, k, v = qkv(2, 4, 2, q_len, 40, dv=24, capacity=48)
+    rows = kvcache.attention.position_rows(40 - q_len, torch.arange(40))
+    options = dict(softcap=4.0, mask_rows=rows, weights=weights)
+    want, want_w = attend_weighted(q, k, v, **options)
+    got, got_w = attend_weighted(q, Hidden(k, v), None, **options)
+    assert torch.equal(got, want)
+    assert (got_w is None and want_w is None) or torch.equal(got_w, want_w)
+    with pytest.raises(NotImplementedError):
+        kvcache.attention.BlockReader.first(Hidden(k, v), 39)  # a block reader reads all its slots

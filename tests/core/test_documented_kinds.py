@@ -3,8 +3,9 @@ process that imported nothing but ``kvcache``: it builds there, runs a forward p
 saved of it loads there. (A kind that registered itself only when some other module happened to
 be imported, as ``kvzip`` once did, fails here.)
 
-The files are saved by this test's own process; each kind is built and loaded in a subprocess of
-its own, two at a time (the machines have two cores), so one kind's imports cannot help another.
+The files are saved by this test's own process. One fresh process lists the kinds it knows right
+after ``import kvcache`` (before any kind has run, so no kind's imports can help another to exist),
+then loads and builds each kind in turn, in a shuffled order, reporting each on its own.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import re
 import subprocess
 import sys
 import textwrap
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -68,28 +68,40 @@ def tiny_llama() -> transformers.LlamaForCausalLM:
     return transformers.LlamaForCausalLM(config).eval()
 
 
-#: Run in a fresh interpreter: imports kvcache alone (transformers and torch come with it), loads the
-#: file saved for the kind, then builds the kind and runs a forward pass through it.
+#: Run in a fresh interpreter: imports kvcache alone (transformers and torch come with it), lists the
+#: spec kinds it knows then, and for each job (kind, spec, file) loads the file saved for the kind,
+#: then builds the kind and runs a forward pass through it. One JSON line: the kinds, then per kind
+#: its report or the error it raised.
 FRESH = textwrap.dedent(
     """
-    import json, sys
+    import json, random, sys, traceback
     import kvcache
+    known = sorted(kvcache.registry.spec_kinds())
     import torch, transformers
-    spec, path, config = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
-    loaded = kvcache.load_cache(path, model)
-    cache = kvcache.make_cache(model, spec)
-    with torch.no_grad(), kvcache.use_kvcache_attention(model):
-        model(torch.arange(10).view(1, 10) + 3, past_key_values=cache)
-    print(json.dumps({"loaded": [s.kind for s in loaded.stores], "seen": loaded.seen, "built": [s.kind for s in cache.stores], "after": cache.seen}))
+    jobs, config = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+    random.shuffle(jobs)
+    reports = {}
+    for kind, spec, path in jobs:
+        try:
+            torch.manual_seed(0)
+            model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
+            loaded = kvcache.load_cache(path, model)
+            cache = kvcache.make_cache(model, spec)
+            with torch.no_grad(), kvcache.use_kvcache_attention(model):
+                model(torch.arange(10).view(1, 10) + 3, past_key_values=cache)
+            reports[kind] = {"loaded": [s.kind for s in loaded.kv_layers], "seen": loaded.seen,
+                             "built": [s.kind for s in cache.kv_layers], "after": cache.seen}
+        except Exception:
+            reports[kind] = traceback.format_exc()[-2000:]
+    print(json.dumps({"known": known, "reports": reports}))
     """
 )
 
 
 @pytest.fixture(scope="module")
-def fresh_runs(tmp_path_factory) -> dict[str, tuple[str, dict | str]]:
-    """kind -> (spec, the fresh process's report or its stderr)."""
+def fresh_runs(tmp_path_factory) -> tuple[list[str], dict[str, tuple[str, dict | str]]]:
+    """The spec kinds a fresh process knows after ``import kvcache``; kind -> (spec, the fresh
+    process's report for it, or the error it raised)."""
     folder = tmp_path_factory.mktemp("kinds")
     model = tiny_llama()
     config = json.dumps({k: getattr(model.config, k) for k in (
@@ -105,13 +117,11 @@ def fresh_runs(tmp_path_factory) -> dict[str, tuple[str, dict | str]]:
         cache.save(path)
         jobs[kind] = (spec, str(path))
 
-    def fresh(kind: str) -> tuple[str, dict | str]:
-        spec, path = jobs[kind]
-        proc = subprocess.run([sys.executable, "-c", FRESH, spec, path, config], capture_output=True, text=True, cwd=ROOT)
-        return spec, (json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else proc.stderr[-2000:])
-
-    with ThreadPoolExecutor(2) as pool:
-        return dict(zip(jobs, pool.map(fresh, jobs)))
+    listed = json.dumps([[kind, spec, path] for kind, (spec, path) in jobs.items()])
+    proc = subprocess.run([sys.executable, "-c", FRESH, listed, config], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    return out["known"], {kind: (spec, out["reports"][kind]) for kind, (spec, _) in jobs.items()}
 
 
 def test_the_documented_kinds_include_every_spec_kind_and_kvzip():
@@ -122,7 +132,9 @@ def test_the_documented_kinds_include_every_spec_kind_and_kvzip():
 
 @pytest.mark.parametrize("kind", sorted(set(kvcache.registry.spec_kinds())))
 def test_each_documented_kind_builds_and_loads_in_a_fresh_process(fresh_runs, kind):
-    spec, report = fresh_runs[kind]
+    known, reports = fresh_runs
+    assert kind in known, f"{kind} is not a spec kind in a process that imported only kvcache"
+    spec, report = reports[kind]
     assert isinstance(report, dict), f"{spec} in a fresh process:\n{report}"
     layer = kvcache.registry.spec_kind(kind).layer.kind
     assert report["loaded"] == report["built"] == [layer, layer]

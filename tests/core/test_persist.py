@@ -73,7 +73,7 @@ def reference_generate(model, ids: torch.Tensor, n: int) -> torch.Tensor:
 def content(cache: kvcache.KVCache) -> list:
     """A deep copy of everything a cache holds, per layer: kind, options, seen, keys, values."""
     out = []
-    for store in cache.stores:
+    for store in cache.kv_layers:
         if store is None:
             out.append(None)
             continue
@@ -154,7 +154,7 @@ def test_save_load_continue_matches_uninterrupted_generation(family, spec, tmp_p
     loaded = kvcache.load_cache(path, model)
     assert isinstance(loaded, kvcache.KVCache)
     assert str(loaded.spec) == str(cache.spec)
-    assert [type(s) for s in loaded.stores] == [type(s) for s in cache.stores]
+    assert [type(s) for s in loaded.kv_layers] == [type(s) for s in cache.kv_layers]
     assert loaded.seen == cache.seen == PROMPT_LEN + 9
     assert_same_content(content(loaded), before, "loaded cache")
 
@@ -176,7 +176,7 @@ def test_load_keeps_static_capacity(tmp_path):
     first = greedy_loop(model, cache, prompt(PROMPT_LEN, seed=2), 5)  # 44 of 45 slots used
     cache.save(tmp_path / "s.kv")
     loaded = kvcache.load_cache(tmp_path / "s.kv", model)
-    assert all(s.capacity == 45 and s.options() == {"capacity": 45} for s in loaded.stores)
+    assert all(s.capacity == 45 and s.options() == {"capacity": 45} for s in loaded.kv_layers)
     nxt = feed(model, loaded, first[:, -1:]).argmax(-1, keepdim=True)  # slot 45 of 45
     with pytest.raises(kvcache.CacheFullError, match="45"):
         feed(model, loaded, nxt)
@@ -203,7 +203,7 @@ def test_half_precision_round_trip_keeps_dtype_and_bytes(dtype, tmp_path):
     cache.save(tmp_path / "half.kv")
     loaded = kvcache.load_cache(tmp_path / "half.kv", model)
     assert_same_content(content(loaded), before, f"{dtype} round trip")
-    for store in loaded.stores:
+    for store in loaded.kv_layers:
         keys, values = store.view()
         assert keys.dtype == values.dtype == dtype and store.geometry.dtype == dtype
     # Identical bytes in, identical tokens out.
@@ -308,7 +308,7 @@ def test_fork_of_static_with_caller_buffers_leaves_them_alone():
         assert torch.equal(k, k0) and torch.equal(v, v0), "appending to the fork wrote into the caller's buffers"
     # The original still writes into the caller's buffers.
     greedy_loop(model, cache, first[:, -1:], 2)
-    assert cache.stores[0].view()[0].data_ptr() == buffers[0][0].data_ptr()
+    assert cache.kv_layers[0].view()[0].data_ptr() == buffers[0][0].data_ptr()
     assert not torch.equal(buffers[0][0][:, :, PROMPT_LEN + 4], held[0][0][:, :, PROMPT_LEN + 4])
 
 
@@ -323,7 +323,7 @@ def _crop_and_continue(model, spec, prompt_len: int, generated: int, k: int):
     held = seq.shape[1] - 1
     cache.crop(-k)
     assert cache.seen == held - k
-    assert all(s.seen == held - k for s in cache.stores)
+    assert all(s.seen == held - k for s in cache.kv_layers)
     # Continue from the shortened sequence: generate feeds the one uncached token.
     short = seq[:, : held - k + 1]
     ours = generate(model, short, cache, 15)
@@ -370,7 +370,7 @@ def test_crop_on_sliding_layer_past_dropped_tokens_raises_and_changes_nothing(fa
     cache = kvcache.make_cache(model, spec)
     first = greedy_loop(model, cache, ids, 6)
     before = content(cache)
-    sliding = [s for s in cache.stores if isinstance(s, (WindowLayer, SlidingLayer)) and s.seen > s.length]
+    sliding = [s for s in cache.kv_layers if isinstance(s, (WindowLayer, SlidingLayer)) and s.seen > s.length]
     assert sliding
     # A ring has overwritten every slot a crop needs; the buffer in order still holds the tokens the
     # 5 decode steps moved past the window, not those the 40-token prompt did.

@@ -178,10 +178,10 @@ def test_crop_within_the_residual_and_refused_beyond():
     cache = kvcache.make_cache(model, "quantized:bits=8,group_size=4,residual=6")
     ids = prompt(20, seed=23)
     out = greedy(model, ids, cache, max_new_tokens=5)  # 24 cached; values: last 6 exact
-    before = [s.state().clone() for s in cache.stores]
+    before = [s.state().clone() for s in cache.kv_layers]
     with pytest.raises(kvcache.UnsupportedOperation, match="full precision"):
         cache.crop(-7)
-    for store, state in zip(cache.stores, before):
+    for store, state in zip(cache.kv_layers, before):
         after = store.state()
         assert after.seen == state.seen
         assert all(torch.equal(after.tensors[n], t) for n, t in state.tensors.items())

@@ -233,11 +233,11 @@ def test_pyramidkv_each_layer_keeps_snapkv_slots_at_its_own_budget():
 def test_make_cache_tells_each_layer_its_depth_and_only_pyramidkv_records_it():
     config = tiny_config()
     cache = kvcache.make_cache(config, "pyramidkv:budget=24,window=4,beta=4")
-    sizes = [s.budget_now() for s in cache.stores]
+    sizes = [s.budget_now() for s in cache.kv_layers]
     assert sizes == pyramid_reference(24, 4, 4, len(sizes)) and abs(sum(sizes) - 24 * len(sizes)) <= len(sizes) / 2
-    assert [s.options()["layer"] for s in cache.stores] == list(range(len(sizes)))
+    assert [s.options()["layer"] for s in cache.kv_layers] == list(range(len(sizes)))
     plain = kvcache.make_cache(config, "snapkv:budget=24")
-    assert all("layer" not in s.options() for s in plain.stores)
+    assert all("layer" not in s.options() for s in plain.kv_layers)
 
 
 def tova_layer_reference(q, k, chunks, budget):
@@ -284,7 +284,7 @@ def test_policy_options_parse_list_and_build():
     assert "tova-layer (options: budget=<number>, recent=<int>, sinks=<int>, storage=<str>)" in listing
     config = tiny_config()
     cache = kvcache.make_cache(config, "snapkv:budget=16", window=5, pool=3)
-    layer = cache.stores[0]
+    layer = cache.kv_layers[0]
     assert (layer.policy.window, layer.policy.pool, layer.recent_now()) == (5, 3, 5)
     assert layer.options() == {"budget": 16, "policy": "snapkv", "recent": None, "sinks": 0, "storage": "full", "window": 5, "pool": 3}
     again = EvictingLayer(**layer.options())

@@ -142,7 +142,7 @@ def test_non_string_spec():
 
 
 def layout(cache):
-    return [None if s is None else (type(s), s.options()) for s in cache.stores]
+    return [None if s is None else (type(s), s.options()) for s in cache.kv_layers]
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
@@ -163,11 +163,11 @@ def test_make_cache_string_equals_keywords(family, text, kwargs):
     assert by_string.spec == by_keywords.spec == parse_spec(text)
     assert layout(by_string) == layout(by_keywords)
     expected_full = {"growable": GrowableLayer, "static": StaticLayer, "concat": ConcatLayer}[kind]
-    types = {type(s) for s in by_string.stores if s is not None}
+    types = {type(s) for s in by_string.kv_layers if s is not None}
     assert types <= {expected_full, SlidingLayer}  # the model's own sliding layers in order (the window less one)
     # Behaviour agrees too: same content, memory and capacity after the same appends.
     g = torch.Generator().manual_seed(0)
-    for layer_a, layer_b in zip(by_string.stores, by_keywords.stores):
+    for layer_a, layer_b in zip(by_string.kv_layers, by_keywords.kv_layers):
         for tokens in (5, 1, 1, 20):
             k = torch.randn(1, 2, tokens, 16, generator=g)
             v = torch.randn(1, 2, tokens, 16, generator=g)
@@ -183,7 +183,7 @@ def test_make_cache_string_equals_keywords(family, text, kwargs):
 def test_make_cache_keyword_overrides_string():
     config = tiny_config("llama")
     cache = make_cache(config, "static:capacity=8", capacity=32)
-    assert all(s.options() == {"capacity": 32} for s in cache.stores)
+    assert all(s.options() == {"capacity": 32} for s in cache.kv_layers)
     assert cache.spec == parse_spec("static:capacity=32")
 
 
@@ -209,9 +209,9 @@ def test_make_cache_static_buffers_keyword():
     config = tiny_config("llama")
     buffers = [(torch.zeros(1, 2, 8, 16), torch.zeros(1, 2, 8, 16)) for _ in range(4)]
     cache = make_cache(config, "static", buffers=buffers)
-    assert [s.capacity for s in cache.stores] == [8] * 4
+    assert [s.capacity for s in cache.kv_layers] == [8] * 4
     k = torch.ones(1, 2, 3, 16)
-    out_k, _ = cache.stores[2].update(k, k)
+    out_k, _ = cache.kv_layers[2].update(k, k)
     assert out_k.data_ptr() == buffers[2][0].data_ptr()
     with pytest.raises(SpecError):
         make_cache(config, "static", buffers=buffers[:3])
@@ -263,7 +263,7 @@ def test_a_new_policy_is_one_class_and_one_call():
         spec = parse_spec("oldest-test:budget=8,sinks=1")
         assert spec.options == {"budget": 8, "sinks": 1}
         cache = make_cache(tiny_config("llama"), spec)
-        assert all(isinstance(s, EvictingLayer) and s.policy.name == "oldest-test" for s in cache.stores)
+        assert all(isinstance(s, EvictingLayer) and s.policy.name == "oldest-test" for s in cache.kv_layers)
         assert "oldest-test (options: budget=<number>" in kvcache.spec.valid_specs()
         impostor = type("Impostor", (Policy,), {"name": "oldest-test", "initial": Oldest.initial})
         with pytest.raises(TypeError, match="already registered"):
@@ -299,7 +299,7 @@ def test_a_new_layer_kind_is_one_class_and_one_call():
     try:
         assert parse_spec("capped-test:cap=4").options == {"cap": 4}
         cache = make_cache(tiny_config("llama"), "capped-test", cap=4)
-        assert all(type(s) is CappedConcat and s.cap == 4 for s in cache.stores)
+        assert all(type(s) is CappedConcat and s.cap == 4 for s in cache.kv_layers)
         for bad in ("capped-test", "capped-test:cap=1", "capped-test:cap=x", "capped-test:other=3"):
             with pytest.raises(SpecError) as info:
                 parse_spec(bad)

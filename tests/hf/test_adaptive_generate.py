@@ -45,7 +45,7 @@ def test_memory_stays_at_the_layer_budget_and_under_a_rectangular_store(family):
         out = greedy(model, ids, cache, max_new_tokens=3)
         greedy(model, out, cache, max_new_tokens=100 - out.shape[1] + 1)
         assert cache.seen == 100
-    for store, other, layer_type in zip(ours.stores, rect.stores, types):
+    for store, other, layer_type in zip(ours.kv_layers, rect.kv_layers, types):
         if layer_type == "sliding_attention":
             assert isinstance(store, WindowLayer)
             continue
@@ -68,7 +68,7 @@ def test_a_fractional_budget_keeps_its_share_of_the_tokens():
     cache = kvcache.make_cache(model, "adakv:budget=0.25,window=4")
     greedy(model, prompt(40, seed=2), cache, max_new_tokens=30)
     seen = cache.seen
-    for store in cache.stores:
+    for store in cache.kv_layers:
         assert store.length == heads * -(-seen // 4)
         assert store.nbytes <= 2 * adaptive_bytes(heads, -(-seen // 4))
 
@@ -82,7 +82,7 @@ def test_budget_at_least_the_sequence_gives_dynamic_cache_tokens(family):
     cache = kvcache.make_cache(model, "adakv:budget=64,window=8")
     ours = greedy(model, ids, cache, attention_mask=mask)
     assert_same_tokens(ours, ref, f"{family} adakv:budget=64 ragged batch")
-    ada = [s for s in cache.stores if isinstance(s, AdaptiveLayer)]
+    ada = [s for s in cache.kv_layers if isinstance(s, AdaptiveLayer)]
     assert ada and all(s.length == model.config.num_key_value_heads * s.seen for s in ada)
 
 
@@ -91,7 +91,7 @@ def test_one_kv_head_is_snapkv_with_one_shared_budget():
     cache = kvcache.make_cache(model, "adakv:budget=8,window=2")
     out = greedy(model, prompt(12, seed=4), cache, max_new_tokens=10)
     assert out.shape == (1, 22)
-    for store in cache.stores:
+    for store in cache.kv_layers:
         assert store.length == 8 and store.seen == 21 and (store.heads() == 0).all()
 
 
@@ -104,7 +104,7 @@ def test_save_load_continue_equals_uninterrupted(spec, tmp_path):
     first = greedy(model, ids, cache, max_new_tokens=10)
     cache.save(tmp_path / "ada.kv")
     loaded = kvcache.load_cache(tmp_path / "ada.kv", model)
-    for a, b in zip(cache.stores, loaded.stores):
+    for a, b in zip(cache.kv_layers, loaded.kv_layers):
         assert a.options() == b.options() and a.seen == b.seen
         sa, sb = a.state(), b.state()
         assert sa.tensors.keys() == sb.tensors.keys()
@@ -143,7 +143,7 @@ def test_beam_search_and_batch_rows():
     out = greedy(model, ids, cache, **kwargs)
     heads = model.config.num_key_value_heads
     assert out.shape == (2, 48)
-    assert all(s.geometry.batch == 2 and s.nbytes == adaptive_bytes(heads, 12, batch=2) for s in cache.stores)
+    assert all(s.geometry.batch == 2 and s.nbytes == adaptive_bytes(heads, 12, batch=2) for s in cache.kv_layers)
 
 
 def test_crop_before_eviction_then_refused_after():
@@ -156,6 +156,6 @@ def test_crop_before_eviction_then_refused_after():
     fresh = kvcache.make_cache(model, "adakv:budget=16,window=4")
     a, b = greedy(model, out[:, :11], cache, max_new_tokens=7), greedy(model, ids, fresh, max_new_tokens=8)
     assert_same_tokens(a, b, "adakv after a crop")
-    assert cache.seen == 17 and all(s.length < 2 * s.seen for s in cache.stores)
+    assert cache.seen == 17 and all(s.length < 2 * s.seen for s in cache.kv_layers)
     with pytest.raises(kvcache.UnsupportedOperation, match="evicted"):
         cache.crop(-2)

@@ -14,7 +14,7 @@ from kvcache.attention import BlockReader, attend, attend_weighted, position_row
 from kvcache.cache import kv_owners, kv_readers
 from kvcache.hf import boolean_mask, hf_attention_forward
 from kvcache.layers import EvictingLayer, GrowableLayer, QuantizedLayer, WindowLayer
-from kvcache.layers.bounded import BoundedLayer
+from kvcache.layers.own_attention import OwnAttentionLayer
 
 from helpers import Recorder, layer_fingerprint, model_for, prompt
 
@@ -69,14 +69,14 @@ def test_quantized_decode_builds_no_full_precision_copy_of_the_store():
 def test_the_kvcache_attention_finds_bounded_layers_through_the_cache(monkeypatch):
     """Every attention call of every forward pass reads its layer's record; no tensor carries a tag."""
     calls, returned = [], []
-    attend_layer, update_layer = BoundedLayer.attend, BoundedLayer.update
+    attend_layer, update_layer = OwnAttentionLayer.attend, OwnAttentionLayer.update
 
     def counting(self, *args, **kwargs):
         calls.append(self.kind)
         return attend_layer(self, *args, **kwargs)
 
-    monkeypatch.setattr(BoundedLayer, "attend", counting)
-    monkeypatch.setattr(BoundedLayer, "update", lambda self, k, v: _update_and_record(self, k, v, update_layer, returned))
+    monkeypatch.setattr(OwnAttentionLayer, "attend", counting)
+    monkeypatch.setattr(OwnAttentionLayer, "update", lambda self, k, v: _update_and_record(self, k, v, update_layer, returned))
     model = model_for("llama")
     cache = kvcache.make_cache(model, "h2o:budget=8")
     with kvcache.use_kvcache_attention(model), torch.no_grad():
@@ -99,7 +99,7 @@ def test_a_stale_cache_never_applies():
     cache = kvcache.make_cache(model, "window:window=4")
     with kvcache.use_kvcache_attention(model), torch.no_grad():
         model(prompt(6), past_key_values=cache, use_cache=True)
-    store = cache.stores[0]
+    store = cache.kv_layers[0]
     k, v = torch.randn(1, 2, 6, 16), torch.randn(1, 2, 6, 16)
     store.update(k[:, :, :1], v[:, :, :1])  # a record the next call must not read
     before = layer_fingerprint(store)
@@ -136,12 +136,12 @@ def test_a_forward_pass_that_bypassed_the_kvcache_attention_is_refused_changing_
     model = model_for("llama")
     cache = kvcache.make_cache(model, "window:window=4")
     with kvcache.use_kvcache_attention(model):
-        for i in range(len(cache.stores)):
+        for i in range(len(cache.kv_layers)):
             cache.update(torch.randn(1, 2, 3, 16), torch.randn(1, 2, 3, 16), i)
-        before = [layer_fingerprint(s) for s in cache.stores]
+        before = [layer_fingerprint(s) for s in cache.kv_layers]
         with pytest.raises(UnsupportedOperation, match="attended without it"):
             cache.update(torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16), 0)
-    assert [layer_fingerprint(s) for s in cache.stores] == before
+    assert [layer_fingerprint(s) for s in cache.kv_layers] == before
 
 
 def test_transformers_masks_become_booleans_in_the_bridge_only():
@@ -174,7 +174,7 @@ def test_a_module_without_a_layer_index_finds_the_layer_that_handed_out_its_key(
     cache = kvcache.make_cache(model, "window:window=4")
     with kvcache.use_kvcache_attention(model):
         keys, values = cache.update(torch.randn(1, 2, 6, 16), torch.randn(1, 2, 6, 16), 1)
-    store = cache.stores[1]
+    store = cache.kv_layers[1]
     q = torch.randn(1, 4, 6, 16)
     want = store.fork().attend(q)
     out, _ = hf_attention_forward(torch.nn.Module(), q, keys, values, None)

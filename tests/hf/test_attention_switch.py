@@ -24,7 +24,7 @@ def fingerprint(cache: kvcache.KVCache) -> list:
     """Sizes, counters and the bytes of every stored tensor (views of coded stores are rebuilt per
     call, so their pointers say nothing)."""
     out = []
-    for store in cache.stores:
+    for store in cache.kv_layers:
         state = store.state()
         tensors = {name: t.clone() for name, t in state.tensors.items()}
         out.append((store.length, store.seen, store.capacity, store.nbytes, state.options, tensors))

@@ -153,18 +153,18 @@ def test_memory_stays_at_bound_over_ten_times_the_budget(family, kind):
     early_target = slots + slots // 2
     out = greedy(model, ids, cache, max_new_tokens=early_target - ids.shape[1] + 1)
     assert cache.seen == early_target
-    early = [s.nbytes for s in cache.stores]
+    early = [s.nbytes for s in cache.kv_layers]
     late_target = 10 * slots
     out = greedy(model, out, cache, max_new_tokens=late_target - early_target)
     assert cache.seen == late_target
-    late = [s.nbytes for s in cache.stores]
+    late = [s.nbytes for s in cache.kv_layers]
 
     bound = analytic_nbytes(model, spec, batch=1)
     assert early == bound, f"after {early_target} tokens: {early} bytes per layer, analytic bound {bound}"
     assert late == bound, f"after {late_target} tokens: {late} bytes per layer, analytic bound {bound}"
     assert cache.nbytes == sum(bound)
     types, per_layer = get_layer_types_and_kwargs(model.config)
-    for store, layer_type, kw in zip(cache.stores, types, per_layer):
+    for store, layer_type, kw in zip(cache.kv_layers, types, per_layer):
         limit = kw["sliding_window"] if layer_type == "sliding_attention" else slots
         assert store.length == limit, (layer_type, store.length, limit)
         assert store.seen == late_target
@@ -177,7 +177,7 @@ def test_fractional_budget_keeps_its_share_of_the_tokens():
     seen = cache.seen
     assert seen == out.shape[1] - 1
     heads = model.config.num_key_value_heads
-    for store in cache.stores:
+    for store in cache.kv_layers:
         keep = math.ceil(0.5 * seen)
         assert store.length == keep, (store.length, seen)
         pos = store.positions()
@@ -193,7 +193,7 @@ def test_fractional_budget_keeps_its_share_of_the_tokens():
 def positions_checker(cache):
     def check(seen: int) -> None:
         assert cache.get_seq_length() == seen
-        for i, store in enumerate(cache.stores):
+        for i, store in enumerate(cache.kv_layers):
             assert store.seen == seen, f"layer {i}: seen {store.seen}, fed {seen}"
             pos = store.positions()
             assert pos.shape[-1] == store.length
@@ -229,7 +229,7 @@ def test_positions_absolute_and_keys_match_dynamic_cache_by_position(family, kin
     types, _ = get_layer_types_and_kwargs(model.config)
     first_full = types.index("full_attention")
     for i in range(first_full + 1):  # every layer up to the first one of the spec's kind
-        store, layer = cache.stores[i], ref.layers[i]
+        store, layer = cache.kv_layers[i], ref.layers[i]
         keys, values = store.view()
         pos = store.positions()
         first = store.seen - layer.keys.shape[2]  # HF's sliding layer keeps only its last tokens
@@ -284,7 +284,7 @@ def test_small_bounds_match_hugging_face_sliding_window_after_wrapping(spec):
     ref = forward_loop(sliding, ids, reference_cache(sliding), feed)
     cache = kvcache.make_cache(full, spec)
     ours = forward_loop(full, ids, cache, feed, check=positions_checker(cache))
-    assert cache.seen == 46 and all(s.length <= 9 for s in cache.stores)
+    assert cache.seen == 46 and all(s.length <= 9 for s in cache.kv_layers)
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
@@ -542,10 +542,10 @@ def test_every_kind_generates_on_every_family(family, kind):
     assert out.sequences.shape == (2, ids.shape[1] + 10)
     assert all(torch.isfinite(s).all() for s in out.scores)
     assert cache.seen == ids.shape[1] + 9
-    assert [s.nbytes for s in cache.stores] == analytic_nbytes(model, spec, batch=2)
+    assert [s.nbytes for s in cache.kv_layers] == analytic_nbytes(model, spec, batch=2)
     parsed = kvcache.parse_spec(spec).options
     bound = parsed["window"] + parsed.get("sinks", 0) if kind == "window" else parsed["budget"]
-    for store in cache.stores:
+    for store in cache.kv_layers:
         limit = store.window + store.sinks if isinstance(store, WindowLayer) else bound
         assert store.length <= limit
 
@@ -555,12 +555,12 @@ def test_a_bounded_kinds_windows_are_token_identical_to_dynamic_cache(family):
     """Beside a bounded kind (a budget never reached here) a model's sliding layers are rings."""
     model = model_for(family)
     cache = kvcache.make_cache(model, "h2o:budget=4096")
-    assert any(isinstance(s, WindowLayer) for s in cache.stores)
+    assert any(isinstance(s, WindowLayer) for s in cache.kv_layers)
     ids, mask = ragged_batch()
     ours = greedy(model, ids, cache, attention_mask=mask, max_new_tokens=30)
     ref = greedy(model, ids, reference_cache(model), attention_mask=mask, max_new_tokens=30)
     assert_same_tokens(ours, ref, f"{family} default cache")
-    for store in cache.stores:
+    for store in cache.kv_layers:
         if isinstance(store, WindowLayer):
             assert store.length == store.window == 16 and store.seen > 40
 
@@ -574,11 +574,11 @@ def test_eviction_with_one_kv_head_and_batch_one(kind):
     cache = kvcache.make_cache(model, spec)
     out = greedy(model, prompt(6, seed=25), cache, max_new_tokens=12)
     assert out.shape == (1, 18)
-    for store in cache.stores:
+    for store in cache.kv_layers:
         assert store.length == 8 and store.seen == 17
         pos = store.positions()
         assert pos.shape == (1, 1, 8) and (pos < 17).all()
-    assert [s.nbytes for s in cache.stores] == [9 * (slot_bytes() + 8 + 4)] * 4
+    assert [s.nbytes for s in cache.kv_layers] == [9 * (slot_bytes() + 8 + 4)] * 4
 
 
 @pytest.mark.parametrize("policy", ("h2o", "tova", "lastrec"))
@@ -633,7 +633,7 @@ def test_early_initialization_then_generate(kind):
         batch_size=1, num_heads=model.config.num_key_value_heads, head_dim=HEAD_DIM,
         dtype=torch.float32, device=torch.device("cpu"),
     )
-    assert all(s.initialized and s.seen == 0 for s in cache.stores)
+    assert all(s.initialized and s.seen == 0 for s in cache.kv_layers)
     got = greedy(model, ids, cache, max_new_tokens=8)
     assert_same_tokens(got, want, f"{spec} after early_initialization")
 
@@ -657,8 +657,8 @@ def test_save_load_continue_equals_uninterrupted(family, spec, tmp_path):
     path = tmp_path / "bounded.kv"
     cache.save(path)
     loaded = kvcache.load_cache(path, model)
-    assert [s.kind for s in loaded.stores] == [s.kind for s in cache.stores]
-    for a, b in zip(cache.stores, loaded.stores):
+    assert [s.kind for s in loaded.kv_layers] == [s.kind for s in cache.kv_layers]
+    for a, b in zip(cache.kv_layers, loaded.kv_layers):
         assert_states_equal(store_state(a), store_state(b), f"{family}/{spec} loaded")
         if "0." not in spec:  # a fractional budget's store has room to grow: a load allocates what it needs now
             assert a.nbytes == b.nbytes
@@ -693,7 +693,7 @@ def test_snapshot_restore_and_fork_replay_bit_exactly(family, kind):
     forward_loop(model, prompt(26, seed=15), cache, prompt(6, seed=16))  # past the bound
     xs, ys = prompt(8, seed=17), prompt(8, seed=18)
     snap = cache.snapshot()
-    before = [store_state(s) for s in cache.stores]
+    before = [store_state(s) for s in cache.kv_layers]
     fork = cache.fork()
 
     def feed(c, tokens):
@@ -701,23 +701,23 @@ def test_snapshot_restore_and_fork_replay_bit_exactly(family, kind):
 
     logits_y = feed(cache, ys)
     logits_x = feed(fork, xs)  # the fork, after the original moved on
-    after_y = [store_state(s) for s in cache.stores]
+    after_y = [store_state(s) for s in cache.kv_layers]
     cache.restore(snap)
-    for s, want in zip(cache.stores, before):
+    for s, want in zip(cache.kv_layers, before):
         assert_states_equal(store_state(s), want, f"{spec} restored")
     assert torch.equal(feed(cache, xs), logits_x), "restore + replay differs from the fork"
     cache.restore(snap)
     assert torch.equal(feed(cache, ys), logits_y), "restore + replay differs from the first run"
-    for s, want in zip(cache.stores, after_y):
+    for s, want in zip(cache.kv_layers, after_y):
         assert_states_equal(store_state(s), want, f"{spec} replayed")
     # The snapshot is a copy: nothing since has changed it.
     cache.restore(snap)
-    for s, want in zip(cache.stores, before):
+    for s, want in zip(cache.kv_layers, before):
         assert_states_equal(store_state(s), want, f"{spec} restored twice")
 
 
 def cache_fingerprint(cache) -> list:
-    return [(layer_fingerprint(s), store_state(s)) for s in cache.stores]
+    return [(layer_fingerprint(s), store_state(s)) for s in cache.kv_layers]
 
 
 def assert_cache_unchanged(cache, before) -> None:
@@ -734,7 +734,7 @@ def test_crop_before_anything_dropped_then_continue_matches_fresh_cache(kind):
     ids, feed = prompt(8, seed=19), prompt(6, seed=20)
     cache = kvcache.make_cache(model, spec)
     forward_loop(model, ids, cache, feed)  # 14 tokens: under every bound
-    assert all(s.length == s.seen == 14 for s in cache.stores)
+    assert all(s.length == s.seen == 14 for s in cache.kv_layers)
     cache.crop(-3)
     assert cache.get_seq_length() == 11
     more = prompt(5, seed=21)
@@ -762,9 +762,9 @@ def test_crop_refused_once_something_was_dropped_and_changes_nothing(family, spe
     model = model_for(family)
     cache = kvcache.make_cache(model, spec)
     forward_loop(model, prompt(8, seed=22), cache, prompt(fed - 8, seed=23))  # past the bound
-    assert cache.seen == fed and any(s.length < s.seen for s in cache.stores)
+    assert cache.seen == fed and any(s.length < s.seen for s in cache.kv_layers)
     if family == "gemma2":
-        assert all(s.length == s.seen for s in cache.stores if isinstance(s, WindowLayer))
+        assert all(s.length == s.seen for s in cache.kv_layers if isinstance(s, WindowLayer))
     before = cache_fingerprint(cache)
     with pytest.raises(kvcache.UnsupportedOperation, match=message) as info:
         cache.crop(-2)
@@ -787,8 +787,8 @@ def test_beam_search(family, kind):
     cache = kvcache.make_cache(model, spec)
     out = greedy(model, ids, cache, **kwargs)
     assert out.shape == (2, PROMPT_LEN + 8)
-    assert cache.stores[0].geometry.batch == 2
-    assert [s.nbytes for s in cache.stores] == analytic_nbytes(model, spec, batch=2)
+    assert cache.kv_layers[0].geometry.batch == 2
+    assert [s.nbytes for s in cache.kv_layers] == analytic_nbytes(model, spec, batch=2)
 
 
 # ---- 7. bad options ---------------------------------------------------------------------------------

@@ -151,7 +151,7 @@ def test_only_fixed_shape_kinds_are_compileable():
     assert not kvcache.make_cache(model, "static:capacity=16").is_compileable
     assert not kvcache.make_cache(model, "growable").is_compileable
     assert kvcache.make_cache(model, "window:window=4", compile=True).is_compileable
-    assert kvcache.make_cache(model, "quantized:bits=4", compile=True).stores[0].max_length == model.config.max_position_embeddings
+    assert kvcache.make_cache(model, "quantized:bits=4", compile=True).kv_layers[0].max_length == model.config.max_position_embeddings
     for spec in ("growable", "concat", "h2o:budget=8", "lastrec:budget=8,storage=int8"):
         with pytest.raises(UnsupportedOperation, match="compile=True needs fixed shapes"):
             kvcache.make_cache(model, spec, compile=True)
@@ -172,7 +172,7 @@ def test_fixed_cache_keeps_the_eager_contract(spec):
         if switch is not None:
             switch.__exit__(None, None, None)
     assert fixed.seen == eager.seen == 13
-    for ours, theirs in zip(fixed.stores, eager.stores):
+    for ours, theirs in zip(fixed.kv_layers, eager.kv_layers):
         assert (ours.seen, ours.length) == (theirs.seen, theirs.length)
         if not spec.startswith("quantized"):  # the compiled quantized layer allocates its capacity at once
             assert ours.capacity == theirs.capacity
@@ -190,8 +190,8 @@ def test_fixed_cache_keeps_the_eager_contract(spec):
     fixed.crop(-2)
     eager.crop(-2)
     assert fixed.seen == eager.seen == 11
-    assert [s.length for s in fixed.stores] == [s.length for s in eager.stores]
-    for ours, theirs in zip(fixed.stores, eager.stores):
+    assert [s.length for s in fixed.kv_layers] == [s.length for s in eager.kv_layers]
+    for ours, theirs in zip(fixed.kv_layers, eager.kv_layers):
         torch.testing.assert_close(ours.view(), theirs.view())
 
 
@@ -201,13 +201,13 @@ def test_fixed_cache_refuses_overflow_eagerly_changing_nothing(spec):
     try:
         cache = kvcache.make_cache(model, spec, compile=10)
         model(prompt(8), past_key_values=cache, use_cache=True)
-        before = [s.view() for s in cache.stores]
+        before = [s.view() for s in cache.kv_layers]
         with pytest.raises(kvcache.CacheFullError):
             model(prompt(5), past_key_values=cache, use_cache=True)  # 13 tokens: past 10 (12 for quantized: blocks of 4)
     finally:
         if switch is not None:
             switch.__exit__(None, None, None)
     assert cache.seen == 8
-    assert all(s.length == 8 for s in cache.stores)
-    for (k, v), s in zip(before, cache.stores):
+    assert all(s.length == 8 for s in cache.kv_layers)
+    for (k, v), s in zip(before, cache.kv_layers):
         assert torch.equal(k, s.view()[0]) and torch.equal(v, s.view()[1])

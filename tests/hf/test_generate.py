@@ -72,7 +72,7 @@ def assert_same_stored(store, layer) -> None:
 def check_cache_shape_after(cache: kvcache.KVCache, total: int) -> None:
     """The cache really was used: it saw every token but the last generated one."""
     assert cache.seen == total - 1
-    for store in cache.stores:
+    for store in cache.kv_layers:
         assert store is not None
         assert store.seen == total - 1
         if isinstance(store, WindowLayer):
@@ -116,7 +116,7 @@ def test_optional_sliding_layouts_match_dynamic_cache(family, spec):
     """Families whose sliding window is opt-in: qwen2/qwen3 upper half, phi3 all, smollm3 NoPE layers."""
     model = model_for(family, sliding_window=DEFAULT_SLIDING_WINDOW)
     cache = kvcache.make_cache(model, spec)
-    assert any(isinstance(s, SlidingLayer) for s in cache.stores)
+    assert any(isinstance(s, SlidingLayer) for s in cache.kv_layers)
     ids = prompt(PROMPT_LEN, seed=2)
     assert_same_tokens(greedy(model, ids, cache), greedy(model, ids, reference_cache(model)), f"{family} sliding")
     check_cache_shape_after(cache, PROMPT_LEN + NEW_TOKENS)
@@ -139,7 +139,7 @@ def test_beam_search_matches_dynamic_cache(family, spec):
     ours = greedy(model, ids, cache, **kwargs)
     assert_same_tokens(ours.sequences, ref.sequences, f"{family}/{spec} beam search")
     torch.testing.assert_close(ours.sequences_scores, ref.sequences_scores, rtol=1e-5, atol=1e-5)
-    assert cache.stores[0].geometry.batch == 3  # one row per beam
+    assert cache.kv_layers[0].geometry.batch == 3  # one row per beam
 
 
 @pytest.mark.parametrize("spec", ("static:capacity=80", "concat"))
@@ -243,7 +243,7 @@ def test_manual_loop_cache_contents_match_dynamic_cache(family):
     forward_logits(model, ids, ref, feed)
     cache = kvcache.make_cache(model)
     forward_logits(model, ids, cache, feed)
-    for store, layer in zip(cache.stores, ref.layers):
+    for store, layer in zip(cache.kv_layers, ref.layers):
         assert_same_stored(store, layer)
 
 
@@ -303,7 +303,7 @@ def test_static_with_caller_owned_buffers(family):
 
     stored = PROMPT_LEN + NEW_TOKENS - 1
     for (kbuf, vbuf), i in zip(buffers, full):
-        store = cache.stores[i]
+        store = cache.kv_layers[i]
         assert isinstance(store, StaticLayer)
         keys, values = store.view()
         # The store is a view into the caller's buffers, not a copy.
@@ -338,12 +338,12 @@ def test_static_cache_full_error_during_generate(family):
     # The failing step wrote nothing, in any layer: the cache is left consistent, holding exactly
     # `capacity` tokens in every layer, equal to what DynamicCache holds after feeding the same
     # prompt and the 10 generated tokens that fitted (11 generated, the last one not fed back).
-    seen = [store.seen for store in cache.stores]
+    seen = [store.seen for store in cache.kv_layers]
     assert seen == [capacity] * len(seen), f"layers disagree after CacheFullError: seen per layer {seen}"
     ref_cache = reference_cache(model)
     greedy(model, ids, ref_cache, max_new_tokens=capacity - PROMPT_LEN + 1)
     assert ref_cache.get_seq_length() == capacity
-    for i, store in enumerate(cache.stores):
+    for i, store in enumerate(cache.kv_layers):
         if isinstance(store, StaticLayer):
             assert store.length == capacity
         assert_same_stored(store, ref_cache.layers[i])
@@ -366,25 +366,25 @@ def test_sliding_layers_memory_bounded_while_generating(family):
     ids = prompt(PROMPT_LEN, seed=12)
     cache = kvcache.make_cache(model)
     after_50 = greedy(model, ids, cache, max_new_tokens=50)
-    bytes_50 = [s.nbytes for s in cache.stores]
+    bytes_50 = [s.nbytes for s in cache.kv_layers]
     after_150 = greedy(model, after_50, cache, max_new_tokens=100)
-    bytes_150 = [s.nbytes for s in cache.stores]
+    bytes_150 = [s.nbytes for s in cache.kv_layers]
 
     # The continued run is still token-identical to an uninterrupted DynamicCache run.
     ref = greedy(model, ids, reference_cache(model), max_new_tokens=150)
     assert_same_tokens(after_150, ref, f"{family} 150 tokens")
 
     per_token = 2 * model.config.num_key_value_heads * 16 * 4  # keys + values, fp32, batch 1
-    sliding = [i for i, s in enumerate(cache.stores) if isinstance(s, SlidingLayer)]
+    sliding = [i for i, s in enumerate(cache.kv_layers) if isinstance(s, SlidingLayer)]
     assert sliding
     if family == "mistral":
-        assert len(sliding) == len(cache.stores)
+        assert len(sliding) == len(cache.kv_layers)
     for i in sliding:
         # The window less one in order, and the spare room that spares a copy per step: the same
         # bytes whatever the prompt and however long the run.
-        bound = per_token * (DEFAULT_SLIDING_WINDOW - 1 + cache.stores[i].spare)
+        bound = per_token * (DEFAULT_SLIDING_WINDOW - 1 + cache.kv_layers[i].spare)
         assert bytes_150[i] == bytes_50[i] == bound, f"layer {i}: {bytes_50[i]}, {bytes_150[i]} bytes, bound {bound}"
-        assert cache.stores[i].length == DEFAULT_SLIDING_WINDOW - 1
-    for i, store in enumerate(cache.stores):
+        assert cache.kv_layers[i].length == DEFAULT_SLIDING_WINDOW - 1
+    for i, store in enumerate(cache.kv_layers):
         if i not in sliding:  # full layers keep everything
             assert store.length == PROMPT_LEN + 150 - 1

@@ -79,7 +79,7 @@ def test_hybrid_default_cache_generates_like_dynamic_cache(family, request):
 def test_hybrid_cache_counts_tokens_from_attention_and_bytes_from_every_layer(family, request):
     cache = _prefilled(request.getfixturevalue(family))
     assert cache.get_seq_length() == 10
-    kv_bytes = sum(s.nbytes for s in cache.stores if s is not None)
+    kv_bytes = sum(s.nbytes for s in cache.kv_layers if s is not None)
     assert cache.nbytes > kv_bytes > 0  # the linear states count too
 
 
@@ -88,7 +88,7 @@ def test_hybrid_batch_select_and_repeat_keep_linear_states_in_step(falcon_h1):
     i, linear = next(iter(cache.linear.items()))
     conv = linear.conv_states[0].clone()
     cache.batch_select_indices(torch.tensor([1]))
-    assert torch.equal(linear.conv_states[0], conv[1:2]) and cache.stores[i].view()[0].shape[0] == 1
+    assert torch.equal(linear.conv_states[0], conv[1:2]) and cache.kv_layers[i].view()[0].shape[0] == 1
     cache.batch_repeat_interleave(2)
     assert torch.equal(linear.conv_states[0], conv[1:2].repeat(2, 1, 1))
     with pytest.raises(ValueError):
@@ -120,7 +120,7 @@ def test_hybrid_cache_refuses_what_it_cannot_cover_changing_nothing(jamba, tmp_p
         cache.save(tmp_path / "c.kv")
     assert not (tmp_path / "c.kv").exists()
     with pytest.raises(UnsupportedOperation, match="extend.*linear_attention"):
-        cache.extend([None] * len(cache.stores))
+        cache.extend([None] * len(cache.kv_layers))
     assert (cache.get_seq_length(), cache.nbytes) == (seen, nbytes)
 
 

@@ -100,15 +100,15 @@ def test_every_layer_holds_at_most_budget_plus_one_chunk_after_every_chunk(spec)
 
     def check(done: int) -> None:
         seen_after.append(done)
-        for layer in cache.stores:
+        for layer in cache.kv_layers:
             assert isinstance(layer, (EvictingLayer, WindowLayer))
             assert layer.seen == done
             assert layer.nbytes <= (budget + chunk) * slot_bytes(layer), f"{spec} after {done} tokens"
 
     kvcache.prefill(model, prompt(length, seed=5), cache, chunk=chunk, after_chunk=check)
     assert seen_after == list(range(chunk, length + 1, chunk))
-    full = length * slot_bytes(cache.stores[0])
-    assert all(layer.nbytes < full / 4 for layer in cache.stores)  # the bound is far below the whole prompt
+    full = length * slot_bytes(cache.kv_layers[0])
+    assert all(layer.nbytes < full / 4 for layer in cache.kv_layers)  # the bound is far below the whole prompt
 
 
 def test_a_left_padded_batch_prefills_in_chunks_as_dynamic_cache_does_in_one_pass():

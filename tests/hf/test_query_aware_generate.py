@@ -51,7 +51,7 @@ def forward_loop(model, ids, cache, feed, check):
 
 def budget_holds(cache, seen):
     """Every evicting layer holds its own budget (once past it) in ``budget + 1`` slots of memory."""
-    evicting = [s for s in cache.stores if isinstance(s, EvictingLayer)]
+    evicting = [s for s in cache.kv_layers if isinstance(s, EvictingLayer)]
     assert evicting
     for store in evicting:
         budget = store.budget_now()
@@ -67,16 +67,16 @@ def test_budget_holds_after_prefill_and_every_decode_step(family, kind):
     model = model_for(family)
     cache = kvcache.make_cache(model, SMALL[kind])
     forward_loop(model, prompt(PROMPT_LEN, seed=31, batch=2), cache, prompt(12, seed=32, batch=2), budget_holds)
-    budgets = [s.budget_now() for s in cache.stores if isinstance(s, EvictingLayer)]
+    budgets = [s.budget_now() for s in cache.kv_layers if isinstance(s, EvictingLayer)]
     if kind == "pyramidkv":
         assert budgets == sorted(budgets, reverse=True) and budgets[0] > budgets[-1]
         assert abs(sum(budgets) - 16 * len(budgets)) <= len(budgets) / 2
     if kind == "tova-layer":
-        for store in cache.stores:
+        for store in cache.kv_layers:
             if isinstance(store, EvictingLayer):
                 pos = store.positions()
                 assert torch.equal(pos, pos[:, :1].expand_as(pos)), "tova-layer: the heads of a row keep different positions"
-    cache_nbytes = sum(s.nbytes for s in cache.stores if s is not None)
+    cache_nbytes = sum(s.nbytes for s in cache.kv_layers if s is not None)
     assert cache.nbytes == cache_nbytes
 
 
@@ -89,7 +89,7 @@ def test_budget_at_least_the_sequence_equals_the_full_cache(family, kind):
     cache = kvcache.make_cache(model, LARGE[kind])
     ours = greedy(model, ids, cache)
     assert_same_tokens(ours, reference, f"{family}/{LARGE[kind]}")
-    assert all(s.length == s.seen for s in cache.stores if isinstance(s, EvictingLayer))
+    assert all(s.length == s.seen for s in cache.kv_layers if isinstance(s, EvictingLayer))
 
     feed = prompt(NEW_TOKENS, seed=34)
     ref_logits = forward_loop(model, ids, DynamicCache(config=model.config), feed, lambda c, n: None)
@@ -108,7 +108,7 @@ def test_save_load_keeps_options_and_continues_as_uninterrupted(kind, tmp_path):
     cache.save(tmp_path / "c.kv")
     loaded = kvcache.load_cache(tmp_path / "c.kv", model)
     assert str(loaded.spec) == str(cache.spec) == spec
-    for a, b in zip(cache.stores, loaded.stores):
+    for a, b in zip(cache.kv_layers, loaded.kv_layers):
         assert b.options() == a.options() and b.budget_now() == a.budget_now()
         assert torch.equal(a.positions(), b.positions()) and torch.equal(a.scores(), b.scores())
     rest = greedy(model, first, loaded, max_new_tokens=12)
@@ -123,13 +123,13 @@ def test_each_kind_composes_with_quantized_slot_storage(kind):
     ids, feed = prompt(PROMPT_LEN, seed=37, batch=2), prompt(6, seed=38, batch=2)
 
     def lengths_hold(cache, seen):
-        for store in cache.stores:
+        for store in cache.kv_layers:
             assert store.seen == seen and store.length == min(seen, store.budget_now())
 
     full = kvcache.make_cache(model, SMALL[kind])
     packed = kvcache.make_cache(model, SMALL[kind] + ",storage=int4")
     forward_loop(model, ids, full, feed, budget_holds)
     forward_loop(model, ids, packed, feed, lengths_hold)
-    assert all(s.storage.name == "int4" for s in packed.stores)
-    assert [s.length for s in packed.stores] == [s.length for s in full.stores]
+    assert all(s.storage.name == "int4" for s in packed.kv_layers)
+    assert [s.length for s in packed.kv_layers] == [s.length for s in full.kv_layers]
     assert packed.nbytes < full.nbytes / 2

@@ -33,7 +33,7 @@ MODES = ("sum", "last", "max", "window:8", "window:4")
 
 
 def _stores(cache):
-    return [s for s in cache.stores if s is not None]
+    return [s for s in cache.kv_layers if s is not None]
 
 
 def _greedy_from(model, cache, first: torch.Tensor, steps: int) -> torch.Tensor:

@@ -130,7 +130,7 @@ def test_readers_of_the_real_gemma3n_layout():
 
 def test_cache_gives_the_store_layers_their_readers():
     cache = kvcache.make_cache(shared_model("gemma3n"), "window:window=64")
-    assert [None if s is None else s.readers for s in cache.stores] == [2, 2, None, None]
+    assert [None if s is None else s.readers for s in cache.kv_layers] == [2, 2, None, None]
 
 
 LAYERS = {

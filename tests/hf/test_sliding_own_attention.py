@@ -51,7 +51,7 @@ def test_generate_without_the_switch_is_token_identical(model, spec, batch):
     assert model.config._attn_implementation != "kvcache"
     ids, mask = inputs(batch)
     cache = kvcache.make_cache(model, spec)
-    assert any(isinstance(s, SlidingLayer) for s in cache.stores) and not cache.needs_kvcache_attention
+    assert any(isinstance(s, SlidingLayer) for s in cache.kv_layers) and not cache.needs_kvcache_attention
     assert torch.equal(run(model, cache, ids, mask), run(model, DynamicCache(config=model.config), ids, mask))
 
 
@@ -70,13 +70,13 @@ def test_a_file_with_rings_for_sliding_layers_loads_in_order(model, tmp_path):
     ``window``): such a file loads as this version's layers and goes on token-identically."""
     ids, mask = inputs(1, seed=2)
     made = kvcache.make_cache(model)
-    stores = [WindowLayer(window=s.window) if isinstance(s, SlidingLayer) else s for s in made.stores]
+    stores = [WindowLayer(window=s.window) if isinstance(s, SlidingLayer) else s for s in made.kv_layers]
     old = KVCache(stores, made.spec, made.config_summary, made.attention_config, dict(made.others))
     with kvcache.use_kvcache_attention(model):  # rings need the kvcache attention
         model(ids, past_key_values=old)
     old.save(tmp_path / "old.kv")
     loaded = kvcache.load_cache(tmp_path / "old.kv", model)
-    assert [type(s) for s in loaded.stores] == [type(s) for s in made.stores]
+    assert [type(s) for s in loaded.kv_layers] == [type(s) for s in made.kv_layers]
     nxt = ids[:, -1:] * 0 + 7
     want = model(torch.cat([ids, nxt], 1), past_key_values=DynamicCache(config=model.config)).logits[:, -1]
     got = model(nxt, past_key_values=loaded).logits[:, -1]

@@ -105,8 +105,8 @@ def test_speculative_decoding_matches_dynamic_cache(family, method, setup):
     # The test took back tokens past the window, and some rounds kept part of their candidates.
     assert any(n > 0 and seen > WINDOW + n for n, seen in crops), crops
     per_token = 2 * 16 * 2 * 4  # [1, 2, 1, 16] keys + values, fp32
-    windows = [s for s in cache.stores if isinstance(s, WindowLayer)]
-    sliding = [s for s in cache.stores if isinstance(s, SlidingLayer)]
+    windows = [s for s in cache.kv_layers if isinstance(s, WindowLayer)]
+    sliding = [s for s in cache.kv_layers if isinstance(s, SlidingLayer)]
     assert (windows if setup == "rings" else sliding) and not (sliding if setup == "rings" else windows)
     assert all(s.journal is not None and s.journal.nbytes == 0 for s in windows)  # emptied by the last crop
     assert all(s.nbytes == s.max_length * per_token for s in windows)  # the ring
@@ -147,12 +147,12 @@ def test_crop_within_the_log_continues_like_dynamic_cache_and_beyond_it_refuses(
         target(ids, past_key_values=cache)
         cache.activate_past_recording()
         target(cand, past_key_values=cache)
-        before = [layer_fingerprint(s) for s in cache.stores]
-        limit = min(s.rollback_tokens for s in cache.stores if isinstance(s, (WindowLayer, SlidingLayer)))
+        before = [layer_fingerprint(s) for s in cache.kv_layers]
+        limit = min(s.rollback_tokens for s in cache.kv_layers if isinstance(s, (WindowLayer, SlidingLayer)))
         assert limit == 3 if setup == "rings" else limit >= 3  # a ring's log; the buffer in order holds more
         with pytest.raises(UnsupportedOperation, match=f"can take back the last {limit}"):
             cache.crop(-(limit + 1))
-        assert [layer_fingerprint(s) for s in cache.stores] == before
+        assert [layer_fingerprint(s) for s in cache.kv_layers] == before
         cache.crop(-2)
         got = target(nxt, past_key_values=cache).logits
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)  # fp32, our kernel vs HF's (~1e-6 apart)

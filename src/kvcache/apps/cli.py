@@ -77,7 +77,7 @@ def load_conversation(path: str, model: Any) -> tuple[Any, list[int]]:
 
 def open_prompt_store(location: str) -> Any:
     """The ``--prompt-store``: a folder, a Redis URL or ``memory``, signed with ``$KVCACHE_STORE_SECRET`` if set."""
-    from ..store import PromptStore
+    from ..prompts import PromptStore
 
     try:
         return PromptStore(location, secret=os.environ.get("KVCACHE_STORE_SECRET") or None)

@@ -13,7 +13,7 @@ For every cache kind and budget it runs, on a trained model (the shipped one by 
 
 Budgets are fractions of the context (``--budgets``); the window keeps 4 sinks inside its budget.
 The prompt is prefilled with full attention over itself (a long prefill attends a temporary
-concatenation, see ``layers/bounded.py``) and then the cache keeps what its policy keeps: the
+concatenation, see ``layers/own_attention.py``) and then the cache keeps what its policy keeps: the
 bounded cache decides what the answer can still see.
 
 Output: ``eval.json`` (``{"runs": [{"cache", "budget", "task", "depth", "accuracy", "kl", "top1",

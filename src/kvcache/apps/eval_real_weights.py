@@ -27,7 +27,7 @@ def modes_for(model, specs: list[str], question_lengths: list[int]) -> tuple[tup
             cache = make_cache(model, spec)
         except Exception:
             continue
-        for store in cache.stores:
+        for store in cache.kv_layers:
             mode = store.weights_for(2) if hasattr(store, "weights_for") else None
             if isinstance(mode, str):  # what a prompt pass (many queries) asks for
                 wanted.add(mode)
@@ -84,7 +84,7 @@ def needle_kept(cache, span: tuple[int, int] | None) -> float | None:
         return None
     wanted = torch.arange(*span)
     kept, pairs = 0, 0
-    for store in cache.stores:
+    for store in cache.kv_layers:
         kind = getattr(store, "kind", None)
         if kind == "evicting":
             per_head = list(store.positions()[0])  # Hkv x [N]

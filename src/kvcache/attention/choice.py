@@ -3,6 +3,7 @@
 ``attend`` reads K/V once per KV head and wins decode steps where that matters; torch's fused
 SDPA wins prefill and small decode calls. ``fastest_attention`` picks per call from the
 measurements below (``kvcache bench attention``); bounded layers always take ``attend``.
+(Inside ``attend``, which path runs, SDPA, the C++ decode or blockwise, is ``kernel.route``'s choice.)
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The one attention kernel: over cache views, or block by block over a ``BlockReader``.
+"""The one attention kernel: one path over ``BlockReader``s, the choice of its fast paths in ``route``.
 
 ``attend`` takes the SDPA layout and never expands K/V for grouped-query attention: the query heads
 that share a KV head are packed into that head's rows (``[B, Hkv, group * Sq, D]``), so each key
@@ -6,24 +6,29 @@ and value is read once per KV head. Keys and values laid out as a cache stores t
 ``[:, :, :T]`` of a ``[B, Hkv, C, D]`` buffer, are read in place, never made contiguous. (Other
 layouts, e.g. a transposed ``[B, C, Hkv, D]`` buffer with B > 1, may be copied by ``matmul``.)
 
+Keys and values are always read through a ``BlockReader`` (``readers.py``): plain tensors come
+wrapped in a ``TensorReader`` (one block, the tensors themselves); a store of codes hands its own
+reader, dequantized one block of slots at a time, so no full-precision copy of it is made. The
+blockwise path (scores, softmax, weighted values, a block of query rows at a time) is written once
+over readers; ``route`` decides, in one place, which calls or rows take torch's SDPA or the one-pass
+C++ decode instead (both only for plain tensors).
+
 Long prefills are processed in blocks of query rows, so the score matrix never exceeds about
 ``_BLOCK_BYTES``; a ``max_len x max_len`` mask is never built (``causal=True`` makes it per block).
-
-Keys and values may also come as a ``BlockReader`` (``readers.py``): a store read in blocks of
-slots, e.g. codes dequantized one block at a time, so no full-precision copy of the store is made.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from ..errors import DTypeError, ShapeError
 from . import native
-from .readers import BlockReader, TensorLike
+from .readers import BlockReader, TensorLike, TensorReader
 
 _BLOCK_BYTES = 64 * 2**20  # score bytes per query block
 #: At most this many query rows per KV head (group * Sq) take the decode path (``K @ q^T``).
@@ -67,6 +72,24 @@ WEIGHTS = ("sum", "last", "max", "window:N")
 Weights = str | tuple[str, ...] | None
 
 
+class Settings(NamedTuple):
+    """What one call asks of every block of query rows: ``scale`` multiplies the scores,
+    ``softcap`` caps them (None: no cap), ``causal`` masks keys end-aligned (see ``attend``),
+    ``mask`` is the call's SDPA mask grouped under the KV heads ``[B|1, Hkv|1, group|1, Sq|1, T]``
+    (``_group_mask``), ``mask_rows`` as for ``attend_weighted``, ``sinks`` grouped
+    ``[B|1, Hkv, group, Sq|1, 1]`` (``group_sinks``); None where not given.
+
+    Immutable, like a frozen dataclass, at about a third of its construction cost (one is made
+    per call, decode steps included)."""
+
+    scale: float
+    softcap: float | None
+    causal: bool
+    mask: torch.Tensor | None
+    mask_rows: Callable[[int, int], torch.Tensor] | None
+    sinks: torch.Tensor | None
+
+
 def attend_weighted(
     query: torch.Tensor,
     key: torch.Tensor | BlockReader,
@@ -95,51 +118,91 @@ def attend_weighted(
     ``key`` may be a ``BlockReader`` (with ``value`` None): keys and values are then read one
     block of slots at a time, as the reader hands them out.
 
-    Query rows whose weights nobody asked for go through torch's fused SDPA, a block at a time
-    (no softcap or sinks, keys a tensor); with ``causal`` a block reads only the keys it can see.
+    Which path runs is ``route``'s choice: query rows whose weights nobody asked for go through
+    torch's fused SDPA, a block at a time (no softcap or sinks, keys a tensor), with ``causal``
+    a block reading only the keys it can see; a decode step may take the one-pass C++ library.
     """
-    if isinstance(key, BlockReader):
-        if value is not None:
-            raise DTypeError(f"a BlockReader hands out both keys and values: pass value=None, got {type(value).__name__}")
-        value = key  # the same reader, asked for its value blocks
+    reader = _as_reader(key, value)
     modes = _weight_modes(weights)
-    batch, q_heads, q_len, head_dim = _check_inputs(query, key, value, mask)
-    kv_heads, kv_len, value_dim = key.shape[1], key.shape[2], _value_dim(value)
+    plain = reader.tensors()  # (keys, values) as whole tensors, or None: a reader of blocks
+    batch, q_heads, q_len, head_dim, kv_heads, kv_len, value_dim = _check_inputs(query, reader, plain, mask)
     group = q_heads // kv_heads
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
     # [B, Hq, Sq, D] -> [B, Hkv, group, Sq, D]: query head h reads KV head h // group.
     q5 = query.reshape(batch, kv_heads, group, q_len, head_dim)
     mask5 = _group_mask(mask, batch, kv_heads, group, q_len, kv_len)
-    keys_t = key.transpose(-1, -2) if isinstance(key, torch.Tensor) else None  # [B, Hkv, D, T], a view
 
     if q_len == 0:
-        return query.new_empty(batch, q_heads, 0, value_dim), _reduced(weights, modes, key)
+        return query.new_empty(batch, q_heads, 0, value_dim), _reduced(weights, modes, reader)
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be a positive number or None, got {softcap}")
-    sinks5 = group_sinks(sinks, kv_heads, group)
-    if group * q_len <= DECODE_ROWS and not modes and sinks5 is None and mask_rows is None and (q_len == 1 or not causal):
-        out = _native_decode(q5, key, value, mask5, scale, softcap)
+    settings = Settings(scale, softcap, causal, mask5, mask_rows, group_sinks(sinks, kv_heads, group))
+    weighted_from = _first_weighted_row(modes, q_len)
+    try_native, sdpa_rows = route(plain is not None, settings, group, q_len, weighted_from)
+    if try_native:
+        out = _native_decode(q5, *plain, settings)
         if out is not None:
             return out.to(query.dtype).reshape(batch, q_heads, q_len, value_dim), None
-    reduced = {mode: _zeros(key) for mode in modes}
-    weighted_from = _first_weighted_row(modes, q_len)
-    sdpa_ok = isinstance(key, torch.Tensor) and softcap is None and sinks5 is None and (mask5 is None or mask5.dtype == torch.bool)
+    reduced = {mode: _zeros(reader) for mode in modes}
     outs = []
     for start, stop in _blocks(q_len, group, batch * q_heads * kv_len * 4, weighted_from):
         # With causal, keys past this are in the future of every row of the block.
-        limit = kv_len - q_len + stop if causal and isinstance(key, torch.Tensor) else kv_len
-        if sdpa_ok and stop <= weighted_from:
-            outs.append(_sdpa_block(query, key, value, mask5, mask_rows, causal, scale, start, stop, limit))
+        limit = kv_len - q_len + stop if causal and plain is not None else kv_len
+        if stop <= sdpa_rows:
+            outs.append(_sdpa_block(query, *plain, settings, start, stop, limit))
             continue
-        probs = _block_probs(q5, key, keys_t, mask5, mask_rows, causal, scale, softcap, start, stop, _sink_rows(sinks5, start, stop), limit)
+        probs = _block_probs(q5, reader, settings, start, stop, limit)
         for mode, acc in reduced.items():
             _reduce_into(acc[..., :limit], mode, probs, start, q_len)
-        rows = stop - start
-        flat = probs.to(query.dtype).reshape(batch, kv_heads, group * rows, limit)
-        outs.append(_weighted_values(flat, _first_slots(value, limit)).view(batch, kv_heads, group, rows, value_dim))
+        rows = group * (stop - start)
+        flat = probs.to(query.dtype).reshape(batch, kv_heads, rows, limit)
+        out = reader.first(limit).weighted_values(flat, rows <= DECODE_ROWS)
+        outs.append(out.view(batch, kv_heads, group, stop - start, value_dim))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)
-    return out.reshape(batch, q_heads, q_len, value_dim), _reduced(weights, modes, key, reduced)
+    return out.reshape(batch, q_heads, q_len, value_dim), _reduced(weights, modes, reader, reduced)
+
+
+def route(plain: bool, settings: Settings, group: int, q_len: int, weighted_from: int) -> tuple[bool, int]:
+    """Which path attends a call: the one place it is chosen. ``plain``: keys and values are
+    tensors (``reader.tensors()``); ``weighted_from``: the first query row whose weights are
+    asked for (``q_len``: none). Returns ``(try_native, sdpa_rows)``:
+
+    1. ``try_native``: the one-pass C++ decode (``native.py``) takes the whole call when the keys
+       are plain, the call is decode-sized (``group * Sq <= DECODE_ROWS``) and asks no weights, has
+       no sinks and no ``mask_rows``, is ``causal`` only with one query, has a boolean ``mask`` of
+       at most one row per batch row or none, and ``torch.compile`` is not tracing (a library call
+       would break the graph). The library may still decline (dtype, device, not built): then 2, 3.
+    2. Query rows ``0:sdpa_rows`` go through torch's fused SDPA, a block of rows at a time: plain
+       keys, no softcap, no sinks, a boolean mask or none, and only rows whose weights nobody
+       asked for (the blocks split at ``weighted_from``).
+    3. Every other row runs blockwise over the reader (``_block_probs``, then
+       ``weighted_values``). A block of at most ``DECODE_ROWS`` rows per KV head asks the reader
+       for decode-shaped products, which a quantized store computes straight from its codes with
+       the coded C++ library (``fused.py``, via the reader's ``decode_scores``/``decode_values``).
+    """
+    mask, no_extras = settings.mask, settings.sinks is None and settings.mask_rows is None
+    try_native = (
+        plain
+        and no_extras
+        and group * q_len <= DECODE_ROWS
+        and weighted_from == q_len
+        and (q_len == 1 or not settings.causal)
+        and (mask is None or (mask.dtype == torch.bool and mask.shape[1:4] == (1, 1, 1)))
+        and not torch.compiler.is_compiling()
+    )
+    sdpa = plain and settings.softcap is None and settings.sinks is None and (mask is None or mask.dtype == torch.bool)
+    return try_native, (weighted_from if sdpa else 0)
+
+
+def _as_reader(key: TensorLike, value: torch.Tensor | None) -> BlockReader:
+    """What the kernel reads: a ``BlockReader`` as given (with ``value`` None), tensors wrapped
+    (``_check_inputs`` checks them)."""
+    if isinstance(key, BlockReader):
+        if value is not None:
+            raise DTypeError(f"a BlockReader hands out both keys and values: pass value=None, got {type(value).__name__}")
+        return key
+    return TensorReader(key, value)
 
 
 def _weight_modes(weights: Weights) -> tuple[str, ...]:
@@ -192,34 +255,30 @@ def _reduce_into(acc: torch.Tensor, mode: str, probs: torch.Tensor, start: int, 
             acc += probs[:, :, :, lo:].sum(dim=(2, 3))
 
 
-def _zeros(key: TensorLike) -> torch.Tensor:
-    return torch.zeros(key.shape[0], key.shape[1], key.shape[2], dtype=torch.float32, device=key.device)
+def _zeros(reader: BlockReader) -> torch.Tensor:
+    return torch.zeros(reader.shape[0], reader.shape[1], reader.shape[2], dtype=torch.float32, device=reader.device)
 
 
-def _reduced(weights: Weights, modes: tuple[str, ...], key: TensorLike, reduced: dict | None = None):
+def _reduced(weights: Weights, modes: tuple[str, ...], reader: BlockReader, reduced: dict | None = None):
     """The weights in the form asked for: None, one tensor (one mode) or a dict (a tuple of modes)."""
     if not modes:
         return None
-    reduced = reduced if reduced is not None else {mode: _zeros(key) for mode in modes}
+    reduced = reduced if reduced is not None else {mode: _zeros(reader) for mode in modes}
     return reduced[modes[0]] if isinstance(weights, str) else reduced
 
 
-def _first_slots(t: TensorLike, limit: int) -> TensorLike:
-    """The first ``limit`` slots of a tensor (a view); a reader whole (it has no limit)."""
-    return t[:, :, :limit] if isinstance(t, torch.Tensor) and limit < t.shape[2] else t
-
-
-def _sdpa_block(query, key, value, mask5, mask_rows, causal, scale, start, stop, limit) -> torch.Tensor:
-    """Query rows ``start:stop`` through torch's fused SDPA: ``[B, Hkv, group, rows, Dv]``. The
-    block's boolean mask (causal, ``mask``, ``mask_rows``) is built for its rows only."""
+def _sdpa_block(query, key, value, settings: Settings, start: int, stop: int, limit: int) -> torch.Tensor:
+    """Query rows ``start:stop`` through torch's fused SDPA over plain ``key`` and ``value``:
+    ``[B, Hkv, group, rows, Dv]``. The block's boolean mask (causal, ``mask``, ``mask_rows``) is
+    built for its rows only."""
     batch, q_heads, _, _ = query.shape
     kv_heads = key.shape[1]
     group, rows = q_heads // kv_heads, stop - start
-    allowed = None  # [B|1, Hkv|1, group|1, rows, limit]
-    if causal:
+    allowed, mask, mask_rows = None, settings.mask, settings.mask_rows  # [B|1, Hkv|1, group|1, rows, limit]
+    if settings.causal:
         allowed = torch.ones(rows, limit, dtype=torch.bool, device=query.device).tril(diagonal=limit - rows)
-    if mask5 is not None:
-        m = mask5[..., start:stop, :limit] if mask5.shape[-2] != 1 else mask5[..., :limit]
+    if mask is not None:
+        m = mask[..., start:stop, :limit] if mask.shape[-2] != 1 else mask[..., :limit]
         allowed = m if allowed is None else allowed & m
     if mask_rows is not None:
         r = mask_rows(start, stop)[..., :limit]
@@ -230,97 +289,53 @@ def _sdpa_block(query, key, value, mask5, mask_rows, causal, scale, start, stop,
             allowed = allowed.unsqueeze(0)
         allowed = allowed.expand(allowed.shape[0], kv_heads, group, rows, limit).reshape(allowed.shape[0], q_heads, rows, limit)
     out = F.scaled_dot_product_attention(
-        query[:, :, start:stop], key[:, :, :limit], value[:, :, :limit], attn_mask=allowed, scale=scale, enable_gqa=group > 1
+        query[:, :, start:stop], key[:, :, :limit], value[:, :, :limit], attn_mask=allowed, scale=settings.scale,
+        enable_gqa=group > 1,
     )
     if allowed is not None:
         out = out.masked_fill(~allowed.any(dim=-1, keepdim=True), 0.0)  # a row with every key masked: zeros, not NaN
     return out.reshape(batch, kv_heads, group, rows, -1)
 
 
-def _native_decode(q5, key, value, mask5, scale, softcap) -> torch.Tensor | None:
-    """The one-pass decode library's result ``[B, Hkv, group * Sq, Dv]`` (``native.py``), or None
-    where it does not apply: keys not a tensor, a mask that is more than one row per batch row, or
-    while ``torch.compile`` traces (a library call would break the graph)."""
-    if not isinstance(key, torch.Tensor) or torch.compiler.is_compiling():
-        return None
-    keep = None
-    if mask5 is not None:
-        if mask5.dtype != torch.bool or mask5.shape[1] != 1 or mask5.shape[2] != 1 or mask5.shape[3] != 1:
-            return None
-        keep = mask5[:, 0, 0, 0, :]
+def _native_decode(q5, key: torch.Tensor, value: torch.Tensor, settings: Settings) -> torch.Tensor | None:
+    """The one-pass decode library's result ``[B, Hkv, group * Sq, Dv]`` (``native.py``) over plain
+    keys and values, or None where it declines (``route`` has checked everything else)."""
+    keep = None if settings.mask is None else settings.mask[:, 0, 0, 0, :]
     batch, kv_heads, group, q_len, head_dim = q5.shape
-    q = (q5.float() * scale).reshape(batch, kv_heads, group * q_len, head_dim)
-    return native.decode_attention(q, key, value, keep, softcap)
+    q = (q5.float() * settings.scale).reshape(batch, kv_heads, group * q_len, head_dim)
+    return native.decode_attention(q, key, value, keep, settings.softcap)
 
 
-def _value_dim(value: TensorLike) -> int:
-    return value.value_shape[3] if isinstance(value, BlockReader) else value.shape[3]
+def _block_probs(q5, reader: BlockReader, settings: Settings, start: int, stop: int, limit: int) -> torch.Tensor:
+    """Softmax weights of query rows ``start:stop`` over the first ``limit`` keys (those after
+    are masked for every row of the block) as float32 ``[B, Hkv, group, rows, limit]``.
 
-
-def _key_scores(key: TensorLike, keys_t: torch.Tensor | None, q: torch.Tensor, decode: bool) -> torch.Tensor:
-    """Scores ``[B, Hkv, rows, T]`` of scaled queries ``q`` ``[B, Hkv, rows, D]`` against every key
-    (see ``_block_probs`` for the two orders), a block of slots at a time for a reader."""
-    if isinstance(key, torch.Tensor):
-        if decode:
-            return torch.matmul(key, q.transpose(-1, -2)).transpose(-1, -2)  # a view
-        return torch.matmul(q, keys_t)
-    if decode:
-        scores = key.decode_scores(q)
-        if scores is not None:
-            return scores
-        q_t = q.transpose(-1, -2)
-        return torch.cat([torch.matmul(block, q_t) for block in key.key_blocks()], dim=2).transpose(-1, -2)
-    return torch.cat([torch.matmul(q, block.transpose(-1, -2)) for block in key.key_blocks()], dim=3)
-
-
-def _weighted_values(flat: torch.Tensor, value: TensorLike) -> torch.Tensor:
-    """``flat @ value`` for weights ``[B, Hkv, rows, T]``: ``[B, Hkv, rows, Dv]``; a reader's value
-    blocks each take their columns of the weights."""
-    if isinstance(value, torch.Tensor):
-        return torch.matmul(flat, value)
-    out = value.decode_values(flat) if flat.shape[2] <= DECODE_ROWS else None
-    if out is not None:
-        return out
-    start = 0
-    for block in value.value_blocks():
-        stop = start + block.shape[2]
-        part = torch.matmul(flat[..., start:stop], block)
-        out, start = part if out is None else out + part, stop
-    return out
-
-
-def _block_probs(q5, key, keys_t, mask5, mask_rows, causal, scale, softcap, start, stop, sinks5=None, limit=None) -> torch.Tensor:
-    """Softmax weights of query rows ``start:stop`` as float32 ``[B, Hkv, group, rows, T]``.
-
-    A decode-sized block (few rows per KV head) computes its scores as ``K @ q^T``: with T rows
-    and a handful of columns that product streams K in its stored order, which BLAS does close to
-    memory speed (``q @ K^T``, the same numbers transposed, measured slower on a 2-core CPU). The
-    scores are then viewed as ``[rows, T]`` for the softmax, whose output is contiguous, so the
-    caller's ``p @ V`` reads V once in order. Larger blocks use ``q @ K^T``.
+    A decode-sized block (few rows per KV head) asks the reader for its scores in the decode
+    order (``BlockReader.key_scores``): they are then viewed as ``[rows, T]`` for the softmax,
+    whose output is contiguous, so the caller's ``p @ V`` reads V once in order.
     """
     batch, kv_heads, group, q_len, head_dim = q5.shape
-    kv_len = key.shape[2]
-    limit = kv_len if limit is None else limit  # keys past it are masked for every row of the block
-    key, keys_t = _first_slots(key, limit), (None if keys_t is None else keys_t[..., :limit])
+    kv_len = reader.shape[2]
     rows = stop - start
-    q = (q5[:, :, :, start:stop] * scale).reshape(batch, kv_heads, group * rows, head_dim)
-    scores = _key_scores(key, keys_t, q, group * rows <= DECODE_ROWS)  # [B, Hkv, group*rows, limit]
-    scores = _cap(scores, softcap).view(batch, kv_heads, group, rows, limit)
-    masked = mask5 is not None or mask_rows is not None or (causal and q_len > kv_len)
-    if mask5 is not None:
-        m = mask5[..., start:stop, :limit] if mask5.shape[-2] != 1 else mask5[..., :limit]
+    q = (q5[:, :, :, start:stop] * settings.scale).reshape(batch, kv_heads, group * rows, head_dim)
+    scores = reader.first(limit).key_scores(q, group * rows <= DECODE_ROWS)  # [B, Hkv, group*rows, limit]
+    scores = _cap(scores, settings.softcap).view(batch, kv_heads, group, rows, limit)
+    mask = settings.mask
+    masked = mask is not None or settings.mask_rows is not None or (settings.causal and q_len > kv_len)
+    if mask is not None:
+        m = mask[..., start:stop, :limit] if mask.shape[-2] != 1 else mask[..., :limit]
         scores = scores.masked_fill(~m, -math.inf) if m.dtype == torch.bool else scores + m
-    if mask_rows is not None:
-        rows_mask = mask_rows(start, stop)[..., :limit]
+    if settings.mask_rows is not None:
+        rows_mask = settings.mask_rows(start, stop)[..., :limit]
         scores = scores.masked_fill(~(rows_mask if rows_mask.dim() == 5 else rows_mask.unsqueeze(2)), -math.inf)
-    if causal:
+    if settings.causal:
         # Row i sits at key index kv_len - q_len + start + i: only the block's last columns hold
         # keys in some row's future (a triangle), every column before them is visible to all.
         q_pos = torch.arange(start, stop, device=q5.device).view(-1, 1) + (kv_len - q_len)
         lo = max(0, min(limit, kv_len - q_len + start + 1))
         future = torch.arange(lo, limit, device=q5.device).view(1, -1) > q_pos  # [rows, limit - lo]
         scores[..., lo:limit].masked_fill_(future, -math.inf)
-    probs = softmax(scores, sinks5)
+    probs = softmax(scores, _sink_rows(settings.sinks, start, stop))
     return probs.nan_to_num(0.0) if masked else probs  # a row with every key masked: zeros, not NaN
 
 
@@ -368,19 +383,20 @@ def _cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
     return scores if softcap is None else torch.tanh(scores / softcap) * softcap
 
 
-def _check_inputs(query, key, value, mask) -> tuple[int, int, int, int]:
-    named = (("query", query),) if isinstance(key, BlockReader) else (("query", query), ("key", key), ("value", value))
+def _check_inputs(query: torch.Tensor, reader: BlockReader, plain, mask) -> tuple[int, int, int, int, int, int, int]:
+    """Check the call's inputs (``plain``: ``reader.tensors()``); returns ``B, Hq, Sq, D, Hkv, T, Dv``."""
+    named = (("query", query),) if plain is None else (("query", query), ("key", plain[0]), ("value", plain[1]))
     for name, t in named:
         if not isinstance(t, torch.Tensor):
             raise DTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise ShapeError(f"{name} must be [batch, heads, seq, head_dim], got shape {tuple(t.shape)}")
-    batch, q_heads, _, head_dim = query.shape
-    k_shape = key.shape
-    v_shape = key.value_shape if isinstance(key, BlockReader) else value.shape
+    key, value = plain if plain is not None else (reader, reader)
+    batch, q_heads, q_len, head_dim = q_shape = query.shape
+    k_shape, v_shape = reader.shape, reader.value_shape
     if k_shape[0] != batch or v_shape[0] != batch:
         raise ShapeError(
-            f"batch mismatch: query {tuple(query.shape)}, key {tuple(k_shape)}, value {tuple(v_shape)}"
+            f"batch mismatch: query {tuple(q_shape)}, key {tuple(k_shape)}, value {tuple(v_shape)}"
         )
     if k_shape[1] != v_shape[1] or k_shape[2] != v_shape[2]:
         raise ShapeError(
@@ -399,7 +415,7 @@ def _check_inputs(query, key, value, mask) -> tuple[int, int, int, int]:
             raise DTypeError(f"mask must be a torch.Tensor or None, got {type(mask).__name__}")
         if mask.dtype != torch.bool and not mask.is_floating_point():
             raise DTypeError(f"mask must be boolean (True = attend) or floating (additive), got {mask.dtype}")
-    return batch, q_heads, query.shape[2], head_dim
+    return batch, q_heads, q_len, head_dim, k_shape[1], k_shape[2], v_shape[3]
 
 
 def _group_mask(mask, batch, kv_heads, group, q_len, kv_len) -> torch.Tensor | None:

@@ -156,7 +156,7 @@ class KVLayer(DeclaredKind, ABC):
             return None, None
         return store.run("keys", 0, store.length), store.run("values", 0, store.length)
 
-    def viewed(self) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
+    def memo_view(self) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
         """``view()`` for readers outside the hot path (``HFLayer.keys``/``values``): a kind whose
         view is a computation (the quantized layer dequantizes its store) keeps it until its
         content changes; for the others it is ``view()``."""

@@ -30,13 +30,13 @@ from ..attention import BlockReader, Reads, fused
 from ..errors import UnsupportedOperation
 from ..quant import BITS, quantize_per_channel, quantize_per_token
 from ..options import Option
-from .bounded import BoundedLayer
+from .own_attention import OwnAttentionLayer
 from .checks import Geometry
 from .codes import CodedStore
 from .state import LayerState
 
 
-class QuantizedLayer(BoundedLayer):
+class QuantizedLayer(OwnAttentionLayer):
     """The policy over a ``CodedStore`` (``codes.py``): when tokens leave the full-precision
     residual for the codes, and how attention reads them (``StoreReader``)."""
 
@@ -92,7 +92,7 @@ class QuantizedLayer(BoundedLayer):
             return None, None
         return self.codes.dequantized(self.geometry, self.seen)
 
-    def viewed(self):
+    def memo_view(self):
         """``view()``, dequantized once per change of content (``codes.version``) and only when read:
         ``HFLayer.keys``/``values`` read it. The copy lives until the next change."""
         at = (self.codes.version, self.seen)

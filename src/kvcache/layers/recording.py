@@ -3,7 +3,7 @@
 It scores for several policies at once: one forward pass through a cache of recording layers
 reports, per layer, the attention weights in every mode asked for (``"sum"``, ``"last"``,
 ``"max"``, ``"window:N"``; ``attention.attend_weighted``), over all the tokens. A bounded layer
-given the same keys and values and those weights (``BoundedLayer.settle(weights)``) then keeps
+given the same keys and values and those weights (``OwnAttentionLayer.settle(weights)``) then keeps
 exactly what it would have kept had it run the pass itself: so a harness, or KVzip's repetition
 pass (``kvcache.scoring``), runs the model once and compresses with many policies and budgets.
 
@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
-from .bounded import BoundedLayer
+from .own_attention import OwnAttentionLayer
 from .store import Geometric, SlotStore
 
 
-class RecordingLayer(BoundedLayer):
+class RecordingLayer(OwnAttentionLayer):
     """Every token in order (a growable store); ``recorded`` holds the last attended update's
     weights: mode -> float32 ``[B, Hkv, T]`` over every slot stored then. Not in the registry's
     table: a tool, not a cache to keep."""

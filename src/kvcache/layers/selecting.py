@@ -24,12 +24,12 @@ import torch
 
 from ..attention import Reads
 from ..errors import UnsupportedOperation
-from .bounded import BoundedLayer
+from .own_attention import OwnAttentionLayer
 from .budget import holds_wrong_size, slots_to_allocate
 from .checks import Geometry
 
 
-class SelectingLayer(BoundedLayer):
+class SelectingLayer(OwnAttentionLayer):
     """A bounded layer that keeps a selection of slots (see the module docstring)."""
 
     _set: dict[str, torch.Tensor] | None = None

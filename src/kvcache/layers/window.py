@@ -30,12 +30,12 @@ from ..attention import Reads, Visibility
 from ..options import Option
 from .checks import Geometry
 from .state import LayerState
-from .bounded import BoundedLayer
+from .own_attention import OwnAttentionLayer
 from .rollback import Journal
 from .store import SlotStore, UpTo
 
 
-class WindowLayer(BoundedLayer):
+class WindowLayer(OwnAttentionLayer):
     kind = "window"
     spec_options = {"window": Option(int, least=1), "sinks": Option(int, least=0)}
     required_options = ("window",)

@@ -56,7 +56,7 @@ TRACE_EVERY = 8  # decode steps between two points of the bytes trace
 def kept_slots(cache) -> int:
     """Slots held, summed over layers (per KV head: a flat Ada-KV store counts its slots / heads)."""
     total = 0
-    for store in cache.stores:
+    for store in cache.kv_layers:
         if store is None:
             continue
         heads = getattr(store, "kv_heads", 1) or 1

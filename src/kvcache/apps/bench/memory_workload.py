@@ -67,4 +67,4 @@ def make_contender(name: str, setup: Setup):
     cache = make_named("dynamic" if name == "concat" else name, config, capacity=setup.tokens)
     if name == "concat":  # Hugging Face's DynamicCache: torch.cat on every append
         return cache, lambda i: (getattr(cache.layers[i], "keys", None), getattr(cache.layers[i], "values", None))
-    return cache, lambda i: cache.stores[i].view()  # views of the buffers: their storage is the whole buffer
+    return cache, lambda i: cache.kv_layers[i].view()  # views of the buffers: their storage is the whole buffer

@@ -33,7 +33,7 @@ import torch
 from ...build import make_cache
 from ...errors import KVCacheError
 from ...prefill import prefill
-from ...store import PromptStore
+from ...prompts import PromptStore
 from ..run_options import RunOptions
 from .common import read_bandwidth
 from .floor import model_shape
@@ -41,7 +41,7 @@ from .harness import alternate, report
 from .prompt_report import REFERENCE, plot, summarize, table
 from .prompt_request import Prompts, StoreTimer, redis_server, timed_request
 
-CONTENDERS = (REFERENCE, "memory", "directory", "redis")
+CONTENDERS = (REFERENCE, "memory", "folder", "redis")
 __all__ = ["CONTENDERS", "REFERENCE", "plot", "run", "sizes", "table"]
 
 
@@ -190,7 +190,7 @@ def backends(model: Any, prompts: Prompts, s: Sizes, bar: Any) -> tuple[list[dic
     prefix = prompts.system(s.backend_prefix)
     questions = [prompts.user(200 + r, s.question_tokens, False) for r in range(s.repeats)]
     with tempfile.TemporaryDirectory(prefix="kvcache-bench-store-") as folder, redis_server() as (url, why):
-        stores, skipped = open_stores({"memory": "memory", "directory": folder, "redis": url or why}, s.chunk)
+        stores, skipped = open_stores({"memory": "memory", "folder": folder, "redis": url or why}, s.chunk)
         storage = fill(model, prefix, stores)
         names = tuple(n for n in CONTENDERS if n == REFERENCE or n in stores)
         rounds = {name: 0 for name in names}

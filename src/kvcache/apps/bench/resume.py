@@ -62,7 +62,7 @@ def filled_cache(config, tokens: int, dtype: torch.dtype, device: str, seed: int
 def cache_tensors(cache) -> dict[str, torch.Tensor]:
     """The stored keys and values as views, by the names the cache file uses."""
     out = {}
-    for i, store in enumerate(cache.stores):
+    for i, store in enumerate(cache.kv_layers):
         if store is not None:
             out[f"layer.{i}.keys"], out[f"layer.{i}.values"] = store.view()
     return out

@@ -10,11 +10,11 @@ from __future__ import annotations
 import os
 
 from .backend_base import Backend, check_key
-from .directory_backend import DirectoryBackend
+from .folder_backend import FolderBackend
 from .memory_backend import MemoryBackend
 from .redis_backend import RedisBackend
 
-__all__ = ["Backend", "DirectoryBackend", "MemoryBackend", "RedisBackend", "check_key", "open_backend"]
+__all__ = ["Backend", "FolderBackend", "MemoryBackend", "RedisBackend", "check_key", "open_backend"]
 
 
 def open_backend(location: str | Backend, *, max_bytes: int | None = None, ttl: float | None = None) -> Backend:
@@ -32,4 +32,4 @@ def open_backend(location: str | Backend, *, max_bytes: int | None = None, ttl: 
         return RedisBackend(location, max_bytes=max_bytes, ttl=ttl)
     if location.startswith("file://"):
         location = location[len("file://") :]
-    return DirectoryBackend(location, max_bytes=max_bytes, ttl=ttl)
+    return FolderBackend(location, max_bytes=max_bytes, ttl=ttl)

@@ -21,7 +21,7 @@ Two ways to store, by cache kind (``mode``):
   single pass over the whole prompt (a split prefill evicts or quantizes at the boundary).
 
 Every entry read is untrusted: a damaged, foreign, other-model, other-prefix or lying entry is a
-miss, logged on ``kvcache.store`` and recomputed (``entry.py`` and ``cachefile``'s checks). A
+miss, logged on ``kvcache.prompts`` and recomputed (``entry.py`` and ``cachefile``'s checks). A
 backend that cannot be reached (``StoreUnavailable``) makes the store a no-op for ``retry_after``
 seconds, with one warning per outage.
 """
@@ -50,7 +50,7 @@ from .chunks import CHUNK_SPEC, assemble, chunk_payload, chunk_tokens, chunks_ne
 from .entry import seal, unseal
 from .keys import Row, chain, rows, salt
 
-log = logging.getLogger("kvcache.store")
+log = logging.getLogger("kvcache.prompts")
 T = TypeVar("T")
 
 #: Kinds whose slots are every token's keys and values in order: a prefix is its chunks, joined.
@@ -155,7 +155,7 @@ class PromptStore:
                 f"the prompt store holds attention caches; this model has non-attention layers "
                 f"({', '.join(sorted(set(cache.other_kinds.values())))}) whose state it cannot store"
             )
-        kinds = {s.kind for s in cache.stores if s is not None}
+        kinds = {s.kind for s in cache.kv_layers if s is not None}
         return "chunks" if kinds <= CHUNKED_KINDS else "states"
 
     def _fill_from_chunks(self, model: Any, cache: KVCache, found: list[Row], key_salt: bytes, width: int) -> int:
@@ -191,7 +191,7 @@ class PromptStore:
             return None if chunk.token_ids == tokens else "holds other tokens than the chunk it is stored for"
 
         chunk = self._open(model, key, raw, problem)
-        return None if chunk is None else [None if s is None else s.view() for s in chunk.stores]
+        return None if chunk is None else [None if s is None else s.view() for s in chunk.kv_layers]
 
     def _state_for(self, model: Any, cache: KVCache, tokens: list[int], key_salt: bytes) -> KVCache | None:
         """The stored state at the longest chunk boundary within ``tokens``, or None."""
@@ -257,7 +257,7 @@ class PromptStore:
         mode = self.mode(cache)
         if token_ids.shape[1] < columns:
             raise ValueError(f"token_ids has {token_ids.shape[1]} columns; the cache holds {columns} tokens: give every token it holds")
-        geometry = next((s.geometry for s in cache.stores if s is not None and s.geometry is not None), None)
+        geometry = next((s.geometry for s in cache.kv_layers if s is not None and s.geometry is not None), None)
         if geometry is None:
             return 0
         if geometry.batch != len(found):

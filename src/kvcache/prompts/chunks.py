@@ -36,7 +36,7 @@ def assemble(cache: KVCache, found: list[Row], keys: list[list[str]], loaded: di
     its padding (masked out by the attention mask, as ``generate``'s own pad slots are). Each
     chunk's slots are copied once, into place."""
     past = []
-    for i, store in enumerate(cache.stores):
+    for i, store in enumerate(cache.kv_layers):
         if store is None:
             past.append(None)
             continue
@@ -62,7 +62,7 @@ def chunk_payload(cache: KVCache, row: int, start: int, chunk: int, tokens: Sequ
     """A chunk entry's payload: a one-row growable cache file of slots ``[start, start + chunk)``."""
     piece = make_cache(cache.attention_config, CHUNK_SPEC)
     past = []
-    for store in cache.stores:
+    for store in cache.kv_layers:
         if store is None:
             past.append(None)
             continue

@@ -1,4 +1,4 @@
-"""The directory backend: one file per entry, shared by every process that opens the folder.
+"""The folder backend: one file per entry, shared by every process that opens the folder.
 
 Layout: ``folder/<fan>/<key>.kvp`` where ``<fan>`` is two hex digits of a hash of the key (256
 sub-folders, whatever prefix the keys share). Writes are atomic (``persist.atomic``: temporary
@@ -49,7 +49,7 @@ class _Clock:
 _now_ns = _Clock()
 
 
-class DirectoryBackend(Backend):
+class FolderBackend(Backend):
     """Entries as files under ``path`` (created with its parents). After a ``put`` that takes the
     folder over ``max_bytes``, the least recently used files go until it fits (``FolderIndex``
     lists only the fan-out folders that changed). ``nbytes``, ``len`` and ``clear`` list the whole

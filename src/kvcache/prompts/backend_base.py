@@ -1,4 +1,4 @@
-"""The interface of the prompt store's byte-level key/value stores (memory, a directory, Redis).
+"""The interface of the prompt store's byte-level key/value stores (memory, a folder, Redis).
 
 A backend maps a key (``str`` of ``[A-Za-z0-9_.-]``, 1-128 characters, not starting with a dot)
 to a value (``bytes``). It does not interpret values: the prompt store's entries carry their own
@@ -21,7 +21,7 @@ DEFAULT_MAX_ENTRY_BYTES = 2 << 30
 def check_key(key: str) -> str:
     """Return ``key`` if it is a valid store key, else raise ``ValueError`` naming it.
 
-    A leading dot is refused too: ``..`` would climb out of a directory store, and dot names are
+    A leading dot is refused too: ``..`` would climb out of a folder store, and dot names are
     the directory store's temporary files.
     """
     if not isinstance(key, str) or _KEY.fullmatch(key) is None:

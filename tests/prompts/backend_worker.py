@@ -30,14 +30,14 @@ def verifies(value: bytes) -> bool:
 
 def load_store_modules():
     root = importlib.util.find_spec("kvcache").submodule_search_locations[0]
-    # Empty packages in place of kvcache's, its persist's and its store's __init__ (which import torch).
-    packages = (("kvcache", root), ("kvcache.persist", os.path.join(root, "persist")), ("kvcache.store", os.path.join(root, "store")))
+    # Empty packages in place of kvcache's, its persist's and its prompts' __init__ (which import torch).
+    packages = (("kvcache", root), ("kvcache.persist", os.path.join(root, "persist")), ("kvcache.prompts", os.path.join(root, "prompts")))
     for name, folder in packages:
         if name not in sys.modules:
             package = types.ModuleType(name)
             package.__path__ = [folder]
             sys.modules[name] = package
-    from kvcache.store import backends
+    from kvcache.prompts import backends
 
     return backends
 
@@ -63,7 +63,7 @@ def main(location: str, namespace: str, seed: int, ops: int, nkeys: int, max_byt
     if location.startswith("redis://"):
         store = backends.RedisBackend(location, namespace=namespace, max_bytes=budget)
     else:
-        store = backends.DirectoryBackend(location, max_bytes=budget)
+        store = backends.FolderBackend(location, max_bytes=budget)
     rng = random.Random(seed)
     keys = [f"k{i}" for i in range(nkeys)]
     puts = hits = 0

@@ -37,7 +37,7 @@ def test_lookups_reuse_exactly_the_longest_stored_prefix(ops):
         if reused:  # the reused slots hold what a fresh prefill of those tokens computes
             fresh = kvcache.make_cache(model)
             kvcache.prefill(model, ids[:, :reused], fresh)
-            for ours, theirs in zip(cache.stores, fresh.stores):
+            for ours, theirs in zip(cache.kv_layers, fresh.kv_layers):
                 # fp32 rounding of passes of different lengths; the values are O(1)
                 torch.testing.assert_close(ours.view()[0], theirs.view()[0], atol=1e-5, rtol=1e-5)
                 torch.testing.assert_close(ours.view()[1], theirs.view()[1], atol=1e-5, rtol=1e-5)

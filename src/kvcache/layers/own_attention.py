@@ -1,8 +1,9 @@
-"""What bounded layers share: a read record, attention by absolute position, and settling.
+"""What layers that run their own attention share: a pending read record, attention by absolute
+position, and settling.
 
-A bounded layer (window, eviction, quantized storage) keeps slots out of position order, drops
-some positions, or stores codes instead of keys. The keys ``update`` returns are then not "the
-past, in order" that a plain attention call expects. So the layer keeps the read record its
+Such a layer (the bounded kinds: window and eviction, which keep slots out of position order and
+drop positions; and quantized storage, which grows but stores codes instead of keys) hands the
+model keys that are not "the past, in order" that a plain attention call expects. So the layer keeps the read record its
 append returned (``attention.Reads``: keys and values, each slot's absolute position, where the
 new queries sit, the visibility rule and the weights the pass must report) as ``pending``, and
 ``attend(query)`` runs the one attention function over it (``attention.attend_reads``), then
@@ -24,8 +25,8 @@ from .base import KVLayer
 from .checks import check_kv
 
 
-class BoundedLayer(KVLayer):
-    """A layer whose attention goes through its read record (see the module docstring)."""
+class OwnAttentionLayer(KVLayer):
+    """A layer whose attention goes through its pending read record (see the module docstring)."""
 
     needs_own_attention = True
 

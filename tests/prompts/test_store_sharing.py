@@ -23,9 +23,9 @@ SHARED = prompt(32, seed=41)
 PROMPTS = [torch.cat([SHARED, prompt(20 + 3 * i, seed=42 + i)], dim=1) for i in range(4)]
 
 
-@pytest.fixture(params=["directory", "redis"])
+@pytest.fixture(params=["folder", "redis"])
 def shared_location(request, tmp_path):
-    return str(tmp_path / "store") if request.param == "directory" else request.getfixturevalue("redis_url")
+    return str(tmp_path / "store") if request.param == "folder" else request.getfixturevalue("redis_url")
 
 
 def check_every_prompt_reuses(location):

@@ -126,17 +126,17 @@ def refused_url() -> str:
     return f"redis://127.0.0.1:{free_port()}/0"
 
 
-BACKEND_KINDS = ["memory", "directory", "redis"]
+BACKEND_KINDS = ["memory", "folder", "redis"]
 
 
 def make_backend(kind: str, request, tmp_path, **options):
     """An empty backend of ``kind`` (Redis: a fresh db of the session server), closed at teardown."""
-    from kvcache.store.backends import DirectoryBackend, MemoryBackend, RedisBackend
+    from kvcache.prompts.backends import FolderBackend, MemoryBackend, RedisBackend
 
     if kind == "memory":
         backend = MemoryBackend(**options)
-    elif kind == "directory":
-        backend = DirectoryBackend(tmp_path / f"store-{next(_next_db)}", **options)
+    elif kind == "folder":
+        backend = FolderBackend(tmp_path / f"store-{next(_next_db)}", **options)
     else:
         namespace = f"test{next(_next_db)}"  # each call its own: one test may want several empty stores
         backend = RedisBackend(request.getfixturevalue("redis_url"), namespace=namespace, **options)

@@ -24,12 +24,12 @@ def greedy(model, ids, cache=None, mask=None, new=NEW):
         return model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new, do_sample=False)
 
 
-@pytest.fixture(params=["memory", "directory", "redis"])
+@pytest.fixture(params=["memory", "folder", "redis"])
 def location(request, tmp_path):
     """Where a test's store lives: each backend, empty."""
     if request.param == "memory":
         return "memory"
-    if request.param == "directory":
+    if request.param == "folder":
         return str(tmp_path / "store")
     return request.getfixturevalue("redis_url")
 

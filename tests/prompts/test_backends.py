@@ -1,5 +1,5 @@
-"""The prompt store's byte backends, each kind against the same contract (memory, directory and a
-real Redis), then what only the directory backend has to survive."""
+"""The prompt store's byte backends, each kind against the same contract (memory, folder and a
+real Redis), then what only the folder backend has to survive."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvcache.errors import KVCacheError, StoreUnavailable
-from kvcache.store.backends import DirectoryBackend, MemoryBackend, RedisBackend, open_backend
+from kvcache.prompts.backends import FolderBackend, MemoryBackend, RedisBackend, open_backend
 
 BAD_KEYS = ["", "a/b", "..", ".hidden", "a" * 129, "ключ", "a b", "a\x00b", "a:b", "../x", None, 7, b"ab"]
 
@@ -231,7 +231,7 @@ def test_open_backend_picks_the_kind_from_the_location(tmp_path, redis_url):
     assert type(open_backend("memory://")) is MemoryBackend
     assert open_backend(memory) is memory
     folder = open_backend(str(tmp_path / "a"), max_bytes=7)
-    assert type(folder) is DirectoryBackend and folder.path == tmp_path / "a" and folder.max_bytes == 7
+    assert type(folder) is FolderBackend and folder.path == tmp_path / "a" and folder.max_bytes == 7
     assert open_backend(tmp_path / "b").path == tmp_path / "b"
     assert open_backend(f"file://{tmp_path}/c").path == tmp_path / "c"
     remote = open_backend(redis_url, ttl=3)

@@ -1,4 +1,4 @@
-"""The directory store's view of its folder: listing entry files, and evicting the least recently
+"""The folder backend's view of its folder: listing entry files, and evicting the least recently
 used ones without stating every file on every put.
 
 A full listing stats each entry file (about 50 ms at 10k entries on a busy machine). The

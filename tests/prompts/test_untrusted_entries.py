@@ -12,8 +12,8 @@ import torch
 
 import kvcache
 from helpers import assert_same_tokens, model_for, prompt
-from kvcache.store.entry import MAGIC, seal
-from kvcache.store.keys import chain, salt
+from kvcache.prompts.entry import MAGIC, seal
+from kvcache.prompts.keys import chain, salt
 from test_prompt_store import greedy
 
 CHUNK = 16
@@ -42,7 +42,7 @@ def chunk_payload(model, ids, start):
     cache = kvcache.make_cache(model)
     kvcache.prefill(model, ids[:, : start + CHUNK], cache)
     piece = kvcache.make_cache(model)
-    piece.extend([(s.view()[0][:, :, start:].clone(), s.view()[1][:, :, start:].clone()) for s in cache.stores])
+    piece.extend([(s.view()[0][:, :, start:].clone(), s.view()[1][:, :, start:].clone()) for s in cache.kv_layers])
     return piece.to_bytes(token_ids=ids[0, start : start + CHUNK].tolist())
 
 
@@ -82,14 +82,14 @@ def damage(case: str, model, store, key: str, raw: bytes) -> bytes:
         cache = kvcache.make_cache(model)
         kvcache.prefill(model, IDS[:, :31], cache)
         piece = kvcache.make_cache(model)
-        piece.extend([(s.view()[0][:, :, 16:], s.view()[1][:, :, 16:]) for s in cache.stores])
+        piece.extend([(s.view()[0][:, :, 16:], s.view()[1][:, :, 16:]) for s in cache.kv_layers])
         return seal(key, piece.to_bytes(token_ids=IDS[0, 16:32].tolist()))  # 15 slots, 16 ids
     if case == "token ids outside the vocabulary, resealed":
         from kvcache.persist import SavedCache, encode_cache
 
         cache = kvcache.make_cache(model)
         kvcache.prefill(model, IDS[:, :CHUNK], cache)
-        states = [s.state() for s in cache.stores]
+        states = [s.state() for s in cache.kv_layers]
         return seal(key, encode_cache(SavedCache("growable", cache.config_summary, states, [10**6] * CHUNK)))
     if case == "huge shape claimed, resealed":
         payload = bytearray(raw[body:])
@@ -123,7 +123,7 @@ def test_a_bad_chunk_entry_is_a_logged_miss_that_is_recomputed(case, caplog):
     store = stored(model, IDS)
     key = keys_of(store, model, IDS)[1]
     store.backend.put(key, damage(case, model, store, key, store.backend.get(key)))
-    with caplog.at_level(logging.WARNING, logger="kvcache.store"):
+    with caplog.at_level(logging.WARNING, logger="kvcache.prompts"):
         cache, reused = store.cache_for(model, IDS)
     assert reused == 16  # chunk 0 is good; the prefix ends before the bad chunk
     assert store.stats.bad_entries == 1 and "recomputing" in caplog.text

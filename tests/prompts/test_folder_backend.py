@@ -1,4 +1,4 @@
-"""What only the directory backend has to survive: other processes on the same folder, files
+"""What only the folder backend has to survive: other processes on the same folder, files
 replaced, truncated or planted under it, a folder it cannot write, temporary files of killed
 writers."""
 
@@ -16,10 +16,10 @@ from backend_worker import checked_value, run_workers, verifies
 
 from kvcache.errors import StoreUnavailable
 from kvcache.persist.atomic import _HOST
-from kvcache.store.directory_backend import DirectoryBackend, fan_of
+from kvcache.prompts.folder_backend import FolderBackend, fan_of
 
 def test_entries_are_files_in_fan_out_folders_and_no_temporary_is_left(tmp_path):
-    store = DirectoryBackend(tmp_path / "a" / "b")
+    store = FolderBackend(tmp_path / "a" / "b")
     assert store.put("abc-123", b"value")
     assert (tmp_path / "a" / "b" / fan_of("abc-123") / "abc-123.kvp").read_bytes() == b"value"
     assert [p.name for p in (tmp_path / "a" / "b").rglob("*") if p.is_file()] == ["abc-123.kvp"]
@@ -28,7 +28,7 @@ def test_entries_are_files_in_fan_out_folders_and_no_temporary_is_left(tmp_path)
 
 def test_processes_writing_and_reading_one_folder_never_see_a_torn_value(tmp_path):
     run_workers(str(tmp_path / "shared"), "-", count=3)
-    store = DirectoryBackend(tmp_path / "shared")
+    store = FolderBackend(tmp_path / "shared")
     values = store.get_many([f"k{i}" for i in range(4)])
     assert all(verifies(value) for value in values if value is not None)
     assert sum(value is not None for value in values) == len(store) >= 1
@@ -36,13 +36,13 @@ def test_processes_writing_and_reading_one_folder_never_see_a_torn_value(tmp_pat
 
 def test_processes_evicting_in_one_folder_keep_the_budget(tmp_path):
     run_workers(str(tmp_path / "shared"), "-", count=3, ops=120, keys=12, max_bytes=60_000)
-    store = DirectoryBackend(tmp_path / "shared")
+    store = FolderBackend(tmp_path / "shared")
     assert 0 < store.nbytes() <= 60_000
     assert not list(store.path.rglob(".*.tmp"))
 
 
 def test_two_stores_on_one_folder_share_the_lru(tmp_path):
-    first, second = DirectoryBackend(tmp_path, max_bytes=100), DirectoryBackend(tmp_path, max_bytes=100)
+    first, second = FolderBackend(tmp_path, max_bytes=100), FolderBackend(tmp_path, max_bytes=100)
     assert first.put("x", b"x" * 40) and first.put("y", b"y" * 40)
     assert second.get("x") == b"x" * 40  # a use seen by every process: the file's time
     assert second.put("z", b"z" * 40)
@@ -50,7 +50,7 @@ def test_two_stores_on_one_folder_share_the_lru(tmp_path):
 
 
 def test_a_file_replaced_or_truncated_while_read_is_a_value_or_a_miss(tmp_path):
-    store = DirectoryBackend(tmp_path)
+    store = FolderBackend(tmp_path)
     path = store.file_of("key")
     store.put("key", checked_value(random.Random(0)))
     stop = threading.Event()
@@ -75,7 +75,7 @@ def test_a_file_replaced_or_truncated_while_read_is_a_value_or_a_miss(tmp_path):
 
 
 def test_files_vanishing_while_listed_or_read_are_misses(tmp_path):
-    store = DirectoryBackend(tmp_path)
+    store = FolderBackend(tmp_path)
     stop = threading.Event()
 
     def churn():
@@ -99,8 +99,8 @@ def test_a_folder_that_cannot_be_written_raises_store_unavailable(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_bytes(b"not a folder")
     with pytest.raises(StoreUnavailable, match="cannot create the folder"):
-        DirectoryBackend(blocker / "store")
-    store = DirectoryBackend(tmp_path / "store")
+        FolderBackend(blocker / "store")
+    store = FolderBackend(tmp_path / "store")
     assert store.put("kept", b"old")
     fan = store.path / fan_of("blocked")
     if os.geteuid() == 0:  # chmod does not stop root: block the sub-folder with a file instead
@@ -124,7 +124,7 @@ def dead_pid() -> int:
 
 
 def test_temporary_folders_of_killed_writers_are_swept(tmp_path):
-    store = DirectoryBackend(tmp_path)
+    store = FolderBackend(tmp_path)
     gone = dead_pid()
     leftovers = []
     for key in ("rewritten", "other"):
@@ -143,7 +143,7 @@ def test_temporary_folders_of_killed_writers_are_swept(tmp_path):
 
 
 def test_planted_files_are_misses_and_are_not_entries(tmp_path):
-    store = DirectoryBackend(tmp_path / "store", max_entry_bytes=1000)
+    store = FolderBackend(tmp_path / "store", max_entry_bytes=1000)
     secret = tmp_path / "secret"
     secret.write_bytes(b"not for the store")
     for key in ("link", "fifo", "folder", "huge"):
@@ -161,7 +161,7 @@ def test_planted_files_are_misses_and_are_not_entries(tmp_path):
 
 
 def test_an_expired_file_is_removed_when_met(tmp_path):
-    store = DirectoryBackend(tmp_path, ttl=0.2)
+    store = FolderBackend(tmp_path, ttl=0.2)
     assert store.put("old", b"value")
     path = store.file_of("old")
     time.sleep(0.3)
@@ -172,7 +172,7 @@ def test_eviction_sees_what_other_processes_did_since_it_last_listed(tmp_path):
     """The evicting store keeps listings between puts (``FolderIndex``); another store on the
     folder (as another process would) writes an entry and uses an old one after those listings
     settled. Eviction must count the new entry and spare the entry just used."""
-    evicting, other = DirectoryBackend(tmp_path, max_bytes=100), DirectoryBackend(tmp_path)
+    evicting, other = FolderBackend(tmp_path, max_bytes=100), FolderBackend(tmp_path)
     for key in "abc":
         assert evicting.put(key, key.encode() * 30)
     time.sleep(0.6)  # past the index's racy margin: listings from now on are trusted
@@ -190,7 +190,7 @@ def test_eviction_sees_what_other_processes_did_since_it_last_listed(tmp_path):
 def test_a_change_within_the_clock_tick_of_a_listing_is_not_missed(tmp_path):
     """Folder mtimes come from a coarse clock: a write right after a listing can leave the mtime
     as the listing saw it (simulated here by setting it back). The index must list again."""
-    evicting, other = DirectoryBackend(tmp_path, max_bytes=100), DirectoryBackend(tmp_path)
+    evicting, other = FolderBackend(tmp_path, max_bytes=100), FolderBackend(tmp_path)
     assert evicting.put("a", b"a" * 30) and evicting.put("b", b"b" * 30)
     assert evicting.put("c", b"c" * 30)  # lists c's folder just after changing it
     fan = evicting.path / fan_of("c")

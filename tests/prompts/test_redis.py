@@ -8,7 +8,7 @@ import pytest
 from backend_worker import run_workers, verifies
 
 from kvcache.errors import StoreUnavailable
-from kvcache.store.redis_backend import RedisBackend, redact
+from kvcache.prompts.redis_backend import RedisBackend, redact
 
 
 def every_call(store: RedisBackend):
