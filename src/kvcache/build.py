@@ -8,6 +8,8 @@ apply) beside the kinds that work on the model's own attention (growable, static
 ``WindowLayer`` (a ring buffer, attended by the ``"kvcache"`` attention) beside the bounded kinds,
 which need that attention anyway. The result goes straight into
 ``model.generate(..., past_key_values=cache)`` or a plain forward loop.
+
+Design: docs/architecture.md, "Sliding layers of a model".
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 ``build.make_cache`` makes one for a model; ``cachefile.load_cache`` loads one from a file that
 ``KVCache.save`` wrote. It goes straight into ``model.generate(..., past_key_values=cache)`` or a
 plain forward loop.
+
+Design: docs/architecture.md, "The transformers bridge".
 """
 
 from __future__ import annotations

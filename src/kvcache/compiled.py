@@ -22,6 +22,8 @@ step does not check the capacity (that would read a count out of the graph): sto
 step, and so recompiles); a cache with bounded layers needs ``kvcache.use_kvcache_attention(model)``
 first. ``generate`` takes the same caches: ``model.generate(..., past_key_values=cache,
 compile_config=CompileConfig(fullgraph=True))`` (on a CPU also ``config._compile_all_devices = True``).
+
+Design: docs/architecture.md, "Compiled decode".
 """
 
 from __future__ import annotations

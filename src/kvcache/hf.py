@@ -21,6 +21,8 @@ K/V-sharing layer the owner's: ``KVCache.pending_layer``), which counts only if 
 received is the one the record handed out (identity), so a stale cache never applies. Anything else is plain attention over the key and value as given.
 The lookup traces under ``torch.compile`` (the weak reference and the identity check resolve while
 tracing); the fixed-shape layers' own bridge is ``compiled.FixedHFLayer``.
+
+Design: docs/architecture.md, "The transformers bridge".
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@ imported ``kvcache``.
 
 A kind defined outside the package is added by an explicit call, ``register_layer(cls)`` or
 ``register_policy(cls)``, and taken back by ``unregister_layer`` / ``unregister_policy``.
+
+Design: docs/architecture.md, "The kinds: one table".
 """
 
 from __future__ import annotations
@@ -91,9 +93,7 @@ def register_layer(cls: type) -> None:
 
 def unregister_layer(kind: str) -> None:
     """Take a layer kind added by ``register_layer`` out again (a built-in kind is refused)."""
-    if kind in _BUILT_IN_LAYERS:
-        raise ValueError(f"layer kind {kind!r} is built in and cannot be unregistered")
-    LAYERS.pop(kind, None)
+    _unregister(LAYERS, _BUILT_IN_LAYERS, kind, "layer kind")
 
 
 def register_policy(cls: type[Policy]) -> None:
@@ -112,9 +112,13 @@ def register_policy(cls: type[Policy]) -> None:
 
 def unregister_policy(name: str) -> None:
     """Take a policy added by ``register_policy`` out again (a built-in policy is refused)."""
-    if name in _BUILT_IN_POLICIES:
-        raise ValueError(f"eviction policy {name!r} is built in and cannot be unregistered")
-    POLICIES.pop(name, None)
+    _unregister(POLICIES, _BUILT_IN_POLICIES, name, "eviction policy")
+
+
+def _unregister(table: dict, built_in, name: str, what: str) -> None:
+    if name in built_in:
+        raise ValueError(f"{what} {name!r} is built in and cannot be unregistered")
+    table.pop(name, None)
 
 
 _BUILT_IN_LAYERS = frozenset(LAYERS)

@@ -15,6 +15,8 @@ C++ decode instead (both only for plain tensors).
 
 Long prefills are processed in blocks of query rows, so the score matrix never exceeds about
 ``_BLOCK_BYTES``; a ``max_len x max_len`` mask is never built (``causal=True`` makes it per block).
+
+Design: docs/architecture.md, "Attention".
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ the pass must do for this update (its ``Visibility`` rule, the attention weights
 for). Unbounded layers hand the model ``returned`` and forget the record; a bounded layer keeps it
 as ``pending`` until its attention settles it. ``attend_reads`` builds the mask from the positions
 and the visibility rule (``masks.py``), runs the kernel once and returns the weights asked for.
+
+Design: docs/architecture.md, "The read record".
 """
 
 from __future__ import annotations

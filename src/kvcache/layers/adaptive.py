@@ -37,9 +37,9 @@ import torch
 
 from ..attention import Reads
 from ..errors import UnsupportedOperation
-from ..options import Option, number
+from ..options import Option
 from .budget import check_budget
-from .selecting import SelectingLayer
+from .selecting import SELECTION_OPTIONS, SelectingLayer
 from .checks import Geometry
 from .shared_budget import (
     OwnHeads,
@@ -62,11 +62,11 @@ class AdaptiveLayer(SelectingLayer):
 
     kind = "adakv"
     spec_options = {
-        "budget": Option(number, least=0, inclusive=False),
+        "budget": SELECTION_OPTIONS["budget"],
         "window": Option(int, least=1),
         "pool": Option(int, least=1),
         "floor": Option(float, least=0.0),
-        "storage": Option(str),
+        "storage": SELECTION_OPTIONS["storage"],
     }
     required_options = ("budget",)
     spec_order = 5

@@ -14,7 +14,6 @@ Which tokens leave the residual, and how attention reads the codes, is the layer
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 

@@ -30,11 +30,11 @@ import torch
 
 from ..errors import DTypeError, ShapeError, UnsupportedOperation
 from ..policies import POLICIES, Policy, get_policy
-from ..options import Option, number
+from ..options import Option
 from ..attention import Reads
 from .checks import Geometry
 from .state import LayerState
-from .selecting import SelectingLayer
+from .selecting import SELECTION_OPTIONS, SelectingLayer
 from .budget import Budget
 from .slots import get_storage
 from .store import Layout, SlotStore
@@ -42,10 +42,10 @@ from .store import Layout, SlotStore
 class EvictingLayer(SelectingLayer):
     kind = "evicting"
     spec_options = {
-        "budget": Option(number, least=0, inclusive=False),
+        "budget": SELECTION_OPTIONS["budget"],
         "recent": Option(int, least=0),
         "sinks": Option(int, least=0),
-        "storage": Option(str),
+        "storage": SELECTION_OPTIONS["storage"],
     }
     #: The layer's place among the cache's layers, for policies whose budget depends on it.
     keyword_options = {"layer": Option(int, least=0), "layers": Option(int, least=1)}

@@ -13,6 +13,8 @@ evicts there).
 Nothing waits for a call a caller could forget: an update that comes before the last one was
 attended settles it first without weights, and ``settle()`` does that on demand. Through
 ``transformers``, the ``"kvcache"`` attention finds the layer through the cache (``hf.py``).
+
+Design: docs/architecture.md, "Kinds that run their own attention".
 """
 
 from __future__ import annotations

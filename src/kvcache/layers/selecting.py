@@ -13,6 +13,8 @@ budget shared by a layer's heads over a flat store, ``adaptive.py``) store the s
 A kind supplies its slots (``_new_slots``: the codec's tensors plus tags, ``[B, H, N, ...]``),
 its record (``_record``), its scores (``_scored``) and its choice (``_keep_best``); ``_unit`` is
 how many slots one token takes (1 per head's row, or ``Hkv`` in a flat store).
+
+Design: docs/architecture.md, "Kinds that run their own attention".
 """
 
 from __future__ import annotations
@@ -24,9 +26,15 @@ import torch
 
 from ..attention import Reads
 from ..errors import UnsupportedOperation
+from ..options import Option, number
 from .own_attention import OwnAttentionLayer
 from .budget import holds_wrong_size, slots_to_allocate
 from .checks import Geometry
+
+
+#: The options every selecting kind takes: a budget (a count, or a share of the tokens seen, in
+#: ``budget.py``'s unit) and the codec of the kept slots (``slots.py``: full, int8, int4, int2).
+SELECTION_OPTIONS = {"budget": Option(number, least=0, inclusive=False), "storage": Option(str)}
 
 
 class SelectingLayer(OwnAttentionLayer):

@@ -13,6 +13,8 @@ file must agree with in a model (its configuration, the layers the spec makes, h
 checked by ``cachefile.load_cache``, which wraps this package. A forgery that is consistent in
 every respect (other key values with recomputed checksums) is a valid file: the checksums catch
 accidents, not attackers (there is no signature).
+
+Design: docs/architecture.md, "Persistence".
 """
 
 from .atomic import atomic_write, sweep_temps

@@ -24,6 +24,8 @@ Every entry read is untrusted: a damaged, foreign, other-model, other-prefix or 
 miss, logged on ``kvcache.prompts`` and recomputed (``entry.py`` and ``cachefile``'s checks). A
 backend that cannot be reached (``StoreUnavailable``) makes the store a no-op for ``retry_after``
 seconds, with one warning per outage.
+
+Design: docs/architecture.md, "The prompt store".
 """
 
 from __future__ import annotations
