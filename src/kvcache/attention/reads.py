@@ -23,7 +23,7 @@ from .masks import CAUSAL, VisibilityRule, bias_at_slots, position_rows
 from .readers import TensorLike
 
 
-@dataclass
+@dataclass(slots=True)  # one per layer per step: slots make it cheap to build
 class Reads:
     """The read record of one update.
 

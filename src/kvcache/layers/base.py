@@ -39,8 +39,11 @@ class KVLayer(DeclaredKind, ABC):
     kind: ClassVar[str]
     #: True for layers that keep only a recent window (mask sizes differ, see ``hf.py``).
     is_sliding: ClassVar[bool] = False
-    #: True for bounded kinds, whose attention must read their update's record (``bounded.py``).
+    #: True for kinds whose attention must read their update's record (``own_attention.py``).
     needs_own_attention: ClassVar[bool] = False
+    #: True for kinds whose append is ``_append_in_order`` (slot j holds position j, the record
+    #: ``_record_in_order``): ``update`` returns its keys and values without building the record.
+    appends_in_order: ClassVar[bool] = False
     def __init__(self) -> None:
         self.geometry: Geometry | None = None
         self._seen = 0
@@ -63,7 +66,11 @@ class KVLayer(DeclaredKind, ABC):
 
     def update(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``append``, returning the keys and values the model attends (``Reads.returned``)."""
-        return self.append(key, value).returned
+        if not self._fits(key, value):  # as append does, one call less on the decode path
+            check_kv(key, value, self.geometry)
+        if self.appends_in_order:  # the decode hot path of growable and static: no record to build
+            return self._append_in_order(key, value)
+        return self._append(key, value).returned
 
     def _fits(self, key: Any, value: Any) -> bool:
         """Fast path of ``check_kv`` for the common case: an append like the previous ones."""

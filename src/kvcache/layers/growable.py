@@ -29,6 +29,8 @@ class GrowableLayer(KVLayer):
         self.initial_capacity, self.growth = checked["initial_capacity"], checked["growth"]
         self.store = SlotStore(growth=Geometric(self.initial_capacity, self.growth))
 
+    appends_in_order = True
+
     def _append(self, key, value):
         return self._record_in_order(key, value)
 

@@ -55,6 +55,8 @@ class StaticLayer(KVLayer):
     def check_append(self, n: int) -> None:
         self.store.check_room(self.length + int(n))
 
+    appends_in_order = True
+
     def _append(self, key, value):
         return self._record_in_order(key, value)
 
