@@ -77,6 +77,25 @@ inline __attribute__((always_inline)) v16 scores16(const float* __restrict q, co
     return fold<2>(l2[0], l2[1]);
 }
 
+// acc (one query row's weighted sum, NV * 16 floats) += sum over the tile's live tokens j of
+// p[j] * value row j. The sum stays in registers across the tile instead of being loaded and
+// stored once per token; the value rows (a tile is 16 KiB at Dv = 64) are read from L1 again for
+// each query row.
+template <int NV>
+inline __attribute__((always_inline)) void add_weighted16(const float* __restrict p, const float* __restrict v,
+                                                          int64_t v_t, int n, const bool* __restrict live,
+                                                          float* __restrict acc) {
+    v16 a[NV];
+    for (int i = 0; i < NV; ++i) a[i] = load16(acc + 16 * i);
+    for (int j = 0; j < n; ++j) {
+        if (!live[j]) continue;
+        const float* __restrict row = v + j * v_t;
+        const float w = p[j];
+        for (int i = 0; i < NV; ++i) a[i] += w * load16(row + 16 * i);
+    }
+    for (int i = 0; i < NV; ++i) __builtin_memcpy(acc + 16 * i, &a[i], sizeof(v16));
+}
+
 // A row of keys or values as float32: float rows are read where they are, bfloat16 rows widened
 // into `scratch` (a bfloat16 is the top half of a float32).
 inline const float* widen(const float* row, int, float*) { return row; }
@@ -191,6 +210,22 @@ inline __attribute__((always_inline)) void chunk_pass(const float* __restrict q,
                 s += p;
             }
             part.sum[r] += s;
+        }
+        if constexpr (std::is_same_v<T, float>) {
+            if (vdim == 64 || vdim == 128 || vdim == 32) {
+                for (int r = 0; r < rows; ++r) {
+                    const float* tile = scores + r * kTile;
+                    const float* vt = v + base * v_t;
+                    float* a = acc + r * vdim;
+                    if (vdim == 64)
+                        add_weighted16<4>(tile, vt, v_t, n, live, a);
+                    else if (vdim == 128)
+                        add_weighted16<8>(tile, vt, v_t, n, live, a);
+                    else
+                        add_weighted16<2>(tile, vt, v_t, n, live, a);
+                }
+                continue;
+            }
         }
         for (int j = 0; j < n; ++j) {
             if (!live[j]) continue;
