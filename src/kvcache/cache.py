@@ -78,7 +78,7 @@ class KVCache(ForeignLayers, Cache):
         for layer, readers in zip(self.kv_layers, kv_readers(attention_config, len(self.kv_layers))):
             if layer is not None and layer.needs_own_attention:
                 layer.readers = readers
-        # For each layer index, the bounded layer whose pending record its attention reads (its own, or
+        # For each layer index, the own-attention layer whose pending record its attention reads (its own, or
         # for a layer reusing another's keys and values the owner's), or None (``pending_layer``).
         self._read_layers = [
             self.kv_layers[j] if j is not None and self.kv_layers[j] in self.own_attention_layers else None
@@ -105,10 +105,10 @@ class KVCache(ForeignLayers, Cache):
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def pending_layer(self, layer_idx: object, key: torch.Tensor) -> KVLayer | None:
-        """The bounded layer whose pending read record (``layer.pending``) the attention of layer
+        """The own-attention layer whose pending read record (``layer.pending``) the attention of layer
         ``layer_idx`` reads, if that record handed out ``key`` (identity: a stale record never
         applies); None for a layer that keeps its past in order (or none). A model that numbers
-        its attention modules otherwise (``layer_idx`` unknown) gets the bounded layer whose record
+        its attention modules otherwise (``layer_idx`` unknown) gets the own-attention layer whose record
         handed out ``key``, if any. What the ``"kvcache"`` attention asks (``hf.reading_layer``)."""
         known = isinstance(layer_idx, int) and 0 <= layer_idx < len(self._read_layers)
         layer = self._read_layers[layer_idx] if known else None

@@ -291,7 +291,7 @@ def note_writer(cache) -> None:
 
 
 def reading_layer(module: torch.nn.Module, key: torch.Tensor):
-    """The bounded layer whose pending read record this attention call reads, or None: asked of
+    """The own-attention layer whose pending read record this attention call reads, or None: asked of
     the cache that last wrote in this thread (``note_writer``) by ``module.layer_idx``
     (``KVCache.pending_layer``: only a record that handed out ``key`` counts)."""
     ref = getattr(_last_writer, "ref", None)

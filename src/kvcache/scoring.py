@@ -44,33 +44,33 @@ def recording_cache(model: Any, modes: Sequence[str]) -> KVCache:
     (see ``RecordingLayer``); the model must run the ``"kvcache"`` attention, as for any bounded cache."""
     plain = make_cache(model, "growable")
     modes = tuple(modes)
-    stores = [None if s is None else RecordingLayer(modes) for s in plain.kv_layers]
-    return KVCache(stores, plain.spec, plain.config_summary, plain.attention_config, dict(plain.others))
+    recording = [None if s is None else RecordingLayer(modes) for s in plain.kv_layers]
+    return KVCache(recording, plain.spec, plain.config_summary, plain.attention_config, dict(plain.others))
 
 
 def recorded(cache: KVCache, mode: str) -> list[torch.Tensor | None]:
     """The last pass's weights in ``mode``, per layer, float32 ``[B, Hkv, T]`` (None: no cache there)."""
     out = []
-    for store in cache.kv_layers:
-        if store is None:
+    for layer in cache.kv_layers:
+        if layer is None:
             out.append(None)
             continue
-        if not isinstance(store, RecordingLayer):
-            raise TypeError(f"recorded() reads a recording_cache, got a {store.kind} layer")
-        if store.recorded is None or mode not in store.recorded:
-            raise ValueError(f"no weights recorded in mode {mode!r} (recording {store.modes}; run a pass first)")
-        out.append(store.recorded[mode])
+        if not isinstance(layer, RecordingLayer):
+            raise TypeError(f"recorded() reads a recording_cache, got a {layer.kind} layer")
+        if layer.recorded is None or mode not in layer.recorded:
+            raise ValueError(f"no weights recorded in mode {mode!r} (recording {layer.modes}; run a pass first)")
+        out.append(layer.recorded[mode])
     return out
 
 
 def keys_values(cache: KVCache, stop: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
     """Every layer's stored keys and values ``[B, Hkv, T, D]`` (views), the first ``stop`` tokens."""
     out = []
-    for store in cache.kv_layers:
-        if store is None:
+    for layer in cache.kv_layers:
+        if layer is None:
             out.append(None)
             continue
-        k, v = store.view()
+        k, v = layer.view()
         out.append((k[:, :, :stop], v[:, :, :stop]))
     return out
 
@@ -94,14 +94,14 @@ def compress(
         raise ValueError(f"compress: {spec!r} has {masked} layers, whose prompt pass does not attend every earlier token; prefill them instead")
     if len(past) != len(cache.kv_layers):
         raise ValueError(f"compress: expected one (keys, values) per layer ({len(cache.kv_layers)}), got {len(past)}")
-    for i, (store, pair) in enumerate(zip(cache.kv_layers, past)):
-        if store is None:
+    for i, (layer, pair) in enumerate(zip(cache.kv_layers, past)):
+        if layer is None:
             continue
-        reads = store.append(*pair)
-        if isinstance(store, OwnAttentionLayer):
+        reads = layer.append(*pair)
+        if isinstance(layer, OwnAttentionLayer):
             mode = reads.weights
             if mode is None:
-                store.settle()
+                layer.settle()
                 continue
             if weights is None or mode not in weights:
                 raise KeyError(f"compress: {spec!r} layer {i} scores by attention weights {mode!r}, which were not given")
@@ -109,7 +109,7 @@ def compress(
             read = reads.keys.shape
             if read[1] == 1 and w.shape[1] > 1:  # a flat store (adakv): head 0's slots, then head 1's, ...
                 w = w.reshape(w.shape[0], 1, -1)
-            store.settle(w)
+            layer.settle(w)
     return cache
 
 

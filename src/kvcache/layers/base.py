@@ -41,9 +41,14 @@ class KVLayer(DeclaredKind, ABC):
     is_sliding: ClassVar[bool] = False
     #: True for kinds whose attention must read their update's record (``own_attention.py``).
     needs_own_attention: ClassVar[bool] = False
-    #: True for kinds whose append is ``_append_in_order`` (slot j holds position j, the record
-    #: ``_record_in_order``): ``update`` returns its keys and values without building the record.
+    #: True for kinds whose ``_append`` is ``_record_in_order`` (set per class, never by hand):
+    #: ``update`` then returns ``_append_in_order``'s keys and values without building the record.
     appends_in_order: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.appends_in_order = cls._append is KVLayer._record_in_order
+
     def __init__(self) -> None:
         self.geometry: Geometry | None = None
         self._seen = 0

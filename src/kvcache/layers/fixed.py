@@ -129,8 +129,6 @@ class FixedStaticLayer(TensorSeen, StaticLayer):
     new tokens written at the positions ``seen..seen+S-1`` taken from a tensor (see the module
     docstring). Same kind, options and saved state as ``StaticLayer``."""
 
-    appends_in_order = False  # its own _append: positions from a tensor, not the count
-
     def __init__(self, capacity: int | None = None, *, keys=None, values=None) -> None:
         self.seen_counter = Counter()
         super().__init__(capacity, keys=keys, values=values)

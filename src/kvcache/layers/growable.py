@@ -29,10 +29,7 @@ class GrowableLayer(KVLayer):
         self.initial_capacity, self.growth = checked["initial_capacity"], checked["growth"]
         self.store = SlotStore(growth=Geometric(self.initial_capacity, self.growth))
 
-    appends_in_order = True
-
-    def _append(self, key, value):
-        return self._record_in_order(key, value)
+    _append = KVLayer._record_in_order  # slot j holds position j (so update skips the record)
 
     def reset(self) -> None:
         self.store.drop()

@@ -107,17 +107,17 @@ class OwnHeads:
     called with ``q_pos`` ``[rows, 1]`` and the slots' positions ``[B|1, 1, 1, 1, N]`` (as
     ``attention.position_rows`` hands them), it returns a per-query-head mask ``[B, 1, Hq, rows, N]``."""
 
-    def __init__(self, heads: torch.Tensor, kv_heads: int) -> None:
+    def __init__(self, heads: torch.Tensor, kv_heads: int, query_heads: int | None = None) -> None:
         self.heads, self.kv_heads = heads, kv_heads
-        self.own: torch.Tensor | None = None
+        self.own: torch.Tensor | None = None  # [B, 1, Hq, 1, N]: set for a known query head count
+        if query_heads is not None:
+            if query_heads <= 0 or query_heads % kv_heads:
+                raise ShapeError(f"query heads ({query_heads}) must be a multiple of key/value heads ({kv_heads})")
+            owner = torch.arange(query_heads, device=heads.device) // (query_heads // kv_heads)
+            self.own = heads.long().view(heads.shape[0], 1, 1, 1, heads.shape[-1]) == owner.view(1, 1, -1, 1, 1)
 
     def for_query_heads(self, query_heads: int) -> OwnHeads:
-        if query_heads <= 0 or query_heads % self.kv_heads:
-            raise ShapeError(f"query heads ({query_heads}) must be a multiple of key/value heads ({self.kv_heads})")
-        rule = OwnHeads(self.heads, self.kv_heads)
-        owner = torch.arange(query_heads, device=self.heads.device) // (query_heads // self.kv_heads)
-        rule.own = self.heads.long().view(self.heads.shape[0], 1, 1, 1, self.heads.shape[-1]) == owner.view(1, 1, -1, 1, 1)
-        return rule
+        return OwnHeads(self.heads, self.kv_heads, query_heads)
 
     def __call__(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
         if self.own is None:

@@ -55,10 +55,7 @@ class StaticLayer(KVLayer):
     def check_append(self, n: int) -> None:
         self.store.check_room(self.length + int(n))
 
-    appends_in_order = True
-
-    def _append(self, key, value):
-        return self._record_in_order(key, value)
+    _append = KVLayer._record_in_order  # slot j holds position j (so update skips the record)
 
     @property
     def max_length(self) -> int:
