@@ -292,3 +292,32 @@ def test_budget_share_holds_the_bytes_it_keeps_and_a_count_never_moves(tiny_resu
         assert share["bytes_after_prompt"] < share["bytes_end"] == share["bytes_peak"], kind
         assert 1.0 <= share["bytes_vs_count"] <= 1.15, (kind, share["bytes_vs_count"])
         assert share["reallocations_decode"] >= 1, kind
+
+
+def test_attention_shapes_run_only_the_calls_named(tmp_path):
+    from kvcache.apps.bench import attention
+
+    shapes = attention.parse_shapes("9/3x64@2x40, 4/4x32@1x16")
+    assert shapes == [attention.Shape(9, 3, 64, 2, 40), attention.Shape(4, 4, 32, 1, 16)]
+    result = attention.run(RunOptions(tiny=True, out=tmp_path, progress=False), shapes=shapes, repeats=1)
+    assert [(r["variant"], r["batch"], r["tokens"], r["contender"]) for r in result["rows"]] == [
+        ("9/3x64", 2, 40, "sdpa"), ("9/3x64", 2, 40, "attend"), ("4/4x32", 1, 16, "sdpa"), ("4/4x32", 1, 16, "attend"),
+    ]  # fmt: skip
+    assert result["quantized_rows"] == [] and all(r["max_abs_diff_vs_sdpa"] < 1e-5 for r in result["rows"])
+    assert "| 9/3x64 (9q/3kv x 64) | 2 | 40 | attend |" in attention.table(result)
+
+
+@pytest.mark.parametrize("text", ["9/3x64", "9/4x64@1x10", "a/3x64@1x10", "9/3x64@1x0"])
+def test_attention_shapes_refuse_malformed_text(text):
+    from kvcache.apps.bench import attention
+    from kvcache.errors import KVCacheError
+
+    with pytest.raises(KVCacheError, match="Hq/HkvxD@BxT|positive"):
+        attention.parse_shapes(text)
+
+
+def test_bench_refuses_an_option_of_another_suite(capsys):
+    from kvcache.apps.cli import main
+
+    assert main(["bench", "update", "--shapes", "9/3x64@1x10"]) != 0
+    assert "suite 'attention'" in capsys.readouterr().err

@@ -83,6 +83,8 @@ def test_report_structure(result):
         assert r["tokens_per_s"] > 0 and r["speedup_vs_dynamic"] > 0 and r["cache_bytes"] > 0
         assert r["step_over_floor"] == pytest.approx(r["step_ms"] / r["floor_ms"])
         assert r["floor_ms"] == pytest.approx(max(r["memory_floor_ms"], r["compute_floor_ms"]))
+        assert r["memory_floor_ms"] == pytest.approx(r["weights_floor_ms"] + r["kv_floor_ms"])
+        assert r["speedup_vs_hf_static"] > 0
         assert len(r["samples_s"]) == res["config"]["repeats"]
     table = real.table(res)
     assert "| 2 | 32 | growable |" in table and "step / floor" in table
@@ -133,6 +135,23 @@ def test_compare_reports_differing_tokens():
     assert rows["growable"]["kv_bytes_read"] == 2 * 1 * 1 * 4 * 4 * 4
 
 
+def test_targets_judge_ours_against_static_and_coded_against_growable():
+    def row(batch, context, name, speed):
+        return {"batch": batch, "context": context, "contender": name, "tokens_per_s": speed}
+
+    rows = [
+        row(1, 1024, "hf_static", 10.0), row(1, 1024, "growable", 10.4), row(1, 1024, "static", 10.6),
+        row(1, 1024, "quantized-int8", 9.0),  # batch 1 at 1K: no coded target covers it
+        row(4, 4096, "hf_static", 10.0), row(4, 4096, "growable", 10.0), row(4, 4096, "static", None),
+        row(4, 4096, "quantized-int8", 11.0), row(4, 4096, "quantized-int4", 9.0),  # int4: from batch 8
+    ]  # fmt: skip
+    assert real.targets(rows) == [
+        "batch 1 x 1024: ours (static) / StaticCache = 1.06 (target >= 1.05: met)",
+        "batch 4 x 4096: ours (growable) / StaticCache = 1.00 (target >= 1.05: not met)",
+        "batch 4 x 4096: quantized-int8 / growable = 1.10 (target >= 1: met)",
+    ]
+
+
 def test_floor_hand_computed():
     shape = ModelShape(layers=2, query_heads=4, kv_heads=2, head_dim=8, hidden=32, vocab=100, body_params=1000, weight_bytes=20000)
     # 2*1000*2 weights + 2*32*100*2 LM head + 4*2*4*8*10*2 attention
@@ -140,7 +159,7 @@ def test_floor_hand_computed():
     assert shape.kv_bytes_per_token == 2 * 2 * 2 * 8 * 4
     kv = shape.kv_bytes_per_token * 10 * 2  # 5120
     memory_bound = floor_seconds(shape, Machine(1000.0, 1000.0, 1.0), 2, 10, kv)
-    assert memory_bound == {"memory_s": 25.12, "compute_s": 21.92, "floor_s": 25.12}
+    assert memory_bound == pytest.approx({"memory_s": 25.12, "weights_s": 20.0, "kv_s": 5.12, "compute_s": 21.92, "floor_s": 25.12})
     compute_bound = floor_seconds(shape, Machine(1e6, 100.0, 1.0), 2, 10, kv)
     assert compute_bound["floor_s"] == compute_bound["compute_s"] == pytest.approx(219.2)
 

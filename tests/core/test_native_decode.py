@@ -88,3 +88,29 @@ def test_shapes_beyond_it_are_declined():
     assert native.decode_attention(q.expand(1, 1, native.MAX_ROWS + 1, 64), key, value, None, None) is None
     assert native.decode_attention(q, key.half(), value.half(), None, None) is None
     assert native.decode_attention(q, key[:, :, :0], value[:, :, :0], None, None) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch,kv_heads,group,dim,length", [(1, 3, 3, 64, 1000), (2, 8, 4, 128, 300), (3, 2, 1, 32, 77)])
+def test_attend_takes_decode_one_for_a_plain_decode_call(monkeypatch, batch, kv_heads, group, dim, length, dtype):
+    query, key, value = _case(batch, kv_heads, group, dim, length, dtype)
+    calls = []
+    real = native.decode_one
+    monkeypatch.setattr(native, "decode_one", lambda *a: calls.append(1) or real(*a))
+    out = attend(query, key, value, scale=0.3)
+    assert calls and out.dtype == dtype and out.shape == (batch, kv_heads * group, 1, dim)
+    reference = F.scaled_dot_product_attention(query.float(), key.float(), value.float(), scale=0.3, enable_gqa=True)
+    # bfloat16: the output is rounded to bfloat16 once (relative 2**-8)
+    tolerance = dict(atol=2e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=8e-3)
+    torch.testing.assert_close(out.float(), reference, **tolerance)
+
+
+def test_decode_one_declines_what_the_general_path_must_check_or_run():
+    query, key, value = _case(2, 3, 3, 64, 50, torch.float32)
+    assert native.decode_one(torch.cat([query, query], dim=2), key, value, None) is None  # two query rows
+    assert native.decode_one(query, key.double(), value.double(), None) is None  # dtype mismatch
+    assert native.decode_one(query[:1], key, value, None) is None  # batch mismatch
+    assert native.decode_one(query[:, :8], key, value, None) is None  # heads not a multiple
+    assert native.decode_one(query, key[..., :32], value, None) is None  # head dims differ
+    with pytest.raises(Exception, match="batch mismatch"):
+        attend(query[:1], key, value)  # the general path names the problem

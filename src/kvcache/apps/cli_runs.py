@@ -17,8 +17,25 @@ def add_bench(subparsers: argparse._SubParsersAction) -> None:
     real = p.add_argument_group("suite real (a real pretrained model)")
     real.add_argument("--model", default=None, metavar="NAME|DIR", help="a model name, tiny (the shipped model), or a local Hugging Face model folder (default: smollm2)")
     real.add_argument("--contexts", type=int_list, default=None, metavar="N,...", help="context lengths (default: 1024,4096,8192; --quick 1024)")
-    real.add_argument("--batches", type=int_list, default=None, metavar="N,...", help="batch sizes (default: 1,8)")
+    real.add_argument("--batches", type=int_list, default=None, metavar="N,...", help="batch sizes (default: 1,4,8,16; --quick 1,8)")
     real.add_argument("--prefill-cache", default=None, metavar="DIR", help="keep the prefill's keys and values here for later runs")
+    attention = p.add_argument_group("suite attention")
+    attention.add_argument(
+        "--shapes", type=shape_list, default=None, metavar="Hq/HkvxD@BxT,...",
+        help="only these decode calls, e.g. 32/8x128@1x16384,9/3x64@8x4096 (query heads / KV heads x head dim @ batch x tokens)",
+    )  # fmt: skip
+
+#: Which suite takes each suite-specific option.
+SUITE_OPTIONS = {"model": "real", "contexts": "real", "batches": "real", "prefill_dir": "real", "shapes": "attention"}
+
+
+def shape_list(text: str) -> list:
+    from .bench.attention import parse_shapes
+
+    try:
+        return parse_shapes(text)
+    except KVCacheError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def int_list(text: str) -> list[int]:
@@ -46,10 +63,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if e.name != f"kvcache.apps.bench.{args.suite}":
             raise
         raise KVCacheError(f"benchmark suite {args.suite!r} is not available in this version of kvcache") from e
-    given = {"model": args.model, "contexts": args.contexts, "batches": args.batches, "prefill_dir": args.prefill_cache}
+    given = {"model": args.model, "contexts": args.contexts, "batches": args.batches, "prefill_dir": args.prefill_cache, "shapes": args.shapes}
     given = {k: v for k, v in given.items() if v is not None}
-    if given and args.suite != "real":
-        raise KVCacheError(f"--model, --contexts, --batches and --prefill-cache apply to suite 'real' only, not {args.suite!r}")
+    misplaced = [k for k in given if SUITE_OPTIONS[k] != args.suite]
+    if misplaced:
+        flags = ", ".join("--" + ("prefill-cache" if k == "prefill_dir" else k) + f" (suite {SUITE_OPTIONS[k]!r})" for k in misplaced)
+        raise KVCacheError(f"not options of suite {args.suite!r}: {flags}")
     plots = say_if_no_plots()
     result = suite.run(options, **given)
     text = suite.table(result)

@@ -61,6 +61,10 @@ def attend(
     head that takes part in the softmax's normalisation and adds no value, so a row's weights sum to less than one (a row with every key masked attends
     only its sink: zeros).
     """
+    if mask is None and softcap is None and sinks is None:
+        out = native.decode_one(query, key, value, scale)  # route's step 0: the common decode call
+        if out is not None:
+            return out
     out, _ = attend_weighted(query, key, value, scale=scale, mask=mask, causal=causal, softcap=softcap, sinks=sinks)
     return out
 
@@ -170,6 +174,9 @@ def route(plain: bool, settings: Settings, group: int, q_len: int, weighted_from
     tensors (``reader.tensors()``); ``weighted_from``: the first query row whose weights are
     asked for (``q_len``: none). Returns ``(try_native, sdpa_rows)``:
 
+    0. (Before this, in ``attend``: a call of one query row per head over plain float32 or
+       bfloat16 keys and values with no mask, softcap or sinks goes straight to the C++ decode,
+       ``native.decode_one``, which is 1 below without the general checks.)
     1. ``try_native``: the one-pass C++ decode (``native.py``) takes the whole call when the keys
        are plain, the call is decode-sized (``group * Sq <= DECODE_ROWS``) and asks no weights, has
        no sinks and no ``mask_rows``, is ``causal`` only with one query, has a boolean ``mask`` of
@@ -304,8 +311,8 @@ def _native_decode(q5, key: torch.Tensor, value: torch.Tensor, settings: Setting
     keys and values, or None where it declines (``route`` has checked everything else)."""
     keep = None if settings.mask is None else settings.mask[:, 0, 0, 0, :]
     batch, kv_heads, group, q_len, head_dim = q5.shape
-    q = (q5.float() * settings.scale).reshape(batch, kv_heads, group * q_len, head_dim)
-    return native.decode_attention(q, key, value, keep, settings.softcap)
+    q = q5.reshape(batch, kv_heads, group * q_len, head_dim)
+    return native.decode_attention(q, key, value, keep, settings.softcap, settings.scale)
 
 
 def _block_probs(q5, reader: BlockReader, settings: Settings, start: int, stop: int, limit: int) -> torch.Tensor:

@@ -26,7 +26,8 @@ _MIN_CHUNK, _TASKS_PER_THREAD = 256, 16
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    lib.kv_float_decode.argtypes = [ptr] * 5 + [i32, i64, i64, i32, i32, i32, i64] + [i64] * 6 + [i64, ctypes.c_float, i32]
+    f32 = ctypes.c_float
+    lib.kv_float_decode.argtypes = [ptr] * 5 + [i32, i64, i64, i32, i32, i32, i64] + [i64] * 6 + [i64, f32, f32, i32]
     lib.kv_float_decode.restype = i32
     return lib
 
@@ -42,9 +43,10 @@ def decode_attention(
     value: torch.Tensor,
     keep: torch.Tensor | None,
     softcap: float | None,
+    scale: float = 1.0,
 ) -> torch.Tensor | None:
-    """Attention of scaled query rows ``q`` ``[B, Hkv, R, D]`` (the rows of a KV head's group
-    packed) over ``key`` ``[B, Hkv, T, D]`` and ``value`` ``[B, Hkv, T, Dv]``: float32
+    """Attention of query rows ``q`` ``[B, Hkv, R, D]`` (the rows of a KV head's group packed),
+    scores ``scale * q . k``, over ``key`` ``[B, Hkv, T, D]`` and ``value`` ``[B, Hkv, T, Dv]``: float32
     ``[B, Hkv, R, Dv]``, or None (see the module docstring). ``keep`` ``[B, T]`` bool: the keys each
     batch row may attend (None: all). A row with every key masked gets zeros."""
     batch, heads, rows, dim = q.shape
@@ -57,15 +59,63 @@ def decode_attention(
     qf = q.detach().float().contiguous()
     keep_u8 = None if keep is None else keep.to(torch.uint8).expand(batch, length).contiguous()
     out = torch.empty(batch, heads, rows, vdim, dtype=torch.float32)
+    return out if _run(lib, qf, key, value, keep_u8, out, scale, softcap) else None
+
+
+def decode_one(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None) -> torch.Tensor | None:
+    """``attend``'s most common call, taken before any of its general machinery: one query row per
+    head ``[B, Hq, 1, D]`` over ``key`` ``[B, Hkv, T, D]`` and ``value`` ``[B, Hkv, T, Dv]`` of the
+    query's dtype (float32 or bfloat16, CPU), no mask. Returns ``[B, Hq, 1, Dv]`` in the query's
+    dtype, or None where anything differs (the general path then checks the call and runs it)."""
+    if (
+        type(key) is not torch.Tensor
+        or query.dim() != 4
+        or key.dim() != 4
+        or value.dim() != 4
+        or query.shape[2] != 1
+        or torch.compiler.is_compiling()
+    ):
+        return None
+    batch, q_heads, _, dim = query.shape
+    kv_heads, vdim = key.shape[1], value.shape[3]
+    if (
+        kv_heads == 0
+        or q_heads % kv_heads
+        or key.shape[0] != batch
+        or value.shape[:3] != key.shape[:3]
+        or key.shape[3] != dim
+        or not (query.dtype == key.dtype == value.dtype)
+    ):
+        return None
+    q = query.reshape(batch, kv_heads, q_heads // kv_heads, dim)
+    if not _fits(q, key, value, q.shape[2], dim, vdim):
+        return None
+    lib = library("float_decode", _declare)
+    if lib is None:
+        return None
+    qf = q if q.dtype == torch.float32 and q.is_contiguous() else q.detach().float().contiguous()
+    out = torch.empty(batch, q_heads, 1, vdim, dtype=torch.float32)
+    scale = 1.0 / math.sqrt(dim) if scale is None else float(scale)
+    if not _run(lib, qf, key, value, None, out, scale, None):
+        return None
+    return out if query.dtype == torch.float32 else out.to(query.dtype)
+
+
+def _run(lib: ctypes.CDLL, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, keep_u8: torch.Tensor | None,
+         out: torch.Tensor, scale: float, softcap: float | None) -> bool:
+    """One library call: float32 ``q`` ``[B, Hkv, R, D]`` contiguous into ``out`` (as many floats as
+    ``[B, Hkv, R, Dv]``); whether it ran."""
+    batch, heads, rows, dim = q.shape
+    length = key.shape[2]
     threads = torch.get_num_threads()
     chunk = task_chunk(length, batch * heads, threads, _TASKS_PER_THREAD, _MIN_CHUNK)
+    ks, vs = key.stride(), value.stride()
     failed = lib.kv_float_decode(
-        qf.data_ptr(), key.data_ptr(), value.data_ptr(), 0 if keep_u8 is None else keep_u8.data_ptr(), out.data_ptr(),
-        _DTYPES[key.dtype], batch, heads, rows, dim, vdim, length,
-        key.stride(0), key.stride(1), key.stride(2), value.stride(0), value.stride(1), value.stride(2),
-        chunk, float(softcap or 0.0), threads,
+        q.data_ptr(), key.data_ptr(), value.data_ptr(), 0 if keep_u8 is None else keep_u8.data_ptr(), out.data_ptr(),
+        _DTYPES[key.dtype], batch, heads, rows, dim, value.shape[3], length,
+        ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], chunk, scale, float(softcap or 0.0), threads,
     )  # fmt: skip
-    return None if failed else out
+    return not failed
 
 
 def task_chunk(items: int, jobs: int, threads: int, tasks_per_thread: int, least: int) -> int:

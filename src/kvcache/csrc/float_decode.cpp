@@ -8,13 +8,14 @@
 // rows, and the chunks are merged at the end. Each key and value is read from memory once, and
 // (batch, head, chunk) tasks spread over the OpenMP threads, so one long sequence uses every core.
 //
-//   q    float32 [B, Hkv, R, D]   contiguous, already scaled
+//   q    float32 [B, Hkv, R, D]   contiguous; scores are q . k times `scale`
 //   k    [B, Hkv, T, D]           any strides for B, Hkv, T; D contiguous
 //   v    [B, Hkv, T, Dv]          likewise
 //   keep uint8 [B, T] or null     0 = masked key (per batch row: padding)
 //   out  float32 [B, Hkv, R, Dv]  contiguous; a row with every key masked gets zeros
 //
-// Scores are float32. Masked keys are skipped (never turned into -inf), so the exponent never
+// Scores are float32. One OpenMP region: the (batch, head, chunk) tasks, then (after the implicit
+// barrier) the merge of each (batch, head)'s chunks. Masked keys are skipped (never turned into -inf), so the exponent never
 // sees an infinity. softcap > 0 applies softcap * tanh(score / softcap) first.
 
 #include <algorithm>
@@ -141,7 +142,7 @@ template <typename T>
 inline __attribute__((always_inline)) void chunk_pass(const float* __restrict q, int rows, int dim, int vdim,
                                                       const T* __restrict k, int64_t k_t, const T* __restrict v,
                                                       int64_t v_t, const uint8_t* __restrict keep, int64_t t0,
-                                                      int64_t t1, float softcap, Partial& part,
+                                                      int64_t t1, float scale, float softcap, Partial& part,
                                                       float* __restrict acc) {
     alignas(64) float scores[kMaxRows * kTile];
     alignas(64) float krow[kMaxDim];
@@ -178,14 +179,14 @@ inline __attribute__((always_inline)) void chunk_pass(const float* __restrict q,
                 scores[r * kTile + j] = s;
             }
         }
-        for (int j = 0; j < n; ++j) {
-            live[j] = keep == nullptr || keep[base + j] != 0;
-            for (int r = 0; r < rows; ++r) {
-                float& s = scores[r * kTile + j];
-                if (!live[j])
-                    s = kMasked;
-                else if (softcap > 0.f)
-                    s = softcap * std::tanh(s / softcap);
+        for (int j = 0; j < n; ++j) live[j] = keep == nullptr || keep[base + j] != 0;
+        for (int r = 0; r < rows; ++r) {
+            float* __restrict sr = scores + r * kTile;
+            if (softcap > 0.f) {
+                for (int j = 0; j < n; ++j) sr[j] = live[j] ? softcap * std::tanh(sr[j] * scale / softcap) : kMasked;
+            } else {
+#pragma omp simd
+                for (int j = 0; j < n; ++j) sr[j] = live[j] ? sr[j] * scale : kMasked;
             }
         }
         for (int r = 0; r < rows; ++r) {
@@ -243,42 +244,45 @@ inline __attribute__((always_inline)) void chunk_pass(const float* __restrict q,
 template <typename T>
 int decode(const float* q, const T* k, const T* v, const uint8_t* keep, float* out, int64_t batch, int64_t heads,
            int rows, int dim, int vdim, int64_t len, int64_t k_b, int64_t k_h, int64_t k_t, int64_t v_b,
-           int64_t v_h, int64_t v_t, int64_t chunk, float softcap, int threads) {
+           int64_t v_h, int64_t v_t, int64_t chunk, float scale, float softcap, int threads) {
     if (rows < 1 || rows > kMaxRows || dim < 1 || dim > kMaxDim || vdim < 1 || vdim > kMaxDim || chunk < 1)
         return 1;
     const int64_t chunks = len == 0 ? 1 : (len + chunk - 1) / chunk;
     const int64_t tasks = batch * heads * chunks;
     std::vector<Partial> parts(tasks);
     std::vector<float> accs(static_cast<size_t>(tasks) * rows * vdim);
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-    for (int64_t task = 0; task < tasks; ++task) {
-        const int64_t c = task % chunks, bh = task / chunks, h = bh % heads, b = bh / heads;
-        const int64_t t0 = c * chunk, t1 = std::min(len, t0 + chunk);
-        chunk_pass(q + (b * heads + h) * rows * dim, rows, dim, vdim, k + b * k_b + h * k_h, k_t,
-                   v + b * v_b + h * v_h, v_t, keep == nullptr ? nullptr : keep + b * len, t0, t1, softcap,
-                   parts[task], accs.data() + task * rows * vdim);
-    }
-#pragma omp parallel for num_threads(threads)
-    for (int64_t bh = 0; bh < batch * heads; ++bh) {
-        for (int r = 0; r < rows; ++r) {
-            float m = kMasked;
-            for (int64_t c = 0; c < chunks; ++c) {
-                const Partial& p = parts[bh * chunks + c];
-                if (p.sum[r] > 0.f && p.max[r] > m) m = p.max[r];
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < tasks; ++task) {
+            const int64_t c = task % chunks, bh = task / chunks, h = bh % heads, b = bh / heads;
+            const int64_t t0 = c * chunk, t1 = std::min(len, t0 + chunk);
+            chunk_pass(q + (b * heads + h) * rows * dim, rows, dim, vdim, k + b * k_b + h * k_h, k_t,
+                       v + b * v_b + h * v_h, v_t, keep == nullptr ? nullptr : keep + b * len, t0, t1, scale,
+                       softcap, parts[task], accs.data() + task * rows * vdim);
+        }
+#pragma omp for
+        for (int64_t bh = 0; bh < batch * heads; ++bh) {
+            for (int r = 0; r < rows; ++r) {
+                float m = kMasked;
+                for (int64_t c = 0; c < chunks; ++c) {
+                    const Partial& p = parts[bh * chunks + c];
+                    if (p.sum[r] > 0.f && p.max[r] > m) m = p.max[r];
+                }
+                float total = 0.f;
+                float* o = out + (bh * rows + r) * vdim;
+                std::memset(o, 0, sizeof(float) * vdim);
+                for (int64_t c = 0; c < chunks; ++c) {
+                    const Partial& p = parts[bh * chunks + c];
+                    if (!(p.sum[r] > 0.f)) continue;
+                    const float w = std::exp(p.max[r] - m);
+                    total += p.sum[r] * w;
+                    const float* a = accs.data() + ((bh * chunks + c) * rows + r) * vdim;
+                    for (int d = 0; d < vdim; ++d) o[d] += w * a[d];
+                }
+                if (total > 0.f)
+                    for (int d = 0; d < vdim; ++d) o[d] /= total;
             }
-            float total = 0.f;
-            float* o = out + (bh * rows + r) * vdim;
-            std::memset(o, 0, sizeof(float) * vdim);
-            for (int64_t c = 0; c < chunks; ++c) {
-                const Partial& p = parts[bh * chunks + c];
-                if (!(p.sum[r] > 0.f)) continue;
-                const float w = std::exp(p.max[r] - m);
-                total += p.sum[r] * w;
-                const float* a = accs.data() + ((bh * chunks + c) * rows + r) * vdim;
-                for (int d = 0; d < vdim; ++d) o[d] += w * a[d];
-            }
-            if (total > 0.f)
-                for (int d = 0; d < vdim; ++d) o[d] /= total;
         }
     }
     return 0;
@@ -292,13 +296,13 @@ extern "C" {
 int kv_float_decode(const float* q, const void* k, const void* v, const uint8_t* keep, float* out,
                               int dtype, int64_t batch, int64_t heads, int rows, int dim, int vdim, int64_t len,
                               int64_t k_b, int64_t k_h, int64_t k_t, int64_t v_b, int64_t v_h, int64_t v_t,
-                              int64_t chunk, float softcap, int threads) {
+                              int64_t chunk, float scale, float softcap, int threads) {
     if (dtype == 0)
         return decode(q, static_cast<const float*>(k), static_cast<const float*>(v), keep, out, batch, heads, rows,
-                      dim, vdim, len, k_b, k_h, k_t, v_b, v_h, v_t, chunk, softcap, threads);
+                      dim, vdim, len, k_b, k_h, k_t, v_b, v_h, v_t, chunk, scale, softcap, threads);
     if (dtype == 1)
         return decode(q, static_cast<const uint16_t*>(k), static_cast<const uint16_t*>(v), keep, out, batch, heads,
-                      rows, dim, vdim, len, k_b, k_h, k_t, v_b, v_h, v_t, chunk, softcap, threads);
+                      rows, dim, vdim, len, k_b, k_h, k_t, v_b, v_h, v_t, chunk, scale, softcap, threads);
     return 2;
 }
 }

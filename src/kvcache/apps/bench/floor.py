@@ -121,8 +121,10 @@ def step_bytes(shape: ModelShape, kv_bytes_read: int) -> float:
 
 
 def floor_seconds(shape: ModelShape, machine: Machine, batch: int, context: int, kv_bytes_read: int) -> dict[str, float]:
-    """The roofline of one step: ``memory_s`` (bytes / read bandwidth), ``compute_s`` (FLOPs /
-    matmul throughput) and ``floor_s``, their maximum."""
+    """The roofline of one step: ``memory_s`` (bytes / read bandwidth) and its parts ``weights_s``
+    and ``kv_s``, ``compute_s`` (FLOPs / matmul throughput) and ``floor_s``, the larger of the two."""
+    weights = shape.weight_bytes / machine.read_bytes_per_s
+    kv = kv_bytes_read / machine.read_bytes_per_s
     memory = step_bytes(shape, kv_bytes_read) / machine.read_bytes_per_s
     compute = step_flops(shape, batch, context) / machine.matmul_flops_per_s
-    return {"memory_s": memory, "compute_s": compute, "floor_s": max(memory, compute)}
+    return {"memory_s": memory, "weights_s": weights, "kv_s": kv, "compute_s": compute, "floor_s": max(memory, compute)}
