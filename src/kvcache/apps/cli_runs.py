@@ -19,6 +19,10 @@ def add_bench(subparsers: argparse._SubParsersAction) -> None:
     real.add_argument("--contexts", type=int_list, default=None, metavar="N,...", help="context lengths (default: 1024,4096,8192; --quick 1024)")
     real.add_argument("--batches", type=int_list, default=None, metavar="N,...", help="batch sizes (default: 1,4,8,16; --quick 1,8)")
     real.add_argument("--prefill-cache", default=None, metavar="DIR", help="keep the prefill's keys and values here for later runs")
+    real.add_argument(
+        "--contenders", type=name_list, default=None, metavar="NAME,...",
+        help="only these contenders (DynamicCache, the reference, always runs); see kvcache.apps.bench.real_decode.CONTENDERS",
+    )  # fmt: skip
     attention = p.add_argument_group("suite attention")
     attention.add_argument(
         "--shapes", type=shape_list, default=None, metavar="Hq/HkvxD@BxT,...",
@@ -26,7 +30,16 @@ def add_bench(subparsers: argparse._SubParsersAction) -> None:
     )  # fmt: skip
 
 #: Which suite takes each suite-specific option.
-SUITE_OPTIONS = {"model": "real", "contexts": "real", "batches": "real", "prefill_dir": "real", "shapes": "attention"}
+SUITE_OPTIONS = {
+    "model": "real", "contexts": "real", "batches": "real", "prefill_dir": "real", "contenders": "real", "shapes": "attention",
+}  # fmt: skip
+
+
+def name_list(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected names like growable,hf_static, got {text!r}")
+    return names
 
 
 def shape_list(text: str) -> list:
@@ -63,7 +76,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if e.name != f"kvcache.apps.bench.{args.suite}":
             raise
         raise KVCacheError(f"benchmark suite {args.suite!r} is not available in this version of kvcache") from e
-    given = {"model": args.model, "contexts": args.contexts, "batches": args.batches, "prefill_dir": args.prefill_cache, "shapes": args.shapes}
+    given = {
+        "model": args.model, "contexts": args.contexts, "batches": args.batches, "prefill_dir": args.prefill_cache,
+        "contenders": args.contenders, "shapes": args.shapes,
+    }  # fmt: skip
     given = {k: v for k, v in given.items() if v is not None}
     misplaced = [k for k in given if SUITE_OPTIONS[k] != args.suite]
     if misplaced:

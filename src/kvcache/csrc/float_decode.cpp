@@ -78,23 +78,48 @@ inline __attribute__((always_inline)) v16 scores16(const float* __restrict q, co
     return fold<2>(l2[0], l2[1]);
 }
 
-// acc (one query row's weighted sum, NV * 16 floats) += sum over the tile's live tokens j of
-// p[j] * value row j. The sum stays in registers across the tile instead of being loaded and
-// stored once per token; the value rows (a tile is 16 KiB at Dv = 64) are read from L1 again for
-// each query row.
-template <int NV>
-inline __attribute__((always_inline)) void add_weighted16(const float* __restrict p, const float* __restrict v,
-                                                          int64_t v_t, int n, const bool* __restrict live,
-                                                          float* __restrict acc) {
-    v16 a[NV];
-    for (int i = 0; i < NV; ++i) a[i] = load16(acc + 16 * i);
+// acc rows [0, RR) (each `acc_stride` floats apart; 16 * NV columns of them) += sum over the tile's
+// live tokens j of p[r][j] * value row j (its same 16 * NV columns; p rows kTile floats apart).
+// RR * NV <= 16 running sums stay in registers across the tile, and each value row is loaded once
+// for all RR query rows (the grouped heads of one KV head), instead of once per query row.
+template <int NV, int RR>
+inline __attribute__((always_inline)) void add_weighted_rows(const float* __restrict p, const float* __restrict v,
+                                                             int64_t v_t, int n, const bool* __restrict live,
+                                                             float* __restrict acc, int acc_stride) {
+    v16 a[RR][NV];
+    for (int r = 0; r < RR; ++r)
+        for (int i = 0; i < NV; ++i) a[r][i] = load16(acc + r * acc_stride + 16 * i);
     for (int j = 0; j < n; ++j) {
         if (!live[j]) continue;
         const float* __restrict row = v + j * v_t;
-        const float w = p[j];
-        for (int i = 0; i < NV; ++i) a[i] += w * load16(row + 16 * i);
+        v16 x[NV];
+        for (int i = 0; i < NV; ++i) x[i] = load16(row + 16 * i);
+        for (int r = 0; r < RR; ++r) {
+            const float w = p[r * kTile + j];
+            for (int i = 0; i < NV; ++i) a[r][i] += w * x[i];
+        }
     }
-    for (int i = 0; i < NV; ++i) __builtin_memcpy(acc + 16 * i, &a[i], sizeof(v16));
+    for (int r = 0; r < RR; ++r)
+        for (int i = 0; i < NV; ++i) __builtin_memcpy(acc + r * acc_stride + 16 * i, &a[r][i], sizeof(v16));
+}
+
+// Every query row's weighted sum of the tile's values, for value dims 32, 64 and 128: columns in
+// blocks of 16 * NV (NV = 2 for 32, else 4), query rows four at a time.
+template <int NV>
+inline void add_weighted_tile(const float* scores, const float* v, int64_t v_t, int n, const bool* live, float* acc,
+                              int rows, int vdim) {
+    for (int c = 0; c < vdim; c += 16 * NV) {
+        int r = 0;
+        for (; r + 4 <= rows; r += 4) add_weighted_rows<NV, 4>(scores + r * kTile, v + c, v_t, n, live, acc + r * vdim + c, vdim);
+        const float* p = scores + r * kTile;
+        float* a = acc + r * vdim + c;
+        switch (rows - r) {
+            case 3: add_weighted_rows<NV, 3>(p, v + c, v_t, n, live, a, vdim); break;
+            case 2: add_weighted_rows<NV, 2>(p, v + c, v_t, n, live, a, vdim); break;
+            case 1: add_weighted_rows<NV, 1>(p, v + c, v_t, n, live, a, vdim); break;
+            default: break;
+        }
+    }
 }
 
 // A row of keys or values as float32: float rows are read where they are, bfloat16 rows widened
@@ -214,17 +239,10 @@ inline __attribute__((always_inline)) void chunk_pass(const float* __restrict q,
         }
         if constexpr (std::is_same_v<T, float>) {
             if (vdim == 64 || vdim == 128 || vdim == 32) {
-                for (int r = 0; r < rows; ++r) {
-                    const float* tile = scores + r * kTile;
-                    const float* vt = v + base * v_t;
-                    float* a = acc + r * vdim;
-                    if (vdim == 64)
-                        add_weighted16<4>(tile, vt, v_t, n, live, a);
-                    else if (vdim == 128)
-                        add_weighted16<8>(tile, vt, v_t, n, live, a);
-                    else
-                        add_weighted16<2>(tile, vt, v_t, n, live, a);
-                }
+                if (vdim == 32)
+                    add_weighted_tile<2>(scores, v + base * v_t, v_t, n, live, acc, rows, vdim);
+                else
+                    add_weighted_tile<4>(scores, v + base * v_t, v_t, n, live, acc, rows, vdim);
                 continue;
             }
         }

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from ...errors import KVCacheError
 from ...hf import register_attention
 from ..run_options import RunOptions
 from .common import figure, finish_axes, human_bytes, markdown_table, median
@@ -58,7 +59,7 @@ def run(
     names = list(contenders or CONTENDERS)
     unknown = [n for n in names if n not in CONTENDERS]
     if unknown:
-        raise ValueError(f"unknown contender(s) {', '.join(unknown)}; valid: {', '.join(CONTENDERS)}")
+        raise KVCacheError(f"unknown contender(s) {', '.join(unknown)}; valid: {', '.join(CONTENDERS)}")
     if REFERENCE not in names:
         names.insert(0, REFERENCE)
     contexts = sorted(contexts or options.pick([32], [1024], [1024, 4096, 8192]))
