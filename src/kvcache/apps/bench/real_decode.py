@@ -48,9 +48,16 @@ class Contender:
     quantized: bool = False
 
     @property
-    def shared(self) -> bool:
-        """Whether one cache object per batch size is reused (fixed-capacity kinds)."""
+    def fixed(self) -> bool:
+        """Whether the cache has a fixed capacity (sized to the request: ``capacity_for``)."""
         return self.cache in ("hf_static", "static")
+
+    @property
+    def shared(self) -> bool:
+        """Whether one cache object per (batch, context) is kept and reused: compiled fixed-capacity
+        kinds, whose graph is specialised on the cache's buffers. Eager contenders get a fresh cache
+        per decode, so no two contenders' caches are alive at once (at 16 x 8K each holds 6 GB)."""
+        return self.fixed and self.compiled
 
 
 CONTENDERS: dict[str, Contender] = {
@@ -224,7 +231,7 @@ class Runner:
             "cache_bytes": cache_bytes(cache),
             "kv_bytes_at_context": at_context,
             "compile_s": self.compile_s.get((name, batch, context)),
-            "capacity": capacity_for(context, self.steps) if contender.shared else None,
+            "capacity": capacity_for(context, self.steps) if contender.fixed else None,
         }
 
     def _fail(self, name: str, batch: int, context: int, what: str, error: Exception) -> dict[str, str]:
