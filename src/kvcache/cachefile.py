@@ -165,6 +165,16 @@ def _check_layer(i: int, state: Any, want: KVLayer | None, spec: CacheSpec, path
         )
 
 
+def kv_dims(config: Any) -> tuple[Any, Any, Any]:
+    """The key/value heads, key head dim and value head dim ``config`` gives its attention layers
+    (each as the config has it: a value that is not an int says nothing to check against)."""
+    heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", None)
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim is None and getattr(config, "hidden_size", None) and getattr(config, "num_attention_heads", None):
+        head_dim = config.hidden_size // config.num_attention_heads
+    return heads, head_dim, getattr(config, "v_head_dim", None) or head_dim
+
+
 def _check_agreement(stores: list[KVLayer | None], config: Any, model_dtype, path: str) -> None:
     """Layers must agree with each other (tokens seen, batch, dtype) and with the model (heads, head dim, dtype)."""
     live = [(i, s) for i, s in enumerate(stores) if s is not None]
@@ -174,11 +184,7 @@ def _check_agreement(stores: list[KVLayer | None], config: Any, model_dtype, pat
     shaped = [(i, s.geometry) for i, s in live if s.geometry is not None]
     if not shaped:
         return
-    heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", None)
-    head_dim = getattr(config, "head_dim", None)
-    if head_dim is None and getattr(config, "hidden_size", None) and getattr(config, "num_attention_heads", None):
-        head_dim = config.hidden_size // config.num_attention_heads
-    value_dim = getattr(config, "v_head_dim", None) or head_dim
+    heads, head_dim, value_dim = kv_dims(config)
     batch = shaped[0][1].batch
     for i, g in shaped:
         found = str(g.dtype).removeprefix("torch.")

@@ -14,6 +14,7 @@ from kvcache.apps.bench import SUITES, prompt
 from kvcache.apps.bench.prompt_request import FirstToken, Prompts, StoreTimer, redis_binary, redis_server
 from kvcache.apps.run_options import RunOptions
 from kvcache.apps.tiny import tiny_model
+from kvcache.errors import KVCacheError
 from kvcache.prompts import Backend, PromptStore
 from kvcache.prompts.backends import MemoryBackend
 
@@ -68,6 +69,7 @@ def test_reuse_rows_reuse_and_match_recompute(result):
         else:
             assert set(r["split_s"]) == {"fetch", "open", "assemble", "prefill_first_token"}
             assert r["floor_s"] >= 0 and r["read_bytes"] >= 0
+            assert r["reuse_s"] == pytest.approx(sum(r["split_s"][part] for part in ("fetch", "open", "assemble")))
     by = {(r["workload"], r["round"], r["step"], r["contender"]): r for r in measured}
     # The chat reuses every full chunk of the conversation so far from turn 2 on, in every round (a new store each).
     for round_ in range(1, s.chat_rounds + 1):
@@ -104,6 +106,31 @@ def test_storage_and_summary(result):
     targets = summary["targets"]
     assert targets["ttft_speedup_met"] is None  # judged at a 4K prefix only, not the tiny run's
     assert targets["ttft_speedup_min"] == min(f["ttft_speedup"] for n, f in summary["backends"].items() if n != "recompute")
+    # Issue 23's targets: each reuse over its floor (memory, folder) and Redis over the folder, not judged at the tiny size.
+    for name in ("memory", "folder"):
+        assert targets[f"{name}_reuse_over_floor"] == summary["backends"][name]["reuse_over_floor"] > 0
+        assert targets[f"{name}_reuse_over_floor_met"] is None
+    bandwidth = res["config"]["read_bytes_per_s"]
+    assert {"memory", "folder"} <= set(bandwidth) and min(bandwidth.values()) > 0
+    if "redis" in summary["backends"]:
+        assert targets["redis_reuse_over_folder"] == summary["backends"]["redis"]["reuse_s"] / summary["backends"]["folder"]["reuse_s"]
+        assert targets["redis_reuse_over_folder_met"] is None
+
+
+def test_the_backends_alone(tmp_path):
+    """``workloads=("backends",)`` (``kvcache bench prompt --workloads backends``) runs that section only,
+    each backend's floor at its own medium's read bandwidth."""
+    res = prompt.run(RunOptions(tiny=True, out=tmp_path, progress=False), workloads=("backends",))
+    assert {r["workload"] for r in res["rows"]} == {"backends"} and res["config"]["workloads"] == ["backends"]
+    bandwidth = res["config"]["read_bytes_per_s"]
+    for r in res["rows"]:
+        if "read_bytes" in r:
+            assert r["floor_s"] == pytest.approx(r["read_bytes"] / bandwidth[r["backend"]])
+    md = (tmp_path / "prompt.md").read_text()
+    assert "## Backends" in md and "## Chat" not in md and "## Shared" not in md
+    assert "reuse from memory / its floor" in md and "reuse from Redis / from the folder" in md
+    with pytest.raises(KVCacheError, match="workloads are some of"):
+        prompt.run(RunOptions(tiny=True, progress=False), workloads=("backend",))
 
 
 def test_first_token_is_the_second_put():
@@ -160,3 +187,10 @@ def test_redis_server_answers_then_stops():
             assert s.recv(16).startswith(b"+PONG")
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), timeout=1).close()
+
+
+def test_workloads_is_an_option_of_suite_prompt_only(capsys):
+    from kvcache.apps.cli import main
+
+    assert main(["bench", "update", "--workloads", "backends"]) != 0
+    assert "suite 'prompt'" in capsys.readouterr().err

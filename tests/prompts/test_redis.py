@@ -166,3 +166,49 @@ def test_a_database_flushed_behind_its_back_is_an_empty_store(redis_session_serv
     assert store.get("a") is None and store.nbytes() == 0
     assert store.put("b", b"b" * 60) and store.put("c", b"c" * 30) and store.nbytes() == 90
     store.close()
+
+
+# ---- the reader of GET replies ----------------------------------------------------------------
+
+
+def reader_of(*chunks: bytes):
+    """A ``BulkReader`` on one end of a socket pair whose other end has sent ``chunks`` and closed."""
+    import socket
+
+    from kvcache.prompts.redis_reader import BulkReader
+
+    ours, theirs = socket.socketpair()
+    theirs.sendall(b"".join(chunks))
+    theirs.close()
+    return BulkReader(ours)
+
+
+def test_the_reader_takes_bulk_strings_nulls_and_errors_in_turn():
+    value = bytes(range(256)) * 300
+    reader = reader_of(b"$5\r\nhello\r\n", b"$-1\r\n", b"_\r\n", b"-WRONGTYPE Operation against a key\r\n", b"$%d\r\n" % len(value), value, b"\r\n", b"$0\r\n\r\n")
+    buffer = bytearray(8)
+    first = reader.read_bulk(buffer, 10**6)
+    assert bytes(first) == b"hello" and first.obj is buffer  # small enough for the caller's buffer
+    assert [reader.read_bulk(buffer, 10**6) for _ in range(3)] == [None, None, None]
+    big = reader.read_bulk(buffer, 10**6)
+    assert bytes(big) == value and big.obj is not buffer  # a larger buffer, for the caller to keep
+    assert bytes(reader.read_bulk(big.obj, 10**6)) == b""
+
+
+@pytest.mark.parametrize(
+    "sent, error",
+    [
+        (b"$1000\r\n" + b"x" * 10, ConnectionError),  # the server went away mid-value
+        (b"$3\r\nabcXY", "ProtocolError"),  # no CRLF after the value
+        (b"+OK\r\n", "ProtocolError"),  # not an answer to GET
+        (b"$12x\r\n", "ProtocolError"),
+        (b"$" + b"9" * 70_000, "ProtocolError"),  # a line that never ends
+        (b"$2000\r\n", "TooLarge"),  # announced over the limit: refused before it is read
+    ],
+)
+def test_the_reader_refuses_what_is_not_a_whole_reply(sent, error):
+    from kvcache.prompts import redis_reader
+
+    expected = getattr(redis_reader, error) if isinstance(error, str) else error
+    with pytest.raises(expected):
+        reader_of(sent).read_bulk(bytearray(), 1500)

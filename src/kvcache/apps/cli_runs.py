@@ -28,10 +28,13 @@ def add_bench(subparsers: argparse._SubParsersAction) -> None:
         "--shapes", type=shape_list, default=None, metavar="Hq/HkvxD@BxT,...",
         help="only these decode calls, e.g. 32/8x128@1x16384,9/3x64@8x4096 (query heads / KV heads x head dim @ batch x tokens)",
     )  # fmt: skip
+    prompt = p.add_argument_group("suite prompt (the prompt store)")
+    prompt.add_argument("--workloads", type=name_list, default=None, metavar="NAME,...", help="some of chat, shared, backends (default: all)")
 
 #: Which suite takes each suite-specific option.
 SUITE_OPTIONS = {
     "model": "real", "contexts": "real", "batches": "real", "prefill_dir": "real", "contenders": "real", "shapes": "attention",
+    "workloads": "prompt",
 }  # fmt: skip
 
 
@@ -78,7 +81,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise KVCacheError(f"benchmark suite {args.suite!r} is not available in this version of kvcache") from e
     given = {
         "model": args.model, "contexts": args.contexts, "batches": args.batches, "prefill_dir": args.prefill_cache,
-        "contenders": args.contenders, "shapes": args.shapes,
+        "contenders": args.contenders, "shapes": args.shapes, "workloads": args.workloads,
     }  # fmt: skip
     given = {k: v for k, v in given.items() if v is not None}
     misplaced = [k for k in given if SUITE_OPTIONS[k] != args.suite]

@@ -129,6 +129,29 @@ class KVLayer(DeclaredKind, ABC):
         keys, values = self._append_in_order(key, value)
         return Reads(keys, values, None, seen, n, all_visible=n == 1)
 
+    # ---- filled in place (the prompt store) ---------------------------------------------
+
+    def next_slots(self, n: int, geometry: Geometry) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writable views ``[B, Hkv, n, D]`` and ``[B, Hkv, n, Dv]`` of the ``n`` slots after the
+        stored ones, for the caller to fill before ``commit_slots(n)`` counts them in: keys and
+        values written straight into the store, with no copy of their own. Until then the layer
+        holds what it held (unused slots are no content). For kinds whose slot j holds position j
+        (growable, static, concat); the store's growth may refuse, changing nothing."""
+        if self.needs_own_attention or self.is_sliding:
+            raise UnsupportedOperation(f"a {self.kind} layer does not keep its slots in position order to be filled in place")
+        if self.geometry is not None and self.geometry != geometry:
+            raise ShapeError(f"next_slots: this layer holds {self.geometry}, the slots asked for are {geometry}")
+        store, need = self.store, self.store.length + n
+        if need > store.capacity or not store.tensors:
+            store.reserve(need, geometry)
+        self.geometry = geometry
+        return store.run("keys", store.length, need), store.run("values", store.length, need)
+
+    def commit_slots(self, n: int) -> None:
+        """Count the ``n`` slots that ``next_slots(n, ...)`` handed out, now written, as appended."""
+        self.store.length += n
+        self._seen += n
+
     # ---- sizes --------------------------------------------------------------------------
 
     @property

@@ -12,7 +12,7 @@ from typing import Any
 
 from ..attention import Reads
 from .base import Geometry, KVLayer
-from .store import SlotStore
+from .store import Exact, SlotStore
 
 
 class ConcatLayer(KVLayer):
@@ -22,7 +22,7 @@ class ConcatLayer(KVLayer):
 
     def __init__(self) -> None:
         super().__init__()
-        self.store = SlotStore()
+        self.store = SlotStore(growth=Exact())
 
     def _append(self, key, value):
         geometry = self.geometry or Geometry.of(key, value)

@@ -9,8 +9,9 @@ use, always the run ``[0, length)`` (a ring or an evicting layer fills it and th
 Growth strategies answer one question, "how many slots for ``need``, given ``current`` slots
 (None: nothing allocated yet)?", or refuse:
 ``Geometric`` (doubling from an initial capacity), ``Fixed`` (one capacity, ``CacheFullError``
-past it), ``UpTo`` (doubling up to a maximum). A layer with its own sizing rule (eviction
-budgets, the concatenation baseline) calls ``allocate`` with the capacity it wants.
+past it), ``UpTo`` (doubling up to a maximum), ``Exact`` (what is needed, no more). A layer with
+its own sizing rule (eviction budgets, the concatenation baseline) calls ``allocate`` with the
+capacity it wants.
 """
 
 from __future__ import annotations
@@ -65,6 +66,15 @@ class Fixed:
                 f"make the cache with a larger capacity."
             )
         return self.fixed
+
+
+class Exact:
+    """Exactly the slots needed (the concatenation baseline allocates on every append)."""
+
+    zeroed = False
+
+    def capacity(self, need: int, current: int | None, length: int) -> int:
+        return need
 
 
 class UpTo:

@@ -1,18 +1,19 @@
 """The interface of the prompt store's byte-level key/value stores (memory, a folder, Redis).
 
 A backend maps a key (``str`` of ``[A-Za-z0-9_.-]``, 1-128 characters, not starting with a dot)
-to a value (``bytes``). It does not interpret values: the prompt store's entries carry their own
-digest. Every backend keeps at most ``max_bytes`` of values, evicting the least recently used
-entries (a ``get`` or a ``put`` is a use), and forgets an entry ``ttl`` seconds after its last
-write. A missing entry is never an error; a backend that cannot be reached or written raises
-``StoreUnavailable``. One backend object may be shared by many threads.
+to a value (``bytes``; ``iter_values`` may hand out views instead). It does not interpret values:
+the prompt store's entries carry their own digest. Every backend keeps at most ``max_bytes`` of
+values, evicting the least recently used entries (a ``get`` or a ``put`` is a use), and forgets an
+entry ``ttl`` seconds after its last write. A missing entry is never an error; a backend that
+cannot be reached or written raises ``StoreUnavailable``. One backend object may be shared by many
+threads.
 """
 
 from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 _KEY = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}")
 DEFAULT_MAX_ENTRY_BYTES = 2 << 30
@@ -63,6 +64,12 @@ class Backend(ABC):
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         """``[get(k) for k in keys]``, in one round trip where the backend can."""
         return [self.get(key) for key in keys]
+
+    def iter_values(self, keys: Sequence[str]) -> Iterator[tuple[str, bytes | memoryview | None]]:
+        """``(key, value or None)`` for each of ``keys`` in turn, read as the caller asks for it: a
+        value may be a view of a buffer the backend reuses, valid only until the next is asked for
+        (copy it to keep it). Each is a use, as ``get`` is. The default reads them with ``get_many``."""
+        yield from zip(keys, self.get_many(keys))
 
     @abstractmethod
     def contains_many(self, keys: Sequence[str]) -> list[bool]:

@@ -1,5 +1,5 @@
-"""Chunk entries of the prompt store: a cache's slots cut into one-chunk payloads, and stored
-chunks put back together as the first columns of a (batched, left-padded) cache.
+"""Chunk entries of the prompt store: a cache's slots cut into one-chunk payloads, and where stored
+chunks go among the first columns of a (batched, left-padded) cache (``chunk_fill`` puts them there).
 
 A chunk's payload is a kvcache file of a one-row ``growable`` cache holding that chunk's keys and
 values for every layer, with the chunk's token ids; the target cache's spec is in the key's salt,
@@ -9,6 +9,7 @@ not here, since growable, static and concat hold the same keys and values.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from ..build import make_cache
 from ..cache import KVCache
@@ -31,31 +32,28 @@ def chunk_tokens(found: list[Row], keys: list[list[str]], key: str, chunk: int) 
     raise KeyError(key)
 
 
-def assemble(cache: KVCache, found: list[Row], keys: list[list[str]], loaded: dict, columns: int, chunk: int) -> list:
-    """Per layer ``(keys [B, Hkv, columns, D], values)``: each row's stored tokens after zeros for
-    its padding (masked out by the attention mask, as ``generate``'s own pad slots are). Each
-    chunk's slots are copied once, into place."""
-    past = []
-    for i, store in enumerate(cache.kv_layers):
-        if store is None:
-            past.append(None)
-            continue
-        like = next(v[i] for v in loaded.values() if v is not None)  # any chunk's (keys, values) of this layer
-        sides = []
-        for side in (0, 1):
-            heads, dim = like[side].shape[1], like[side].shape[3]
-            out = like[side].new_empty(len(found), heads, columns, dim)
-            for r, row in enumerate(found):
-                real = max(0, columns - row.pad)
-                out[r, :, : columns - real].zero_()
-                at = columns - real
-                for k in keys[r][: chunks_needed(real, chunk)]:
-                    take = min(chunk, columns - at)
-                    out[r, :, at : at + take].copy_(loaded[k][i][side][0, :, :take])
-                    at += take
-            sides.append(out)
-        past.append(tuple(sides))
-    return past
+@dataclass(frozen=True)
+class Place:
+    """Where a row takes a chunk: its first ``take`` tokens into slots ``at:at + take`` of row ``row``."""
+
+    row: int
+    at: int
+    take: int
+
+
+def placements(found: list[Row], keys: list[list[str]], columns: int, chunk: int) -> dict[str, list[Place]]:
+    """The places of every chunk entry a cache of ``columns`` slots takes, by key: each row's
+    stored tokens end at the last column, after its padding (masked out by the attention mask, as
+    ``generate``'s own pad slots are), so a chunk's slots follow the row's earlier chunks."""
+    places: dict[str, list[Place]] = {}
+    for r, row in enumerate(found):
+        real = max(0, columns - row.pad)
+        at = columns - real
+        for key in keys[r][: chunks_needed(real, chunk)]:
+            take = min(chunk, columns - at)
+            places.setdefault(key, []).append(Place(r, at, take))
+            at += take
+    return places
 
 
 def chunk_payload(cache: KVCache, row: int, start: int, chunk: int, tokens: Sequence[int]) -> bytes:

@@ -28,6 +28,25 @@ from .folder_index import SUFFIX, FolderIndex, Listed, fan_folders, list_fan, re
 _MISSING = {errno.ENOENT, errno.ENOTDIR, errno.EACCES, errno.EPERM, errno.EISDIR, errno.ELOOP, errno.ENXIO}
 
 
+def _read_whole(fd: int, size: int, buffer: bytearray | None) -> bytes | memoryview | None:
+    """The ``size`` bytes of the open file ``fd``, or None if it holds another count now: new
+    bytes, or a view of ``buffer`` they were read into, or of a new bytearray if ``buffer`` is
+    smaller than ``size + 1`` (one byte more, to see a file that grew)."""
+    if buffer is None:
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(size + 1)
+        return data if len(data) == size else None
+    target = buffer if len(buffer) > size else bytearray(size + 1)
+    view, got = memoryview(target), 0
+    with os.fdopen(fd, "rb", buffering=0, closefd=False) as f:
+        while got <= size:
+            n = f.readinto(view[got : size + 1])
+            if not n:
+                break
+            got += n
+    return view[:size] if got == size else None
+
+
 def fan_of(key: str) -> str:
     return hashlib.blake2b(key.encode(), digest_size=1).hexdigest()
 
@@ -88,6 +107,20 @@ class FolderBackend(Backend):
         return mtime_ns < self._written_before_ns()
 
     def get(self, key: str) -> bytes | None:
+        return self._read(key, None)
+
+    def iter_values(self, keys: Sequence[str]) -> Iterator[tuple[str, bytes | memoryview | None]]:
+        """Each value read into one buffer (grown as needed), handed out as a view of it."""
+        buffer = bytearray()
+        for key in keys:
+            value = self._read(key, buffer)
+            if isinstance(value, memoryview):
+                buffer = value.obj  # a larger one where the last was too small
+            yield key, value
+
+    def _read(self, key: str, buffer: bytearray | None) -> bytes | memoryview | None:
+        """The value of ``key``: new bytes (``buffer`` None), or a view of ``buffer`` or of a
+        larger bytearray where ``buffer`` is too small."""
         path = self.file_of(key)
         try:
             # O_NONBLOCK: a FIFO planted under an entry's name must not hang the reader.
@@ -101,9 +134,8 @@ class FolderBackend(Backend):
             if self._expired(info.st_mtime_ns):
                 remove_if_same(str(path), info.st_ino, info.st_mtime_ns)
                 return None
-            with os.fdopen(fd, "rb", closefd=False) as f:
-                data = f.read(info.st_size + 1)
-            if len(data) != info.st_size:
+            data = _read_whole(fd, info.st_size, buffer)
+            if data is None:
                 return None  # changed in place while read: not one of our atomic writes
             try:  # a use: only this inode (the file read), and best effort (another user's file)
                 os.utime(fd, ns=(_now_ns(), info.st_mtime_ns))

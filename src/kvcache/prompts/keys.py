@@ -24,7 +24,7 @@ import torch
 from ..prefill import check_token_ids
 
 #: Version of the key scheme and entry format: a change makes every old entry a miss.
-SCHEME = "kvcache-prompt/1"
+SCHEME = "kvcache-prompt/2"
 
 
 def salt(fingerprint: str, dtype: torch.dtype, spec: str, chunk: int) -> bytes:

@@ -21,7 +21,10 @@ Two ways to store, by cache kind (``mode``):
   single pass over the whole prompt (a split prefill evicts or quantizes at the boundary).
 
 Every entry read is untrusted: a damaged, foreign, other-model, other-prefix or lying entry is a
-miss, logged on ``kvcache.prompts`` and recomputed (``entry.py`` and ``cachefile``'s checks). A
+miss, logged on ``kvcache.prompts`` and recomputed. A chunk entry's header is checked before its
+bytes are used (``chunk_entry``) and its digest as they are copied into the cache's own buffers
+(``chunk_fill``), which count them in only once every entry passed; a state entry is checked whole
+(``entry.unseal``) and then by ``cachefile``'s checks. A
 backend that cannot be reached (``StoreUnavailable``) makes the store a no-op for ``retry_after``
 seconds, with one warning per outage.
 
@@ -34,7 +37,7 @@ import inspect
 import logging
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -48,7 +51,9 @@ from ..prefill import check_chunk
 from ..prefill import prefill as run_prefill
 from ..spec import CacheSpec, parse_spec
 from .backends import Backend, open_backend
-from .chunks import CHUNK_SPEC, assemble, chunk_payload, chunk_tokens, chunks_needed
+from .chunk_entry import ChunkLayout, open_chunk
+from .chunk_fill import ChunkFiller
+from .chunks import Place, chunk_payload, chunk_tokens, placements
 from .entry import seal, unseal
 from .keys import Row, chain, rows, salt
 
@@ -81,11 +86,12 @@ class PromptStore:
     can write to the backend. ``retry_after``: seconds an unreachable backend is left alone.
 
     ``timer``: None, or a function ``timer(part, seconds, nbytes)`` the store calls after each
-    backend read (``part`` ``"fetch"``: a ``contains_many``, ``get_many`` or ``get``; ``nbytes`` the
-    bytes of the entries it returned) and after opening each entry it read (``"open"``: checking
-    its digest, decoding it and what it holds; ``nbytes`` its size), with the seconds it took
-    (``time.perf_counter``). For profiling where a lookup's time goes (the ``prompt`` benchmark);
-    it changes nothing the store does.
+    backend read (``part`` ``"fetch"``: a ``contains_many``, a ``get``, or each entry of
+    ``iter_values``; ``nbytes`` the bytes of the entries it returned) and after opening each entry
+    it read (``"open"``: a chunk entry's header checks; a state entry's digest, decoding and
+    checks; ``nbytes`` its size), with the seconds it took (``time.perf_counter``). A chunk entry's
+    copy into the cache, its digest computed on the way, is neither. For profiling where a lookup's
+    time goes (the ``prompt`` benchmark); it changes nothing the store does.
     """
 
     def __init__(
@@ -107,6 +113,7 @@ class PromptStore:
         self.timer = timer
         self.stats = StoreStats()
         self._down_until = 0.0
+        self._layouts: dict[bytes, ChunkLayout] = {}
 
     def __repr__(self) -> str:
         return f"PromptStore({self.backend.location!r}, chunk={self.chunk})"
@@ -137,7 +144,7 @@ class PromptStore:
         key_salt = salt(cache.fingerprint or "", model_dtype(model) or torch.get_default_dtype(), str(cache.spec), self.chunk)
         width = input_ids.shape[1]
         if mode == "chunks":
-            reused = self._fill_from_chunks(model, cache, found, key_salt, width)
+            cache, reused = self._fill_from_chunks(model, cache, found, key_salt, width)
         else:
             _one_request(found, width, "cache_for")
             loaded = self._state_for(model, cache, found[0].tokens[: width - 1], key_salt)
@@ -160,40 +167,59 @@ class PromptStore:
         kinds = {s.kind for s in cache.kv_layers if s is not None}
         return "chunks" if kinds <= CHUNKED_KINDS else "states"
 
-    def _fill_from_chunks(self, model: Any, cache: KVCache, found: list[Row], key_salt: bytes, width: int) -> int:
-        """Extend the empty ``cache`` with the longest prefix every row has stored; returns its columns."""
+    def _fill_from_chunks(self, model: Any, cache: KVCache, found: list[Row], key_salt: bytes, width: int) -> tuple[KVCache, int]:
+        """The empty ``cache`` (or, after a bad entry, a new one like it) filled with the longest
+        prefix every row has stored, and its columns."""
         keys = [chain(key_salt, row.tokens, self.chunk) for row in found]
         present = [self._read(self.backend.contains_many, [False] * len(k), k) for k in keys]
         matched = [next((i for i, p in enumerate(here) if not p), len(here)) for here in present]
-        loaded: dict[str, list[tuple[torch.Tensor, torch.Tensor] | None]] = {}
+        layout = self._layout(cache, model, key_salt)
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
         while True:
             # Columns every row can fill: a row padded by p with n chunks found fills p + n * chunk.
             columns = min(min(row.pad + n * self.chunk for row, n in zip(found, matched)), width - 1)
             if all(columns <= row.pad for row in found):
-                return 0  # nothing but padding to reuse
-            wanted = [(r, j, keys[r][j]) for r, row in enumerate(found) for j in range(chunks_needed(columns - row.pad, self.chunk))]
-            fetch = list(dict.fromkeys(key for _, _, key in wanted if key not in loaded))
-            values = self._read(self.backend.get_many, [None] * len(fetch), fetch) if fetch else []
-            for key, raw in zip(fetch, values):
-                loaded[key] = self._open_chunk(model, key, raw, chunk_tokens(found, keys, key, self.chunk))
-            bad = [(r, j) for r, j, key in wanted if loaded[key] is None]
+                return cache, 0  # nothing but padding to reuse
+            places = placements(found, keys, columns, self.chunk)
+            filler = ChunkFiller(cache, layout, columns, [row.pad for row in found], device, self.secret)
+            bad = self._fill(filler, layout, places, lambda key: chunk_tokens(found, keys, key, self.chunk))
             if not bad:
-                break
-            for r, j in bad:  # that row's prefix ends before the chunk that failed
-                matched[r] = min(matched[r], j)
-        cache.extend(assemble(cache, found, keys, loaded, columns, self.chunk))
-        return columns
+                filler.commit()
+                return cache, columns
+            for r, row_keys in enumerate(keys):  # that row's prefix ends before the first chunk that failed
+                matched[r] = min([matched[r]] + [j for j, key in enumerate(row_keys) if key in bad])
+            cache = make_cache(model, cache.spec)  # nothing was counted in, but the layers took a geometry
 
-    def _open_chunk(self, model: Any, key: str, raw: bytes | None, tokens: list[int]) -> list | None:
-        """The per-layer ``(keys [1, Hkv, chunk, D], values)`` of a chunk entry, or None (a miss, logged)."""
+    def _fill(self, filler: ChunkFiller, layout: ChunkLayout, places: dict[str, list[Place]], tokens: Callable[[str], list[int]]) -> set[str]:
+        """Stream each entry of ``places`` into ``filler`` as it is read; the keys of those that
+        were missing or bad (logged and deleted)."""
+        bad = set()
+        for key, raw in self._read_each(list(places)):
+            if raw is None:  # gone since the presence check (evicted, expired)
+                bad.add(key)
+                continue
+            start = time.perf_counter()
+            try:
+                entry = open_chunk(layout, key, raw, tokens(key))
+            except Exception as e:  # noqa: BLE001 - an entry nothing foresaw is still only a miss
+                bad.add(key)
+                self._bad(key, e)
+                continue
+            finally:
+                if self.timer is not None:
+                    self.timer("open", time.perf_counter() - start, len(raw))
+            try:
+                filler.fill(entry, places[key])
+            except StoreEntryError as e:
+                bad.add(key)
+                self._bad(key, e)
+        return bad
 
-        def problem(chunk: KVCache) -> str | None:
-            if str(chunk.spec) != CHUNK_SPEC or chunk.seen != self.chunk:
-                return f"a {chunk.spec} cache of {chunk.seen} tokens, not a {self.chunk}-token chunk"
-            return None if chunk.token_ids == tokens else "holds other tokens than the chunk it is stored for"
-
-        chunk = self._open(model, key, raw, problem)
-        return None if chunk is None else [None if s is None else s.view() for s in chunk.kv_layers]
+    def _layout(self, cache: KVCache, model: Any, key_salt: bytes) -> ChunkLayout:
+        """What chunk entries under ``key_salt`` hold (kept: it asks for a cache to be made)."""
+        if key_salt not in self._layouts:
+            self._layouts[key_salt] = ChunkLayout.of(cache, model_dtype(model) or torch.get_default_dtype(), self.chunk)
+        return self._layouts[key_salt]
 
     def _state_for(self, model: Any, cache: KVCache, tokens: list[int], key_salt: bytes) -> KVCache | None:
         """The stored state at the longest chunk boundary within ``tokens``, or None."""
@@ -221,21 +247,23 @@ class PromptStore:
             return None  # gone between the presence check and the read (evicted, expired)
         start = time.perf_counter()
         try:
-            loaded = cache_from_bytes(unseal(key, raw, self.secret), model, name=f"entry {key[:16]}", digest_checked=True)
+            payload = bytes(unseal(key, raw, self.secret))
+            loaded = cache_from_bytes(payload, model, name=f"entry {key[:16]}", digest_checked=True)
             wrong = problem(loaded)
             if wrong is not None:
                 raise StoreEntryError(f"entry {key[:16]}: {wrong}")
             return loaded
-        except CacheFileError as e:
-            return self._bad(key, e)
         except Exception as e:  # noqa: BLE001 - an entry nothing above foresaw is still only a miss
-            return self._bad(key, StoreEntryError(f"entry {key[:16]}: cannot be read ({type(e).__name__}: {e})"))
+            return self._bad(key, e)
         finally:
             if self.timer is not None:
                 self.timer("open", time.perf_counter() - start, len(raw))
 
     def _bad(self, key: str, error: Exception) -> None:
-        """A damaged or lying entry: logged, deleted (a later put writes it again), a miss."""
+        """A damaged or lying entry: logged, deleted (a later put writes it again), a miss. An
+        error other than a ``CacheFileError`` is one no check foresaw, named as such."""
+        if not isinstance(error, CacheFileError):
+            error = StoreEntryError(f"entry {key[:16]}: cannot be read ({type(error).__name__}: {error})")
         self.stats.bad_entries += 1
         log.warning("prompt store %s: %s; recomputing", self.backend.location, error)
         self._call(self.backend.delete, None, key)
@@ -326,6 +354,26 @@ class PromptStore:
                 self.put(cache, input_ids[:, :stop])
                 start = stop
         return cache, reused
+
+    def _read_each(self, keys: list[str]) -> Iterator[tuple[str, bytes | memoryview | None]]:
+        """``backend.iter_values(keys)``, each read reported to ``timer`` as ``"fetch"``; the keys
+        not read when the backend became unreachable come as None."""
+        values = self._call(self.backend.iter_values, iter(()), keys)
+        done = 0
+        try:
+            while done < len(keys):
+                start = time.perf_counter()
+                item = self._call(next, None, values, None)
+                if self.timer is not None:
+                    self.timer("fetch", time.perf_counter() - start, 0 if item is None or item[1] is None else len(item[1]))
+                if item is None:
+                    break
+                done += 1
+                yield item
+        finally:
+            getattr(values, "close", lambda: None)()  # a backend mid-read lets go of its connection
+        for key in keys[done:]:
+            yield key, None
 
     def _read(self, fn: Callable[..., T], default: T, *args: Any) -> T:
         """``_call`` for a backend read, reported to ``timer`` as ``"fetch"`` with the entry bytes it returned."""

@@ -13,13 +13,17 @@ Bookkeeping names use ``/``, which a store key cannot contain, so no key shadows
 change runs as one Lua script, so a ``put``, its accounting and its evictions are atomic against
 other clients, and entries whose time ran out leave the bookkeeping when a script meets them. A
 server is untrusted: a value over ``max_entry_bytes`` is never downloaded (the script checks its
-length first), and a key of another type is a miss.
+length first, and the reader refuses a reply announcing more), and a key of another type is a miss.
+
+Reads: the ``touch`` script finds the values and counts their use, then one round trip of ``GET``
+brings them, read off the socket into one reused buffer (``redis_reader``: redis-py's parser
+moved large values at a few hundred MB/s).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import redis
@@ -28,6 +32,7 @@ from redis.retry import Retry
 
 from ..errors import StoreUnavailable
 from .backend_base import DEFAULT_MAX_ENTRY_BYTES, Backend, as_bytes_view, check_budget, check_key
+from .redis_reader import BulkReader, TooLarge
 
 _NAMESPACE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 
@@ -84,18 +89,20 @@ end
 return 1
 """
 
-# ARGV: prefix, max_entry_bytes, key... Returns one value or nil per key; a hit is a use.
-_GET = _COMMON + """
+# ARGV: prefix, max_entry_bytes, key... Returns per key its value's length, or -1 if it is absent,
+# not a string or longer than max_entry_bytes; a value found (length >= 0) is a use.
+_TOUCH = _COMMON + """
 local max_entry = tonumber(ARGV[2])
 local out = {}
 for i = 3, #ARGV do
   local m = ARGV[i]
   local k = prefix .. m
-  local value = false
+  local size = -1
   local kind = redis.call('TYPE', k)['ok']
   if kind == 'string' then
-    if redis.call('STRLEN', k) <= max_entry then
-      value = redis.call('GET', k)
+    local n = redis.call('STRLEN', k)
+    if n <= max_entry then
+      size = n
       if redis.call('HEXISTS', KEYS[2], m) == 1 then
         redis.call('ZADD', KEYS[1], redis.call('INCR', KEYS[4]), m)
       end
@@ -103,7 +110,7 @@ for i = 3, #ARGV do
   elseif kind == 'none' and redis.call('HEXISTS', KEYS[2], m) == 1 then
     drop(m)
   end
-  out[#out + 1] = value
+  out[#out + 1] = size
 end
 return out
 """
@@ -172,7 +179,7 @@ class RedisBackend(Backend):
         self._prefix = tag + ":"
         self._bookkeeping = [f"{tag}/{name}" for name in ("lru", "sizes", "bytes", "clock", "expiry")]
         self._scripts = {name: self._redis.register_script(code) for name, code in
-                         (("put", _PUT), ("get", _GET), ("delete", _DELETE), ("stats", _STATS))}
+                         (("put", _PUT), ("touch", _TOUCH), ("delete", _DELETE), ("stats", _STATS))}
 
     def _call(self, what: str, call: Callable):
         try:
@@ -188,11 +195,49 @@ class RedisBackend(Backend):
         return self.get_many([key])[0]
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        return [None if value is None else bytes(value) for _, value in self.iter_values(keys)]
+
+    def iter_values(self, keys: Sequence[str]) -> Iterator[tuple[str, bytes | memoryview | None]]:
+        """One script finds the values, checks their type and length and counts the use; then one
+        round trip of ``GET`` brings them, each read into one buffer (``redis_reader``)."""
         keys = [check_key(key) for key in keys]
         if not keys:
-            return []
-        values = self._call("get", lambda: self._script("get", self.max_entry_bytes, *keys))
-        return [None if value is None else bytes(value) for value in values]
+            return
+        sizes = [int(n) for n in self._call("get", lambda: self._script("touch", self.max_entry_bytes, *keys))]
+        values = self._values([key for key, size in zip(keys, sizes) if size >= 0])
+        try:
+            for key, size in zip(keys, sizes):
+                yield key, next(values) if size >= 0 else None
+        finally:
+            values.close()
+
+    def _values(self, keys: list[str]) -> Iterator[memoryview | bytes | None]:
+        """The values of ``keys`` (found a moment ago: one may have gone since, a None), on one
+        connection that is dropped unless every reply was read. A value over ``max_entry_bytes``
+        (rewritten since) is a None, and so is every one after it."""
+        if not keys:
+            return
+        pool = self._redis.connection_pool
+        connection = self._call("get", lambda: _connection(pool))
+        complete = False
+        try:
+            self._call("get", lambda: connection.send_packed_command(connection.pack_commands([("GET", self._prefix + key) for key in keys])))
+            sock = getattr(connection, "_sock", None)  # redis-py's own parser where it has no socket to lend
+            reader, buffer = BulkReader(sock) if hasattr(sock, "recv_into") else None, bytearray()
+            for done in range(len(keys)):
+                try:
+                    value = self._call("get", lambda: reader.read_bulk(buffer, self.max_entry_bytes) if reader else _response(connection))
+                except TooLarge:
+                    yield from [None] * (len(keys) - done)
+                    return
+                if isinstance(value, memoryview):
+                    buffer = value.obj
+                yield value if value is None or len(value) <= self.max_entry_bytes else None
+            complete = True
+        finally:
+            if not complete:
+                connection.disconnect()
+            pool.release(connection)
 
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
         names = [self._prefix + check_key(key) for key in keys]
@@ -243,3 +288,19 @@ class RedisBackend(Backend):
 
     def close(self) -> None:
         self._redis.close()
+
+
+def _connection(pool: redis.ConnectionPool) -> redis.Connection:
+    """A connection of ``pool`` (redis-py before 5.3 wants a command name)."""
+    try:
+        return pool.get_connection()
+    except TypeError:
+        return pool.get_connection("GET")
+
+
+def _response(connection) -> bytes | None:
+    """A reply read by redis-py's parser: the value, or None for a null or an error (another type)."""
+    try:
+        return connection.read_response()
+    except redis.exceptions.ResponseError:
+        return None

@@ -12,19 +12,25 @@ Workloads (``workload`` in each row), every request greedy with ``new_tokens`` n
   (memory, a temporary folder, a ``redis-server`` started on localhost and stopped after), the
   prefix stored once beforehand; ``repeats`` rounds, a new question each round.
 
+``run(options, workloads=...)`` runs some of them (``kvcache bench prompt --workloads backends``).
+
 Contenders (``CONTENDERS``) alternate within each turn, request or round (``harness``): ``recompute``
 (a new growable cache, plain ``generate``) and the store on each backend (``chat`` and ``shared``
 use ``memory``). Every row says whether its tokens equal recompute's for the same prompt. Timing
-(``prompt_request``): TTFT from before the cache lookup to the streamer's first new token, the
-lookup split into backend reads, entry opening and assembly; ``store_s`` is the ``put`` after.
-Storage: entry bytes per token against the model's fp32 K/V bytes per token, and the floor of a
-reuse (the entry bytes read / the measured read bandwidth: the least time any store could load them).
+(``prompt_request``): TTFT from before the cache lookup to the streamer's first new token; the
+lookup (the reuse time: the cache ready) split into backend reads, entry header checks and
+assembly (the entries copied into the cache's buffers, digests checked on the way); ``store_s``
+is the ``put`` after. Storage: entry bytes per token against the model's fp32 K/V bytes per token.
+Each reuse's floor: the entry bytes read / the read bandwidth of its medium, measured in the same
+run (memory: summing a tensor; folder: reading the entry files; Redis: ``GET``-ting the entries
+on a plain socket), the least time any store could load them from there.
 """
 
 from __future__ import annotations
 
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -39,10 +45,11 @@ from .common import read_bandwidth
 from .floor import model_shape
 from .harness import alternate, report
 from .prompt_report import REFERENCE, plot, summarize, table
-from .prompt_request import Prompts, StoreTimer, redis_server, timed_request
+from .prompt_request import Prompts, StoreTimer, folder_read_bandwidth, redis_read_bandwidth, redis_server, timed_request
 
 CONTENDERS = (REFERENCE, "memory", "folder", "redis")
-__all__ = ["CONTENDERS", "REFERENCE", "plot", "run", "sizes", "table"]
+WORKLOADS = ("chat", "shared", "backends")
+__all__ = ["CONTENDERS", "REFERENCE", "WORKLOADS", "plot", "run", "sizes", "table"]
 
 
 @dataclass(frozen=True)
@@ -90,33 +97,46 @@ def load(options: RunOptions) -> tuple[Any, Prompts, str]:
     return model, Prompts(tokenizer, model.config.vocab_size), "smollm2 (SmolLM2-135M-Instruct, fp32)"
 
 
-def run(options: RunOptions = RunOptions()) -> dict[str, Any]:
-    """Run the suite; write ``prompt.json``/``.md``/``.png`` into ``options.out`` if given."""
+def run(options: RunOptions = RunOptions(), *, workloads: Sequence[str] = WORKLOADS) -> dict[str, Any]:
+    """Run the suite's ``workloads`` (default all); write ``prompt.json``/``.md``/``.png`` into
+    ``options.out`` if given."""
     from tqdm.auto import tqdm
 
+    unknown = sorted(set(workloads) - set(WORKLOADS))
+    if unknown or not workloads:
+        raise KVCacheError(f"workloads are some of {', '.join(WORKLOADS)}, got {', '.join(unknown) or 'none'}")
     s = sizes(options)
     model, prompts, model_name = load(options)
     warm_up(model, prompts, s)
-    total = 2 * s.turns * s.chat_rounds + 2 * s.requests + s.repeats * len(CONTENDERS)
-    with tqdm(total=total, desc="bench prompt", disable=not options.progress) as bar:
-        rows = chat(model, prompts, s, bar) + shared(model, prompts, s, bar)
-        backend_rows, storage = backends(model, prompts, s, bar)
-    rows += backend_rows
-    bandwidth = read_bandwidth(options.device, mib=options.pick(16, 256, 512))
+    counts = {"chat": 2 * s.turns * s.chat_rounds, "shared": 2 * s.requests, "backends": s.repeats * len(CONTENDERS)}
+    rows: list[dict[str, Any]] = []
+    storage: dict[str, dict[str, Any]] = {}
+    bandwidths: dict[str, float] = {}
+    with tqdm(total=sum(counts[w] for w in workloads), desc="bench prompt", disable=not options.progress) as bar:
+        if "chat" in workloads:
+            rows += chat(model, prompts, s, bar)
+        if "shared" in workloads:
+            rows += shared(model, prompts, s, bar)
+        if "backends" in workloads:
+            backend_rows, storage, bandwidths = backends(model, prompts, s, bar)
+            rows += backend_rows
+    bandwidths["memory"] = read_bandwidth(options.device, mib=options.pick(16, 256, 512))
     for row in rows:
         if "read_bytes" in row:
-            row["floor_s"] = row["read_bytes"] / bandwidth
+            row["floor_s"] = row["read_bytes"] / bandwidths[row["backend"]]
     kv_per_token = model_shape(model).kv_bytes_per_token
     for facts in storage.values():
         facts["over_kv"] = facts["bytes_per_token"] / kv_per_token if facts.get("bytes_per_token") else None
     config = asdict(s) | {
         "model": model_name,
+        "workloads": list(workloads),
         "threads": torch.get_num_threads(),
         "kv_bytes_per_token": kv_per_token,
-        "read_bytes_per_s": bandwidth,
+        "read_bytes_per_s": bandwidths,
         "quick": options.quick,
         "tiny": options.tiny,
         "ttft": "from before cache_for (or make_cache) to generate's first new token (a streamer)",
+        "reuse": "cache_for: from before it to the cache ready to run (fetch + open + assemble)",
     }
     summary = summarize(rows, s.backend_prefix)
     return report("prompt", options, config, rows, table, plot, storage=storage, summary=summary)
@@ -184,9 +204,10 @@ def shared(model: Any, prompts: Prompts, s: Sizes, bar: Any) -> list[dict[str, A
     return rows
 
 
-def backends(model: Any, prompts: Prompts, s: Sizes, bar: Any) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
-    """The shared prefix through each backend (module docstring): rows, and per backend what its
-    entries of the prefix take (``storage``)."""
+def backends(model: Any, prompts: Prompts, s: Sizes, bar: Any) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]], dict[str, float]]:
+    """The shared prefix through each backend (module docstring): rows, per backend what its
+    entries of the prefix take (``storage``), and the read bandwidth of the folder and of the Redis
+    server, measured on those entries after the rounds (their floors)."""
     prefix = prompts.system(s.backend_prefix)
     questions = [prompts.user(200 + r, s.question_tokens, False) for r in range(s.repeats)]
     with tempfile.TemporaryDirectory(prefix="kvcache-bench-store-") as folder, redis_server() as (url, why):
@@ -202,13 +223,16 @@ def backends(model: Any, prompts: Prompts, s: Sizes, bar: Any) -> tuple[list[dic
 
         bar.update(len(skipped) * s.repeats)
         samples = alternate(names, s.repeats, measure, bar)
+        bandwidths = {"folder": folder_read_bandwidth(folder)} if "folder" in stores else {}
+        if "redis" in stores:
+            bandwidths["redis"] = redis_read_bandwidth(url)
         for store in stores.values():
             getattr(store.backend, "close", lambda: None)()
     rows = []
     for r in range(s.repeats):
         rows += compared("backends", r + 1, 1, {n: samples[n][r] for n in names}, {n: n for n in stores})
     rows += [{"workload": "backends", "round": 1, "step": 1, "contender": n, "backend": n, "identical": None, "reason": why} for n, why in skipped.items()]
-    return rows, storage
+    return rows, storage, bandwidths
 
 
 def open_stores(locations: dict[str, str], chunk: int) -> tuple[dict[str, PromptStore], dict[str, str]]:

@@ -1,27 +1,35 @@
 """The parts of suite ``prompt``: one timed request (with or without a prompt store), the workload's
-token ids, and a throwaway ``redis-server``.
+token ids, a throwaway ``redis-server``, and the read bandwidth of a folder and of a Redis server
+(each backend's floor).
 
 A request is timed from before the cache is made (or looked up in the store) to the first new
 token (``FirstToken``, a ``generate`` streamer: Hugging Face calls ``put`` once with the prompt,
 then once per new token) and to ``generate``'s return; storing the finished turn is timed
-separately. ``StoreTimer``, the store's ``timer`` hook, splits the lookup into its backend reads and
-entry opening (the rest of ``cache_for`` is assembling the cache).
+separately. The lookup (``cache_for``) is the reuse time: the cache ready to run. ``StoreTimer``,
+the store's ``timer`` hook, splits it into backend reads (``fetch``) and entry header checks
+(``open``); the rest of ``cache_for`` is assembling the cache: copying the entries into its
+buffers, their digests checked on the way.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import torch
 
 from ...build import make_cache
+from ...prompts.redis_reader import BulkReader
+from .common import clock, median
 from .harness import greedy_generate
 
 
@@ -43,7 +51,7 @@ class FirstToken:
 
 class StoreTimer:
     """Seconds a ``PromptStore`` spends reading its backend (``fetch``) and opening entries
-    (``open``: checking digests, decoding cache files), and the entry bytes it read, since ``reset``.
+    (``open``: checking their headers), and the entry bytes it read, since ``reset``.
 
     The store's ``timer`` hook: ``PromptStore(..., timer=StoreTimer())`` calls it after each backend
     read and each entry it opens, so only that store is timed."""
@@ -101,6 +109,7 @@ def timed_request(model: Any, ids: torch.Tensor, new_tokens: int, store: Any = N
             "prefill_first_token": row["ttft_s"] - lookup,
         }
         row["read_bytes"] = read
+        row["reuse_s"] = lookup
     return row
 
 
@@ -202,3 +211,53 @@ def _answers(port: int, server: subprocess.Popen, timeout: float) -> bool:
                 return True
         time.sleep(0.05)
     return False
+
+
+# ---- what each medium reads at best (the floors) -------------------------------------------
+
+
+def _bandwidth(total: int, read_all: Callable[[], None], repeats: int) -> float:
+    """Bytes/s: ``total`` bytes over the median seconds of ``repeats`` calls of ``read_all``."""
+    return total / median([clock(read_all) for _ in range(repeats)])
+
+
+def folder_read_bandwidth(folder: str, repeats: int = 5) -> float:
+    """Bytes/s of reading every file under ``folder`` (the store's entries) into one reused buffer
+    with ``readinto``, as a program that only reads them would: the disk as the run leaves it (the
+    entries just written or read sit in the page cache, as they do for the store's reads)."""
+    files = sorted(str(f) for f in Path(folder).rglob("*") if f.is_file())
+    sizes = [os.path.getsize(f) for f in files]
+    view = memoryview(bytearray(max(sizes, default=0)))
+
+    def read_all() -> None:
+        for name, size in zip(files, sizes):
+            with open(name, "rb", buffering=0) as f:
+                got = 0
+                while got < size and (n := f.readinto(view[got:size])):
+                    got += n
+
+    return _bandwidth(sum(sizes), read_all, repeats)
+
+
+def redis_read_bandwidth(url: str, pattern: str = "{kvcache}:*", repeats: int = 5) -> float:
+    """Bytes/s of ``GET``-ting the values named by ``pattern`` (the store's entries) from the Redis
+    server at ``url`` in one round trip on a plain socket, each read into one reused buffer: what
+    any client could do at best."""
+    import redis
+
+    with redis.Redis.from_url(url) as client:
+        names = list(client.scan_iter(match=pattern, count=1000))
+        total = sum(client.strlen(name) for name in names)
+    request = b"".join(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(name), name) for name in names)
+    parts = urlsplit(url)
+    with socket.create_connection((parts.hostname, parts.port), timeout=30) as sock:
+        reader, buffer = BulkReader(sock), bytearray()
+
+        def read_all() -> None:
+            nonlocal buffer
+            sock.sendall(request)
+            for _ in names:
+                value = reader.read_bulk(buffer, total)
+                buffer = buffer if value is None else value.obj
+
+        return _bandwidth(total, read_all, repeats)
