@@ -16,7 +16,7 @@ from transformers import DynamicCache
 
 from kvcache.apps.bench import SUITES, real, real_decode
 from kvcache.apps.bench.floor import Machine, ModelShape, floor_seconds, model_shape, step_flops
-from kvcache.apps.bench.workload import make_prompts, prefill, prefill_stored, resolve_model
+from kvcache.apps.bench.workload import make_prompts, prefill, prefill_stored, prompts_pinned, resolve_model
 from kvcache.apps.cli import main
 from kvcache.apps.run_options import RunOptions
 from kvcache.apps.tiny import tiny_model
@@ -194,6 +194,25 @@ def test_prefill_is_a_plain_prefill(model_dir, tmp_path):
     assert len(list(tmp_path.glob("prefill-*.pt"))) == 1
     for (k1, v1), (k2, v2) in zip(stored, again):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+def test_pinned_prompts_survive_a_changed_corpus(model_dir, tmp_path, monkeypatch):
+    """Kept prompts are read back even when the source text would now tokenize differently; a kept
+    file of the wrong shape or range is refused, not used."""
+    from kvcache.apps.bench import workload
+
+    _, tokenizer = load_pretrained(model_dir)
+    first = prompts_pinned(tokenizer, 2, 30, 320, tmp_path)
+    assert torch.equal(first, make_prompts(tokenizer, 2, 30, 320))
+    monkeypatch.setattr(workload, "corpus", lambda: "a different text entirely " * 40)
+    assert not torch.equal(make_prompts(tokenizer, 2, 30, 320), first)
+    assert torch.equal(prompts_pinned(tokenizer, 2, 30, 320, tmp_path), first)
+    torch.save(torch.full((2, 30), 999, dtype=torch.long), tmp_path / "prompts-2x30.pt")
+    with pytest.raises(KVCacheError, match="token ids below 320"):
+        prompts_pinned(tokenizer, 2, 30, 320, tmp_path)
+    (tmp_path / "prompts-2x30.pt").write_bytes(b"not a tensor")
+    with pytest.raises(KVCacheError, match="not a prompts file"):
+        prompts_pinned(tokenizer, 2, 30, 320, tmp_path)
 
 
 def test_missing_backend_is_a_reason(monkeypatch):

@@ -35,7 +35,7 @@ from .common import figure, finish_axes, human_bytes, markdown_table, median
 from .floor import Machine, ModelShape, floor_seconds, measure_machine, model_shape
 from .harness import alternate, report
 from .real_decode import CONFIGURED, CONTENDERS, REFERENCE, Runner
-from .workload import load_model, make_prompts, prefill_stored
+from .workload import load_model, prefill_stored, prompts_pinned
 
 #: The model the suite runs when none is named (a ``tiny`` run: the small model shipped with kvcache).
 DEFAULT_MODEL = "smollm2"
@@ -69,7 +69,7 @@ def run(
     register_attention()
     lm, tokenizer, folder = load_model(model or options.pick("tiny", DEFAULT_MODEL, DEFAULT_MODEL), options.device)
     shape = model_shape(lm)
-    prompts = make_prompts(tokenizer, max(batches), max(contexts) + 1, shape.vocab).to(options.device)
+    prompts = prompts_pinned(tokenizer, max(batches), max(contexts) + 1, shape.vocab, prefill_dir).to(options.device)
     with tqdm(total=max(batches) * max(contexts), desc="prefill tokens", disable=not options.progress) as bar:
         past = prefill_stored(lm, prompts[:, : max(contexts)], prefill_dir, bar=bar)
     backend = "eager" if options.tiny else "inductor"  # tiny: trace only (graph breaks, recompiles), in seconds
@@ -95,7 +95,8 @@ def run(
         "contenders": names,
         "quick": options.quick,
         "compile": f"torch.compile(model.forward, fullgraph=True, dynamic=False, backend={backend!r})",
-        "prompts": "the kvcache package's source files, concatenated and tokenized; row b starts b/B of the way in",
+        "prompts": "the kvcache package's source files, concatenated and tokenized; row b starts b/B of the way in"
+        + (" (kept with the prefill: the source text of the run that first made them)" if prefill_dir else ""),
         "method": "one prefill at the largest context; each contender's cache gets the first C positions' keys and "
         "values (exactly what a C-token prefill gives a causal model), then `steps` greedy steps are timed",
         "floor": "max((weight bytes + K/V bytes read) / read bandwidth, step FLOPs / fp32 GEMM throughput)",

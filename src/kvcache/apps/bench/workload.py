@@ -75,6 +75,30 @@ def make_prompts(tokenizer: Any, batch: int, length: int, vocab: int) -> torch.T
     return torch.stack([tokens[s : s + length] for s in starts])
 
 
+def prompts_pinned(tokenizer: Any, batch: int, length: int, vocab: int, folder: Path | None) -> torch.Tensor:
+    """:func:`make_prompts`, kept in ``folder`` (when given) as ``prompts-BxL.pt`` and read back from
+    there on a later run, so the prompts (and the prefill kept beside them) survive edits to the
+    package's source text. A kept file of the wrong shape, dtype or range is refused."""
+    if folder is None:
+        return make_prompts(tokenizer, batch, length, vocab)
+    path = Path(folder) / f"prompts-{batch}x{length}.pt"
+    if path.is_file():
+        try:
+            kept = torch.load(path, weights_only=True)
+        except Exception as e:  # an untrusted file: any failure to read it is the file's fault
+            raise KVCacheError(f"{path} is not a prompts file kvcache wrote ({type(e).__name__}: {e}); delete it") from e
+        ok = isinstance(kept, torch.Tensor) and kept.dtype == torch.long and tuple(kept.shape) == (batch, length)
+        if not ok or (kept.numel() and not (0 <= int(kept.min()) and int(kept.max()) < vocab)):
+            raise KVCacheError(f"{path} does not hold [{batch}, {length}] token ids below {vocab}; delete it")
+        return kept
+    prompts = make_prompts(tokenizer, batch, length, vocab)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(prompts, tmp)
+    os.replace(tmp, path)
+    return prompts
+
+
 def prefill(model: Any, prompts: torch.Tensor, chunk: int = 512, bar: Any = None) -> Past:
     """The keys and values of ``prompts`` ``[B, T]``: per layer ``([B, Hkv, T, D], [B, Hkv, T, D])``.
 
