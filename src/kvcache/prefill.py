@@ -10,9 +10,11 @@
 One forward pass over a whole prompt makes every layer hold all ``S`` keys and values at once,
 whatever the cache keeps afterwards. Fed ``chunk`` tokens at a time, a bounded layer (window,
 eviction) holds at most its budget plus one chunk: each chunk attends the kept slots and its own
-tokens, then the layer keeps its budget. The chunk's attention runs block by block over query
-rows (``attention.attend_weighted``), and the ``"kvcache"`` mask function builds no mask for a
-plain causal chunk after the past (``hf.kvcache_mask``), so no ``chunk x context`` tensor exists.
+tokens, then the layer keeps its budget. The ``"kvcache"`` mask function builds no mask for a
+plain causal chunk after the past (``hf.kvcache_mask``), and the attention builds none either: its
+rows attend the past with no mask and their own keys causally, merged exactly
+(``attention/causal.py``), so a plain causal chunk makes no ``chunk x context`` tensor; a bounded
+layer makes its masks by position (a window, padding) a block of query rows at a time.
 
 ``transformers``' own ``generate(..., prefill_chunk_size=N)`` feeds the prompt the same way and
 works with these caches (inside ``use_kvcache_attention``); ``prefill`` is the same loop without

@@ -105,11 +105,7 @@ def compress(
                 continue
             if weights is None or mode not in weights:
                 raise KeyError(f"compress: {spec!r} layer {i} scores by attention weights {mode!r}, which were not given")
-            w = weights[mode][i]
-            read = reads.keys.shape
-            if read[1] == 1 and w.shape[1] > 1:  # a flat store (adakv): head 0's slots, then head 1's, ...
-                w = w.reshape(w.shape[0], 1, -1)
-            layer.settle(w)
+            layer.settle(weights[mode][i])  # (a flat store reads a pass per KV head too: by_head.py)
     return cache
 
 

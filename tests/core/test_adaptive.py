@@ -145,6 +145,35 @@ def test_kept_slots_per_row_and_head_match_the_papers_rule(floor_share):
     assert len(after_prefill[1]) == window + floor and len(after_prefill[0]) == 2 * budget - window - floor
 
 
+@pytest.mark.parametrize("chunks", [[40, 6, 1, 9, 5], [30, 12, 11]])
+def test_passes_of_several_tokens_read_the_slots_per_head(chunks):
+    """A pass of several tokens reads the flat slots laid out per KV head (``by_head.py``); after
+    an eviction the heads hold different counts and the layout's empty cells are hidden. Outputs,
+    kept slots and scores stay the reference's."""
+    budget, window, pool = 16, 4, 1  # (pooling ties neighbours' scores: the choice among them is arbitrary)
+    q, k, v = crafted_inputs(total=sum(chunks), recent=window, prefill=chunks[0])
+    refs = [simulate_adakv(q[b], k[b], v[b], chunks, budget, window, pool, 0.2) for b in range(2)]
+    layer = AdaptiveLayer(budget, window=window, pool=pool)
+    start, padded = 0, []
+    for step, n in enumerate(chunks):
+        layer.update(k[:, :, start : start + n].float(), v[:, :, start : start + n].float())
+        if n > 1:
+            assert layer.pending.keys.shape[1] == 2  # per KV head, not one flat run
+            padded.append(layer.pending.padded)
+        out = layer.attend(q[:, :, start : start + n].float())
+        start += n
+        got = kept_sets(layer)
+        for b in range(2):
+            kept, scores, want_out, margin = refs[b][step]
+            assert margin > 1e-5, f"test data too close to a tie at step {step}, row {b} ({margin})"
+            torch.testing.assert_close(out[b].double(), want_out, rtol=1e-5, atol=1e-5)
+            assert got[b] == kept, f"step {step}, row {b}: kept {got[b]}, reference {kept}"
+            pos, heads, sc = layer.positions()[b, 0], layer.heads()[b, 0], layer.scores()[b, 0]
+            want = torch.tensor([scores[h][p] for p, h in zip(pos.tolist(), heads.tolist())], dtype=torch.float32)
+            torch.testing.assert_close(sc, want, rtol=1e-5, atol=1e-6)
+    assert padded[0] is False and any(padded[1:])
+
+
 def test_window_scores_are_max_pooled_within_each_head():
     """Within the budget nothing is evicted: every slot's score is the pooled window weight."""
     q, k, v = crafted_inputs(total=30, recent=8)

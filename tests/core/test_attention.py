@@ -205,24 +205,45 @@ def test_empty_query_and_empty_keys_like_sdpa():
 
 @pytest.mark.parametrize("q_len", [256, 250])
 def test_long_prefill_blocks_queries(monkeypatch, q_len):
+    """A prefill whose rows need masks builds them, and its scores, a block of rows at a time; a
+    causal one with no other mask needs none: fused SDPA over the keys before the queries and the
+    causal square, never a whole score matrix or mask."""
     batch, q_heads, kv_heads, kv_len = 1, 4, 2, 256
     q, k, v = qkv(batch, q_heads, kv_heads, q_len, kv_len, capacity=300)
     row_bytes = batch * q_heads * kv_len * 4
     monkeypatch.setattr(kvcache.attention.kernel, "_BLOCK_BYTES", 8 * row_bytes)  # about 8 query rows
-    with Recorder() as rec:
-        out = attend(q, k, v, causal=True)
-    mask = end_aligned(q_len, kv_len)
-    close(out, reference(q, k, v, mask=mask))
     full_scores = batch * q_heads * q_len * kv_len
-    biggest = max(n for _, outs, _ in rec.ops for _, n, _ in outs)
-    assert biggest < full_scores // 4, (biggest, full_scores)  # never a whole score matrix
-    # One attention call per block of rows: fused SDPA (no weights asked for) or scores + values.
-    attention_calls = sum("scaled_dot_product" in name or "bmm" in name or "mm" in name for name, _, _ in rec.ops)
-    assert attention_calls >= q_len // 8
-
-    # With an explicit mask and the same blocking.
     pad = bool_mask((batch, 1, q_len, kv_len), seed=5)
-    close(attend(q, k, v, mask=pad), reference(q, k, v, mask=pad))
+    for options, mask in (({"causal": True}, end_aligned(q_len, kv_len)), ({"mask": pad}, pad), ({"causal": True, "weights": "sum"}, None)):
+        with Recorder() as rec:
+            out, _ = attend_weighted(q, k, v, **options)
+        close(out, reference(q, k, v, mask=end_aligned(q_len, kv_len) if mask is None else mask))
+        if "mask" not in options:  # (the mask given is whole, and its views are recorded)
+            biggest = max(n for _, outs, _ in rec.ops for _, n, _ in outs)
+            assert biggest < full_scores // 4, (options, biggest, full_scores)  # never a whole score matrix
+        attention_calls = sum("scaled_dot_product" in name or "bmm" in name or "mm" in name for name, _, _ in rec.ops)
+        if "mask" in options or "weights" in options:  # one call per block of rows: fused SDPA or scores + values
+            assert attention_calls >= q_len // 8, options
+
+
+def test_a_masked_block_reads_only_the_keys_its_rows_may_see(monkeypatch):
+    """A sliding-window band over a long prefill: each block's fused SDPA call reads the band's
+    columns, not every key up to its last row."""
+    q_len, window = 256, 32
+    q, k, v = qkv(1, 4, 2, q_len, q_len)
+    i, j = torch.arange(q_len).view(-1, 1), torch.arange(q_len).view(1, -1)
+    band = ((j <= i) & (j > i - window)).view(1, 1, q_len, q_len)
+    monkeypatch.setattr(kvcache.attention.kernel, "_BLOCK_BYTES", 16 * 4 * q_len * 4)  # 16 query rows
+    want, read = reference(q, k, v, mask=band), []
+    sdpa = F.scaled_dot_product_attention
+
+    def recording(query, key, value, **kwargs):
+        read.append(key.shape[2])
+        return sdpa(query, key, value, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    close(attend(q, k, v, mask=band), want)
+    assert len(read) == q_len // 16 and max(read) <= 16 + window - 1, read
 
 
 def test_default_block_is_whole_prefill_for_small_inputs():

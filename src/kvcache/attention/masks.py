@@ -98,6 +98,21 @@ def position_rows(
     return rows
 
 
+def filled_slots(k_pos: torch.Tensor, q_heads: int) -> torch.Tensor:
+    """The slots that hold a token (position >= 0; ``k_pos`` ``[B|1, Hkv|1, N]``) as a key mask
+    in SDPA's layout, the same for every query row: boolean ``[B|1, Hq|1, 1, N]`` (query head h
+    reads KV head h // group)."""
+    while k_pos.dim() < 3:
+        k_pos = k_pos.unsqueeze(0)
+    filled = (k_pos >= 0).unsqueeze(2)  # [B|1, Hkv|1, 1, N]
+    kv_heads = filled.shape[1]
+    if kv_heads == 1:
+        return filled
+    return filled.unsqueeze(2).expand(filled.shape[0], kv_heads, q_heads // kv_heads, 1, filled.shape[-1]).reshape(
+        filled.shape[0], q_heads, 1, filled.shape[-1]
+    )
+
+
 def bias_at_slots(bias: torch.Tensor, k_pos: torch.Tensor, q_heads: int) -> torch.Tensor:
     """An additive bias over absolute positions (a model's relative-position logits, Inkling)
     ``[B|1, Hq|1, Sq, P]`` picked at each slot's position ``k_pos`` (``[B|1, Hkv|1, N]`` or

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from .kernel import attend_weighted
-from .masks import CAUSAL, VisibilityRule, bias_at_slots, position_rows
+from .masks import CAUSAL, VisibilityRule, bias_at_slots, filled_slots, position_rows
 from .readers import TensorLike
 
 
@@ -48,6 +48,9 @@ class Reads:
     #: than the first of them (an eviction store's survivors, then the new tokens): causal
     #: visibility is then the kernel's end-aligned ``causal``, which skips the keys in every row's future.
     new_at_end: bool = False
+    #: Some slots are empty (position -1: the padding of a per-head layout, ``layers/by_head.py``).
+    #: With ``new_at_end`` they are hidden by one key mask, so the pass stays on the kernel's ``causal``.
+    padded: bool = False
     returned: tuple[torch.Tensor, torch.Tensor] | None = None
     visibility: VisibilityRule | None = None
     weights: str | tuple[str, ...] | None = None
@@ -81,16 +84,20 @@ def attend_reads(
     positions, see ``position_rows``), plus ``bias``: additive logits over absolute positions
     ``[B|1, Hq|1, Sq, P]`` (``bias_at_slots``). Returns ``[B, Hq, Sq, Dv]`` and the weights asked
     for (``attend_weighted``'s modes, float32 ``[B, Hkv, N]``, a dict for a tuple of modes) or None."""
-    rows, causal = None, False
+    rows, causal, filled = None, False, None
     visible = (reads.visibility or CAUSAL) if visible is None else visible
     if visible == CAUSAL and mask is None and not reads.all_visible and _end_aligned(reads, first_query):
         causal = True  # the same rule, with no mask to build (see ``Reads.new_at_end``)
+        if reads.padded:
+            filled = filled_slots(reads.slot_positions(), query.shape[1])  # [B|1, Hq|1, 1, N]
     elif mask is not None or not reads.all_visible:
         first = reads.first_query if first_query is None else first_query
         rows = position_rows(first, reads.slot_positions(), visible, mask, reads.keys.shape[1])
-    slot_bias = None if bias is None else bias_at_slots(bias, reads.slot_positions(), query.shape[1])
+    slot_mask = None if bias is None else bias_at_slots(bias, reads.slot_positions(), query.shape[1])
+    if filled is not None:
+        slot_mask = filled if slot_mask is None else slot_mask.masked_fill(~filled, float("-inf"))
     return attend_weighted(
-        query, reads.keys, reads.values, scale=scale, softcap=softcap, mask=slot_bias, mask_rows=rows, causal=causal,
+        query, reads.keys, reads.values, scale=scale, softcap=softcap, mask=slot_mask, mask_rows=rows, causal=causal,
         weights=weights, sinks=sinks,
     )
 

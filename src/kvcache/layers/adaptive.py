@@ -13,18 +13,22 @@ keeps it; the budget counts it.
 Memory is the layer's budget: the kept slots are stored flat, keys/values ``[B, 1, C, D]`` with
 ``C = Hkv * (budget + 1)`` (one spare slot per head for a decode step), plus each slot's KV head
 (int16), absolute position (int32) and score (float32): 10 bytes per slot of bookkeeping, less
-than the 12 of a rectangular evicting store of the same budget. Attention reads the flat store as
-ONE KV head with every query head in its group, masked so that a query head sees only its own KV
-head's slots (``shared_budget.OwnHeads``): each query scores every slot of the layer, but each key
-is read once. ``view()`` and ``positions()`` are therefore ``[B, 1, L, ...]``; ``heads()`` says whose
-each slot is, ``head_lengths()`` how many each head keeps.
+than the 12 of a rectangular evicting store of the same budget. A decode step reads the flat store
+as ONE KV head with every query head in its group, masked so that a query head sees only its own
+KV head's slots (``shared_budget.OwnHeads``): each query scores every slot of the layer, but each
+key is read once (decode is bound by reading the keys). ``view()`` and ``positions()`` are
+therefore ``[B, 1, L, ...]``; ``heads()`` says whose each slot is, ``head_lengths()`` how many each
+head keeps.
 
-A pass of several tokens (a prefill, a chunk) rescores every slot it attended with its window's
-weights; one that overflows the store is attended as a temporary concatenation of the kept slots
-and the new tokens (as the evicting layer does), then the row keeps its best ``Hkv * budget``. A
-decode step does not rescore (SnapKV compresses the prompt): a generated token scores 0, so once
-it leaves the window it is the first to go, and the prompt's chosen slots stay. With a budget at
-least the sequence nothing is evicted and attention equals the full cache's.
+A pass of several tokens (a prefill, a chunk) is bound by its scores instead: it reads the slots
+laid out per KV head (``by_head.py``), so a query scores only its own head's slots, under the
+kernel's end-aligned causal rule with no mask per row. It rescores every slot it attended with its
+window's weights (brought back to the flat slots); one that overflows the store is attended as a
+temporary concatenation of the kept slots and the new tokens (as the evicting layer does), then
+the row keeps its best ``Hkv * budget``. A decode step does not rescore (SnapKV compresses the
+prompt): a generated token scores 0, so once it leaves the window it is the first to go, and the
+prompt's chosen slots stay. With a budget at least the sequence nothing is evicted and attention
+equals the full cache's.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from ..attention import Reads
 from ..errors import UnsupportedOperation
 from ..options import Option
 from .budget import check_budget
+from .by_head import ByHead
 from .selecting import SELECTION_OPTIONS, SelectingLayer
 from .checks import Geometry
 from .shared_budget import (
@@ -80,6 +85,8 @@ class AdaptiveLayer(SelectingLayer):
         if self.floor > 1:
             raise ValueError(f"floor is a share of each head's uniform budget, in [0, 1], got {floor}")
         self.store = SlotStore(layout=self._layout)
+        #: The per-head layout of the pending pass of several tokens, until it settles.
+        self._by_head: ByHead | None = None
 
     # ---- sizes ----------------------------------------------------------------------------
 
@@ -170,14 +177,28 @@ class AdaptiveLayer(SelectingLayer):
         return self._flat_geometry()
 
     def _record(self, keys, values, held, seen, n):
-        """Every slot in one run ``[B, 1, N, D]``, each query head seeing only its own KV head's slots."""
+        """A decode step reads every slot in one run ``[B, 1, N, D]``, each query head seeing only
+        its own KV head's slots; a pass of several tokens reads them laid out per head
+        (``by_head.py``), ``[B, Hkv, W, D]``, and its weights go back to the flat slots on settling."""
         if held is None:
             positions, heads = self.positions(), self.store.run("heads", 0, self.length)
         else:
             positions, heads = held["positions"].long(), held["heads"]
-        return Reads(keys, values, positions, seen, n, visibility=OwnHeads(heads, self.kv_heads), weights=self.weights_for(n))
+        if n == 1:
+            return Reads(keys, values, positions, seen, n, visibility=OwnHeads(heads, self.kv_heads), weights=self.weights_for(n))
+        layout = self._by_head = ByHead.of(heads, positions, self.kv_heads, n)
+        return Reads(
+            layout.rows(keys), layout.rows(values), layout.positions, seen, n, new_at_end=True, padded=layout.padded,
+            returned=(keys, values), weights=self.weights_for(n),
+        )
 
     # ---- after attention: score, then keep the best across heads ------------------------
+
+    def _settle(self, weights: torch.Tensor | None) -> None:
+        layout, self._by_head = self._by_head, None
+        if weights is not None and layout is not None:
+            weights = layout.flat(weights)  # [B, Hkv, W] per cell -> [B, 1, N] per flat slot
+        super()._settle(weights)
 
     def _scored(self, weights, slots):
         return self._observe(weights, slots)
@@ -220,6 +241,10 @@ class AdaptiveLayer(SelectingLayer):
         self._store_kept(slots)
 
     # ---- rollback, reuse, batch work ------------------------------------------------------
+
+    def reset(self) -> None:
+        super().reset()
+        self._by_head = None
 
     def check_trim(self, n: int) -> None:
         super().check_trim(n)
