@@ -5,12 +5,18 @@ values per token in groups of channels. For a decode step (a handful of query ro
 the coded decode library (``csrc/coded_decode.cpp``, built by ``native_build``) reads the codes
 once: scores as ``(q * scale) . codes + q . minimum`` per key block, and the weighted sum of
 values as ``sum_t (p_t * scale_t) codes_t + sum_t p_t * minimum_t``, unpacking and converting
-codes in registers, in float32, with OpenMP over batch rows, KV heads and chunks of tokens. The
-kernel (``kernel.py``) still does the cap, masks, sinks and softmax between the two products.
+codes in registers, in float32, with OpenMP over batch rows, KV heads and chunks of tokens.
 
-Both functions return None when the library is off or cannot build, or the shapes are beyond it
-(more than ``MAX_ROWS`` rows, head dims over ``MAX_DIM``): the caller then takes the pure PyTorch
-path, which dequantizes a block at a time.
+``key_scores`` and ``weighted_values`` are those two products, for the kernel's blockwise path
+(``kernel.py``), which does the cap, masks, sinks and softmax between them. ``decode_attention``
+does a plain decode step in one pass over the codes ("flash decoding": scores, cap, an online
+softmax and the weighted values, chunk by chunk, the chunks merged at the end), returning each
+row's normalised output and the log-sum-exp of its scores; ``merge_attention`` folds in the
+attention over further keys (a quantized layer's exact tail) by those log-sum-exps.
+
+The library functions return None when the library is off or cannot build, or the shapes are
+beyond it (more than ``MAX_ROWS`` rows, head dims over ``MAX_DIM``): the caller then takes the pure
+PyTorch path, which dequantizes a block at a time.
 """
 
 from __future__ import annotations
@@ -33,6 +39,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.kv_coded_key_scores.restype = i32
     lib.kv_coded_weighted.argtypes = [ptr] * 6 + [i64, i64, i32, i32, i32, i32, i64] + [i64] * 7 + [i64, i32]
     lib.kv_coded_weighted.restype = i32
+    lib.kv_coded_decode_attention.argtypes = (
+        [ptr] * 9 + [i64, i64] + [i32] * 6 + [i64] + [i64] * 8 + [i64, ctypes.c_float, ctypes.c_float, i32]
+    )
+    lib.kv_coded_decode_attention.restype = i32
     return lib
 
 
@@ -111,6 +121,68 @@ def weighted_values(
         chunk, threads,
     )  # fmt: skip
     return None if failed else out
+
+
+def decode_attention(
+    query: torch.Tensor,
+    keys: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    values: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    bits: int,
+    blocks: int,
+    value_group: int,
+    scale: float,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Attention of query rows ``[B, Hkv, R, D]`` over the first ``blocks * G`` tokens of a coded
+    store, in one library call: ``(out, lse)``, the normalised output float32 ``[B, Hkv, R, Dv]`` and
+    the log-sum-exp float32 ``[B, Hkv, R]`` of each row's scores ``scale * q . k`` (capped as
+    ``softcap * tanh(score / softcap)`` when ``softcap`` is given). ``keys``: codes
+    ``[B, Hkv, n, G, D * bits / 8]``, scale and minimum ``[B, Hkv, n, D]`` (``n >= blocks``);
+    ``values``: codes ``[B, Hkv, C, Dv * bits / 8]``, scale and minimum ``[B, Hkv, C, Dv / value_group]``
+    (``C >= blocks * G``): a store's whole buffers. None: see the module docstring."""
+    batch, heads, rows, dim = query.shape
+    kcodes, kscale, kmin = keys
+    vcodes, vscale, vmin = values
+    group, vdim = kcodes.shape[3], vcodes.shape[3] * 8 // bits
+    lib = library()
+    if (
+        lib is None
+        or not _fits(rows, max(dim, vdim), bits, query.device)
+        or blocks < 1
+        or blocks > kcodes.shape[2]
+        or blocks * group > vcodes.shape[2]
+        or value_group % (8 // bits)
+        or vdim % value_group
+        or (torch.is_grad_enabled() and query.requires_grad)  # the library computes no gradients
+    ):
+        return None
+    q = query.detach().float().contiguous()
+    kcodes, vcodes = _inner_contiguous(kcodes), _inner_contiguous(vcodes)
+    kscale, kmin = _same_strides(kscale, kmin)
+    vscale, vmin = _same_strides(vscale, vmin)
+    out = torch.empty(batch, heads, rows, vdim, dtype=torch.float32)
+    lse = torch.empty(batch, heads, rows, dtype=torch.float32)
+    threads = torch.get_num_threads()
+    chunk = task_chunk(blocks, batch * heads, threads, _TASKS_PER_THREAD, max(1, _MIN_CHUNK // group))
+    failed = lib.kv_coded_decode_attention(
+        q.data_ptr(), kcodes.data_ptr(), kscale.data_ptr(), kmin.data_ptr(),
+        vcodes.data_ptr(), vscale.data_ptr(), vmin.data_ptr(), out.data_ptr(), lse.data_ptr(),
+        batch, heads, rows, dim, vdim, group, value_group, bits, blocks,
+        kcodes.stride(0), kcodes.stride(1), kscale.stride(0), kscale.stride(1),
+        vcodes.stride(0), vcodes.stride(1), vscale.stride(0), vscale.stride(1),
+        chunk, scale, float(softcap or 0.0), threads,
+    )  # fmt: skip
+    return None if failed else (out, lse)
+
+
+def merge_attention(
+    out1: torch.Tensor, lse1: torch.Tensor, out2: torch.Tensor, lse2: torch.Tensor
+) -> torch.Tensor:
+    """The attention over two sets of keys from each set's own: normalised outputs ``[..., Dv]``
+    and the log-sum-exps ``[...]`` of their scores. The second set's share of a row is
+    ``exp(l2) / (exp(l1) + exp(l2)) = sigmoid(l2 - l1)``: exact, and no exponent overflows."""
+    share2 = torch.sigmoid(lse2 - lse1).unsqueeze(-1)
+    return torch.lerp(out1, out2, share2)
 
 
 def _fits(rows: int, dim: int, bits: int, device: torch.device) -> bool:

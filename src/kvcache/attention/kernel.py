@@ -10,8 +10,8 @@ Keys and values are always read through a ``BlockReader`` (``readers.py``): plai
 wrapped in a ``TensorReader`` (one block, the tensors themselves); a store of codes hands its own
 reader, dequantized one block of slots at a time, so no full-precision copy of it is made. The
 blockwise path (scores, softmax, weighted values, a block of query rows at a time) is written once
-over readers; ``route`` decides, in one place, which calls or rows take torch's SDPA or the one-pass
-C++ decode instead (both only for plain tensors).
+over readers; ``route`` decides, in one place, which calls or rows take torch's SDPA (plain tensors
+only) or a one-pass C++ decode instead (plain tensors, or a reader of codes that offers its own).
 
 Long prefills never build a ``max_len x max_len`` score matrix or mask. Rows that go through torch's
 fused SDPA with ``causal`` and no mask per row are split as ``causal.py`` does (the keys before the
@@ -157,9 +157,9 @@ def attend_weighted(
         raise ValueError(f"softcap must be a positive number or None, got {softcap}")
     settings = Settings(scale, softcap, causal, mask5, mask_rows, group_sinks(sinks, kv_heads, group))
     weighted_from = _first_weighted_row(modes, q_len)
-    try_native, sdpa_rows = route(plain is not None, settings, group, q_len, weighted_from)
+    try_native, sdpa_rows = route(plain is not None, settings, group, q_len, weighted_from, coded=plain is None)
     if try_native:
-        out = _native_decode(q5, *plain, settings)
+        out = _native_decode(q5, *plain, settings) if plain is not None else _reader_decode(q5, reader, settings)
         if out is not None:
             return out.to(query.dtype).reshape(batch, q_heads, q_len, value_dim), None
     reduced = {mode: _zeros(reader) for mode in modes}
@@ -185,10 +185,13 @@ def attend_weighted(
     return out.reshape(batch, q_heads, q_len, value_dim), _reduced(weights, modes, reader, reduced)
 
 
-def route(plain: bool, settings: Settings, group: int, q_len: int, weighted_from: int) -> tuple[bool, int]:
+def route(
+    plain: bool, settings: Settings, group: int, q_len: int, weighted_from: int, *, coded: bool = False
+) -> tuple[bool, int]:
     """Which path attends a call: the one place it is chosen. ``plain``: keys and values are
-    tensors (``reader.tensors()``); ``weighted_from``: the first query row whose weights are
-    asked for (``q_len``: none). Returns ``(try_native, sdpa_rows)``:
+    tensors (``reader.tensors()``); ``coded``: a reader of blocks, which may run a whole decode step
+    itself (``BlockReader.decode_attention``: a quantized store's does, over its codes); ``weighted_from``:
+    the first query row whose weights are asked for (``q_len``: none). Returns ``(try_native, sdpa_rows)``:
 
     0. (Before this, in ``attend``: a call of one query row per head over plain float32 or
        bfloat16 keys and values with no mask, softcap or sinks goes straight to the C++ decode,
@@ -198,6 +201,9 @@ def route(plain: bool, settings: Settings, group: int, q_len: int, weighted_from
        no sinks and no ``mask_rows``, is ``causal`` only with one query, has a boolean ``mask`` of
        at most one row per batch row or none, and ``torch.compile`` is not tracing (a library call
        would break the graph). The library may still decline (dtype, device, not built): then 2, 3.
+       Over a ``coded`` reader, ``try_native`` offers the call to the reader's own decode
+       (``decode_attention``; a quantized store's: one call of the coded library, ``fused.py``, plus
+       its few exact tokens) under the same conditions, but with no mask at all; if it declines, 3.
     2. Query rows ``0:sdpa_rows`` go through torch's fused SDPA, a block of rows at a time: plain
        keys, no softcap, no sinks, a boolean mask or none, and only rows whose weights nobody
        asked for (the blocks split at ``weighted_from``).
@@ -207,13 +213,14 @@ def route(plain: bool, settings: Settings, group: int, q_len: int, weighted_from
        the coded C++ library (``fused.py``, via the reader's ``decode_scores``/``decode_values``).
     """
     mask, no_extras = settings.mask, settings.sinks is None and settings.mask_rows is None
+    one_pass_mask = mask is None or (plain and mask.dtype == torch.bool and mask.shape[1:4] == (1, 1, 1))
     try_native = (
-        plain
+        (plain or coded)
         and no_extras
         and group * q_len <= DECODE_ROWS
         and weighted_from == q_len
         and (q_len == 1 or not settings.causal)
-        and (mask is None or (mask.dtype == torch.bool and mask.shape[1:4] == (1, 1, 1)))
+        and one_pass_mask
         and not torch.compiler.is_compiling()
     )
     sdpa = plain and settings.softcap is None and settings.sinks is None and (mask is None or mask.dtype == torch.bool)
@@ -390,6 +397,14 @@ def _native_decode(q5, key: torch.Tensor, value: torch.Tensor, settings: Setting
     batch, kv_heads, group, q_len, head_dim = q5.shape
     q = q5.reshape(batch, kv_heads, group * q_len, head_dim)
     return native.decode_attention(q, key, value, keep, settings.softcap, settings.scale)
+
+
+def _reader_decode(q5, reader: BlockReader, settings: Settings) -> torch.Tensor | None:
+    """A reader's own decode step ``[B, Hkv, group * Sq, Dv]`` (``BlockReader.decode_attention``),
+    or None where it declines (``route`` has checked everything else: no mask, sinks or weights)."""
+    batch, kv_heads, group, q_len, head_dim = q5.shape
+    q = q5.reshape(batch, kv_heads, group * q_len, head_dim)
+    return reader.decode_attention(q, settings.scale, settings.softcap)
 
 
 def _block_probs(q5, reader: BlockReader, settings: Settings, start: int, stop: int, limit: int) -> torch.Tensor:

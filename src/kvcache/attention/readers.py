@@ -23,7 +23,8 @@ class BlockReader(ABC):
     ``key_blocks()`` and ``value_blocks()`` yield ``[B, Hkv, t, D]`` / ``[B, Hkv, t, Dv]`` tensors
     in slot order whose lengths add up to ``T`` (keys and values may be split differently).
     The kernel reads a reader only through ``key_scores`` and ``weighted_values`` (built on the
-    blocks and the optional ``decode_*`` shortcuts), ``first`` and ``tensors``.
+    blocks and the optional ``decode_*`` shortcuts), ``first`` and ``tensors``, and offers a plain
+    decode step whole to ``decode_attention`` first (the kernel's ``route`` decides when).
     """
 
     @property
@@ -60,6 +61,13 @@ class BlockReader(ABC):
     def decode_values(self, weights: torch.Tensor) -> torch.Tensor | None:
         """``weights @ values`` ``[B, Hkv, R, Dv]`` for weights ``[B, Hkv, R, T]`` computed by the
         reader itself, or None: the kernel then reads ``value_blocks()``."""
+        return None
+
+    def decode_attention(self, query: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor | None:
+        """A whole decode step computed by the reader itself (e.g. in one pass over codes): the
+        attention ``[B, Hkv, R, Dv]``, in the query's dtype, of query rows ``[B, Hkv, R, D]`` over
+        every key, scores ``scale * q . k`` capped as ``softcap * tanh(score / softcap)`` (None: no
+        cap), with no mask, sinks or weights; or None: the kernel then takes its blockwise path."""
         return None
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -1,6 +1,6 @@
 // Decode attention over int8/int4/int2 codes, dequantized in registers (kvcache.attention.fused).
 //
-// Two plain C entry points, called through ctypes with raw pointers (no Python or torch headers,
+// Plain C entry points, called through ctypes with raw pointers (no Python or torch headers,
 // so the library builds in a second or two). Layouts are those of kvcache.layers.codes:
 //
 //   keys:   codes [B, Hkv, nblk, G, D'] (per channel over blocks of G tokens),
@@ -8,7 +8,7 @@
 //   values: codes [B, Hkv, T, Dv'], scale / minimum float32 [B, Hkv, T, Dv / Gv] (per token)
 //
 // D' = D * bits / 8: 4- and 2-bit codes are packed lowest bits first, element per_byte * i + j in
-// bits [bits * j, bits * (j + 1)) of byte i. Both kernels work in a "split" channel order,
+// bits [bits * j, bits * (j + 1)) of byte i. The kernels work in a "split" channel order,
 // position j * (D / per_byte) + i for element per_byte * i + j, so that unpacking byte i's j-th
 // code is a contiguous loop the compiler vectorizes; the query and the output are permuted to match.
 //
@@ -19,9 +19,17 @@
 //
 // Batch rows and KV heads are split across OpenMP threads, and so are chunks of tokens (so one
 // sequence still uses every core). Everything accumulates in float32.
+//
+// kv_coded_key_scores and kv_coded_weighted are the two products of a decode step, with the softmax
+// done by the caller between them; kv_coded_decode_attention does the whole step in one pass over
+// the codes (scores, softcap, an online softmax and the weighted values, chunk by chunk) and returns
+// each row's normalised output and log-sum-exp.
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) && !defined(KV_NO_CLONES)
 #define KV_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
@@ -322,6 +330,171 @@ KV_WRAP(8)
 KV_WRAP(4)
 KV_WRAP(2)
 
+// ---- the whole decode step in one pass ("flash decoding"): per (batch row, KV head, chunk of key
+// blocks) task, a tile of blocks is scored with the helpers above, folded into a running softmax
+// per query row, and its values summed with the same weights; the chunks of each (batch, head) are
+// merged at the end. The scores never leave a small per-thread buffer.
+
+constexpr int64_t kTileTokens = 128;  // tokens scored before their values are summed (scores stay in L1)
+
+using ScoresFn = void (*)(const float*, int, int, int, const uint8_t*, const float*, const float*, int, int, float*,
+                          int64_t);
+using WeightedFn = void (*)(const float*, int64_t, int, int, int, const uint8_t*, const float*, const float*,
+                            int64_t, int64_t, float*, float*);
+
+struct CodedKernels {
+    ScoresFn scores;
+    WeightedFn weighted;
+};
+
+CodedKernels kernels_for(int bits) {
+    if (bits == 8) return {key_scores_8, weighted_8};
+    if (bits == 4) return {key_scores_4, weighted_4};
+    return {key_scores_2, weighted_2};
+}
+
+// Sizes of one call. Key codes take kpacked bytes a token, value codes vpacked; values have
+// vgroups (scale, minimum) pairs a token.
+struct Dims {
+    int rows, dim, vdim, group, vgroup, bits;
+    int64_t kpacked, vpacked, vgroups;
+};
+
+// One (batch row, KV head)'s codes, scales and minimums.
+struct HeadCodes {
+    const uint8_t* kcodes;
+    const float* kscale;
+    const float* kmin;
+    const uint8_t* vcodes;
+    const float* vscale;
+    const float* vmin;
+};
+
+// A chunk's running softmax, per query row: the largest score so far, the sum of exp(score - max),
+// and the weighted values relative to that max, split as the value helpers leave them: acc [rows, vdim]
+// in split channel order and zacc [rows, vgroups] (the minimums' share).
+struct ChunkState {
+    float* max;
+    float* sum;
+    float* acc;
+    float* zacc;
+
+    static int64_t floats(const Dims& d) { return d.rows * (2 + d.vdim + d.vgroups); }
+
+    static ChunkState at(float* base, const Dims& d) {
+        return {base, base + d.rows, base + 2 * d.rows, base + 2 * d.rows + static_cast<int64_t>(d.rows) * d.vdim};
+    }
+};
+
+// e^x for x <= 0, in a form that vectorizes: x = k ln2 + f with k whole and |f| <= ln2 / 2 (ln2 in two
+// parts, so f is exact), e^f by a minimax polynomial (relative error about 1e-7), 2^k written into
+// the exponent bits. Below -87, where e^x is under float32's normal range, it returns 0.
+inline float exp_at_most_zero(float x) {
+    const float xc = x < -87.f ? -87.f : x;
+    const float k = __builtin_floorf(xc * 1.44269504089f + 0.5f);
+    const float f = (xc - k * 0.693359375f) + k * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * f + 1.3981999507e-3f;
+    p = p * f + 8.3334519073e-3f;
+    p = p * f + 4.1665795894e-2f;
+    p = p * f + 1.6666665459e-1f;
+    p = p * f + 5.0000001201e-1f;
+    const float ef = p * f * f + f + 1.f;
+    const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+    float two_k;
+    std::memcpy(&two_k, &bits, sizeof two_k);
+    return x < -87.f ? 0.f : ef * two_k;
+}
+
+// softcap * tanh(score / softcap) over the first n scores of each row (row stride width).
+inline void cap_scores(float* scores, int rows, int64_t width, int n, float softcap) {
+    for (int r = 0; r < rows; ++r) {
+        float* s = scores + r * width;
+        for (int j = 0; j < n; ++j) s[j] = softcap * std::tanh(s[j] / softcap);
+    }
+}
+
+// Fold a tile's scores (rows x n, row stride width) into the running softmax: a row whose maximum
+// rises rescales what it has summed, and its scores become their weights exp(score - max).
+inline void online_softmax_tile(float* scores, int64_t width, int n, const Dims& d, ChunkState& st) {
+    for (int r = 0; r < d.rows; ++r) {
+        float* __restrict s = scores + r * width;
+        float m = st.max[r];
+#pragma omp simd reduction(max : m)
+        for (int j = 0; j < n; ++j) m = s[j] > m ? s[j] : m;
+        if (m > st.max[r]) {
+            const float c = std::exp(st.max[r] - m);  // 0 on the first tile (max -inf, nothing summed)
+            st.sum[r] *= c;
+            float* __restrict a = st.acc + static_cast<int64_t>(r) * d.vdim;
+#pragma omp simd
+            for (int i = 0; i < d.vdim; ++i) a[i] *= c;
+            for (int g = 0; g < d.vgroups; ++g) st.zacc[r * d.vgroups + g] *= c;
+            st.max[r] = m;
+        }
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int j = 0; j < n; ++j) {
+            const float p = exp_at_most_zero(s[j] - m);
+            s[j] = p;
+            sum += p;
+        }
+        st.sum[r] += sum;
+    }
+}
+
+// Key blocks [first_block, last_block) of one (batch, head), tile_blocks at a time, into st.
+// q: the rows already scaled; scores: a buffer of rows x (tile_blocks * group) floats.
+void attend_chunk(const CodedKernels& kern, const float* q, const HeadCodes& h, const Dims& d, int64_t first_block,
+                  int64_t last_block, int64_t tile_blocks, float softcap, float* scores, ChunkState& st) {
+    const int64_t width = tile_blocks * d.group;
+    for (int r = 0; r < d.rows; ++r) {
+        st.max[r] = -INFINITY;
+        st.sum[r] = 0.f;
+    }
+    std::memset(st.acc, 0, sizeof(float) * d.rows * d.vdim);
+    std::memset(st.zacc, 0, sizeof(float) * d.rows * d.vgroups);
+    for (int64_t blk = first_block; blk < last_block; blk += tile_blocks) {
+        const int blocks = static_cast<int>(std::min(tile_blocks, last_block - blk));
+        const int n = blocks * d.group;
+        const int64_t t0 = blk * d.group;
+        kern.scores(q, d.rows, d.dim, d.group, h.kcodes + t0 * d.kpacked, h.kscale + blk * d.dim, h.kmin + blk * d.dim,
+                    0, blocks, scores, width);
+        if (softcap > 0.f) cap_scores(scores, d.rows, width, n, softcap);
+        online_softmax_tile(scores, width, n, d, st);
+        kern.weighted(scores, width, d.rows, d.vdim, d.vgroup, h.vcodes + t0 * d.vpacked, h.vscale + t0 * d.vgroups,
+                      h.vmin + t0 * d.vgroups, 0, n, st.acc, st.zacc);
+    }
+}
+
+// One (batch, head)'s chunks merged into its normalised output out [rows, vdim] (channels back in
+// order) and each row's log-sum-exp lse [rows].
+void merge_chunks(float* states, int64_t chunks, const Dims& d, float* out, float* lse) {
+    const int64_t part = ChunkState::floats(d);
+    const int per_byte = 8 / d.bits, n = d.vdim / per_byte;
+    for (int r = 0; r < d.rows; ++r) {
+        float top = -INFINITY;
+        for (int64_t c = 0; c < chunks; ++c) {
+            const ChunkState st = ChunkState::at(states + c * part, d);
+            if (st.sum[r] > 0.f && st.max[r] > top) top = st.max[r];
+        }
+        float* o = out + static_cast<int64_t>(r) * d.vdim;
+        std::memset(o, 0, sizeof(float) * d.vdim);
+        float total = 0.f;
+        for (int64_t c = 0; c < chunks; ++c) {
+            const ChunkState st = ChunkState::at(states + c * part, d);
+            if (!(st.sum[r] > 0.f)) continue;
+            const float w = std::exp(st.max[r] - top);
+            total += w * st.sum[r];
+            const float* a = st.acc + static_cast<int64_t>(r) * d.vdim;
+            const float* z = st.zacc + static_cast<int64_t>(r) * d.vgroups;
+            for (int i = 0; i < d.vdim; ++i) o[i] += w * (a[(i % per_byte) * n + i / per_byte] + z[i / d.vgroup]);
+        }
+        const float inv = total > 0.f ? 1.f / total : 0.f;
+        for (int i = 0; i < d.vdim; ++i) o[i] *= inv;
+        lse[r] = total > 0.f ? top + std::log(total) : -INFINITY;
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -396,6 +569,54 @@ int kv_coded_weighted(const float* p, const uint8_t* codes, const float* scale, 
                 o[d] = sum;
             }
         }
+    }
+    return 0;
+}
+
+// The whole attention of query rows q over the first nblk key blocks (nblk * G tokens, values
+// coded as far): out[b, h, r] = sum_t softmax_t(score) value(b, h, t), normalised, and
+// lse[b, h, r] = log sum_t exp(score_t), where score = softcap * tanh(scale * q . k / softcap)
+// (no cap when softcap <= 0), so that the caller can merge further keys in.
+// q float32 contiguous [B, H, rows, D]; out float32 contiguous [B, H, rows, Dv]; lse float32
+// contiguous [B, H, rows]. Codes, scales and minimums as for the two functions above (inner dims
+// contiguous), each with its own (batch, head) strides. Tasks: (batch, head, chunk_blocks blocks).
+int kv_coded_decode_attention(const float* q, const uint8_t* kcodes, const float* kscale, const float* kmin,
+                              const uint8_t* vcodes, const float* vscale, const float* vmin, float* out, float* lse,
+                              int64_t batch, int64_t heads, int rows, int dim, int vdim, int group, int vgroup,
+                              int bits, int64_t nblk, int64_t kcodes_b, int64_t kcodes_h, int64_t kscale_b,
+                              int64_t kscale_h, int64_t vcodes_b, int64_t vcodes_h, int64_t vscale_b,
+                              int64_t vscale_h, int64_t chunk_blocks, float scale, float softcap, int threads) {
+    if (bits != 8 && bits != 4 && bits != 2) return 1;
+    const int per_byte = 8 / bits;
+    if (rows < 1 || rows > kMaxRows || dim < 1 || dim > kMaxDim || vdim < 1 || vdim > kMaxDim || dim % per_byte ||
+        group < 1 || vgroup < 1 || vdim % vgroup || vgroup % per_byte || nblk < 1 || chunk_blocks < 1)
+        return 1;
+    const Dims d{rows, dim, vdim, group, vgroup, bits, dim / per_byte, vdim / per_byte, vdim / vgroup};
+    const CodedKernels kern = kernels_for(bits);
+    const int64_t chunks = (nblk + chunk_blocks - 1) / chunk_blocks, tasks = batch * heads * chunks;
+    const int64_t tile_blocks = std::max<int64_t>(1, kTileTokens / group);
+    const int64_t part = ChunkState::floats(d), q_rows = static_cast<int64_t>(rows) * dim;
+    std::vector<float> states(static_cast<size_t>(tasks * part));
+    std::vector<float> scaled(static_cast<size_t>(batch * heads * q_rows));
+#pragma omp parallel num_threads(threads)
+    {
+        std::vector<float> scores(static_cast<size_t>(rows * tile_blocks * group));
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < batch * heads * q_rows; ++i) scaled[i] = q[i] * scale;
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < tasks; ++task) {
+            const int64_t bh = task / chunks, c = task % chunks, b = bh / heads, h = bh % heads;
+            const HeadCodes codes{kcodes + b * kcodes_b + h * kcodes_h, kscale + b * kscale_b + h * kscale_h,
+                                  kmin + b * kscale_b + h * kscale_h,   vcodes + b * vcodes_b + h * vcodes_h,
+                                  vscale + b * vscale_b + h * vscale_h, vmin + b * vscale_b + h * vscale_h};
+            ChunkState st = ChunkState::at(states.data() + task * part, d);
+            const int64_t first = c * chunk_blocks, last = std::min(nblk, first + chunk_blocks);
+            attend_chunk(kern, scaled.data() + bh * q_rows, codes, d, first, last, tile_blocks, softcap,
+                         scores.data(), st);
+        }
+#pragma omp for schedule(static)
+        for (int64_t bh = 0; bh < batch * heads; ++bh)
+            merge_chunks(states.data() + bh * chunks * part, chunks, d, out + bh * rows * vdim, lse + bh * rows);
     }
     return 0;
 }

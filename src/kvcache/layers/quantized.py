@@ -10,7 +10,9 @@ recent keys are exact). A prompt's tail stays exact the same way.
 Decode attention reads the store block by block (``block`` tokens at a time): the attention
 kernel gets a ``BlockReader`` (``StoreReader``) that dequantizes one block into a small temporary
 for the kernel to take its scores or its share of the output, so no full-precision copy of the
-cache is ever built on a decode step. A chunk longer than the
+cache is ever built on a decode step. A plain decode step (no mask, sinks or weights asked for)
+goes further: ``StoreReader.decode_attention`` attends the codes in one pass of the coded library,
+softmax included, and merges in the few tokens after them. A chunk longer than the
 residual (a prefill) attends its own tokens in full precision, as Hugging Face's quantized cache
 does, with the quantized past dequantized for that one pass.
 
@@ -257,3 +259,63 @@ class StoreReader(BlockReader):
         if layer.seen > tv:
             out += torch.matmul(weights[..., tv:], codes.exact_values[:, :, : layer.seen - tv]).float()
         return out.to(weights.dtype)
+
+    def decode_attention(self, query: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor | None:
+        """A plain decode step's whole attention (no mask, sinks or weights: the kernel's ``route``
+        checks) of query rows ``[B, Hkv, R, D]``, scores ``scale * q . k`` capped by ``softcap``:
+        ``[B, Hkv, R, Dv]`` in the query's dtype, or None to decline (the library cannot run, or no
+        token has both its key and its value coded).
+
+        The tokens whose keys and values are both coded (whole key blocks) go through one library
+        call (``fused.decode_attention``); the few after them through PyTorch (``_tail_attention``:
+        keys still exact beside values already coded, then the exact residual; or, from a loaded
+        state, coded keys beside exact values), the two merged by log-sum-exp."""
+        layer, codes = self.layer, self.layer.codes
+        coded = self._both_coded()
+        if coded == 0:
+            return None
+        k, v = codes.keys.tensors, codes.values.tensors
+        head = fused.decode_attention(
+            query, (k["kcodes"], k["kscale"], k["kmin"]), (v["vcodes"], v["vscale"], v["vmin"]),
+            layer.bits, coded // layer.group_size, layer.value_group, scale, softcap,
+        )  # fmt: skip
+        if head is None:
+            return None
+        out, lse = head
+        if layer.seen > coded:
+            tail_out, tail_lse = self._tail_attention(query, coded, scale, softcap)
+            out = fused.merge_attention(out, lse, tail_out, tail_lse)
+        return out.to(query.dtype)
+
+    def _both_coded(self) -> int:
+        """How many first tokens have both their key and their value coded (whole key blocks)."""
+        codes, group = self.layer.codes, self.layer.group_size
+        return min(codes.quantized_keys, codes.quantized_values // group * group)
+
+    def _tail_attention(
+        self, query: torch.Tensor, start: int, scale: float, softcap: float | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention of query rows ``[B, Hkv, R, D]`` over tokens ``start...`` (a block-aligned
+        ``start``): the normalised output float32 ``[B, Hkv, R, Dv]`` and each row's log-sum-exp ``[B, Hkv, R]``."""
+        keys, values = self._tail(start)
+        scores = torch.matmul(query.float() * scale, keys.float().transpose(-1, -2))
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        lse = torch.logsumexp(scores, dim=-1)
+        out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), values.float())
+        return out, lse
+
+    def _tail(self, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys ``[B, Hkv, seen - start, D]`` and values ``[B, Hkv, seen - start, Dv]`` of tokens
+        ``start...`` (block-aligned) in full precision: codes dequantized where they are coded, the
+        residual after them."""
+        layer, codes = self.layer, self.layer.codes
+        g, seen = layer.geometry, layer.seen
+        tk, tv = codes.quantized_keys, codes.quantized_values
+        keys = codes.exact_keys[:, :, : seen - tk]
+        if tk > start:
+            keys = torch.cat([codes.keys_block(g, start, tk), keys], dim=2)
+        values = codes.exact_values[:, :, : seen - tv]
+        if tv > start:
+            values = torch.cat([codes.values_block(g, start, tv), values], dim=2)
+        return keys, values
