@@ -392,3 +392,19 @@ def test_random_sizes(monkeypatch):
         torch.testing.assert_close(out, capped_reference(query, layer, scale, softcap), **FP32, msg=msg)
         torch.testing.assert_close(out, todays_path(monkeypatch, query, layer, softcap=softcap)[0], **FP32, msg=msg)
     assert taken >= 10  # the draws above exercise the fused path, not only its refusals
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("seen", [700, 733, 801])
+def test_a_long_exact_tail_runs_in_the_same_call(monkeypatch, bits, seen):
+    """A residual longer than the library's tile (512 tokens) makes a tail of several tiles, with
+    exact keys beside both coded and exact values: one library call, equal to SDPA over the layer's
+    dequantized keys and values (same tolerance as above)."""
+    layer = filled_layer(bits, 2, 3, seen, 64, residual=600)
+    codes = layer.codes
+    assert codes.quantized_keys < codes.quantized_values < layer.seen and layer.seen - codes.quantized_keys > 512
+    query = queries(2, 3, 4, 1, 64)
+    calls = Calls(monkeypatch)
+    out, _ = attend_weighted(query, StoreReader(layer), None)
+    assert calls.fused == 1 and calls.scores == 0
+    torch.testing.assert_close(out, sdpa_over_dequantized(query, layer), **FP32)

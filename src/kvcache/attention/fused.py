@@ -41,6 +41,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.kv_coded_weighted.restype = i32
     lib.kv_coded_decode_attention.argtypes = (
         [ptr] * 9 + [i64, i64] + [i32] * 6 + [i64] + [i64] * 8 + [i64, ctypes.c_float, ctypes.c_float, i32]
+        + [ptr, i64, i64, i64, ptr, i64, i64, i64, i64, i64]
     )
     lib.kv_coded_decode_attention.restype = i32
     return lib
@@ -132,6 +133,7 @@ def decode_attention(
     value_group: int,
     scale: float,
     softcap: float | None = None,
+    tail: tuple[torch.Tensor, torch.Tensor, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Attention of query rows ``[B, Hkv, R, D]`` over the first ``blocks * G`` tokens of a coded
     store, in one library call: ``(out, lse)``, the normalised output float32 ``[B, Hkv, R, Dv]`` and
@@ -139,7 +141,11 @@ def decode_attention(
     ``softcap * tanh(score / softcap)`` when ``softcap`` is given). ``keys``: codes
     ``[B, Hkv, n, G, D * bits / 8]``, scale and minimum ``[B, Hkv, n, D]`` (``n >= blocks``);
     ``values``: codes ``[B, Hkv, C, Dv * bits / 8]``, scale and minimum ``[B, Hkv, C, Dv / value_group]``
-    (``C >= blocks * G``): a store's whole buffers. None: see the module docstring."""
+    (``C >= blocks * G``): a store's whole buffers. ``tail``: ``(keys, values, vcoded)``, the tokens
+    after the coded blocks, attended in the same call: exact float32 keys ``[B, Hkv, n, D]``, whose
+    first ``vcoded`` tokens have their values coded (right after the blocks' tokens) and the rest
+    exact float32 ``values`` ``[B, Hkv, n - vcoded, Dv]`` (last dims contiguous). None: see the module
+    docstring (also for a tail of another dtype or layout)."""
     batch, heads, rows, dim = query.shape
     kcodes, kscale, kmin = keys
     vcodes, vscale, vmin = values
@@ -154,8 +160,12 @@ def decode_attention(
         or value_group % (8 // bits)
         or vdim % value_group
         or (torch.is_grad_enabled() and query.requires_grad)  # the library computes no gradients
+        or (tail is not None and not _tail_fits(tail, query, blocks * group, vcodes.shape[2], vdim))
     ):
         return None
+    tail_keys, tail_values, vcoded = tail if tail is not None else (None, None, 0)
+    tail_len = 0 if tail_keys is None else tail_keys.shape[2]
+    exact_values = tail_values is not None and tail_len > vcoded
     q = query.detach().float().contiguous()
     kcodes, vcodes = _inner_contiguous(kcodes), _inner_contiguous(vcodes)
     kscale, kmin = _same_strides(kscale, kmin)
@@ -171,8 +181,29 @@ def decode_attention(
         kcodes.stride(0), kcodes.stride(1), kscale.stride(0), kscale.stride(1),
         vcodes.stride(0), vcodes.stride(1), vscale.stride(0), vscale.stride(1),
         chunk, scale, float(softcap or 0.0), threads,
+        tail_keys.data_ptr() if tail_len else None, *(tail_keys.stride()[:3] if tail_len else (0, 0, 0)),
+        tail_values.data_ptr() if exact_values else None, *(tail_values.stride()[:3] if exact_values else (0, 0, 0)),
+        tail_len, vcoded,
     )  # fmt: skip
     return None if failed else (out, lse)
+
+
+def _tail_fits(tail: tuple[torch.Tensor, torch.Tensor, int], query: torch.Tensor, coded: int, value_slots: int, vdim: int) -> bool:
+    """Whether ``decode_attention`` can take this tail (see its docstring) in the library."""
+    keys, values, vcoded = tail
+    batch, heads, _, dim = query.shape
+    n = keys.shape[2]
+    return (
+        keys.dtype == values.dtype == torch.float32
+        and keys.shape[:2] == values.shape[:2] == (batch, heads)
+        and keys.shape[3] == dim
+        and values.shape[3] == vdim
+        and 0 <= vcoded <= n
+        and values.shape[2] == n - vcoded
+        and coded + vcoded <= value_slots
+        and keys.stride(3) == 1
+        and values.stride(3) == 1
+    )
 
 
 def merge_attention(

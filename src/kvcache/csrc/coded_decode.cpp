@@ -335,7 +335,7 @@ KV_WRAP(2)
 // per query row, and its values summed with the same weights; the chunks of each (batch, head) are
 // merged at the end. The scores never leave a small per-thread buffer.
 
-constexpr int64_t kTileTokens = 128;  // tokens scored before their values are summed (scores stay in L1)
+constexpr int64_t kTileTokens = 512;  // tokens scored before their values are summed (rows x 512 scores: L1/L2)
 
 using ScoresFn = void (*)(const float*, int, int, int, const uint8_t*, const float*, const float*, int, int, float*,
                           int64_t);
@@ -384,6 +384,27 @@ struct ChunkState {
     static ChunkState at(float* base, const Dims& d) {
         return {base, base + d.rows, base + 2 * d.rows, base + 2 * d.rows + static_cast<int64_t>(d.rows) * d.vdim};
     }
+
+    void clear(const Dims& d) {
+        for (int r = 0; r < d.rows; ++r) {
+            max[r] = -INFINITY;
+            sum[r] = 0.f;
+        }
+        std::memset(acc, 0, sizeof(float) * d.rows * d.vdim);
+        std::memset(zacc, 0, sizeof(float) * d.rows * d.vgroups);
+    }
+};
+
+// The tokens after the coded key blocks of one (batch, head): keys exact (float32 rows k_t floats
+// apart); the first `vcoded` of them have coded values (value codes from token `from` on), the rest
+// exact values (float32 rows v_t floats apart). A layer codes its values before its keys, so this
+// is its usual tail: the keys of the last partial block and its exact residual.
+struct ExactTail {
+    const float* keys;
+    int64_t k_t;
+    const float* values;
+    int64_t v_t;
+    int64_t from, len, vcoded;
 };
 
 // e^x for x <= 0, in a form that vectorizes: x = k ln2 + f with k whole and |f| <= ln2 / 2 (ln2 in two
@@ -447,12 +468,7 @@ inline void online_softmax_tile(float* scores, int64_t width, int n, const Dims&
 void attend_chunk(const CodedKernels& kern, const float* q, const HeadCodes& h, const Dims& d, int64_t first_block,
                   int64_t last_block, int64_t tile_blocks, float softcap, float* scores, ChunkState& st) {
     const int64_t width = tile_blocks * d.group;
-    for (int r = 0; r < d.rows; ++r) {
-        st.max[r] = -INFINITY;
-        st.sum[r] = 0.f;
-    }
-    std::memset(st.acc, 0, sizeof(float) * d.rows * d.vdim);
-    std::memset(st.zacc, 0, sizeof(float) * d.rows * d.vgroups);
+    st.clear(d);
     for (int64_t blk = first_block; blk < last_block; blk += tile_blocks) {
         const int blocks = static_cast<int>(std::min(tile_blocks, last_block - blk));
         const int n = blocks * d.group;
@@ -463,6 +479,43 @@ void attend_chunk(const CodedKernels& kern, const float* q, const HeadCodes& h, 
         online_softmax_tile(scores, width, n, d, st);
         kern.weighted(scores, width, d.rows, d.vdim, d.vgroup, h.vcodes + t0 * d.vpacked, h.vscale + t0 * d.vgroups,
                       h.vmin + t0 * d.vgroups, 0, n, st.acc, st.zacc);
+    }
+}
+
+// The exact tail (see ExactTail) folded into st as one more chunk, a tile of `width` tokens at a time.
+void attend_tail(const CodedKernels& kern, const float* q, const HeadCodes& h, const ExactTail& tail, const Dims& d,
+                 int64_t width, float softcap, float* scores, ChunkState& st) {
+    const int per_byte = 8 / d.bits;
+    const int64_t split = d.vdim / per_byte;  // element e of a value sits at (e % per_byte) * split + e / per_byte
+    st.clear(d);
+    for (int64_t t0 = 0; t0 < tail.len; t0 += width) {
+        const int n = static_cast<int>(std::min(width, tail.len - t0));
+        for (int r = 0; r < d.rows; ++r) {
+            const float* __restrict qr = q + static_cast<int64_t>(r) * d.dim;
+            for (int j = 0; j < n; ++j) {
+                const float* __restrict k = tail.keys + (t0 + j) * tail.k_t;
+                float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+                for (int i = 0; i < d.dim; ++i) dot += qr[i] * k[i];
+                scores[r * width + j] = dot;
+            }
+        }
+        if (softcap > 0.f) cap_scores(scores, d.rows, width, n, softcap);
+        online_softmax_tile(scores, width, n, d, st);
+        const int64_t coded_end = std::min<int64_t>(t0 + n, tail.vcoded);
+        if (coded_end > t0) {
+            const int64_t tok = tail.from + t0;
+            kern.weighted(scores, width, d.rows, d.vdim, d.vgroup, h.vcodes + tok * d.vpacked, h.vscale + tok * d.vgroups,
+                          h.vmin + tok * d.vgroups, 0, coded_end - t0, st.acc, st.zacc);
+        }
+        for (int64_t t = std::max(t0, tail.vcoded); t < t0 + n; ++t) {
+            const float* __restrict v = tail.values + (t - tail.vcoded) * tail.v_t;
+            for (int r = 0; r < d.rows; ++r) {
+                const float p = scores[r * width + (t - t0)];
+                float* __restrict a = st.acc + static_cast<int64_t>(r) * d.vdim;
+                for (int e = 0; e < d.vdim; ++e) a[(e % per_byte) * split + e / per_byte] += p * v[e];
+            }
+        }
     }
 }
 
@@ -580,20 +633,30 @@ int kv_coded_weighted(const float* p, const uint8_t* codes, const float* scale, 
 // q float32 contiguous [B, H, rows, D]; out float32 contiguous [B, H, rows, Dv]; lse float32
 // contiguous [B, H, rows]. Codes, scales and minimums as for the two functions above (inner dims
 // contiguous), each with its own (batch, head) strides. Tasks: (batch, head, chunk_blocks blocks).
+// tail_len > 0 adds that many tokens after the coded blocks (ExactTail): exact keys tail_k
+// [B, H, tail_len, D] and, after the first tail_vcoded (whose values are coded), exact values
+// tail_v [B, H, tail_len - tail_vcoded, Dv], float32 with the given strides (last dim contiguous);
+// out and lse then cover them too.
 int kv_coded_decode_attention(const float* q, const uint8_t* kcodes, const float* kscale, const float* kmin,
                               const uint8_t* vcodes, const float* vscale, const float* vmin, float* out, float* lse,
                               int64_t batch, int64_t heads, int rows, int dim, int vdim, int group, int vgroup,
                               int bits, int64_t nblk, int64_t kcodes_b, int64_t kcodes_h, int64_t kscale_b,
                               int64_t kscale_h, int64_t vcodes_b, int64_t vcodes_h, int64_t vscale_b,
-                              int64_t vscale_h, int64_t chunk_blocks, float scale, float softcap, int threads) {
+                              int64_t vscale_h, int64_t chunk_blocks, float scale, float softcap, int threads,
+                              const float* tail_k, int64_t tk_b, int64_t tk_h, int64_t tk_t, const float* tail_v,
+                              int64_t tv_b, int64_t tv_h, int64_t tv_t, int64_t tail_len, int64_t tail_vcoded) {
     if (bits != 8 && bits != 4 && bits != 2) return 1;
+    if (tail_len < 0 || tail_vcoded < 0 || tail_vcoded > tail_len || (tail_len > 0 && tail_k == nullptr) ||
+        (tail_len > tail_vcoded && tail_v == nullptr))
+        return 1;
     const int per_byte = 8 / bits;
     if (rows < 1 || rows > kMaxRows || dim < 1 || dim > kMaxDim || vdim < 1 || vdim > kMaxDim || dim % per_byte ||
         group < 1 || vgroup < 1 || vdim % vgroup || vgroup % per_byte || nblk < 1 || chunk_blocks < 1)
         return 1;
     const Dims d{rows, dim, vdim, group, vgroup, bits, dim / per_byte, vdim / per_byte, vdim / vgroup};
     const CodedKernels kern = kernels_for(bits);
-    const int64_t chunks = (nblk + chunk_blocks - 1) / chunk_blocks, tasks = batch * heads * chunks;
+    const int64_t coded_chunks = (nblk + chunk_blocks - 1) / chunk_blocks;
+    const int64_t chunks = coded_chunks + (tail_len > 0 ? 1 : 0), tasks = batch * heads * chunks;
     const int64_t tile_blocks = std::max<int64_t>(1, kTileTokens / group);
     const int64_t part = ChunkState::floats(d), q_rows = static_cast<int64_t>(rows) * dim;
     std::vector<float> states(static_cast<size_t>(tasks * part));
@@ -610,6 +673,12 @@ int kv_coded_decode_attention(const float* q, const uint8_t* kcodes, const float
                                   kmin + b * kscale_b + h * kscale_h,   vcodes + b * vcodes_b + h * vcodes_h,
                                   vscale + b * vscale_b + h * vscale_h, vmin + b * vscale_b + h * vscale_h};
             ChunkState st = ChunkState::at(states.data() + task * part, d);
+            if (c == coded_chunks) {  // the exact tail: one more chunk
+                const ExactTail tail{tail_k + b * tk_b + h * tk_h, tk_t, tail_v == nullptr ? nullptr : tail_v + b * tv_b + h * tv_h,
+                                     tv_t, nblk * group, tail_len, tail_vcoded};
+                attend_tail(kern, scaled.data() + bh * q_rows, codes, tail, d, tile_blocks * group, softcap, scores.data(), st);
+                continue;
+            }
             const int64_t first = c * chunk_blocks, last = std::min(nblk, first + chunk_blocks);
             attend_chunk(kern, scaled.data() + bh * q_rows, codes, d, first, last, tile_blocks, softcap,
                          scores.data(), st);

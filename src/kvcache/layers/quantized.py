@@ -275,10 +275,13 @@ class StoreReader(BlockReader):
         if coded == 0:
             return None
         k, v = codes.keys.tensors, codes.values.tensors
-        head = fused.decode_attention(
-            query, (k["kcodes"], k["kscale"], k["kmin"]), (v["vcodes"], v["vscale"], v["vmin"]),
-            layer.bits, coded // layer.group_size, layer.value_group, scale, softcap,
-        )  # fmt: skip
+        keys, values = (k["kcodes"], k["kscale"], k["kmin"]), (v["vcodes"], v["vscale"], v["vmin"])
+        blocks, tail = coded // layer.group_size, self._exact_tail(coded)
+        if tail is not None:  # the usual case: the tail in the same library call
+            whole = fused.decode_attention(query, keys, values, layer.bits, blocks, layer.value_group, scale, softcap, tail)
+            if whole is not None:
+                return whole[0].to(query.dtype)
+        head = fused.decode_attention(query, keys, values, layer.bits, blocks, layer.value_group, scale, softcap)
         if head is None:
             return None
         out, lse = head
@@ -286,6 +289,17 @@ class StoreReader(BlockReader):
             tail_out, tail_lse = self._tail_attention(query, coded, scale, softcap)
             out = fused.merge_attention(out, lse, tail_out, tail_lse)
         return out.to(query.dtype)
+
+    def _exact_tail(self, coded: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """The tokens after the first ``coded`` as ``fused.decode_attention`` takes them in the same
+        call: ``(exact keys, exact values after the coded ones, how many have coded values)``; None
+        where their keys are not all exact (a loaded state) or nothing follows."""
+        layer, codes = self.layer, self.layer.codes
+        tk, tv, seen = codes.quantized_keys, codes.quantized_values, layer.seen
+        if seen == coded or tk != coded or tv < coded:
+            return None
+        # (float32 as the library reads them: a half-precision layer's few exact tokens are widened)
+        return codes.exact_keys[:, :, : seen - tk].float(), codes.exact_values[:, :, : seen - tv].float(), tv - coded
 
     def _both_coded(self) -> int:
         """How many first tokens have both their key and their value coded (whole key blocks)."""
