@@ -18,7 +18,7 @@ def add_bench(subparsers: argparse._SubParsersAction) -> None:
     real.add_argument("--model", default=None, metavar="NAME|DIR", help="a model name, tiny (the shipped model), or a local Hugging Face model folder (default: smollm2)")
     real.add_argument("--contexts", type=int_list, default=None, metavar="N,...", help="context lengths (default: 1024,4096,8192; --quick 1024)")
     real.add_argument("--batches", type=int_list, default=None, metavar="N,...", help="batch sizes (default: 1,4,8,16; --quick 1,8)")
-    real.add_argument("--prefill-cache", default=None, metavar="DIR", help="keep the prefill's keys and values here for later runs")
+    real.add_argument("--prefill-cache", default=None, metavar="DIR", help="keep the prompts and the prefill's keys and values here for later runs")
     real.add_argument(
         "--contenders", type=name_list, default=None, metavar="NAME,...",
         help="only these contenders (DynamicCache, the reference, always runs); see kvcache.apps.bench.real_decode.CONTENDERS",
