@@ -660,12 +660,13 @@ int kv_coded_decode_attention(const float* q, const uint8_t* kcodes, const float
     const int64_t tile_blocks = std::max<int64_t>(1, kTileTokens / group);
     const int64_t part = ChunkState::floats(d), q_rows = static_cast<int64_t>(rows) * dim;
     std::vector<float> states(static_cast<size_t>(tasks * part));
+    // The scaled queries are few floats: made before the parallel region, so the region has one
+    // barrier (tasks, then the merge) -- each barrier can cost a scheduler quantum on a busy machine.
     std::vector<float> scaled(static_cast<size_t>(batch * heads * q_rows));
+    for (int64_t i = 0; i < batch * heads * q_rows; ++i) scaled[i] = q[i] * scale;
 #pragma omp parallel num_threads(threads)
     {
         std::vector<float> scores(static_cast<size_t>(rows * tile_blocks * group));
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < batch * heads * q_rows; ++i) scaled[i] = q[i] * scale;
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < tasks; ++task) {
             const int64_t bh = task / chunks, c = task % chunks, b = bh / heads, h = bh % heads;
