@@ -1,0 +1,386 @@
+"""The block pool of a paged KV cache: fixed-size blocks of slots, reference counted, with prefix
+caching by hash chain (the bookkeeping and storage of PagedAttention with automatic prefix caching).
+
+Storage: per layer a key tensor ``[blocks, Hkv, block_size, D]`` and a value tensor
+``[blocks, Hkv, block_size, Dv]``, allocated once (``nbytes``) and never grown. A sequence holds a
+block table (a list of block ids); its token ``t`` lies in block ``table[t // block_size]``, slot
+``t % block_size``.
+
+Every block is in exactly one of three sets:
+
+- **free**: refcount 0, no key; handed out first by ``allocate``;
+- **cached**: refcount 0 with a key (a full block of a known prefix), in an LRU; ``lookup`` revives
+  it, ``allocate`` evicts the least recently released when the free blocks do not suffice;
+- **owned**: refcount > 0, with or without a key.
+
+A registered (keyed) block is immutable; a shared one (refcount > 1) is read-only: a sequence that
+must write into it copies it first (``copy_block``, copy-on-write). The pool notes which slots of
+each block every layer has written since the block was allocated, so ``register`` takes only full
+blocks. A call that raises changes nothing. Not thread-safe: one scheduler drives a pool.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from ..errors import KVCacheError
+from ..prompts.keys import chain
+
+#: A block's prefix key: what ``chain_keys`` returns (hex str), or any non-empty bytes or str.
+Key = bytes | str
+
+
+class PoolError(KVCacheError, ValueError):
+    """A block pool call cannot be done: bad arguments, too few free blocks, a block in the wrong
+    state for the call (free, shared, registered), or, from ``check``, a broken invariant. Nothing
+    was changed."""
+
+
+def chain_keys(tokens: Sequence[int] | torch.Tensor, block_size: int, salt: bytes | str) -> list[str]:
+    """The prefix key of each full block of ``tokens`` (a sequence of ids or a 1-D integer tensor):
+    ``key_i = SHA-256(key_{i-1} || int64 bytes of block i's tokens)``, ``key_{-1} = SHA-256(salt)``,
+    as hex strings; a last partial block gets no key.
+
+    This is the prompt store's chain (``kvcache.prompts.keys.chain``) with chunk = ``block_size``,
+    so a key names the whole prefix up to the end of its block under one salt. ``salt`` must name
+    everything the stored keys and values depend on besides the tokens (model, dtype, ...);
+    ``kvcache.prompts.keys.salt`` makes one. A ``str`` salt is taken as its UTF-8 bytes.
+    """
+    block_size = _count("block_size", block_size, least=1)
+    if isinstance(salt, str):
+        salt = salt.encode()
+    elif not isinstance(salt, bytes):
+        raise PoolError(f"salt must be bytes or str, got {type(salt).__name__}")
+    return chain(salt, _token_ids(tokens), block_size)
+
+
+class BlockPool:
+    """``blocks`` blocks of ``block_size`` slots for ``layers`` layers of ``kv_heads`` heads.
+
+    Keys are ``head_dim`` wide, values ``value_dim`` (default ``head_dim``); both in ``dtype`` on
+    ``device``. The storage starts zeroed (a masked-out slot read by a matmul must not be NaN);
+    a block's slots hold whatever was last written until it is written again.
+    """
+
+    def __init__(
+        self,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        blocks: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        value_dim: int | None = None,
+    ):
+        self.layers = _count("layers", layers, least=1)
+        self.kv_heads = _count("kv_heads", kv_heads, least=1)
+        self.head_dim = _count("head_dim", head_dim, least=1)
+        self.block_size = _count("block_size", block_size, least=1)
+        self.total = _count("blocks", blocks, least=1)
+        self.value_dim = self.head_dim if value_dim is None else _count("value_dim", value_dim, least=1)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise PoolError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError) as e:
+            raise PoolError(f"device must name a torch device, got {device!r}: {e}") from None
+        self.dtype = dtype
+        # One allocation per side; each layer's tensor is a view of it.
+        shape = (self.layers, self.total, self.kv_heads, self.block_size)
+        self._k = torch.zeros(*shape, self.head_dim, dtype=dtype, device=device)
+        self._v = torch.zeros(*shape, self.value_dim, dtype=dtype, device=device)
+        self.device = self._k.device
+        self.key_blocks: tuple[torch.Tensor, ...] = tuple(self._k.unbind(0))
+        self.value_blocks: tuple[torch.Tensor, ...] = tuple(self._v.unbind(0))
+
+        self._refs = [0] * self.total
+        self._free = list(range(self.total - 1, -1, -1))  # a stack: the lowest ids go out first
+        self._lru: OrderedDict[int, None] = OrderedDict()  # cached blocks, least recently released first
+        self._key_of: dict[int, Key] = {}
+        self._block_of: dict[Key, int] = {}
+        # Per layer, per block: a bit mask of the slots written since the block was allocated.
+        self._written = [[0] * self.total for _ in range(self.layers)]
+
+    # ---- sizes and counts -----------------------------------------------------------------------
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of key and value storage, all allocated at construction."""
+        return self._k.nbytes + self._v.nbytes
+
+    @property
+    def free_count(self) -> int:
+        """Blocks with refcount 0 and no key."""
+        return len(self._free)
+
+    @property
+    def cached_count(self) -> int:
+        """Blocks with refcount 0 and a key (in the LRU, revivable by ``lookup``)."""
+        return len(self._lru)
+
+    @property
+    def owned_count(self) -> int:
+        """Blocks with refcount > 0."""
+        return self.total - len(self._free) - len(self._lru)
+
+    @property
+    def available(self) -> int:
+        """What ``allocate`` can hand out: free blocks, then cached ones by eviction."""
+        return len(self._free) + len(self._lru)
+
+    def refcount(self, block: int) -> int:
+        return self._refs[self._block(block)]
+
+    def key(self, block: int) -> Key | None:
+        """The key ``block`` is registered under, or None."""
+        return self._key_of.get(self._block(block))
+
+    # ---- references -----------------------------------------------------------------------------
+
+    def allocate(self, n: int) -> list[int]:
+        """``n`` blocks, each with refcount 1, no key and no slot written: free blocks first, then
+        cached blocks evicted least recently released first (their keys stop hitting)."""
+        n = _count("n", n, least=0)
+        if n > self.available:
+            raise PoolError(
+                f"cannot allocate {n} blocks: {self.available} free of {self.total} "
+                f"({len(self._free)} free, {len(self._lru)} cached, {self.owned_count} owned)"
+            )
+        out = [self._free.pop() for _ in range(min(n, len(self._free)))]
+        while len(out) < n:
+            block, _ = self._lru.popitem(last=False)
+            del self._block_of[self._key_of.pop(block)]
+            out.append(block)
+        for block in out:
+            self._refs[block] = 1
+            for written in self._written:
+                written[block] = 0
+        return out
+
+    def retain(self, block: int) -> None:
+        """One more reference to an owned block (a second sequence sharing it)."""
+        block = self._owned(block, "retain")
+        self._refs[block] += 1
+
+    def release(self, block: int) -> None:
+        """One reference less; at 0 a keyed block goes to the cached LRU (newest end), any other
+        to the free list."""
+        block = self._owned(block, "release")
+        self._refs[block] -= 1
+        if self._refs[block] == 0:
+            if block in self._key_of:
+                self._lru[block] = None
+            else:
+                self._free.append(block)
+
+    # ---- prefix caching -------------------------------------------------------------------------
+
+    def register(self, block: int, key: Key) -> int:
+        """Mark the owned, full ``block`` (every slot written in every layer) as holding the prefix
+        ``key``; from now on it is immutable. Returns the block that holds ``key``: ``block``, or
+        the one already registered under it (then nothing changes and no reference is taken: the
+        caller may ``lookup(key)`` to share it and release its duplicate)."""
+        block = self._owned(block, "register")
+        key = _key(key)
+        full = (1 << self.block_size) - 1
+        unfilled = [layer for layer in range(self.layers) if self._written[layer][block] != full]
+        if unfilled:
+            raise PoolError(
+                f"cannot register block {block}: only full blocks hold a prefix, and layer {unfilled[0]} "
+                f"has {self._written[unfilled[0]][block].bit_count()} of {self.block_size} slots written"
+            )
+        holder = self._block_of.get(key)
+        if holder is not None:
+            return holder
+        if block in self._key_of:
+            raise PoolError(f"cannot register block {block} under {key!r}: it already holds {self._key_of[block]!r}")
+        self._key_of[block] = key
+        self._block_of[key] = block
+        return block
+
+    def lookup(self, key: Key) -> int | None:
+        """The block registered under ``key``, with one more reference (a cached block leaves the
+        LRU), or None."""
+        block = self._block_of.get(_key(key))
+        if block is None:
+            return None
+        if self._refs[block] == 0:
+            del self._lru[block]
+        self._refs[block] += 1
+        return block
+
+    # ---- contents -------------------------------------------------------------------------------
+
+    def writable(self, block: int) -> bool:
+        """Whether ``write`` may change ``block``: owned by exactly one reference and unregistered."""
+        block = self._block(block)
+        return self._refs[block] == 1 and block not in self._key_of
+
+    def write(self, layer: int, block: int, offset: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write ``n`` slots from ``offset`` of ``block`` in ``layer``: ``keys`` ``[Hkv, n, D]`` and
+        ``values`` ``[Hkv, n, Dv]`` (a leading batch of one, ``[1, Hkv, n, D]``, is taken too), in the
+        pool's dtype and device. Refused for a free, cached, shared or registered block, and for
+        slots past the block's end."""
+        layer = self._layer(layer)
+        block = self._block(block)
+        self._check_writable(block)
+        keys = self._slots("keys", keys, self.head_dim)
+        values = self._slots("values", values, self.value_dim)
+        n = keys.shape[1]
+        if values.shape[1] != n:
+            raise PoolError(f"keys hold {n} slots but values hold {values.shape[1]}")
+        offset = _count("offset", offset, least=0)
+        if offset + n > self.block_size:
+            raise PoolError(f"slots [{offset}, {offset + n}) overflow a block of {self.block_size} slots")
+        self._k[layer, block, :, offset : offset + n].copy_(keys)
+        self._v[layer, block, :, offset : offset + n].copy_(values)
+        self._written[layer][block] |= ((1 << n) - 1) << offset
+
+    def copy_block(self, src: int) -> int:
+        """A newly allocated block (refcount 1, unregistered) holding ``src``'s slots in every layer:
+        copy-on-write of a shared or registered block. ``src`` must be owned."""
+        src = self._owned(src, "copy")
+        (dst,) = self.allocate(1)
+        self._k[:, dst].copy_(self._k[:, src])
+        self._v[:, dst].copy_(self._v[:, src])
+        for written in self._written:
+            written[dst] = written[src]
+        return dst
+
+    def views(self, layer: int, block_ids: Iterable[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys ``[Hkv, n * block_size, D]`` and values ``[Hkv, n * block_size, Dv]`` of the
+        owned blocks ``block_ids`` in order, gathered into new contiguous tensors."""
+        layer = self._layer(layer)
+        ids = [self._owned(block, "read") for block in block_ids]
+        index = torch.tensor(ids, dtype=torch.long, device=self.device)
+        return self._gather(self._k[layer], index), self._gather(self._v[layer], index)
+
+    # ---- invariants -----------------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Raise ``PoolError`` naming the first broken invariant of the bookkeeping."""
+        refs, free, lru = self._refs, self._free, list(self._lru)
+        if len(refs) != self.total:
+            _broken(f"{len(refs)} refcounts for {self.total} blocks")
+        negative = next((b for b, r in enumerate(refs) if r < 0), None)
+        if negative is not None:
+            _broken(f"block {negative} has refcount {refs[negative]}")
+        seen: dict[int, str] = {}
+        for where, blocks in (("free list", free), ("cached LRU", lru)):
+            for block in blocks:
+                if not 0 <= block < self.total:
+                    _broken(f"the {where} holds {block}, not a block id")
+                if block in seen:
+                    _broken(f"block {block} is in the {seen[block]} and the {where}")
+                seen[block] = where
+                if refs[block] != 0:
+                    _broken(f"block {block} in the {where} has refcount {refs[block]}")
+                if (where == "cached LRU") != (block in self._key_of):
+                    _broken(f"block {block} in the {where} {'has' if block in self._key_of else 'has no'} key")
+        unplaced = next((b for b, r in enumerate(refs) if r == 0 and b not in seen), None)
+        if unplaced is not None:
+            _broken(f"block {unplaced} has refcount 0 but is neither free nor cached")
+        if len(self._block_of) != len(self._key_of):
+            _broken(f"{len(self._block_of)} keys map to blocks but {len(self._key_of)} blocks have keys")
+        for key, block in self._block_of.items():
+            if not 0 <= block < self.total or self._key_of.get(block) != key:
+                _broken(f"key {key!r} maps to block {block}, which holds {self._key_of.get(block)!r}")
+        full = (1 << self.block_size) - 1
+        for block in self._key_of:
+            if any(written[block] != full for written in self._written):
+                _broken(f"registered block {block} is not full in every layer")
+        if self.free_count + self.cached_count + sum(r > 0 for r in refs) != self.total:
+            _broken("free + cached + owned blocks do not add up to the total")
+
+    # ---- helpers --------------------------------------------------------------------------------
+
+    def _block(self, block: object) -> int:
+        block = _integer("block", block)
+        if not 0 <= block < self.total:
+            raise PoolError(f"block {block} is not a block of this pool (0 to {self.total - 1})")
+        return block
+
+    def _layer(self, layer: object) -> int:
+        layer = _integer("layer", layer)
+        if not 0 <= layer < self.layers:
+            raise PoolError(f"layer {layer} is not a layer of this pool (0 to {self.layers - 1})")
+        return layer
+
+    def _owned(self, block: object, verb: str) -> int:
+        block = self._block(block)
+        if self._refs[block] == 0:
+            state = "cached (lookup its key to use it)" if block in self._lru else "free"
+            raise PoolError(f"cannot {verb} block {block}: it is {state}, not owned")
+        return block
+
+    def _check_writable(self, block: int) -> None:
+        self._owned(block, "write")
+        refs = self._refs[block]
+        if refs > 1:
+            raise PoolError(f"cannot write block {block}: it is shared (refcount {refs}); copy_block it first")
+        if block in self._key_of:
+            raise PoolError(f"cannot write block {block}: it is registered under {self._key_of[block]!r}, so immutable")
+
+    def _slots(self, name: str, x: object, dim: int) -> torch.Tensor:
+        want = f"[{self.kv_heads}, n, {dim}]"
+        if not isinstance(x, torch.Tensor):
+            raise PoolError(f"{name} must be a tensor {want}, got {type(x).__name__}")
+        if x.dim() == 4 and x.shape[0] == 1:
+            x = x[0]
+        if x.dim() != 3 or x.shape[0] != self.kv_heads or x.shape[2] != dim:
+            raise PoolError(f"{name} must be {want} (or [1, {self.kv_heads}, n, {dim}]), got {list(x.shape)}")
+        if x.dtype != self.dtype or x.device != self.device:
+            raise PoolError(f"{name} must be {self.dtype} on {self.device}, got {x.dtype} on {x.device}")
+        return x
+
+    @staticmethod
+    def _gather(side: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """``side[index]`` ``[n, Hkv, S, D]`` laid out as ``[Hkv, n * S, D]``."""
+        picked = side.index_select(0, index).transpose(0, 1)
+        return picked.reshape(side.shape[1], index.numel() * side.shape[2], side.shape[3]).contiguous()
+
+
+def _broken(what: str) -> None:
+    raise PoolError(f"block pool invariant broken: {what}")
+
+
+def _integer(name: str, value: object) -> int:
+    if isinstance(value, bool):
+        raise PoolError(f"{name} must be an integer, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise PoolError(f"{name} must be an integer, got {type(value).__name__}") from None
+
+
+def _count(name: str, value: object, least: int) -> int:
+    value = _integer(name, value)
+    if value < least:
+        raise PoolError(f"{name} must be at least {least}, got {value}")
+    return value
+
+
+def _key(key: object) -> Key:
+    if not isinstance(key, (bytes, str)) or not key:
+        raise PoolError(f"a block key must be non-empty bytes or str, got {key!r}")
+    return key
+
+
+def _token_ids(tokens: object) -> list[int]:
+    if isinstance(tokens, torch.Tensor):
+        if tokens.dim() != 1 or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
+            raise PoolError(f"tokens must be a 1-D integer tensor, got a {tokens.dim()}-D {tokens.dtype} tensor")
+        tokens = tokens.tolist()
+    try:
+        ids = [_integer("a token id", t) for t in tokens]
+    except TypeError:
+        raise PoolError(f"tokens must be a sequence of token ids, got {type(tokens).__name__}") from None
+    bad = next((t for t in ids if not 0 <= t < 2**63), None)
+    if bad is not None:
+        raise PoolError(f"token ids must be non-negative 64-bit integers, got {bad}")
+    return ids
