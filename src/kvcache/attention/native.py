@@ -29,6 +29,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     f32 = ctypes.c_float
     lib.kv_float_decode.argtypes = [ptr] * 5 + [i32, i64, i64, i32, i32, i32, i64] + [i64] * 6 + [i64, f32, f32, i32]
     lib.kv_float_decode.restype = i32
+    lib.kv_paged_decode.argtypes = [ptr] * 6 + [i32, i64, i64, i32, i32, i32] + [i64] * 7 + [f32, f32, i32]
+    lib.kv_paged_decode.restype = i32
     return lib
 
 
@@ -139,3 +141,50 @@ def _fits(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rows: int, di
         and (key.stride(3) == 1 or dim == 1)
         and not (torch.is_grad_enabled() and (q.requires_grad or key.requires_grad or value.requires_grad))
     )
+
+
+def paged_decode(
+    q: torch.Tensor,
+    key_pool: torch.Tensor,
+    value_pool: torch.Tensor,
+    tables: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    softcap: float | None = None,
+    blocks_per_task: int = 8,
+) -> torch.Tensor | None:
+    """Decode attention of query rows ``q`` ``[S, Hkv, R, D]`` (a sequence's grouped rows packed per
+    KV head) over keys and values held in pool blocks ``[blocks, Hkv, block_size, D]`` (``Dv``),
+    sequence ``s`` reading its first ``lengths[s]`` tokens from blocks ``tables[s, 0], tables[s, 1],
+    ...`` (int32 ``[S, max_blocks]``; ``lengths`` int64 ``[S]``): float32 ``[S, Hkv, R, Dv]``, a
+    sequence of length 0 getting zeros; None where the library cannot take it (see the module
+    docstring). The caller checks that the table's block ids are within the pool."""
+    seqs, heads, rows, dim = q.shape
+    blocks, pool_heads, block_size, _ = key_pool.shape
+    vdim = value_pool.shape[3]
+    ok = (
+        key_pool.device.type == "cpu"
+        and key_pool.dtype in _DTYPES
+        and value_pool.dtype == key_pool.dtype
+        and pool_heads == heads
+        and value_pool.shape[:3] == key_pool.shape[:3]
+        and key_pool.stride(3) == 1 and key_pool.stride(2) == dim
+        and value_pool.stride(3) == 1 and value_pool.stride(2) == vdim
+        and 1 <= rows <= MAX_ROWS and 1 <= dim <= MAX_DIM and 1 <= vdim <= MAX_DIM
+        and tables.dim() == 2 and tables.shape[0] == seqs and lengths.shape == (seqs,)
+        and not (torch.is_grad_enabled() and q.requires_grad)
+    )  # fmt: skip
+    lib = library("float_decode", _declare) if ok else None
+    if lib is None:
+        return None
+    qf = q.detach().float().contiguous()
+    table = tables.to(torch.int32).contiguous()
+    length = lengths.to(torch.int64).contiguous()
+    out = torch.empty(seqs, heads, rows, vdim, dtype=torch.float32)
+    ks, vs = key_pool.stride(), value_pool.stride()
+    failed = lib.kv_paged_decode(
+        qf.data_ptr(), key_pool.data_ptr(), value_pool.data_ptr(), table.data_ptr(), length.data_ptr(), out.data_ptr(),
+        _DTYPES[key_pool.dtype], seqs, heads, rows, dim, vdim, block_size, table.shape[1],
+        ks[0], ks[1], vs[0], vs[1], blocks_per_task, float(scale), float(softcap or 0.0), torch.get_num_threads(),
+    )  # fmt: skip
+    return None if failed else out

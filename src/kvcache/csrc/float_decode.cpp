@@ -306,6 +306,86 @@ int decode(const float* q, const T* k, const T* v, const uint8_t* keep, float* o
     return 0;
 }
 
+// ---- paged decode: the keys and values of each sequence lie in blocks of a pool, in the order of
+// the sequence's block table (kvcache.engine.paged). Pool layout [blocks, Hkv, block_size, D].
+
+// Fold one block's partial (max, sum, acc relative to its max) into a running one.
+inline void fold_partial(Partial& run, float* __restrict run_acc, const Partial& part, const float* __restrict part_acc,
+                         int rows, int vdim) {
+    for (int r = 0; r < rows; ++r) {
+        if (!(part.sum[r] > 0.f)) continue;
+        const float m = std::max(run.max[r], part.max[r]);
+        const float a = run.sum[r] > 0.f ? std::exp(run.max[r] - m) : 0.f;
+        const float b = std::exp(part.max[r] - m);
+        float* __restrict o = run_acc + r * vdim;
+        const float* __restrict x = part_acc + r * vdim;
+#pragma omp simd
+        for (int d = 0; d < vdim; ++d) o[d] = o[d] * a + x[d] * b;
+        run.sum[r] = run.sum[r] * a + part.sum[r] * b;
+        run.max[r] = m;
+    }
+}
+
+template <typename T>
+int paged_decode(const float* q, const T* k, const T* v, const int32_t* tables, const int64_t* lengths, float* out,
+                 int64_t seqs, int64_t heads, int rows, int dim, int vdim, int64_t block_size, int64_t table_stride,
+                 int64_t k_blk, int64_t k_h, int64_t v_blk, int64_t v_h, int64_t blocks_per_task, float scale,
+                 float softcap, int threads) {
+    if (rows < 1 || rows > kMaxRows || dim < 1 || dim > kMaxDim || vdim < 1 || vdim > kMaxDim || block_size < 1 ||
+        blocks_per_task < 1)
+        return 1;
+    // Tasks: (sequence, head, run of blocks_per_task blocks); a sequence's first task index.
+    std::vector<int64_t> first(seqs + 1, 0);
+    for (int64_t s = 0; s < seqs; ++s) {
+        if (lengths[s] < 0 || (lengths[s] + block_size - 1) / block_size > table_stride) return 1;
+        const int64_t blocks = (lengths[s] + block_size - 1) / block_size;
+        first[s + 1] = first[s] + heads * std::max<int64_t>(1, (blocks + blocks_per_task - 1) / blocks_per_task);
+    }
+    const int64_t tasks = first[seqs];
+    std::vector<Partial> parts(tasks);
+    std::vector<float> accs(static_cast<size_t>(tasks) * rows * vdim);
+#pragma omp parallel num_threads(threads)
+    {
+        Partial block_part;
+        std::vector<float> block_acc(static_cast<size_t>(rows) * vdim);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < tasks; ++task) {
+            const int64_t s = std::upper_bound(first.begin(), first.end(), task) - first.begin() - 1;
+            const int64_t per_head = (first[s + 1] - first[s]) / heads, local = task - first[s];
+            const int64_t h = local / per_head, run = local % per_head;
+            Partial& part = parts[task];
+            float* acc = accs.data() + task * rows * vdim;
+            for (int r = 0; r < rows; ++r) part.max[r] = kMasked, part.sum[r] = 0.f;
+            std::memset(acc, 0, sizeof(float) * rows * vdim);
+            const float* qs = q + (s * heads + h) * rows * dim;
+            const int64_t len = lengths[s];
+            for (int64_t i = run * blocks_per_task; i < (run + 1) * blocks_per_task && i * block_size < len; ++i) {
+                const int64_t block = tables[s * table_stride + i];
+                const int64_t n = std::min(block_size, len - i * block_size);
+                chunk_pass(qs, rows, dim, vdim, k + block * k_blk + h * k_h, dim, v + block * v_blk + h * v_h, vdim,
+                           nullptr, 0, n, scale, softcap, block_part, block_acc.data());
+                fold_partial(part, acc, block_part, block_acc.data(), rows, vdim);
+            }
+        }
+#pragma omp for
+        for (int64_t sh = 0; sh < seqs * heads; ++sh) {
+            const int64_t s = sh / heads, h = sh % heads;
+            const int64_t per_head = (first[s + 1] - first[s]) / heads, base = first[s] + h * per_head;
+            Partial total;
+            for (int r = 0; r < rows; ++r) total.max[r] = kMasked, total.sum[r] = 0.f;
+            float* o = out + sh * rows * vdim;
+            std::memset(o, 0, sizeof(float) * rows * vdim);
+            for (int64_t t = base; t < base + per_head; ++t)
+                fold_partial(total, o, parts[t], accs.data() + t * rows * vdim, rows, vdim);
+            for (int r = 0; r < rows; ++r) {
+                const float inv = total.sum[r] > 0.f ? 1.f / total.sum[r] : 0.f;
+                for (int d = 0; d < vdim; ++d) o[r * vdim + d] *= inv;
+            }
+        }
+    }
+    return 0;
+}
+
 }  // namespace
 
 extern "C" {
@@ -321,6 +401,25 @@ int kv_float_decode(const float* q, const void* k, const void* v, const uint8_t*
     if (dtype == 1)
         return decode(q, static_cast<const uint16_t*>(k), static_cast<const uint16_t*>(v), keep, out, batch, heads,
                       rows, dim, vdim, len, k_b, k_h, k_t, v_b, v_h, v_t, chunk, scale, softcap, threads);
+    return 2;
+}
+
+// Paged decode (see paged_decode): q float32 [S, Hkv, R, D] contiguous; k / v pools [blocks, Hkv, bs, D]
+// with block strides k_blk / v_blk and head strides k_h / v_h (elements; token rows contiguous);
+// tables int32 [S, table_stride]; lengths int64 [S]; out float32 [S, Hkv, R, Dv]. A sequence of
+// length 0 gets zeros.
+int kv_paged_decode(const float* q, const void* k, const void* v, const int32_t* tables, const int64_t* lengths,
+                    float* out, int dtype, int64_t seqs, int64_t heads, int rows, int dim, int vdim, int64_t block_size,
+                    int64_t table_stride, int64_t k_blk, int64_t k_h, int64_t v_blk, int64_t v_h,
+                    int64_t blocks_per_task, float scale, float softcap, int threads) {
+    if (dtype == 0)
+        return paged_decode(q, static_cast<const float*>(k), static_cast<const float*>(v), tables, lengths, out, seqs,
+                            heads, rows, dim, vdim, block_size, table_stride, k_blk, k_h, v_blk, v_h, blocks_per_task,
+                            scale, softcap, threads);
+    if (dtype == 1)
+        return paged_decode(q, static_cast<const uint16_t*>(k), static_cast<const uint16_t*>(v), tables, lengths, out,
+                            seqs, heads, rows, dim, vdim, block_size, table_stride, k_blk, k_h, v_blk, v_h,
+                            blocks_per_task, scale, softcap, threads);
     return 2;
 }
 }
