@@ -105,3 +105,20 @@ def test_bad_tables_are_refused():
         paged_decode(pool, 0, torch.randn(2, 2, 1, 16), tables, [6, 6])
     with pytest.raises(PoolError, match="layer 1"):
         paged_decode(pool, 1, query, tables, [6])
+
+
+@pytest.mark.skipif(not native.available(), reason="the float decode library did not build here")
+@pytest.mark.parametrize("per_task", [1, 3, 1000])
+def test_any_split_into_tasks_gives_the_same_result(per_task):
+    """A sequence's blocks split into tasks of 1, 3 or all blocks: the tasks' partial softmaxes are
+    merged exactly (same tolerance as above)."""
+    pool = BlockPool(layers=1, kv_heads=2, head_dim=64, block_size=8, blocks=64)
+    lengths = [3, 41, 150, 0, 64]
+    tables, truth = filled(pool, lengths)
+    query = torch.randn(len(lengths), 6, 1, 64, generator=torch.Generator().manual_seed(4))
+    table = torch.zeros(len(lengths), max(len(t) for t in tables), dtype=torch.int32)
+    for s, t in enumerate(tables):
+        table[s, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    out = native.paged_decode(query.reshape(5, 2, 3, 64), pool.key_blocks[0], pool.value_blocks[0], table,
+                              torch.tensor(lengths), 0.125, blocks_per_task=per_task)
+    torch.testing.assert_close(out.reshape(5, 6, 1, 64), reference(query, truth, 0, scale=0.125), rtol=1e-5, atol=1e-5)

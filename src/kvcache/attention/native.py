@@ -151,14 +151,15 @@ def paged_decode(
     lengths: torch.Tensor,
     scale: float,
     softcap: float | None = None,
-    blocks_per_task: int = 8,
+    blocks_per_task: int | None = None,
 ) -> torch.Tensor | None:
     """Decode attention of query rows ``q`` ``[S, Hkv, R, D]`` (a sequence's grouped rows packed per
     KV head) over keys and values held in pool blocks ``[blocks, Hkv, block_size, D]`` (``Dv``),
     sequence ``s`` reading its first ``lengths[s]`` tokens from blocks ``tables[s, 0], tables[s, 1],
     ...`` (int32 ``[S, max_blocks]``; ``lengths`` int64 ``[S]``): float32 ``[S, Hkv, R, Dv]``, a
     sequence of length 0 getting zeros; None where the library cannot take it (see the module
-    docstring). The caller checks that the table's block ids are within the pool."""
+    docstring). The caller checks that the table's block ids are within the pool. A task of the
+    library takes ``blocks_per_task`` blocks of a sequence (default: about ``_MIN_CHUNK`` tokens)."""
     seqs, heads, rows, dim = q.shape
     blocks, pool_heads, block_size, _ = key_pool.shape
     vdim = value_pool.shape[3]
@@ -177,6 +178,7 @@ def paged_decode(
     lib = library("float_decode", _declare) if ok else None
     if lib is None:
         return None
+    per_task = blocks_per_task or max(1, _MIN_CHUNK // block_size)
     qf = q.detach().float().contiguous()
     table = tables.to(torch.int32).contiguous()
     length = lengths.to(torch.int64).contiguous()
@@ -185,6 +187,6 @@ def paged_decode(
     failed = lib.kv_paged_decode(
         qf.data_ptr(), key_pool.data_ptr(), value_pool.data_ptr(), table.data_ptr(), length.data_ptr(), out.data_ptr(),
         _DTYPES[key_pool.dtype], seqs, heads, rows, dim, vdim, block_size, table.shape[1],
-        ks[0], ks[1], vs[0], vs[1], blocks_per_task, float(scale), float(softcap or 0.0), torch.get_num_threads(),
+        ks[0], ks[1], vs[0], vs[1], per_task, float(scale), float(softcap or 0.0), torch.get_num_threads(),
     )  # fmt: skip
     return None if failed else out

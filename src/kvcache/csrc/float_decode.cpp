@@ -168,16 +168,18 @@ inline __attribute__((always_inline)) void chunk_pass(const float* __restrict q,
                                                       const T* __restrict k, int64_t k_t, const T* __restrict v,
                                                       int64_t v_t, const uint8_t* __restrict keep, int64_t t0,
                                                       int64_t t1, float scale, float softcap, Partial& part,
-                                                      float* __restrict acc) {
+                                                      float* __restrict acc, bool fresh = true) {
     alignas(64) float scores[kMaxRows * kTile];
     alignas(64) float krow[kMaxDim];
     alignas(64) float vrow[kMaxDim];
     bool live[kTile];
-    for (int r = 0; r < rows; ++r) {
-        part.max[r] = kMasked;
-        part.sum[r] = 0.f;
+    if (fresh) {  // else the tokens continue the running softmax already in part and acc
+        for (int r = 0; r < rows; ++r) {
+            part.max[r] = kMasked;
+            part.sum[r] = 0.f;
+        }
+        std::memset(acc, 0, sizeof(float) * rows * vdim);
     }
-    std::memset(acc, 0, sizeof(float) * rows * vdim);
     for (int64_t base = t0; base < t1; base += kTile) {
         const int n = static_cast<int>(std::min<int64_t>(kTile, t1 - base));
         int first = 0;  // tokens [0, first) of the tile scored 16 at a time
@@ -346,8 +348,6 @@ int paged_decode(const float* q, const T* k, const T* v, const int32_t* tables, 
     std::vector<float> accs(static_cast<size_t>(tasks) * rows * vdim);
 #pragma omp parallel num_threads(threads)
     {
-        Partial block_part;
-        std::vector<float> block_acc(static_cast<size_t>(rows) * vdim);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; ++task) {
             const int64_t s = std::upper_bound(first.begin(), first.end(), task) - first.begin() - 1;
@@ -359,12 +359,12 @@ int paged_decode(const float* q, const T* k, const T* v, const int32_t* tables, 
             std::memset(acc, 0, sizeof(float) * rows * vdim);
             const float* qs = q + (s * heads + h) * rows * dim;
             const int64_t len = lengths[s];
+            // The task's blocks continue one running softmax (chunk_pass with fresh = false).
             for (int64_t i = run * blocks_per_task; i < (run + 1) * blocks_per_task && i * block_size < len; ++i) {
                 const int64_t block = tables[s * table_stride + i];
                 const int64_t n = std::min(block_size, len - i * block_size);
                 chunk_pass(qs, rows, dim, vdim, k + block * k_blk + h * k_h, dim, v + block * v_blk + h * v_h, vdim,
-                           nullptr, 0, n, scale, softcap, block_part, block_acc.data());
-                fold_partial(part, acc, block_part, block_acc.data(), rows, vdim);
+                           nullptr, 0, n, scale, softcap, part, acc, false);
             }
         }
 #pragma omp for
