@@ -117,6 +117,20 @@ def kept_sets(layer) -> list[list[set[int]]]:
     return [[set(pos[b, 0][heads[b, 0] == h].tolist()) for h in range(layer.kv_heads)] for b in range(pos.shape[0])]
 
 
+def assert_step_matches(layer, out, refs, step, label):
+    """Each row's output, kept slots and their scores after ``step`` equal the reference's
+    (``simulate_adakv``; float32 against float64: 1e-5)."""
+    got = kept_sets(layer)
+    for b in range(len(refs)):
+        kept, scores, want_out, margin = refs[b][step]
+        assert margin > 1e-5, f"test data too close to a tie at step {step}, row {b} ({margin})"
+        torch.testing.assert_close(out[b].double(), want_out, rtol=1e-5, atol=1e-5)
+        assert got[b] == kept, f"{label}, row {b}: kept {got[b]}, reference {kept}"
+        pos, heads, sc = layer.positions()[b, 0], layer.heads()[b, 0], layer.scores()[b, 0]
+        want = torch.tensor([scores[h][p] for p, h in zip(pos.tolist(), heads.tolist())], dtype=torch.float32)
+        torch.testing.assert_close(sc, want, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("floor_share", [0.2, 0.5])
 def test_kept_slots_per_row_and_head_match_the_papers_rule(floor_share):
     budget, window, pool = 16, 8, 1
@@ -126,15 +140,7 @@ def test_kept_slots_per_row_and_head_match_the_papers_rule(floor_share):
     refs = [simulate_adakv(q[b], k[b], v[b], chunks, budget, window, pool, floor_share) for b in range(2)]
     layer = AdaptiveLayer(budget, window=window, pool=pool, floor=floor_share)
     for step, (stop, out) in enumerate(run_layer(layer, q, k, v, chunks)):
-        got = kept_sets(layer)
-        for b in range(2):
-            kept, scores, want_out, margin = refs[b][step]
-            assert margin > 1e-5, f"test data too close to a tie at step {step}, row {b} ({margin})"
-            torch.testing.assert_close(out[b].double(), want_out, rtol=1e-5, atol=1e-5)
-            assert got[b] == kept, f"step {step} ({stop} tokens), row {b}: kept {got[b]}, reference {kept}"
-            pos, heads, sc = layer.positions()[b, 0], layer.heads()[b, 0], layer.scores()[b, 0]
-            want = torch.tensor([scores[h][p] for p, h in zip(pos.tolist(), heads.tolist())], dtype=torch.float32)
-            torch.testing.assert_close(sc, want, rtol=1e-5, atol=1e-6)
+        assert_step_matches(layer, out, refs, step, f"step {step} ({stop} tokens)")
         assert layer.length == min(2 * budget, 2 * stop)
     counts = layer.head_lengths()
     floor = max(1, int(floor_share * (budget - window)))
@@ -162,15 +168,7 @@ def test_passes_of_several_tokens_read_the_slots_per_head(chunks):
             padded.append(layer.pending.padded)
         out = layer.attend(q[:, :, start : start + n].float())
         start += n
-        got = kept_sets(layer)
-        for b in range(2):
-            kept, scores, want_out, margin = refs[b][step]
-            assert margin > 1e-5, f"test data too close to a tie at step {step}, row {b} ({margin})"
-            torch.testing.assert_close(out[b].double(), want_out, rtol=1e-5, atol=1e-5)
-            assert got[b] == kept, f"step {step}, row {b}: kept {got[b]}, reference {kept}"
-            pos, heads, sc = layer.positions()[b, 0], layer.heads()[b, 0], layer.scores()[b, 0]
-            want = torch.tensor([scores[h][p] for p, h in zip(pos.tolist(), heads.tolist())], dtype=torch.float32)
-            torch.testing.assert_close(sc, want, rtol=1e-5, atol=1e-6)
+        assert_step_matches(layer, out, refs, step, f"step {step}")
     assert padded[0] is False and any(padded[1:])
 
 

@@ -282,23 +282,21 @@ def test_weights_asked_for_decline(monkeypatch, weights):
     torch.testing.assert_close(out, sdpa_over_dequantized(query, layer), **FP32)
 
 
-def test_sinks_decline(monkeypatch):
+@pytest.mark.parametrize(
+    "group, q_len, options",
+    [
+        (3, 1, {"sinks": torch.randn(6, generator=torch.Generator().manual_seed(3))}),  # sinks
+        (2, 2, {"causal": True}),  # causal over several queries
+    ],
+    ids=["sinks", "causal-several-queries"],
+)
+def test_sinks_and_causal_over_several_queries_decline(monkeypatch, group, q_len, options):
     layer = filled_layer(8, 2, 2, 150, 64)
-    query = queries(2, 2, 3, 1, 64)
-    sinks = torch.randn(6, generator=torch.Generator().manual_seed(3))
+    query = queries(2, 2, group, q_len, 64)
     calls = Calls(monkeypatch)
-    out, _ = attend_weighted(query, StoreReader(layer), None, sinks=sinks)
+    out, _ = attend_weighted(query, StoreReader(layer), None, **options)
     assert calls.fused == 0
-    torch.testing.assert_close(out, todays_path(monkeypatch, query, layer, sinks=sinks)[0])
-
-
-def test_causal_over_several_queries_declines(monkeypatch):
-    layer = filled_layer(8, 2, 2, 150, 64)
-    query = queries(2, 2, 2, 2, 64)
-    calls = Calls(monkeypatch)
-    out, _ = attend_weighted(query, StoreReader(layer), None, causal=True)
-    assert calls.fused == 0
-    torch.testing.assert_close(out, todays_path(monkeypatch, query, layer, causal=True)[0])
+    torch.testing.assert_close(out, todays_path(monkeypatch, query, layer, **options)[0])
 
 
 def test_nothing_fully_coded_declines(monkeypatch):
