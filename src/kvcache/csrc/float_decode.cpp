@@ -261,6 +261,29 @@ inline __attribute__((always_inline)) void chunk_pass(const float* __restrict q,
     }
 }
 
+// The normalised output [rows, vdim] of `count` partials of one (batch, head) (consecutive, each
+// with its acc [rows, vdim] relative to its own max): every partial weighted by exp(its max - the
+// largest); a row no partial saw gets zeros.
+inline void merge_partials(const Partial* parts, const float* accs, int64_t count, int rows, int vdim, float* out) {
+    for (int r = 0; r < rows; ++r) {
+        float m = kMasked;
+        for (int64_t c = 0; c < count; ++c)
+            if (parts[c].sum[r] > 0.f && parts[c].max[r] > m) m = parts[c].max[r];
+        float total = 0.f;
+        float* o = out + static_cast<int64_t>(r) * vdim;
+        std::memset(o, 0, sizeof(float) * vdim);
+        for (int64_t c = 0; c < count; ++c) {
+            if (!(parts[c].sum[r] > 0.f)) continue;
+            const float w = std::exp(parts[c].max[r] - m);
+            total += parts[c].sum[r] * w;
+            const float* a = accs + (c * rows + r) * vdim;
+            for (int d = 0; d < vdim; ++d) o[d] += w * a[d];
+        }
+        if (total > 0.f)
+            for (int d = 0; d < vdim; ++d) o[d] /= total;
+    }
+}
+
 template <typename T>
 int decode(const float* q, const T* k, const T* v, const uint8_t* keep, float* out, int64_t batch, int64_t heads,
            int rows, int dim, int vdim, int64_t len, int64_t k_b, int64_t k_h, int64_t k_t, int64_t v_b,
@@ -282,51 +305,15 @@ int decode(const float* q, const T* k, const T* v, const uint8_t* keep, float* o
                        softcap, parts[task], accs.data() + task * rows * vdim);
         }
 #pragma omp for
-        for (int64_t bh = 0; bh < batch * heads; ++bh) {
-            for (int r = 0; r < rows; ++r) {
-                float m = kMasked;
-                for (int64_t c = 0; c < chunks; ++c) {
-                    const Partial& p = parts[bh * chunks + c];
-                    if (p.sum[r] > 0.f && p.max[r] > m) m = p.max[r];
-                }
-                float total = 0.f;
-                float* o = out + (bh * rows + r) * vdim;
-                std::memset(o, 0, sizeof(float) * vdim);
-                for (int64_t c = 0; c < chunks; ++c) {
-                    const Partial& p = parts[bh * chunks + c];
-                    if (!(p.sum[r] > 0.f)) continue;
-                    const float w = std::exp(p.max[r] - m);
-                    total += p.sum[r] * w;
-                    const float* a = accs.data() + ((bh * chunks + c) * rows + r) * vdim;
-                    for (int d = 0; d < vdim; ++d) o[d] += w * a[d];
-                }
-                if (total > 0.f)
-                    for (int d = 0; d < vdim; ++d) o[d] /= total;
-            }
-        }
+        for (int64_t bh = 0; bh < batch * heads; ++bh)
+            merge_partials(parts.data() + bh * chunks, accs.data() + bh * chunks * rows * vdim, chunks, rows, vdim,
+                           out + bh * rows * vdim);
     }
     return 0;
 }
 
 // ---- paged decode: the keys and values of each sequence lie in blocks of a pool, in the order of
 // the sequence's block table (kvcache.engine.paged). Pool layout [blocks, Hkv, block_size, D].
-
-// Fold one block's partial (max, sum, acc relative to its max) into a running one.
-inline void fold_partial(Partial& run, float* __restrict run_acc, const Partial& part, const float* __restrict part_acc,
-                         int rows, int vdim) {
-    for (int r = 0; r < rows; ++r) {
-        if (!(part.sum[r] > 0.f)) continue;
-        const float m = std::max(run.max[r], part.max[r]);
-        const float a = run.sum[r] > 0.f ? std::exp(run.max[r] - m) : 0.f;
-        const float b = std::exp(part.max[r] - m);
-        float* __restrict o = run_acc + r * vdim;
-        const float* __restrict x = part_acc + r * vdim;
-#pragma omp simd
-        for (int d = 0; d < vdim; ++d) o[d] = o[d] * a + x[d] * b;
-        run.sum[r] = run.sum[r] * a + part.sum[r] * b;
-        run.max[r] = m;
-    }
-}
 
 template <typename T>
 int paged_decode(const float* q, const T* k, const T* v, const int32_t* tables, const int64_t* lengths, float* out,
@@ -371,16 +358,8 @@ int paged_decode(const float* q, const T* k, const T* v, const int32_t* tables, 
         for (int64_t sh = 0; sh < seqs * heads; ++sh) {
             const int64_t s = sh / heads, h = sh % heads;
             const int64_t per_head = (first[s + 1] - first[s]) / heads, base = first[s] + h * per_head;
-            Partial total;
-            for (int r = 0; r < rows; ++r) total.max[r] = kMasked, total.sum[r] = 0.f;
-            float* o = out + sh * rows * vdim;
-            std::memset(o, 0, sizeof(float) * rows * vdim);
-            for (int64_t t = base; t < base + per_head; ++t)
-                fold_partial(total, o, parts[t], accs.data() + t * rows * vdim, rows, vdim);
-            for (int r = 0; r < rows; ++r) {
-                const float inv = total.sum[r] > 0.f ? 1.f / total.sum[r] : 0.f;
-                for (int d = 0; d < vdim; ++d) o[r * vdim + d] *= inv;
-            }
+            merge_partials(parts.data() + base, accs.data() + base * rows * vdim, per_head, rows, vdim,
+                           out + sh * rows * vdim);
         }
     }
     return 0;
