@@ -42,6 +42,10 @@ from .layers import KVLayer
 
 ATTENTION_NAME = "kvcache"
 
+#: The keyword under which the engine's forward pass carries its step (``engine.step.PagedStep``)
+#: down to the attention calls, which hand it the packed query, keys and values.
+PAGED_STEP = "kvcache_paged_step"
+
 #: The one line that fixes a model running another attention, quoted by every error that needs it.
 SWITCH_HINT = "kvcache.use_kvcache_attention(model)"
 
@@ -323,13 +327,17 @@ def hf_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """``transformers`` attention interface over kvcache's attention: returns ``[B, Sq, Hq, Dv]``.
 
-    A bounded layer's read (found as the module docstring says) is attended by that layer, which
+    A forward pass of the engine (a ``PAGED_STEP`` keyword) is attended by its step, over the
+    engine's block pool. A bounded layer's read (found as the module docstring says) is attended by that layer, which
     masks by absolute position and settles; anything else runs ``fastest_attention`` over the key
     and value as given. The model's other keywords (``attention_kwargs``: a logit cap, attention
     sinks, relative-position logits, a sparse indexer's choice) are applied or refused, never
     dropped; a model's per-head masks (``[B, Hq, Sq, T]``) are taken as they come."""
     if dropout and module.training:
         raise UnsupportedOperation("kvcache attention is for inference: dropout is not supported")
+    step = kwargs.pop(PAGED_STEP, None)
+    if step is not None:  # a forward pass of the engine: the step writes to and reads from its pool
+        return step.attend(module, query, key, value, scaling, kwargs), None
     extras = AttentionExtras.from_kwargs(kwargs)
     layer = reading_layer(module, key)
     if layer is not None:

@@ -1,11 +1,21 @@
-"""Groundwork for the paged-attention engine (continuous batching over a paged KV pool).
+"""The paged-attention engine: many requests over one model, continuous batching over a paged KV
+pool with prefix sharing.
 
+- ``engine``: ``Engine`` (submit, step, running, generate_batch) and ``model_geometry``.
+- ``scheduler``: which requests compute which tokens each step; admission, prefix hits, preemption.
+- ``step``: one step as one forward pass of a packed sequence; its attention over the pool.
+- ``request``: ``RequestHandle`` (tokens as they come, result, cancel, stats) and ``RequestStats``.
 - ``pool``: ``BlockPool``, fixed-size KV blocks for every layer, reference counted, with prefix
   caching by a hash chain over full blocks (``chain_keys``) and copy-on-write of shared blocks.
 - ``paged``: ``paged_decode``, decode attention of one token per sequence over its block table.
 """
 
+from .engine import Engine, EngineStats
 from .paged import paged_decode
 from .pool import BlockPool, PoolError, chain_keys
+from .request import RequestCancelled, RequestHandle, RequestStats
 
-__all__ = ["BlockPool", "PoolError", "chain_keys", "paged_decode"]
+__all__ = [
+    "BlockPool", "Engine", "EngineStats", "PoolError", "RequestCancelled", "RequestHandle", "RequestStats",
+    "chain_keys", "paged_decode",
+]

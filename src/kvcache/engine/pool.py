@@ -241,6 +241,19 @@ class BlockPool:
         self._v[layer, block, :, offset : offset + n].copy_(values)
         self._written[layer][block] |= ((1 << n) - 1) << offset
 
+    def claim(self, block: int, offset: int, n: int) -> None:
+        """Note slots ``[offset, offset + n)`` of ``block`` as written in every layer, checking that
+        ``block`` is writable, before a caller writes them itself through ``key_blocks`` /
+        ``value_blocks`` (the engine's forward pass writes all layers of a step that way)."""
+        block = self._block(block)
+        self._check_writable(block)
+        offset, n = _count("offset", offset, least=0), _count("n", n, least=0)
+        if offset + n > self.block_size:
+            raise PoolError(f"slots [{offset}, {offset + n}) overflow a block of {self.block_size} slots")
+        bits = ((1 << n) - 1) << offset
+        for written in self._written:
+            written[block] |= bits
+
     def copy_block(self, src: int) -> int:
         """A newly allocated block (refcount 1, unregistered) holding ``src``'s slots in every layer:
         copy-on-write of a shared or registered block. ``src`` must be owned."""

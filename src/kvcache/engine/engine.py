@@ -1,0 +1,361 @@
+"""``Engine``: many requests over one model and one paged KV pool, with continuous batching and
+prefix sharing.
+
+Every step (``Engine.step``) the scheduler (``scheduler.py``) picks rows: one token for each
+decoding request and prompt chunks for the others, up to ``max_batch_tokens``. The rows run as one
+forward pass of one packed sequence (``step.py``): the model's linear layers see every row's
+tokens at once, and its attention writes each row's keys and values into the row's blocks and
+reads the row's own blocks. The last token of each row whose tokens are all computed gives that
+request its next token (greedy). Requests join and leave at every step; a request that finds its
+prompt's leading blocks registered in the pool takes them instead of computing them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import UnsupportedOperation
+from ..fingerprint import config_summary, fingerprint_of, text_config
+from ..hf import PAGED_STEP, use_kvcache_attention
+from ..prompts.keys import salt as key_salt
+from .pool import BlockPool, PoolError
+from .request import Request, RequestHandle, State
+from .scheduler import Scheduler, blocks_for
+from .step import PagedStep, Row
+
+#: Block formats the engine's pool holds; others are refused by name.
+SPECS = ("growable",)
+
+
+@dataclass
+class EngineStats:
+    """Counts over the engine's life."""
+
+    steps: int = 0
+    #: Tokens run through the model (prefill chunks, recomputation and decode rows).
+    forward_tokens: int = 0
+    #: Most requests in one step, and most blocks owned at the end of a step.
+    peak_rows: int = 0
+    peak_owned_blocks: int = 0
+    preemptions: int = 0
+
+
+class Engine:
+    """Serve many requests of ``model`` (a ``transformers`` causal LM in eval mode) from one pool
+    of KV blocks.
+
+    - ``block_size``: tokens per block (prefixes are shared a whole block at a time).
+    - ``blocks`` or ``max_bytes``: the pool's size, allocated once; by default enough for
+      ``max_seqs`` requests of 1,024 tokens.
+    - ``max_batch_tokens``: tokens per forward pass (decode rows plus prefill chunks).
+    - ``max_seqs``: requests running at once.
+    - ``share_prefixes``: reuse registered blocks of a prompt's leading tokens.
+    - ``spec``: the blocks' format; only ``"growable"`` (full precision, the model's dtype) so far.
+
+    ``submit`` queues a request and returns its ``RequestHandle``; ``step`` runs one scheduler
+    step; ``with engine.running():`` steps on a background thread; ``generate_batch`` runs a list
+    of prompts to the end. Decoding is greedy. The model is switched to the ``"kvcache"`` attention
+    only inside each step (``use_kvcache_attention`` as a context manager).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        spec: str = "growable",
+        *,
+        block_size: int = 32,
+        blocks: int | None = None,
+        max_bytes: int | None = None,
+        max_batch_tokens: int = 512,
+        max_seqs: int = 32,
+        share_prefixes: bool = True,
+    ):
+        if spec not in SPECS:
+            raise UnsupportedOperation(
+                f"the engine's pool holds {', '.join(map(repr, SPECS))} blocks; {spec!r} blocks are not built yet "
+                "(serve it one request at a time with make_cache)"
+            )
+        self.model = model
+        geometry = model_geometry(model)
+        self.window = geometry.window
+        max_batch_tokens = _positive("max_batch_tokens", max_batch_tokens)
+        max_seqs = _positive("max_seqs", max_seqs)
+        block_size = _positive("block_size", block_size)
+        per_block = 2 * geometry.layers * geometry.kv_heads * block_size * geometry.head_dim * geometry.dtype.itemsize
+        if blocks is not None and max_bytes is not None:
+            raise ValueError("give the pool's size as blocks or as max_bytes, not both")
+        if max_bytes is not None:
+            blocks = _positive("max_bytes", max_bytes) // per_block
+            if blocks < 1:
+                raise ValueError(f"max_bytes={max_bytes} holds no block of {per_block} bytes")
+        elif blocks is None:
+            blocks = max_seqs * blocks_for(1024, block_size)
+        self.pool = BlockPool(
+            geometry.layers, geometry.kv_heads, geometry.head_dim, block_size, blocks, geometry.dtype, geometry.device
+        )
+        fingerprint = fingerprint_of(config_summary(text_config(model)))
+        salt = key_salt(fingerprint, geometry.dtype, "engine:" + spec, block_size)
+        self.scheduler = Scheduler(self.pool, salt, max_batch_tokens, max_seqs, share_prefixes)
+        self.stats = EngineStats()
+        self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._eos = _eos_ids(getattr(getattr(model, "generation_config", None), "eos_token_id", None))
+        self._vocab = getattr(text_config(model), "vocab_size", None)
+        self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)
+        self._next_id = 0
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def __repr__(self) -> str:
+        p = self.pool
+        return (
+            f"Engine({p.total} blocks of {p.block_size} tokens, {p.nbytes / 2**20:.0f} MiB; "
+            f"{len(self.scheduler.running)} running, {len(self.scheduler.waiting)} waiting)"
+        )
+
+    # ---- requests ----------------------------------------------------------------------------------
+
+    def submit(
+        self,
+        input_ids: Sequence[int] | torch.Tensor,
+        *,
+        max_new_tokens: int = 32,
+        eos_token_id: int | Sequence[int] | None = None,
+    ) -> RequestHandle:
+        """Queue a request for ``input_ids`` (token ids: a list, a 1-D tensor or a ``[1, S]``
+        tensor) to generate up to ``max_new_tokens`` tokens greedily, stopping after an
+        ``eos_token_id`` (default: the model's generation config's)."""
+        prompt = self._prompt(input_ids)
+        max_new_tokens = _positive("max_new_tokens", max_new_tokens)
+        eos = self._eos if eos_token_id is None else _eos_ids(eos_token_id)
+        longest = len(prompt) + max_new_tokens - 1  # the last token is never computed
+        if blocks_for(longest, self.pool.block_size) > self.pool.total:
+            raise PoolError(
+                f"a request of {len(prompt)} prompt + {max_new_tokens} new tokens needs "
+                f"{blocks_for(longest, self.pool.block_size)} blocks of {self.pool.block_size}; the pool has {self.pool.total}"
+            )
+        if self.window is not None and longest > self.window:
+            raise UnsupportedOperation(
+                f"this model attends a sliding window of {self.window} tokens, which the engine does not apply yet: "
+                f"it serves requests of at most {self.window} tokens (this one reaches {longest})"
+            )
+        with self._lock:
+            request = Request(self._next_id, prompt, max_new_tokens, eos)
+            self._next_id += 1
+            request.stats.submitted = time.perf_counter()
+            self.scheduler.add(request)
+            self._changed.notify_all()
+        return RequestHandle(request, self.step, self._cancel, self._in_background, self._changed)
+
+    def generate_batch(
+        self,
+        inputs: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int = 32,
+        eos_token_id: int | Sequence[int] | None = None,
+    ) -> list[list[int]]:
+        """The generated token ids of each prompt in ``inputs``, in order (all submitted at once,
+        then run to the end: on the background thread if one runs, else here)."""
+        handles = [self.submit(ids, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id) for ids in inputs]
+        return [h.result() for h in handles]
+
+    def _cancel(self, request: Request) -> None:
+        with self._lock:
+            self.scheduler.finish(request, "cancelled")
+            self._changed.notify_all()
+
+    # ---- stepping ----------------------------------------------------------------------------------
+
+    @property
+    def idle(self) -> bool:
+        """No request running or waiting."""
+        return self.scheduler.idle
+
+    def step(self) -> bool:
+        """Run one scheduler step: one forward pass over the chosen rows. Returns False when there
+        was nothing to run. If the forward pass raises, the requests stay as they were (their
+        blocks are kept; a later step computes the same tokens again) and the error propagates."""
+        with self._lock:
+            rows = self.scheduler.plan()
+            if not rows:
+                return False
+            chosen = self._forward(rows)
+            got = self.scheduler.commit(rows, chosen)
+            stats = self.stats
+            stats.steps += 1
+            stats.forward_tokens += sum(n for _, n in rows)
+            stats.peak_rows = max(stats.peak_rows, len(rows))
+            stats.peak_owned_blocks = max(stats.peak_owned_blocks, self.pool.owned_count)
+            stats.preemptions = self.scheduler.preemptions
+            if got:
+                self._changed.notify_all()
+            return True
+
+    def run(self) -> None:
+        """Step until no request is running or waiting."""
+        while self.step():
+            pass
+
+    def _forward(self, rows: list[tuple[Request, int]]) -> dict[int, int]:
+        """One forward pass over ``rows``; the next token of each row that computed its last token."""
+        ids, positions, packed, last = [], [], [], []
+        for request, n in rows:
+            start = len(ids)
+            ids.extend(request.tokens[request.computed : request.computed + n])
+            positions.extend(range(request.computed, request.computed + n))
+            packed.append(Row(start, n, request.computed, tuple(request.table)))
+            if request.computed + n == len(request.tokens):
+                last.append((request.rid, start + n - 1))
+        step = PagedStep(self.pool, packed)
+        device = self.pool.device
+        keep = torch.tensor([i for _, i in last], dtype=torch.long, device=device)
+        kwargs = {"logits_to_keep": keep} if self._keeps_logits else {}
+        with torch.inference_mode(), use_kvcache_attention(self.model):
+            out = self.model(
+                input_ids=torch.tensor([ids], device=device),
+                position_ids=torch.tensor([positions], device=device),
+                use_cache=False,
+                **{PAGED_STEP: step},
+                **kwargs,
+            )
+        if step.layers_run != self.pool.layers:
+            raise UnsupportedOperation(
+                f"the model ran {step.layers_run} attention calls through the engine's step for {self.pool.layers} "
+                "layers: its layers do not pass attention keywords down, so the engine cannot serve it"
+            )
+        logits = out.logits[0] if self._keeps_logits else out.logits[0, keep]
+        chosen = logits.argmax(-1).tolist()
+        return {rid: token for (rid, _), token in zip(last, chosen)}
+
+    # ---- the background thread ---------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[Engine]:
+        """Step on a background thread while the block runs (handles then wait instead of
+        stepping). On leaving, the thread stops after its current step; requests not finished stay
+        queued. An error in a step fails the requests of that step and the thread goes on."""
+        if self._thread is not None:
+            raise RuntimeError("the engine is already running on a background thread")
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="kvcache-engine", daemon=True)
+        self._thread.start()
+        try:
+            yield self
+        finally:
+            self._stop.set()
+            with self._changed:
+                self._changed.notify_all()
+            self._thread.join()
+            self._thread = None
+            with self._changed:
+                self._changed.notify_all()
+
+    def _in_background(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and threading.current_thread() is not self._thread
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                try:
+                    worked = self.step()
+                except Exception as error:  # fail this step's requests, keep serving the rest
+                    self._fail_running(error)
+                    continue
+                if not worked:
+                    self._changed.wait_for(lambda: self._stop.is_set() or not self.scheduler.idle, timeout=1.0)
+
+    def _fail_running(self, error: Exception) -> None:
+        for request in list(self.scheduler.running):
+            self.scheduler.finish(request, "error", error)
+        self._changed.notify_all()
+
+    # ---- checks ------------------------------------------------------------------------------------
+
+    def _prompt(self, input_ids: object) -> list[int]:
+        if isinstance(input_ids, torch.Tensor):
+            if input_ids.dim() == 2 and input_ids.shape[0] == 1:
+                input_ids = input_ids[0]
+            if input_ids.dim() != 1 or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+                raise ValueError(f"input_ids must be token ids [S] or [1, S], got a {input_ids.dtype} tensor of shape {list(input_ids.shape)}")
+            input_ids = input_ids.tolist()
+        try:
+            prompt = [int(t) for t in input_ids]  # type: ignore[union-attr]
+        except (TypeError, ValueError):
+            raise ValueError(f"input_ids must be a sequence of token ids, got {type(input_ids).__name__}") from None
+        if not prompt:
+            raise ValueError("input_ids is empty: a request needs at least one prompt token")
+        bad = next((t for t in prompt if t < 0 or (self._vocab is not None and t >= self._vocab)), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the model's vocabulary [0, {self._vocab})")
+        return prompt
+
+
+@dataclass(frozen=True)
+class Geometry:
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+    window: int | None
+
+
+def model_geometry(model: Any) -> Geometry:
+    """The pool's shape for ``model``, or ``UnsupportedOperation`` saying why the engine cannot serve it."""
+    if not hasattr(model, "config") or not hasattr(model, "set_attn_implementation"):
+        raise TypeError(f"Engine expects a transformers causal LM, got {type(model).__name__}")
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise UnsupportedOperation("the engine serves decoder-only models; this one is an encoder-decoder")
+    if model.training:
+        raise UnsupportedOperation("the model is in training mode (dropout on): call model.eval() before serving it")
+    config = text_config(model)
+    if getattr(config, "kv_lora_rank", None) is not None:
+        raise UnsupportedOperation("the engine's blocks hold keys and values; this model caches latents (multi-head latent attention)")
+    if getattr(config, "attention_chunk_size", None) is not None:
+        raise UnsupportedOperation("this model attends in chunks (attention_chunk_size), which the engine does not apply")
+    kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
+    others = kinds - {"full_attention", "sliding_attention"}
+    if others:
+        raise UnsupportedOperation(
+            f"this model has {', '.join(sorted(others))} layers; the engine serves models whose layers all attend "
+            "over keys and values (full or sliding-window attention)"
+        )
+    window = getattr(config, "sliding_window", None)
+    if "sliding_attention" not in kinds and getattr(config, "layer_types", None) is not None:
+        window = None
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    try:
+        parameter = next(model.parameters())
+    except StopIteration:
+        raise TypeError("the model has no parameters") from None
+    return Geometry(config.num_hidden_layers, kv_heads, head_dim, parameter.dtype, parameter.device, window)
+
+
+def _eos_ids(eos: object) -> frozenset[int]:
+    if eos is None:
+        return frozenset()
+    if isinstance(eos, torch.Tensor):
+        eos = eos.flatten().tolist()
+    if isinstance(eos, int):
+        return frozenset([eos])
+    try:
+        return frozenset(int(t) for t in eos)  # type: ignore[union-attr]
+    except (TypeError, ValueError):
+        raise ValueError(f"eos_token_id must be a token id or a list of them, got {eos!r}") from None
+
+
+def _positive(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+

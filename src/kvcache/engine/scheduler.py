@@ -1,0 +1,241 @@
+"""Which requests compute which tokens in the next step, and the blocks they hold.
+
+Each step has a budget of ``max_batch_tokens`` tokens:
+
+1. running requests that need one token (decode) come first, then running requests in the middle
+   of their prompt (a prefill chunk of what the budget leaves), oldest first;
+2. then waiting requests join, oldest first, while the budget, ``max_seqs`` and the pool allow.
+   A joining request first takes the registered blocks of its longest known prefix (a pool hit:
+   those tokens are not computed again). If the next block of its prefix is being computed right
+   now by a running request, it waits a step for it instead of computing it twice.
+
+A request that needs a block when the pool has none available preempts the newest running
+request not yet scheduled this step (or, if there is none, is preempted itself): the preempted one
+gives back its blocks and goes to the front of the queue, to be computed again later (its full
+blocks stay registered in the pool's LRU, so most come back as hits). A joining request never
+preempts.
+
+After the forward pass (``commit``) each row's newly full blocks are registered under their chain
+keys, so later requests (or this one after a preemption) find them; a block that turns out to
+duplicate one registered meanwhile is swapped for it. Not thread-safe: the engine holds its lock.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import deque
+
+import torch
+
+from .pool import BlockPool
+from .request import Request, State
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, salt: bytes, max_batch_tokens: int, max_seqs: int, share_prefixes: bool = True):
+        self.pool, self.salt = pool, salt
+        self.max_batch_tokens, self.max_seqs, self.share_prefixes = max_batch_tokens, max_seqs, share_prefixes
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.preemptions = 0
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def add(self, request: Request) -> None:
+        request.keys = extend_keys(self.salt, [], request.tokens, self.pool.block_size) if self.share_prefixes else []
+        self.waiting.append(request)
+
+    # ---- planning a step -------------------------------------------------------------------------
+
+    def plan(self) -> list[tuple[Request, int]]:
+        """The step's rows, ``(request, tokens to compute)``, with their blocks allocated and the
+        slots they write claimed."""
+        budget = self.max_batch_tokens
+        order = [r for r in self.running if r.remaining == 1] + [r for r in self.running if r.remaining > 1]
+        rows: list[tuple[Request, int]] = []
+        scheduled: set[int] = set()
+        for request in order:
+            if budget == 0:
+                break
+            if request.state is not State.RUNNING:  # preempted by an earlier row of this step
+                continue
+            n = min(request.remaining, budget)
+            if not self._grow(request, request.computed + n, order, scheduled):
+                continue
+            rows.append((request, n))
+            scheduled.add(request.rid)
+            budget -= n
+        skipped = 0
+        while budget > 0 and len(self.running) < self.max_seqs and skipped < len(self.waiting):
+            request = self.waiting[skipped]
+            n = self._admit(request, budget)
+            if n is None:  # waits for a prefix being computed: let the next one try
+                skipped += 1
+                continue
+            if n == 0:  # no room: the queue waits for blocks to come back
+                break
+            rows.append((request, n))
+            budget -= n
+        for request, n in rows:
+            self._claim(request, n)
+        return rows
+
+    def _grow(self, request: Request, length: int, order: list[Request], scheduled: set[int]) -> bool:
+        """Give ``request`` the blocks for ``length`` tokens, preempting newer unscheduled requests
+        as needed; False if ``request`` had to be preempted itself."""
+        need = blocks_for(length, self.pool.block_size) - len(request.table)
+        while need > self.pool.available:
+            victim = next(
+                (r for r in reversed(order) if r.state is State.RUNNING and r is not request and r.rid not in scheduled),
+                None,
+            )
+            self.preempt(victim or request)
+            if victim is None:
+                return False
+        if need > 0:
+            request.table.extend(self.pool.allocate(need))
+        return True
+
+    def _admit(self, request: Request, budget: int) -> int | None:
+        """Start ``request``: its pool hits, then blocks for its first chunk; returns the chunk's
+        tokens, 0 if the pool has no room now, None if it waits for a prefix being computed."""
+        pool, bs = self.pool, self.pool.block_size
+        hits: list[int] = []
+        if self.share_prefixes:
+            limit = min((len(request.tokens) - 1) // bs, len(request.keys))  # the last token is always computed
+            for key in request.keys[:limit]:
+                block = pool.lookup(key)
+                if block is None:
+                    break
+                hits.append(block)
+            if len(hits) < limit and self._in_flight(request.keys[len(hits)], len(hits)):
+                _release(pool, hits)
+                return None
+        start = len(hits) * bs
+        n = min(len(request.tokens) - start, budget)
+        need = blocks_for(start + n, bs) - len(hits)
+        if need > pool.available:
+            _release(pool, hits)
+            return 0
+        request.table = hits + pool.allocate(need)
+        request.computed, request.registered = start, len(hits)
+        if request.stats.preemptions == 0:
+            request.stats.reused_pool = start
+        request.state = State.RUNNING
+        self.waiting.remove(request)
+        self.running.append(request)
+        return n
+
+    def _in_flight(self, key: str, index: int) -> bool:
+        """Whether a running request is computing the block whose chain key is ``key`` (its
+        ``index``-th block) right now."""
+        bs = self.pool.block_size
+        return any(
+            len(r.keys) > index and r.keys[index] == key and r.computed < (index + 1) * bs for r in self.running
+        )
+
+    def _claim(self, request: Request, n: int) -> None:
+        bs, t = self.pool.block_size, request.computed
+        end = t + n
+        while t < end:
+            offset = t % bs
+            take = min(bs - offset, end - t)
+            self.pool.claim(request.table[t // bs], offset, take)
+            t += take
+
+    # ---- after the forward pass ------------------------------------------------------------------
+
+    def commit(self, rows: list[tuple[Request, int]], chosen: dict[int, int]) -> list[Request]:
+        """Advance each row by its computed tokens; append the token chosen for each request that
+        finished its tokens (``chosen``: request id -> token id). Returns the requests that got a
+        token."""
+        now = time.perf_counter()
+        got = []
+        for request, n in rows:
+            request.computed += n
+            request.stats.computed += n
+            if request.rid in chosen:
+                self._append(request, chosen[request.rid], now)
+                got.append(request)
+            if request.state is State.RUNNING:
+                self._register(request)
+        return got
+
+    def _append(self, request: Request, token: int, now: float) -> None:
+        request.tokens.append(token)
+        stats = request.stats
+        stats.generated += 1
+        if stats.first_token is None:
+            stats.first_token = now
+        if token in request.eos:
+            self.finish(request, "eos")
+        elif stats.generated >= request.max_new_tokens:
+            self.finish(request, "length")
+        elif self.share_prefixes and len(request.tokens) % self.pool.block_size == 0:
+            request.keys = extend_keys(self.salt, request.keys, request.tokens, self.pool.block_size)
+
+    def _register(self, request: Request) -> None:
+        """Register the request's newly full blocks (swapping any that duplicate a registered one)."""
+        if not self.share_prefixes:
+            return
+        pool, table = self.pool, request.table
+        full = min(request.computed // pool.block_size, len(request.keys))
+        for i in range(request.registered, full):
+            key = request.keys[i]
+            holder = pool.register(table[i], key)
+            if holder != table[i]:
+                shared = pool.lookup(key)
+                pool.release(table[i])
+                table[i] = shared
+        request.registered = max(request.registered, full)
+
+    # ---- leaving -----------------------------------------------------------------------------------
+
+    def preempt(self, request: Request) -> None:
+        """Take ``request``'s blocks back and queue it first, to compute its tokens again later."""
+        _release(self.pool, request.table)
+        request.table, request.computed, request.registered = [], 0, 0
+        request.state = State.WAITING
+        request.stats.preemptions += 1
+        self.preemptions += 1
+        self.running.remove(request)
+        self.waiting.appendleft(request)
+
+    def finish(self, request: Request, reason: str, error: BaseException | None = None) -> None:
+        """End ``request`` (``"eos"``, ``"length"``, ``"cancelled"``, ``"error"``); its blocks go back."""
+        if request.state is State.FINISHED:
+            return
+        if request.state is State.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        _release(self.pool, request.table)
+        request.table = []
+        request.state, request.finish_reason, request.error = State.FINISHED, reason, error
+        request.stats.finished = time.perf_counter()
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
+def extend_keys(salt: bytes, keys: list[str], tokens: list[int], block_size: int) -> list[str]:
+    """``keys`` (the chain keys of the first full blocks of ``tokens``) extended to every full block
+    of ``tokens``: the same keys as ``chain_keys(tokens, block_size, salt)``, computing only the new
+    ones."""
+    out = list(keys)
+    digest = bytes.fromhex(out[-1]) if out else hashlib.sha256(salt).digest()
+    ids = torch.as_tensor(tokens, dtype=torch.int64)
+    for start in range(len(out) * block_size, len(tokens) - block_size + 1, block_size):
+        digest = hashlib.sha256(digest + ids[start : start + block_size].numpy().tobytes()).digest()
+        out.append(digest.hex())
+    return out
+
+
+def _release(pool: BlockPool, blocks: list[int]) -> None:
+    """Release ``blocks`` last first, so the LRU evicts a prefix's tail before its head."""
+    for block in reversed(blocks):
+        pool.release(block)

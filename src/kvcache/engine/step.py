@@ -1,0 +1,133 @@
+"""One scheduler step as one forward pass: the rows of every running request packed into one
+sequence, and the attention that writes their keys and values into the pool and reads each row's
+own blocks.
+
+The model sees a batch of one sequence of ``T`` tokens (every row's tokens one after the other)
+with each token's own position id, so its linear layers run once over all rows. Its attention
+calls (the ``"kvcache"`` implementation, which hands them to ``PagedStep.attend`` when the forward
+carries a step under ``hf.PAGED_STEP``) take the packed query ``[1, Hq, T, D]`` and the new keys
+and values ``[1, Hkv, T, D]``. For each layer the step:
+
+1. writes every new key and value into its row's block and slot (one indexed copy);
+2. runs the rows that compute one token (decode) together through the paged decode kernel
+   (``native.paged_decode``: ragged lengths, each row's block table);
+3. runs each row of several tokens (a prefill chunk) through attention over its blocks, causal
+   aligned to the end (the chunk follows the row's past), or over the chunk itself when the row
+   has no past.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..attention import attend, native
+from ..attention_kwargs import AttentionExtras
+from ..errors import UnsupportedOperation
+from .paged import paged_decode
+from .pool import BlockPool
+
+
+@dataclass(frozen=True)
+class Row:
+    """One request's part of a step: ``count`` tokens at ``start`` in the packed sequence, after
+    ``past`` tokens already in the pool, all of them in blocks ``table`` (in order)."""
+
+    start: int
+    count: int
+    past: int
+    table: tuple[int, ...]
+
+    @property
+    def length(self) -> int:
+        """Tokens of the row in the pool once this step has written them."""
+        return self.past + self.count
+
+
+class PagedStep:
+    """The attention of one packed forward pass over ``pool`` (see the module docstring).
+
+    ``rows`` lie one after the other from token 0 of the packed sequence. Every block a row writes
+    must be writable (``BlockPool.claim`` checks and notes them; the engine claims before the
+    forward). ``layers_run`` counts the attention calls, so the engine can tell a model that did not
+    pass the step down to its attention."""
+
+    def __init__(self, pool: BlockPool, rows: list[Row]):
+        self.pool, self.rows = pool, rows
+        self.tokens = sum(r.count for r in rows)
+        bs = pool.block_size
+        slots = [(r.table[t // bs], t % bs) for r in rows for t in range(r.past, r.length)]
+        self.slot_blocks = torch.tensor([b for b, _ in slots], dtype=torch.long, device=pool.device)
+        self.slot_offsets = torch.tensor([o for _, o in slots], dtype=torch.long, device=pool.device)
+        self.decode_rows = [r for r in rows if r.count == 1 and r.past > 0]
+        self.chunk_rows = [r for r in rows if not (r.count == 1 and r.past > 0)]
+        self.decode_tokens = torch.tensor([r.start for r in self.decode_rows], dtype=torch.long)
+        width = max((len(r.table) for r in self.decode_rows), default=1)
+        self.decode_tables = torch.zeros(len(self.decode_rows), width, dtype=torch.int32)
+        for i, r in enumerate(self.decode_rows):
+            self.decode_tables[i, : len(r.table)] = torch.tensor(r.table, dtype=torch.int32)
+        self.decode_lengths = torch.tensor([r.length for r in self.decode_rows], dtype=torch.int64)
+        self.layers_run = 0
+
+    def attend(
+        self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        scaling: float | None, kwargs: dict,
+    ) -> torch.Tensor:
+        """Write ``key``/``value`` ``[1, Hkv, T, D]`` into the pool and attend; ``[1, T, Hq, Dv]``."""
+        layer = getattr(module, "layer_idx", None)
+        if not isinstance(layer, int):
+            raise UnsupportedOperation(
+                f"the engine needs each attention module's layer_idx; {type(module).__name__} has none"
+            )
+        extras = AttentionExtras.from_kwargs(kwargs)
+        if extras.softcap is not None or extras.sinks is not None or extras.bias is not None or extras.indices is not None:
+            raise UnsupportedOperation(
+                "the engine's paged attention does not apply logit caps, attention sinks, position biases or "
+                "sparse indices yet; serve this model with generate and make_cache"
+            )
+        if query.shape[0] != 1 or query.shape[2] != self.tokens:
+            raise UnsupportedOperation(
+                f"the engine packs {self.tokens} tokens as one sequence, but the attention got a query of shape "
+                f"{list(query.shape)}; this model does not pass the packed batch through unchanged"
+            )
+        pool = self.pool
+        dim = query.shape[-1]
+        scale = 1.0 / math.sqrt(dim) if scaling is None else float(scaling)
+        keys, values = pool.key_blocks[layer], pool.value_blocks[layer]
+        # keys[block, :, offset] is [T, Hkv, D]: every new token's slot in one indexed copy.
+        keys[self.slot_blocks, :, self.slot_offsets] = key[0].transpose(0, 1).to(pool.dtype)
+        values[self.slot_blocks, :, self.slot_offsets] = value[0].transpose(0, 1).to(pool.dtype)
+
+        out = query.new_empty(1, self.tokens, query.shape[1], value.shape[-1])
+        if self.decode_rows:
+            q = query[0, :, self.decode_tokens].transpose(0, 1).unsqueeze(2)  # [S, Hq, 1, D]
+            got = self._decode(layer, q, scale)
+            out[0, self.decode_tokens] = got[:, :, 0].to(out.dtype)
+        for r in self.chunk_rows:
+            q = query[:, :, r.start : r.start + r.count]
+            if r.past == 0:
+                k, v = key[:, :, r.start : r.start + r.count], value[:, :, r.start : r.start + r.count]
+                got = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            else:
+                k, v = pool.views(layer, r.table[: -(-r.length // pool.block_size)])
+                k, v = k[None, :, : r.length].to(q.dtype), v[None, :, : r.length].to(q.dtype)
+                got = attend(q, k, v, scale=scale, causal=True)
+            out[0, r.start : r.start + r.count] = got[0].transpose(0, 1)
+        self.layers_run += 1
+        return out
+
+    def _decode(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """The decode rows' attention ``[S, Hq, 1, Dv]`` through the paged kernel."""
+        pool = self.pool
+        seqs, q_heads, _, dim = q.shape
+        packed = q.reshape(seqs, pool.kv_heads, q_heads // pool.kv_heads, dim)
+        got = native.paged_decode(
+            packed, pool.key_blocks[layer], pool.value_blocks[layer], self.decode_tables, self.decode_lengths, scale
+        )
+        if got is not None:
+            return got.reshape(seqs, q_heads, 1, -1)
+        tables = [r.table for r in self.decode_rows]
+        return paged_decode(pool, layer, q, tables, [r.length for r in self.decode_rows], scale)
