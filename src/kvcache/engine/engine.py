@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ..errors import UnsupportedOperation
+from ..fingerprint import AmbiguousGlobalPerLayerAttributeError
 from ..fingerprint import config_summary, fingerprint_of, text_config
 from ..hf import PAGED_STEP, use_kvcache_attention
 from ..prompts.keys import salt as key_salt
@@ -108,6 +109,7 @@ class Engine:
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._eos = _eos_ids(getattr(getattr(model, "generation_config", None), "eos_token_id", None))
         self._vocab = getattr(text_config(model), "vocab_size", None)
+        self._check_packing()
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self._next_id = 0
@@ -226,14 +228,64 @@ class Engine:
                 **{PAGED_STEP: step},
                 **kwargs,
             )
+        self._check_layers_run(step)
+        logits = out.logits[0] if self._keeps_logits else out.logits[0, keep]
+        chosen = logits.argmax(-1).tolist()
+        return {rid: token for (rid, _), token in zip(last, chosen)}
+
+    def _check_packing(self) -> None:
+        """Refuse a model that does not compute a packed row as it computes the row alone: one that
+        numbers positions by the row's place in the batch instead of its ``position_ids`` (learned
+        absolute positions), mixes tokens across rows, or reads its past otherwise. Runs two short
+        rows as one prefill step, then one of them as a decode step, and compares each last token's
+        logits with the row run alone (short rows, so a model's sliding window never binds)."""
+        if self._vocab is not None and self._vocab <= 8:
+            return
+        first, second, extra = [3, 4], [5, 6, 7], 8
+        bs = self.pool.block_size
+        tables = (self.pool.allocate(blocks_for(len(first), bs)), self.pool.allocate(blocks_for(len(second) + 1, bs)))
+        try:
+            prefill = [Row(0, len(first), 0, tuple(tables[0])), Row(len(first), len(second), 0, tuple(tables[1]))]
+            packed = self._probe(first + second, [0, 1, 0, 1, 2], prefill)
+            decode = self._probe([extra], [len(second)], [Row(0, 1, len(second), tuple(tables[1]))])
+        finally:
+            for block in tables[0] + tables[1]:
+                self.pool.release(block)
+        device = self.pool.device
+        tolerance = 1e-3 if self.pool.dtype == torch.float32 else 3e-2
+        for got, row in ((packed, second), (decode, second + [extra])):
+            with torch.inference_mode():
+                alone = self.model(input_ids=torch.tensor([row], device=device), use_cache=False).logits[0, -1].float()
+            if not torch.allclose(got, alone, rtol=tolerance, atol=tolerance * float(alone.abs().max())):
+                raise UnsupportedOperation(
+                    "this model computes a row packed after another, or a decode step over its blocks, differently "
+                    "from the row alone (it numbers positions by place in the batch, not by position_ids, or mixes "
+                    "rows): the engine cannot serve it"
+                )
+
+    def _probe(self, ids: list[int], positions: list[int], rows: list[Row]) -> torch.Tensor:
+        """The last token's logits of one forward pass of ``rows`` (claiming their slots first)."""
+        bs = self.pool.block_size
+        for row in rows:
+            for t in range(row.past, row.length):
+                self.pool.claim(row.table[t // bs], t % bs, 1)
+        step = PagedStep(self.pool, rows)
+        device = self.pool.device
+        keep = {"logits_to_keep": torch.tensor([len(ids) - 1], device=device)} if self._keeps_logits else {}
+        with torch.inference_mode(), use_kvcache_attention(self.model):
+            out = self.model(
+                input_ids=torch.tensor([ids], device=device), position_ids=torch.tensor([positions], device=device),
+                use_cache=False, **{PAGED_STEP: step}, **keep,
+            )
+        self._check_layers_run(step)
+        return out.logits[0, -1].float()
+
+    def _check_layers_run(self, step: PagedStep) -> None:
         if step.layers_run != self.pool.layers:
             raise UnsupportedOperation(
                 f"the model ran {step.layers_run} attention calls through the engine's step for {self.pool.layers} "
                 "layers: its layers do not pass attention keywords down, so the engine cannot serve it"
             )
-        logits = out.logits[0] if self._keeps_logits else out.logits[0, keep]
-        chosen = logits.argmax(-1).tolist()
-        return {rid: token for (rid, _), token in zip(last, chosen)}
 
     # ---- the background thread ---------------------------------------------------------------------
 
@@ -331,9 +383,14 @@ def model_geometry(model: Any) -> Geometry:
     window = getattr(config, "sliding_window", None)
     if "sliding_attention" not in kinds and getattr(config, "layer_types", None) is not None:
         window = None
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    try:
+        heads = getattr(config, "num_attention_heads", None)
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or (heads and config.hidden_size // heads)
+    except AmbiguousGlobalPerLayerAttributeError as e:  # a per-layer head_dim (Gemma 4)
+        raise UnsupportedOperation(f"the engine's pool has one shape for every layer; this model's differ ({e})") from None
+    if not heads:
+        raise UnsupportedOperation(f"this model ({config.model_type}) has no attention heads in its config; the engine serves attention models")
     try:
         parameter = next(model.parameters())
     except StopIteration:

@@ -94,6 +94,11 @@ class PagedStep:
                 f"{list(query.shape)}; this model does not pass the packed batch through unchanged"
             )
         pool = self.pool
+        if key.shape[1] != pool.kv_heads or key.shape[-1] != pool.head_dim or value.shape[-1] != pool.value_dim:
+            raise UnsupportedOperation(
+                f"layer {layer}'s attention got keys {list(key.shape)} and values {list(value.shape)}; the engine's pool "
+                f"holds {pool.kv_heads} heads of {pool.head_dim} (values {pool.value_dim}) as the config says"
+            )
         dim = query.shape[-1]
         scale = 1.0 / math.sqrt(dim) if scaling is None else float(scaling)
         keys, values = pool.key_blocks[layer], pool.value_blocks[layer]
