@@ -33,6 +33,7 @@ from .hf import register_attention, use_kvcache_attention
 from .prefill import prefill
 from .spec import CacheSpec, parse_spec
 from .prompts import PromptStore
+from .engine import Engine
 
 __version__ = "0.1.0"
 
@@ -46,6 +47,7 @@ __all__ = [
     "CacheSpec",
     "CorruptedFileError",
     "DTypeError",
+    "Engine",
     "ForeignFileError",
     "KVCache",
     "KVCacheError",

@@ -23,12 +23,15 @@
 // kv_coded_key_scores and kv_coded_weighted are the two products of a decode step, with the softmax
 // done by the caller between them; kv_coded_decode_attention does the whole step in one pass over
 // the codes (scores, softcap, an online softmax and the weighted values, chunk by chunk) and returns
-// each row's normalised output and log-sum-exp.
+// each row's normalised output and log-sum-exp. kv_paged_coded_decode is that pass for sequences whose
+// blocks lie in a pool, in the order of each one's block table (kvcache.engine.paged), with an exact
+// tail block per sequence; its tasks are (sequence, head, run of blocks).
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) && !defined(KV_NO_CLONES)
@@ -463,31 +466,86 @@ inline void online_softmax_tile(float* scores, int64_t width, int n, const Dims&
     }
 }
 
+// Key blocks [first, last) of one (batch, head), or of one (sequence, head)'s block table, tile_blocks
+// at a time, folded into st. score(blk, blocks, out, width) writes the scores of blocks [blk, blk + blocks)
+// into out (row stride width); weigh(blk, blocks, p, width) adds their values, weighted by p, into st.
+template <class Score, class Weigh>
+KV_INLINE void attend_tiles(const Dims& d, int64_t first, int64_t last, int64_t tile_blocks, float softcap,
+                            float* scores, ChunkState& st, Score score, Weigh weigh) {
+    const int64_t width = tile_blocks * d.group;
+    for (int64_t blk = first; blk < last; blk += tile_blocks) {
+        const int blocks = static_cast<int>(std::min(tile_blocks, last - blk));
+        const int n = blocks * d.group;
+        score(blk, blocks, scores, width);
+        if (softcap > 0.f) cap_scores(scores, d.rows, width, n, softcap);
+        online_softmax_tile(scores, width, n, d, st);
+        weigh(blk, blocks, scores, width);
+    }
+}
+
 // Key blocks [first_block, last_block) of one (batch, head), tile_blocks at a time, into st.
 // q: the rows already scaled; scores: a buffer of rows x (tile_blocks * group) floats.
 void attend_chunk(const CodedKernels& kern, const float* q, const HeadCodes& h, const Dims& d, int64_t first_block,
                   int64_t last_block, int64_t tile_blocks, float softcap, float* scores, ChunkState& st) {
-    const int64_t width = tile_blocks * d.group;
-    st.clear(d);
-    for (int64_t blk = first_block; blk < last_block; blk += tile_blocks) {
-        const int blocks = static_cast<int>(std::min(tile_blocks, last_block - blk));
-        const int n = blocks * d.group;
-        const int64_t t0 = blk * d.group;
-        kern.scores(q, d.rows, d.dim, d.group, h.kcodes + t0 * d.kpacked, h.kscale + blk * d.dim, h.kmin + blk * d.dim,
-                    0, blocks, scores, width);
-        if (softcap > 0.f) cap_scores(scores, d.rows, width, n, softcap);
-        online_softmax_tile(scores, width, n, d, st);
-        kern.weighted(scores, width, d.rows, d.vdim, d.vgroup, h.vcodes + t0 * d.vpacked, h.vscale + t0 * d.vgroups,
-                      h.vmin + t0 * d.vgroups, 0, n, st.acc, st.zacc);
-    }
+    attend_tiles(
+        d, first_block, last_block, tile_blocks, softcap, scores, st,
+        [&](int64_t blk, int blocks, float* out, int64_t width) {
+            kern.scores(q, d.rows, d.dim, d.group, h.kcodes + blk * d.group * d.kpacked, h.kscale + blk * d.dim,
+                        h.kmin + blk * d.dim, 0, blocks, out, width);
+        },
+        [&](int64_t blk, int blocks, const float* p, int64_t width) {
+            const int64_t t0 = blk * d.group;
+            kern.weighted(p, width, d.rows, d.vdim, d.vgroup, h.vcodes + t0 * d.vpacked, h.vscale + t0 * d.vgroups,
+                          h.vmin + t0 * d.vgroups, 0, blocks * d.group, st.acc, st.zacc);
+        });
 }
 
-// The exact tail (see ExactTail) folded into st as one more chunk, a tile of `width` tokens at a time.
+// A pool of coded blocks (kvcache.engine.paged): keys codes [NB, Hkv, G, D'], scale / minimum
+// [NB, Hkv, D]; values codes [NB, Hkv, G, Dv'], scale / minimum [NB, Hkv, G, Dv / Gv]; inner dims
+// contiguous, block and head strides in elements (scale and minimum share theirs).
+struct CodedPool {
+    const uint8_t* kcodes;
+    const float* kscale;
+    const float* kmin;
+    const uint8_t* vcodes;
+    const float* vscale;
+    const float* vmin;
+    int64_t kcodes_blk, kcodes_h, kscale_blk, kscale_h, vcodes_blk, vcodes_h, vscale_blk, vscale_h;
+
+    HeadCodes block(int64_t id, int64_t h) const {
+        const int64_t k = id * kscale_blk + h * kscale_h, v = id * vscale_blk + h * vscale_h;
+        return {kcodes + id * kcodes_blk + h * kcodes_h, kscale + k, kmin + k,
+                vcodes + id * vcodes_blk + h * vcodes_h, vscale + v, vmin + v};
+    }
+};
+
+// Table entries [first, last) of one (sequence, head) (table: the sequence's block ids), as attend_chunk;
+// the blocks lie anywhere in the pool, so each is scored and weighted on its own.
+void attend_paged(const CodedKernels& kern, const float* q, const CodedPool& pool, const int32_t* table, int64_t h,
+                  const Dims& d, int64_t first, int64_t last, int64_t tile_blocks, float softcap, float* scores,
+                  ChunkState& st) {
+    attend_tiles(
+        d, first, last, tile_blocks, softcap, scores, st,
+        [&](int64_t blk, int blocks, float* out, int64_t width) {
+            for (int i = 0; i < blocks; ++i) {
+                const HeadCodes b = pool.block(table[blk + i], h);
+                kern.scores(q, d.rows, d.dim, d.group, b.kcodes, b.kscale, b.kmin, 0, 1, out + i * d.group, width);
+            }
+        },
+        [&](int64_t blk, int blocks, const float* p, int64_t width) {
+            for (int i = 0; i < blocks; ++i) {
+                const HeadCodes b = pool.block(table[blk + i], h);
+                kern.weighted(p + i * d.group, width, d.rows, d.vdim, d.vgroup, b.vcodes, b.vscale, b.vmin, 0, d.group,
+                              st.acc, st.zacc);
+            }
+        });
+}
+
+// The exact tail (see ExactTail) folded into st, a tile of `width` tokens at a time.
 void attend_tail(const CodedKernels& kern, const float* q, const HeadCodes& h, const ExactTail& tail, const Dims& d,
                  int64_t width, float softcap, float* scores, ChunkState& st) {
     const int per_byte = 8 / d.bits;
     const int64_t split = d.vdim / per_byte;  // element e of a value sits at (e % per_byte) * split + e / per_byte
-    st.clear(d);
     for (int64_t t0 = 0; t0 < tail.len; t0 += width) {
         const int n = static_cast<int>(std::min(width, tail.len - t0));
         for (int r = 0; r < d.rows; ++r) {
@@ -674,6 +732,7 @@ int kv_coded_decode_attention(const float* q, const uint8_t* kcodes, const float
                                   kmin + b * kscale_b + h * kscale_h,   vcodes + b * vcodes_b + h * vcodes_h,
                                   vscale + b * vscale_b + h * vscale_h, vmin + b * vscale_b + h * vscale_h};
             ChunkState st = ChunkState::at(states.data() + task * part, d);
+            st.clear(d);
             if (c == coded_chunks) {  // the exact tail: one more chunk
                 const ExactTail tail{tail_k + b * tk_b + h * tk_h, tk_t, tail_v == nullptr ? nullptr : tail_v + b * tv_b + h * tv_h,
                                      tv_t, nblk * group, tail_len, tail_vcoded};
@@ -687,6 +746,82 @@ int kv_coded_decode_attention(const float* q, const uint8_t* kcodes, const float
 #pragma omp for schedule(static)
         for (int64_t bh = 0; bh < batch * heads; ++bh)
             merge_chunks(states.data() + bh * chunks * part, chunks, d, out + bh * rows * vdim, lse + bh * rows);
+    }
+    return 0;
+}
+
+// Paged decode: sequence s attends its first coded[s] tokens from the pool blocks tables[s, 0],
+// tables[s, 1], ... (CodedPool; token t in block tables[s, t / G], slot t % G), then tail_lengths[s]
+// exact tokens from block tail_blocks[s] of a float32 pool (keys tail_k [NT, Hkv, G, D], values
+// tail_v [NT, Hkv, G, Dv], strides (block, head, token), last dim contiguous). q float32 contiguous
+// [S, H, rows, D]; out float32 contiguous [S, H, rows, Dv], normalised (zeros for a sequence with no
+// tokens). tables int32 [S, table_stride]; coded, tail_lengths int64 [S]; tail_blocks int32 [S].
+// Tasks: (sequence, head, run of blocks_per_task table entries), a sequence's last run taking its tail.
+// Returns 1 for shapes the library does not take, 2 for a length, block id or tail out of range
+// (nothing is read then).
+int kv_paged_coded_decode(const float* q, const uint8_t* kcodes, const float* kscale, const float* kmin,
+                          const uint8_t* vcodes, const float* vscale, const float* vmin, const float* tail_k,
+                          const float* tail_v, const int32_t* tables, const int64_t* coded, const int32_t* tail_blocks,
+                          const int64_t* tail_lengths, float* out, int64_t seqs, int64_t heads, int rows, int dim,
+                          int vdim, int group, int vgroup, int bits, int64_t pool_blocks, int64_t tail_pool_blocks,
+                          int64_t table_stride, int64_t kcodes_blk, int64_t kcodes_h, int64_t kscale_blk,
+                          int64_t kscale_h, int64_t vcodes_blk, int64_t vcodes_h, int64_t vscale_blk, int64_t vscale_h,
+                          int64_t tk_blk, int64_t tk_h, int64_t tk_t, int64_t tv_blk, int64_t tv_h, int64_t tv_t,
+                          int64_t blocks_per_task, float scale, float softcap, int threads) {
+    if (bits != 8 && bits != 4 && bits != 2) return 1;
+    const int per_byte = 8 / bits;
+    if (rows < 1 || rows > kMaxRows || dim < 1 || dim > kMaxDim || vdim < 1 || vdim > kMaxDim || dim % per_byte ||
+        group < 1 || vgroup < 1 || vdim % vgroup || vgroup % per_byte || blocks_per_task < 1 || seqs < 0 ||
+        heads < 1 || table_stride < 0)
+        return 1;
+    // A sequence's first task; every sequence has at least one run per head (its tail, or nothing).
+    std::vector<int64_t> first(seqs + 1, 0);
+    for (int64_t s = 0; s < seqs; ++s) {
+        const int64_t blocks = coded[s] / group, tail = tail_lengths[s];
+        if (coded[s] < 0 || coded[s] % group || blocks > table_stride || tail < 0 || tail > group ||
+            (tail > 0 && (tail_blocks[s] < 0 || tail_blocks[s] >= tail_pool_blocks)))
+            return 2;
+        for (int64_t i = 0; i < blocks; ++i)
+            if (tables[s * table_stride + i] < 0 || tables[s * table_stride + i] >= pool_blocks) return 2;
+        first[s + 1] = first[s] + heads * std::max<int64_t>(1, (blocks + blocks_per_task - 1) / blocks_per_task);
+    }
+    const Dims d{rows, dim, vdim, group, vgroup, bits, dim / per_byte, vdim / per_byte, vdim / vgroup};
+    const CodedKernels kern = kernels_for(bits);
+    const CodedPool pool{kcodes,   kscale,   kmin,     vcodes,     vscale,     vmin,       kcodes_blk, kcodes_h,
+                         kscale_blk, kscale_h, vcodes_blk, vcodes_h, vscale_blk, vscale_h};
+    const int64_t tasks = first[seqs], tile_blocks = std::max<int64_t>(1, kTileTokens / group);
+    const int64_t part = ChunkState::floats(d), q_rows = static_cast<int64_t>(rows) * dim;
+    std::unique_ptr<float[]> states(new float[tasks * part]);  // every task clears its own
+    std::vector<float> scaled(static_cast<size_t>(seqs * heads * q_rows)), lse(static_cast<size_t>(seqs * heads * rows));
+    for (int64_t i = 0; i < seqs * heads * q_rows; ++i) scaled[i] = q[i] * scale;
+#pragma omp parallel num_threads(threads)
+    {
+        std::vector<float> scores(static_cast<size_t>(rows * tile_blocks * group));
+        // Dynamic: the runs of sequences of mixed lengths differ (a last run is partial, and takes the tail).
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < tasks; ++task) {
+            const int64_t s = std::upper_bound(first.begin(), first.end(), task) - first.begin() - 1;
+            const int64_t runs = (first[s + 1] - first[s]) / heads, local = task - first[s];
+            const int64_t h = local / runs, run = local % runs, sh = s * heads + h;
+            ChunkState st = ChunkState::at(states.get() + task * part, d);
+            st.clear(d);
+            const int64_t blocks = coded[s] / group, lo = run * blocks_per_task;
+            attend_paged(kern, scaled.data() + sh * q_rows, pool, tables + s * table_stride, h, d, lo,
+                         std::min(blocks, lo + blocks_per_task), tile_blocks, softcap, scores.data(), st);
+            if (run == runs - 1 && tail_lengths[s] > 0) {
+                const int64_t tb = tail_blocks[s];
+                const ExactTail tail{tail_k + tb * tk_blk + h * tk_h, tk_t, tail_v + tb * tv_blk + h * tv_h, tv_t,
+                                     0, tail_lengths[s], 0};
+                attend_tail(kern, scaled.data() + sh * q_rows, HeadCodes{}, tail, d, tile_blocks * group, softcap,
+                            scores.data(), st);
+            }
+        }
+#pragma omp for schedule(static)
+        for (int64_t sh = 0; sh < seqs * heads; ++sh) {
+            const int64_t s = sh / heads, h = sh % heads, runs = (first[s + 1] - first[s]) / heads;
+            merge_chunks(states.get() + (first[s] + h * runs) * part, runs, d, out + sh * rows * vdim,
+                         lse.data() + sh * rows);
+        }
     }
     return 0;
 }

@@ -1,0 +1,335 @@
+"""``kvcache.Engine``: many requests over one block pool, against each request's own greedy
+``generate`` with ``DynamicCache`` (``engine_reference.py`` states the near-tie rule).
+
+Batch compositions: prompts shorter than a block, exactly k blocks, k blocks + 1, one token;
+identical prompts submitted in the same step; a shared prefix; budgets that split prompts into
+chunks; a pool too small for every request at once (preemption); cancels mid-decode; a forward
+pass that fails; the background thread. The pool's invariants are checked after every step.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from engine_reference import reference, same_or_near_tie
+from helpers import model_for
+from kvcache import Engine
+from kvcache.engine import PoolError, RequestCancelled
+from kvcache.errors import UnsupportedOperation
+
+NEW = 10
+
+
+@pytest.fixture(scope="module")
+def model():
+    return model_for("llama")
+
+
+def ids(length: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 256, (length,), generator=g).tolist()
+
+
+def run_checked(engine: Engine) -> None:
+    """Step to the end, checking the pool after every step."""
+    while engine.step():
+        engine.pool.check()
+    engine.pool.check()
+    assert engine.pool.owned_count == 0, "blocks still owned after every request ended"
+
+
+def assert_all_match(model, prompts, handles, new=NEW, most_ties=0) -> None:
+    ties = sum(
+        same_or_near_tie(h.result(), reference(model, p, new), f"request {i} ({len(p)} tokens)")
+        for i, (p, h) in enumerate(zip(prompts, handles))
+    )
+    assert ties <= most_ties
+
+
+def compositions(bs: int) -> list[list[int]]:
+    shared = ids(2 * bs, 7)
+    return [
+        ids(max(1, bs // 2 - 1), 1),  # shorter than a block
+        ids(2 * bs, 2),  # exactly two blocks
+        ids(2 * bs + 1, 3),  # two blocks and one token
+        ids(1, 4),  # one token
+        shared + ids(3, 5),
+        shared + ids(bs, 6),
+        list(shared),  # identical prompts, submitted in the same step
+        list(shared),
+    ]
+
+
+@pytest.mark.parametrize("share", [True, False], ids=["shared", "unshared"])
+@pytest.mark.parametrize("bs,budget", [(4, 7), (4, 64), (16, 9), (16, 512)])
+def test_every_request_matches_its_own_generate(model, bs, budget, share):
+    engine = Engine(model, block_size=bs, blocks=64, max_batch_tokens=budget, max_seqs=5, share_prefixes=share)
+    prompts = compositions(bs)
+    handles = [engine.submit(p, max_new_tokens=NEW, eos_token_id=[]) for p in prompts]
+    run_checked(engine)
+    assert_all_match(model, prompts, handles)
+    assert all(h.finish_reason == "length" for h in handles)
+    if not share:
+        assert all(h.stats.reused_pool == 0 for h in handles)
+
+
+def test_a_shared_prompt_is_computed_once(model):
+    bs, shared, own = 8, ids(32, 11), 5
+    prompts = [shared + ids(own, 20 + i) for i in range(6)]
+    engine = Engine(model, block_size=bs, blocks=64, max_batch_tokens=256, max_seqs=8)
+    handles = [engine.submit(p, max_new_tokens=4, eos_token_id=[]) for p in prompts]
+    run_checked(engine)
+    assert_all_match(model, prompts, handles, new=4)
+    assert [h.stats.reused_pool for h in handles] == [0] + [32] * 5
+    # Every prompt token once, plus the shared 32 once, plus 3 decode tokens per request.
+    assert engine.stats.forward_tokens == 32 + 6 * own + 6 * 3
+
+
+def test_identical_prompts_in_one_step_wait_for_the_first(model):
+    prompt = ids(21, 12)
+    engine = Engine(model, block_size=4, blocks=32, max_batch_tokens=512, max_seqs=4)
+    first, second = (engine.submit(prompt, max_new_tokens=3, eos_token_id=[]) for _ in range(2))
+    engine.step()
+    assert first.stats.computed == 21 and second.stats.computed == 0, "the second computed the shared blocks again"
+    run_checked(engine)
+    assert second.stats.reused_pool == 20 and first.stats.reused_pool == 0
+    assert first.result() == second.result()
+    same_or_near_tie(first.result(), reference(model, prompt, 3))
+
+
+def test_a_pool_too_small_for_all_preempts_and_every_request_completes(model):
+    bs = 4
+    prompts = [ids(9 + 3 * i, 30 + i) for i in range(5)]
+    longest = max(len(p) for p in prompts) + NEW - 1
+    engine = Engine(model, block_size=bs, blocks=-(-longest // bs) + 2, max_batch_tokens=64, max_seqs=5)
+    handles = [engine.submit(p, max_new_tokens=NEW, eos_token_id=[]) for p in prompts]
+    run_checked(engine)
+    assert engine.stats.preemptions > 0
+    assert sum(h.stats.preemptions for h in handles) == engine.stats.preemptions
+    assert_all_match(model, prompts, handles, most_ties=1)
+
+
+def test_cancel_mid_decode_returns_the_blocks_at_once(model):
+    prompts = [ids(10, 40), ids(13, 41), ids(6, 42)]
+    engine = Engine(model, block_size=4, blocks=32, max_batch_tokens=64, max_seqs=4, share_prefixes=False)
+    handles = [engine.submit(p, max_new_tokens=NEW, eos_token_id=[]) for p in prompts]
+    for _ in range(3):
+        engine.step()
+    victim = handles[1]
+    held = len(victim._request.table)
+    owned = engine.pool.owned_count
+    assert len(victim.tokens) == 3 and held > 0
+    victim.cancel()
+    assert engine.pool.owned_count == owned - held
+    engine.pool.check()
+    with pytest.raises(RequestCancelled, match="after 3 generated"):
+        victim.result()
+    assert victim.finish_reason == "cancelled" and victim.tokens == reference(model, prompts[1], 3)[0]
+    run_checked(engine)
+    assert_all_match(model, [prompts[0], prompts[2]], [handles[0], handles[2]])
+    victim.cancel()  # a finished request stays as it was
+    assert victim.finish_reason == "cancelled"
+
+
+def test_cancel_while_waiting(model):
+    engine = Engine(model, block_size=4, blocks=16, max_seqs=1)
+    first = engine.submit(ids(5, 1), max_new_tokens=2, eos_token_id=[])
+    waiting = engine.submit(ids(5, 2), max_new_tokens=2, eos_token_id=[])
+    engine.step()
+    waiting.cancel()
+    run_checked(engine)
+    assert first.finish_reason == "length" and waiting.finish_reason == "cancelled" and waiting.tokens == []
+
+
+def test_eos_ends_a_request_and_frees_its_blocks(model):
+    prompt = ids(12, 50)
+    expected, _ = reference(model, prompt, NEW)
+    eos = expected[4]
+    stop = expected.index(eos)
+    engine = Engine(model, block_size=4, blocks=16)
+    handle = engine.submit(prompt, max_new_tokens=NEW, eos_token_id=eos)
+    run_checked(engine)
+    assert handle.result() == expected[: stop + 1] and handle.finish_reason == "eos"
+
+
+def test_iterating_a_handle_steps_the_engine(model):
+    prompt = ids(9, 60)
+    engine = Engine(model, block_size=4, blocks=16)
+    handle = engine.submit(prompt, max_new_tokens=6, eos_token_id=[])
+    seen = []
+    for token in handle:
+        seen.append(token)
+        assert handle.tokens[: len(seen)] == seen
+    assert seen == handle.result()
+    same_or_near_tie(seen, reference(model, prompt, 6))
+    assert handle.stats.ttft is not None and handle.stats.tpot is not None and handle.stats.generated == 6
+
+
+def test_the_background_thread_serves_generate_batch_and_handles(model):
+    prompts = [ids(7, 70), ids(20, 71), ids(3, 72)]
+    engine = Engine(model, block_size=8, blocks=32)
+    with engine.running():
+        outputs = engine.generate_batch(prompts, max_new_tokens=5, eos_token_id=[])
+        streamed = list(engine.submit(prompts[1], max_new_tokens=5, eos_token_id=[]))
+    assert engine.idle
+    for prompt, out in zip(prompts, outputs):
+        same_or_near_tie(out, reference(model, prompt, 5))
+    assert streamed == outputs[1]
+    # After the thread stopped, the caller's own calls step the engine again.
+    assert engine.generate_batch([prompts[0]], max_new_tokens=5, eos_token_id=[]) == [outputs[0]]
+
+
+def test_a_failed_forward_pass_leaves_every_request_as_it_was(model):
+    prompts = [ids(6, 80), ids(11, 81)]
+    engine = Engine(model, block_size=4, blocks=32)
+    handles = [engine.submit(p, max_new_tokens=5, eos_token_id=[]) for p in prompts]
+    engine.step()
+    engine.step()
+    before = [(h.tokens, h._request.computed) for h in handles]
+
+    def fail(*_):
+        raise RuntimeError("injected failure")
+
+    hook = model.model.layers[-1].register_forward_pre_hook(fail)
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            engine.step()
+    finally:
+        hook.remove()
+    assert [(h.tokens, h._request.computed) for h in handles] == before
+    engine.pool.check()
+    run_checked(engine)
+    assert_all_match(model, prompts, handles, new=5)
+
+
+def test_an_error_on_the_background_thread_fails_that_steps_requests(model):
+    engine = Engine(model, block_size=4, blocks=32)
+
+    def fail(*_):
+        raise RuntimeError("injected failure")
+
+    hook = model.model.layers[0].register_forward_pre_hook(fail)
+    try:
+        with engine.running():
+            handle = engine.submit(ids(5, 90), max_new_tokens=3, eos_token_id=[])
+            with pytest.raises(RuntimeError, match="injected"):
+                handle.result(timeout=30)
+    finally:
+        hook.remove()
+    assert handle.finish_reason == "error" and engine.pool.owned_count == 0
+
+
+# ---- refusals -----------------------------------------------------------------------------------------
+
+
+def test_bad_requests_are_refused_and_change_nothing(model):
+    engine = Engine(model, block_size=4, blocks=4)
+    for bad, match in [
+        ([], "empty"),
+        ([3, 300], "outside the model's vocabulary"),
+        ([3, -1], "outside"),
+        ("abc", "token ids"),
+        (torch.zeros(2, 3, dtype=torch.long), r"\[S\] or \[1, S\]"),
+        (torch.zeros(3), "token ids"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            engine.submit(bad)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        engine.submit([3, 4], max_new_tokens=0)
+    with pytest.raises(PoolError, match="needs 5 blocks of 4; the pool has 4"):
+        engine.submit(ids(10, 1), max_new_tokens=8)
+    with pytest.raises(ValueError, match="eos_token_id"):
+        engine.submit([3, 4], eos_token_id="x")
+    assert engine.idle and engine.pool.owned_count == 0
+
+
+def test_bad_engines_are_refused(model):
+    with pytest.raises(UnsupportedOperation, match="'quantized' blocks are not built yet"):
+        Engine(model, "quantized")
+    with pytest.raises(ValueError, match="not both"):
+        Engine(model, blocks=4, max_bytes=10**6)
+    with pytest.raises(ValueError, match="holds no block"):
+        Engine(model, max_bytes=100)
+    with pytest.raises(ValueError, match="max_batch_tokens"):
+        Engine(model, max_batch_tokens=0)
+    with pytest.raises(TypeError, match="transformers causal LM"):
+        Engine(torch.nn.Linear(2, 2))
+    model.train()
+    try:
+        with pytest.raises(UnsupportedOperation, match=r"model.eval\(\)"):
+            Engine(model)
+    finally:
+        model.eval()
+
+
+def test_max_bytes_sizes_the_pool(model):
+    engine = Engine(model, block_size=8, max_bytes=10 * 2**20)
+    assert engine.pool.nbytes <= 10 * 2**20 < engine.pool.nbytes + engine.pool.nbytes // engine.pool.total
+
+
+# ---- other families -------------------------------------------------------------------------------------
+
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent))
+from families import build_model  # noqa: E402
+
+SERVED = ["qwen2", "qwen3", "gemma", "smollm3", "olmo2", "granite", "glm", "cohere"]
+REFUSED = {
+    "bart": "differently from the row alone",
+    "deepseek_v3": "multi-head latent attention",
+    "jamba": "linear_attention layers",
+    "gpt_neox": None,  # served or refused, never wrong
+    "llama4_text": "attends in chunks",
+}
+
+
+@pytest.fixture(scope="module")
+def family_models():
+    return {}
+
+
+def family(family_models, name):
+    if name not in family_models:
+        family_models[name] = build_model(name).eval()
+    return family_models[name]
+
+
+@pytest.mark.parametrize("name", SERVED)
+def test_other_families_match_their_own_generate(family_models, name):
+    model = family(family_models, name)
+    prompts = [ids(3, 1), ids(9, 2), ids(9, 2)[:5] + ids(2, 3)]
+    prompts = [[t % 100 + 3 for t in p] for p in prompts]
+    engine = Engine(model, block_size=2, blocks=64, max_batch_tokens=8, max_seqs=3)
+    handles = [engine.submit(p, max_new_tokens=4, eos_token_id=[]) for p in prompts]
+    run_checked(engine)
+    assert_all_match(model, prompts, handles, new=4)
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_models_the_engine_cannot_serve_are_refused_by_name(family_models, name):
+    model = family(family_models, name)
+    match = REFUSED[name]
+    if match is None:
+        try:
+            engine = Engine(model, block_size=2, blocks=32)
+        except UnsupportedOperation:
+            return
+        prompt = [5, 9, 14, 3]
+        handle = engine.submit(prompt, max_new_tokens=4, eos_token_id=[])
+        run_checked(engine)
+        same_or_near_tie(handle.result(), reference(model, prompt, 4))
+        return
+    with pytest.raises(UnsupportedOperation, match=match):
+        Engine(model, block_size=2, blocks=32)
+
+
+def test_a_sliding_window_model_serves_requests_within_its_window(family_models):
+    model = family(family_models, "mistral")  # the tiny config's window: 4 tokens
+    engine = Engine(model, block_size=2, blocks=16)
+    handle = engine.submit([5, 6], max_new_tokens=3, eos_token_id=[])
+    run_checked(engine)
+    same_or_near_tie(handle.result(), reference(model, [5, 6], 3))
+    with pytest.raises(UnsupportedOperation, match="sliding window of 4 tokens"):
+        engine.submit([5, 6, 7], max_new_tokens=3)
