@@ -7,15 +7,18 @@ pool with prefix sharing.
 - ``request``: ``RequestHandle`` (tokens as they come, result, cancel, stats) and ``RequestStats``.
 - ``pool``: ``BlockPool``, fixed-size KV blocks for every layer, reference counted, with prefix
   caching by a hash chain over full blocks (``chain_keys``) and copy-on-write of shared blocks.
+- ``coded_pool``, ``coded_step``: ``CodedBlockPool`` (int8/int4/int2 blocks and one exact open
+  block per request) and its step; ``formats``: which spec gives which pool.
 - ``paged``: ``paged_decode``, decode attention of one token per sequence over its block table.
 """
 
+from .coded_pool import CodedBlockPool
 from .engine import Engine, EngineStats
 from .paged import paged_decode
 from .pool import BlockPool, PoolError, chain_keys
 from .request import RequestCancelled, RequestHandle, RequestStats
 
 __all__ = [
-    "BlockPool", "Engine", "EngineStats", "PoolError", "RequestCancelled", "RequestHandle", "RequestStats",
+    "BlockPool", "CodedBlockPool", "Engine", "EngineStats", "PoolError", "RequestCancelled", "RequestHandle", "RequestStats",
     "chain_keys", "paged_decode",
 ]

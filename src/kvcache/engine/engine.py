@@ -27,13 +27,14 @@ from ..fingerprint import AmbiguousGlobalPerLayerAttributeError
 from ..fingerprint import config_summary, fingerprint_of, text_config
 from ..hf import PAGED_STEP, use_kvcache_attention
 from ..prompts.keys import salt as key_salt
+from ..spec import CacheSpec
+from .coded_pool import CodedBlockPool
+from .coded_step import CodedStep
+from .formats import Geometry, engine_spec, make_pool
 from .pool import BlockPool, PoolError
 from .request import Request, RequestHandle, State
 from .scheduler import Scheduler, blocks_for
 from .step import PagedStep, Row
-
-#: Block formats the engine's pool holds; others are refused by name.
-SPECS = ("growable",)
 
 
 @dataclass
@@ -59,7 +60,9 @@ class Engine:
     - ``max_batch_tokens``: tokens per forward pass (decode rows plus prefill chunks).
     - ``max_seqs``: requests running at once.
     - ``share_prefixes``: reuse registered blocks of a prompt's leading tokens.
-    - ``spec``: the blocks' format; only ``"growable"`` (full precision, the model's dtype) so far.
+    - ``spec``: the blocks' format (``formats.py``): ``"growable"`` (full precision, the model's
+      dtype) or ``"quantized:bits=8"`` / ``4`` / ``2`` (coded blocks, each request's unfilled last
+      block exact).
 
     ``submit`` queues a request and returns its ``RequestHandle``; ``step`` runs one scheduler
     step; ``with engine.running():`` steps on a background thread; ``generate_batch`` runs a list
@@ -70,7 +73,7 @@ class Engine:
     def __init__(
         self,
         model: Any,
-        spec: str = "growable",
+        spec: str | CacheSpec = "growable",
         *,
         block_size: int = 32,
         blocks: int | None = None,
@@ -79,31 +82,17 @@ class Engine:
         max_seqs: int = 32,
         share_prefixes: bool = True,
     ):
-        if spec not in SPECS:
-            raise UnsupportedOperation(
-                f"the engine's pool holds {', '.join(map(repr, SPECS))} blocks; {spec!r} blocks are not built yet "
-                "(serve it one request at a time with make_cache)"
-            )
+        self.spec = engine_spec(spec)
         self.model = model
         geometry = model_geometry(model)
         self.window = geometry.window
         max_batch_tokens = _positive("max_batch_tokens", max_batch_tokens)
         max_seqs = _positive("max_seqs", max_seqs)
         block_size = _positive("block_size", block_size)
-        per_block = 2 * geometry.layers * geometry.kv_heads * block_size * geometry.head_dim * geometry.dtype.itemsize
-        if blocks is not None and max_bytes is not None:
-            raise ValueError("give the pool's size as blocks or as max_bytes, not both")
-        if max_bytes is not None:
-            blocks = _positive("max_bytes", max_bytes) // per_block
-            if blocks < 1:
-                raise ValueError(f"max_bytes={max_bytes} holds no block of {per_block} bytes")
-        elif blocks is None:
-            blocks = max_seqs * blocks_for(1024, block_size)
-        self.pool = BlockPool(
-            geometry.layers, geometry.kv_heads, geometry.head_dim, block_size, blocks, geometry.dtype, geometry.device
-        )
+        self.geometry = geometry
+        self.pool = make_pool(self.spec, geometry, block_size, blocks, max_bytes, max_seqs)
         fingerprint = fingerprint_of(config_summary(text_config(model)))
-        salt = key_salt(fingerprint, geometry.dtype, "engine:" + spec, block_size)
+        salt = key_salt(fingerprint, geometry.dtype, f"engine:{self.spec}", block_size)
         self.scheduler = Scheduler(self.pool, salt, max_batch_tokens, max_seqs, share_prefixes)
         self.stats = EngineStats()
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
@@ -213,10 +202,10 @@ class Engine:
             start = len(ids)
             ids.extend(request.tokens[request.computed : request.computed + n])
             positions.extend(range(request.computed, request.computed + n))
-            packed.append(Row(start, n, request.computed, tuple(request.table)))
+            packed.append(Row(start, n, request.computed, tuple(request.table), request.tail))
             if request.computed + n == len(request.tokens):
                 last.append((request.rid, start + n - 1))
-        step = PagedStep(self.pool, packed)
+        step = CodedStep(self.pool, packed) if isinstance(self.pool, CodedBlockPool) else PagedStep(self.pool, packed)
         device = self.pool.device
         keep = torch.tensor([i for _, i in last], dtype=torch.long, device=device)
         kwargs = {"logits_to_keep": keep} if self._keeps_logits else {}
@@ -238,19 +227,17 @@ class Engine:
         numbers positions by the row's place in the batch instead of its ``position_ids`` (learned
         absolute positions), mixes tokens across rows, or reads its past otherwise. Runs two short
         rows as one prefill step, then one of them as a decode step, and compares each last token's
-        logits with the row run alone (short rows, so a model's sliding window never binds)."""
+        logits with the row run alone (short rows, so a model's sliding window never binds). The
+        probe runs in a small full-precision pool of its own, whatever the engine's block format."""
         if self._vocab is not None and self._vocab <= 8:
             return
         first, second, extra = [3, 4], [5, 6, 7], 8
-        bs = self.pool.block_size
-        tables = (self.pool.allocate(blocks_for(len(first), bs)), self.pool.allocate(blocks_for(len(second) + 1, bs)))
-        try:
-            prefill = [Row(0, len(first), 0, tuple(tables[0])), Row(len(first), len(second), 0, tuple(tables[1]))]
-            packed = self._probe(first + second, [0, 1, 0, 1, 2], prefill)
-            decode = self._probe([extra], [len(second)], [Row(0, 1, len(second), tuple(tables[1]))])
-        finally:
-            for block in tables[0] + tables[1]:
-                self.pool.release(block)
+        g, bs = self.geometry, self.pool.block_size
+        pool = BlockPool(g.layers, g.kv_heads, g.head_dim, bs, 2 * blocks_for(len(second) + 1, bs), g.dtype, g.device)
+        tables = (pool.allocate(blocks_for(len(first), bs)), pool.allocate(blocks_for(len(second) + 1, bs)))
+        prefill = [Row(0, len(first), 0, tuple(tables[0])), Row(len(first), len(second), 0, tuple(tables[1]))]
+        packed = self._probe(pool, first + second, [0, 1, 0, 1, 2], prefill)
+        decode = self._probe(pool, [extra], [len(second)], [Row(0, 1, len(second), tuple(tables[1]))])
         device = self.pool.device
         tolerance = 1e-3 if self.pool.dtype == torch.float32 else 3e-2
         for got, row in ((packed, second), (decode, second + [extra])):
@@ -263,14 +250,14 @@ class Engine:
                     "rows): the engine cannot serve it"
                 )
 
-    def _probe(self, ids: list[int], positions: list[int], rows: list[Row]) -> torch.Tensor:
-        """The last token's logits of one forward pass of ``rows`` (claiming their slots first)."""
-        bs = self.pool.block_size
+    def _probe(self, pool: BlockPool, ids: list[int], positions: list[int], rows: list[Row]) -> torch.Tensor:
+        """The last token's logits of one forward pass of ``rows`` over ``pool`` (claiming their slots first)."""
+        bs = pool.block_size
         for row in rows:
             for t in range(row.past, row.length):
-                self.pool.claim(row.table[t // bs], t % bs, 1)
-        step = PagedStep(self.pool, rows)
-        device = self.pool.device
+                pool.claim(row.table[t // bs], t % bs, 1)
+        step = PagedStep(pool, rows)
+        device = pool.device
         keep = {"logits_to_keep": torch.tensor([len(ids) - 1], device=device)} if self._keeps_logits else {}
         with torch.inference_mode(), use_kvcache_attention(self.model):
             out = self.model(
@@ -348,16 +335,6 @@ class Engine:
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the model's vocabulary [0, {self._vocab})")
         return prompt
-
-
-@dataclass(frozen=True)
-class Geometry:
-    layers: int
-    kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-    device: torch.device
-    window: int | None
 
 
 def model_geometry(model: Any) -> Geometry:

@@ -90,13 +90,7 @@ class BlockPool:
         except (RuntimeError, TypeError) as e:
             raise PoolError(f"device must name a torch device, got {device!r}: {e}") from None
         self.dtype = dtype
-        # One allocation per side; each layer's tensor is a view of it.
-        shape = (self.layers, self.total, self.kv_heads, self.block_size)
-        self._k = torch.zeros(*shape, self.head_dim, dtype=dtype, device=device)
-        self._v = torch.zeros(*shape, self.value_dim, dtype=dtype, device=device)
-        self.device = self._k.device
-        self.key_blocks: tuple[torch.Tensor, ...] = tuple(self._k.unbind(0))
-        self.value_blocks: tuple[torch.Tensor, ...] = tuple(self._v.unbind(0))
+        self.device = self._allocate_storage(device)
 
         self._refs = [0] * self.total
         self._free = list(range(self.total - 1, -1, -1))  # a stack: the lowest ids go out first
@@ -105,6 +99,16 @@ class BlockPool:
         self._block_of: dict[Key, int] = {}
         # Per layer, per block: a bit mask of the slots written since the block was allocated.
         self._written = [[0] * self.total for _ in range(self.layers)]
+
+    def _allocate_storage(self, device: torch.device) -> torch.device:
+        """Allocate every block's storage (here full precision, ``dtype``); returns its device."""
+        # One allocation per side; each layer's tensor is a view of it.
+        shape = (self.layers, self.total, self.kv_heads, self.block_size)
+        self._k = torch.zeros(*shape, self.head_dim, dtype=self.dtype, device=device)
+        self._v = torch.zeros(*shape, self.value_dim, dtype=self.dtype, device=device)
+        self.key_blocks: tuple[torch.Tensor, ...] = tuple(self._k.unbind(0))
+        self.value_blocks: tuple[torch.Tensor, ...] = tuple(self._v.unbind(0))
+        return self._k.device
 
     # ---- sizes and counts -----------------------------------------------------------------------
 
@@ -259,8 +263,7 @@ class BlockPool:
         copy-on-write of a shared or registered block. ``src`` must be owned."""
         src = self._owned(src, "copy")
         (dst,) = self.allocate(1)
-        self._k[:, dst].copy_(self._k[:, src])
-        self._v[:, dst].copy_(self._v[:, src])
+        self._copy_storage(dst, src)
         for written in self._written:
             written[dst] = written[src]
         return dst
@@ -271,6 +274,13 @@ class BlockPool:
         layer = self._layer(layer)
         ids = [self._owned(block, "read") for block in block_ids]
         index = torch.tensor(ids, dtype=torch.long, device=self.device)
+        return self._gather_layer(layer, index)
+
+    def _copy_storage(self, dst: int, src: int) -> None:
+        self._k[:, dst].copy_(self._k[:, src])
+        self._v[:, dst].copy_(self._v[:, src])
+
+    def _gather_layer(self, layer: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self._gather(self._k[layer], index), self._gather(self._v[layer], index)
 
     # ---- invariants -----------------------------------------------------------------------------

@@ -78,6 +78,8 @@ class Request:
     table: list[int] = field(default_factory=list)
     computed: int = 0
     registered: int = 0
+    #: Its open block while running over a ``CodedBlockPool`` (the unfilled last block); else -1.
+    tail: int = -1
     state: State = State.WAITING
     finish_reason: str | None = None
     error: BaseException | None = None

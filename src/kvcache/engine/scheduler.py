@@ -28,6 +28,7 @@ from collections import deque
 
 import torch
 
+from .coded_pool import CodedBlockPool
 from .pool import BlockPool
 from .request import Request, State
 
@@ -121,6 +122,8 @@ class Scheduler:
             _release(pool, hits)
             return 0
         request.table = hits + pool.allocate(need)
+        if isinstance(pool, CodedBlockPool):
+            request.tail = pool.take_tail()
         request.computed, request.registered = start, len(hits)
         if request.stats.preemptions == 0:
             request.stats.reused_pool = start
@@ -196,8 +199,8 @@ class Scheduler:
 
     def preempt(self, request: Request) -> None:
         """Take ``request``'s blocks back and queue it first, to compute its tokens again later."""
-        _release(self.pool, request.table)
-        request.table, request.computed, request.registered = [], 0, 0
+        self._give_back(request)
+        request.computed, request.registered = 0, 0
         request.state = State.WAITING
         request.stats.preemptions += 1
         self.preemptions += 1
@@ -212,10 +215,17 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
-        _release(self.pool, request.table)
-        request.table = []
+        self._give_back(request)
         request.state, request.finish_reason, request.error = State.FINISHED, reason, error
         request.stats.finished = time.perf_counter()
+
+    def _give_back(self, request: Request) -> None:
+        """Release ``request``'s blocks and its open block."""
+        _release(self.pool, request.table)
+        request.table = []
+        if request.tail >= 0:
+            self.pool.give_tail(request.tail)  # type: ignore[attr-defined]
+            request.tail = -1
 
 
 def blocks_for(tokens: int, block_size: int) -> int:

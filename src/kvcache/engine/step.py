@@ -40,6 +40,8 @@ class Row:
     count: int
     past: int
     table: tuple[int, ...]
+    #: The row's open block in a ``CodedBlockPool`` (its unfilled last block); -1 in a float pool.
+    tail: int = -1
 
     @property
     def length(self) -> int:
@@ -101,6 +103,15 @@ class PagedStep:
             )
         dim = query.shape[-1]
         scale = 1.0 / math.sqrt(dim) if scaling is None else float(scaling)
+        out = self._attend_layer(layer, query, key, value, scale)
+        self.layers_run += 1
+        return out
+
+    def _attend_layer(
+        self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """Store the layer's new keys and values and attend every row: ``[1, T, Hq, Dv]``."""
+        pool = self.pool
         keys, values = pool.key_blocks[layer], pool.value_blocks[layer]
         # keys[block, :, offset] is [T, Hkv, D]: every new token's slot in one indexed copy.
         keys[self.slot_blocks, :, self.slot_offsets] = key[0].transpose(0, 1).to(pool.dtype)
@@ -121,7 +132,6 @@ class PagedStep:
                 k, v = k[None, :, : r.length].to(q.dtype), v[None, :, : r.length].to(q.dtype)
                 got = attend(q, k, v, scale=scale, causal=True)
             out[0, r.start : r.start + r.count] = got[0].transpose(0, 1)
-        self.layers_run += 1
         return out
 
     def _decode(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:

@@ -1,0 +1,91 @@
+"""The block formats the engine's pool holds, chosen by a cache spec (``kvcache.spec``):
+
+- ``"growable"``: full-precision blocks in the model's dtype (``BlockPool``);
+- ``"quantized:bits=8"`` (or 4, 2; ``group_size`` = channels per value group, default 64 or the
+  value head dim if smaller): coded blocks with one full-precision open block per running request
+  (``CodedBlockPool``). The kind's ``residual`` is not an option here: the open block is the
+  engine's exact residual (between 1 and ``block_size`` recent tokens).
+
+Any other kind is refused by name. ``make_pool`` sizes the pool from ``blocks`` or ``max_bytes``
+(everything the pool allocates counts: coded blocks, scales and the open blocks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import UnsupportedOperation
+from ..spec import CacheSpec, parse_spec
+from .coded_pool import CodedBlockPool
+from .pool import BlockPool
+
+#: Cache kinds the engine's pool holds.
+KINDS = ("growable", "quantized")
+
+
+@dataclass(frozen=True)
+class Geometry:
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+    window: int | None
+
+
+def engine_spec(spec: str | CacheSpec) -> CacheSpec:
+    """``spec`` parsed (``SpecError`` for a malformed one), or ``UnsupportedOperation`` for a kind or
+    option the engine's pool does not hold."""
+    parsed = parse_spec(spec)
+    if parsed.kind not in KINDS:
+        raise UnsupportedOperation(
+            f"the engine's pool holds {' or '.join(map(repr, KINDS))} blocks; {parsed.kind!r} is not built into the "
+            "engine yet (serve it one request at a time with generate and make_cache)"
+        )
+    if "residual" in parsed.options:
+        raise UnsupportedOperation(
+            "the engine keeps each request's unfilled last block exact (its residual, 1 to block_size tokens); "
+            "drop the residual option"
+        )
+    return parsed
+
+
+def make_pool(
+    spec: CacheSpec, geometry: Geometry, block_size: int, blocks: int | None, max_bytes: int | None, max_seqs: int
+) -> BlockPool:
+    """The pool for ``spec`` (from ``engine_spec``): ``blocks`` blocks, or as many as ``max_bytes``
+    holds, or by default enough for ``max_seqs`` requests of 1,024 tokens."""
+    g = geometry
+    if spec.kind == "quantized":
+        bits = int(spec.options.get("bits", 4))
+        group = int(spec.options.get("group_size", min(64, g.head_dim)))
+        tails = max(max_seqs, 2)
+        per_block = CodedBlockPool.block_nbytes(g.layers, g.kv_heads, g.head_dim, block_size, bits, group)
+        fixed = 2 * tails * g.layers * g.kv_heads * block_size * g.head_dim * 4
+    else:
+        per_block = 2 * g.layers * g.kv_heads * block_size * g.head_dim * g.dtype.itemsize
+        fixed = 0
+    blocks = _block_count(blocks, max_bytes, per_block, fixed, max_seqs, block_size)
+    if spec.kind == "quantized":
+        return CodedBlockPool(g.layers, g.kv_heads, g.head_dim, block_size, blocks, bits, group, tails, g.dtype, g.device)
+    return BlockPool(g.layers, g.kv_heads, g.head_dim, block_size, blocks, g.dtype, g.device)
+
+
+def _block_count(blocks: int | None, max_bytes: int | None, per_block: int, fixed: int, max_seqs: int, block_size: int) -> int:
+    if blocks is not None and max_bytes is not None:
+        raise ValueError("give the pool's size as blocks or as max_bytes, not both")
+    if max_bytes is not None:
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
+            raise ValueError(f"max_bytes must be a positive integer, got {max_bytes!r}")
+        count = (max_bytes - fixed) // per_block
+        if count < 1:
+            raise ValueError(
+                f"max_bytes={max_bytes} holds no block of {per_block} bytes"
+                + (f" beside the {fixed} bytes of open blocks (one per max_seqs request)" if fixed else "")
+            )
+        return count
+    if blocks is None:
+        return max_seqs * -(-1024 // block_size)
+    return blocks
