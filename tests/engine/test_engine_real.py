@@ -57,3 +57,25 @@ def test_sixteen_chats_sharing_a_system_prompt_match_their_own_generate(smollm2)
     shared = min(len(p) for p in prompts)
     reused = [h.stats.reused_pool for h in handles]
     assert reused[0] == 0 and min(reused[1:]) >= (shared // 16 - 1) * 16, reused
+
+
+def test_sixteen_chats_over_int8_blocks_match_the_coded_reference(smollm2):
+    """int8 blocks on the real model: each request against ``coded_reference`` (DynamicCache with
+    the engine's storage rule applied by hand) in the chunks the engine ran it in."""
+    from coded_reference import coded_reference
+    from test_engine_coded import recorded_chunks, reference_chunks
+
+    model, tokenizer = smollm2
+    prompts = [list(chat(tokenizer, q)) for q in QUESTIONS]
+    engine = Engine(model, "quantized:bits=8", block_size=16, blocks=256, max_batch_tokens=256, max_seqs=16)
+    chunks = recorded_chunks(engine)
+    handles = [engine.submit(p, max_new_tokens=NEW, eos_token_id=[]) for p in prompts]
+    while engine.step():
+        engine.pool.check()
+    assert engine.pool.owned_count == 0 and engine.stats.preemptions == 0
+    ties = sum(
+        same_or_near_tie(h.result(), coded_reference(model, p, NEW, 16, 8, 64, reference_chunks(chunks[h.id])), q)
+        for q, p, h in zip(QUESTIONS, prompts, handles)
+    )
+    assert ties <= 1
+    assert min(h.stats.reused_pool for h in handles[1:]) > 0

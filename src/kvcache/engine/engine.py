@@ -26,6 +26,7 @@ from ..errors import UnsupportedOperation
 from ..fingerprint import AmbiguousGlobalPerLayerAttributeError
 from ..fingerprint import config_summary, fingerprint_of, text_config
 from ..hf import PAGED_STEP, use_kvcache_attention
+from ..prompts import PromptStore
 from ..prompts.keys import salt as key_salt
 from ..spec import CacheSpec
 from .coded_pool import CodedBlockPool
@@ -34,6 +35,7 @@ from .formats import Geometry, engine_spec, make_pool
 from .pool import BlockPool, PoolError
 from .request import Request, RequestHandle, State
 from .scheduler import Scheduler, blocks_for
+from .tier import StoreTier
 from .step import PagedStep, Row
 
 
@@ -48,6 +50,8 @@ class EngineStats:
     peak_rows: int = 0
     peak_owned_blocks: int = 0
     preemptions: int = 0
+    #: Prompt tokens loaded from the store tier (first admissions and reloads after preemption).
+    store_tokens: int = 0
 
 
 class Engine:
@@ -60,6 +64,9 @@ class Engine:
     - ``max_batch_tokens``: tokens per forward pass (decode rows plus prefill chunks).
     - ``max_seqs``: requests running at once.
     - ``share_prefixes``: reuse registered blocks of a prompt's leading tokens.
+    - ``store``: a ``PromptStore`` (or a backend for one: ``"memory"``, a folder, ``"redis://..."``)
+      as the tier past the pool (``tier.py``): prompts load what it holds beyond the pool's hits,
+      and computed prompts (and preempted requests) are written back. Float pools only.
     - ``spec``: the blocks' format (``formats.py``): ``"growable"`` (full precision, the model's
       dtype) or ``"quantized:bits=8"`` / ``4`` / ``2`` (coded blocks, each request's unfilled last
       block exact).
@@ -81,6 +88,7 @@ class Engine:
         max_batch_tokens: int = 512,
         max_seqs: int = 32,
         share_prefixes: bool = True,
+        store: PromptStore | str | None = None,
     ):
         self.spec = engine_spec(spec)
         self.model = model
@@ -93,7 +101,9 @@ class Engine:
         self.pool = make_pool(self.spec, geometry, block_size, blocks, max_bytes, max_seqs)
         fingerprint = fingerprint_of(config_summary(text_config(model)))
         salt = key_salt(fingerprint, geometry.dtype, f"engine:{self.spec}", block_size)
-        self.scheduler = Scheduler(self.pool, salt, max_batch_tokens, max_seqs, share_prefixes)
+        self.store = _store(store, self.pool)
+        tier = StoreTier(self.store, model, self.pool) if self.store is not None else None
+        self.scheduler = Scheduler(self.pool, salt, max_batch_tokens, max_seqs, share_prefixes, tier)
         self.stats = EngineStats()
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._eos = _eos_ids(getattr(getattr(model, "generation_config", None), "eos_token_id", None))
@@ -186,6 +196,7 @@ class Engine:
             stats.peak_rows = max(stats.peak_rows, len(rows))
             stats.peak_owned_blocks = max(stats.peak_owned_blocks, self.pool.owned_count)
             stats.preemptions = self.scheduler.preemptions
+            stats.store_tokens = self.scheduler.store_tokens
             if got:
                 self._changed.notify_all()
             return True
@@ -373,6 +384,21 @@ def model_geometry(model: Any) -> Geometry:
     except StopIteration:
         raise TypeError("the model has no parameters") from None
     return Geometry(config.num_hidden_layers, kv_heads, head_dim, parameter.dtype, parameter.device, window)
+
+
+def _store(store: object, pool: BlockPool) -> PromptStore | None:
+    if store is None:
+        return None
+    if isinstance(pool, CodedBlockPool):
+        raise UnsupportedOperation(
+            "the prompt store tier holds full-precision chunks; a coded pool's blocks hold what attention over coded "
+            "blocks computed, so a store cannot stand behind it: use spec 'growable' with a store"
+        )
+    if isinstance(store, str):
+        return PromptStore(store)
+    if not isinstance(store, PromptStore):
+        raise TypeError(f"store must be a kvcache.PromptStore or a backend name, got {type(store).__name__}")
+    return store
 
 
 def _eos_ids(eos: object) -> frozenset[int]:

@@ -18,6 +18,10 @@ preempts.
 After the forward pass (``commit``) each row's newly full blocks are registered under their chain
 keys, so later requests (or this one after a preemption) find them; a block that turns out to
 duplicate one registered meanwhile is swapped for it. Not thread-safe: the engine holds its lock.
+
+With a store tier (``tier.py``), a joining request asks the prompt store for what lies past its
+pool hits, and a request's full chunks are stored once its prompt is computed and before it is
+preempted (so it reloads them instead of computing them again).
 """
 
 from __future__ import annotations
@@ -31,15 +35,20 @@ import torch
 from .coded_pool import CodedBlockPool
 from .pool import BlockPool
 from .request import Request, State
+from .tier import StoreTier
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, salt: bytes, max_batch_tokens: int, max_seqs: int, share_prefixes: bool = True):
-        self.pool, self.salt = pool, salt
+    def __init__(
+        self, pool: BlockPool, salt: bytes, max_batch_tokens: int, max_seqs: int, share_prefixes: bool = True,
+        tier: StoreTier | None = None,
+    ):
+        self.pool, self.salt, self.tier = pool, salt, tier
         self.max_batch_tokens, self.max_seqs, self.share_prefixes = max_batch_tokens, max_seqs, share_prefixes
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.preemptions = 0
+        self.store_tokens = 0
 
     @property
     def idle(self) -> bool:
@@ -116,17 +125,22 @@ class Scheduler:
                 _release(pool, hits)
                 return None
         start = len(hits) * bs
-        n = min(len(request.tokens) - start, budget)
-        need = blocks_for(start + n, bs) - len(hits)
+        fetched = self.tier.fetch(request.tokens, start) if self.tier is not None else None
+        loaded = fetched[1] if fetched is not None else start
+        n = min(len(request.tokens) - loaded, budget)
+        need = blocks_for(loaded + n, bs) - len(hits)
         if need > pool.available:
             _release(pool, hits)
             return 0
         request.table = hits + pool.allocate(need)
+        if fetched is not None:
+            self.tier.write(request.table, start, fetched[0], loaded)  # type: ignore[union-attr]
+            self.store_tokens += loaded - start
         if isinstance(pool, CodedBlockPool):
             request.tail = pool.take_tail()
-        request.computed, request.registered = start, len(hits)
+        request.computed, request.registered = loaded, len(hits)
         if request.stats.preemptions == 0:
-            request.stats.reused_pool = start
+            request.stats.reused_pool, request.stats.reused_store = start, loaded - start
         request.state = State.RUNNING
         self.waiting.remove(request)
         self.running.append(request)
@@ -160,6 +174,8 @@ class Scheduler:
         for request, n in rows:
             request.computed += n
             request.stats.computed += n
+            if self.tier is not None and request.computed - n < len(request.prompt) <= request.computed:
+                self.tier.save(request)  # the prompt is computed: its chunks go to the store
             if request.rid in chosen:
                 self._append(request, chosen[request.rid], now)
                 got.append(request)
@@ -198,7 +214,10 @@ class Scheduler:
     # ---- leaving -----------------------------------------------------------------------------------
 
     def preempt(self, request: Request) -> None:
-        """Take ``request``'s blocks back and queue it first, to compute its tokens again later."""
+        """Take ``request``'s blocks back and queue it first, to compute its tokens again later
+        (with a store tier, its full chunks are stored first, to be reloaded instead)."""
+        if self.tier is not None:
+            self.tier.save(request)
         self._give_back(request)
         request.computed, request.registered = 0, 0
         request.state = State.WAITING
