@@ -41,14 +41,14 @@ def recorded_chunks(engine: Engine) -> dict[int, list[tuple[int, int]]]:
     chunks: dict[int, list[tuple[int, int]]] = {}
     commit = engine.scheduler.commit
 
-    def recording(rows, chosen):
+    def recording(rows, chosen, kept=None):
         for request, n in rows:
             if request.stats.generated == 0:
                 mine = chunks.setdefault(request.rid, [])
                 if mine and request.computed <= mine[-1][0]:
                     mine.clear()
                 mine.append((request.computed, n))
-        return commit(rows, chosen)
+        return commit(rows, chosen, kept)
 
     engine.scheduler.commit = recording
     return chunks

@@ -26,7 +26,9 @@ from ..errors import UnsupportedOperation
 from ..fingerprint import AmbiguousGlobalPerLayerAttributeError
 from ..fingerprint import config_summary, fingerprint_of, text_config
 from ..hf import PAGED_STEP, use_kvcache_attention
+from ..build import make_cache
 from ..prompts import PromptStore
+from ..scoring import compress
 from ..prompts.keys import salt as key_salt
 from ..spec import CacheSpec
 from .coded_pool import CodedBlockPool
@@ -34,7 +36,7 @@ from .coded_step import CodedStep
 from .formats import Geometry, engine_spec, make_pool
 from .pool import BlockPool, PoolError
 from .request import Request, RequestHandle, State
-from .scheduler import Scheduler, blocks_for
+from .scheduler import Compression, Scheduler, blocks_for
 from .tier import StoreTier
 from .step import PagedStep, Row
 
@@ -103,7 +105,9 @@ class Engine:
         salt = key_salt(fingerprint, geometry.dtype, f"engine:{self.spec}", block_size)
         self.store = _store(store, self.pool)
         tier = StoreTier(self.store, model, self.pool) if self.store is not None else None
-        self.scheduler = Scheduler(self.pool, salt, max_batch_tokens, max_seqs, share_prefixes, tier)
+        self._compression = _compression(model, self.spec, max_batch_tokens)
+        self._weights_mode = None if self._compression is None else f"window:{self._compression.window}"
+        self.scheduler = Scheduler(self.pool, salt, max_batch_tokens, max_seqs, share_prefixes, tier, self._compression)
         self.stats = EngineStats()
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._eos = _eos_ids(getattr(getattr(model, "generation_config", None), "eos_token_id", None))
@@ -188,8 +192,8 @@ class Engine:
             rows = self.scheduler.plan()
             if not rows:
                 return False
-            chosen = self._forward(rows)
-            got = self.scheduler.commit(rows, chosen)
+            chosen, kept = self._forward(rows)
+            got = self.scheduler.commit(rows, chosen, kept)
             stats = self.stats
             stats.steps += 1
             stats.forward_tokens += sum(n for _, n in rows)
@@ -206,14 +210,18 @@ class Engine:
         while self.step():
             pass
 
-    def _forward(self, rows: list[tuple[Request, int]]) -> dict[int, int]:
-        """One forward pass over ``rows``; the next token of each row that computed its last token."""
+    def _forward(self, rows: list[tuple[Request, int]]) -> tuple[dict[int, int], dict[int, list]]:
+        """One forward pass over ``rows``: the next token of each row that computed its last token,
+        and what each prompt compressed in this step keeps (request id -> per layer keys and values
+        ``[Hkv, keep, D]``)."""
         ids, positions, packed, last = [], [], [], []
         for request, n in rows:
             start = len(ids)
             ids.extend(request.tokens[request.computed : request.computed + n])
             positions.extend(range(request.computed, request.computed + n))
-            packed.append(Row(start, n, request.computed, tuple(request.table), request.tail))
+            compresses = self._compression is not None and not request.compressed and request.computed + n == len(request.prompt)
+            weights = self._weights_mode if compresses else None
+            packed.append(Row(start, n, request.slots, tuple(request.table), request.tail, weights))
             if request.computed + n == len(request.tokens):
                 last.append((request.rid, start + n - 1))
         step = CodedStep(self.pool, packed) if isinstance(self.pool, CodedBlockPool) else PagedStep(self.pool, packed)
@@ -231,7 +239,19 @@ class Engine:
         self._check_layers_run(step)
         logits = out.logits[0] if self._keeps_logits else out.logits[0, keep]
         chosen = logits.argmax(-1).tolist()
-        return {rid: token for (rid, _), token in zip(last, chosen)}
+        kept = {rows[i][0].rid: self._compress(reported) for i, reported in step.reported.items()}
+        return {rid: token for (rid, _), token in zip(last, chosen)}, kept
+
+    def _compress(self, reported: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """What the spec's own layers keep of a prompt (per layer its keys, values and reduced
+        weights, as the step reported them): per layer ``(keys, values)`` ``[Hkv, keep, D]``."""
+        past = [(k, v) for k, v, _ in reported]
+        cache = compress(self.model, str(self.spec), past, {self._weights_mode: [w for _, _, w in reported]})
+        kept = []
+        for layer in cache.kv_layers:
+            k, v = layer.view()
+            kept.append((k[0], v[0]))
+        return kept
 
     def _check_packing(self) -> None:
         """Refuse a model that does not compute a packed row as it computes the row alone: one that
@@ -384,6 +404,21 @@ def model_geometry(model: Any) -> Geometry:
     except StopIteration:
         raise TypeError("the model has no parameters") from None
     return Geometry(config.num_hidden_layers, kv_heads, head_dim, parameter.dtype, parameter.device, window)
+
+
+def _compression(model: Any, spec: CacheSpec, max_batch_tokens: int) -> Compression | None:
+    """How prompts are compressed under ``spec`` (None: they are not), sized by the kind's own
+    layer (every layer of a ``snapkv`` cache keeps the same number of tokens)."""
+    if spec.kind != "snapkv":
+        return None
+    layers = [layer for layer in make_cache(model, spec).kv_layers if layer is not None]
+    if not layers or any(getattr(layer, "is_sliding", False) for layer in layers):
+        raise UnsupportedOperation("the engine compresses prompts of models whose layers all attend every earlier token")
+    window = layers[0].policy.window
+    if max_batch_tokens < window:
+        raise ValueError(f"max_batch_tokens={max_batch_tokens} cannot hold snapkv's observation window of {window} tokens")
+    sizing = layers[0]
+    return Compression(keep=lambda tokens: min(tokens, sizing.budget_now(tokens)), window=window)
 
 
 def _store(store: object, pool: BlockPool) -> PromptStore | None:

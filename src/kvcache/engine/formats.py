@@ -5,6 +5,12 @@
   value head dim if smaller): coded blocks with one full-precision open block per running request
   (``CodedBlockPool``). The kind's ``residual`` is not an option here: the open block is the
   engine's exact residual (between 1 and ``block_size`` recent tokens).
+- ``"snapkv:budget=0.25"`` (``window``, ``pool`` as the kind's): full-precision blocks; each
+  request's prompt, once computed, is compressed by kvcache's own SnapKV layer (``scoring.compress``,
+  the weights of the prompt's last ``window`` queries) into as many blocks as it keeps, and its
+  prompt blocks go back to the pool. Generated tokens are then appended and kept: SnapKV
+  compresses the prompt, as the paper and kvpress do (the ``snapkv`` kind under ``generate``, with
+  a budget, also evicts generated tokens once its budget is full).
 
 Any other kind is refused by name. ``make_pool`` sizes the pool from ``blocks`` or ``max_bytes``
 (everything the pool allocates counts: coded blocks, scales and the open blocks).
@@ -22,7 +28,10 @@ from .coded_pool import CodedBlockPool
 from .pool import BlockPool
 
 #: Cache kinds the engine's pool holds.
-KINDS = ("growable", "quantized")
+KINDS = ("growable", "quantized", "snapkv")
+
+#: Options of the snapkv kind the engine does not take (it keeps what SnapKV chooses, plus the window).
+_SNAPKV_FIXED = ("recent", "sinks", "storage")
 
 
 @dataclass(frozen=True)
@@ -43,6 +52,12 @@ def engine_spec(spec: str | CacheSpec) -> CacheSpec:
         raise UnsupportedOperation(
             f"the engine's pool holds {' or '.join(map(repr, KINDS))} blocks; {parsed.kind!r} is not built into the "
             "engine yet (serve it one request at a time with generate and make_cache)"
+        )
+    fixed = [o for o in _SNAPKV_FIXED if o in parsed.options] if parsed.kind == "snapkv" else []
+    if fixed:
+        raise UnsupportedOperation(
+            f"the engine's snapkv keeps the prompt's chosen tokens and its observation window in full precision; "
+            f"it takes budget, window and pool, not {', '.join(fixed)}"
         )
     if "residual" in parsed.options:
         raise UnsupportedOperation(

@@ -80,6 +80,12 @@ class Request:
     registered: int = 0
     #: Its open block while running over a ``CodedBlockPool`` (the unfilled last block); else -1.
     tail: int = -1
+    #: Tokens evicted from its blocks (a prompt compressed by SnapKV): its blocks hold
+    #: ``computed - dropped`` slots, in an order of their own once ``compressed``.
+    dropped: int = 0
+    compressed: bool = False
+    #: Blocks allocated for the compressed prompt in the step that compresses it.
+    compact_table: list[int] = field(default_factory=list)
     state: State = State.WAITING
     finish_reason: str | None = None
     error: BaseException | None = None
@@ -93,6 +99,11 @@ class Request:
     @property
     def generated(self) -> list[int]:
         return self.tokens[len(self.prompt) :]
+
+    @property
+    def slots(self) -> int:
+        """Slots of its blocks in use (its computed tokens less those evicted)."""
+        return self.computed - self.dropped
 
     @property
     def remaining(self) -> int:

@@ -29,6 +29,8 @@ from __future__ import annotations
 import hashlib
 import time
 from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -41,9 +43,9 @@ from .tier import StoreTier
 class Scheduler:
     def __init__(
         self, pool: BlockPool, salt: bytes, max_batch_tokens: int, max_seqs: int, share_prefixes: bool = True,
-        tier: StoreTier | None = None,
+        tier: StoreTier | None = None, compression: Compression | None = None,
     ):
-        self.pool, self.salt, self.tier = pool, salt, tier
+        self.pool, self.salt, self.tier, self.compression = pool, salt, tier, compression
         self.max_batch_tokens, self.max_seqs, self.share_prefixes = max_batch_tokens, max_seqs, share_prefixes
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -72,8 +74,10 @@ class Scheduler:
                 break
             if request.state is not State.RUNNING:  # preempted by an earlier row of this step
                 continue
-            n = min(request.remaining, budget)
-            if not self._grow(request, request.computed + n, order, scheduled):
+            n = self._chunk(request, min(request.remaining, budget))
+            if n == 0:
+                continue
+            if not self._grow(request, n, order, scheduled):
                 continue
             rows.append((request, n))
             scheduled.add(request.rid)
@@ -93,10 +97,13 @@ class Scheduler:
             self._claim(request, n)
         return rows
 
-    def _grow(self, request: Request, length: int, order: list[Request], scheduled: set[int]) -> bool:
-        """Give ``request`` the blocks for ``length`` tokens, preempting newer unscheduled requests
-        as needed; False if ``request`` had to be preempted itself."""
-        need = blocks_for(length, self.pool.block_size) - len(request.table)
+    def _grow(self, request: Request, n: int, order: list[Request], scheduled: set[int]) -> bool:
+        """Give ``request`` the blocks for ``n`` more tokens (and, in the step that compresses its
+        prompt, the blocks of the compressed prompt), preempting newer unscheduled requests as
+        needed; False if ``request`` had to be preempted itself."""
+        grow = blocks_for(request.slots + n, self.pool.block_size) - len(request.table)
+        compact = self._compact_blocks(request, n)
+        need = max(grow, 0) + compact
         while need > self.pool.available:
             victim = next(
                 (r for r in reversed(order) if r.state is State.RUNNING and r is not request and r.rid not in scheduled),
@@ -105,10 +112,31 @@ class Scheduler:
             self.preempt(victim or request)
             if victim is None:
                 return False
-        if need > 0:
-            request.table.extend(self.pool.allocate(need))
+        if grow > 0:
+            request.table.extend(self.pool.allocate(grow))
+        request.compact_table = self.pool.allocate(compact)
         return True
 
+    def _chunk(self, request: Request, n: int) -> int:
+        """The tokens ``request`` computes this step, at most ``n``: a prompt to be compressed ends a
+        chunk exactly at its end, and its last chunk holds the observation window (0: wait for a
+        step with more room)."""
+        c = self.compression
+        if c is None or request.compressed:
+            return n
+        left = len(request.prompt) - request.computed
+        if left <= 0:
+            return n
+        if n >= left:
+            return left
+        return max(0, min(n, left - c.window))
+
+    def _compact_blocks(self, request: Request, n: int) -> int:
+        """Blocks for the compressed prompt if ``request`` compresses it after ``n`` more tokens."""
+        c = self.compression
+        if c is None or request.compressed or request.computed + n != len(request.prompt):
+            return 0
+        return blocks_for(c.keep(len(request.prompt)), self.pool.block_size)
     def _admit(self, request: Request, budget: int) -> int | None:
         """Start ``request``: its pool hits, then blocks for its first chunk; returns the chunk's
         tokens, 0 if the pool has no room now, None if it waits for a prefix being computed."""
@@ -127,12 +155,16 @@ class Scheduler:
         start = len(hits) * bs
         fetched = self.tier.fetch(request.tokens, start) if self.tier is not None else None
         loaded = fetched[1] if fetched is not None else start
-        n = min(len(request.tokens) - loaded, budget)
+        request.computed = loaded
+        n = self._chunk(request, min(len(request.tokens) - loaded, budget))
+        compact = self._compact_blocks(request, n)
         need = blocks_for(loaded + n, bs) - len(hits)
-        if need > pool.available:
+        if n == 0 or need + compact > pool.available:
             _release(pool, hits)
+            request.computed = 0
             return 0
         request.table = hits + pool.allocate(need)
+        request.compact_table = pool.allocate(compact)
         if fetched is not None:
             self.tier.write(request.table, start, fetched[0], loaded)  # type: ignore[union-attr]
             self.store_tokens += loaded - start
@@ -155,7 +187,7 @@ class Scheduler:
         )
 
     def _claim(self, request: Request, n: int) -> None:
-        bs, t = self.pool.block_size, request.computed
+        bs, t = self.pool.block_size, request.slots
         end = t + n
         while t < end:
             offset = t % bs
@@ -165,10 +197,14 @@ class Scheduler:
 
     # ---- after the forward pass ------------------------------------------------------------------
 
-    def commit(self, rows: list[tuple[Request, int]], chosen: dict[int, int]) -> list[Request]:
+    def commit(
+        self, rows: list[tuple[Request, int]], chosen: dict[int, int],
+        kept: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] | None = None,
+    ) -> list[Request]:
         """Advance each row by its computed tokens; append the token chosen for each request that
-        finished its tokens (``chosen``: request id -> token id). Returns the requests that got a
-        token."""
+        finished its tokens (``chosen``: request id -> token id); move each prompt compressed in
+        this step into its compact blocks (``kept``: request id -> per layer the kept keys and
+        values ``[Hkv, keep, D]``). Returns the requests that got a token."""
         now = time.perf_counter()
         got = []
         for request, n in rows:
@@ -176,12 +212,33 @@ class Scheduler:
             request.stats.computed += n
             if self.tier is not None and request.computed - n < len(request.prompt) <= request.computed:
                 self.tier.save(request)  # the prompt is computed: its chunks go to the store
+            self._register(request)
+            if kept is not None and request.rid in kept:
+                self._compact(request, kept[request.rid])
             if request.rid in chosen:
                 self._append(request, chosen[request.rid], now)
                 got.append(request)
-            if request.state is State.RUNNING:
-                self._register(request)
         return got
+
+    def _compact(self, request: Request, kept: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Write the kept keys and values into the request's compact blocks and give its prompt's
+        blocks back (registered full ones stay in the pool's LRU for other requests)."""
+        pool, bs = self.pool, self.pool.block_size
+        keep = kept[0][0].shape[1]
+        table = request.compact_table
+        if blocks_for(keep, bs) != len(table):
+            raise RuntimeError(f"compressing request {request.rid}: {keep} kept tokens for {len(table)} blocks")
+        blocks = torch.tensor([table[t // bs] for t in range(keep)], dtype=torch.long, device=pool.device)
+        offsets = torch.tensor([t % bs for t in range(keep)], dtype=torch.long, device=pool.device)
+        for layer, (k, v) in enumerate(kept):
+            pool.key_blocks[layer][blocks, :, offsets] = k.transpose(0, 1).to(pool.dtype)
+            pool.value_blocks[layer][blocks, :, offsets] = v.transpose(0, 1).to(pool.dtype)
+        for i in range(0, keep, bs):
+            pool.claim(table[i // bs], 0, min(bs, keep - i))
+        _release(pool, request.table)
+        request.table, request.compact_table = table, []
+        request.dropped, request.compressed = request.computed - keep, True
+        request.keys, request.registered = [], 0
 
     def _append(self, request: Request, token: int, now: float) -> None:
         request.tokens.append(token)
@@ -193,12 +250,12 @@ class Scheduler:
             self.finish(request, "eos")
         elif stats.generated >= request.max_new_tokens:
             self.finish(request, "length")
-        elif self.share_prefixes and len(request.tokens) % self.pool.block_size == 0:
+        elif self.share_prefixes and not request.compressed and len(request.tokens) % self.pool.block_size == 0:
             request.keys = extend_keys(self.salt, request.keys, request.tokens, self.pool.block_size)
 
     def _register(self, request: Request) -> None:
         """Register the request's newly full blocks (swapping any that duplicate a registered one)."""
-        if not self.share_prefixes:
+        if not self.share_prefixes or request.compressed or request.state is not State.RUNNING:
             return
         pool, table = self.pool, request.table
         full = min(request.computed // pool.block_size, len(request.keys))
@@ -219,7 +276,8 @@ class Scheduler:
         if self.tier is not None:
             self.tier.save(request)
         self._give_back(request)
-        request.computed, request.registered = 0, 0
+        request.computed, request.registered, request.dropped, request.compressed = 0, 0, 0, False
+        request.keys = extend_keys(self.salt, [], request.tokens, self.pool.block_size) if self.share_prefixes else []
         request.state = State.WAITING
         request.stats.preemptions += 1
         self.preemptions += 1
@@ -239,12 +297,21 @@ class Scheduler:
         request.stats.finished = time.perf_counter()
 
     def _give_back(self, request: Request) -> None:
-        """Release ``request``'s blocks and its open block."""
-        _release(self.pool, request.table)
-        request.table = []
+        """Release ``request``'s blocks (and compact blocks) and its open block."""
+        _release(self.pool, request.table + request.compact_table)
+        request.table, request.compact_table = [], []
         if request.tail >= 0:
             self.pool.give_tail(request.tail)  # type: ignore[attr-defined]
             request.tail = -1
+
+
+@dataclass(frozen=True)
+class Compression:
+    """Prompts compressed once computed (SnapKV): ``keep(T)`` tokens kept of a prompt of ``T``;
+    the prompt's last chunk holds at least its last ``window`` tokens (the observation window)."""
+
+    keep: Callable[[int], int]
+    window: int
 
 
 def blocks_for(tokens: int, block_size: int) -> int:

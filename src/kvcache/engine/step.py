@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..attention import attend, native
+from ..attention import attend, attend_weighted, native
 from ..attention_kwargs import AttentionExtras
 from ..errors import UnsupportedOperation
 from .paged import paged_decode
@@ -42,6 +42,9 @@ class Row:
     table: tuple[int, ...]
     #: The row's open block in a ``CodedBlockPool`` (its unfilled last block); -1 in a float pool.
     tail: int = -1
+    #: Attention weights to report for this row (a prompt's last chunk, to be compressed): the
+    #: mode of ``attend_weighted`` (``"window:32"``), or None.
+    weights: str | None = None
 
     @property
     def length(self) -> int:
@@ -73,6 +76,9 @@ class PagedStep:
             self.decode_tables[i, : len(r.table)] = torch.tensor(r.table, dtype=torch.int32)
         self.decode_lengths = torch.tensor([r.length for r in self.decode_rows], dtype=torch.int64)
         self.layers_run = 0
+        #: For each row that reports weights (by its index in ``rows``): per layer the row's keys and
+        #: values ``[1, Hkv, length, D]`` and its weights float32 ``[1, Hkv, length]``.
+        self.reported: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
 
     def attend(
         self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -124,7 +130,9 @@ class PagedStep:
             out[0, self.decode_tokens] = got[:, :, 0].to(out.dtype)
         for r in self.chunk_rows:
             q = query[:, :, r.start : r.start + r.count]
-            if r.past == 0:
+            if r.weights is not None:
+                got = self._reporting(layer, r, q, key, value, scale)
+            elif r.past == 0:
                 k, v = key[:, :, r.start : r.start + r.count], value[:, :, r.start : r.start + r.count]
                 got = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
             else:
@@ -133,6 +141,19 @@ class PagedStep:
                 got = attend(q, k, v, scale=scale, causal=True)
             out[0, r.start : r.start + r.count] = got[0].transpose(0, 1)
         return out
+
+    def _reporting(self, layer, row, q, key, value, scale) -> torch.Tensor:
+        """A chunk row's attention ``[1, Hq, n, Dv]`` over its past and itself, keeping its keys,
+        values and reduced weights in ``reported``."""
+        span = slice(row.start, row.start + row.count)
+        k, v = key[:, :, span], value[:, :, span]
+        if row.past:
+            pk, pv = self.pool.views(layer, row.table[: -(-row.past // self.pool.block_size)])
+            k = torch.cat([pk[None, :, : row.past].to(k.dtype), k], dim=2)
+            v = torch.cat([pv[None, :, : row.past].to(v.dtype), v], dim=2)
+        got, weights = attend_weighted(q, k, v, scale=scale, causal=True, weights=row.weights)
+        self.reported.setdefault(self.rows.index(row), []).append((k, v, weights))
+        return got
 
     def _decode(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
         """The decode rows' attention ``[S, Hq, 1, Dv]`` through the paged kernel."""

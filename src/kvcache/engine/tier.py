@@ -64,6 +64,8 @@ class StoreTier:
     def save(self, request: Request) -> int:
         """Store the full chunks of ``request``'s computed tokens that the store lacks; the tokens
         newly stored."""
+        if request.compressed:  # its blocks no longer hold its tokens in order
+            return 0
         chunk = self.store.chunk
         held = request.computed // chunk * chunk
         if held == 0:
