@@ -97,6 +97,7 @@ FIELDS = {
         "cache_over_weights": positive_number,
     },
     "prompt": {"workload": text, "step": positive_int, "contender": text, "backend": text},  # more: test_bench_prompt.py
+    "engine": {"contender": text, "arrivals": text},  # more: test_bench_engine.py
     "real": {"batch": positive_int, "context": positive_int, "contender": text, "compiled": boolean},  # more: test_bench_real.py
     "resume": {
         "tokens": positive_int,

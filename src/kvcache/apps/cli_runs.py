@@ -21,7 +21,8 @@ def add_bench(subparsers: argparse._SubParsersAction) -> None:
     real.add_argument("--prefill-cache", default=None, metavar="DIR", help="keep the prompts and the prefill's keys and values here for later runs")
     real.add_argument(
         "--contenders", type=name_list, default=None, metavar="NAME,...",
-        help="only these contenders (DynamicCache, the reference, always runs); see kvcache.apps.bench.real_decode.CONTENDERS",
+        help="only these contenders, the reference always runs (real: DynamicCache, see kvcache.apps.bench.real_decode.CONTENDERS; "
+        "engine: sequential, see kvcache.apps.bench.engine.CONTENDERS)",
     )  # fmt: skip
     attention = p.add_argument_group("suite attention")
     attention.add_argument(
@@ -30,12 +31,19 @@ def add_bench(subparsers: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     prompt = p.add_argument_group("suite prompt (the prompt store)")
     prompt.add_argument("--workloads", type=name_list, default=None, metavar="NAME,...", help="some of chat, shared, backends (default: all)")
+    engine = p.add_argument_group("suite engine (the paged engine; also --contenders)")
+    engine.add_argument("--arrivals", type=name_list, default=None, metavar="NAME,...", help="some of burst, poisson (default: both)")
 
-#: Which suite takes each suite-specific option.
+#: Which suites take each suite-specific option.
 SUITE_OPTIONS = {
-    "model": "real", "contexts": "real", "batches": "real", "prefill_dir": "real", "contenders": "real", "shapes": "attention",
-    "workloads": "prompt",
+    "model": ("real",), "contexts": ("real",), "batches": ("real",), "prefill_dir": ("real",), "contenders": ("real", "engine"),
+    "shapes": ("attention",), "workloads": ("prompt",), "arrivals": ("engine",),
 }  # fmt: skip
+
+
+def _suites(names: tuple[str, ...]) -> str:
+    """``suite 'real'``, or ``suites 'real', 'engine'``."""
+    return ("suite " if len(names) == 1 else "suites ") + ", ".join(map(repr, names))
 
 
 def name_list(text: str) -> list[str]:
@@ -81,12 +89,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise KVCacheError(f"benchmark suite {args.suite!r} is not available in this version of kvcache") from e
     given = {
         "model": args.model, "contexts": args.contexts, "batches": args.batches, "prefill_dir": args.prefill_cache,
-        "contenders": args.contenders, "shapes": args.shapes, "workloads": args.workloads,
+        "contenders": args.contenders, "shapes": args.shapes, "workloads": args.workloads, "arrivals": args.arrivals,
     }  # fmt: skip
     given = {k: v for k, v in given.items() if v is not None}
-    misplaced = [k for k in given if SUITE_OPTIONS[k] != args.suite]
+    misplaced = [k for k in given if args.suite not in SUITE_OPTIONS[k]]
     if misplaced:
-        flags = ", ".join("--" + ("prefill-cache" if k == "prefill_dir" else k) + f" (suite {SUITE_OPTIONS[k]!r})" for k in misplaced)
+        flags = ", ".join("--" + ("prefill-cache" if k == "prefill_dir" else k) + f" ({_suites(SUITE_OPTIONS[k])})" for k in misplaced)
         raise KVCacheError(f"not options of suite {args.suite!r}: {flags}")
     plots = say_if_no_plots()
     result = suite.run(options, **given)
