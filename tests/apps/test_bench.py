@@ -98,6 +98,7 @@ FIELDS = {
     },
     "prompt": {"workload": text, "step": positive_int, "contender": text, "backend": text},  # more: test_bench_prompt.py
     "engine": {"contender": text, "arrivals": text},  # more: test_bench_engine.py
+    "capacity": {"contender": text, "sessions_held": positive_int, "session_bytes": positive_int, "questions": positive_int},
     "real": {"batch": positive_int, "context": positive_int, "contender": text, "compiled": boolean},  # more: test_bench_real.py
     "resume": {
         "tokens": positive_int,

@@ -333,3 +333,20 @@ def test_a_sliding_window_model_serves_requests_within_its_window(family_models)
     same_or_near_tie(handle.result(), reference(model, [5, 6], 3))
     with pytest.raises(UnsupportedOperation, match="sliding window of 4 tokens"):
         engine.submit([5, 6, 7], max_new_tokens=3)
+
+
+def test_submit_does_not_wait_for_a_step_in_progress(model):
+    """A step holds the engine lock for its whole forward pass; a submit from another thread queues
+    its request without that lock (the next step takes it), so clients are not served one per step."""
+    import threading
+
+    engine = Engine(model, block_size=4, blocks=16, max_batch_tokens=64, max_seqs=4)
+    handles = []
+    with engine._lock:  # as a step in progress holds it
+        submitter = threading.Thread(target=lambda: handles.append(engine.submit(ids(5, 60), max_new_tokens=2)))
+        submitter.start()
+        submitter.join(timeout=10)
+        assert not submitter.is_alive() and len(handles) == 1, "submit waited for the engine lock"
+        assert not engine.idle
+    run_checked(engine)
+    assert handles[0].result() == reference(model, ids(5, 60), 2)[0]

@@ -198,7 +198,7 @@ def test_open_blocks_are_handed_out_once_and_counted_in_the_bytes():
     pool.give_tail(a)
     with pytest.raises(PoolError, match="not taken"):
         pool.give_tail(a)
-    coded = CodedBlockPool.block_nbytes(2, 2, 8, 4, 4, 4) * pool.total
+    coded = CodedBlockPool.bytes_per_block(2, 2, 8, 4, 4, 4) * pool.total
     assert pool.coded_nbytes == coded
     assert pool.nbytes == coded + 2 * 2 * 2 * 2 * 4 * 8 * 4  # k and v, layers, tails, heads, bs, D, float32
 

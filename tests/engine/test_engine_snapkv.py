@@ -134,3 +134,15 @@ def test_preempted_compressed_requests_are_recomputed_and_compressed_again(model
 def test_snapkv_options_the_engine_does_not_take_are_refused(model, spec, kw, error, match):
     with pytest.raises(error, match=match):
         Engine(model, spec, block_size=8, blocks=8, **kw)
+
+
+def test_a_prompt_one_token_past_a_shared_prefix_still_computes_its_observation_window(model):
+    shared = ids(16, 12)
+    prompts = [shared, shared + [9]]
+    engine = Engine(model, SPEC, block_size=4, blocks=32, max_batch_tokens=64, max_seqs=2)
+    first = serve(engine, prompts[:1])[0]
+    second = serve(engine, prompts[1:])[0]
+    assert second.stats.reused_pool == 12, "the pool gave the observation window's tokens too"
+    assert second._request.compressed
+    for p, h in zip(prompts, (first, second)):
+        same_or_near_tie(h.result(), snapkv_reference(model, p, NEW, SPEC)[0])

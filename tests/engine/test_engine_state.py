@@ -10,6 +10,11 @@ by a waiting or finished request, and the tokens each request has so far a prefi
 finish with. A write to a shared or registered block raises in the pool (``claim``), so no such
 write can pass silently. At the end every request runs out, each matches its reference (near-ties
 as ``engine_reference`` says) and no block is still owned.
+
+The same machine runs over int8 blocks (``CodedMachine``: every running request holds its own open
+block, the open blocks add up; tokens are not compared, as the reference depends on the chunks
+the engine chose) and over snapkv (``SnapMachine``: a compressed request's blocks cover what it
+kept; tokens against ``test_engine_snapkv.snapkv_reference``, which chunking does not change).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from engine_reference import reference, same_or_near_tie
+from test_engine_snapkv import snapkv_reference
 from helpers import model_for
 from kvcache import Engine
 from kvcache.engine.request import State
@@ -28,18 +34,29 @@ PREFIXES = [[], [7, 8, 9, 10, 11, 12, 13, 14], [7, 8, 9, 10, 20, 21]]
 _REFERENCES: dict[tuple, tuple] = {}
 
 
-def expected(model, prompt: list[int], new: int):
-    key = (tuple(prompt), new)
+SNAPKV = "snapkv:budget=0.5,window=3,pool=3"
+
+
+def expected(model, prompt: list[int], new: int, spec: str = "growable"):
+    key = (tuple(prompt), new, spec)
     if key not in _REFERENCES:
-        _REFERENCES[key] = reference(model, prompt, new)
+        if spec == "growable":
+            _REFERENCES[key] = reference(model, prompt, new)
+        else:
+            _REFERENCES[key] = snapkv_reference(model, prompt, new, spec)[0]
     return _REFERENCES[key]
 
 
 class EngineMachine(RuleBasedStateMachine):
+    spec = "growable"
+    blocks = 7
+    #: Whether the tokens are compared with the reference (``expected``).
+    compare = True
+
     def __init__(self):
         super().__init__()
         self.model = model_for("llama")
-        self.engine = Engine(self.model, block_size=BS, blocks=7, max_batch_tokens=10, max_seqs=4)
+        self.engine = Engine(self.model, self.spec, block_size=BS, blocks=self.blocks, max_batch_tokens=10, max_seqs=4)
         self.live: list = []  # (prompt, max_new, handle)
         self.cancelled: list = []
 
@@ -74,27 +91,54 @@ class EngineMachine(RuleBasedStateMachine):
     def pool_is_consistent(self):
         pool = self.engine.pool
         pool.check()
+        tails = []
         for prompt, new, handle in self.live + self.cancelled:
             request = handle._request
             if request.state is State.RUNNING:
-                assert len(request.table) * BS >= request.computed
+                assert len(request.table) * BS >= request.slots
                 assert all(pool.refcount(b) > 0 for b in request.table)
+                assert request.compact_table == [], "compact blocks outlived the step that compressed"
+                if request.compressed:
+                    assert len(request.table) == -(-request.slots // BS), "a compressed request holds more than it kept"
+                if request.tail >= 0:
+                    tails.append(request.tail)
             else:
-                assert request.table == [] and (request.computed == 0 or request.state is State.FINISHED)
-            tokens, _ = expected(self.model, prompt, new)
+                assert request.table == [] and request.tail == -1 and request.compact_table == []
+                assert request.computed == 0 or request.state is State.FINISHED
+            if not self.compare:
+                continue
+            tokens, gaps = expected(self.model, prompt, new, self.spec)
             got = handle.tokens
             if got[: len(tokens)] != tokens[: len(got)]:
-                same_or_near_tie(got, (tokens, expected(self.model, prompt, new)[1]), f"{prompt}")
+                same_or_near_tie(got, (tokens, gaps), f"{prompt}")
+        if hasattr(pool, "free_tails"):
+            assert len(set(tails)) == len(tails), "two running requests share an open block"
+            assert pool.free_tails + len(tails) == pool.tail_count
 
     def teardown(self):
         while self.engine.step():
             self.engine.pool.check()
         for prompt, new, handle in self.live:
-            same_or_near_tie(handle.result(), expected(self.model, prompt, new), f"{prompt}")
+            result = handle.result()
+            if self.compare:
+                same_or_near_tie(result, expected(self.model, prompt, new, self.spec), f"{prompt}")
         assert self.engine.idle and self.engine.pool.owned_count == 0
 
 
+class CodedMachine(EngineMachine):
+    spec = "quantized:bits=8,group_size=8"
+    compare = False
+
+
+class SnapMachine(EngineMachine):
+    spec = SNAPKV
+    blocks = 9  # a 17-token prompt's 5 blocks and the 3 of what it keeps, at once
+
+
+SETTINGS = settings(max_examples=60, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TestEngineMachine = EngineMachine.TestCase
-TestEngineMachine.settings = settings(
-    max_examples=60, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
+TestEngineMachine.settings = SETTINGS
+TestCodedMachine = CodedMachine.TestCase
+TestCodedMachine.settings = settings(SETTINGS, max_examples=30)
+TestSnapMachine = SnapMachine.TestCase
+TestSnapMachine.settings = settings(SETTINGS, max_examples=30)

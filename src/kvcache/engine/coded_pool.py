@@ -89,8 +89,18 @@ class CodedBlockPool(BlockPool):
     def coded_nbytes(self) -> int:
         return sum(t.nbytes for t in self._parts())
 
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one coded block over every layer (codes, scales and minimums)."""
+        return self.coded_nbytes // self.total
+
+    @property
+    def tail_nbytes(self) -> int:
+        """Bytes of one open block over every layer (float32 keys and values)."""
+        return (self.tail_keys.nbytes + self.tail_values.nbytes) // self.tail_count
+
     @staticmethod
-    def block_nbytes(layers: int, kv_heads: int, head_dim: int, block_size: int, bits: int, value_group: int,
+    def bytes_per_block(layers: int, kv_heads: int, head_dim: int, block_size: int, bits: int, value_group: int,
                      value_dim: int | None = None) -> int:
         """Bytes of one coded block over every layer."""
         vdim = head_dim if value_dim is None else value_dim

@@ -12,8 +12,10 @@ prompt's leading blocks registered in the pool takes them instead of computing t
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import inspect
+import itertools
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -51,6 +53,8 @@ class EngineStats:
     #: Most requests in one step, and most blocks owned at the end of a step.
     peak_rows: int = 0
     peak_owned_blocks: int = 0
+    #: Most requests past their prompt (holding their whole context, decoding) after one step.
+    peak_decoding: int = 0
     preemptions: int = 0
     #: Prompt tokens loaded from the store tier (first admissions and reloads after preemption).
     store_tokens: int = 0
@@ -113,9 +117,14 @@ class Engine:
         self._eos = _eos_ids(getattr(getattr(model, "generation_config", None), "eos_token_id", None))
         self._vocab = getattr(text_config(model), "vocab_size", None)
         self._check_packing()
+        # The engine lock is held through a step; submits and cancels from other threads queue up
+        # without it (a step drains the queues first), and handles wait on ``_changed``, a
+        # condition of its own, so nobody waits for a whole step to hand over a request.
         self._lock = threading.RLock()
-        self._changed = threading.Condition(self._lock)
-        self._next_id = 0
+        self._changed = threading.Condition()
+        self._incoming: collections.deque[Request] = collections.deque()
+        self._cancels: collections.deque[Request] = collections.deque()
+        self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
 
@@ -142,22 +151,25 @@ class Engine:
         max_new_tokens = _positive("max_new_tokens", max_new_tokens)
         eos = self._eos if eos_token_id is None else _eos_ids(eos_token_id)
         longest = len(prompt) + max_new_tokens - 1  # the last token is never computed
-        if blocks_for(longest, self.pool.block_size) > self.pool.total:
+        bs = self.pool.block_size
+        need = blocks_for(longest, bs)
+        if self._compression is not None:  # the whole prompt and what it keeps, at once; then what it keeps grows
+            keep = self._compression.keep(len(prompt))
+            need = max(blocks_for(len(prompt), bs) + blocks_for(keep, bs), blocks_for(keep + max_new_tokens - 1, bs))
+        if need > self.pool.total:
             raise PoolError(
-                f"a request of {len(prompt)} prompt + {max_new_tokens} new tokens needs "
-                f"{blocks_for(longest, self.pool.block_size)} blocks of {self.pool.block_size}; the pool has {self.pool.total}"
+                f"a request of {len(prompt)} prompt + {max_new_tokens} new tokens needs {need} blocks of {bs}; "
+                f"the pool has {self.pool.total}"
             )
         if self.window is not None and longest > self.window:
             raise UnsupportedOperation(
                 f"this model attends a sliding window of {self.window} tokens, which the engine does not apply yet: "
                 f"it serves requests of at most {self.window} tokens (this one reaches {longest})"
             )
-        with self._lock:
-            request = Request(self._next_id, prompt, max_new_tokens, eos)
-            self._next_id += 1
-            request.stats.submitted = time.perf_counter()
-            self.scheduler.add(request)
-            self._changed.notify_all()
+        request = Request(next(self._ids), prompt, max_new_tokens, eos)
+        request.stats.submitted = time.perf_counter()
+        self._incoming.append(request)  # the next step takes it (deque appends are thread-safe)
+        self._notify()
         return RequestHandle(request, self.step, self._cancel, self._in_background, self._changed)
 
     def generate_batch(
@@ -173,22 +185,46 @@ class Engine:
         return [h.result() for h in handles]
 
     def _cancel(self, request: Request) -> None:
+        """Finish ``request`` as cancelled: at once when no background thread runs; else at the start
+        of the background thread's next step (its blocks are in use until the current one ends)."""
+        if self._in_background():
+            self._cancels.append(request)
+            self._notify()
+            with self._changed:
+                self._changed.wait_for(lambda: request.state is State.FINISHED or not self._in_background())
+            if request.state is State.FINISHED:
+                return
         with self._lock:
+            self._take_queued()
             self.scheduler.finish(request, "cancelled")
+        self._notify()
+
+    def _take_queued(self) -> None:
+        """Hand the queued submits to the scheduler and carry out the queued cancels (engine lock held)."""
+        while self._incoming:
+            self.scheduler.add(self._incoming.popleft())
+        while self._cancels:
+            self.scheduler.finish(self._cancels.popleft(), "cancelled")
+
+    def _notify(self) -> None:
+        with self._changed:
             self._changed.notify_all()
 
     # ---- stepping ----------------------------------------------------------------------------------
 
     @property
     def idle(self) -> bool:
-        """No request running or waiting."""
-        return self.scheduler.idle
+        """No request running, waiting or queued."""
+        return not self._incoming and not self._cancels and self.scheduler.idle
 
     def step(self) -> bool:
         """Run one scheduler step: one forward pass over the chosen rows. Returns False when there
         was nothing to run. If the forward pass raises, the requests stay as they were (their
         blocks are kept; a later step computes the same tokens again) and the error propagates."""
         with self._lock:
+            if self._incoming or self._cancels:
+                self._take_queued()
+                self._notify()
             rows = self.scheduler.plan()
             if not rows:
                 return False
@@ -199,11 +235,13 @@ class Engine:
             stats.forward_tokens += sum(n for _, n in rows)
             stats.peak_rows = max(stats.peak_rows, len(rows))
             stats.peak_owned_blocks = max(stats.peak_owned_blocks, self.pool.owned_count)
+            decoding = sum(1 for r in self.scheduler.running if r.stats.generated > 0)
+            stats.peak_decoding = max(stats.peak_decoding, decoding)
             stats.preemptions = self.scheduler.preemptions
             stats.store_tokens = self.scheduler.store_tokens
-            if got:
-                self._changed.notify_all()
-            return True
+        if got:
+            self._notify()
+        return True
 
     def run(self) -> None:
         """Step until no request is running or waiting."""
@@ -321,31 +359,30 @@ class Engine:
             yield self
         finally:
             self._stop.set()
-            with self._changed:
-                self._changed.notify_all()
+            self._notify()
             self._thread.join()
             self._thread = None
-            with self._changed:
-                self._changed.notify_all()
+            self._notify()
 
     def _in_background(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and threading.current_thread() is not self._thread
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            with self._lock:
-                try:
-                    worked = self.step()
-                except Exception as error:  # fail this step's requests, keep serving the rest
-                    self._fail_running(error)
-                    continue
-                if not worked:
-                    self._changed.wait_for(lambda: self._stop.is_set() or not self.scheduler.idle, timeout=1.0)
+            try:
+                worked = self.step()
+            except Exception as error:  # fail this step's requests, keep serving the rest
+                self._fail_running(error)
+                continue
+            if not worked:
+                with self._changed:
+                    self._changed.wait_for(lambda: self._stop.is_set() or not self.idle, timeout=1.0)
 
     def _fail_running(self, error: Exception) -> None:
-        for request in list(self.scheduler.running):
-            self.scheduler.finish(request, "error", error)
-        self._changed.notify_all()
+        with self._lock:
+            for request in list(self.scheduler.running):
+                self.scheduler.finish(request, "error", error)
+        self._notify()
 
     # ---- checks ------------------------------------------------------------------------------------
 

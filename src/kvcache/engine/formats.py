@@ -77,7 +77,7 @@ def make_pool(
         bits = int(spec.options.get("bits", 4))
         group = int(spec.options.get("group_size", min(64, g.head_dim)))
         tails = max(max_seqs, 2)
-        per_block = CodedBlockPool.block_nbytes(g.layers, g.kv_heads, g.head_dim, block_size, bits, group)
+        per_block = CodedBlockPool.bytes_per_block(g.layers, g.kv_heads, g.head_dim, block_size, bits, group)
         fixed = 2 * tails * g.layers * g.kv_heads * block_size * g.head_dim * 4
     else:
         per_block = 2 * g.layers * g.kv_heads * block_size * g.head_dim * g.dtype.itemsize

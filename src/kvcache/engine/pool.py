@@ -118,6 +118,11 @@ class BlockPool:
         return self._k.nbytes + self._v.nbytes
 
     @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block over every layer (keys and values)."""
+        return self.nbytes // self.total
+
+    @property
     def free_count(self) -> int:
         """Blocks with refcount 0 and no key."""
         return len(self._free)

@@ -144,6 +144,8 @@ class Scheduler:
         hits: list[int] = []
         if self.share_prefixes:
             limit = min((len(request.tokens) - 1) // bs, len(request.keys))  # the last token is always computed
+            if self.compression is not None and not request.compressed:  # the observation window is computed here
+                limit = min(limit, max(0, len(request.prompt) - self.compression.window) // bs)
             for key in request.keys[:limit]:
                 block = pool.lookup(key)
                 if block is None:
@@ -153,7 +155,7 @@ class Scheduler:
                 _release(pool, hits)
                 return None
         start = len(hits) * bs
-        fetched = self.tier.fetch(request.tokens, start) if self.tier is not None else None
+        fetched = self.tier.fetch(request.tokens[: self._loadable(request)], start) if self.tier is not None else None
         loaded = fetched[1] if fetched is not None else start
         request.computed = loaded
         n = self._chunk(request, min(len(request.tokens) - loaded, budget))
@@ -177,6 +179,13 @@ class Scheduler:
         self.waiting.remove(request)
         self.running.append(request)
         return n
+
+    def _loadable(self, request: Request) -> int:
+        """How many of ``request``'s tokens a store may provide, plus one (``StoreTier.fetch`` leaves
+        the last token to compute): all but the observation window of a prompt to be compressed."""
+        if self.compression is None or request.compressed:
+            return len(request.tokens)
+        return max(1, len(request.prompt) - self.compression.window + 1)
 
     def _in_flight(self, key: str, index: int) -> bool:
         """Whether a running request is computing the block whose chain key is ``key`` (its
@@ -215,6 +224,7 @@ class Scheduler:
             self._register(request)
             if kept is not None and request.rid in kept:
                 self._compact(request, kept[request.rid])
+            request.stats.peak_blocks = max(request.stats.peak_blocks, len(request.table))
             if request.rid in chosen:
                 self._append(request, chosen[request.rid], now)
                 got.append(request)

@@ -67,8 +67,10 @@ class PagedStep:
         slots = [(r.table[t // bs], t % bs) for r in rows for t in range(r.past, r.length)]
         self.slot_blocks = torch.tensor([b for b, _ in slots], dtype=torch.long, device=pool.device)
         self.slot_offsets = torch.tensor([o for _, o in slots], dtype=torch.long, device=pool.device)
-        self.decode_rows = [r for r in rows if r.count == 1 and r.past > 0]
-        self.chunk_rows = [r for r in rows if not (r.count == 1 and r.past > 0)]
+        # One new token after a past is a decode row, unless it must report weights (a prompt's last
+        # chunk of one token, to be compressed): that goes the way of a chunk.
+        self.decode_rows = [r for r in rows if r.count == 1 and r.past > 0 and r.weights is None]
+        self.chunk_rows = [r for r in rows if not (r.count == 1 and r.past > 0 and r.weights is None)]
         self.decode_tokens = torch.tensor([r.start for r in self.decode_rows], dtype=torch.long)
         width = max((len(r.table) for r in self.decode_rows), default=1)
         self.decode_tables = torch.zeros(len(self.decode_rows), width, dtype=torch.int32)

@@ -17,7 +17,9 @@ batch 1 x 8K and batch 8 x 4K; ``--shapes`` runs only the shapes given
 alternating within each repeat; medians reported, with the largest difference between the two outputs.
 
 Then the quantized caches' decode attention beside fp32 (``coded_attention``: SmolLM2 geometry,
-batch 1 and 8, 4K and 16K tokens), on the same measured bandwidth.
+batch 1 and 8, 4K and 16K tokens), and the engine's paged decode over block tables
+(``paged_attention``: 16 sequences of mixed lengths, float and int8 blocks), on the same measured
+bandwidth.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ...attention import attend
-from . import coded_attention
+from . import coded_attention, paged_attention
 from dataclasses import dataclass
 
 from ...errors import KVCacheError
@@ -123,6 +125,7 @@ def run(
             bar.update()
     bar.close()
     coded_rows = coded_attention.run(options, bandwidth, repeats) if coded else []
+    paged_rows = paged_attention.run(options, bandwidth, repeats) if coded else []
     config = {
         "shapes": [f"{s.query_heads}/{s.kv_heads}x{s.head_dim}@{s.batch}x{s.tokens}" for s in shapes],
         "timing": "each call after evict_caches (96 MiB read): keys and values come from memory",
@@ -134,7 +137,8 @@ def run(
         "tiny": options.tiny,
     }
     return report(
-        "attention", options, config, rows, table, plot, read_bandwidth_bytes_per_s=bandwidth, quantized_rows=coded_rows
+        "attention", options, config, rows, table, plot, read_bandwidth_bytes_per_s=bandwidth, quantized_rows=coded_rows,
+        paged_rows=paged_rows,
     )
 
 
@@ -190,6 +194,7 @@ def table(result: dict[str, Any]) -> str:
         for r in result["rows"]
     ]
     coded = coded_attention.table(result["quantized_rows"]) if result.get("quantized_rows") else ""
+    coded += paged_attention.table(result["paged_rows"]) if result.get("paged_rows") else ""
     timing = result["config"].get("timing", "")
     return f"Measured read bandwidth: {bw:.1f} GB/s; {timing}\n\n" + markdown_table(header, body) + coded
 

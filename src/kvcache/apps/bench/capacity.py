@@ -1,0 +1,225 @@
+"""Suite ``capacity``: how many sessions one engine pool of fixed bytes holds in each block format,
+and the needle accuracy of SmolLM2-135M-Instruct (fp32, CPU) served through the engine in each.
+
+The workload: ``contexts`` needle contexts of ``length`` tokens (``needles.make_context``: prose of
+the standard library's docstrings, one pass key at depth 0.1, 0.5 or 0.9 turning with the seed),
+one question each, all submitted at once to an ``Engine`` whose pool has ``pool_bytes``: the bytes
+of ``fp32_sessions`` full-precision sessions of ``length + new_tokens`` tokens. Every format gets
+the same bytes (its pool's blocks, scales and open blocks all count) and the same requests.
+
+Formats (``FORMATS``): ``growable`` (fp32 blocks), ``quantized:bits=8`` and ``bits=4`` (coded
+blocks, one exact open block per running request), ``snapkv:budget=0.25`` (each prompt, once
+computed, compressed to a quarter of its tokens, the question's last 32 tokens its observation
+window).
+
+Per format: the bytes one session holds (the most blocks a request's table held, times the block's
+bytes, plus its open block for coded formats), the sessions the pool holds (the pool's bytes over
+that; for snapkv a prompt is held whole until it is compressed, so at most ``max_batch_tokens`` of
+prompt in flight come on top), the most sessions past their prompt at once in the run
+(``EngineStats.peak_decoding``, bounded by how requests overlap in time as well as by the pool),
+preemptions, needle accuracy (the first number of each answer against the pass key), by depth, and
+the run's wall time. Targets (issue 24): int8 holds >= 1.9x the sessions of fp32 at the same
+accuracy.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...errors import KVCacheError
+from .. import needles
+from ..run_options import RunOptions
+from .harness import report
+
+FORMATS = ("growable", "quantized:bits=8", "quantized:bits=4", "snapkv:budget=0.25")
+#: Every row is one format (its ``contender``).
+CONTENDERS = FORMATS
+REFERENCE = "growable"
+
+
+@dataclass(frozen=True)
+class Sizes:
+    contexts: int
+    length: int
+    new_tokens: int
+    fp32_sessions: int
+    block_size: int
+    max_batch_tokens: int
+
+
+FULL = Sizes(contexts=24, length=2048, new_tokens=16, fp32_sessions=4, block_size=32, max_batch_tokens=512)
+
+
+def sizes(options: RunOptions) -> Sizes:
+    """``full``: 24 contexts of 2K tokens, a pool of 4 fp32 sessions; ``quick``: 6 of 1K;
+    ``tiny``: the shipped tiny model, 3 contexts of 256 tokens (its answers mean nothing)."""
+    return options.pick(
+        tiny=replace(FULL, contexts=3, length=256, new_tokens=4, fp32_sessions=2, block_size=16, max_batch_tokens=128),
+        quick=replace(FULL, contexts=6, length=1024, fp32_sessions=2),
+        full=FULL,
+    )
+
+
+def load(options: RunOptions) -> tuple[Any, Any, str]:
+    if options.tiny:
+        from ..trained import MODEL_DIR, load_pretrained
+
+        model, tokenizer = load_pretrained(MODEL_DIR, options.device)
+        return model, tokenizer, "the shipped tiny model"
+    from ... import models
+
+    model, tokenizer = models.load("smollm2", device=options.device, progress=options.progress)
+    return model, tokenizer, "smollm2 (SmolLM2-135M-Instruct, fp32)"
+
+
+def fp32_session_bytes(model: Any, tokens: int) -> int:
+    """Bytes of one session's keys and values at full precision (the model's dtype)."""
+    from ...engine.engine import model_geometry
+
+    g = model_geometry(model)
+    return 2 * g.layers * g.kv_heads * g.head_dim * g.dtype.itemsize * tokens
+
+
+def serve(model: Any, tokenizer: Any, spec: str, requests: Sequence[tuple[list[int], needles.Question]], s: Sizes, pool_bytes: int) -> dict[str, Any]:
+    """One format's run: every request submitted at once; the row of numbers."""
+    from ... import Engine
+
+    engine = Engine(model, spec, block_size=s.block_size, max_bytes=pool_bytes, max_batch_tokens=s.max_batch_tokens,
+                    max_seqs=len(requests))  # fmt: skip
+    start = time.perf_counter()
+    handles = [engine.submit(ids, max_new_tokens=s.new_tokens) for ids, _ in requests]
+    answers = [tokenizer.decode(h.result(), skip_special_tokens=True) for h in handles]
+    seconds = time.perf_counter() - start
+    pool = engine.pool
+    per_session = max(h.stats.peak_blocks for h in handles) * pool.block_nbytes + getattr(pool, "tail_nbytes", 0)
+    found = [needles.answer_of(a) == q.key for a, (_, q) in zip(answers, requests)]
+    by_depth = {f"{d:g}": _share([f for f, (_, q) in zip(found, requests) if q.depth == d]) for d in needles.DEPTHS}
+    return {
+        "contender": spec,
+        "pool_bytes": pool.nbytes,
+        "blocks": pool.total,
+        "session_bytes": per_session,
+        "sessions_held": pool.nbytes // per_session,
+        "peak_decoding": engine.stats.peak_decoding,
+        "preemptions": engine.stats.preemptions,
+        "accuracy": _share(found),
+        "by_depth": by_depth,
+        "found": sum(found),
+        "questions": len(found),
+        "seconds": seconds,
+        "answers": answers,
+    }
+
+
+def _requests(tokenizer: Any, s: Sizes, tiny: bool, vocab: int) -> list[tuple[list[int], needles.Question]]:
+    """One needle question per context; for ``tiny`` (a tokenizer with no chat template) random
+    ids of the same length with a key no answer holds (the answers mean nothing there)."""
+    out = []
+    for seed in range(s.contexts):
+        if tiny:
+            ids = torch.randint(3, vocab, (s.length - 16,), generator=torch.Generator().manual_seed(seed)).tolist()
+            out.append((ids, needles.Question("none", "-", needles.DEPTHS[seed % 3], [])))
+            continue
+        ctx = needles.make_context(tokenizer, s.length, seed)
+        (question,) = ctx.questions
+        out.append((ctx.prefix_ids + question.ids, question))
+    return out
+
+
+def _share(xs: Sequence[bool]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def run(options: RunOptions = RunOptions(), *, formats: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run the suite over ``formats`` (default ``FORMATS``); write ``capacity.json``/``.md``/``.png``
+    into ``options.out`` if given."""
+    from tqdm.auto import tqdm
+
+    chosen = list(FORMATS if formats is None else dict.fromkeys(formats))
+    if not chosen:
+        raise KVCacheError(f"no format given; formats are engine specs such as {', '.join(FORMATS)}")
+    s = sizes(options)
+    model, tokenizer, name = load(options)
+    requests = _requests(tokenizer, s, options.tiny, model.config.vocab_size)
+    pool_bytes = s.fp32_sessions * fp32_session_bytes(model, s.length + s.new_tokens)
+    rows = []
+    for spec in tqdm(chosen, desc="bench capacity", disable=not options.progress):
+        rows.append(serve(model, tokenizer, spec, requests, s, pool_bytes))
+    reference = next((r for r in rows if r["contender"] == REFERENCE), None)
+    for row in rows:
+        row["sessions_x_fp32"] = row["sessions_held"] / reference["sessions_held"] if reference else None
+    config = asdict(s) | {
+        "model": name,
+        "threads": torch.get_num_threads(),
+        "pool_bytes": pool_bytes,
+        "prompt_tokens": [len(ids) for ids, _ in requests],
+        "formats": chosen,
+        "quick": options.quick,
+        "tiny": options.tiny,
+    }
+    return report("capacity", options, config, rows, table, plot, summary=summarize(rows, options))
+
+
+def summarize(rows: list[dict[str, Any]], options: RunOptions) -> dict[str, Any]:
+    """The issue's target: int8 holds >= 1.9x fp32's sessions at the same accuracy (not judged on
+    the tiny model, whose answers mean nothing)."""
+    by = {r["contender"]: r for r in rows}
+    fp32, int8 = by.get(REFERENCE), by.get("quantized:bits=8")
+    if fp32 is None or int8 is None or options.tiny:
+        return {"int8_target": None}
+    met = int8["sessions_x_fp32"] >= 1.9 and int8["accuracy"] >= fp32["accuracy"]
+    return {"int8_target": {"sessions_x_fp32": int8["sessions_x_fp32"], "accuracy": int8["accuracy"],
+                            "fp32_accuracy": fp32["accuracy"], "met": met}}  # fmt: skip
+
+
+def table(result: dict[str, Any]) -> str:
+    c = result["config"]
+    mib = 2**20
+    lines = [
+        f"Model: {c['model']}, {c['threads']} threads. {c['contexts']} needle contexts of {c['length']} tokens "
+        f"(one question each, {c['new_tokens']} new tokens), all submitted at once; every format's pool "
+        f"{c['pool_bytes'] / mib:.0f} MiB = {c['fp32_sessions']} fp32 sessions of {c['length'] + c['new_tokens']} tokens; "
+        f"block_size {c['block_size']}, max_batch_tokens {c['max_batch_tokens']}.",
+        "",
+        "| format | MiB / session | sessions held | x fp32 | most decoding at once | preemptions | needles found | depth 0.1 / 0.5 / 0.9 | s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        depth = " / ".join("-" if v is None else f"{v:.0%}" for v in r["by_depth"].values())
+        x = "-" if r["sessions_x_fp32"] is None else f"{r['sessions_x_fp32']:.2f}x"
+        lines.append(
+            f"| {r['contender']} | {r['session_bytes'] / mib:.1f} | {r['sessions_held']} | {x} | {r['peak_decoding']} | "
+            f"{r['preemptions']} | {r['found']}/{r['questions']} ({r['accuracy']:.0%}) | {depth} | {r['seconds']:.0f} |"
+        )
+    target = result.get("summary", {}).get("int8_target")
+    if target:
+        verdict = "met" if target["met"] else "not met"
+        lines += ["", f"Target: int8 >= 1.9x fp32's sessions at the same accuracy: {target['sessions_x_fp32']:.2f}x, "
+                      f"{target['accuracy']:.0%} against {target['fp32_accuracy']:.0%}: **{verdict}**."]  # fmt: skip
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in rows:
+        ax.scatter(r["sessions_held"], 100 * (r["accuracy"] or 0), s=60)
+        ax.annotate(r["contender"], (r["sessions_held"], 100 * (r["accuracy"] or 0)), textcoords="offset points", xytext=(5, 5), fontsize=8)
+    ax.set_xlabel("sessions the pool holds (equal bytes)")
+    ax.set_ylabel("needles found (%)")
+    ax.set_ylim(-5, 105)
+    ax.set_title("Engine pool: sessions against accuracy")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,167 @@
+"""The paged part of suite ``attention``: the engine's decode attention over block tables.
+
+Setting: SmolLM2-135M's geometry (9 query heads on 3 KV heads x 64), ``sequences`` (16) sequences
+of mixed lengths (seeded, uniform in 512-3,903 tokens; fewer and shorter for ``tiny``), their
+blocks handed out shuffled from one pool (as a long-running engine's tables are). Contenders per
+block size (16, 32, 64, 256 tokens), alternating within each repeat, every call after
+``evict_caches``:
+
+- ``paged``: ``native.paged_decode`` over float32 blocks (what ``PagedStep`` runs);
+- ``paged-int8``: ``fused.paged_decode_attention`` over int8 blocks with an exact open block per
+  sequence (what ``CodedStep`` runs);
+- ``dense``: ``kvcache.attend`` over one padded contiguous batch ``[S, Hkv, longest, D]`` with a
+  padding mask, the layout of a batched ``generate`` (a reference point: it reads the padding too).
+
+Each row: the bytes the contender must read (keys and values in use; codes, scales, minimums and
+the open blocks for int8; the padded buffer for dense), its median time, and the fraction of the
+read bandwidth (measured by the suite in the same run). Target (issue 24): ``paged`` >= 60% at 16
+sequences of mixed lengths.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ...attention import attend, fused, native
+from ...engine import BlockPool, CodedBlockPool
+from ..run_options import RunOptions
+from .common import clock_cold, markdown_table, median
+from .harness import alternate
+
+KV_HEADS, Q_HEADS, HEAD_DIM = 3, 9, 64  # SmolLM2-135M
+CONTENDERS = ("paged", "paged-int8", "dense")
+
+
+def run(options: RunOptions, bandwidth: float, repeats: int) -> list[dict[str, Any]]:
+    """Rows (one per block size and contender)."""
+    sequences = options.pick(4, 16, 16)
+    low, high = options.pick((40, 200), (512, 3903), (512, 3903))
+    block_sizes = options.pick([16], [32, 256], [16, 32, 64, 256])
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(low, high + 1, (sequences,), generator=gen).tolist()
+    rows = []
+    for bs in block_sizes:
+        rows += _one(bs, lengths, gen, bandwidth, repeats)
+    return rows
+
+
+def _one(bs: int, lengths: list[int], gen: torch.Generator, bandwidth: float, repeats: int) -> list[dict[str, Any]]:
+    seqs = len(lengths)
+    need = [math.ceil(n / bs) for n in lengths]
+    total = sum(need)
+    order = torch.randperm(total, generator=gen).tolist()
+    tables, at = [], 0
+    for n in need:
+        tables.append(order[at : at + n])
+        at += n
+    pool = BlockPool(1, KV_HEADS, HEAD_DIM, bs, total)
+    pool.allocate(total)
+    keys = torch.randn(total, KV_HEADS, bs, HEAD_DIM, generator=gen)
+    values = torch.randn(total, KV_HEADS, bs, HEAD_DIM, generator=gen)
+    pool.key_blocks[0].copy_(keys)
+    pool.value_blocks[0].copy_(values)
+    coded = _coded(keys, values, tables, lengths, bs)
+    query = torch.randn(seqs, KV_HEADS, Q_HEADS // KV_HEADS, HEAD_DIM, generator=gen)
+    width = max(need)
+    table = torch.zeros(seqs, width, dtype=torch.int32)
+    for s, t in enumerate(tables):
+        table[s, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    lens = torch.tensor(lengths, dtype=torch.int64)
+    dense_k, dense_v, mask = _dense(pool, tables, lengths)
+    scale = 1 / math.sqrt(HEAD_DIM)
+    q4 = query.reshape(seqs, Q_HEADS, 1, HEAD_DIM)
+
+    def call(name: str) -> torch.Tensor:
+        if name == "paged":
+            out = native.paged_decode(query, pool.key_blocks[0], pool.value_blocks[0], table, lens, scale)
+        elif name == "paged-int8":
+            out = coded["call"](query, scale)
+        else:
+            out = attend(q4, dense_k, dense_v, mask=mask, scale=scale)
+        return out.reshape(seqs, Q_HEADS, HEAD_DIM)
+
+    reference = call("dense")
+    diffs = {name: (call(name) - reference).abs().max().item() for name in CONTENDERS}  # warm-up + check
+    read = {
+        "paged": sum(lengths) * KV_HEADS * HEAD_DIM * 4 * 2,
+        "paged-int8": coded["bytes"],
+        "dense": dense_k.nbytes + dense_v.nbytes,
+    }
+    times = alternate(CONTENDERS, repeats, lambda name: clock_cold(lambda: call(name)))
+    rows = []
+    for name in CONTENDERS:
+        seconds = median(times[name])
+        rows.append(
+            {
+                "block_size": bs,
+                "sequences": seqs,
+                "tokens": sum(lengths),
+                "contender": name,
+                "ms": seconds * 1e3,
+                "bytes_read": read[name],
+                "bandwidth_fraction": read[name] / seconds / bandwidth,
+                "max_abs_diff_vs_dense": diffs[name],
+                "samples_ms": [t * 1e3 for t in times[name]],
+            }
+        )
+    return rows
+
+
+def _dense(pool: BlockPool, tables: list[list[int]], lengths: list[int]):
+    """One padded batch ``[S, Hkv, longest, D]`` of every sequence's keys and values, and its mask."""
+    longest = max(lengths)
+    k = torch.zeros(len(lengths), KV_HEADS, longest, HEAD_DIM)
+    v = torch.zeros_like(k)
+    mask = torch.zeros(len(lengths), 1, 1, longest, dtype=torch.bool)
+    for s, (t, n) in enumerate(zip(tables, lengths)):
+        ks, vs = pool.views(0, t)
+        k[s, :, :n], v[s, :, :n] = ks[:, :n], vs[:, :n]
+        mask[s, ..., :n] = True
+    return k, v, mask
+
+
+def _coded(keys: torch.Tensor, values: torch.Tensor, tables: list[list[int]], lengths: list[int], bs: int) -> dict[str, Any]:
+    """An int8 pool of the same blocks: every full block coded, each sequence's last partial block
+    in its open block; the call and the bytes it reads."""
+    seqs = len(lengths)
+    pool = CodedBlockPool(1, KV_HEADS, HEAD_DIM, bs, keys.shape[0], 8, HEAD_DIM, seqs)
+    pool.allocate(keys.shape[0])
+    pool.code_blocks(0, torch.arange(keys.shape[0]), keys, values)
+    coded = torch.tensor([n // bs * bs for n in lengths], dtype=torch.int64)
+    open_ = torch.tensor([n % bs for n in lengths], dtype=torch.int64)
+    tails = torch.arange(seqs, dtype=torch.int32)
+    for s, (t, n) in enumerate(zip(tables, lengths)):
+        if n % bs:
+            last = t[n // bs]
+            pool.tail_keys[0, s] = keys[last]
+            pool.tail_values[0, s] = values[last]
+    width = max(len(t) for t in tables)
+    table = torch.zeros(seqs, width, dtype=torch.int32)
+    for s, t in enumerate(tables):
+        table[s, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    per_block = pool.block_nbytes
+    nbytes = int(sum(n // bs for n in lengths) * per_block + sum(lengths[s] % bs for s in range(seqs)) * KV_HEADS * HEAD_DIM * 8)
+
+    def call(query: torch.Tensor, scale: float) -> torch.Tensor:
+        return fused.paged_decode_attention(
+            query, (pool.key_codes[0], pool.key_scale[0], pool.key_min[0]),
+            (pool.value_codes[0], pool.value_scale[0], pool.value_min[0]), 8, HEAD_DIM, table, coded,
+            pool.tail_keys[0], pool.tail_values[0], tails, open_, scale,
+        )  # fmt: skip
+
+    return {"call": call, "bytes": nbytes}
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    header = ["block size", "sequences", "tokens", "contender", "ms", "MB read", "fraction of read bandwidth", "max |out - dense|"]
+    body = [
+        [r["block_size"], r["sequences"], r["tokens"], r["contender"], r["ms"], f"{r['bytes_read'] / 1e6:.1f}",
+         f"{r['bandwidth_fraction']:.0%}", f"{r['max_abs_diff_vs_dense']:.1e}"]
+        for r in rows
+    ]  # fmt: skip
+    title = (f"Paged decode attention (the engine's), SmolLM2 geometry ({Q_HEADS}q/{KV_HEADS}kv x {HEAD_DIM}), "
+             "sequences of mixed lengths, blocks shuffled in the pool")  # fmt: skip
+    return f"\n{title}\n\n" + markdown_table(header, body)
