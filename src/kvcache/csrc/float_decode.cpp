@@ -82,6 +82,23 @@ inline __attribute__((always_inline)) v16 scores16(const float* __restrict q, co
 // live tokens j of p[r][j] * value row j (its same 16 * NV columns; p rows kTile floats apart).
 // RR * NV <= 16 running sums stay in registers across the tile, and each value row is loaded once
 // for all RR query rows (the grouped heads of one KV head), instead of once per query row.
+// The same for 16 key rows given by pointer (a tile whose tokens lie in several pool blocks).
+template <int NV>
+inline __attribute__((always_inline)) v16 scores16_at(const float* __restrict q, const float* const* __restrict keys) {
+    v16 part[16];
+    for (int t = 0; t < 16; ++t) {
+        const float* k = keys[t];
+        v16 a = load16(q) * load16(k);
+        for (int v = 1; v < NV; ++v) a += load16(q + 16 * v) * load16(k + 16 * v);
+        part[t] = a;
+    }
+    v16 l8[8], l4[4], l2[2];
+    for (int i = 0; i < 8; ++i) l8[i] = fold<16>(part[2 * i], part[2 * i + 1]);
+    for (int i = 0; i < 4; ++i) l4[i] = fold<8>(l8[2 * i], l8[2 * i + 1]);
+    for (int i = 0; i < 2; ++i) l2[i] = fold<4>(l4[2 * i], l4[2 * i + 1]);
+    return fold<2>(l2[0], l2[1]);
+}
+
 template <int NV, int RR>
 inline __attribute__((always_inline)) void add_weighted_rows(const float* __restrict p, const float* __restrict v,
                                                              int64_t v_t, int n, const bool* __restrict live,
@@ -105,6 +122,43 @@ inline __attribute__((always_inline)) void add_weighted_rows(const float* __rest
 
 // Every query row's weighted sum of the tile's values, for value dims 32, 64 and 128: columns in
 // blocks of 16 * NV (NV = 2 for 32, else 4), query rows four at a time.
+// add_weighted_rows with each token's value row given by pointer.
+template <int NV, int RR>
+inline __attribute__((always_inline)) void add_weighted_rows_at(const float* __restrict p, const float* const* __restrict v,
+                                                                int n, float* __restrict acc, int acc_stride) {
+    v16 a[RR][NV];
+    for (int r = 0; r < RR; ++r)
+        for (int i = 0; i < NV; ++i) a[r][i] = load16(acc + r * acc_stride + 16 * i);
+    for (int j = 0; j < n; ++j) {
+        const float* __restrict row = v[j];
+        v16 x[NV];
+        for (int i = 0; i < NV; ++i) x[i] = load16(row + 16 * i);
+        for (int r = 0; r < RR; ++r) {
+            const float w = p[r * kTile + j];
+            for (int i = 0; i < NV; ++i) a[r][i] += w * x[i];
+        }
+    }
+    for (int r = 0; r < RR; ++r)
+        for (int i = 0; i < NV; ++i) __builtin_memcpy(acc + r * acc_stride + 16 * i, &a[r][i], sizeof(v16));
+}
+
+template <int NV>
+inline void add_weighted_tile_at(const float* scores, const float* const* v, int n, float* acc, int rows, int vdim,
+                                 int c) {
+    const float* vc[kTile];
+    for (int j = 0; j < n; ++j) vc[j] = v[j] + c;
+    int r = 0;
+    for (; r + 4 <= rows; r += 4) add_weighted_rows_at<NV, 4>(scores + r * kTile, vc, n, acc + r * vdim + c, vdim);
+    const float* p = scores + r * kTile;
+    float* a = acc + r * vdim + c;
+    switch (rows - r) {
+        case 3: add_weighted_rows_at<NV, 3>(p, vc, n, a, vdim); break;
+        case 2: add_weighted_rows_at<NV, 2>(p, vc, n, a, vdim); break;
+        case 1: add_weighted_rows_at<NV, 1>(p, vc, n, a, vdim); break;
+        default: break;
+    }
+}
+
 template <int NV>
 inline void add_weighted_tile(const float* scores, const float* v, int64_t v_t, int n, const bool* live, float* acc,
                               int rows, int vdim) {
@@ -161,6 +215,101 @@ struct Partial {
     float sum[kMaxRows];
 };
 
+// A scored tile of n tokens (raw q.k in scores [rows, kTile]) into the running softmax: scale (or
+// cap) the scores, masked tokens (live false) out; rescale part and acc [rows, vdim] to a new
+// maximum; scores become the tile's weights relative to it, their sums added to part.
+inline __attribute__((always_inline)) void softmax_tile(float* __restrict scores, const bool* __restrict live, int n,
+                                                        int rows, int vdim, float scale, float softcap, Partial& part,
+                                                        float* __restrict acc) {
+    for (int r = 0; r < rows; ++r) {
+        float* __restrict sr = scores + r * kTile;
+        if (softcap > 0.f) {
+            for (int j = 0; j < n; ++j) sr[j] = live[j] ? softcap * std::tanh(sr[j] * scale / softcap) : kMasked;
+        } else {
+#pragma omp simd
+            for (int j = 0; j < n; ++j) sr[j] = live[j] ? sr[j] * scale : kMasked;
+        }
+    }
+    for (int r = 0; r < rows; ++r) {
+        float m = part.max[r];
+        const float* __restrict tile = scores + r * kTile;
+#pragma omp simd reduction(max : m)
+        for (int j = 0; j < n; ++j) m = tile[j] > m ? tile[j] : m;
+        if (m > part.max[r]) {  // rescale what was summed under the old maximum
+            const float c = std::exp(part.max[r] - m);
+            part.sum[r] *= c;
+            float* __restrict a = acc + r * vdim;
+#pragma omp simd
+            for (int d = 0; d < vdim; ++d) a[d] *= c;
+            part.max[r] = m;
+        }
+        float s = 0.f;
+        float* __restrict sr = scores + r * kTile;
+#pragma omp simd reduction(+ : s)
+        for (int j = 0; j < n; ++j) {
+            const float p = sr[j] > 0.5f * kMasked ? exp_nonpositive(sr[j] - m) : 0.f;
+            sr[j] = p;
+            s += p;
+        }
+        part.sum[r] += s;
+    }
+}
+
+// One tile of n <= kTile tokens whose key and value rows lie anywhere (k[j], v[j]: pool blocks),
+// continuing the running softmax in part and acc [rows, vdim].
+template <typename T>
+inline void tile_at(const float* __restrict q, int rows, int dim, int vdim, const T* const* k, const T* const* v, int n,
+                    float scale, float softcap, Partial& part, float* __restrict acc) {
+    alignas(64) float scores[kMaxRows * kTile];
+    alignas(64) float krow[kMaxDim];
+    alignas(64) float vrow[kMaxDim];
+    bool live[kTile];
+    int first = 0;
+    if constexpr (std::is_same_v<T, float>) {
+        if (dim == 64 || dim == 128 || dim == 32) {
+            for (; first + 16 <= n; first += 16) {
+                for (int r = 0; r < rows; ++r) {
+                    const v16 sc = dim == 64    ? scores16_at<4>(q + r * dim, k + first)
+                                   : dim == 128 ? scores16_at<8>(q + r * dim, k + first)
+                                                : scores16_at<2>(q + r * dim, k + first);
+                    __builtin_memcpy(scores + r * kTile + first, &sc, sizeof sc);
+                }
+            }
+        }
+    }
+    for (int j = first; j < n; ++j) {
+        const float* kf = widen(k[j], dim, krow);
+        for (int r = 0; r < rows; ++r) {
+            const float* __restrict qr = q + r * dim;
+            float s = 0.f;
+#pragma omp simd reduction(+ : s)
+            for (int d = 0; d < dim; ++d) s += qr[d] * kf[d];
+            scores[r * kTile + j] = s;
+        }
+    }
+    for (int j = 0; j < n; ++j) live[j] = true;
+    softmax_tile(scores, live, n, rows, vdim, scale, softcap, part, acc);
+    if constexpr (std::is_same_v<T, float>) {
+        if (vdim == 64 || vdim == 128 || vdim == 32) {
+            for (int c = 0; c < vdim; c += vdim == 32 ? 32 : 64)
+                if (vdim == 32)
+                    add_weighted_tile_at<2>(scores, v, n, acc, rows, vdim, c);
+                else
+                    add_weighted_tile_at<4>(scores, v, n, acc, rows, vdim, c);
+            return;
+        }
+    }
+    for (int j = 0; j < n; ++j) {
+        const float* vf = widen(v[j], vdim, vrow);
+        for (int r = 0; r < rows; ++r) {
+            const float p = scores[r * kTile + j];
+            float* __restrict a = acc + r * vdim;
+#pragma omp simd
+            for (int d = 0; d < vdim; ++d) a[d] += p * vf[d];
+        }
+    }
+}
+
 // One chunk [t0, t1) of one (batch, head): running max/sum per row and the unnormalised weighted
 // values acc [R, Dv] relative to that max.
 template <typename T>
@@ -207,38 +356,7 @@ inline __attribute__((always_inline)) void chunk_pass(const float* __restrict q,
             }
         }
         for (int j = 0; j < n; ++j) live[j] = keep == nullptr || keep[base + j] != 0;
-        for (int r = 0; r < rows; ++r) {
-            float* __restrict sr = scores + r * kTile;
-            if (softcap > 0.f) {
-                for (int j = 0; j < n; ++j) sr[j] = live[j] ? softcap * std::tanh(sr[j] * scale / softcap) : kMasked;
-            } else {
-#pragma omp simd
-                for (int j = 0; j < n; ++j) sr[j] = live[j] ? sr[j] * scale : kMasked;
-            }
-        }
-        for (int r = 0; r < rows; ++r) {
-            float m = part.max[r];
-            const float* __restrict tile = scores + r * kTile;
-#pragma omp simd reduction(max : m)
-            for (int j = 0; j < n; ++j) m = tile[j] > m ? tile[j] : m;
-            if (m > part.max[r]) {  // rescale what was summed under the old maximum
-                const float c = std::exp(part.max[r] - m);
-                part.sum[r] *= c;
-                float* __restrict a = acc + r * vdim;
-#pragma omp simd
-                for (int d = 0; d < vdim; ++d) a[d] *= c;
-                part.max[r] = m;
-            }
-            float s = 0.f;
-            float* __restrict sr = scores + r * kTile;
-#pragma omp simd reduction(+ : s)
-            for (int j = 0; j < n; ++j) {
-                const float p = sr[j] > 0.5f * kMasked ? exp_nonpositive(sr[j] - m) : 0.f;
-                sr[j] = p;
-                s += p;
-            }
-            part.sum[r] += s;
-        }
+        softmax_tile(scores, live, n, rows, vdim, scale, softcap, part, acc);
         if constexpr (std::is_same_v<T, float>) {
             if (vdim == 64 || vdim == 128 || vdim == 32) {
                 if (vdim == 32)
@@ -346,13 +464,26 @@ int paged_decode(const float* q, const T* k, const T* v, const int32_t* tables, 
             std::memset(acc, 0, sizeof(float) * rows * vdim);
             const float* qs = q + (s * heads + h) * rows * dim;
             const int64_t len = lengths[s];
-            // The task's blocks continue one running softmax (chunk_pass with fresh = false).
+            // The task's blocks continue one running softmax, a tile of kTile tokens at a time
+            // gathered across blocks (so small blocks do not pay a tile's fixed cost each).
+            const T* kp[kTile];
+            const T* vp[kTile];
+            int n = 0;
             for (int64_t i = run * blocks_per_task; i < (run + 1) * blocks_per_task && i * block_size < len; ++i) {
                 const int64_t block = tables[s * table_stride + i];
-                const int64_t n = std::min(block_size, len - i * block_size);
-                chunk_pass(qs, rows, dim, vdim, k + block * k_blk + h * k_h, dim, v + block * v_blk + h * v_h, vdim,
-                           nullptr, 0, n, scale, softcap, part, acc, false);
+                const int64_t count = std::min(block_size, len - i * block_size);
+                const T* kb = k + block * k_blk + h * k_h;
+                const T* vb = v + block * v_blk + h * v_h;
+                for (int64_t t = 0; t < count; ++t) {
+                    kp[n] = kb + t * dim;
+                    vp[n] = vb + t * vdim;
+                    if (++n == kTile) {
+                        tile_at(qs, rows, dim, vdim, kp, vp, n, scale, softcap, part, acc);
+                        n = 0;
+                    }
+                }
             }
+            if (n > 0) tile_at(qs, rows, dim, vdim, kp, vp, n, scale, softcap, part, acc);
         }
 #pragma omp for
         for (int64_t sh = 0; sh < seqs * heads; ++sh) {

@@ -38,8 +38,9 @@ class RequestStats:
     #: preemption and decode steps).
     computed: int = 0
     preemptions: int = 0
-    #: Most blocks its table held at the end of a step (its context's footprint in the pool).
-    peak_blocks: int = 0
+    #: Most blocks its table held once its prompt was computed (its context's footprint in the pool
+    #: while it decodes: for a compressed prompt, what it kept).
+    held_blocks: int = 0
     submitted: float = 0.0
     first_token: float | None = None
     finished: float | None = None

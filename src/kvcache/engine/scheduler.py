@@ -224,7 +224,8 @@ class Scheduler:
             self._register(request)
             if kept is not None and request.rid in kept:
                 self._compact(request, kept[request.rid])
-            request.stats.peak_blocks = max(request.stats.peak_blocks, len(request.table))
+            if request.computed >= len(request.prompt):
+                request.stats.held_blocks = max(request.stats.held_blocks, len(request.table))
             if request.rid in chosen:
                 self._append(request, chosen[request.rid], now)
                 got.append(request)

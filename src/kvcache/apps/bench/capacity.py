@@ -12,10 +12,10 @@ blocks, one exact open block per running request), ``snapkv:budget=0.25`` (each 
 computed, compressed to a quarter of its tokens, the question's last 32 tokens its observation
 window).
 
-Per format: the bytes one session holds (the most blocks a request's table held, times the block's
-bytes, plus its open block for coded formats), the sessions the pool holds (the pool's bytes over
-that; for snapkv a prompt is held whole until it is compressed, so at most ``max_batch_tokens`` of
-prompt in flight come on top), the most sessions past their prompt at once in the run
+Per format: the bytes one session holds while it decodes (the most blocks a request's table held
+once its prompt was computed, times the block's bytes, plus its open block for coded formats), the
+sessions the pool holds (the pool's bytes over that; under snapkv a prompt is held whole until it
+is compressed, so the prompts in flight, at most ``max_batch_tokens`` tokens a step, come on top), the most sessions past their prompt at once in the run
 (``EngineStats.peak_decoding``, bounded by how requests overlap in time as well as by the pool),
 preemptions, needle accuracy (the first number of each answer against the pass key), by depth, and
 the run's wall time. Targets (issue 24): int8 holds >= 1.9x the sessions of fp32 at the same
@@ -97,7 +97,7 @@ def serve(model: Any, tokenizer: Any, spec: str, requests: Sequence[tuple[list[i
     answers = [tokenizer.decode(h.result(), skip_special_tokens=True) for h in handles]
     seconds = time.perf_counter() - start
     pool = engine.pool
-    per_session = max(h.stats.peak_blocks for h in handles) * pool.block_nbytes + getattr(pool, "tail_nbytes", 0)
+    per_session = max(h.stats.held_blocks for h in handles) * pool.block_nbytes + getattr(pool, "tail_nbytes", 0)
     found = [needles.answer_of(a) == q.key for a, (_, q) in zip(answers, requests)]
     by_depth = {f"{d:g}": _share([f for f, (_, q) in zip(found, requests) if q.depth == d]) for d in needles.DEPTHS}
     return {
