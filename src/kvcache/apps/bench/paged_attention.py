@@ -10,10 +10,11 @@ block size (16, 32, 64, 256 tokens), alternating within each repeat, every call 
 - ``paged-int8``: ``fused.paged_decode_attention`` over int8 blocks with an exact open block per
   sequence (what ``CodedStep`` runs);
 - ``dense``: ``kvcache.attend`` over one padded contiguous batch ``[S, Hkv, longest, D]`` with a
-  padding mask, the layout of a batched ``generate`` (a reference point: it reads the padding too).
+  padding mask, the layout of a batched ``generate`` (a reference point: it reads the padding's
+  keys too, not its values).
 
 Each row: the bytes the contender must read (keys and values in use; codes, scales, minimums and
-the open blocks for int8; the padded buffer for dense), its median time, and the fraction of the
+the open blocks for int8; the padded keys and the live values for dense), its median time, and the fraction of the
 read bandwidth (measured by the suite in the same run). Target (issue 24): ``paged`` >= 60% at 16
 sequences of mixed lengths.
 """
@@ -88,7 +89,7 @@ def _one(bs: int, lengths: list[int], gen: torch.Generator, bandwidth: float, re
     read = {
         "paged": sum(lengths) * KV_HEADS * HEAD_DIM * 4 * 2,
         "paged-int8": coded["bytes"],
-        "dense": dense_k.nbytes + dense_v.nbytes,
+        "dense": dense_k.nbytes + sum(lengths) * KV_HEADS * HEAD_DIM * 4,  # every key row; value rows of live tokens only
     }
     times = alternate(CONTENDERS, repeats, lambda name: clock_cold(lambda: call(name)))
     rows = []
