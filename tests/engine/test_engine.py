@@ -350,3 +350,64 @@ def test_submit_does_not_wait_for_a_step_in_progress(model):
         assert not engine.idle
     run_checked(engine)
     assert handles[0].result() == reference(model, ids(5, 60), 2)[0]
+
+
+def sampled_reference(model, prompt: list[int], new: int, temperature: float, top_p: float, seed: int) -> list[int]:
+    """Tokens of a plain loop: logits from a DynamicCache, each token drawn as ``sampling.py``
+    says with a generator seeded by ``seed`` (the draw the engine must make for that request)."""
+    from transformers import DynamicCache
+
+    from kvcache.engine.sampling import Sampling, choose
+
+    s = Sampling(temperature, top_p, seed)
+    g = s.generator()
+    cache, tokens = DynamicCache(config=model.config), list(prompt)
+    with torch.inference_mode():
+        logits = model(torch.tensor([tokens]), past_key_values=cache).logits[0, -1:]
+        for _ in range(new):
+            tokens += choose(logits, [s], [g])
+            logits = model(torch.tensor([tokens[-1:]]), past_key_values=cache).logits[0, -1:]
+    return tokens[len(prompt) :]
+
+
+def test_sampled_requests_draw_what_their_seed_draws_whatever_runs_beside_them(model):
+    engine = Engine(model, block_size=4, blocks=64, max_batch_tokens=64, max_seqs=4)
+    prompts = [ids(7, 70), ids(12, 71), ids(5, 72)]
+    settings = [(1.0, 1.0, 1), (0.7, 0.9, 2), (0.0, 1.0, None)]
+    handles = [engine.submit(p, max_new_tokens=NEW, eos_token_id=[], temperature=t, top_p=tp, seed=sd)
+               for p, (t, tp, sd) in zip(prompts, settings)]
+    run_checked(engine)
+    for p, (t, tp, sd), h in zip(prompts, settings, handles):
+        expected = reference(model, p, NEW)[0] if t == 0 else sampled_reference(model, p, NEW, t, tp, sd)
+        assert h.result() == expected
+    again = Engine(model, block_size=4, blocks=64, max_batch_tokens=64, max_seqs=4)
+    alone = again.submit(prompts[0], max_new_tokens=NEW, eos_token_id=[], temperature=1.0, seed=1)
+    run_checked(again)
+    assert alone.result() == handles[0].result(), "the same seed drew other tokens"
+
+
+def test_a_tiny_top_p_keeps_only_the_top_token(model):
+    engine = Engine(model, block_size=4, blocks=32, max_batch_tokens=64, max_seqs=2)
+    handle = engine.submit(ids(9, 73), max_new_tokens=NEW, eos_token_id=[], temperature=2.0, top_p=1e-9)
+    run_checked(engine)
+    assert handle.result() == reference(model, ids(9, 73), NEW)[0]
+
+
+@pytest.mark.parametrize("kw,match", [({"temperature": -1}, "temperature"), ({"temperature": float("nan")}, "temperature"),
+                                      ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"seed": 1.5}, "seed")])
+def test_bad_sampling_is_refused_before_queueing(model, kw, match):
+    engine = Engine(model, block_size=4, blocks=8)
+    with pytest.raises(ValueError, match=match):
+        engine.submit([5, 6], **kw)
+    assert engine.idle
+
+
+def test_on_update_is_told_of_each_token_and_of_the_end(model):
+    engine = Engine(model, block_size=4, blocks=32, max_batch_tokens=64, max_seqs=2)
+    seen = []
+    handle = engine.submit(ids(6, 74), max_new_tokens=3, eos_token_id=[], on_update=lambda: seen.append(len(handle.tokens)))
+    victim = engine.submit(ids(6, 75), max_new_tokens=9, eos_token_id=[], on_update=lambda: seen.append("victim"))
+    engine.step()
+    victim.cancel()
+    run_checked(engine)
+    assert seen == [1, "victim", "victim", 2, 3]

@@ -16,9 +16,10 @@ import collections
 import contextlib
 import inspect
 import itertools
+import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,8 +39,11 @@ from .coded_step import CodedStep
 from .formats import Geometry, engine_spec, make_pool
 from .pool import BlockPool, PoolError
 from .request import Request, RequestHandle, State
+from .sampling import Sampling, choose
 from .scheduler import Compression, Scheduler, blocks_for
 from .tier import StoreTier
+
+log = logging.getLogger("kvcache.engine")
 from .step import PagedStep, Row
 
 
@@ -143,13 +147,21 @@ class Engine:
         *,
         max_new_tokens: int = 32,
         eos_token_id: int | Sequence[int] | None = None,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        on_update: Callable[[], None] | None = None,
     ) -> RequestHandle:
         """Queue a request for ``input_ids`` (token ids: a list, a 1-D tensor or a ``[1, S]``
-        tensor) to generate up to ``max_new_tokens`` tokens greedily, stopping after an
-        ``eos_token_id`` (default: the model's generation config's)."""
+        tensor) to generate up to ``max_new_tokens`` tokens, stopping after an ``eos_token_id``
+        (default: the model's generation config's). Greedy at ``temperature`` 0, else sampled
+        (``sampling.py``: ``top_p``, ``seed``). ``on_update`` is called, on the thread that steps
+        the engine, after each step that gave the request tokens and when it finishes; it must be
+        quick and must not call the engine."""
         prompt = self._prompt(input_ids)
         max_new_tokens = _positive("max_new_tokens", max_new_tokens)
         eos = self._eos if eos_token_id is None else _eos_ids(eos_token_id)
+        sampling = Sampling(temperature, top_p, seed)
         longest = len(prompt) + max_new_tokens - 1  # the last token is never computed
         bs = self.pool.block_size
         need = blocks_for(longest, bs)
@@ -166,7 +178,8 @@ class Engine:
                 f"this model attends a sliding window of {self.window} tokens, which the engine does not apply yet: "
                 f"it serves requests of at most {self.window} tokens (this one reaches {longest})"
             )
-        request = Request(next(self._ids), prompt, max_new_tokens, eos)
+        request = Request(next(self._ids), prompt, max_new_tokens, eos, sampling=sampling, on_update=on_update)
+        request.generator = sampling.generator()
         request.stats.submitted = time.perf_counter()
         self._incoming.append(request)  # the next step takes it (deque appends are thread-safe)
         self._notify()
@@ -197,6 +210,7 @@ class Engine:
         with self._lock:
             self._take_queued()
             self.scheduler.finish(request, "cancelled")
+        _tell([request])
         self._notify()
 
     def _take_queued(self) -> None:
@@ -204,7 +218,9 @@ class Engine:
         while self._incoming:
             self.scheduler.add(self._incoming.popleft())
         while self._cancels:
-            self.scheduler.finish(self._cancels.popleft(), "cancelled")
+            request = self._cancels.popleft()
+            self.scheduler.finish(request, "cancelled")
+            _tell([request])
 
     def _notify(self) -> None:
         with self._changed:
@@ -230,6 +246,7 @@ class Engine:
                 return False
             chosen, kept = self._forward(rows)
             got = self.scheduler.commit(rows, chosen, kept)
+            _tell(got)
             stats = self.stats
             stats.steps += 1
             stats.forward_tokens += sum(n for _, n in rows)
@@ -276,7 +293,9 @@ class Engine:
             )
         self._check_layers_run(step)
         logits = out.logits[0] if self._keeps_logits else out.logits[0, keep]
-        chosen = logits.argmax(-1).tolist()
+        by_id = {request.rid: request for request, _ in rows}
+        picked = [by_id[rid] for rid, _ in last]
+        chosen = choose(logits, [r.sampling for r in picked], [r.generator for r in picked])
         kept = {rows[i][0].rid: self._compress(reported) for i, reported in step.reported.items()}
         return {rid: token for (rid, _), token in zip(last, chosen)}, kept
 
@@ -380,8 +399,10 @@ class Engine:
 
     def _fail_running(self, error: Exception) -> None:
         with self._lock:
-            for request in list(self.scheduler.running):
+            failed = list(self.scheduler.running)
+            for request in failed:
                 self.scheduler.finish(request, "error", error)
+        _tell(failed)
         self._notify()
 
     # ---- checks ------------------------------------------------------------------------------------
@@ -456,6 +477,16 @@ def _compression(model: Any, spec: CacheSpec, max_batch_tokens: int) -> Compress
         raise ValueError(f"max_batch_tokens={max_batch_tokens} cannot hold snapkv's observation window of {window} tokens")
     sizing = layers[0]
     return Compression(keep=lambda tokens: min(tokens, sizing.budget_now(tokens)), window=window)
+
+
+def _tell(requests: Iterable[Request]) -> None:
+    """Call each request's ``on_update``; a callback that raises is logged, not the engine's failure."""
+    for request in requests:
+        if request.on_update is not None:
+            try:
+                request.on_update()
+            except Exception:  # noqa: BLE001 - the caller's code: it must not stop the engine
+                log.exception("request %d: on_update raised", request.rid)
 
 
 def _store(store: object, pool: BlockPool) -> PromptStore | None:

@@ -9,7 +9,10 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+import torch
+
 from ..errors import KVCacheError
+from .sampling import Sampling
 
 
 class State(enum.Enum):
@@ -93,7 +96,9 @@ class Request:
     finish_reason: str | None = None
     error: BaseException | None = None
     stats: RequestStats = field(default_factory=RequestStats)
-    store_asked: bool = False
+    sampling: Sampling = field(default_factory=Sampling)
+    generator: torch.Generator | None = None
+    on_update: Callable[[], None] | None = None
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt)
