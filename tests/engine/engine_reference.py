@@ -19,6 +19,12 @@ from transformers import DynamicCache
 NEAR_TIE = 1e-4
 
 
+def ids(length: int, seed: int) -> list[int]:
+    """``length`` random token ids in [3, 256) (no pad, bos or eos of the tiny models), seeded."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 256, (length,), generator=g).tolist()
+
+
 def reference(model, prompt: list[int], new_tokens: int, eos: list[int] | None = None) -> tuple[list[int], list[float]]:
     """Greedy tokens of ``prompt`` with a ``DynamicCache`` and the top-2 logit gap at each step."""
     with torch.inference_mode():

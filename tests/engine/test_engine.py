@@ -14,23 +14,12 @@ import sys
 import pytest
 import torch
 
-from engine_reference import reference, same_or_near_tie
-from helpers import model_for
+from engine_reference import ids, reference, same_or_near_tie
 from kvcache import Engine
 from kvcache.engine import PoolError, RequestCancelled
 from kvcache.errors import UnsupportedOperation
 
 NEW = 10
-
-
-@pytest.fixture(scope="module")
-def model():
-    return model_for("llama")
-
-
-def ids(length: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 256, (length,), generator=g).tolist()
 
 
 def run_checked(engine: Engine) -> None:

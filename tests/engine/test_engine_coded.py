@@ -15,24 +15,13 @@ import pytest
 import torch
 
 from coded_reference import coded_reference
-from engine_reference import reference, same_or_near_tie
-from helpers import model_for
+from engine_reference import ids, reference, same_or_near_tie
 from kvcache import Engine, quant
 from kvcache.attention import fused
 from kvcache.engine import CodedBlockPool, PoolError
 from kvcache.errors import SpecError, UnsupportedOperation
 
 NEW = 10
-
-
-@pytest.fixture(scope="module")
-def model():
-    return model_for("llama")
-
-
-def ids(length: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 256, (length,), generator=g).tolist()
 
 
 def recorded_chunks(engine: Engine) -> dict[int, list[tuple[int, int]]]:

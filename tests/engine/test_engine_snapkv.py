@@ -13,22 +13,11 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from engine_reference import same_or_near_tie
-from helpers import model_for
+from engine_reference import ids, reference, same_or_near_tie
 from kvcache import Engine, make_cache, use_kvcache_attention
 from kvcache.errors import UnsupportedOperation
 
 NEW = 8
-
-
-@pytest.fixture(scope="module")
-def model():
-    return model_for("llama")
-
-
-def ids(length: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 256, (length,), generator=g).tolist()
 
 
 def snapkv_reference(model, prompt: list[int], new: int, spec: str):
@@ -80,7 +69,7 @@ def test_a_lone_request_keeps_exactly_what_the_snapkv_cache_keeps(model):
     engine = Engine(model, SPEC, block_size=8, blocks=32, max_batch_tokens=16, max_seqs=2)
     seen = []
     compress = engine._compress
-    engine._compress = lambda reported: seen.append(compress(reported)) or seen[-1]  # this instance only
+    engine._compress = lambda c, reported: seen.append(compress(c, reported)) or seen[-1]  # this instance only
     serve(engine, [prompt], new=2)
     (kept,) = seen
     _, expected = snapkv_reference(model, prompt, 1, SPEC)
@@ -146,3 +135,25 @@ def test_a_prompt_one_token_past_a_shared_prefix_still_computes_its_observation_
     assert second._request.compressed
     for p, h in zip(prompts, (first, second)):
         same_or_near_tie(h.result(), snapkv_reference(model, p, NEW, SPEC)[0])
+
+
+def test_a_request_of_a_float_engine_may_ask_for_snapkv_or_growable(model):
+    prompts = [ids(40, 13), ids(33, 14)]
+    engine = Engine(model, "growable", block_size=8, blocks=64, max_batch_tokens=512, max_seqs=4)
+    compressed = engine.submit(prompts[0], max_new_tokens=NEW, eos_token_id=[], cache=SPEC)
+    plain = engine.submit(prompts[1], max_new_tokens=NEW, eos_token_id=[], cache="growable")
+    while engine.step():
+        engine.pool.check()
+    assert compressed._request.compressed and not plain._request.compressed
+    same_or_near_tie(compressed.result(), snapkv_reference(model, prompts[0], NEW, SPEC)[0])
+    same_or_near_tie(plain.result(), reference(model, prompts[1], NEW))
+    snap = Engine(model, SPEC, block_size=8, blocks=64, max_batch_tokens=512, max_seqs=4)
+    assert not snap.submit(prompts[1], max_new_tokens=2, cache="growable")._request.compression
+
+
+@pytest.mark.parametrize("spec,cache", [("quantized:bits=8", SPEC), ("growable", "h2o:budget=8"), ("growable", "quantized:bits=8")])
+def test_a_request_cannot_ask_for_what_the_pool_does_not_hold(model, spec, cache):
+    engine = Engine(model, spec, block_size=8, blocks=16)
+    with pytest.raises(UnsupportedOperation, match="a request may ask for"):
+        engine.submit(ids(10, 1), cache=cache)
+    assert engine.idle

@@ -10,23 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_reference import reference, same_or_near_tie
-from helpers import model_for
+from engine_reference import ids, reference, same_or_near_tie
 from kvcache import Engine, PromptStore, make_cache
 from kvcache.errors import UnsupportedOperation
 from redis_server import RedisServer
 
 NEW, CHUNK = 6, 16
-
-
-@pytest.fixture(scope="module")
-def model():
-    return model_for("llama")
-
-
-def ids(length: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 256, (length,), generator=g).tolist()
 
 
 SHARED = ids(3 * CHUNK + 5, 99)

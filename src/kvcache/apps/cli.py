@@ -39,6 +39,7 @@ from .cli_options import (
     probability,
 )
 from .cli_runs import add_bench, add_eval
+from .cli_serve import add_serve
 
 
 # ---- kvcache generate ----------------------------------------------------------------------
@@ -228,7 +229,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 # ---- the parser and the entry point --------------------------------------------------------
 
 #: One ``add_<name>`` per subcommand, in ``--help`` order.
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_demo, add_generate, add_bench, add_eval, add_models]
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_demo, add_generate, add_bench, add_eval, add_models, add_serve]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -62,6 +62,15 @@ inline __attribute__((always_inline)) v16 fold(v16 a, v16 b) {
 }
 
 // Scores of one query row (dim floats) against 16 keys (rows of `keys`, `stride` floats apart).
+// Lane t of the result: the sum of the 16 lanes of part[t].
+inline __attribute__((always_inline)) v16 sums16(const v16* part) {
+    v16 l8[8], l4[4], l2[2];
+    for (int i = 0; i < 8; ++i) l8[i] = fold<16>(part[2 * i], part[2 * i + 1]);
+    for (int i = 0; i < 4; ++i) l4[i] = fold<8>(l8[2 * i], l8[2 * i + 1]);
+    for (int i = 0; i < 2; ++i) l2[i] = fold<4>(l4[2 * i], l4[2 * i + 1]);
+    return fold<2>(l2[0], l2[1]);
+}
+
 template <int NV>
 inline __attribute__((always_inline)) v16 scores16(const float* __restrict q, const float* __restrict keys, int64_t stride) {
     v16 part[16];
@@ -71,11 +80,7 @@ inline __attribute__((always_inline)) v16 scores16(const float* __restrict q, co
         for (int v = 1; v < NV; ++v) a += load16(q + 16 * v) * load16(k + 16 * v);
         part[t] = a;
     }
-    v16 l8[8], l4[4], l2[2];
-    for (int i = 0; i < 8; ++i) l8[i] = fold<16>(part[2 * i], part[2 * i + 1]);
-    for (int i = 0; i < 4; ++i) l4[i] = fold<8>(l8[2 * i], l8[2 * i + 1]);
-    for (int i = 0; i < 2; ++i) l2[i] = fold<4>(l4[2 * i], l4[2 * i + 1]);
-    return fold<2>(l2[0], l2[1]);
+    return sums16(part);
 }
 
 // acc rows [0, RR) (each `acc_stride` floats apart; 16 * NV columns of them) += sum over the tile's
@@ -92,11 +97,7 @@ inline __attribute__((always_inline)) v16 scores16_at(const float* __restrict q,
         for (int v = 1; v < NV; ++v) a += load16(q + 16 * v) * load16(k + 16 * v);
         part[t] = a;
     }
-    v16 l8[8], l4[4], l2[2];
-    for (int i = 0; i < 8; ++i) l8[i] = fold<16>(part[2 * i], part[2 * i + 1]);
-    for (int i = 0; i < 4; ++i) l4[i] = fold<8>(l8[2 * i], l8[2 * i + 1]);
-    for (int i = 0; i < 2; ++i) l2[i] = fold<4>(l4[2 * i], l4[2 * i + 1]);
-    return fold<2>(l2[0], l2[1]);
+    return sums16(part);
 }
 
 template <int NV, int RR>

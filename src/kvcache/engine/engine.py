@@ -33,7 +33,7 @@ from ..build import make_cache
 from ..prompts import PromptStore
 from ..scoring import compress
 from ..prompts.keys import salt as key_salt
-from ..spec import CacheSpec
+from ..spec import CacheSpec, parse_spec
 from .coded_pool import CodedBlockPool
 from .coded_step import CodedStep
 from .formats import Geometry, engine_spec, make_pool
@@ -113,9 +113,10 @@ class Engine:
         salt = key_salt(fingerprint, geometry.dtype, f"engine:{self.spec}", block_size)
         self.store = _store(store, self.pool)
         tier = StoreTier(self.store, model, self.pool) if self.store is not None else None
-        self._compression = _compression(model, self.spec, max_batch_tokens)
-        self._weights_mode = None if self._compression is None else f"window:{self._compression.window}"
-        self.scheduler = Scheduler(self.pool, salt, max_batch_tokens, max_seqs, share_prefixes, tier, self._compression)
+        self._max_batch_tokens = max_batch_tokens
+        self._compressions: dict[str, Compression | None] = {}
+        self._compression = self._compression_for(self.spec)
+        self.scheduler = Scheduler(self.pool, salt, max_batch_tokens, max_seqs, share_prefixes, tier)
         self.stats = EngineStats()
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._eos = _eos_ids(getattr(getattr(model, "generation_config", None), "eos_token_id", None))
@@ -151,22 +152,26 @@ class Engine:
         top_p: float = 1.0,
         seed: int | None = None,
         on_update: Callable[[], None] | None = None,
+        cache: str | CacheSpec | None = None,
     ) -> RequestHandle:
         """Queue a request for ``input_ids`` (token ids: a list, a 1-D tensor or a ``[1, S]``
         tensor) to generate up to ``max_new_tokens`` tokens, stopping after an ``eos_token_id``
         (default: the model's generation config's). Greedy at ``temperature`` 0, else sampled
         (``sampling.py``: ``top_p``, ``seed``). ``on_update`` is called, on the thread that steps
         the engine, after each step that gave the request tokens and when it finishes; it must be
-        quick and must not call the engine."""
+        quick and must not call the engine. ``cache``: this request's own spec where the pool allows
+        one (a float pool: ``"growable"``, or ``"snapkv:..."`` to compress its prompt); default the
+        engine's."""
         prompt = self._prompt(input_ids)
+        compression = self._compression if cache is None else self._request_compression(cache)
         max_new_tokens = _positive("max_new_tokens", max_new_tokens)
         eos = self._eos if eos_token_id is None else _eos_ids(eos_token_id)
         sampling = Sampling(temperature, top_p, seed)
         longest = len(prompt) + max_new_tokens - 1  # the last token is never computed
         bs = self.pool.block_size
         need = blocks_for(longest, bs)
-        if self._compression is not None:  # the whole prompt and what it keeps, at once; then what it keeps grows
-            keep = self._compression.keep(len(prompt))
+        if compression is not None:  # the whole prompt and what it keeps, at once; then what it keeps grows
+            keep = compression.keep(len(prompt))
             need = max(blocks_for(len(prompt), bs) + blocks_for(keep, bs), blocks_for(keep + max_new_tokens - 1, bs))
         if need > self.pool.total:
             raise PoolError(
@@ -178,7 +183,8 @@ class Engine:
                 f"this model attends a sliding window of {self.window} tokens, which the engine does not apply yet: "
                 f"it serves requests of at most {self.window} tokens (this one reaches {longest})"
             )
-        request = Request(next(self._ids), prompt, max_new_tokens, eos, sampling=sampling, on_update=on_update)
+        request = Request(next(self._ids), prompt, max_new_tokens, eos, sampling=sampling, on_update=on_update,
+                          compression=compression)  # fmt: skip
         request.generator = sampling.generator()
         request.stats.submitted = time.perf_counter()
         self._incoming.append(request)  # the next step takes it (deque appends are thread-safe)
@@ -197,12 +203,15 @@ class Engine:
         handles = [self.submit(ids, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id) for ids in inputs]
         return [h.result() for h in handles]
 
-    def _cancel(self, request: Request) -> None:
+    def _cancel(self, request: Request, wait: bool = True) -> None:
         """Finish ``request`` as cancelled: at once when no background thread runs; else at the start
-        of the background thread's next step (its blocks are in use until the current one ends)."""
+        of the background thread's next step (its blocks are in use until the current one ends),
+        waiting for that if ``wait``."""
         if self._in_background():
             self._cancels.append(request)
             self._notify()
+            if not wait:
+                return
             with self._changed:
                 self._changed.wait_for(lambda: request.state is State.FINISHED or not self._in_background())
             if request.state is State.FINISHED:
@@ -227,6 +236,21 @@ class Engine:
             self._changed.notify_all()
 
     # ---- stepping ----------------------------------------------------------------------------------
+
+    @property
+    def waiting_count(self) -> int:
+        """Requests queued or waiting for room (not yet holding blocks)."""
+        return len(self._incoming) + len(self.scheduler.waiting)
+
+    @property
+    def max_request_tokens(self) -> int:
+        """The most tokens (prompt and generated) one request can hold in this pool."""
+        return self.pool.total * self.pool.block_size
+
+    @property
+    def running_count(self) -> int:
+        """Requests holding blocks (computing their prompt or decoding)."""
+        return len(self.scheduler.running)
 
     @property
     def idle(self) -> bool:
@@ -274,8 +298,9 @@ class Engine:
             start = len(ids)
             ids.extend(request.tokens[request.computed : request.computed + n])
             positions.extend(range(request.computed, request.computed + n))
-            compresses = self._compression is not None and not request.compressed and request.computed + n == len(request.prompt)
-            weights = self._weights_mode if compresses else None
+            c = request.compression
+            compresses = c is not None and not request.compressed and request.computed + n == len(request.prompt)
+            weights = c.mode if compresses else None
             packed.append(Row(start, n, request.slots, tuple(request.table), request.tail, weights))
             if request.computed + n == len(request.tokens):
                 last.append((request.rid, start + n - 1))
@@ -296,14 +321,34 @@ class Engine:
         by_id = {request.rid: request for request, _ in rows}
         picked = [by_id[rid] for rid, _ in last]
         chosen = choose(logits, [r.sampling for r in picked], [r.generator for r in picked])
-        kept = {rows[i][0].rid: self._compress(reported) for i, reported in step.reported.items()}
+        kept = {rows[i][0].rid: self._compress(rows[i][0].compression, reported) for i, reported in step.reported.items()}
         return {rid: token for (rid, _), token in zip(last, chosen)}, kept
 
-    def _compress(self, reported: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _compression_for(self, spec: CacheSpec) -> Compression | None:
+        key = str(spec)
+        if key not in self._compressions:
+            self._compressions[key] = _compression(self.model, spec, self._max_batch_tokens)
+        return self._compressions[key]
+
+    def _request_compression(self, cache: str | CacheSpec) -> Compression | None:
+        """A request's own spec: the engine's, or over a float pool ``growable`` (no compression)
+        or ``snapkv:...``; anything else is refused, naming what this engine takes."""
+        spec = parse_spec(cache)
+        if str(spec) == str(self.spec):
+            return self._compression
+        if isinstance(self.pool, CodedBlockPool) or spec.kind not in ("growable", "snapkv"):
+            raise UnsupportedOperation(
+                f"this engine's pool holds {self.spec} blocks; a request may ask for {self.spec}"
+                + ("" if isinstance(self.pool, CodedBlockPool) else ", growable or snapkv:budget=...")
+                + f", not {spec}"
+            )
+        return self._compression_for(engine_spec(spec))
+
+    def _compress(self, c: Compression, reported: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """What the spec's own layers keep of a prompt (per layer its keys, values and reduced
         weights, as the step reported them): per layer ``(keys, values)`` ``[Hkv, keep, D]``."""
         past = [(k, v) for k, v, _ in reported]
-        cache = compress(self.model, str(self.spec), past, {self._weights_mode: [w for _, _, w in reported]})
+        cache = compress(self.model, c.spec, past, {c.mode: [w for _, _, w in reported]})
         kept = []
         for layer in cache.kv_layers:
             k, v = layer.view()
@@ -476,7 +521,7 @@ def _compression(model: Any, spec: CacheSpec, max_batch_tokens: int) -> Compress
     if max_batch_tokens < window:
         raise ValueError(f"max_batch_tokens={max_batch_tokens} cannot hold snapkv's observation window of {window} tokens")
     sizing = layers[0]
-    return Compression(keep=lambda tokens: min(tokens, sizing.budget_now(tokens)), window=window)
+    return Compression(str(spec), keep=lambda tokens: min(tokens, sizing.budget_now(tokens)), window=window)
 
 
 def _tell(requests: Iterable[Request]) -> None:

@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -99,6 +100,8 @@ class Request:
     sampling: Sampling = field(default_factory=Sampling)
     generator: torch.Generator | None = None
     on_update: Callable[[], None] | None = None
+    #: How its prompt is compressed once computed (``scheduler.Compression``), or None.
+    compression: Any = None
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt)
@@ -126,7 +129,7 @@ class RequestHandle:
 
     Without a background thread (``Engine.running``), iterating or waiting steps the engine itself."""
 
-    def __init__(self, request: Request, engine_step: Callable[[], bool], engine_cancel: Callable[[Request], None],
+    def __init__(self, request: Request, engine_step: Callable[[], bool], engine_cancel: Callable[[Request, bool], None],
                  background: Callable[[], bool], changed: threading.Condition):
         self._request = request
         self._step, self._cancel, self._background, self._changed = engine_step, engine_cancel, background, changed
@@ -149,6 +152,11 @@ class RequestHandle:
         return self._request.finish_reason
 
     @property
+    def error(self) -> BaseException | None:
+        """What failed the request (``finish_reason`` ``"error"``), else None."""
+        return self._request.error
+
+    @property
     def tokens(self) -> list[int]:
         """The tokens generated so far (a copy)."""
         return list(self._request.generated)
@@ -157,9 +165,11 @@ class RequestHandle:
     def stats(self) -> RequestStats:
         return self._request.stats
 
-    def cancel(self) -> None:
-        """Stop the request now; its blocks go back to the pool. A finished request is left as it is."""
-        self._cancel(self._request)
+    def cancel(self, wait: bool = True) -> None:
+        """Stop the request; its blocks go back to the pool: at once, or, while a background thread
+        steps the engine, at the start of its next step (``wait``: return only then; else at once,
+        as an event loop must). A finished request is left as it is."""
+        self._cancel(self._request, wait)
 
     def __iter__(self) -> Iterator[int]:
         """The generated tokens, each as soon as it is chosen; raises what the request raised."""

@@ -43,9 +43,9 @@ from .tier import StoreTier
 class Scheduler:
     def __init__(
         self, pool: BlockPool, salt: bytes, max_batch_tokens: int, max_seqs: int, share_prefixes: bool = True,
-        tier: StoreTier | None = None, compression: Compression | None = None,
+        tier: StoreTier | None = None,
     ):
-        self.pool, self.salt, self.tier, self.compression = pool, salt, tier, compression
+        self.pool, self.salt, self.tier = pool, salt, tier
         self.max_batch_tokens, self.max_seqs, self.share_prefixes = max_batch_tokens, max_seqs, share_prefixes
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -121,7 +121,7 @@ class Scheduler:
         """The tokens ``request`` computes this step, at most ``n``: a prompt to be compressed ends a
         chunk exactly at its end, and its last chunk holds the observation window (0: wait for a
         step with more room)."""
-        c = self.compression
+        c = request.compression
         if c is None or request.compressed:
             return n
         left = len(request.prompt) - request.computed
@@ -133,7 +133,7 @@ class Scheduler:
 
     def _compact_blocks(self, request: Request, n: int) -> int:
         """Blocks for the compressed prompt if ``request`` compresses it after ``n`` more tokens."""
-        c = self.compression
+        c = request.compression
         if c is None or request.compressed or request.computed + n != len(request.prompt):
             return 0
         return blocks_for(c.keep(len(request.prompt)), self.pool.block_size)
@@ -144,8 +144,8 @@ class Scheduler:
         hits: list[int] = []
         if self.share_prefixes:
             limit = min((len(request.tokens) - 1) // bs, len(request.keys))  # the last token is always computed
-            if self.compression is not None and not request.compressed:  # the observation window is computed here
-                limit = min(limit, max(0, len(request.prompt) - self.compression.window) // bs)
+            if request.compression is not None and not request.compressed:  # the observation window is computed here
+                limit = min(limit, max(0, len(request.prompt) - request.compression.window) // bs)
             for key in request.keys[:limit]:
                 block = pool.lookup(key)
                 if block is None:
@@ -183,9 +183,9 @@ class Scheduler:
     def _loadable(self, request: Request) -> int:
         """How many of ``request``'s tokens a store may provide, plus one (``StoreTier.fetch`` leaves
         the last token to compute): all but the observation window of a prompt to be compressed."""
-        if self.compression is None or request.compressed:
+        if request.compression is None or request.compressed:
             return len(request.tokens)
-        return max(1, len(request.prompt) - self.compression.window + 1)
+        return max(1, len(request.prompt) - request.compression.window + 1)
 
     def _in_flight(self, key: str, index: int) -> bool:
         """Whether a running request is computing the block whose chain key is ``key`` (its
@@ -318,11 +318,17 @@ class Scheduler:
 
 @dataclass(frozen=True)
 class Compression:
-    """Prompts compressed once computed (SnapKV): ``keep(T)`` tokens kept of a prompt of ``T``;
-    the prompt's last chunk holds at least its last ``window`` tokens (the observation window)."""
+    """A prompt compressed once computed (SnapKV, cache spec ``spec``): ``keep(T)`` tokens kept of a
+    prompt of ``T``; the prompt's last chunk holds at least its last ``window`` tokens (the
+    observation window), whose attention weights (``attend_weighted`` mode ``mode``) score it."""
 
+    spec: str
     keep: Callable[[int], int]
     window: int
+
+    @property
+    def mode(self) -> str:
+        return f"window:{self.window}"
 
 
 def blocks_for(tokens: int, block_size: int) -> int:

@@ -1,0 +1,58 @@
+"""``kvcache serve``: the OpenAI-compatible server (:mod:`kvcache.apps.serve`)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+from ..errors import KVCacheError
+from .cli_options import add_command
+
+_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30}
+
+
+def add_serve(subparsers: argparse._SubParsersAction) -> None:
+    p = add_command(subparsers, "serve", cmd_serve)
+    p.add_argument("--model", default="smollm2", metavar="NAME|DIR", help="a model name (kvcache models list), tiny, or a local Hugging Face model folder (default: %(default)s)")
+    p.add_argument("--cache", default="growable", metavar="SPEC", help="the engine's block format: growable, quantized:bits=8|4, snapkv:budget=0.25 (default: %(default)s)")
+    p.add_argument("--prompt-store", default=None, metavar="DIR|redis://...", help="a prompt store behind the pool: memory, a folder, or Redis (shared by replicas)")
+    p.add_argument("--store-chunk", type=int, default=256, metavar="N", help="tokens per prompt-store entry (default: %(default)s)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    p.add_argument("--max-seqs", type=int, default=32, metavar="N", help="requests running at once (default: %(default)s)")
+    p.add_argument("--max-bytes", type=byte_size, default=None, metavar="SIZE", help="the pool's size, e.g. 512M or 2G (default: 1,024 tokens for each of --max-seqs)")
+    p.add_argument("--block-size", type=int, default=32, metavar="N", help="tokens per pool block (default: %(default)s)")
+    p.add_argument("--max-batch-tokens", type=int, default=512, metavar="N", help="tokens per forward pass (default: %(default)s)")
+    p.add_argument("--max-queue", type=int, default=64, metavar="N", help="requests waiting before new ones get 503 (default: %(default)s)")
+    p.add_argument("--api-key", default=None, metavar="KEY", help="require 'Authorization: Bearer KEY' (default: $KVCACHE_API_KEY, else none)")
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"), help="(default: %(default)s)")
+
+
+def byte_size(text: str) -> int:
+    found = re.fullmatch(r"\s*(\d+)\s*([kmg]?)i?b?\s*", text.lower())
+    if not found or int(found.group(1)) < 1:
+        raise argparse.ArgumentTypeError(f"expected a size like 512M or 2G, got {text!r}")
+    return int(found.group(1)) * _UNITS[found.group(2)]
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """serve a model over the OpenAI API (completions, chat, streaming) from one engine
+
+    An OpenAI-compatible HTTP server on kvcache's engine: POST /v1/completions and
+    /v1/chat/completions (streamed by server-sent events or not), GET /v1/models, /health and
+    /metrics (Prometheus). Requests share one paged pool (continuous batching, shared prefixes,
+    the block format of --cache); with --prompt-store, computed prompts are kept there and
+    replicas on the same Redis serve each other's prompts. SIGTERM drains: running requests finish,
+    new ones are refused, then the process exits 0. Needs 'pip install kvcache[serve]'.
+    """
+    from .serve.server import ServeOptions, serve
+
+    for name in ("store_chunk", "port", "max_seqs", "block_size", "max_batch_tokens", "max_queue"):
+        if getattr(args, name) < 1:
+            raise KVCacheError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    options = ServeOptions(
+        model=args.model, cache=args.cache, prompt_store=args.prompt_store, store_chunk=args.store_chunk, host=args.host,
+        port=args.port, max_seqs=args.max_seqs, max_bytes=args.max_bytes, block_size=args.block_size,
+        max_batch_tokens=args.max_batch_tokens, max_queue=args.max_queue, api_key=args.api_key, log_level=args.log_level,
+    )  # fmt: skip
+    return serve(options)

@@ -1,0 +1,196 @@
+"""The OpenAI API's shapes: a request body checked into ``Params``, and the response bodies and
+stream chunks of ``/v1/completions`` and ``/v1/chat/completions``.
+
+A body that is not a JSON object, a known field of the wrong type or out of range, or a missing
+required field is an ``ApiError`` (HTTP 400 unless said otherwise) that names the field; the
+server answers it in the OpenAI error shape (``ApiError.body``). Unknown fields are ignored, as the
+OpenAI API does. Extension fields: ``cache`` (a cache spec: the server's own, or a ``snapkv``
+budget for this request when the server's pool is full precision).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ApiError(Exception):
+    def __init__(self, message: str, *, status: int = 400, param: str | None = None, kind: str = "invalid_request_error",
+                 code: str | None = None, headers: dict[str, str] | None = None):  # fmt: skip
+        super().__init__(message)
+        self.message, self.status, self.param, self.kind, self.code = message, status, param, kind, code
+        self.headers = headers or {}
+
+    @property
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class Params:
+    """A checked completion or chat request."""
+
+    model: str
+    prompt: str | list[int] | None = None  # completions
+    messages: list[dict[str, Any]] | None = None  # chat
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    cache: str | None = None
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise ApiError(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def completion_params(body: dict[str, Any]) -> Params:
+    p = _common(body)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ApiError("prompt is empty", param="prompt")
+        p.prompt = prompt
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        p.prompt = list(prompt)
+    elif prompt is None:
+        raise ApiError("'prompt' is required", param="prompt")
+    else:
+        raise ApiError("prompt must be a string, or a list of token ids (one prompt a request)", param="prompt")
+    if p.max_tokens is None:
+        p.max_tokens = 16  # the OpenAI API's default for completions
+    return p
+
+
+def chat_params(body: dict[str, Any]) -> Params:
+    p = _common(body)
+    messages = body.get("messages")
+    if messages is None:
+        raise ApiError("'messages' is required", param="messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError("messages must be a non-empty list of {role, content} objects", param="messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ApiError(f"messages[{i}] must be an object with a string 'role'", param=f"messages[{i}]")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: text only
+            texts = [part.get("text") for part in content if isinstance(part, dict)]
+            if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
+                raise ApiError(f"messages[{i}].content parts must be text parts", param=f"messages[{i}].content")
+            m = {**m, "content": "".join(texts)}
+            messages[i] = m
+        elif not isinstance(content, str):
+            raise ApiError(f"messages[{i}].content must be a string", param=f"messages[{i}].content")
+    p.messages = messages
+    return p
+
+
+def _common(body: dict[str, Any]) -> Params:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise ApiError("'model' is required and must be a string", param="model")
+    p = Params(model=model)
+    tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if tokens is not None:
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+            raise ApiError(f"max_tokens must be an integer >= 1, got {tokens!r}", param="max_tokens")
+        p.max_tokens = tokens
+    p.temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    p.top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    if p.top_p == 0:
+        raise ApiError("top_p must be above 0", param="top_p")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ApiError(f"seed must be an integer, got {seed!r}", param="seed")
+    p.seed = seed
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and (not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) for s in stop)):
+        raise ApiError("stop must be a string or a list of at most 4 strings", param="stop")
+    p.stop = [s for s in stop or [] if s]
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ApiError(f"stream must be a boolean, got {stream!r}", param="stream")
+    p.stream = stream
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+            raise ApiError("stream_options must be an object with a boolean include_usage", param="stream_options")
+        p.include_usage = bool(options.get("include_usage", False))
+    n = body.get("n", 1)
+    if n != 1:
+        raise ApiError("this server returns one choice a request: n must be 1", param="n")
+    cache = body.get("cache")
+    if cache is not None and not isinstance(cache, str):
+        raise ApiError(f"cache must be a cache spec string such as 'snapkv:budget=0.25', got {cache!r}", param="cache")
+    p.cache = cache
+    return p
+
+
+def _number(body: dict[str, Any], name: str, default: float, low: float, high: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not low <= value <= high:
+        raise ApiError(f"{name} must be a number in [{low:g}, {high:g}], got {value!r}", param=name)
+    return float(value)
+
+
+# ---- responses ------------------------------------------------------------------------------
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def completion_body(rid: str, model: str, text: str, finish: str, use: dict[str, Any], chat: bool) -> dict[str, Any]:
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish, "logprobs": None}
+        kind = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        kind = "text_completion"
+    return {"id": rid, "object": kind, "created": int(time.time()), "model": model, "choices": [choice], "usage": use}
+
+
+def chunk_body(rid: str, model: str, text: str | None, finish: str | None, chat: bool, first: bool = False,
+               use: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    """One stream chunk: new ``text`` (or None), a ``finish`` reason on the last, or (``use``) the
+    usage chunk with no choices."""
+    created = int(time.time())
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    if use is not None:
+        return {"id": rid, "object": kind, "created": created, "model": model, "choices": [], "usage": use}
+    if chat:
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        if text:
+            delta["content"] = text
+        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+    else:
+        choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+    return {"id": rid, "object": kind, "created": created, "model": model, "choices": [choice]}

@@ -1,0 +1,123 @@
+"""``kvcache serve``: load a model, make its engine, and serve the app (``app.py``) with uvicorn.
+
+The engine steps on its background thread for the server's whole life. SIGTERM (or SIGINT) drains:
+the server stops listening, requests that arrive on open connections get 503, running requests
+finish (uvicorn waits for their responses), then the engine thread stops and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from ...errors import KVCacheError
+
+log = logging.getLogger("kvcache.serve")
+
+#: Where the API key comes from when ``--api-key`` is not given.
+API_KEY_ENV = "KVCACHE_API_KEY"
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    model: str = "smollm2"
+    cache: str = "growable"
+    prompt_store: str | None = None
+    store_chunk: int = 256
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_seqs: int = 32
+    max_bytes: int | None = None
+    block_size: int = 32
+    max_batch_tokens: int = 512
+    max_queue: int = 64
+    api_key: str | None = None
+    device: str = "cpu"
+    log_level: str = "info"
+
+
+def build(options: ServeOptions) -> Any:
+    """The app's ``Served`` (model loaded, engine made, not yet stepping)."""
+    from ... import Engine, PromptStore
+    from ..cli_load import load_model
+    from .app import Served
+
+    model, tokenizer = load_model(options.model, options.device)
+    name, aliases = model_names(options.model)
+    store = None if options.prompt_store is None else PromptStore(options.prompt_store, chunk=options.store_chunk)
+    engine = Engine(
+        model, options.cache, block_size=options.block_size, max_bytes=options.max_bytes, max_seqs=options.max_seqs,
+        max_batch_tokens=options.max_batch_tokens, store=store,
+    )  # fmt: skip
+    key = options.api_key if options.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return Served(engine, tokenizer, name, tuple(aliases), key, options.max_queue, context)
+
+
+def model_names(given: str) -> tuple[str, tuple[str, ...]]:
+    """The name the server answers to (a registry model's name, a folder's own name) and aliases
+    (the registry's, and what ``--model`` said)."""
+    from ...models import find_entry
+
+    entry = find_entry(given)
+    if entry is not None:
+        return entry.name, tuple(n for n in entry.names if n != entry.name)
+    name = os.path.basename(os.path.normpath(given)) or given
+    return name, (given,) if given != name else ()
+
+
+def serve(options: ServeOptions) -> int:
+    """Run the server until SIGTERM or SIGINT; 0 after a clean drain."""
+    try:
+        import uvicorn
+    except ImportError:
+        raise KVCacheError("kvcache serve needs its extra: pip install 'kvcache[serve]' (starlette, uvicorn)") from None
+    from .app import make_app
+
+    served = build(options)
+    app = make_app(served)
+    config = uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level,
+                            timeout_graceful_shutdown=None, access_log=False)  # fmt: skip
+    server = _DrainingServer(config, served)
+    engine = served.engine
+    print(f"kvcache serve: {served.model_name} on http://{options.host}:{options.port} ({engine!r})", flush=True)
+    with engine.running():
+        server.run()
+    return 0
+
+
+class _DrainingServer:
+    """uvicorn's server, which on the first exit signal also marks the app as draining (new requests
+    on open connections get 503 while running ones finish)."""
+
+    def __new__(cls, config: Any, served: Any) -> Any:
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            def handle_exit(self, sig: int, frame: Any) -> None:
+                if not served.draining:
+                    served.draining = True
+                    log.info("draining: finishing %d running requests", served.engine.running_count)
+                super().handle_exit(sig, frame)
+
+            @contextlib.contextmanager
+            def capture_signals(self) -> Iterator[None]:
+                """uvicorn's, less its re-raising of the signal after the drain (which would end
+                the process by the signal instead of exiting 0)."""
+                if threading.current_thread() is not threading.main_thread():
+                    yield
+                    return
+                original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+                try:
+                    yield
+                finally:
+                    for sig, handler in original.items():
+                        signal.signal(sig, handler)
+
+        return Server(config)

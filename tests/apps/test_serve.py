@@ -1,0 +1,279 @@
+"""``kvcache serve``: a real server (a subprocess on a free loopback port) and real clients (the
+official ``openai`` package and raw HTTP through ``httpx``), on the shipped tiny model (given a
+ChatML template, so chat runs on it too).
+
+Greedy answers (temperature 0) are compared with the text of the model's own ``generate`` in this
+process, token for token: the tiny model is trained, its greedy choices are far from ties (a tie
+would show here as a failure naming the prompt, not pass silently).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from kvcache.apps.trained import load_pretrained
+from serve_process import ServeProcess, tiny_chat_model
+
+openai = pytest.importorskip("openai")  # the test extra brings it; without it this file cannot run
+
+PROMPTS = ["Once upon a time", "The pass key is 31415. The pass key is", "Alice and Bob went to", "In a hole in the ground"]
+SYSTEM = "You are a helpful assistant. " * 12  # long enough to fill whole blocks of the pool
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_chat_model(tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture(scope="module")
+def local(model_dir):
+    return load_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    process = ServeProcess(tmp_path_factory.mktemp("serve"), "--model", str(model_dir), "--block-size", "16",
+                           "--max-seqs", "8", "--max-bytes", "64M").start()  # fmt: skip
+    yield process
+    assert process.stop() == 0, process.output()
+
+
+def client(server: ServeProcess, key: str = "none") -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def greedy(local, ids: list[int], new: int) -> str:
+    model, tokenizer = local
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    return tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True)
+
+
+def completion_ids(local, prompt: str) -> list[int]:
+    return local[1](prompt, add_special_tokens=True)["input_ids"]
+
+
+def chat_ids(local, messages) -> list[int]:
+    return list(local[1].apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+
+
+# ---- answers ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prompt", PROMPTS[:2])
+def test_completions_equal_generate_streamed_or_not(server, local, prompt):
+    c = client(server)
+    expected = greedy(local, completion_ids(local, prompt), 24)
+    whole = c.completions.create(model="tiny-chat", prompt=prompt, max_tokens=24, temperature=0)
+    assert whole.choices[0].text == expected
+    assert whole.usage.prompt_tokens == len(completion_ids(local, prompt))
+    assert whole.usage.completion_tokens <= 24 and whole.choices[0].finish_reason in ("stop", "length")
+    parts = [chunk.choices[0].text for chunk in c.completions.create(model="tiny-chat", prompt=prompt, max_tokens=24,
+                                                                     temperature=0, stream=True) if chunk.choices]
+    assert "".join(parts) == expected
+
+
+def test_chat_equals_generate_streamed_or_not(server, local):
+    c = client(server)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a story."}]
+    expected = greedy(local, chat_ids(local, messages), 20)
+    whole = c.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=20, temperature=0)
+    assert whole.choices[0].message.content == expected and whole.choices[0].message.role == "assistant"
+    stream = c.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=20, temperature=0, stream=True,
+                                       stream_options={"include_usage": True})  # fmt: skip
+    chunks = list(stream)
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == expected
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_a_repeated_system_prompt_is_served_from_the_pool(server, local):
+    c = client(server)
+    first = c.chat.completions.create(model="tiny-chat", max_tokens=4, temperature=0,
+                                      messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi."}])
+    second = c.chat.completions.create(model="tiny-chat", max_tokens=4, temperature=0,
+                                       messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Who?"}])
+    assert second.usage.prompt_tokens_details.cached_tokens >= len(SYSTEM) // 2
+    assert second.usage.prompt_tokens_details.cached_tokens < second.usage.prompt_tokens
+    assert first.usage.prompt_tokens > 0
+
+
+def test_stop_strings_end_the_text_before_them(server, local):
+    prompt = PROMPTS[2]
+    full = greedy(local, completion_ids(local, prompt), 30)
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    assert stop.strip(), f"no usable stop string in {full!r}"
+    got = client(server).completions.create(model="tiny-chat", prompt=prompt, max_tokens=30, temperature=0, stop=[stop])
+    assert got.choices[0].text == full[: full.index(stop)] and got.choices[0].finish_reason == "stop"
+
+
+def test_a_seed_repeats_a_sampled_answer(server):
+    c = client(server)
+    answers = [c.completions.create(model="tiny-chat", prompt=PROMPTS[3], max_tokens=16, temperature=1.0, seed=7).choices[0].text
+               for _ in range(2)]  # fmt: skip
+    assert answers[0] == answers[1]
+
+
+def test_models_health_and_metrics(server):
+    assert [m.id for m in client(server).models.list().data] == ["tiny-chat"]
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("kvcache_requests_total", "kvcache_time_to_first_token_seconds_bucket", "kvcache_pool_blocks",
+                 "kvcache_inter_token_latency_seconds_count", "kvcache_cached_prompt_tokens_total", "kvcache_preemptions_total"):  # fmt: skip
+        assert name in text
+
+
+# ---- bad requests -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "path,body,status,param",
+    [
+        ("/v1/completions", b"{not json", 400, None),
+        ("/v1/completions", b"[1, 2]", 400, None),
+        ("/v1/completions", {"model": "tiny-chat", "prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
+        ("/v1/completions", {"model": "tiny-chat", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+        ("/v1/completions", {"model": "tiny-chat", "prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+        ("/v1/completions", {"model": "tiny-chat", "prompt": "hi", "stream": "yes"}, 400, "stream"),
+        ("/v1/completions", {"model": "tiny-chat", "prompt": 42}, 400, "prompt"),
+        ("/v1/completions", {"model": "tiny-chat", "prompt": "hi", "max_tokens": 5000}, 400, "prompt"),
+        ("/v1/completions", {"model": "gpt-5", "prompt": "hi"}, 404, "model"),
+        ("/v1/chat/completions", {"model": "tiny-chat", "messages": "hi"}, 400, "messages"),
+        ("/v1/chat/completions", {"model": "tiny-chat", "messages": [{"role": "user", "content": 3}]}, 400, "messages[0].content"),
+        ("/v1/chat/completions", {"model": "tiny-chat", "messages": [{"role": "user", "content": "x"}], "cache": "h2o:budget=8"}, 400, "cache"),
+    ],
+)
+def test_bad_requests_get_the_openai_error_shape(server, path, body, status, param):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(server.url + path, content=content, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["message"] and error["type"] and error["param"] == param
+
+
+def test_a_prompt_longer_than_the_context_says_so(server):
+    r = httpx.post(server.url + "/v1/completions", json={"model": "tiny-chat", "prompt": "word " * 5000, "max_tokens": 4}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+
+# ---- many clients, and clients that leave ------------------------------------------------------
+
+
+def test_thirty_two_clients_at_once_all_get_complete_right_answers(server, local):
+    expected = {p: greedy(local, completion_ids(local, p), 12) for p in PROMPTS}
+    failures, done = [], []
+    deadline = time.monotonic() + 15
+
+    def worker(i: int) -> None:
+        c, n = client(server), 0
+        while time.monotonic() < deadline:
+            prompt = PROMPTS[(i + n) % len(PROMPTS)]
+            try:
+                if (i + n) % 2:
+                    text = "".join(ch.choices[0].text for ch in c.completions.create(
+                        model="tiny-chat", prompt=prompt, max_tokens=12, temperature=0, stream=True) if ch.choices)
+                else:
+                    text = c.completions.create(model="tiny-chat", prompt=prompt, max_tokens=12, temperature=0).choices[0].text
+            except Exception as e:  # noqa: BLE001 - every failure is collected and reported
+                failures.append(f"client {i}: {type(e).__name__}: {e}")
+                return
+            if text != expected[prompt]:
+                failures.append(f"client {i}: {prompt!r} -> {text!r}, expected {expected[prompt]!r}")
+            n += 1
+        done.append(n)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not failures, failures[:5]
+    assert len(done) == 32 and sum(done) >= 32
+    assert server.metric('kvcache_pool_blocks{state="used"}') == 0
+
+
+def test_a_client_that_leaves_mid_stream_gives_its_blocks_back(server):
+    used_before = server.metric('kvcache_pool_blocks{state="used"}')
+    gone = server.metric("kvcache_client_disconnects_total")
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=30,
+                      json={"model": "tiny-chat", "prompt": PROMPTS[0], "max_tokens": 2000, "temperature": 0, "stream": True}) as r:  # fmt: skip
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data:"))
+        assert server.metric('kvcache_pool_blocks{state="used"}') > used_before
+    deadline = time.monotonic() + 20
+    while server.metric('kvcache_pool_blocks{state="used"}') != used_before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert server.metric('kvcache_pool_blocks{state="used"}') == used_before
+    assert server.metric("kvcache_client_disconnects_total") == gone + 1
+
+
+# ---- servers of their own -----------------------------------------------------------------------
+
+
+def test_an_api_key_guards_every_endpoint_but_health(model_dir, tmp_path):
+    process = ServeProcess(tmp_path, "--model", str(model_dir), "--max-bytes", "16M", env={"KVCACHE_API_KEY": "s3cret"}).start()
+    try:
+        assert httpx.get(process.url + "/health").status_code == 200
+        for path in ("/v1/models", "/metrics"):
+            assert httpx.get(process.url + path).status_code == 401
+            assert httpx.get(process.url + path, headers={"Authorization": "Bearer wrong"}).status_code == 401
+            assert httpx.get(process.url + path, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        with pytest.raises(openai.AuthenticationError):
+            client(process, "wrong").completions.create(model="tiny-chat", prompt="hi", max_tokens=2)
+        assert client(process, "s3cret").completions.create(model="tiny-chat", prompt="hi", max_tokens=2).choices
+    finally:
+        assert process.stop() == 0
+
+
+def test_a_full_queue_answers_503_with_retry_after(model_dir, tmp_path):
+    process = ServeProcess(tmp_path, "--model", str(model_dir), "--max-bytes", "16M", "--max-seqs", "1",
+                           "--max-queue", "1").start()  # fmt: skip
+    statuses, retry = [], []
+
+    def one() -> None:
+        r = httpx.post(process.url + "/v1/completions", timeout=60,
+                       json={"model": "tiny-chat", "prompt": PROMPTS[0], "max_tokens": 64, "temperature": 0})  # fmt: skip
+        statuses.append(r.status_code)
+        if r.status_code == 503:
+            retry.append(r.headers.get("retry-after"))
+    try:
+        threads = [threading.Thread(target=one) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert set(statuses) <= {200, 503} and 503 in statuses and 200 in statuses, statuses
+        assert all(r is not None and int(r) >= 1 for r in retry)
+    finally:
+        assert process.stop() == 0
+
+
+def test_sigterm_drains_running_requests_then_exits_0(model_dir, tmp_path):
+    process = ServeProcess(tmp_path, "--model", str(model_dir), "--max-bytes", "16M").start()
+    got: dict = {}
+
+    def long_request() -> None:
+        with httpx.stream("POST", process.url + "/v1/completions", timeout=60,
+                          json={"model": "tiny-chat", "prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0,
+                                "stream": True}) as r:  # fmt: skip
+            got["lines"] = [line for line in r.iter_lines() if line.startswith("data:")]
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    deadline = time.monotonic() + 30
+    while process.metric('kvcache_pool_blocks{state="used"}') == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    process.terminate()
+    t.join(timeout=60)
+    assert process.process.wait(60) == 0, process.output()
+    assert got["lines"][-1] == "data: [DONE]", "the running request was cut off"
+    finish = json.loads(got["lines"][-2][5:])["choices"][0]["finish_reason"]
+    assert finish in ("stop", "length")
+    with pytest.raises(httpx.ConnectError):
+        httpx.post(process.url + "/v1/completions", json={"model": "tiny-chat", "prompt": "hi"}, timeout=5)
+    process.stop()
