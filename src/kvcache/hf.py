@@ -42,9 +42,10 @@ from .layers import KVLayer
 
 ATTENTION_NAME = "kvcache"
 
-#: The keyword under which the engine's forward pass carries its step (``engine.step.PagedStep``)
-#: down to the attention calls, which hand it the packed query, keys and values.
-PAGED_STEP = "kvcache_paged_step"
+#: The keyword under which a forward pass carries its step down to the attention calls, which hand
+#: it the query, keys and values: the engine's (``engine.step.PagedStep``, over its block pool) and
+#: a training chunk's (``train.replay.ChunkStep``, over a cache state that gradients reach).
+FORWARD_STEP = "kvcache_forward_step"
 
 #: The one line that fixes a model running another attention, quoted by every error that needs it.
 SWITCH_HINT = "kvcache.use_kvcache_attention(model)"
@@ -327,16 +328,16 @@ def hf_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """``transformers`` attention interface over kvcache's attention: returns ``[B, Sq, Hq, Dv]``.
 
-    A forward pass of the engine (a ``PAGED_STEP`` keyword) is attended by its step, over the
-    engine's block pool. A bounded layer's read (found as the module docstring says) is attended by that layer, which
+    A forward pass that carries a step (a ``FORWARD_STEP`` keyword: the engine's, over its block pool;
+    a training chunk's, over a cache state) is attended by that step. A bounded layer's read (found as the module docstring says) is attended by that layer, which
     masks by absolute position and settles; anything else runs ``fastest_attention`` over the key
     and value as given. The model's other keywords (``attention_kwargs``: a logit cap, attention
     sinks, relative-position logits, a sparse indexer's choice) are applied or refused, never
     dropped; a model's per-head masks (``[B, Hq, Sq, T]``) are taken as they come."""
     if dropout and module.training:
-        raise UnsupportedOperation("kvcache attention is for inference: dropout is not supported")
-    step = kwargs.pop(PAGED_STEP, None)
-    if step is not None:  # a forward pass of the engine: the step writes to and reads from its pool
+        raise UnsupportedOperation("kvcache attention does not apply attention dropout; set the model's attention_dropout to 0 or call model.eval()")
+    step = kwargs.pop(FORWARD_STEP, None)
+    if step is not None:  # the engine's step (its pool) or a training chunk's (a cache state)
         return step.attend(module, query, key, value, scaling, kwargs), None
     extras = AttentionExtras.from_kwargs(kwargs)
     layer = reading_layer(module, key)

@@ -98,6 +98,9 @@ FIELDS = {
     },
     "prompt": {"workload": text, "step": positive_int, "contender": text, "backend": text},  # more: test_bench_prompt.py
     "engine": {"contender": text, "arrivals": text},  # more: test_bench_engine.py
+    "serve": {"contender": text, "clients": positive_int, "errors": nonneg_int, "requests_done": nonneg_int},  # more: test_bench_serve.py
+    "train": {"length": positive_int, "contender": text, "seconds": positive_number, "tokens_per_s": positive_number,
+              "saved_peak_bytes": positive_int, "archive_bytes": nonneg_int, "state_bytes": nonneg_int},
     "capacity": {"contender": text, "sessions_held": positive_int, "session_bytes": positive_int, "questions": positive_int},
     "real": {"batch": positive_int, "context": positive_int, "contender": text, "compiled": boolean},  # more: test_bench_real.py
     "resume": {
@@ -231,6 +234,17 @@ def test_memory_counts_match_the_schemes(tiny_results):
     for name in ("growable", "static"):  # the library's own accounting agrees with the storage seen
         assert rows[name]["reported_reallocations"] == rows[name]["reallocations"]
         assert rows[name]["reported_nbytes"] == rows[name]["final_cache_bytes"]
+
+
+def test_train_holds_the_same_bytes_for_backward_at_every_length(tiny_results):
+    """Chunked replay holds one chunk's graph and two states (128 and 256 tokens alike); plain
+    training holds more at the longer length; the archive is the sequence's keys and values."""
+    _, result = tiny_results("train")
+    by = {(r["contender"], r["length"]): r for r in result["rows"]}
+    assert result["summary"]["replay_saved_bytes_max_over_min"] <= 1.10
+    assert by[("plain", 256)]["saved_peak_bytes"] > 1.5 * by[("plain", 128)]["saved_peak_bytes"]
+    assert by[("replay h2o 25%", 256)]["archive_bytes"] > by[("replay h2o 25%", 128)]["archive_bytes"] > 0
+    assert by[("detach h2o 25%", 256)]["archive_bytes"] == 0
 
 
 def test_run_options_pick_the_value_for_the_run_size():

@@ -150,7 +150,7 @@ def test_cli_options_belong_to_their_suites(capsys):
     assert main(["bench", "update", "--arrivals", "burst"]) != 0
     assert "--arrivals (suite 'engine')" in capsys.readouterr().err
     assert main(["bench", "prompt", "--contenders", "engine"]) != 0
-    assert "--contenders (suites 'real', 'engine')" in capsys.readouterr().err
+    assert "--contenders (suites 'real', 'engine', 'serve')" in capsys.readouterr().err
     assert main(["bench", "engine", "--tiny", "--contenders", "nope", "--no-progress"]) != 0
     assert "unknown contender(s) nope" in capsys.readouterr().err
 

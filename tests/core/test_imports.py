@@ -30,7 +30,7 @@ PACKAGE = Path(kvcache.__file__).parent
 
 TIERS = ["errors", "storage", "model", "api", "apps"]
 STORAGE = ("layers", "attention", "persist", "quant", "policies", "options", "registry", "fingerprint", "half_precision", "models")
-MODEL = ("cache", "build", "cachefile", "spec", "hf", "attention_kwargs", "support", "foreign", "compiled", "scoring", "prefill", "prompts", "engine")
+MODEL = ("cache", "build", "cachefile", "spec", "hf", "attention_kwargs", "support", "foreign", "compiled", "scoring", "prefill", "prompts", "engine", "train")
 
 
 def module_name(path: Path) -> str:

@@ -40,6 +40,7 @@ from .cli_options import (
 )
 from .cli_runs import add_bench, add_eval
 from .cli_serve import add_serve
+from .cli_train import add_finetune
 
 
 # ---- kvcache generate ----------------------------------------------------------------------
@@ -229,7 +230,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 # ---- the parser and the entry point --------------------------------------------------------
 
 #: One ``add_<name>`` per subcommand, in ``--help`` order.
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_demo, add_generate, add_bench, add_eval, add_models, add_serve]
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_demo, add_generate, add_bench, add_eval, add_models, add_serve, add_finetune]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -22,7 +22,7 @@ def add_bench(subparsers: argparse._SubParsersAction) -> None:
     real.add_argument(
         "--contenders", type=name_list, default=None, metavar="NAME,...",
         help="only these contenders, the reference always runs (real: DynamicCache, see kvcache.apps.bench.real_decode.CONTENDERS; "
-        "engine: sequential, see kvcache.apps.bench.engine.CONTENDERS)",
+        "engine: sequential, see kvcache.apps.bench.engine.CONTENDERS; serve: some of kvcache, kvcache+int8, transformers)",
     )  # fmt: skip
     attention = p.add_argument_group("suite attention")
     attention.add_argument(
@@ -33,11 +33,13 @@ def add_bench(subparsers: argparse._SubParsersAction) -> None:
     prompt.add_argument("--workloads", type=name_list, default=None, metavar="NAME,...", help="some of chat, shared, backends (default: all)")
     engine = p.add_argument_group("suite engine (the paged engine; also --contenders)")
     engine.add_argument("--arrivals", type=name_list, default=None, metavar="NAME,...", help="some of burst, poisson (default: both)")
+    serve = p.add_argument_group("suite serve (kvcache serve against transformers serve; also --contenders)")
+    serve.add_argument("--clients", type=int_list, default=None, metavar="N,...", help="concurrent client counts (default: 1,4,16,32; --quick 1,4)")
 
 #: Which suites take each suite-specific option.
 SUITE_OPTIONS = {
-    "model": ("real",), "contexts": ("real",), "batches": ("real",), "prefill_dir": ("real",), "contenders": ("real", "engine"),
-    "shapes": ("attention",), "workloads": ("prompt",), "arrivals": ("engine",),
+    "model": ("real",), "contexts": ("real",), "batches": ("real",), "prefill_dir": ("real",), "contenders": ("real", "engine", "serve"),
+    "shapes": ("attention",), "workloads": ("prompt",), "arrivals": ("engine",), "clients": ("serve",),
 }  # fmt: skip
 
 
@@ -90,6 +92,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     given = {
         "model": args.model, "contexts": args.contexts, "batches": args.batches, "prefill_dir": args.prefill_cache,
         "contenders": args.contenders, "shapes": args.shapes, "workloads": args.workloads, "arrivals": args.arrivals,
+        "clients": args.clients,
     }  # fmt: skip
     given = {k: v for k, v in given.items() if v is not None}
     misplaced = [k for k in given if args.suite not in SUITE_OPTIONS[k]]

@@ -290,7 +290,7 @@ def _reduce_into(acc: torch.Tensor, mode: str, probs: torch.Tensor, start: int, 
     if mode == "sum":
         acc += probs.sum(dim=(2, 3))
     elif mode == "max":
-        torch.maximum(acc, probs.sum(dim=2).amax(dim=2), out=acc)
+        torch.maximum(acc, probs.sum(dim=2).amax(dim=2).to(acc.dtype), out=acc)
     else:
         first = q_len - (1 if mode == "last" else min(q_len, int(mode[7:])))
         lo = max(first - start, 0)
@@ -441,13 +441,15 @@ def _block_probs(q5, reader: BlockReader, settings: Settings, start: int, stop: 
 
 
 def softmax(scores: torch.Tensor, sinks5: torch.Tensor | None) -> torch.Tensor:
-    """float32 softmax over the last dim of ``[B, Hkv, group, rows, T]`` scores; with sinks
-    ``[1, Hkv, group, 1, 1]`` (see ``attend``), one more logit per row joins the normalisation and
-    is dropped from the result (``[B|1, Hkv, group, rows|1, 1]``: one per row)."""
+    """Softmax over the last dim of ``[B, Hkv, group, rows, T]`` scores, in float32 (float64
+    scores stay float64); with sinks ``[1, Hkv, group, 1, 1]`` (see ``attend``), one more logit
+    per row joins the normalisation and is dropped from the result (``[B|1, Hkv, group, rows|1,
+    1]``: one per row)."""
+    dtype = torch.promote_types(scores.dtype, torch.float32)
     if sinks5 is None:
-        return torch.softmax(scores, dim=-1, dtype=torch.float32)
+        return torch.softmax(scores, dim=-1, dtype=dtype)
     sink = sinks5.expand(*scores.shape[:-1], 1)
-    return torch.softmax(torch.cat([scores.float(), sink], dim=-1), dim=-1)[..., :-1]
+    return torch.softmax(torch.cat([scores.to(dtype), sink.to(dtype)], dim=-1), dim=-1)[..., :-1]
 
 
 def group_sinks(sinks: torch.Tensor | None, kv_heads: int, group: int) -> torch.Tensor | None:

@@ -28,7 +28,7 @@ import torch
 from ..errors import UnsupportedOperation
 from ..fingerprint import AmbiguousGlobalPerLayerAttributeError
 from ..fingerprint import config_summary, fingerprint_of, text_config
-from ..hf import PAGED_STEP, use_kvcache_attention
+from ..hf import FORWARD_STEP, use_kvcache_attention
 from ..build import make_cache
 from ..prompts import PromptStore
 from ..scoring import compress
@@ -313,7 +313,7 @@ class Engine:
                 input_ids=torch.tensor([ids], device=device),
                 position_ids=torch.tensor([positions], device=device),
                 use_cache=False,
-                **{PAGED_STEP: step},
+                **{FORWARD_STEP: step},
                 **kwargs,
             )
         self._check_layers_run(step)
@@ -395,7 +395,7 @@ class Engine:
         with torch.inference_mode(), use_kvcache_attention(self.model):
             out = self.model(
                 input_ids=torch.tensor([ids], device=device), position_ids=torch.tensor([positions], device=device),
-                use_cache=False, **{PAGED_STEP: step}, **keep,
+                use_cache=False, **{FORWARD_STEP: step}, **keep,
             )
         self._check_layers_run(step)
         return out.logits[0, -1].float()

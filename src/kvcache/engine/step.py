@@ -5,7 +5,7 @@ own blocks.
 The model sees a batch of one sequence of ``T`` tokens (every row's tokens one after the other)
 with each token's own position id, so its linear layers run once over all rows. Its attention
 calls (the ``"kvcache"`` implementation, which hands them to ``PagedStep.attend`` when the forward
-carries a step under ``hf.PAGED_STEP``) take the packed query ``[1, Hq, T, D]`` and the new keys
+carries a step under ``hf.FORWARD_STEP``) take the packed query ``[1, Hq, T, D]`` and the new keys
 and values ``[1, Hkv, T, D]``. For each layer the step:
 
 1. writes every new key and value into its row's block and slot (one indexed copy);

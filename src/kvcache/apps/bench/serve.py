@@ -1,0 +1,364 @@
+"""Suite ``serve``: ``kvcache serve`` under concurrent streaming chat clients, against ``transformers
+serve --continuous-batching``, and a second replica warmed only through Redis; SmolLM2-135M-Instruct
+(fp32), each server a subprocess on a loopback port with ``threads`` (2) torch threads.
+
+1. Loads (issue 25): for each client count in ``clients`` (1, 4, 16, 32), each server is started,
+   warmed up, loaded and stopped in turn, the order rotated by one per client count. A load is
+   ``clients`` clients, each sending chat requests one after another for ``window_s`` seconds (every
+   request sent by then runs to its end): a shared system message of about ``shared`` tokens (1,024)
+   and a distinct user message of about ``user`` tokens (64), both the package's source text;
+   ``max_tokens`` ``new_tokens`` (64), temperature 0, streamed. The clients run in this process
+   (``serve_workload``: httpx, one event loop) and time every server-sent event. Before each load
+   ``min(2, clients)`` warm-up requests with another system message run together, unmeasured.
+2. Contenders (``CONTENDERS``, ``--contenders``): ``kvcache`` (``kvcache serve``, its pool sized for
+   ``max_seqs`` (32) sessions of the largest prompt plus ``new_tokens``, nothing shared),
+   ``kvcache+int8`` (the same bytes in int8 blocks) and ``transformers`` (``transformers serve
+   --continuous-batching`` on the same folder, ``--cb-num-blocks`` for the same 32 sessions of its
+   256-token pages); a server whose extra is not installed is a row saying how to install it.
+3. Replicas: a ``redis-server`` (``prompt_request.redis_server``); per repeat a fresh Redis database,
+   replica A (``--prompt-store redis://...``) answers request 0 and stops; then, in rotated order,
+   a fresh replica B on the same database and a cold replica C without a store each answer
+   request 1 (the same system message, another user message) after one warm-up request of another
+   system message. Reported: TTFT (median of the repeats) and ``usage``'s cached prompt tokens.
+
+The targets, judged at 16 clients on the full sizes only: ``kvcache`` at least 1.5x ``transformers``'
+output tokens/s and at most half its TTFT p99 (``serve_report``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import math
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from ..run_options import RunOptions
+from .engine import chosen
+from .harness import report
+from .prompt_request import redis_server
+from .serve_report import OURS, PEER, plot, replica_rows, rows, summarize, table
+from .serve_workload import ChatTexts, Load, ServerError, chat_body, chat_texts, run_load, send_together, server_env, serving
+
+CONTENDERS = (OURS, "kvcache+int8", PEER)
+#: The ``--cache`` of each kvcache contender.
+SPECS = {OURS: "growable", "kvcache+int8": "quantized:bits=8"}
+#: A ChatML template for the shipped tiny model (its tokenizer has none), for ``tiny`` runs.
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+__all__ = ["CONTENDERS", "plot", "run", "sizes", "table"]
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Tokens, counts and seconds of one run (``sizes``)."""
+
+    clients: tuple[int, ...]
+    shared: int  # tokens of the system message
+    user: int  # tokens of each user message
+    new_tokens: int  # max_tokens
+    window_s: float  # seconds each load sends requests
+    replica_repeats: int
+    max_seqs: int  # sessions each pool is sized for; kvcache's --max-seqs
+    block_size: int  # kvcache's --block-size
+    page_size: int  # transformers' --cb-block-size (its page size)
+    max_batch_tokens: int  # both servers' tokens per forward pass
+    store_chunk: int  # kvcache's --store-chunk (replicas)
+    threads: int  # each server's OMP_NUM_THREADS
+    users: int  # distinct user messages
+
+
+#: The issue's workload: about 4 x 3 loads of 45 s plus their tails, starts and the replicas
+#: (about 25 minutes on 2 cores).
+FULL = Sizes(clients=(1, 4, 16, 32), shared=1024, user=64, new_tokens=64, window_s=45.0, replica_repeats=3, max_seqs=32,
+             block_size=32, page_size=256, max_batch_tokens=512, store_chunk=256, threads=2, users=1024)  # fmt: skip
+
+
+def sizes(options: RunOptions) -> Sizes:
+    """``full``: the issue's workload; ``quick``: clients 1 and 4, a 256-token system message, 16
+    new tokens, 10-second loads, one replica repeat (about 4 minutes); ``tiny``: 2 clients, 1-second
+    loads, the shipped tiny model (under a minute: each server start takes seconds)."""
+    return options.pick(
+        tiny=replace(FULL, clients=(2,), shared=64, user=16, new_tokens=6, window_s=1.0, replica_repeats=1, block_size=32,
+                     page_size=16, max_batch_tokens=64, store_chunk=32, threads=1, users=32),
+        quick=replace(FULL, clients=(1, 4), shared=256, new_tokens=16, window_s=10.0, replica_repeats=1, users=256),
+        full=FULL,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What every server and request of a run shares: the model ``folder`` (also the model's name in
+    requests: both servers accept it), the messages, the sizes, the model's fp32 K/V bytes per token,
+    the folder for server logs."""
+
+    folder: Path
+    texts: ChatTexts
+    s: Sizes
+    kv_bytes_per_token: int
+    logs: Path
+
+    @property
+    def model(self) -> str:
+        return str(self.folder)
+
+    @property
+    def session_tokens(self) -> int:
+        """One session at most: the largest prompt and every new token."""
+        return self.texts.prompt + self.s.new_tokens
+
+    @property
+    def max_bytes(self) -> int:
+        """kvcache's ``--max-bytes``: ``max_seqs`` sessions of whole blocks of fp32 K/V."""
+        s = self.s
+        return s.max_seqs * math.ceil(self.session_tokens / s.block_size) * s.block_size * self.kv_bytes_per_token
+
+    @property
+    def hf_blocks(self) -> int:
+        """transformers' ``--cb-num-blocks``: ``max_seqs`` sessions of whole pages."""
+        return self.s.max_seqs * math.ceil(self.session_tokens / self.s.page_size)
+
+    def body(self, i: int, system: str | None = None) -> dict[str, Any]:
+        """Request ``i``'s body (``system``: another system message)."""
+        return chat_body(self.model, self.texts.messages(i, system), self.s.new_tokens)
+
+
+def kv_bytes_per_token(folder: Path) -> int:
+    """Bytes of one token's fp32 keys and values over every layer, from the folder's config.json."""
+    c = json.loads((folder / "config.json").read_text())
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * 4
+
+
+def tiny_chat_folder(parent: Path) -> Path:
+    """A copy of the shipped tiny model whose tokenizer has a ChatML template."""
+    from ..trained import MODEL_DIR
+
+    target = parent / "tiny-chat"
+    shutil.copytree(MODEL_DIR, target)
+    config_path = target / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps(config | {"chat_template": CHATML}))
+    return target
+
+
+def model_folder(options: RunOptions, scratch: Path) -> tuple[Path, str]:
+    """(folder, name in words): SmolLM2-135M-Instruct as converted here, or the tiny chat copy."""
+    if options.tiny:
+        return tiny_chat_folder(scratch), "the shipped tiny model (a ChatML template added)"
+    from ... import models
+
+    return models.model_path("smollm2", progress=options.progress), "smollm2 (SmolLM2-135M-Instruct, fp32)"
+
+
+# ---- the servers --------------------------------------------------------------------------------
+
+
+def kvcache_command(setup: Setup, spec: str, store: str | None = None) -> Callable[[int], list[str]]:
+    """``kvcache serve`` on a port: ``spec`` blocks, the pool of ``Setup.max_bytes``, ``store`` a
+    prompt store URL or None."""
+    s = setup.s
+    args = [sys.executable, "-m", "kvcache", "serve", "--model", setup.model, "--host", "127.0.0.1", "--cache", spec,
+            "--max-seqs", str(s.max_seqs), "--max-bytes", str(setup.max_bytes), "--block-size", str(s.block_size),
+            "--max-batch-tokens", str(s.max_batch_tokens), "--log-level", "warning"]  # fmt: skip
+    if store is not None:
+        args += ["--prompt-store", store, "--store-chunk", str(s.store_chunk)]
+    return lambda port: [*args, "--port", str(port)]
+
+
+def transformers_command(setup: Setup) -> Callable[[int], list[str]]:
+    """``transformers serve --continuous-batching`` on a port, the model forced to the folder."""
+    s = setup.s
+    args = [sys.executable, "-m", "transformers.cli.transformers", "serve", setup.model, "--continuous-batching",
+            "--device", "cpu", "--dtype", "float32", "--cb-block-size", str(s.page_size), "--cb-num-blocks",
+            str(setup.hf_blocks), "--cb-max-batch-tokens", str(s.max_batch_tokens), "--host", "127.0.0.1",
+            "--log-level", "warning"]  # fmt: skip
+    return lambda port: [*args, "--port", str(port)]
+
+
+def command(setup: Setup, name: str) -> Callable[[int], list[str]]:
+    return transformers_command(setup) if name == PEER else kvcache_command(setup, SPECS[name])
+
+
+def unavailable(name: str) -> str:
+    """Why contender ``name`` cannot run here (its server's packages are missing), or ``""``."""
+    if name == PEER:
+        missing = [m for m in ("fastapi", "uvicorn", "pydantic", "openai") if importlib.util.find_spec(m) is None]
+        return f"not available: pip install 'transformers[serving]' (missing: {', '.join(missing)})" if missing else ""
+    missing = [m for m in ("starlette", "uvicorn") if importlib.util.find_spec(m) is None]
+    return f"not available: pip install 'kvcache[serve]' (missing: {', '.join(missing)})" if missing else ""
+
+
+def configured(setup: Setup) -> dict[str, str]:
+    """How each server runs, in words, with this run's numbers."""
+    s, t = setup.s, setup.texts
+    blocks = math.ceil(setup.session_tokens / s.block_size)
+    pages = math.ceil(setup.session_tokens / s.page_size)
+    session = f"{t.prompt} + {s.new_tokens} tokens"
+    common = (f"`kvcache serve --model <folder> --max-seqs {s.max_seqs} --max-bytes {setup.max_bytes} --block-size "
+              f"{s.block_size} --max-batch-tokens {s.max_batch_tokens}")  # fmt: skip
+    pool = (f"({setup.max_bytes / 2**20:.1f} MiB = {s.max_seqs} sessions x {blocks} blocks of {s.block_size} tokens x "
+            f"{setup.kv_bytes_per_token} B of fp32 K/V per token: {s.max_seqs} sessions of {session}, nothing shared)")  # fmt: skip
+    return {
+        OURS: f"{common} --cache growable` {pool}; prefix sharing on (the engine's default), its C++ decode",
+        "kvcache+int8": f"{common} --cache quantized:bits=8`: the same bytes in int8 blocks (keys per channel, "
+        "values per token; more sessions fit), prefix sharing on",
+        PEER: f"`transformers serve <folder> --continuous-batching --device cpu --dtype float32 --cb-block-size "
+        f"{s.page_size} --cb-num-blocks {setup.hf_blocks} --cb-max-batch-tokens {s.max_batch_tokens}` ({setup.hf_blocks} = "
+        f"{s.max_seqs} sessions x {pages} pages of {s.page_size} tokens: {s.max_seqs} sessions of {session}, nothing "
+        "shared; --cb-block-size sets its page size, 256 its default), block sharing on (its default), sdpa attention "
+        "(no flash attention on a CPU); the model preloaded (the folder given as the model, which requests name)",
+    }
+
+
+def measure_load(setup: Setup, name: str, clients: int) -> Load:
+    """Start server ``name``, warm it up, run one load of ``clients`` clients, stop it. A server that
+    cannot run here, fails to start or fails its warm-up is a ``Load`` with that reason."""
+    reason = unavailable(name)
+    if reason:
+        return Load(clients, reason=reason)
+    log = setup.logs / f"{name}-{clients}.log"
+    from ..serve.server import API_KEY_ENV
+
+    try:
+        with serving(command(setup, name), server_env(setup.s.threads, [API_KEY_ENV]), log) as url:
+            endpoint = url + "/v1/chat/completions"
+            warm = send_together(endpoint, [setup.body(-1 - k, setup.texts.other_system) for k in range(min(2, clients))])
+            failed = next((w.error for w in warm if w.error), "")
+            if failed:
+                return Load(clients, warm_up=warm, reason=f"warm-up failed: {failed}")
+            load = run_load(endpoint, setup.body, clients, setup.s.window_s)
+            load.warm_up = warm
+            return load
+    except ServerError as e:
+        return Load(clients, reason=f"failed: {e}")
+
+
+# ---- replicas on one Redis -------------------------------------------------------------------------
+
+
+REPLICAS = ("A", "B", "C")
+
+
+def _ask(setup: Setup, store: str | None, request: int, log: Path) -> Any:
+    """A fresh kvcache replica (``store``: its prompt store, or none): one warm-up request of the
+    other system message, then request ``request`` alone; returns that request's ``Sample``."""
+    from ..serve.server import API_KEY_ENV
+
+    with serving(kvcache_command(setup, SPECS[OURS], store), server_env(setup.s.threads, [API_KEY_ENV]), log) as url:
+        endpoint = url + "/v1/chat/completions"
+        warm = send_together(endpoint, [setup.body(-1, setup.texts.other_system)])[0]
+        if warm.error:
+            raise ServerError(f"warm-up failed: {warm.error}")
+        return send_together(endpoint, [setup.body(request)])[0]
+
+
+def measure_replicas(setup: Setup, bar: Any = None) -> dict[str, Any]:
+    """Per repeat ``r``: Redis database ``r``; replica A stores request 0's prompt, then B (on that
+    database) and C (no store) answer request 1, their order rotated by ``r``. Returns
+    ``{"reason", "samples": {replica: [Sample summary per repeat]}}``."""
+    samples: dict[str, list[dict[str, Any]]] = {name: [] for name in REPLICAS}
+    reason = unavailable(OURS)
+    if reason:
+        return {"reason": reason, "samples": samples}
+    with redis_server() as (url, why):
+        if url is None:
+            return {"reason": f"not available: {why}", "samples": samples}
+        try:
+            for r in range(setup.s.replica_repeats):
+                store = url.rsplit("/", 1)[0] + f"/{r}"
+                plan = {"A": (store, 0), "B": (store, 1), "C": (None, 1)}
+                for name in ("A", *(("B", "C") if r % 2 == 0 else ("C", "B"))):
+                    if bar is not None:
+                        bar.set_postfix_str(f"replica {name}, repeat {r + 1}")
+                    sample = _ask(setup, *plan[name], setup.logs / f"replica-{name}-{r}.log")
+                    samples[name].append(sample.summary())
+                    if bar is not None:
+                        bar.update()
+        except ServerError as e:
+            return {"reason": f"failed: {e}", "samples": samples}
+    return {"reason": "", "samples": samples}
+
+
+# ---- the run -------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _scratch() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="kvcache-bench-serve-") as folder:
+        yield Path(folder)
+
+
+def run(options: RunOptions = RunOptions(), *, contenders: Sequence[str] | None = None,
+        clients: Sequence[int] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Run the suite (``contenders``: some of ``CONTENDERS``, default all; ``clients``: client counts,
+    default ``sizes(options).clients``); write ``serve.json``/``.md``/``.png`` into ``options.out``."""
+    from tqdm.auto import tqdm
+    from transformers import AutoTokenizer
+
+    names = chosen(contenders, CONTENDERS, "contender")
+    s = sizes(options)
+    if clients is not None:
+        s = replace(s, clients=tuple(dict.fromkeys(clients)))
+    if not s.clients or min(s.clients) < 1:
+        from ...errors import KVCacheError
+
+        raise KVCacheError(f"client counts must be positive integers, got {list(s.clients)}")
+    with _scratch() as scratch:
+        folder, model_name = model_folder(options, scratch)
+        texts = chat_texts(AutoTokenizer.from_pretrained(folder), s.shared, s.user, s.users)
+        logs = scratch / "logs"
+        logs.mkdir()
+        setup = Setup(folder, texts, s, kv_bytes_per_token(folder), logs)
+        total = len(s.clients) * len(names) + s.replica_repeats * len(REPLICAS)
+        with tqdm(total=total, desc="bench serve", disable=not options.progress) as bar:
+            loads = _loads(setup, names, bar)
+            replicas = measure_replicas(setup, bar)
+    return _report(options, setup, names, model_name, loads, replicas)
+
+
+def _loads(setup: Setup, names: Sequence[str], bar: Any) -> dict[tuple[str, int], Load]:
+    """Every (server, client count): per client count ``r``-th in ``clients``, the servers in their
+    order rotated by ``r``."""
+    out: dict[tuple[str, int], Load] = {}
+    for r, clients in enumerate(setup.s.clients):
+        shift = r % len(names)
+        for name in [*names[shift:], *names[:shift]]:
+            bar.set_postfix_str(f"{name}, {clients} clients")
+            out[(name, clients)] = measure_load(setup, name, clients)
+            bar.update()
+    return {(n, c): out[(n, c)] for c in setup.s.clients for n in names}
+
+
+def _report(options: RunOptions, setup: Setup, names: Sequence[str], model_name: str, loads: dict[tuple[str, int], Load],
+            replicas: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+    import torch
+
+    s, t = setup.s, setup.texts
+    table_rows = rows(loads)
+    judged = (s.shared, s.user, s.new_tokens) == (FULL.shared, FULL.user, FULL.new_tokens) and 16 in s.clients
+    config = asdict(s) | {
+        "model": model_name,
+        "model_folder": setup.model,
+        "text": "the kvcache package's source text",
+        "system_turn_tokens": t.system_turn,
+        "user_turn_tokens": t.user_turn,
+        "prompt_tokens_max": t.prompt,
+        "kv_bytes_per_token": setup.kv_bytes_per_token,
+        "contenders": list(names),
+        "configured": {k: v for k, v in configured(setup).items() if k in names},
+        "client_threads": f"this process, one event loop (bench threads: {torch.get_num_threads()})",
+        "judged": judged,
+        "quick": options.quick,
+        "tiny": options.tiny,
+    }
+    replica = replica_rows(replicas, t, s.store_chunk)
+    return report("serve", options, config, table_rows, table, plot, summary=summarize(table_rows, judged), replicas=replica)

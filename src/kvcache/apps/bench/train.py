@@ -1,0 +1,218 @@
+"""Suite ``train``: training through a cache (``kvcache.train.chunked_loss``) against plain training,
+time per token and memory against the sequence's length.
+
+Model: SmolLM2-135M-Instruct in fp32 with a LoRA adapter of rank 8 on q/k/v/o (peft; the base
+weights frozen, as ``kvcache finetune`` trains), 2 threads. Text: the standard library's source
+files (``finetune.documents``). Contenders (``CONTENDERS``), each one step's loss and backward:
+
+- ``plain``: ``model(ids, labels=ids).loss.backward()`` on the model's own attention (SDPA): the
+  time to beat, at the lengths where it fits (``plain_lengths``);
+- ``replay h2o 25%``: ``chunked_loss(..., "h2o:budget=0.25", chunk=256, grad="replay")``;
+- ``detach h2o 25%``: the same with ``grad="detach"``;
+- ``replay full``: ``chunked_loss(..., "growable", chunk=256)``: plain training's loss and gradients,
+  chunk by chunk.
+
+Per (length, contender): the median seconds of ``repeats`` timed steps (contenders alternating,
+their order rotated per repeat) after one warm-up step, tokens per second, the ratio to plain's
+time at that length; from the warm-up step, the peak bytes autograd held for backward (counted by
+saved-tensor hooks, as the tests count them), the archive's and the cache states' bytes, and the
+process's peak resident memory over its baseline (``rss.PeakRSS``). The goals: chunked replay at
+most 1.5x plain's time per token, and its bytes held for backward flat in the length.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..run_options import RunOptions
+from .common import figure, finish_axes, human_bytes, markdown_table, median
+from .harness import report
+from .rss import PeakRSS, current_rss
+
+#: name -> (spec, grad) for chunked_loss; None: plain training.
+CONTENDERS: dict[str, tuple[str, str] | None] = {
+    "plain": None,
+    "replay h2o 25%": ("h2o:budget=0.25", "replay"),
+    "detach h2o 25%": ("h2o:budget=0.25", "detach"),
+    "replay full": ("growable", "replay"),
+}
+REFERENCE = "plain"
+#: Time per token of chunked replay over plain's, at most.
+GOAL_RATIO = 1.5
+
+
+@dataclass(frozen=True)
+class Sizes:
+    model: str
+    lengths: tuple[int, ...]
+    plain_lengths: tuple[int, ...]  # where plain training runs (fits in memory)
+    chunk: int
+    repeats: int
+
+
+FULL = Sizes("smollm2", (1024, 2048, 4096, 8192), (1024, 2048, 4096), 256, 3)
+
+
+def sizes(options: RunOptions) -> Sizes:
+    """``full``: SmolLM2 at 1K-8K, plain up to 4K; ``quick``: 512 and 1K, 2 repeats; ``tiny``: the
+    shipped model at 128 and 256 tokens, chunks of 32."""
+    return options.pick(
+        tiny=Sizes("tiny", (128, 256), (128, 256), 32, 1),
+        quick=replace(FULL, lengths=(512, 1024), plain_lengths=(512, 1024), repeats=2),
+        full=FULL,
+    )
+
+
+class SavedBytes:
+    """Bytes autograd holds for backward (saved-tensor hooks): now and the peak."""
+
+    def __init__(self) -> None:
+        self.now = self.peak = 0
+
+    def __enter__(self) -> SavedBytes:
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda held: held.tensor)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._hooks.__exit__(*exc)
+
+    def _pack(self, tensor: torch.Tensor) -> _Held:
+        return _Held(tensor, self)
+
+
+class _Held:
+    def __init__(self, tensor: torch.Tensor, counter: SavedBytes) -> None:
+        self.tensor, self.counter = tensor, counter
+        self.nbytes = tensor.numel() * tensor.element_size()
+        counter.now += self.nbytes
+        counter.peak = max(counter.peak, counter.now)
+
+    def __del__(self) -> None:
+        self.counter.now -= self.nbytes
+
+
+def step_of(model: Any, name: str, ids: torch.Tensor, chunk: int) -> Callable[[], dict[str, int]]:
+    """One training step of contender ``name`` on ``ids``: loss and backward, gradients cleared
+    after; returns the archive's and states' bytes (0 for plain)."""
+    from ...train import chunked_loss
+
+    how = CONTENDERS[name]
+
+    def run() -> dict[str, int]:
+        if how is None:
+            model(input_ids=ids, labels=ids).loss.backward()
+            out = {"archive_bytes": 0, "state_bytes": 0}
+        else:
+            result = chunked_loss(model, ids, how[0], chunk=chunk, grad=how[1])
+            out = {"archive_bytes": result.archive_bytes, "state_bytes": result.state_bytes}
+        model.zero_grad(set_to_none=True)
+        return out
+
+    return run
+
+
+def measure(step: Callable[[], dict[str, int]], peak: PeakRSS) -> dict[str, Any]:
+    """The warm-up step: saved bytes, archive and states, peak RSS over the baseline."""
+    gc.collect()
+    base = current_rss()
+    peak.start()
+    with SavedBytes() as saved:
+        held = step()
+    return {**held, "saved_peak_bytes": saved.peak, "rss_peak_over_base": max(0, peak.window_peak() - base)}
+
+
+def run(options: RunOptions = RunOptions()) -> dict[str, Any]:
+    from tqdm.auto import tqdm
+
+    from ..cli_load import load_model
+    from ..finetune import adapt, documents
+
+    s = sizes(options)
+    model, tokenizer = load_model(s.model, dtype="float32")
+    model = adapt(model, 8).train()
+    doc = documents(tokenizer, max(s.lengths), "train", 1, 0)[0]
+    peak = PeakRSS()
+    rows: list[dict[str, Any]] = []
+    names = list(CONTENDERS)
+    total = sum(len(names) if n in s.plain_lengths else len(names) - 1 for n in s.lengths) * (1 + s.repeats)
+    with tqdm(total=total, desc="bench train", disable=not options.progress) as bar:
+        for length in s.lengths:
+            ids = doc[:, :length]
+            here = [n for n in names if n != REFERENCE or length in s.plain_lengths]
+            steps = {n: step_of(model, n, ids, s.chunk) for n in here}
+            found = {}
+            for n in here:
+                found[n] = measure(steps[n], peak)
+                bar.update()
+            times: dict[str, list[float]] = {n: [] for n in here}
+            for r in range(s.repeats):
+                for n in here[r % len(here) :] + here[: r % len(here)]:
+                    start = time.perf_counter()
+                    steps[n]()
+                    times[n].append(time.perf_counter() - start)
+                    bar.update()
+            for n in here:
+                rows.append({"length": length, "contender": n, "seconds": median(times[n]), "samples_s": times[n],
+                             "tokens_per_s": length / median(times[n]), **found[n]})  # fmt: skip
+    for row in rows:
+        ref = next((r for r in rows if r["length"] == row["length"] and r["contender"] == REFERENCE), None)
+        row["time_over_plain"] = row["seconds"] / ref["seconds"] if ref else None
+    config = {"model": s.model, "lengths": list(s.lengths), "plain_lengths": list(s.plain_lengths), "chunk": s.chunk,
+              "repeats": s.repeats, "adapter": "LoRA rank 8 (alpha 16) on q/k/v/o, base weights frozen",
+              "contenders": {n: ("model(ids, labels=ids).loss.backward()" if h is None else f"chunked_loss(spec={h[0]!r}, grad={h[1]!r})")
+                             for n, h in CONTENDERS.items()}, "threads": torch.get_num_threads(), "rss": peak.method}  # fmt: skip
+    return report("train", options, config, rows, table, plot, summary=summarize(rows, s))
+
+
+def summarize(rows: list[dict[str, Any]], s: Sizes) -> dict[str, Any]:
+    """The worst time ratio of replay h2o at the plain lengths, and its saved bytes' spread."""
+    replay = [r for r in rows if r["contender"] == "replay h2o 25%"]
+    ratios = [r["time_over_plain"] for r in replay if r["time_over_plain"] is not None]
+    saved = [r["saved_peak_bytes"] for r in replay]
+    worst = max(ratios) if ratios else None
+    return {"replay_time_over_plain_worst": worst, "time_goal_met": None if worst is None else worst <= GOAL_RATIO,
+            "replay_saved_bytes_max_over_min": max(saved) / min(saved) if saved else None}  # fmt: skip
+
+
+def table(result: dict[str, Any]) -> str:
+    c, summary = result["config"], result["summary"]
+    body = [[r["length"], r["contender"], f"{r['seconds']:.2f}", f"{r['tokens_per_s']:.0f}",
+             "—" if r["time_over_plain"] is None else f"{r['time_over_plain']:.2f}x", human_bytes(r["saved_peak_bytes"]),
+             human_bytes(r["archive_bytes"]), human_bytes(r["state_bytes"]), human_bytes(r["rss_peak_over_base"])]
+            for r in result["rows"]]  # fmt: skip
+    worst = summary["replay_time_over_plain_worst"]
+    spread = summary["replay_saved_bytes_max_over_min"]
+    return "\n".join([
+        "# bench train\n",
+        f"Model {c['model']} (fp32, {c['adapter']}), {c['threads']} threads; one step = loss and backward over one document of "
+        f"the standard library's source; chunks of {c['chunk']}; median of {c['repeats']} timed steps after a warm-up step "
+        "(contenders alternating). Memory from the warm-up step: the peak bytes autograd held for backward (saved-tensor "
+        f"hooks), the archive and cache states chunked training kept besides, and the process's peak RSS over its baseline ({c['rss']}).\n",
+        f"- replay h2o 25%: time per token at most {GOAL_RATIO}x plain's: worst {'—' if worst is None else f'{worst:.2f}x'} "
+        f"({'met' if summary['time_goal_met'] else 'not met' if summary['time_goal_met'] is not None else 'not judged'})",
+        f"- replay h2o 25%: bytes held for backward, largest over smallest across lengths: {'—' if spread is None else f'{spread:.2f}x'}\n",
+        markdown_table(["tokens", "contender", "s / step", "tokens/s", "x plain", "held for backward", "archive", "states",
+                        "peak RSS over base"], body),  # fmt: skip
+        "",
+        *[f"- `{n}`: {how}" for n, how in c["contenders"].items()],
+        "",
+    ])
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    with figure(path, panels=2) as (speed, memory):
+        for name in dict.fromkeys(r["contender"] for r in result["rows"]):
+            mine = [r for r in result["rows"] if r["contender"] == name]
+            xs = [r["length"] for r in mine]
+            speed.plot(xs, [r["tokens_per_s"] for r in mine], marker="o", label=name)
+            memory.plot(xs, [r["saved_peak_bytes"] / 2**20 for r in mine], marker="o", label=name)
+        finish_axes(speed, "tokens", "training tokens/s", "time")
+        finish_axes(memory, "tokens", "MiB held for backward", "memory (saved tensors)", log_y=True)
