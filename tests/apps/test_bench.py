@@ -101,6 +101,9 @@ FIELDS = {
     "serve": {"contender": text, "clients": positive_int, "errors": nonneg_int, "requests_done": nonneg_int},  # more: test_bench_serve.py
     "train": {"length": positive_int, "contender": text, "seconds": positive_number, "tokens_per_s": positive_number,
               "saved_peak_bytes": positive_int, "archive_bytes": nonneg_int, "state_bytes": nonneg_int},
+    "finetune": {"contender": text, "seed": nonneg_int, "trained_through": text, "before_under_cache": positive_number,
+                 "after_under_cache": positive_number, "before_full": positive_number, "after_full": positive_number,
+                 "tokens_per_s": positive_number},
     "capacity": {"contender": text, "sessions_held": positive_int, "session_bytes": positive_int, "questions": positive_int},
     "real": {"batch": positive_int, "context": positive_int, "contender": text, "compiled": boolean},  # more: test_bench_real.py
     "resume": {

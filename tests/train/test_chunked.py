@@ -266,10 +266,13 @@ def test_a_lora_adapter_gets_the_gradients_plain_training_gives_it():
 
 
 class SavedBytes:
-    """Bytes autograd holds for backward, counted by saved-tensor hooks: now and at the peak."""
+    """Bytes autograd holds for backward, counted by saved-tensor hooks, now and at the peak: each
+    storage once however many operations saved it; the parameters not at all (held anyway)."""
 
-    def __init__(self):
+    def __init__(self, model):
         self.now = self.peak = 0
+        self.skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.users = {}
 
     def __enter__(self):
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
@@ -290,12 +293,20 @@ class SavedBytes:
 class _Held:
     def __init__(self, tensor, counter):
         self.tensor, self.counter = tensor, counter
-        self.nbytes = tensor.numel() * tensor.element_size()
-        counter.now += self.nbytes
-        counter.peak = max(counter.peak, counter.now)
+        storage = tensor.untyped_storage()
+        self.key = storage.data_ptr()
+        self.nbytes = 0 if self.key in counter.skip else storage.nbytes()
+        counter.users[self.key] = counter.users.get(self.key, 0) + 1
+        if counter.users[self.key] == 1:
+            counter.now += self.nbytes
+            counter.peak = max(counter.peak, counter.now)
 
     def __del__(self):
-        self.counter.now -= self.nbytes
+        users = self.counter.users
+        users[self.key] -= 1
+        if users[self.key] == 0:
+            del users[self.key]
+            self.counter.now -= self.nbytes
 
 
 def test_bytes_held_for_backward_do_not_grow_with_the_sequence():
@@ -307,10 +318,10 @@ def test_bytes_held_for_backward_do_not_grow_with_the_sequence():
     held, plain_held, archives = {}, {}, {}
     for length in (128, 512):
         ids = ids_of(1, length)
-        with SavedBytes() as counter:
+        with SavedBytes(model) as counter:
             result = chunked_loss(model, ids, "h2o:budget=32", chunk=32)
         held[length], archives[length] = counter.peak, result.archive_bytes
-        with SavedBytes() as counter:
+        with SavedBytes(model) as counter:
             model(input_ids=ids, labels=ids).loss.backward()
         plain_held[length] = counter.peak
         model.zero_grad(set_to_none=True)
@@ -339,6 +350,21 @@ def test_bad_arguments_are_refused_before_any_gradient(kwargs, match):
     with pytest.raises(ValueError, match=match):
         chunked_loss(model, ids_of(1, 12), **kwargs)
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_model_with_nothing_to_train_is_told_to_use_cache_loss():
+    model = model_of("llama").requires_grad_(False)
+    with pytest.raises(ValueError, match="no parameter of the model requires a gradient; for the loss alone use kvcache.train.cache_loss"):
+        chunked_loss(model, ids_of(1, 12))
+
+
+def test_cache_loss_is_the_loss_chunked_loss_reports():
+    from kvcache.train import cache_loss
+
+    model = model_of("llama")
+    ids = ids_of(1, 40, seed=8)
+    result = chunked_loss(model, ids, "tova:budget=10", chunk=12)
+    assert cache_loss(model, ids, "tova:budget=10", chunk=12) == pytest.approx(result.loss, rel=1e-12)
 
 
 def test_bad_input_ids_are_refused():

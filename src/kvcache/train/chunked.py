@@ -79,7 +79,9 @@ def chunked_loss(
     decisions cannot be replayed, before any parameter's ``.grad`` changes.
     """
     mode = check_arguments(model, input_ids, chunk, labels, grad)
-    batch, length = input_ids.shape
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError("no parameter of the model requires a gradient; for the loss alone use kvcache.train.cache_loss")
+    length = input_ids.shape[1]
     targets = shifted(input_ids if labels is None else labels)
     count = int((targets != IGNORE).sum())
     if count == 0:
@@ -91,48 +93,69 @@ def chunked_loss(
     per_group = len(bounds) if mode == "replay" else 1 if mode == "detach" else int(grad)
     groups = [bounds[i : i + per_group] for i in range(0, len(bounds), per_group)]
     archive = Archive(length) if per_group > 1 else None
-    total, done, state_bytes = 0.0, 0, 0
+    totals = _Totals()
     from tqdm.auto import tqdm
 
     with tqdm(total=2 * len(bounds), unit="chunk", desc="chunked loss", disable=not progress) as bar:
         for group in groups:
-            entering = read_states(cache.kv_layers)
-            kept: list[list[torch.Tensor | None]] = []
-            for start, stop in group:
-                prefill(model, input_ids[:, start:stop], cache, chunk=stop - start)
-                states = read_states(cache.kv_layers)
-                kept.append([None if s is None else s.positions for s in states])
-                if archive is not None:
-                    for i, s in enumerate(states):
-                        archive.write(i, s)
-                bar.update()
-            adjoint: list[State | None] | None = None
-            for j in reversed(range(len(group))):
-                start, stop = group[j]
-                before = entering if j == 0 else [archive.read(i, p) for i, p in enumerate(kept[j - 1])]
-                leaves = [None if s is None else (s.detached() if j == 0 else s.leaf()) for s in before]
-                wanted = kept[j] if adjoint is not None else [None] * len(leaves)
-                step = ChunkStep(start, stop - start, leaves, wanted, rules)
-                loss = _chunk_loss(model, input_ids[:, start:stop], targets[:, start:stop], step, start, count)
-                roots, grads = [loss], [torch.ones_like(loss)]
-                if adjoint is not None:
-                    for after, adj in zip(step.after, adjoint):
-                        if after is None or adj is None:
-                            continue
-                        for tensor, gradient in ((after.keys, adj.keys), (after.values, adj.values)):
-                            if tensor.requires_grad:  # not when nothing before it needs a gradient (frozen k_proj)
-                                roots.append(tensor)
-                                grads.append(gradient)
-                torch.autograd.backward(roots, grads)
-                total += float(loss.detach())
-                held = sum(s.nbytes for s in leaves if s is not None) + sum(a.nbytes for a in adjoint or [] if a is not None)
-                state_bytes = max(state_bytes, held)
-                adjoint = None if j == 0 else [_gradient(s) for s in leaves]
-                done += 1
-                bar.update()
-                if after_chunk is not None:
-                    after_chunk(done)
-    return ChunkedLoss(total, count, len(bounds), len(groups), 0 if archive is None else archive.nbytes, state_bytes)
+            entering, kept = _decide(model, input_ids, cache, group, archive, bar)
+            _replay(model, input_ids, targets, count, group, entering, kept, archive, rules, totals, bar, after_chunk)
+    archive_bytes = 0 if archive is None else archive.nbytes
+    return ChunkedLoss(totals.loss, count, len(bounds), len(groups), archive_bytes, totals.state_bytes)
+
+
+class _Totals:
+    """What the backward sweeps add up: the loss, chunks done, the largest pair of states held."""
+
+    def __init__(self) -> None:
+        self.loss, self.done, self.state_bytes = 0.0, 0, 0
+
+
+def _decide(model, ids, cache, group, archive, bar) -> tuple[list[State | None], list[list[torch.Tensor | None]]]:
+    """Feed the group's chunks to the inference cache as ``kvcache.prefill`` does; return the state
+    before the group and each layer's kept positions after each chunk (written to ``archive``)."""
+    entering = read_states(cache.kv_layers)
+    kept = []
+    for start, stop in group:
+        prefill(model, ids[:, start:stop], cache, chunk=stop - start)
+        states = read_states(cache.kv_layers)
+        kept.append([None if s is None else s.positions for s in states])
+        if archive is not None:
+            for i, s in enumerate(states):
+                archive.write(i, s)
+        bar.update()
+    return entering, kept
+
+
+def _replay(model, ids, targets, count, group, entering, kept, archive, rules, totals, bar, after_chunk) -> None:
+    """The group's chunks with autograd, last first: each attends its recorded state as leaves and
+    back-propagates its loss with the adjoint of the state it kept; the leaves' gradients are the
+    adjoint for the chunk before. The state entering the group is a constant."""
+    adjoint: list[State | None] | None = None
+    for j in reversed(range(len(group))):
+        start, stop = group[j]
+        before = entering if j == 0 else [archive.read(i, p) for i, p in enumerate(kept[j - 1])]
+        leaves = [None if s is None else (s.detached() if j == 0 else s.leaf()) for s in before]
+        wanted = kept[j] if adjoint is not None else [None] * len(leaves)
+        step = ChunkStep(start, stop - start, leaves, wanted, rules)
+        loss = _chunk_loss(model, ids[:, start:stop], targets[:, start:stop], step, start, count)
+        roots, grads = [loss], [torch.ones_like(loss)]
+        for after, adj in zip(step.after, adjoint or []):
+            if after is None or adj is None:
+                continue
+            for tensor, gradient in ((after.keys, adj.keys), (after.values, adj.values)):
+                if tensor.requires_grad:  # not when nothing before it needs a gradient (a frozen k_proj)
+                    roots.append(tensor)
+                    grads.append(gradient)
+        torch.autograd.backward(roots, grads)
+        totals.loss += float(loss.detach())
+        held = sum(s.nbytes for s in leaves if s is not None) + sum(a.nbytes for a in adjoint or [] if a is not None)
+        totals.state_bytes = max(totals.state_bytes, held)
+        adjoint = None if j == 0 else [_gradient(s) for s in leaves]
+        totals.done += 1
+        bar.update()
+        if after_chunk is not None:
+            after_chunk(totals.done)
 
 
 def _gradient(leaf: State | None) -> State | None:
