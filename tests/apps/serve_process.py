@@ -3,9 +3,7 @@ options given, ready once ``/health`` answers, stopped with SIGTERM (its exit co
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -14,26 +12,15 @@ from pathlib import Path
 
 import httpx
 
-from helpers import ROOT
+from kvcache.apps.bench.serve import tiny_chat_folder
 from redis_server import free_port
-
-TINY = ROOT / "src" / "kvcache" / "apps" / "weights" / "tiny"
-#: A ChatML template for the tiny model (its tokenizer has none), so the chat endpoint can run on it.
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 
 
 def tiny_chat_model(folder: Path) -> Path:
-    """A copy of the shipped tiny model whose tokenizer has a chat template."""
+    """A copy of the shipped tiny model whose tokenizer has a ChatML template (it has none), so the
+    chat endpoint can run on it: the one ``kvcache bench serve`` makes for its tiny runs."""
     target = folder / "tiny-chat"
-    if not target.exists():
-        shutil.copytree(TINY, target)
-        config = json.loads((target / "tokenizer_config.json").read_text())
-        config["chat_template"] = CHATML
-        (target / "tokenizer_config.json").write_text(json.dumps(config))
-    return target
+    return target if target.exists() else tiny_chat_folder(folder)
 
 
 class ServeProcess:

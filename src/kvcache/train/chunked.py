@@ -82,10 +82,7 @@ def chunked_loss(
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("no parameter of the model requires a gradient; for the loss alone use kvcache.train.cache_loss")
     length = input_ids.shape[1]
-    targets = shifted(input_ids if labels is None else labels)
-    count = int((targets != IGNORE).sum())
-    if count == 0:
-        raise ValueError("no position has a label: every target is -100 (the last position has none of its own)")
+    targets, count = labelled_targets(input_ids, labels)
     cache = make_cache(model, spec)
     check_replayable(cache.kv_layers)
     rules = [rule_of(layer) for layer in cache.kv_layers]
@@ -118,7 +115,7 @@ def _decide(model, ids, cache, group, archive, bar) -> tuple[list[State | None],
     kept = []
     for start, stop in group:
         prefill(model, ids[:, start:stop], cache, chunk=stop - start)
-        states = read_states(cache.kv_layers)
+        states = read_states(cache.kv_layers, copy=False)  # read before the next chunk changes the cache
         kept.append([None if s is None else s.positions for s in states])
         if archive is not None:
             for i, s in enumerate(states):
@@ -172,24 +169,35 @@ def _chunk_loss(model, ids: torch.Tensor, targets: torch.Tensor, step: ChunkStep
     positions = torch.arange(start, start + ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
     with torch.enable_grad(), use_kvcache_attention(model):
         out = model(input_ids=ids, position_ids=positions, use_cache=False, **{FORWARD_STEP: step})
-    layers = sum(1 for _ in step.states)
+    layers = len(step.states)
     if step.layers_run != layers:
         raise UnsupportedOperation(
             f"the chunk's forward pass ran {step.layers_run} attention calls through chunked training, expected {layers}: "
             "this model's attention does not go through the transformers attention interface"
         )
-    logits = out.logits
+    return summed_loss(out.logits, targets) / count
+
+
+def summed_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The cross-entropy of ``logits`` ``[B, S, V]`` against ``targets`` ``[B, S]`` (-100 ignored),
+    summed, computed in float32 at least (float64 logits stay float64)."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum")
-    return loss / count
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum")
 
 
-def shifted(labels: torch.Tensor) -> torch.Tensor:
-    """Position t's target is label t + 1; the last position has none."""
-    return torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE)], dim=1)
+def labelled_targets(ids: torch.Tensor, labels: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+    """Each position's target (label t + 1 of ``labels``, default ``ids``; the last position has
+    none) and how many positions have one; ``ValueError`` when none does."""
+    labels = ids if labels is None else labels
+    targets = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE)], dim=1)
+    count = int((targets != IGNORE).sum())
+    if count == 0:
+        raise ValueError("no position has a label: every target is -100 (the last position has none of its own)")
+    return targets, count
 
 
-def check_arguments(model, ids, chunk, labels, grad) -> str:
+def check_arguments(model, ids, chunk, labels, grad="replay") -> str:
+    """Refuse bad arguments and an active dropout; the gradient mode's kind ("replay", "detach", "k")."""
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.numel() == 0 or ids.is_floating_point():
         raise ValueError(f"input_ids must be a non-empty [batch, length] tensor of token ids, got {_describe(ids)}")
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:

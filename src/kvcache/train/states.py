@@ -59,18 +59,21 @@ def rule_of(layer: KVLayer) -> Visibility:
     return CAUSAL
 
 
-def read_state(layer: KVLayer) -> State | None:
-    """The layer's state as copies (None before any token): keys and values as its attention reads
-    them (a coded store's dequantized), positions ``[B, Hkv, N]``."""
+def read_state(layer: KVLayer, copy: bool = True) -> State | None:
+    """The layer's state (None before any token): keys and values as its attention reads them (a
+    coded store's dequantized), copies unless ``copy`` is False (views of the store, valid until the
+    cache changes), and positions ``[B, Hkv, N]``, always a copy (they are kept as decisions)."""
     keys, values = layer.view()
     if keys is None:
         return None
-    positions = layer.positions()
-    return State(keys.detach().clone(), values.detach().clone(), positions.expand(*keys.shape[:3]).clone())
+    positions = layer.positions().expand(*keys.shape[:3]).clone()
+    if copy:
+        keys, values = keys.detach().clone(), values.detach().clone()
+    return State(keys, values, positions)
 
 
-def read_states(layers: list[KVLayer]) -> list[State | None]:
-    return [read_state(layer) for layer in layers]
+def read_states(layers: list[KVLayer], copy: bool = True) -> list[State | None]:
+    return [read_state(layer, copy) for layer in layers]
 
 
 class Archive:

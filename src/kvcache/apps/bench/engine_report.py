@@ -108,7 +108,7 @@ def summarize(table_rows: list[dict[str, Any]], w: Workload, judged: bool) -> di
             "ttft_p95_of_hf": ours["ttft_p95_s"] / hf["ttft_p95_s"] if ours and hf else None,
         }
         bounds = {"over_hf": (OVER_HF, True), "over_sequential": (OVER_SEQUENTIAL, True), "ttft_p95_of_hf": (TTFT_P95_OF_HF, False)}
-        met = {k: _verdict(v, *bounds[k]) if judged else None for k, v in ratios.items()}
+        met = {k: verdict(v, *bounds[k]) if judged else None for k, v in ratios.items()}
         once = len(w.prompts[0]) - w.shared  # each user turn
         least = w.shared + len(w.prompts) * once
         computed = ours["prompt_tokens_computed"] if ours else None
@@ -117,7 +117,8 @@ def summarize(table_rows: list[dict[str, Any]], w: Workload, judged: bool) -> di
     return out
 
 
-def _verdict(ratio: float | None, bound: float, at_least: bool) -> bool | None:
+def verdict(ratio: float | None, bound: float, at_least: bool) -> bool | None:
+    """Whether ``ratio`` is at least (``at_least``) or at most ``bound``; None without a ratio."""
     if ratio is None:
         return None
     return ratio >= bound if at_least else ratio <= bound
@@ -130,7 +131,8 @@ def _s(x: Any) -> str:
     return "—" if x is None else f"{x:.3g}"
 
 
-def _x(x: Any) -> str:
+def times(x: Any) -> str:
+    """A ratio as ``1.23x`` (``—`` for none)."""
     return "—" if x is None else f"{x:.2f}x"
 
 
@@ -178,9 +180,9 @@ def _targets(result: dict[str, Any]) -> list[str]:
     for pattern, s in summary.items():
         r, met = s["ratios"], s["met"]
         lines += [
-            f"- {pattern}: {OURS} / {HF} tokens/s = {_x(r['over_hf'])} (>= {OVER_HF:g}x: {MET[met['over_hf']]})",
-            f"- {pattern}: {OURS} / {REFERENCE} tokens/s = {_x(r['over_sequential'])} (>= {OVER_SEQUENTIAL:g}x: {MET[met['over_sequential']]})",
-            f"- {pattern}: {OURS} TTFT p95 / {HF}'s = {_x(r['ttft_p95_of_hf'])} (<= {TTFT_P95_OF_HF:g}x: {MET[met['ttft_p95_of_hf']]})",
+            f"- {pattern}: {OURS} / {HF} tokens/s = {times(r['over_hf'])} (>= {OVER_HF:g}x: {MET[met['over_hf']]})",
+            f"- {pattern}: {OURS} / {REFERENCE} tokens/s = {times(r['over_sequential'])} (>= {OVER_SEQUENTIAL:g}x: {MET[met['over_sequential']]})",
+            f"- {pattern}: {OURS} TTFT p95 / {HF}'s = {times(r['ttft_p95_of_hf'])} (<= {TTFT_P95_OF_HF:g}x: {MET[met['ttft_p95_of_hf']]})",
             f"- {pattern}: prompt tokens {OURS} computed: {_s(s['prompt_tokens_computed'])}, the shared prompt once is "
             f"{s['prompt_tokens_least']} ({MET[s['shared_once']]})",
         ]
@@ -195,8 +197,8 @@ def _row(r: dict[str, Any], all_rows: list[dict[str, Any]]) -> list[Any]:
     hf, seq = speed.get((HF, r["arrivals"])), speed.get((REFERENCE, r["arrivals"]))
     ties = f" ({r['near_ties']} near-ties)" if r["identical"] < r["compared"] else ""
     note = ", ".join(f"{k} {v}" for k, v in r["facts"].items() if k in ("reused_pool", "reused_store", "preemptions"))
-    return [r["contender"], r["arrivals"], _s(r["tokens_per_s"]), _x(r["tokens_per_s"] / hf if hf else None),
-            _x(r["tokens_per_s"] / seq if seq else None), _s(r["ttft_p50_s"]), _s(r["ttft_p95_s"]), _s(r["tpot_s"] * 1e3),
+    return [r["contender"], r["arrivals"], _s(r["tokens_per_s"]), times(r["tokens_per_s"] / hf if hf else None),
+            times(r["tokens_per_s"] / seq if seq else None), _s(r["ttft_p50_s"]), _s(r["ttft_p95_s"]), _s(r["tpot_s"] * 1e3),
             human_bytes(r["cache_bytes"]), r["prompt_tokens_computed"], f"{r['identical']}/{r['compared']}{ties}", note]
 
 

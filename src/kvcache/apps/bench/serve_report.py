@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from .common import figure, markdown_table, median
-from .engine_report import MET, percentile
+from .engine_report import MET, percentile, times, verdict
 from .serve_workload import ChatTexts, Load
 
 OURS, PEER = "kvcache", "transformers"
@@ -87,16 +87,10 @@ def summarize(table_rows: list[dict[str, Any]], judged: bool) -> dict[str, Any]:
     at = next((r for r in ratios if r["clients"] == TARGET_CLIENTS), None)
     met = {"tokens_over_peer": None, "ttft_p99_of_peer": None}
     if judged and at is not None:
-        met = {"tokens_over_peer": _at_least(at["tokens_over_peer"], OVER_PEER),
-               "ttft_p99_of_peer": _at_least(at["ttft_p99_of_peer"], TTFT_P99_OF_PEER, below=True)}  # fmt: skip
+        met = {"tokens_over_peer": verdict(at["tokens_over_peer"], OVER_PEER, at_least=True),
+               "ttft_p99_of_peer": verdict(at["ttft_p99_of_peer"], TTFT_P99_OF_PEER, at_least=False)}  # fmt: skip
     return {"ratios": ratios, "target_clients": TARGET_CLIENTS, "at_target": at, "met": met,
             "errors": sum(r["errors"] for r in table_rows)}  # fmt: skip
-
-
-def _at_least(ratio: float | None, bound: float, below: bool = False) -> bool | None:
-    if ratio is None:
-        return None
-    return ratio <= bound if below else ratio >= bound
 
 
 def replica_rows(replicas: dict[str, Any], texts: ChatTexts, chunk: int) -> dict[str, Any]:
@@ -122,10 +116,6 @@ def replica_rows(replicas: dict[str, Any], texts: ChatTexts, chunk: int) -> dict
 
 def _s(x: Any, scale: float = 1.0) -> str:
     return "—" if x is None else f"{x * scale:.3g}"
-
-
-def _x(x: Any) -> str:
-    return "—" if x is None else f"{x:.2f}x"
 
 
 def table(result: dict[str, Any]) -> str:
@@ -166,9 +156,9 @@ def _targets(result: dict[str, Any]) -> list[str]:
     at, met = summary["at_target"] or {}, summary["met"]
     return [
         f"## Targets at {TARGET_CLIENTS} clients{note}\n",
-        f"- {OURS} / {PEER} output tokens/s = {_x(at.get('tokens_over_peer'))} (>= {OVER_PEER:g}x: "
+        f"- {OURS} / {PEER} output tokens/s = {times(at.get('tokens_over_peer'))} (>= {OVER_PEER:g}x: "
         f"{MET[met['tokens_over_peer']]})",
-        f"- {OURS} TTFT p99 / {PEER}' = {_x(at.get('ttft_p99_of_peer'))} (<= {TTFT_P99_OF_PEER:g}x: "
+        f"- {OURS} TTFT p99 / {PEER}' = {times(at.get('ttft_p99_of_peer'))} (<= {TTFT_P99_OF_PEER:g}x: "
         f"{MET[met['ttft_p99_of_peer']]})",
         f"- errors over every load: {summary['errors']}",
         "",
@@ -183,7 +173,7 @@ def _row(r: dict[str, Any], all_rows: list[dict[str, Any]]) -> list[Any]:
     if r["error_samples"]:
         note += f"; first error: {r['error_samples'][0][:120]}"
     return [r["contender"], r["clients"], _s(r["requests_per_s"]), _s(r["output_tokens_per_s"]),
-            _x(_ratio(r["output_tokens_per_s"], peer)), _s(r["ttft_p50_s"]), _s(r["ttft_p99_s"]), _s(r["itl_p50_s"], 1e3),
+            times(_ratio(r["output_tokens_per_s"], peer)), _s(r["ttft_p50_s"]), _s(r["ttft_p99_s"]), _s(r["itl_p50_s"], 1e3),
             _s(r["itl_p99_s"], 1e3), r["errors"], r["requests_done"], note]  # fmt: skip
 
 
@@ -195,7 +185,7 @@ def _replicas(result: dict[str, Any]) -> list[str]:
         f"database r for repeat r ({c['replica_repeats']} repeat(s), medians); each replica fresh, one warm-up request of "
         "another system message before its measured one, stopped before the next starts, so Redis is all they share. "
         f"B should take at least {rep['least_cached_tokens']} prompt tokens (the system turn's whole chunks) from Redis. "
-        f"C's TTFT / B's: {_x(rep['cold_over_redis_ttft'])}.\n",
+        f"C's TTFT / B's: {times(rep['cold_over_redis_ttft'])}.\n",
     ]
     if rep["reason"]:
         return [*lines, f"Not run: {rep['reason']}\n"]
