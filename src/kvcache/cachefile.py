@@ -158,7 +158,7 @@ def _check_layer(i: int, state: Any, want: KVLayer | None, spec: CacheSpec, path
             raise CorruptedFileError(f"{path}: layer {i} is {found} in the file; this model and spec make {made}")
         return
     options = json.loads(json.dumps(want.options()))
-    if state.kind != want.kind or state.options != options:
+    if state.kind != want.kind or want.spec_options_of(state.options) != want.spec_options_of(options):
         raise CorruptedFileError(
             f"{path}: layer {i} is {short(state.kind)} with options {short(state.options)} in the file; "
             f"spec {str(spec)!r} on this model makes {want.kind!r} with {short(options)}"

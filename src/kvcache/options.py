@@ -113,6 +113,12 @@ class DeclaredKind:
         """The options a spec may give the kind that fixes ``fixed`` (one of ``spec_kinds()``'s)."""
         return cls.spec_options
 
+    @staticmethod
+    def spec_options_of(options: Any) -> Any:
+        """What of a layer's ``options()`` (or a saved file's record of them) its spec fixes: all of
+        them, unless the layer chooses some itself as it runs (``auto``'s storage)."""
+        return options
+
     def at_depth(self, index: int, count: int) -> None:
         """Told by ``make_cache`` that this is layer ``index`` of the ``count`` it builds from the
         spec, before any update; only a layer whose behaviour depends on depth records it."""

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .layers import AdaptiveLayer, ConcatLayer, EvictingLayer, GrowableLayer, QuantizedLayer, SlidingLayer, StaticLayer, WindowLayer
+from .layers import AdaptiveLayer, AutoLayer, ConcatLayer, EvictingLayer, GrowableLayer, QuantizedLayer, SlidingLayer, StaticLayer, WindowLayer
 from .options import Option
 from .policies import POLICIES, Policy
 
@@ -27,7 +27,7 @@ from .policies import POLICIES, Policy
 #: places it on a model's own sliding-window layers.
 LAYERS: dict[str, type] = {
     cls.kind: cls
-    for cls in (GrowableLayer, StaticLayer, WindowLayer, QuantizedLayer, EvictingLayer, AdaptiveLayer, ConcatLayer, SlidingLayer)
+    for cls in (GrowableLayer, StaticLayer, WindowLayer, QuantizedLayer, EvictingLayer, AdaptiveLayer, AutoLayer, ConcatLayer, SlidingLayer)
 }
 
 

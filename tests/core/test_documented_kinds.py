@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 #: Options that make a small cache of each kind (the rest keep their defaults).
 OPTIONS = {
     "static": "capacity=64", "window": "window=8", "quantized": "bits=4,group_size=4,residual=4",
-    "adakv": "budget=6,window=2", "snapkv": "budget=6,window=2", "pyramidkv": "budget=6,window=2",
+    "adakv": "budget=6,window=2", "snapkv": "budget=6,window=2", "pyramidkv": "budget=6,window=2", "auto": "bytes=0.25,window=2",
 }
 BUDGETED = "budget=6"
 

@@ -4,6 +4,7 @@ Which kinds exist is the table in ``registry.py``; importing this package regist
 """
 
 from .adaptive import AdaptiveLayer
+from .auto import AutoLayer
 from .base import KVLayer
 from .checks import Geometry
 from .state import LayerState
@@ -18,6 +19,7 @@ from .window import WindowLayer
 
 __all__ = [
     "AdaptiveLayer",
+    "AutoLayer",
     "ConcatLayer",
     "EvictingLayer",
     "Geometry",

@@ -1,0 +1,292 @@
+"""``auto:bytes=...``: a byte budget that chooses, per layer, how many tokens to keep and at which
+precision.
+
+A layer of this kind is a SnapKV eviction layer (``evicting.py``, the ``snapkv`` policy and its
+``window`` and ``pool`` options) whose slot storage (``slots.py``: full, int8, int4, int2) and
+number of kept slots are not given but chosen, from a byte budget:
+
+- ``bytes`` below 1: a share of what an fp32 cache of every token seen would take (``0.125``: an
+  eighth of it), so the budget grows with the sequence; 1 or more: bytes for the whole cache,
+  shared equally by its attention layers (a fixed budget).
+- The slots a layer keeps are the most whose store, as ``budget.py`` allocates it (room to grow
+  and a decode step's spare slot included), fits the budget in the storage chosen: what ``nbytes``
+  reports, not an estimate, stays within the budget through decode (once the budget affords a
+  few slots: ``sinks`` and the recent tokens are always kept).
+
+The rule (``choose``), applied whenever a pass overflows the layer's slots (a prompt, or each
+chunk of one) to the candidates (the kept slots and the new tokens) with the weights that pass
+reported (the last ``window`` queries' attention, as SnapKV scores by):
+
+1. ``mass``: each candidate's share of those weights, per KV head (sums to 1 over the candidates).
+2. For each storage no finer than the layer's present one (a coded slot cannot be made precise
+   again): the slots that storage affords, the candidates SnapKV would keep in that many, and
+   ``estimate = dropped + coding``, where ``dropped`` is the mass of the candidates left out and
+   ``coding`` the mass-weighted relative error of the kept ones' keys and values once coded
+   (``(|k - k'| / |k| + |v - v'| / |v|) / 2``; 0 for full storage), averaged over rows and heads.
+   Both are first-order estimates of the relative change of the window's attention output:
+   dropping a slot of mass ``p`` moves it by about ``p``, coding one with error ``e`` by ``p e``.
+3. The storage with the lowest estimate wins (a tie goes to the finer one); the layer recodes its
+   kept slots into it and keeps ``Choice`` (``layer.choice``: the storage, the slots, every
+   candidate's estimate) for reports (``mix_of(cache)``).
+
+Every head of a layer keeps the same number of slots in the same storage (the store is one
+``[B, Hkv, C]`` run); which tokens each head keeps is its own.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from ..options import Option, number
+from .budget import GROWTH_ROOM, MIN_ROOM, slots_to_allocate
+from .checks import Geometry
+from .evicting import EvictingLayer
+from .slots import STORAGES, get_storage
+from .state import LayerState
+
+#: Storages from finest to coarsest.
+CANDIDATES = STORAGES
+#: Bytes of one token's key and value per KV head in the fp32 cache a share is taken of, per channel.
+_FP32 = 4
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One storage's case at a decision: the slots it affords and its estimated error."""
+
+    storage: str
+    slots: int
+    dropped: float
+    coding: float
+
+    @property
+    def total(self) -> float:
+        return self.dropped + self.coding
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A layer's decision: the storage and slots it took, at ``seen`` tokens, and every case weighed."""
+
+    storage: str
+    slots: int
+    seen: int
+    estimates: tuple[Estimate, ...]
+
+
+def slot_bytes(storage: str, g: Geometry) -> int:
+    """Bytes of one slot (one row, one KV head) of an eviction layer in ``storage``: the coded key
+    and value and the slot's position and score."""
+    layout = {**get_storage(storage).layout(g), "positions": ((), torch.long), "scores": ((), torch.float32)}
+    return sum(math.prod(shape) * torch.empty(0, dtype=dtype).element_size() for shape, dtype in layout.values())
+
+
+def fp32_bytes(g: Geometry) -> int:
+    """Bytes of one token's key and value per row and KV head in an fp32 cache."""
+    return _FP32 * (g.key_dim + g.value_dim)
+
+
+def slots_within(allowed: float, per_slot: int, growing: bool) -> int:
+    """The most slots ``n`` an eviction store can keep (allocating ``slots_to_allocate(n + 1)``: a
+    decode step's spare and, for a ``growing`` budget, room) within ``allowed`` bytes; 0 if none."""
+
+    def fits(n: int) -> bool:
+        return slots_to_allocate(n + 1, growing) * per_slot <= allowed
+
+    n = max(0, int(allowed / per_slot / (1 + GROWTH_ROOM)) - MIN_ROOM - 2)
+    while fits(n + 1):
+        n += 1
+    while n > 0 and not fits(n):
+        n -= 1
+    return n
+
+
+def relative_error(x: torch.Tensor, coded: torch.Tensor) -> torch.Tensor:
+    """``|x - coded| / |x|`` per token ``[B, H, N]`` (0 where ``x`` is 0)."""
+    x, coded = x.float(), coded.float()
+    return (x - coded).norm(dim=-1) / x.norm(dim=-1).clamp_min(torch.finfo(torch.float32).tiny)
+
+
+class AutoLayer(EvictingLayer):
+    """See the module docstring."""
+
+    kind = "auto"
+    spec_order = 5
+    spec_options = {
+        "bytes": Option(number, least=0, inclusive=False),
+        "recent": Option(int, least=0),
+        "sinks": Option(int, least=0),
+        "storage": Option(str),
+    }
+    #: ``budget``: the eviction layer's own argument, which this kind sets itself from ``bytes``.
+    keyword_options = {**EvictingLayer.keyword_options, "budget": Option(number, least=0, inclusive=False)}
+    required_options = ("bytes",)
+
+    @classmethod
+    def spec_kinds(cls) -> dict[str, dict[str, Any]]:
+        return {"auto": {}}
+
+    @classmethod
+    def kind_options(cls, fixed: Mapping[str, Any]) -> dict[str, Option]:
+        from ..policies import POLICIES
+
+        return {**cls.spec_options, **POLICIES["snapkv"].spec_options}
+
+    def __init__(
+        self,
+        bytes: int | float,  # noqa: A002 - the spec's word
+        recent: int | None = None,
+        sinks: int = 0,
+        storage: str = "full",
+        layer: int | None = None,
+        layers: int | None = None,
+        **policy_options: Any,
+    ) -> None:
+        """``bytes``: a share (below 1) or bytes of the whole cache; ``storage``: where the layer
+        starts (a saved layer's choice; a new one starts in full precision and chooses)."""
+        size = self.check_options(bytes=bytes)["bytes"]
+        self.layer_count = 1
+        super().__init__(size if isinstance(size, float) else 1 << 62, "snapkv", recent, sinks, storage, layer, layers, **policy_options)
+        self.byte_budget = size
+        self.choice: Choice | None = None
+
+    def at_depth(self, index: int | None, count: int | None) -> None:
+        """Record the layer's place: a budget in bytes is shared equally by ``count`` layers."""
+        if count is not None:  # (a saved layer's options give the count alone)
+            self.layer_count = self.check_options(layers=count)["layers"]
+
+    @property
+    def _growing(self) -> bool:
+        return isinstance(self.byte_budget, float)
+
+    def allowed_bytes(self, seen: int) -> float:
+        """Bytes one (row, KV head) of this layer may take after ``seen`` tokens."""
+        g = self.geometry
+        if isinstance(self.byte_budget, float):
+            return self.byte_budget * seen * fp32_bytes(g)
+        return self.byte_budget / self.layer_count / (g.batch * g.heads)
+
+    def budget_now(self, seen: int | None = None) -> int:
+        """Slots kept after ``seen`` tokens (default: now) in the present storage; at least one."""
+        if self.geometry is None:
+            return 1
+        seen = self.seen if seen is None else seen
+        return max(1, slots_within(self.allowed_bytes(seen), slot_bytes(self.storage.name, self.geometry), self._growing))
+
+    def recent_now(self, seen: int | None = None) -> int:
+        return self.recent if self.recent is not None else self.policy.recent_for(self.budget_now(seen))
+
+    # ---- the decision ---------------------------------------------------------------------------
+
+    def _settle(self, weights: torch.Tensor | None) -> None:
+        if self._set is not None and weights is not None:
+            s = self._set
+            s["scores"] = self._scored(weights, s)
+            choice = self.choose(s, weights)
+            if choice.storage != self.storage.name:
+                self._recode(s, choice.storage)
+            self.choice = choice
+            self._set = None
+            self._keep_best(s, self._keep_now())
+            return
+        super()._settle(weights)
+
+    def choose(self, slots: dict[str, torch.Tensor], weights: torch.Tensor) -> Choice:
+        """The storage for candidate ``slots`` scored by a pass's ``weights`` ``[B, Hkv, N]`` (the
+        module docstring's rule)."""
+        g = self.geometry
+        n = slots["positions"].shape[2]
+        keys, values = self.storage.decode(slots, n, g)
+        mass = weights.float().clamp_min(0)
+        mass = mass / mass.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+        allowed = self.allowed_bytes(self.seen)
+        estimates = []
+        for name in CANDIDATES[CANDIDATES.index(self.storage.name) :]:
+            count = min(n, slots_within(allowed, slot_bytes(name, g), self._growing))
+            if count < 1:
+                continue
+            recent = self.recent if self.recent is not None else self.policy.recent_for(count)
+            protected = (slots["positions"] < self.sinks) | (slots["positions"] >= self.seen - recent)
+            kept = slots["scores"].masked_fill(protected, math.inf).topk(count, dim=-1).indices  # [B, H, count]
+            kept_mass = mass.gather(2, kept)
+            dropped = float((1 - kept_mass.sum(dim=-1)).clamp_min(0).mean())
+            coding = 0.0
+            if name != "full":
+                codec = get_storage(name)
+                k2, v2 = codec.decode(codec.encode(keys, values), n, g)
+                error = (relative_error(keys, k2) + relative_error(values, v2)) / 2  # [B, H, N]
+                coding = float((kept_mass * error.gather(2, kept)).sum(dim=-1).mean())
+            estimates.append(Estimate(name, count, dropped, coding))
+        if not estimates:  # not even one slot is affordable: the coarsest storage, one slot
+            estimates.append(Estimate(CANDIDATES[-1], 1, 1.0, 0.0))
+        best = min(estimates, key=lambda e: e.total)  # min keeps the first (finer) of equals
+        return Choice(best.storage, best.slots, self.seen, tuple(estimates))
+
+    def _recode(self, slots: dict[str, torch.Tensor], storage: str) -> None:
+        """Rewrite candidate ``slots`` in place into ``storage``, which the layer then stores."""
+        n = slots["positions"].shape[2]
+        keys, values = self.storage.decode(slots, n, self.geometry)
+        for name in self.storage.names:
+            del slots[name]
+        self.storage = get_storage(storage)
+        slots.update(self.storage.encode(keys, values))
+        self.store.drop()  # the next allocation takes the new storage's layout
+
+    # ---- state ----------------------------------------------------------------------------
+
+    def options(self) -> dict[str, Any]:
+        """The spec's options and the storage chosen (``storage``); a file's loader compares the
+        spec's options only (``spec_options_of``)."""
+        return {"bytes": self.byte_budget, "recent": self.recent, "sinks": self.sinks, "storage": self.storage.name,
+                **self.policy.options(), "layers": self.layer_count}  # fmt: skip
+
+    @staticmethod
+    def spec_options_of(options: Any) -> Any:
+        """What of a layer's ``options()`` its spec fixes: all but the storage, the layer's own choice."""
+        return {k: v for k, v in options.items() if k != "storage"} if isinstance(options, Mapping) else options
+
+    def load_state(self, state: LayerState) -> None:
+        storage = state.options.get("storage", "full") if isinstance(state.options, Mapping) else "full"
+        previous = self.storage
+        self.storage = get_storage(storage)
+        try:
+            super().load_state(state)
+        except Exception:
+            self.storage = previous
+            raise
+        self.choice = None
+
+    def check_state(self, state: LayerState) -> None:
+        """The eviction layer's checks, read in the state's storage and geometry (its slots are
+        counted against the budget that storage affords)."""
+        storage = state.options.get("storage", self.storage.name) if isinstance(state.options, Mapping) else self.storage.name
+        if storage not in CANDIDATES:
+            raise ValueError(f"auto layer state: unknown storage {storage!r}; one of {CANDIDATES}")
+        previous = self.storage, self.geometry
+        self.storage = get_storage(storage)
+        try:
+            if state.tensors and self.geometry is None and all(n in state.tensors for n in (*self.storage.names, "positions")):
+                batch = state.tensors["positions"].shape[0]
+                self.geometry = replace(self.storage.geometry(dict(state.tensors)), batch=batch)
+            super().check_state(state)
+        finally:
+            self.storage, self.geometry = previous
+
+
+def mix_of(cache: Any) -> list[dict[str, Any] | None]:
+    """Per layer of ``cache`` the auto layer's choice (storage, slots, tokens seen then, and the
+    estimate of each storage weighed), None for other layers or one that has not chosen."""
+    out: list[dict[str, Any] | None] = []
+    for layer in cache.kv_layers:
+        c = getattr(layer, "choice", None)
+        if not isinstance(layer, AutoLayer) or c is None:
+            out.append(None)
+            continue
+        out.append({"storage": c.storage, "slots": c.slots, "seen": c.seen,
+                    "estimates": {e.storage: {"slots": e.slots, "dropped": e.dropped, "coding": e.coding} for e in c.estimates}})  # fmt: skip
+    return out

@@ -1,0 +1,233 @@
+"""``auto:bytes=...`` (``layers/auto.py``): the byte budget kept through decode, measured as the
+store allocated it; the decision rule against a brute-force reading of its statement; the
+choice equal to the fixed mix it names (``snapkv`` of that storage and size); a budget that
+affords every token in full precision equal to the full cache; compress, save and load."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import kvcache
+from kvcache.layers import AutoLayer, EvictingLayer
+from kvcache.layers.auto import CANDIDATES, mix_of, slot_bytes, slots_within
+from kvcache.layers.budget import slots_to_allocate
+from kvcache.layers.checks import Geometry
+from kvcache.layers.slots import get_storage
+from kvcache.errors import SpecError
+
+from helpers import model_for, prompt
+
+GEOMETRY = Geometry(1, 2, 16, 16, torch.float32, torch.device("cpu"))
+
+
+def fp32_cache_bytes(cache) -> int:
+    """What an fp32 cache of every token seen would take (keys and values of every layer)."""
+    total = 0
+    for layer in cache.kv_layers:
+        g = layer.geometry
+        total += 4 * (g.key_dim + g.value_dim) * g.batch * g.heads * layer.seen
+    return total
+
+
+@pytest.mark.parametrize("share", [0.5, 0.25, 0.125, 0.0625])
+def test_nbytes_stays_within_the_share_through_decode(share):
+    model = model_for("llama")
+    cache = kvcache.make_cache(model, f"auto:bytes={share}")
+    ids = prompt(400)
+    with torch.no_grad(), kvcache.use_kvcache_attention(model):
+        out = model(ids, past_key_values=cache, use_cache=True)
+        for _ in range(60):
+            assert cache.nbytes <= share * fp32_cache_bytes(cache), (cache.nbytes, share * fp32_cache_bytes(cache))
+            nxt = out.logits[:, -1:].argmax(-1)
+            out = model(nxt, past_key_values=cache, use_cache=True)
+    assert cache.nbytes <= share * fp32_cache_bytes(cache)
+    assert all(m is not None for m in mix_of(cache))
+
+
+def test_an_absolute_budget_is_shared_by_the_layers_and_fixed():
+    model = model_for("llama")
+    budget = 60_000
+    cache = kvcache.make_cache(model, f"auto:bytes={budget}")
+    with torch.no_grad(), kvcache.use_kvcache_attention(model):
+        model.generate(prompt(300), past_key_values=cache, max_new_tokens=20, do_sample=False)
+    assert cache.nbytes <= budget
+    assert {layer.layer_count for layer in cache.kv_layers} == {len(cache.kv_layers)}
+
+
+def test_slots_within_is_the_most_that_fit():
+    for per_slot in (60, 92, 156, 524):
+        for allowed in (0, 100, 5_000, 77_777, 1_000_000):
+            for growing in (True, False):
+                n = slots_within(allowed, per_slot, growing)
+                assert n == 0 or slots_to_allocate(n + 1, growing) * per_slot <= allowed
+                assert slots_to_allocate(n + 2, growing) * per_slot > allowed
+
+
+def test_slot_bytes_count_the_codes_scales_and_tags():
+    g = GEOMETRY  # D = 16: one group per token; scale and minimum float32
+    assert slot_bytes("full", g) == 4 * 32 + 8 + 4
+    assert slot_bytes("int8", g) == 16 + 16 + 4 * 4 + 8 + 4
+    assert slot_bytes("int4", g) == 8 + 8 + 4 * 4 + 8 + 4
+    assert slot_bytes("int2", g) == 4 + 4 + 4 * 4 + 8 + 4
+
+
+def reference_estimates(keys, values, mass, scores, positions, seen, share, window):
+    """The rule as the module states it, written plainly: per storage, the most slots whose
+    allocation fits, SnapKV's keep (sinks none, the last min(window, n // 2) protected), the
+    dropped mass and the mass-weighted coding error of the kept slots."""
+    g = Geometry.of(keys, values)
+    allowed = share * seen * 4 * (g.key_dim + g.value_dim)
+    out = {}
+    mass = mass / mass.sum(-1, keepdim=True)
+    for name in CANDIDATES:
+        per = slot_bytes(name, g)
+        n = 0
+        while slots_to_allocate(n + 2, True) * per <= allowed:
+            n += 1
+        n = min(n, keys.shape[2])
+        if n < 1:
+            continue
+        recent = min(window, n // 2)
+        dropped, coding = [], []
+        for h in range(g.heads):
+            order = sorted(range(keys.shape[2]), key=lambda t: (positions[0, h, t] >= seen - recent, scores[0, h, t]), reverse=True)
+            kept = order[:n]
+            dropped.append(1 - sum(float(mass[0, h, t]) for t in kept))
+            err = 0.0
+            if name != "full":
+                codec = get_storage(name)
+                k2, v2 = codec.decode(codec.encode(keys, values), keys.shape[2], g)
+                for t in kept:
+                    ek = float((keys[0, h, t] - k2[0, h, t]).norm() / keys[0, h, t].norm())
+                    ev = float((values[0, h, t] - v2[0, h, t]).norm() / values[0, h, t].norm())
+                    err += float(mass[0, h, t]) * (ek + ev) / 2
+            coding.append(err)
+        out[name] = (n, max(0.0, sum(dropped) / len(dropped)), sum(coding) / len(coding))
+    return out
+
+
+@pytest.mark.parametrize("share,seed", [(0.5, 0), (0.2, 1), (0.1, 2)])
+def test_the_choice_follows_the_stated_rule(share, seed):
+    g = torch.Generator().manual_seed(seed)
+    n, window = 200, 4
+    keys = torch.randn(1, 2, n, 16, generator=g)
+    values = torch.randn(1, 2, n, 16, generator=g)
+    keys[:, :, :, 0] *= 1 + 20 * (torch.rand(1, 2, n, generator=g) < 0.05)  # outliers: coding costs something
+    weights = torch.rand(1, 2, n, generator=g) ** 8  # a few heavy tokens
+    layer = AutoLayer(bytes=share, window=window, pool=1)
+    layer.append(keys, values)
+    layer.settle(weights)
+    want = reference_estimates(keys, values, weights, weights, torch.arange(n).expand(1, 2, n), n, share, window)
+    got = {e.storage: (e.slots, e.dropped, e.coding) for e in layer.choice.estimates}
+    assert got.keys() == want.keys()
+    for name in want:
+        assert got[name][0] == want[name][0]
+        assert got[name][1:] == pytest.approx(want[name][1:], abs=1e-5)  # float32 sums of ~200 terms
+    best = min(want, key=lambda s: sum(want[s][1:]))
+    assert layer.choice.storage == best == layer.storage.name
+    assert layer.length == want[best][0]
+
+
+def test_uniform_attention_keeps_every_token_coded_and_concentrated_attention_keeps_few_exactly():
+    g = torch.Generator().manual_seed(3)
+    n = 256
+    keys, values = torch.randn(1, 2, n, 16, generator=g), torch.randn(1, 2, n, 16, generator=g)
+    spread = AutoLayer(bytes=0.45, window=4, pool=1)  # int4 affords every token, int8 about 90% of them
+    spread.append(keys, values)
+    spread.settle(torch.ones(1, 2, n))
+    assert spread.choice.storage == "int4" and spread.length == n
+    sharp = AutoLayer(bytes=0.45, window=4, pool=1)
+    sharp.append(keys, values)
+    weights = torch.zeros(1, 2, n)
+    weights[:, :, 10:20] = 1.0
+    sharp.settle(weights)
+    assert sharp.choice.storage == "full" and sharp.length < n
+
+
+@pytest.mark.parametrize("share", [0.4, 0.15, 0.07])
+def test_the_layer_equals_the_fixed_mix_it_chose(share):
+    """auto's kept positions and stored keys and values equal ``snapkv`` with the storage and
+    the slots it chose, given the same pass; and so does its next decode step."""
+    g = torch.Generator().manual_seed(7)
+    n = 300
+    keys, values = torch.randn(1, 2, n, 16, generator=g), torch.randn(1, 2, n, 16, generator=g)
+    weights = torch.rand(1, 2, n, generator=g) ** 4
+    auto = AutoLayer(bytes=share, window=4, pool=3)
+    auto.append(keys, values)
+    auto.settle(weights)
+    c = auto.choice
+    fixed = EvictingLayer(budget=c.slots, policy="snapkv", storage=c.storage, window=4, pool=3)
+    fixed.append(keys, values)
+    fixed.settle(weights)
+    assert torch.equal(auto.positions(), fixed.positions())
+    for x, y in zip(auto.view(), fixed.view()):
+        assert torch.equal(x, y)
+
+
+def test_layer_zero_of_a_model_equals_its_fixed_mix():
+    model = model_for("llama")
+    ids = prompt(300, seed=5)
+    auto = kvcache.make_cache(model, "auto:bytes=0.15")
+    with torch.no_grad(), kvcache.use_kvcache_attention(model):
+        model(ids, past_key_values=auto, use_cache=True)
+    first = auto.kv_layers[0]  # its input does not depend on the cache
+    fixed = kvcache.make_cache(model, f"snapkv:budget={first.choice.slots},storage={first.choice.storage}")
+    with torch.no_grad(), kvcache.use_kvcache_attention(model):
+        model(ids, past_key_values=fixed, use_cache=True)
+    assert torch.equal(first.positions(), fixed.kv_layers[0].positions())
+    assert torch.equal(first.view()[0], fixed.kv_layers[0].view()[0])
+
+
+def test_a_budget_that_affords_every_token_exactly_is_the_full_cache():
+    model = model_for("llama")
+    ids = prompt(120, seed=2)
+    with torch.no_grad(), kvcache.use_kvcache_attention(model):
+        ours = model.generate(ids, past_key_values=kvcache.make_cache(model, "auto:bytes=100000000"), max_new_tokens=12, do_sample=False)
+    ref = model.generate(ids, past_key_values=kvcache.make_cache(model, "growable"), max_new_tokens=12, do_sample=False)
+    assert torch.equal(ours, ref)
+
+
+def test_compress_leaves_what_the_layers_own_pass_leaves():
+    from kvcache import scoring
+
+    model = model_for("llama")
+    ids = prompt(256, seed=4)
+    spec = "auto:bytes=0.125"
+    own = kvcache.make_cache(model, spec)
+    rec = scoring.recording_cache(model, ["window:32"])
+    with torch.no_grad(), kvcache.use_kvcache_attention(model):
+        model(ids, past_key_values=own, use_cache=True)
+        model(ids, past_key_values=rec, use_cache=True)
+    built = scoring.compress(model, spec, scoring.keys_values(rec), {"window:32": scoring.recorded(rec, "window:32")})
+    for a, b in zip(own.kv_layers, built.kv_layers):
+        assert a.storage.name == b.storage.name
+        assert torch.equal(a.positions(), b.positions())
+
+
+def test_a_saved_auto_cache_loads_with_its_choices(tmp_path):
+    model = model_for("llama")
+    ids = prompt(200, seed=6)
+    cache = kvcache.make_cache(model, "auto:bytes=0.1")
+    with torch.no_grad(), kvcache.use_kvcache_attention(model):
+        model(ids, past_key_values=cache, use_cache=True)
+    kvcache.save_cache(cache, tmp_path / "c.kv")
+    loaded = kvcache.load_cache(tmp_path / "c.kv", model)
+    for a, b in zip(cache.kv_layers, loaded.kv_layers):
+        assert b.storage.name == a.storage.name
+        assert torch.equal(a.positions(), b.positions())
+        assert torch.equal(a.view()[0], b.view()[0]) and torch.equal(a.view()[1], b.view()[1])
+    nxt = torch.tensor([[7]])
+    with torch.no_grad(), kvcache.use_kvcache_attention(model):
+        x = model(nxt, past_key_values=cache, use_cache=True).logits
+        y = model(nxt, past_key_values=loaded, use_cache=True).logits
+    assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("spec,match", [("auto", "needs option bytes"), ("auto:bytes=0", "bytes"), ("auto:bytes=-1", "bytes"),
+                                        ("auto:bytes=0.1,budget=4", "budget")])  # fmt: skip
+def test_bad_specs_are_refused_by_name(spec, match):
+    with pytest.raises(SpecError, match=match):
+        kvcache.make_cache(model_for("llama"), spec)
