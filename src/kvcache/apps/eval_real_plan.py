@@ -42,7 +42,7 @@ DEFAULT_KINDS = tuple(KINDS)
 #: Kinds also run the reuse way (``context``), besides kvzip.
 DEFAULT_CONTEXT_KINDS = ("h2o", "snapkv", "kvzip")
 DEFAULT_BUDGETS = (0.5, 0.25, 0.125)
-ANSWER_TOKENS = 3  # the key (one token after a space: needles.KEY_WORDS) and a little after it
+ANSWER_TOKENS = 6  # the space and a five-digit key (one digit a token)
 
 
 @dataclass(frozen=True)

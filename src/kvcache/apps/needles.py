@@ -6,19 +6,14 @@ present on any machine with Python. Paragraphs that read as English are kept (mo
 spaces, no doctest lines, 120-800 characters). Haystacks draw from the ``"train"`` files, held-out
 text for KL / top-1 from the ``"heldout"`` ones (the split rule of ``tasks.py``).
 
-A context holds one needle, a pass key (a word the tokenizer writes as one token after a space,
-from :data:`KEY_WORDS`) for a named door, at depth 0.1, 0.5 or 0.9 of its document
+A context holds one needle, a pass key for a named door, at depth 0.1, 0.5 or 0.9 of its document
 (turning with the seed), or three of them at all three depths, one question each: one context then
 serves several questions (a compressed prefix reused by many requests). SmolLM2-135M tells three
 doors apart at 1K tokens (13 of 15 found with the full cache) but not at 2K (5 of 12: it answers
 another door's key), so the length sweep uses one needle per context. The prompt is the model's chat template around::
 
     Read the document below. ... <document> ... </document>
-    Question: What is the pass key for the {door} door? Answer with the word only.
-
-The key is one token so that a right answer is one copy, not a run of them: with five-digit keys
-(one digit a token) SmolLM2 at 4K tokens copied the key's first digit, then drifted, and the full
-cache missed a third of the needles.
+    Question: What is the pass key for the {door} door? Answer with the number only.
 
 ``Context.prefix_ids`` ends with ``</document>``: everything before the question, shared by the
 three questions (``Question.ids``: the question, the end of the user turn and the assistant's
@@ -41,20 +36,7 @@ from . import tasks
 DEPTHS = (0.1, 0.5, 0.9)
 DOORS = ("blue", "green", "red", "amber", "violet", "silver", "copper", "white", "orange", "black")
 NEEDLE = "The pass key for the {door} door is {key}. Remember it. {key} is the pass key for the {door} door."
-QUESTION = "Question: What is the pass key for the {door} door? Answer with the word only."
-#: Pass keys: common nouns, none of them a door's colour; a context draws from those its tokenizer
-#: writes as one token after a space (``key_words``).
-KEY_WORDS = (
-    "falcon", "tiger", "panda", "zebra", "beaver", "camel", "dolphin", "donkey", "eagle", "giraffe", "lizard", "lobster",
-    "moose", "octopus", "owl", "parrot", "penguin", "pigeon", "rabbit", "salmon", "shark", "snail", "spider", "squid",
-    "turtle", "whale", "wolf", "banana", "cherry", "grape", "lemon", "mango", "peach", "pear", "plum", "cucumber",
-    "carrot", "onion", "potato", "tomato", "garlic", "violin", "guitar", "piano", "trumpet", "drum", "flute", "harp",
-    "anchor", "barrel", "basket", "candle", "carpet", "castle", "compass", "crown", "diamond", "feather", "hammer",
-    "helmet", "kettle", "ladder", "lantern", "mirror", "pillow", "rocket", "saddle", "scissors", "shovel", "sword",
-    "umbrella", "wagon", "whistle", "marble", "velvet", "cotton", "granite", "crystal",
-)  # fmt: skip
-#: The fewest one-token keys a tokenizer must offer (a guess then scores about 1 in 20 at most).
-MIN_KEY_WORDS = 20
+QUESTION = "Question: What is the pass key for the {door} door? Answer with the number only."
 #: The assistant's answer starts with this (as RULER primes its answers), so the key comes first.
 ANSWER = "The pass key for the {door} door is"
 INTRO = "There is important information hidden inside a lot of irrelevant text. Find it and memorize it. I will quiz you about the important information there."
@@ -143,7 +125,7 @@ def make_context(tokenizer, length: int, seed: int, reserve: int = 48, count: in
     room for the question and the answer."""
     rng = random.Random(f"needles-keys-{seed}")
     doors = rng.sample(DOORS, len(DEPTHS))
-    keys = rng.sample(key_words(tokenizer), len(DEPTHS))
+    keys = [str(rng.randrange(10000, 100000)) for _ in DEPTHS]
     depths = DEPTHS if count == 3 else (DEPTHS[seed % 3],)
     doors, keys = doors[: len(depths)], keys[: len(depths)]
     budget = length - reserve - _overhead(tokenizer)
@@ -188,8 +170,7 @@ def _repeat_request(tokenizer) -> str:
 
 def _overhead(tokenizer) -> int:
     """Tokens of the template, the introduction, the document tags and three needles."""
-    longest = max(KEY_WORDS, key=len)
-    needles = " ".join(NEEDLE.format(door="violet", key=longest) for _ in DEPTHS)  # room for three
+    needles = " ".join(NEEDLE.format(door="violet", key="12345") for _ in DEPTHS)  # room for three
     text = tokenizer.apply_chat_template(
         [{"role": "user", "content": f"{INTRO}\n\n<document>\n{needles}\n</document>"}], tokenize=False, add_generation_prompt=False
     )
@@ -200,18 +181,10 @@ def _ids(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def key_words(tokenizer) -> list[str]:
-    """The words of :data:`KEY_WORDS` that ``tokenizer`` writes as one token after a space."""
-    words = [w for w in KEY_WORDS if len(_ids(tokenizer, " " + w)) == 1]
-    if len(words) < MIN_KEY_WORDS:
-        raise ValueError(f"needles: this tokenizer writes only {len(words)} of the pass-key words as one token; at least {MIN_KEY_WORDS} are needed")
-    return words
-
-
 def answer_of(text: str) -> str | None:
-    """The first word of a generated answer, in lower case, or None."""
-    found = re.search(r"[A-Za-z]+", text)
-    return found.group(0).lower() if found else None
+    """The first whole number in a generated answer, or None."""
+    found = re.search(r"\d+", text)
+    return found.group(0) if found else None
 
 
 def heldout_text(tokenizer, tokens: int, seed: int) -> list[int]:
