@@ -148,6 +148,13 @@ def add_eval(subparsers: argparse._SubParsersAction) -> None:
         help="real model: needles per context, one question each (3: one context serves three questions; default %(default)s)",
     )
     p.add_argument(
+        "--frontier",
+        action="store_true",
+        help="real model: quality per byte instead: at each byte budget (--budgets, shares of the fp32 cache; default "
+        "0.5,0.25,0.125,0.0625) every eviction kind (--caches, from snapkv,pyramidkv,adakv,h2o,tova,tova-layer,lastrec) "
+        "with each slot storage, and auto:bytes=; writes frontier.json, frontier.md and frontier.png",
+    )
+    p.add_argument(
         "--reuse",
         default=None,
         metavar="KIND,...",
@@ -180,7 +187,8 @@ def _eval_real(args: argparse.Namespace) -> int:
     from .eval_real_plan import DEFAULT_CONTEXT_KINDS, DEFAULT_KINDS, KINDS
     from .eval_real_report import table
 
-    kinds = DEFAULT_KINDS if args.caches is None else _names(args.caches, KINDS, "--caches")
+    frontier_kinds = ("snapkv", "pyramidkv", "adakv", "h2o", "tova", "tova-layer", "lastrec")
+    kinds = DEFAULT_KINDS if args.caches is None else _names(args.caches, frontier_kinds if args.frontier else KINDS, "--caches")
     reuse = DEFAULT_CONTEXT_KINDS if args.reuse is None else _names(args.reuse, KINDS, "--reuse")
     lengths = None
     if args.lengths is not None:
@@ -192,6 +200,8 @@ def _eval_real(args: argparse.Namespace) -> int:
             raise KVCacheError(f"--lengths: every length must be at least 256 tokens, got {args.lengths!r}")
     if args.contexts is not None and args.contexts < 1:
         raise KVCacheError(f"--contexts must be at least 1, got {args.contexts}")
+    if args.frontier:
+        return _eval_frontier(args, lengths)
     options = run_options(args)
     plots = say_if_no_plots()
     try:
@@ -202,6 +212,25 @@ def _eval_real(args: argparse.Namespace) -> int:
         raise KVCacheError(str(e)) from e
     print(table(result))
     list_written(options.out, "eval", plots)
+    return 0
+
+
+def _eval_frontier(args: argparse.Namespace, lengths: tuple[int, ...] | None) -> int:
+    from . import eval_frontier
+
+    if args.reuse is not None:
+        raise KVCacheError("--reuse does not apply to --frontier (every point compresses with the question in the prompt)")
+    kinds = eval_frontier.EVICTION if args.caches is None else tuple(k.strip() for k in args.caches.split(",") if k.strip())
+    options = run_options(args)
+    plots = say_if_no_plots()
+    try:
+        result = eval_frontier.run(options, model_name=args.model, kinds=kinds, lengths=lengths, contexts=args.contexts,
+                                   needles_per_context=args.needles, budgets=_budgets(args))  # fmt: skip
+    except ValueError as e:
+        raise KVCacheError(str(e)) from e
+    lines = eval_frontier.points_of(result)
+    print(eval_frontier.budget_table(lines, result["config"]["budgets"]))
+    list_written(options.out, "frontier", plots)
     return 0
 
 
@@ -218,6 +247,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     if args.model is not None and find_entry(args.model) is not None:
         return _eval_real(args)
+    if args.frontier:
+        raise KVCacheError("--frontier applies to a real model (--model smollm2), not to the trained tiny one")
     for name in ("lengths", "contexts", "reuse") + (("needles",) if args.needles != 1 else ()):
         if getattr(args, name) is not None:
             raise KVCacheError(f"--{name} applies to a real model (--model smollm2), not to the trained tiny one")

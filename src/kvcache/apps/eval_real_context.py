@@ -20,8 +20,20 @@ from . import needles
 from .. import scoring
 from ..build import make_cache
 from ..hf import use_kvcache_attention
+from ..layers.auto import mix_of
 from .eval_real_plan import ANSWER_TOKENS, KINDS, SINKS, Setting, spec_of
 from .eval_real_weights import attention_profile, modes_for, needle_kept, needle_span, prompt_weights, recorded_weights
+
+
+def chosen_storages(cache) -> dict[str, int] | None:
+    """For an ``auto`` cache, how many layers chose each storage; None for other kinds."""
+    mix = [m for m in mix_of(cache) if m is not None]
+    if not mix:
+        return None
+    out: dict[str, int] = {}
+    for m in mix:
+        out[m["storage"]] = out.get(m["storage"], 0) + 1
+    return out
 
 
 def _decode(model, cache, first: torch.Tensor, steps: int) -> list[int]:
@@ -66,7 +78,7 @@ def run_context(model, tokenizer, ctx: needles.Context, plan, specs, doc_modes, 
                 "length": ctx.length, "context": ctx.seed, "tokens": T + len(q.ids), "cache": kind, "mode": mode,
                 "budget": budget, "spec": spec, "depth": q.depth, "door": q.door,
                 "correct": needles.answer_of(text) == q.key, "answer": text.strip(),
-                "bytes_per_token": cache.nbytes / cache.seen, "needle_kept": kept,
+                "bytes_per_token": cache.nbytes / cache.seen, "needle_kept": kept, "storages": chosen_storages(cache),
             })
             if bar is not None:
                 bar.update()
@@ -125,14 +137,18 @@ def _document_cache(model, kind: str, spec: str, prefix: torch.Tensor, kv=None, 
 
 
 @torch.inference_mode()
-def text_runs(model, tokenizer, plan, s: Setting, seed: int) -> list[dict]:
+def text_runs(model, tokenizer, plan, s: Setting, seed: int, spec_for=None) -> list[dict]:
     """KL(full || ours) and top-1 agreement over ``s.text_steps`` teacher-forced tokens after a
-    prefix of held-out prose, for every run (``context`` and ``question`` alike: no question here)."""
+    prefix of held-out prose, for every run (``context`` and ``question`` alike: no question here).
+    ``spec_for(kind, budget, tokens)``: a run's spec for a prefix of ``tokens`` (default: the
+    eval's kinds, ``budget`` a share of the tokens kept)."""
     ids = needles.heldout_text(tokenizer, s.text_tokens // 2 + s.text_steps + 1, seed)
     half = s.text_tokens // 2
     prefix = torch.tensor([ids[:half]], device=model.device)
     rest = ids[half:]
-    doc_modes, _ = modes_for(model, [spec_of(k, 8) for k, _, _ in plan if k in KINDS], [])
+    if spec_for is None:
+        spec_for = lambda kind, budget, n: spec_of(kind, n if budget is None else max(SINKS + 1, round(budget * n)), capacity=len(ids))  # noqa: E731
+    doc_modes, _ = modes_for(model, [spec_for(k, b, 64) for k, _, b in plan if k != "full"], [])
     out, reference = [], None
     done: set[tuple] = set()
     with use_kvcache_attention(model):
@@ -146,8 +162,7 @@ def text_runs(model, tokenizer, plan, s: Setting, seed: int) -> list[dict]:
             if (kind, budget) in done:
                 continue
             done.add((kind, budget))
-            slots = half if budget is None else max(SINKS + 1, round(budget * half))
-            spec = spec_of(kind, slots, capacity=len(ids))
+            spec = spec_for(kind, budget, half)
             cache = _document_cache(model, kind, spec, prefix, kv, weights, kvzip)
             logps = [first]
             for t in rest[:-1]:

@@ -1,0 +1,269 @@
+"""Quality per byte: ``kvcache eval --model smollm2 --frontier``.
+
+At each byte budget (a share of the fp32 cache: :data:`BYTE_BUDGETS`), every fixed mix (an
+eviction kind of :data:`EVICTION` x a slot storage of :data:`STORAGES`, keeping as many tokens as
+the budget affords in that storage: :func:`spec_for`) and the ``auto`` spec at that budget; the
+``quantized`` kinds (every token coded) and the full cache at their own bytes. Each is scored as
+``kvcache eval`` scores a kind with the question in the prompt (``eval_real_context.run_context``:
+needles in prose, the bounded cache compressed from one recorded pass), and on held-out prose (KL,
+top-1). The bytes plotted are measured: each cache's ``nbytes`` after its answer, per token, as a
+share of an fp32 cache of the same tokens.
+
+Output (``frontier.json``, ``frontier.md``, ``frontier.png``): per budget the ``auto`` spec, the best
+fixed mix and ``snapkv/full`` (kvpress-style eviction in full precision); every point's accuracy by
+length and depth, KL, top-1 and bytes; the points on the Pareto front (none other finds more
+needles in fewer bytes) marked.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from . import needles
+from .eval_real_context import run_context, text_runs
+from .eval_real_plan import ANSWER_TOKENS, SINKS, Setting
+from .eval_real_weights import modes_for
+from .run_options import RunOptions
+
+BYTE_BUDGETS = (0.5, 0.25, 0.125, 0.0625)
+EVICTION = ("snapkv", "pyramidkv", "adakv", "h2o")
+STORAGES = ("full", "int8", "int4", "int2")
+UNBOUNDED = {"full": None, "quantized-int8": "quantized:bits=8", "quantized-int4": "quantized:bits=4", "quantized-int2": "quantized:bits=2"}
+
+
+def mixes(kinds: tuple[str, ...] = EVICTION) -> list[str]:
+    """Every fixed mix's name, ``kind/storage``."""
+    return [f"{k}/{s}" for k in kinds for s in STORAGES]
+
+
+def geometry_of(model: Any):
+    """The geometry of one row of the model's attention layers (for slot sizes)."""
+    import torch
+
+    from ..layers.checks import Geometry
+
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    return Geometry(1, heads, head_dim, head_dim, torch.float32, torch.device("cpu"))
+
+
+def spec_for(name: str, share: float | None, tokens: int, geometry: Any, room: int = ANSWER_TOKENS) -> str:
+    """The spec of point ``name`` at byte budget ``share`` for a prompt of ``tokens``: ``auto`` at that
+    share; a fixed mix keeping the most tokens whose slots (and one spare) fit ``share`` of the fp32
+    bytes of ``tokens`` (all of them if they fit); the unbounded kinds as they are (the full cache
+    a static one of ``tokens + room``, the tokens to be decoded after the prompt)."""
+    from ..layers.auto import fp32_bytes, slot_bytes
+
+    if name == "auto":
+        return f"auto:bytes={share}"
+    if name in UNBOUNDED:
+        return UNBOUNDED[name] or f"static:capacity={tokens + room}"
+    kind, storage = name.split("/")
+    slots = math.floor(share * tokens * fp32_bytes(geometry) / slot_bytes(storage, geometry)) - 1
+    return f"{kind}:budget={min(tokens, max(SINKS + 1, slots))},storage={storage}"
+
+
+def setting(options: RunOptions) -> Setting:
+    return options.pick(
+        tiny=Setting((384,), 1, 128, 8, 1, (0.25,)),
+        quick=Setting((2048,), 2, 1024, 32, 1, (0.25, 0.0625)),
+        full=Setting((2048, 4096, 8192), 6, 1024, 64, 1, BYTE_BUDGETS),
+    )
+
+
+def run(
+    options: RunOptions = RunOptions(),
+    *,
+    model_name: str = "smollm2",
+    kinds: tuple[str, ...] = EVICTION,
+    lengths: tuple[int, ...] | None = None,
+    contexts: int | None = None,
+    needles_per_context: int = 1,
+    budgets: tuple[float, ...] | None = None,
+) -> dict[str, Any]:
+    """The frontier (see the module docstring); ``budgets``: byte budgets, shares of the fp32 cache."""
+    from tqdm.auto import tqdm
+
+    from ..models import load
+
+    s = setting(options)
+    if budgets is not None:
+        s = replace(s, budgets=tuple(budgets))
+    lengths = s.lengths if lengths is None else tuple(lengths)
+    contexts = s.contexts if contexts is None else contexts
+    model, tokenizer = load(model_name, device=options.device, progress=options.progress)
+    g = geometry_of(model)
+    # The full cache first: the held-out text's KL and top-1 are taken against the first run.
+    points = [(u, None) for u in UNBOUNDED] + [("auto", b) for b in s.budgets] + [(m, b) for m in mixes(kinds) for b in s.budgets]
+    plan = [(name, "question", b) for name, b in points]
+    bar = tqdm(total=len(lengths) * contexts * needles_per_context * len(plan), desc="frontier", disable=not options.progress)
+    rows: list[dict[str, Any]] = []
+    for length in lengths:
+        for c in range(contexts):
+            ctx = needles.make_context(tokenizer, length, seed=c, count=needles_per_context)
+            T = len(ctx.prefix_ids) + max(len(q.ids) for q in ctx.questions)
+            specs = {(name, b): spec_for(name, b, T, g) for name, b in points}
+            doc_modes, q_modes = modes_for(model, list(specs.values()), [len(q.ids) for q in ctx.questions])
+            bar.set_postfix_str(f"{length} tokens, context {c + 1}/{contexts}")
+            got, _ = run_context(model, tokenizer, ctx, plan, specs, doc_modes, q_modes, bar)
+            rows += got
+    text = text_runs(model, tokenizer, plan, s, seed=0, spec_for=lambda name, b, n: spec_for(name, b, n, g, room=s.text_steps + 1))
+    bar.close()
+    fp32 = fp32_per_token(model, g)
+    result = {
+        "suite": "frontier",
+        "config": {"model": model_name, "lengths": list(lengths), "contexts": contexts, "questions_per_context": needles_per_context,
+                   "depths": list(needles.DEPTHS), "budgets": list(s.budgets), "kinds": list(kinds), "storages": list(STORAGES),
+                   "fp32_bytes_per_token": fp32, "answer_tokens": ANSWER_TOKENS, "text_steps": s.text_steps,
+                   "quick": options.quick, "tiny": options.tiny},  # fmt: skip
+        "runs": rows,
+        "text": text,
+    }
+    if options.out is not None:
+        write(result, Path(options.out))
+    return result
+
+
+def fp32_per_token(model: Any, g: Any) -> int:
+    """Bytes per token of an fp32 cache of every attention layer of ``model``."""
+    from ..layers.auto import fp32_bytes
+
+    from .. import make_cache
+
+    layers = sum(1 for layer in make_cache(model, "growable").kv_layers if layer is not None)
+    return layers * g.heads * fp32_bytes(g)
+
+
+# ---- the report ------------------------------------------------------------------------------------
+
+
+def points_of(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """One line per (point, budget): needles found (all, by length, by depth), bytes as a share of
+    fp32 (measured), KL and top-1 on held-out prose, and for ``auto`` the storages its layers chose."""
+    fp32 = result["config"]["fp32_bytes_per_token"]
+    lines: dict[tuple, dict[str, Any]] = {}
+    for r in result["runs"]:
+        line = lines.setdefault((r["cache"], r["budget"]), {"point": r["cache"], "budget": r["budget"], "hits": [], "bytes": [], "mix": {}})
+        line["hits"].append((r["length"], r["depth"], bool(r["correct"])))
+        line["bytes"].append(r["bytes_per_token"] / fp32)
+        for storage, n in (r.get("storages") or {}).items():
+            line["mix"][storage] = line["mix"].get(storage, 0) + n
+    text = {(t["cache"], t["budget"]): t for t in result.get("text", [])}
+    out = []
+    for (name, budget), line in lines.items():
+        hits = line.pop("hits")
+        line["accuracy"] = sum(h for *_, h in hits) / len(hits)
+        line["answers"] = len(hits)
+        line["by_length"] = {L: _share([h for LL, _, h in hits if LL == L]) for L in sorted({h[0] for h in hits})}
+        line["by_depth"] = {d: _share([h for _, dd, h in hits if dd == d]) for d in sorted({h[1] for h in hits})}
+        line["bytes"] = sum(line["bytes"]) / len(line["bytes"])
+        t = text.get((name, budget))
+        line["kl"], line["top1"] = (t["kl"], t["top1"]) if t else (math.nan, math.nan)
+        out.append(line)
+    front = pareto(out)
+    for line in out:
+        line["pareto"] = id(line) in front
+    return out
+
+
+def _share(xs: list[bool]) -> float:
+    return sum(xs) / len(xs) if xs else math.nan
+
+
+def pareto(lines: list[dict[str, Any]]) -> set[int]:
+    """ids of the lines no other line beats: as many needles or more in no more bytes, strictly
+    better in one of the two."""
+    front = set()
+    for a in lines:
+        if not any((b["bytes"] <= a["bytes"] and b["accuracy"] >= a["accuracy"]) and (b["bytes"] < a["bytes"] or b["accuracy"] > a["accuracy"]) for b in lines):
+            front.add(id(a))
+    return front
+
+
+def _pct(x: float) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.0%}"
+
+
+def budget_table(lines: list[dict[str, Any]], budgets: list[float]) -> str:
+    """Per budget: auto, the best fixed mix within the budget (by measured bytes), snapkv/full."""
+    full = next((l for l in lines if l["point"] == "full"), None)
+    out = ["| budget (of fp32) | auto: found | auto: bytes | auto: layers chose | best fixed mix | found | bytes | snapkv/full: found | full cache: found |",
+           "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for b in budgets:
+        auto = next((l for l in lines if l["point"] == "auto" and l["budget"] == b), None)
+        fixed = [l for l in lines if "/" in l["point"] and l["budget"] == b and l["bytes"] <= b * 1.0001]
+        best = max(fixed, key=lambda l: (l["accuracy"], -l["bytes"]), default=None)
+        snap = next((l for l in lines if l["point"] == "snapkv/full" and l["budget"] == b), None)
+        mix = ", ".join(f"{k} {v}" for k, v in sorted(auto["mix"].items())) if auto and auto["mix"] else "-"
+        out.append("| " + " | ".join([
+            f"{b:g}", _pct(auto["accuracy"]) if auto else "-", f"{auto['bytes']:.3f}" if auto else "-", mix,
+            best["point"] if best else "-", _pct(best["accuracy"]) if best else "-", f"{best['bytes']:.3f}" if best else "-",
+            _pct(snap["accuracy"]) if snap else "-", _pct(full["accuracy"]) if full else "-",
+        ]) + " |")  # fmt: skip
+    return "\n".join(out)
+
+
+def points_table(lines: list[dict[str, Any]], lengths: list[int], depths: list[float]) -> str:
+    header = ["point", "budget", "bytes (of fp32)", *[f"{L // 1024}K" if L % 1024 == 0 else str(L) for L in lengths], *[f"depth {d}" for d in depths],
+              "all", "answers", "KL (nats)", "top-1", "Pareto"]  # fmt: skip
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for l in sorted(lines, key=lambda l: l["bytes"]):
+        cells = [l["point"], "-" if l["budget"] is None else f"{l['budget']:g}", f"{l['bytes']:.3f}"]
+        cells += [_pct(l["by_length"].get(L, math.nan)) for L in lengths] + [_pct(l["by_depth"].get(d, math.nan)) for d in depths]
+        kl = "-" if math.isnan(l["kl"]) else f"{l['kl']:.3f}"
+        cells += [_pct(l["accuracy"]), str(l["answers"]), kl, _pct(l["top1"]), "yes" if l["pareto"] else ""]
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    from .bench.common import figure
+
+    lines = points_of(result)
+    with figure(path, panels=1, size=(7.5, 5)) as axes:
+        ax = axes[0] if isinstance(axes, (list, tuple)) else axes
+        for storage, marker in zip(STORAGES, "osD^"):
+            pts = [(l["bytes"], l["accuracy"]) for l in lines if l["point"].endswith("/" + storage)]
+            if pts:
+                ax.scatter(*zip(*pts), marker=marker, alpha=0.5, label=f"fixed mixes, {storage}")
+        unb = [(l["bytes"], l["accuracy"], l["point"]) for l in lines if l["point"] in UNBOUNDED]
+        for x, y, name in unb:
+            ax.scatter([x], [y], marker="x", color="k")
+            ax.annotate(name, (x, y), fontsize=7)
+        auto = sorted((l["bytes"], l["accuracy"]) for l in lines if l["point"] == "auto")
+        if auto:
+            ax.plot(*zip(*auto), color="C3", marker="*", markersize=10, label="auto")
+        front = sorted((l["bytes"], l["accuracy"]) for l in lines if l["pareto"])
+        ax.step(*zip(*front), where="post", color="k", alpha=0.4, label="Pareto front")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("bytes after the answer, share of fp32 (measured)")
+        ax.set_ylabel("needles found")
+        ax.set_title(f"{result['config']['model']}: quality per byte at {', '.join(str(L) for L in result['config']['lengths'])} tokens")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+
+
+def write(result: dict[str, Any], out: Path) -> None:
+    from .bench.common import can_plot
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "frontier.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    c = result["config"]
+    lines = points_of(result)
+    head = (
+        f"# Quality per byte on {c['model']}\n\nNeedles in prose at {', '.join(map(str, c['lengths']))} tokens, {c['contexts']} "
+        f"contexts per length, {c['questions_per_context']} question(s) each (depths {', '.join(map(str, c['depths']))}, turning "
+        f"with the context), the question in the prompt; KL / top-1 against the full cache over {c['text_steps']} held-out tokens. "
+        "Bytes: each cache's allocated bytes after its answer per token, as a share of an fp32 cache "
+        f"({c['fp32_bytes_per_token']:,} bytes per token). Fixed mixes: `kind/storage`, keeping the tokens the budget affords "
+        "in that storage; `auto`: `auto:bytes=<budget>`.\n\n"
+    )
+    (out / "frontier.md").write_text(head + budget_table(lines, c["budgets"]) + "\n\nEvery point:\n\n"
+                                     + points_table(lines, c["lengths"], c["depths"]) + "\n")  # fmt: skip
+    if can_plot():
+        plot(result, out / "frontier.png")
