@@ -43,7 +43,7 @@ def test_contexts_hold_their_needles_at_their_depths(length, seed, count):
         assert span is not None
         where = (span[0] - ctx.document) / len(doc)
         assert abs(where - q.depth) < 0.1, (q.depth, where)
-        assert tokenizer.decode(q.ids).rstrip().endswith(f"The pass key for the {q.door} door is")
+        assert tokenizer.decode(q.ids).rstrip().endswith(f"The pass key for the {q.door} door:")
     # The same seed at another length asks the same questions.
     again = needles.make_context(tokenizer, length + 512, seed, count=count)
     assert [(q.door, q.key) for q in again.questions] == [(q.door, q.key) for q in ctx.questions]

@@ -10,7 +10,13 @@ A context holds one needle, a pass key for a named door, at depth 0.1, 0.5 or 0.
 (turning with the seed), or three of them at all three depths, one question each: one context then
 serves several questions (a compressed prefix reused by many requests). SmolLM2-135M tells three
 doors apart at 1K tokens (13 of 15 found with the full cache) but not at 2K (5 of 12: it answers
-another door's key), so the length sweep uses one needle per context. The prompt is the model's chat template around::
+another door's key), so the length sweep uses one needle per context.
+
+The needle and the answer's opening put the key after a colon ("... door: 39539."). With "door is
+39539" SmolLM2 at 4K tokens answered the first digit and a full stop for needles at depth 0.1 (the
+full cache found 4 of 6); with the colon it copies the whole key (9 of 9 at 4K, seeds 0-8). The
+key stays five digits, one a token: the answer's first token comes from the prompt pass, before
+any cache compresses, so a one-token key would test no cache at all. The prompt is the model's chat template around::
 
     Read the document below. ... <document> ... </document>
     Question: What is the pass key for the {door} door? Answer with the number only.
@@ -35,10 +41,10 @@ from . import tasks
 
 DEPTHS = (0.1, 0.5, 0.9)
 DOORS = ("blue", "green", "red", "amber", "violet", "silver", "copper", "white", "orange", "black")
-NEEDLE = "The pass key for the {door} door is {key}. Remember it. {key} is the pass key for the {door} door."
+NEEDLE = "The pass key for the {door} door: {key}. Remember it. {key} is the pass key for the {door} door."
 QUESTION = "Question: What is the pass key for the {door} door? Answer with the number only."
 #: The assistant's answer starts with this (as RULER primes its answers), so the key comes first.
-ANSWER = "The pass key for the {door} door is"
+ANSWER = "The pass key for the {door} door:"
 INTRO = "There is important information hidden inside a lot of irrelevant text. Find it and memorize it. I will quiz you about the important information there."
 MARK = "\x00QUESTION\x00"
 #: What KVzip's repetition asks (its context follows in the assistant's turn).
