@@ -104,6 +104,8 @@ FIELDS = {
     "finetune": {"contender": text, "seed": nonneg_int, "trained_through": text, "before_under_cache": positive_number,
                  "after_under_cache": positive_number, "before_full": positive_number, "after_full": positive_number,
                  "tokens_per_s": positive_number},
+    "mixes": {"contender": text, "spec": text, "ms_per_step": positive_number, "vs_growable": positive_number, "nbytes": positive_int,
+              "bytes_share": positive_number},
     "capacity": {"contender": text, "sessions_held": positive_int, "session_bytes": positive_int, "questions": positive_int},
     "real": {"batch": positive_int, "context": positive_int, "contender": text, "compiled": boolean},  # more: test_bench_real.py
     "resume": {

@@ -14,7 +14,7 @@ def add_bench(subparsers: argparse._SubParsersAction) -> None:
     p = add_command(subparsers, "bench", cmd_bench, suites=", ".join(SUITES))
     p.add_argument("suite", choices=SUITES, metavar="SUITE", help="one of: %(choices)s")
     add_run_options(p, "a smaller run (about two minutes on 2 cores)")
-    real = p.add_argument_group("suite real (a real pretrained model)")
+    real = p.add_argument_group("suite real (a real pretrained model; --model also for suite mixes)")
     real.add_argument("--model", default=None, metavar="NAME|DIR", help="a model name, tiny (the shipped model), or a local Hugging Face model folder (default: smollm2)")
     real.add_argument("--contexts", type=int_list, default=None, metavar="N,...", help="context lengths (default: 1024,4096,8192; --quick 1024)")
     real.add_argument("--batches", type=int_list, default=None, metavar="N,...", help="batch sizes (default: 1,4,8,16; --quick 1,8)")
@@ -38,7 +38,7 @@ def add_bench(subparsers: argparse._SubParsersAction) -> None:
 
 #: Which suites take each suite-specific option.
 SUITE_OPTIONS = {
-    "model": ("real",), "contexts": ("real",), "batches": ("real",), "prefill_dir": ("real",), "contenders": ("real", "engine", "serve"),
+    "model": ("real", "mixes"), "contexts": ("real",), "batches": ("real",), "prefill_dir": ("real",), "contenders": ("real", "engine", "serve"),
     "shapes": ("attention",), "workloads": ("prompt",), "arrivals": ("engine",), "clients": ("serve",),
 }  # fmt: skip
 
