@@ -16,6 +16,15 @@ attention over further keys (a quantized layer's exact tail) by those log-sum-ex
 ``paged_decode_attention`` is the same pass for a decode step of many sequences whose coded blocks
 lie in a pool (each read through its block table), each with an exact tail block.
 
+An eviction layer's coded slots (``layers/slots.py``) keep keys per token too, in groups of channels
+like the values, so that a slot can be overwritten alone: ``token_key_scores`` and
+``token_decode_attention`` are ``key_scores`` and ``decode_attention`` for such keys (scores as
+``sum_g scale_g (q_g . codes_g) + minimum_g sum(q_g)`` per token); ``weighted_values`` serves their
+values as it is.
+
+Scales and minimums may come in the model's dtype: the library reads float32, so others are
+converted first (a copy of ``D / group`` numbers a token, small beside the codes).
+
 The library functions return None when the library is off or cannot build, or the shapes are
 beyond it (more than ``MAX_ROWS`` rows, head dims over ``MAX_DIM``): the caller then takes the pure
 PyTorch path, which dequantizes a block at a time.
@@ -50,6 +59,12 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         [ptr] * 14 + [i64, i64] + [i32] * 6 + [i64] * 3 + [i64] * 14 + [i64, ctypes.c_float, ctypes.c_float, i32]
     )
     lib.kv_paged_coded_decode.restype = i32
+    lib.kv_token_coded_key_scores.argtypes = lib.kv_coded_key_scores.argtypes
+    lib.kv_token_coded_key_scores.restype = i32
+    lib.kv_token_coded_decode_attention.argtypes = (
+        [ptr] * 9 + [i64, i64] + [i32] * 6 + [i64] + [i64] * 8 + [i64, ctypes.c_float, ctypes.c_float, i32]
+    )
+    lib.kv_token_coded_decode_attention.restype = i32
     return lib
 
 
@@ -192,6 +207,110 @@ def decode_attention(
         tail_len, vcoded,
     )  # fmt: skip
     return None if failed else (out, lse)
+
+
+def token_key_scores(
+    query: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int, group: int, tokens: int
+) -> torch.Tensor | None:
+    """Scores float32 ``[B, Hkv, R, tokens]`` of query rows ``[B, Hkv, R, D]`` against the first
+    ``tokens`` keys held as per-token codes ``[B, Hkv, C, D * bits / 8]`` in groups of ``group``
+    channels, with scale and minimum ``[B, Hkv, C, D / group]`` (``C >= tokens``: a store's whole
+    buffers, of which no view is taken). None: see the module docstring."""
+    batch, heads, rows, dim = query.shape
+    lib = library()
+    if lib is None or not _token_keys_fit(query, (codes, scale, minimum), bits, group, tokens):
+        return None
+    out = torch.empty(batch, heads, rows, tokens, dtype=torch.float32)
+    if out.numel() == 0:
+        return out
+    q = query.detach().float().contiguous()
+    codes = _inner_contiguous(codes)
+    scale, minimum = _same_strides(scale, minimum)
+    threads = torch.get_num_threads()
+    chunk = task_chunk(tokens, batch * heads, threads, _TASKS_PER_THREAD, _MIN_CHUNK)
+    failed = lib.kv_token_coded_key_scores(
+        q.data_ptr(), codes.data_ptr(), scale.data_ptr(), minimum.data_ptr(), out.data_ptr(),
+        batch, heads, rows, dim, group, bits, tokens,
+        codes.stride(0), codes.stride(1), scale.stride(0), scale.stride(1),
+        out.stride(0), out.stride(1), out.stride(2), chunk, threads,
+    )  # fmt: skip
+    return None if failed else out
+
+
+def token_decode_attention(
+    query: torch.Tensor,
+    keys: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    values: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    bits: int,
+    tokens: int,
+    key_group: int,
+    value_group: int,
+    scale: float,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``decode_attention`` over the first ``tokens`` slots of a store whose keys are coded per token:
+    ``(out, lse)``, the normalised output float32 ``[B, Hkv, R, Dv]`` of query rows ``[B, Hkv, R, D]``
+    and the log-sum-exp float32 ``[B, Hkv, R]`` of each row's scores ``scale * q . k`` (capped as
+    ``softcap * tanh(score / softcap)`` when ``softcap`` is given), in one library call. ``keys``:
+    codes ``[B, Hkv, C, D * bits / 8]``, scale and minimum ``[B, Hkv, C, D / key_group]``; ``values``:
+    codes ``[B, Hkv, C, Dv * bits / 8]``, scale and minimum ``[B, Hkv, C, Dv / value_group]``
+    (``C >= tokens``: a store's whole buffers). None: see the module docstring (also for no tokens)."""
+    batch, heads, rows, dim = query.shape
+    vcodes, vscale, vmin = values
+    vdim = vcodes.shape[3] * 8 // bits
+    lib = library()
+    if (
+        lib is None
+        or tokens < 1
+        or not _token_keys_fit(query, keys, bits, key_group, tokens)
+        or not _fits(rows, vdim, bits, query.device)
+        or vcodes.shape[:2] != (batch, heads)
+        or tokens > vcodes.shape[2]
+        or value_group < 1
+        or value_group % (8 // bits)
+        or vdim % value_group
+        or vscale.shape[3] != vdim // value_group
+    ):
+        return None
+    q = query.detach().float().contiguous()
+    kcodes, vcodes = _inner_contiguous(keys[0]), _inner_contiguous(vcodes)
+    kscale, kmin = _same_strides(keys[1], keys[2])
+    vscale, vmin = _same_strides(vscale, vmin)
+    out = torch.empty(batch, heads, rows, vdim, dtype=torch.float32)
+    lse = torch.empty(batch, heads, rows, dtype=torch.float32)
+    threads = torch.get_num_threads()
+    chunk = task_chunk(tokens, batch * heads, threads, _TASKS_PER_THREAD, _MIN_CHUNK)
+    failed = lib.kv_token_coded_decode_attention(
+        q.data_ptr(), kcodes.data_ptr(), kscale.data_ptr(), kmin.data_ptr(),
+        vcodes.data_ptr(), vscale.data_ptr(), vmin.data_ptr(), out.data_ptr(), lse.data_ptr(),
+        batch, heads, rows, dim, vdim, key_group, value_group, bits, tokens,
+        kcodes.stride(0), kcodes.stride(1), kscale.stride(0), kscale.stride(1),
+        vcodes.stride(0), vcodes.stride(1), vscale.stride(0), vscale.stride(1),
+        chunk, scale, float(softcap or 0.0), threads,
+    )  # fmt: skip
+    return None if failed else (out, lse)
+
+
+def _token_keys_fit(
+    query: torch.Tensor, keys: tuple[torch.Tensor, torch.Tensor, torch.Tensor], bits: int, group: int, tokens: int
+) -> bool:
+    """Whether the library takes these query rows against the first ``tokens`` of these per-token
+    coded keys (codes, scale, minimum; see ``token_key_scores``)."""
+    codes, scale, minimum = keys
+    batch, heads, rows, dim = query.shape
+    return (
+        _fits(rows, dim, bits, query.device)
+        and codes.dtype == torch.uint8
+        and codes.dim() == scale.dim() == 4
+        and codes.shape[:2] == (batch, heads)
+        and codes.shape[3] * 8 == dim * bits
+        and group >= 1
+        and group % (8 // bits) == 0
+        and dim % group == 0
+        and scale.shape == minimum.shape == (*codes.shape[:3], dim // group)
+        and 0 <= tokens <= codes.shape[2]
+        and not (torch.is_grad_enabled() and query.requires_grad)  # the library computes no gradients
+    )
 
 
 #: Key blocks a task of ``paged_decode_attention`` takes, in tokens (a sequence's blocks are split

@@ -26,12 +26,20 @@
 // each row's normalised output and log-sum-exp. kv_paged_coded_decode is that pass for sequences whose
 // blocks lie in a pool, in the order of each one's block table (kvcache.engine.paged), with an exact
 // tail block per sequence; its tasks are (sequence, head, run of blocks).
+//
+// Keys may instead be coded per token, like values (kvcache.layers.slots, an eviction layer's slots,
+// which are overwritten one at a time): codes [B, Hkv, T, D'], scale / minimum float32
+// [B, Hkv, T, D / Gk]. Their scale folds into the unpacked codes (one multiply a channel, shared
+// by the query rows) and their minimum into each group's sum of the query,
+//   q . (c * s + z) = sum_g s_g (q_g . c_g) + z_g sum(q_g)     (per token: s, z per group),
+// in kv_token_coded_key_scores and kv_token_coded_decode_attention (the one pass over such keys).
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) && !defined(KV_NO_CLONES)
@@ -40,13 +48,15 @@
 #define KV_CLONES
 #endif
 
+#define KV_INLINE inline __attribute__((always_inline))
+
 namespace {
 
 constexpr int kMaxRows = 16;
 constexpr int kMaxDim = 512;
 
 template <int BITS>
-inline __attribute__((always_inline)) void unpack_split(const uint8_t* __restrict bytes, int dim, float* __restrict out) {
+KV_INLINE void unpack_split(const uint8_t* __restrict bytes, int dim, float* __restrict out) {
     constexpr int per_byte = 8 / BITS;
     constexpr int mask = (1 << BITS) - 1;
     const int n = dim / per_byte;
@@ -59,9 +69,9 @@ inline __attribute__((always_inline)) void unpack_split(const uint8_t* __restric
 
 // Scores of rows query rows against keys [first_block, last_block) of one (batch, head).
 template <int BITS>
-inline __attribute__((always_inline)) void key_scores_run(const float* __restrict q, int rows, int dim, int group, const uint8_t* __restrict codes,
-                    const float* __restrict scale, const float* __restrict minimum, int first_block,
-                    int last_block, float* __restrict out, int64_t out_row_stride) {
+KV_INLINE void key_scores_run(const float* __restrict q, int rows, int dim, int group, const uint8_t* __restrict codes,
+                              const float* __restrict scale, const float* __restrict minimum, int first_block,
+                              int last_block, float* __restrict out, int64_t out_row_stride) {
     constexpr int per_byte = 8 / BITS;
     const int n = dim / per_byte, packed = dim * BITS / 8;
     alignas(64) float qs[kMaxRows * kMaxDim];
@@ -97,30 +107,84 @@ inline __attribute__((always_inline)) void key_scores_run(const float* __restric
     }
 }
 
+// One token's codes coded per token (groups of `group` channels, scale [dim / group]) unpacked in
+// split order, each times its group's scale: in split order, group g of chunk j is the run
+// [j * n + g * group / per_byte, ...) of group / per_byte floats.
+template <int BITS>
+KV_INLINE void unpack_scaled(const uint8_t* __restrict bytes, const float* __restrict scale, int dim, int group,
+                             float* __restrict out) {
+    constexpr int per_byte = 8 / BITS;
+    constexpr int mask = (1 << BITS) - 1;
+    const int n = dim / per_byte, groups = dim / group, group_bytes = group / per_byte;
+    for (int j = 0; j < per_byte; ++j)
+        for (int g = 0; g < groups; ++g) {
+            const float sg = scale[g];
+            float* __restrict o = out + j * n + g * group_bytes;
+            const uint8_t* bg = bytes + g * group_bytes;
+#pragma omp simd
+            for (int i = 0; i < group_bytes; ++i) o[i] = static_cast<float>((bg[i] >> (BITS * j)) & mask) * sg;
+        }
+}
+
+// q [rows, dim] in split order, into out.
+template <int BITS>
+KV_INLINE void split_rows(const float* __restrict q, int rows, int dim, float* __restrict out) {
+    constexpr int per_byte = 8 / BITS;
+    const int n = dim / per_byte;
+    for (int r = 0; r < rows; ++r)
+        for (int j = 0; j < per_byte; ++j)
+            for (int i = 0; i < n; ++i) out[r * dim + j * n + i] = q[r * dim + per_byte * i + j];
+}
+
+// out [rows, dim / group]: each row's sum over each group of `group` channels of q [rows, dim].
+KV_INLINE void group_sums(const float* __restrict q, int rows, int dim, int group, float* __restrict out) {
+    const int groups = dim / group;
+    for (int r = 0; r < rows; ++r)
+        for (int g = 0; g < groups; ++g) {
+            float sum = 0.f;
+            for (int i = 0; i < group; ++i) sum += q[r * dim + g * group + i];
+            out[r * groups + g] = sum;
+        }
+}
+
+// Scores of rows query rows (in channel order) against tokens [first, last) of one (batch, head)
+// whose keys are coded per token in groups of `group` channels.
+template <int BITS>
+KV_INLINE void token_scores_run(const float* __restrict q, int rows, int dim, int group, const uint8_t* __restrict codes,
+                                const float* __restrict scale, const float* __restrict minimum, int first, int last,
+                                float* __restrict out, int64_t out_row_stride) {
+    const int packed = dim * BITS / 8, groups = dim / group;
+    alignas(64) float qperm[kMaxRows * kMaxDim];
+    alignas(64) float scaled[kMaxDim];
+    float qsum[kMaxRows * kMaxDim];
+    split_rows<BITS>(q, rows, dim, qperm);
+    group_sums(q, rows, dim, group, qsum);
+    for (int64_t t = first; t < last; ++t) {
+        unpack_scaled<BITS>(codes + t * packed, scale + t * groups, dim, group, scaled);
+        const float* z = minimum + t * groups;
+        for (int r = 0; r < rows; ++r) {
+            const float* __restrict qr = qperm + r * dim;
+            float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+            for (int d = 0; d < dim; ++d) acc += qr[d] * scaled[d];
+            for (int g = 0; g < groups; ++g) acc += z[g] * qsum[r * groups + g];
+            out[r * out_row_stride + t] = acc;
+        }
+    }
+}
+
 // Weighted values of tokens [first, last) of one (batch, head), added into acc [rows, dim] (split
 // order) and zacc [rows, groups].
 template <int BITS>
-inline __attribute__((always_inline)) void weighted_run(const float* __restrict p, int64_t p_row_stride, int rows, int dim, int vgroup,
-                  const uint8_t* __restrict codes, const float* __restrict scale,
-                  const float* __restrict minimum, int64_t first, int64_t last, float* __restrict acc,
-                  float* __restrict zacc) {
-    constexpr int per_byte = 8 / BITS;
-    constexpr int mask = (1 << BITS) - 1;
-    const int n = dim / per_byte, packed = dim * BITS / 8, groups = dim / vgroup;
-    const int group_bytes = vgroup / per_byte;
+KV_INLINE void weighted_run(const float* __restrict p, int64_t p_row_stride, int rows, int dim, int vgroup,
+                            const uint8_t* __restrict codes, const float* __restrict scale,
+                            const float* __restrict minimum, int64_t first, int64_t last, float* __restrict acc,
+                            float* __restrict zacc) {
+    const int packed = dim * BITS / 8, groups = dim / vgroup;
     alignas(64) float scaled[kMaxDim];
     for (int64_t t = first; t < last; ++t) {
-        const uint8_t* b = codes + t * packed;
-        const float* s = scale + t * groups;
+        unpack_scaled<BITS>(codes + t * packed, scale + t * groups, dim, vgroup, scaled);
         const float* z = minimum + t * groups;
-        for (int j = 0; j < per_byte; ++j)
-            for (int g = 0; g < groups; ++g) {
-                const float sg = s[g];
-                float* __restrict o = scaled + j * n + g * group_bytes;
-                const uint8_t* bg = b + g * group_bytes;
-#pragma omp simd
-                for (int i = 0; i < group_bytes; ++i) o[i] = static_cast<float>((bg[i] >> (BITS * j)) & mask) * sg;
-            }
         for (int r = 0; r < rows; ++r) {
             const float w = p[r * p_row_stride + t];
             if (w == 0.f) continue;  // masked keys (padding) cost no arithmetic
@@ -137,8 +201,6 @@ inline __attribute__((always_inline)) void weighted_run(const float* __restrict 
 // split them for AVX2, or emulate them with SSE2).
 typedef float v16 __attribute__((vector_size(64)));
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
-
-#define KV_INLINE inline __attribute__((always_inline))
 
 KV_INLINE v16 load16(const float* p) {
     v16 v;
@@ -241,8 +303,75 @@ KV_INLINE void key_scores_fast(const float* qperm, const float* q, int group, co
     }
 }
 
+// One token's codes coded per token, as unpack_vectors, each vector times its group's scale;
+// gidx[k]: the group of vector k (vector_groups).
+template <int BITS, int NV>
+KV_INLINE void unpack_scaled_vectors(const uint8_t* __restrict bytes, const float* scale, const int* gidx, v16* out) {
+    unpack_vectors<BITS, NV>(bytes, out);
+    for (int k = 0; k < NV; ++k) out[k] *= scale[gidx[k]];
+}
+
+// gidx[k]: the group of vector k of a token in split order, for groups of `group` channels whose
+// codes take a multiple of 16 bytes (no vector straddles two groups).
+template <int BITS, int NV>
+KV_INLINE void vector_groups(int group, int* gidx) {
+    constexpr int per_byte = 8 / BITS, chunks = NV / per_byte;
+    const int group_bytes = group / per_byte;
+    for (int k = 0; k < NV; ++k) gidx[k] = (k % chunks) * 16 / group_bytes;
+}
+
+// One per-token coded key against R rows (q: the rows in split order; qsum [R, groups]: their sums
+// per channel group): prod[r], whose lanes sum to row r's score less bias[r], the minimums' share.
+template <int BITS, int NV, int R>
+KV_INLINE void token_products(const v16 (&q)[R][NV], const float* qsum, int groups, const int* gidx,
+                              const uint8_t* bytes, const float* scale, const float* minimum, v16* prod, float* bias) {
+    v16 cf[NV];
+    unpack_scaled_vectors<BITS, NV>(bytes, scale, gidx, cf);
+    for (int r = 0; r < R; ++r) {
+        v16 a = q[r][0] * cf[0];
+        for (int k = 1; k < NV; ++k) a += q[r][k] * cf[k];
+        prod[r] = a;
+        float b = 0.f;
+        for (int g = 0; g < groups; ++g) b += minimum[g] * qsum[r * groups + g];
+        bias[r] = b;
+    }
+}
+
+// Scores of R rows (qperm: in split order; qsum [R, groups]: their sums per channel group) against
+// per-token coded keys [first, last), 16 tokens' sums at a time; gidx as for vector_groups.
+template <int BITS, int NV, int R>
+KV_INLINE void token_scores_fast(const float* qperm, const float* qsum, int groups, const int* gidx,
+                                 const uint8_t* codes, const float* scale, const float* minimum, int first, int last,
+                                 float* out, int64_t out_row) {
+    constexpr int dim = NV * 16, packed = dim * BITS / 8;
+    v16 q[R][NV];
+    for (int r = 0; r < R; ++r)
+        for (int k = 0; k < NV; ++k) q[r][k] = load16(qperm + r * dim + 16 * k);
+    v16 prod[R];
+    float bias[R];
+    int64_t t = first;
+    for (; t + 16 <= last; t += 16) {
+        v16 partial[R][16], biases[R];
+        for (int i = 0; i < 16; ++i) {
+            const int64_t u = t + i;
+            token_products<BITS, NV, R>(q, qsum, groups, gidx, codes + u * packed, scale + u * groups,
+                                        minimum + u * groups, prod, bias);
+            for (int r = 0; r < R; ++r) partial[r][i] = prod[r], biases[r][i] = bias[r];
+        }
+        for (int r = 0; r < R; ++r) {
+            const v16 sums = transposed_sums(partial[r]) + biases[r];
+            std::memcpy(out + r * out_row + t, &sums, sizeof sums);
+        }
+    }
+    for (; t < last; ++t) {
+        token_products<BITS, NV, R>(q, qsum, groups, gidx, codes + t * packed, scale + t * groups, minimum + t * groups,
+                                    prod, bias);
+        for (int r = 0; r < R; ++r) out[r * out_row + t] = hsum(prod[r]) + bias[r];
+    }
+}
+
 // Weighted values of tokens [first, last) for R rows, added into acc [R, dim] (split order) and
-// zacc [R, groups]; gidx[k]: the group of vector k.
+// zacc [R, groups]; gidx as for vector_groups.
 template <int BITS, int NV, int R>
 KV_INLINE void weighted_fast(const float* p, int64_t p_row, int groups, const int* gidx, const uint8_t* codes,
                              const float* scale, const float* minimum, int64_t first, int64_t last, float* acc,
@@ -260,10 +389,8 @@ KV_INLINE void weighted_fast(const float* p, int64_t p_row, int groups, const in
         }
         if (!any) continue;  // masked keys (padding) cost no arithmetic
         v16 cf[NV];
-        unpack_vectors<BITS, NV>(codes + t * packed, cf);
-        const float* s = scale + t * groups;
+        unpack_scaled_vectors<BITS, NV>(codes + t * packed, scale + t * groups, gidx, cf);
         const float* z = minimum + t * groups;
-        for (int k = 0; k < NV; ++k) cf[k] *= s[gidx[k]];
         for (int r = 0; r < R; ++r) {
             for (int k = 0; k < NV; ++k) a[r][k] += w[r] * cf[k];
             for (int g = 0; g < groups; ++g) zacc[r * groups + g] += w[r] * z[g];
@@ -273,46 +400,66 @@ KV_INLINE void weighted_fast(const float* p, int64_t p_row, int groups, const in
         for (int k = 0; k < NV; ++k) std::memcpy(acc + r * dim + 16 * k, &a[r][k], sizeof(v16));
 }
 
+// fn(std::integral_constant<int, R>{}, r0) for the rows [r0, r0 + R) of a call: runs of 4 rows, then
+// the 3, 2 or 1 left, so each fast path keeps a compile-time number of rows in registers.
+template <class Fn>
+KV_INLINE void in_row_runs(int rows, Fn&& fn) {
+    for (int r0 = 0; r0 < rows;) {
+        const int left = rows - r0;
+        if (left >= 4) fn(std::integral_constant<int, 4>{}, r0), r0 += 4;
+        else if (left == 3) fn(std::integral_constant<int, 3>{}, r0), r0 += 3;
+        else if (left == 2) fn(std::integral_constant<int, 2>{}, r0), r0 += 2;
+        else fn(std::integral_constant<int, 1>{}, r0), r0 += 1;
+    }
+}
+
+// (The lambdas below are always inlined, so they are built for each clone's instruction set.)
 template <int BITS, int NV>
 KV_INLINE void key_scores_rows(const float* q, int rows, int group, const uint8_t* codes, const float* scale,
                                const float* minimum, int first, int last, float* out, int64_t out_row) {
-    constexpr int dim = NV * 16, per_byte = 8 / BITS, n = dim / per_byte;
+    constexpr int dim = NV * 16;
     alignas(64) float qperm[kMaxRows * dim];
-    for (int r = 0; r < rows; ++r)
-        for (int j = 0; j < per_byte; ++j)
-            for (int i = 0; i < n; ++i) qperm[r * dim + j * n + i] = q[r * dim + per_byte * i + j];
-    for (int r0 = 0; r0 < rows;) {
-        const int left = rows - r0;
-        const float *qp = qperm + r0 * dim, *qr = q + r0 * dim;
-        float* o = out + r0 * out_row;
-        if (left >= 4) key_scores_fast<BITS, NV, 4>(qp, qr, group, codes, scale, minimum, first, last, o, out_row), r0 += 4;
-        else if (left == 3) key_scores_fast<BITS, NV, 3>(qp, qr, group, codes, scale, minimum, first, last, o, out_row), r0 += 3;
-        else if (left == 2) key_scores_fast<BITS, NV, 2>(qp, qr, group, codes, scale, minimum, first, last, o, out_row), r0 += 2;
-        else key_scores_fast<BITS, NV, 1>(qp, qr, group, codes, scale, minimum, first, last, o, out_row), r0 += 1;
-    }
+    split_rows<BITS>(q, rows, dim, qperm);
+    in_row_runs(rows, [&](auto R, int r0) __attribute__((always_inline)) {
+        key_scores_fast<BITS, NV, decltype(R)::value>(qperm + r0 * dim, q + r0 * dim, group, codes, scale, minimum,
+                                                      first, last, out + r0 * out_row, out_row);
+    });
+}
+
+template <int BITS, int NV>
+KV_INLINE void token_scores_rows(const float* q, int rows, int group, const uint8_t* codes, const float* scale,
+                                 const float* minimum, int first, int last, float* out, int64_t out_row) {
+    constexpr int dim = NV * 16;
+    const int groups = dim / group;
+    alignas(64) float qperm[kMaxRows * dim];
+    float qsum[kMaxRows * dim];
+    int gidx[NV];
+    split_rows<BITS>(q, rows, dim, qperm);
+    group_sums(q, rows, dim, group, qsum);
+    vector_groups<BITS, NV>(group, gidx);
+    in_row_runs(rows, [&](auto R, int r0) __attribute__((always_inline)) {
+        token_scores_fast<BITS, NV, decltype(R)::value>(qperm + r0 * dim, qsum + r0 * groups, groups, gidx, codes,
+                                                        scale, minimum, first, last, out + r0 * out_row, out_row);
+    });
 }
 
 template <int BITS, int NV>
 KV_INLINE void weighted_rows(const float* p, int64_t p_row, int rows, int vgroup, const uint8_t* codes,
                              const float* scale, const float* minimum, int64_t first, int64_t last, float* acc,
                              float* zacc) {
-    constexpr int dim = NV * 16, per_byte = 8 / BITS, chunks = NV / per_byte;
-    const int groups = dim / vgroup, group_bytes = vgroup / per_byte;
+    constexpr int dim = NV * 16;
+    const int groups = dim / vgroup;
     int gidx[NV];
-    for (int k = 0; k < NV; ++k) gidx[k] = (k % chunks) * 16 / group_bytes;
-    for (int r0 = 0; r0 < rows;) {
-        const int left = rows - r0;
-        const float* pr = p + r0 * p_row;
-        float *ar = acc + r0 * dim, *zr = zacc + r0 * groups;
-        if (left >= 4) weighted_fast<BITS, NV, 4>(pr, p_row, groups, gidx, codes, scale, minimum, first, last, ar, zr), r0 += 4;
-        else if (left == 3) weighted_fast<BITS, NV, 3>(pr, p_row, groups, gidx, codes, scale, minimum, first, last, ar, zr), r0 += 3;
-        else if (left == 2) weighted_fast<BITS, NV, 2>(pr, p_row, groups, gidx, codes, scale, minimum, first, last, ar, zr), r0 += 2;
-        else weighted_fast<BITS, NV, 1>(pr, p_row, groups, gidx, codes, scale, minimum, first, last, ar, zr), r0 += 1;
-    }
+    vector_groups<BITS, NV>(vgroup, gidx);
+    in_row_runs(rows, [&](auto R, int r0) __attribute__((always_inline)) {
+        weighted_fast<BITS, NV, decltype(R)::value>(p + r0 * p_row, p_row, groups, gidx, codes, scale, minimum, first,
+                                                    last, acc + r0 * dim, zacc + r0 * groups);
+    });
 }
 
 // One clone per instruction set for each width (the runtime picks the best the CPU has): the fast
-// paths for head dims 64 and 128 (value groups a multiple of 16 bytes), the plain loops otherwise.
+// paths for head dims 64 and 128 (per-token groups a multiple of 16 bytes), the plain loops otherwise.
+// token_scores_* are the scores of keys coded per token (first, last: tokens).
 #define KV_WRAP(BITS)                                                                                   \
     KV_CLONES void key_scores_##BITS(const float* q, int rows, int dim, int group, const uint8_t* codes,   \
                                      const float* scale, const float* minimum, int first, int last,       \
@@ -328,6 +475,14 @@ KV_INLINE void weighted_rows(const float* p, int64_t p_row, int rows, int vgroup
         if (dim == 64 && whole) weighted_rows<BITS, 4>(p, p_row, rows, vgroup, codes, scale, minimum, first, last, acc, zacc); \
         else if (dim == 128 && whole) weighted_rows<BITS, 8>(p, p_row, rows, vgroup, codes, scale, minimum, first, last, acc, zacc); \
         else weighted_run<BITS>(p, p_row, rows, dim, vgroup, codes, scale, minimum, first, last, acc, zacc); \
+    }                                                                                                     \
+    KV_CLONES void token_scores_##BITS(const float* q, int rows, int dim, int group, const uint8_t* codes, \
+                                       const float* scale, const float* minimum, int first, int last,     \
+                                       float* out, int64_t out_row) {                                     \
+        const bool whole = (group / (8 / BITS)) % 16 == 0;                                                \
+        if (dim == 64 && whole) token_scores_rows<BITS, 4>(q, rows, group, codes, scale, minimum, first, last, out, out_row); \
+        else if (dim == 128 && whole) token_scores_rows<BITS, 8>(q, rows, group, codes, scale, minimum, first, last, out, out_row); \
+        else token_scores_run<BITS>(q, rows, dim, group, codes, scale, minimum, first, last, out, out_row); \
     }
 KV_WRAP(8)
 KV_WRAP(4)
@@ -346,18 +501,28 @@ using WeightedFn = void (*)(const float*, int64_t, int, int, int, const uint8_t*
                             int64_t, int64_t, float*, float*);
 
 struct CodedKernels {
-    ScoresFn scores;
-    WeightedFn weighted;
+    ScoresFn scores;        // keys per channel
+    WeightedFn weighted;    // values per token
+    ScoresFn token_scores;  // keys per token
 };
 
 CodedKernels kernels_for(int bits) {
-    if (bits == 8) return {key_scores_8, weighted_8};
-    if (bits == 4) return {key_scores_4, weighted_4};
-    return {key_scores_2, weighted_2};
+    if (bits == 8) return {key_scores_8, weighted_8, token_scores_8};
+    if (bits == 4) return {key_scores_4, weighted_4, token_scores_4};
+    return {key_scores_2, weighted_2, token_scores_2};
 }
 
+// How a call's keys are coded, for the one pass: `scores` is handed `group` and a key block's codes,
+// scales and minimums, each block having scale_floats of them. Per channel over blocks of G tokens:
+// (scores, G, D); per token in groups of Gk channels, a "block" being one token: (token_scores, Gk, D / Gk).
+struct KeyLayout {
+    ScoresFn scores;
+    int group;
+    int64_t scale_floats;
+};
+
 // Sizes of one call. Key codes take kpacked bytes a token, value codes vpacked; values have
-// vgroups (scale, minimum) pairs a token.
+// vgroups (scale, minimum) pairs a token; a key block has `group` tokens (1 for per-token keys).
 struct Dims {
     int rows, dim, vdim, group, vgroup, bits;
     int64_t kpacked, vpacked, vgroups;
@@ -483,15 +648,17 @@ KV_INLINE void attend_tiles(const Dims& d, int64_t first, int64_t last, int64_t 
     }
 }
 
-// Key blocks [first_block, last_block) of one (batch, head), tile_blocks at a time, into st.
-// q: the rows already scaled; scores: a buffer of rows x (tile_blocks * group) floats.
-void attend_chunk(const CodedKernels& kern, const float* q, const HeadCodes& h, const Dims& d, int64_t first_block,
-                  int64_t last_block, int64_t tile_blocks, float softcap, float* scores, ChunkState& st) {
+// Key blocks [first_block, last_block) of one (batch, head), coded as `keys` says, tile_blocks at a
+// time, into st. q: the rows already scaled; scores: a buffer of rows x (tile_blocks * group) floats.
+void attend_chunk(const CodedKernels& kern, const KeyLayout& keys, const float* q, const HeadCodes& h, const Dims& d,
+                  int64_t first_block, int64_t last_block, int64_t tile_blocks, float softcap, float* scores,
+                  ChunkState& st) {
     attend_tiles(
         d, first_block, last_block, tile_blocks, softcap, scores, st,
         [&](int64_t blk, int blocks, float* out, int64_t width) {
-            kern.scores(q, d.rows, d.dim, d.group, h.kcodes + blk * d.group * d.kpacked, h.kscale + blk * d.dim,
-                        h.kmin + blk * d.dim, 0, blocks, out, width);
+            const int64_t s0 = blk * keys.scale_floats;
+            keys.scores(q, d.rows, d.dim, keys.group, h.kcodes + blk * d.group * d.kpacked, h.kscale + s0, h.kmin + s0,
+                        0, blocks, out, width);
         },
         [&](int64_t blk, int blocks, const float* p, int64_t width) {
             const int64_t t0 = blk * d.group;
@@ -500,10 +667,11 @@ void attend_chunk(const CodedKernels& kern, const float* q, const HeadCodes& h, 
         });
 }
 
-// A pool of coded blocks (kvcache.engine.paged): keys codes [NB, Hkv, G, D'], scale / minimum
-// [NB, Hkv, D]; values codes [NB, Hkv, G, Dv'], scale / minimum [NB, Hkv, G, Dv / Gv]; inner dims
-// contiguous, block and head strides in elements (scale and minimum share theirs).
-struct CodedPool {
+// Coded keys and values [N, Hkv, ...], inner dims contiguous, with strides in elements for the first
+// dim and the head (scale and minimum share theirs): a batch's rows (the one pass over a store), or a
+// pool of coded blocks (kvcache.engine.paged): keys codes [NB, Hkv, G, D'], scale / minimum
+// [NB, Hkv, D]; values codes [NB, Hkv, G, Dv'], scale / minimum [NB, Hkv, G, Dv / Gv].
+struct CodedTensors {
     const uint8_t* kcodes;
     const float* kscale;
     const float* kmin;
@@ -512,7 +680,7 @@ struct CodedPool {
     const float* vmin;
     int64_t kcodes_blk, kcodes_h, kscale_blk, kscale_h, vcodes_blk, vcodes_h, vscale_blk, vscale_h;
 
-    HeadCodes block(int64_t id, int64_t h) const {
+    HeadCodes at(int64_t id, int64_t h) const {
         const int64_t k = id * kscale_blk + h * kscale_h, v = id * vscale_blk + h * vscale_h;
         return {kcodes + id * kcodes_blk + h * kcodes_h, kscale + k, kmin + k,
                 vcodes + id * vcodes_blk + h * vcodes_h, vscale + v, vmin + v};
@@ -521,20 +689,20 @@ struct CodedPool {
 
 // Table entries [first, last) of one (sequence, head) (table: the sequence's block ids), as attend_chunk;
 // the blocks lie anywhere in the pool, so each is scored and weighted on its own.
-void attend_paged(const CodedKernels& kern, const float* q, const CodedPool& pool, const int32_t* table, int64_t h,
+void attend_paged(const CodedKernels& kern, const float* q, const CodedTensors& pool, const int32_t* table, int64_t h,
                   const Dims& d, int64_t first, int64_t last, int64_t tile_blocks, float softcap, float* scores,
                   ChunkState& st) {
     attend_tiles(
         d, first, last, tile_blocks, softcap, scores, st,
         [&](int64_t blk, int blocks, float* out, int64_t width) {
             for (int i = 0; i < blocks; ++i) {
-                const HeadCodes b = pool.block(table[blk + i], h);
+                const HeadCodes b = pool.at(table[blk + i], h);
                 kern.scores(q, d.rows, d.dim, d.group, b.kcodes, b.kscale, b.kmin, 0, 1, out + i * d.group, width);
             }
         },
         [&](int64_t blk, int blocks, const float* p, int64_t width) {
             for (int i = 0; i < blocks; ++i) {
-                const HeadCodes b = pool.block(table[blk + i], h);
+                const HeadCodes b = pool.at(table[blk + i], h);
                 kern.weighted(p + i * d.group, width, d.rows, d.vdim, d.vgroup, b.vcodes, b.vscale, b.vmin, 0, d.group,
                               st.acc, st.zacc);
             }
@@ -606,6 +774,68 @@ void merge_chunks(float* states, int64_t chunks, const Dims& d, float* out, floa
     }
 }
 
+// Whether the library takes a one-pass decode of these sizes (per-token values in groups of vgroup).
+bool decode_sizes_ok(int rows, int dim, int vdim, int vgroup, int bits) {
+    if (bits != 8 && bits != 4 && bits != 2) return false;
+    const int per_byte = 8 / bits;
+    return rows >= 1 && rows <= kMaxRows && dim >= 1 && dim <= kMaxDim && vdim >= 1 && vdim <= kMaxDim &&
+           dim % per_byte == 0 && vgroup >= 1 && vdim % vgroup == 0 && vgroup % per_byte == 0;
+}
+
+// Whether keys of dim channels coded per token in groups of `group` have sizes the library takes.
+bool token_keys_ok(int dim, int group, int bits) {
+    return (bits == 8 || bits == 4 || bits == 2) && dim >= 1 && dim <= kMaxDim && group >= 1 && dim % group == 0 &&
+           group % (8 / bits) == 0;
+}
+
+// Scores of every (batch row, KV head)'s rows of q (float32 contiguous [B, H, rows, D]) against its
+// `units` key blocks (per-channel keys: scores = key_scores_*) or tokens (per-token keys:
+// token_scores_*), in tasks of `chunk` units spread over the threads.
+void scores_in_chunks(ScoresFn scores, const float* q, const uint8_t* codes, const float* scale, const float* minimum,
+                      float* out, int64_t batch, int64_t heads, int rows, int dim, int group, int64_t units,
+                      int64_t codes_b, int64_t codes_h, int64_t scale_b, int64_t scale_h, int64_t out_b, int64_t out_h,
+                      int64_t out_row, int64_t chunk, int threads) {
+    const int64_t chunks = (units + chunk - 1) / chunk, tasks = batch * heads * chunks;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t task = 0; task < tasks; ++task) {
+        const int64_t bh = task / chunks, c = task % chunks, b = bh / heads, h = bh % heads;
+        const int first = static_cast<int>(c * chunk), last = static_cast<int>(std::min(units, c * chunk + chunk));
+        const int64_t sh = b * scale_b + h * scale_h;
+        scores(q + bh * rows * dim, rows, dim, group, codes + b * codes_b + h * codes_h, scale + sh, minimum + sh, first,
+               last, out + b * out_b + h * out_h, out_row);
+    }
+}
+
+// The frame of a one-pass decode: `chunks` tasks per (batch row, KV head), each folding its share of
+// the keys into a ChunkState of its own through work(b, h, chunk, q, scores, st) (q: the head's rows
+// already scaled; scores: a per-thread buffer of score_floats), then each head's chunks merged into
+// out [B, H, rows, vdim] and lse [B, H, rows] (q float32 contiguous [B, H, rows, dim]).
+template <class Work>
+void decode_in_chunks(const float* q, float scale, int64_t batch, int64_t heads, int64_t chunks, const Dims& d,
+                      int64_t score_floats, int threads, float* out, float* lse, Work work) {
+    const int64_t tasks = batch * heads * chunks, part = ChunkState::floats(d);
+    const int64_t q_rows = static_cast<int64_t>(d.rows) * d.dim;
+    std::vector<float> states(static_cast<size_t>(tasks * part));
+    // The scaled queries are few floats: made before the parallel region, so the region has one
+    // barrier (tasks, then the merge) -- each barrier can cost a scheduler quantum on a busy machine.
+    std::vector<float> scaled(static_cast<size_t>(batch * heads * q_rows));
+    for (int64_t i = 0; i < batch * heads * q_rows; ++i) scaled[i] = q[i] * scale;
+#pragma omp parallel num_threads(threads)
+    {
+        std::vector<float> scores(static_cast<size_t>(score_floats));
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < tasks; ++task) {
+            const int64_t bh = task / chunks;
+            ChunkState st = ChunkState::at(states.data() + task * part, d);
+            st.clear(d);
+            work(bh / heads, bh % heads, task % chunks, scaled.data() + bh * q_rows, scores.data(), st);
+        }
+#pragma omp for schedule(static)
+        for (int64_t bh = 0; bh < batch * heads; ++bh)
+            merge_chunks(states.data() + bh * chunks * part, chunks, d, out + bh * d.rows * d.vdim, lse + bh * d.rows);
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -617,22 +847,21 @@ int kv_coded_key_scores(const float* q, const uint8_t* codes, const float* scale
                         int64_t codes_b, int64_t codes_h, int64_t scale_b, int64_t scale_h, int64_t out_b,
                         int64_t out_h, int64_t out_row, int64_t chunk_blocks, int threads) {
     if (rows < 1 || rows > kMaxRows || dim < 1 || dim > kMaxDim || dim % (8 / bits)) return 1;
-    const int64_t chunks = (nblk + chunk_blocks - 1) / chunk_blocks;
-    const int64_t tasks = batch * heads * chunks;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t task = 0; task < tasks; ++task) {
-        const int64_t bh = task / chunks, c = task % chunks, b = bh / heads, h = bh % heads;
-        const int first = static_cast<int>(c * chunk_blocks);
-        const int last = static_cast<int>(c * chunk_blocks + chunk_blocks < nblk ? c * chunk_blocks + chunk_blocks : nblk);
-        const float* qb = q + bh * rows * dim;
-        const uint8_t* cb = codes + b * codes_b + h * codes_h;
-        const float* sb = scale + b * scale_b + h * scale_h;
-        const float* zb = minimum + b * scale_b + h * scale_h;
-        float* ob = out + b * out_b + h * out_h;
-        if (bits == 8) key_scores_8(qb, rows, dim, group, cb, sb, zb, first, last, ob, out_row);
-        else if (bits == 4) key_scores_4(qb, rows, dim, group, cb, sb, zb, first, last, ob, out_row);
-        else key_scores_2(qb, rows, dim, group, cb, sb, zb, first, last, ob, out_row);
-    }
+    scores_in_chunks(kernels_for(bits).scores, q, codes, scale, minimum, out, batch, heads, rows, dim, group, nblk,
+                     codes_b, codes_h, scale_b, scale_h, out_b, out_h, out_row, chunk_blocks, threads);
+    return 0;
+}
+
+// scores[b, h, r, t] = q[b, h, r] . key(b, h, t) for tokens [0, tokens), keys coded per token in
+// groups of `group` channels: codes [B, H, T, D'], scale / minimum float32 [B, H, T, D / group] (inner
+// dims contiguous). q float32 contiguous [B, H, rows, D]; out float32 with the given strides.
+int kv_token_coded_key_scores(const float* q, const uint8_t* codes, const float* scale, const float* minimum,
+                              float* out, int64_t batch, int64_t heads, int rows, int dim, int group, int bits,
+                              int64_t tokens, int64_t codes_b, int64_t codes_h, int64_t scale_b, int64_t scale_h,
+                              int64_t out_b, int64_t out_h, int64_t out_row, int64_t chunk_tokens, int threads) {
+    if (rows < 1 || rows > kMaxRows || !token_keys_ok(dim, group, bits) || tokens < 0 || chunk_tokens < 1) return 1;
+    scores_in_chunks(kernels_for(bits).token_scores, q, codes, scale, minimum, out, batch, heads, rows, dim, group,
+                     tokens, codes_b, codes_h, scale_b, scale_h, out_b, out_h, out_row, chunk_tokens, threads);
     return 0;
 }
 
@@ -703,55 +932,65 @@ int kv_coded_decode_attention(const float* q, const uint8_t* kcodes, const float
                               int64_t vscale_h, int64_t chunk_blocks, float scale, float softcap, int threads,
                               const float* tail_k, int64_t tk_b, int64_t tk_h, int64_t tk_t, const float* tail_v,
                               int64_t tv_b, int64_t tv_h, int64_t tv_t, int64_t tail_len, int64_t tail_vcoded) {
-    if (bits != 8 && bits != 4 && bits != 2) return 1;
+    if (!decode_sizes_ok(rows, dim, vdim, vgroup, bits) || group < 1 || nblk < 1 || chunk_blocks < 1) return 1;
     if (tail_len < 0 || tail_vcoded < 0 || tail_vcoded > tail_len || (tail_len > 0 && tail_k == nullptr) ||
         (tail_len > tail_vcoded && tail_v == nullptr))
         return 1;
     const int per_byte = 8 / bits;
-    if (rows < 1 || rows > kMaxRows || dim < 1 || dim > kMaxDim || vdim < 1 || vdim > kMaxDim || dim % per_byte ||
-        group < 1 || vgroup < 1 || vdim % vgroup || vgroup % per_byte || nblk < 1 || chunk_blocks < 1)
-        return 1;
     const Dims d{rows, dim, vdim, group, vgroup, bits, dim / per_byte, vdim / per_byte, vdim / vgroup};
     const CodedKernels kern = kernels_for(bits);
+    const KeyLayout keys{kern.scores, group, dim};
+    const CodedTensors store{kcodes,   kscale,   kmin,     vcodes,   vscale,   vmin,     kcodes_b, kcodes_h,
+                             kscale_b, kscale_h, vcodes_b, vcodes_h, vscale_b, vscale_h};
     const int64_t coded_chunks = (nblk + chunk_blocks - 1) / chunk_blocks;
-    const int64_t chunks = coded_chunks + (tail_len > 0 ? 1 : 0), tasks = batch * heads * chunks;
     const int64_t tile_blocks = std::max<int64_t>(1, kTileTokens / group);
-    const int64_t part = ChunkState::floats(d), q_rows = static_cast<int64_t>(rows) * dim;
-    std::vector<float> states(static_cast<size_t>(tasks * part));
-    // The scaled queries are few floats: made before the parallel region, so the region has one
-    // barrier (tasks, then the merge) -- each barrier can cost a scheduler quantum on a busy machine.
-    std::vector<float> scaled(static_cast<size_t>(batch * heads * q_rows));
-    for (int64_t i = 0; i < batch * heads * q_rows; ++i) scaled[i] = q[i] * scale;
-#pragma omp parallel num_threads(threads)
-    {
-        std::vector<float> scores(static_cast<size_t>(rows * tile_blocks * group));
-#pragma omp for schedule(static)
-        for (int64_t task = 0; task < tasks; ++task) {
-            const int64_t bh = task / chunks, c = task % chunks, b = bh / heads, h = bh % heads;
-            const HeadCodes codes{kcodes + b * kcodes_b + h * kcodes_h, kscale + b * kscale_b + h * kscale_h,
-                                  kmin + b * kscale_b + h * kscale_h,   vcodes + b * vcodes_b + h * vcodes_h,
-                                  vscale + b * vscale_b + h * vscale_h, vmin + b * vscale_b + h * vscale_h};
-            ChunkState st = ChunkState::at(states.data() + task * part, d);
-            st.clear(d);
-            if (c == coded_chunks) {  // the exact tail: one more chunk
-                const ExactTail tail{tail_k + b * tk_b + h * tk_h, tk_t, tail_v == nullptr ? nullptr : tail_v + b * tv_b + h * tv_h,
-                                     tv_t, nblk * group, tail_len, tail_vcoded};
-                attend_tail(kern, scaled.data() + bh * q_rows, codes, tail, d, tile_blocks * group, softcap, scores.data(), st);
-                continue;
-            }
-            const int64_t first = c * chunk_blocks, last = std::min(nblk, first + chunk_blocks);
-            attend_chunk(kern, scaled.data() + bh * q_rows, codes, d, first, last, tile_blocks, softcap,
-                         scores.data(), st);
-        }
-#pragma omp for schedule(static)
-        for (int64_t bh = 0; bh < batch * heads; ++bh)
-            merge_chunks(states.data() + bh * chunks * part, chunks, d, out + bh * rows * vdim, lse + bh * rows);
-    }
+    decode_in_chunks(q, scale, batch, heads, coded_chunks + (tail_len > 0 ? 1 : 0), d, rows * tile_blocks * group,
+                     threads, out, lse,
+                     [&](int64_t b, int64_t h, int64_t c, const float* qs, float* scores, ChunkState& st) {
+                         const HeadCodes codes = store.at(b, h);
+                         if (c == coded_chunks) {  // the exact tail: one more chunk
+                             const ExactTail tail{tail_k + b * tk_b + h * tk_h, tk_t,
+                                                  tail_v == nullptr ? nullptr : tail_v + b * tv_b + h * tv_h, tv_t,
+                                                  nblk * group, tail_len, tail_vcoded};
+                             attend_tail(kern, qs, codes, tail, d, tile_blocks * group, softcap, scores, st);
+                             return;
+                         }
+                         const int64_t first = c * chunk_blocks, last = std::min(nblk, first + chunk_blocks);
+                         attend_chunk(kern, keys, qs, codes, d, first, last, tile_blocks, softcap, scores, st);
+                     });
+    return 0;
+}
+
+// The whole attention, as kv_coded_decode_attention (out, lse; scale, softcap), of query rows q over
+// the first `tokens` tokens of a store whose keys are coded per token like its values: keys codes
+// [B, H, T, D'], scale / minimum float32 [B, H, T, D / group]; values as above. Tasks: (batch, head,
+// chunk_tokens tokens).
+int kv_token_coded_decode_attention(const float* q, const uint8_t* kcodes, const float* kscale, const float* kmin,
+                                    const uint8_t* vcodes, const float* vscale, const float* vmin, float* out,
+                                    float* lse, int64_t batch, int64_t heads, int rows, int dim, int vdim, int group,
+                                    int vgroup, int bits, int64_t tokens, int64_t kcodes_b, int64_t kcodes_h,
+                                    int64_t kscale_b, int64_t kscale_h, int64_t vcodes_b, int64_t vcodes_h,
+                                    int64_t vscale_b, int64_t vscale_h, int64_t chunk_tokens, float scale,
+                                    float softcap, int threads) {
+    if (!decode_sizes_ok(rows, dim, vdim, vgroup, bits) || !token_keys_ok(dim, group, bits) || tokens < 1 ||
+        chunk_tokens < 1)
+        return 1;
+    const int per_byte = 8 / bits;
+    const Dims d{rows, dim, vdim, 1, vgroup, bits, dim / per_byte, vdim / per_byte, vdim / vgroup};
+    const CodedKernels kern = kernels_for(bits);
+    const KeyLayout keys{kern.token_scores, group, dim / group};
+    const CodedTensors store{kcodes,   kscale,   kmin,     vcodes,   vscale,   vmin,     kcodes_b, kcodes_h,
+                             kscale_b, kscale_h, vcodes_b, vcodes_h, vscale_b, vscale_h};
+    decode_in_chunks(q, scale, batch, heads, (tokens + chunk_tokens - 1) / chunk_tokens, d, rows * kTileTokens, threads,
+                     out, lse, [&](int64_t b, int64_t h, int64_t c, const float* qs, float* scores, ChunkState& st) {
+                         const int64_t first = c * chunk_tokens, last = std::min(tokens, first + chunk_tokens);
+                         attend_chunk(kern, keys, qs, store.at(b, h), d, first, last, kTileTokens, softcap, scores, st);
+                     });
     return 0;
 }
 
 // Paged decode: sequence s attends its first coded[s] tokens from the pool blocks tables[s, 0],
-// tables[s, 1], ... (CodedPool; token t in block tables[s, t / G], slot t % G), then tail_lengths[s]
+// tables[s, 1], ... (CodedTensors; token t in block tables[s, t / G], slot t % G), then tail_lengths[s]
 // exact tokens from block tail_blocks[s] of a float32 pool (keys tail_k [NT, Hkv, G, D], values
 // tail_v [NT, Hkv, G, Dv], strides (block, head, token), last dim contiguous). q float32 contiguous
 // [S, H, rows, D]; out float32 contiguous [S, H, rows, Dv], normalised (zeros for a sequence with no
@@ -768,12 +1007,10 @@ int kv_paged_coded_decode(const float* q, const uint8_t* kcodes, const float* ks
                           int64_t kscale_h, int64_t vcodes_blk, int64_t vcodes_h, int64_t vscale_blk, int64_t vscale_h,
                           int64_t tk_blk, int64_t tk_h, int64_t tk_t, int64_t tv_blk, int64_t tv_h, int64_t tv_t,
                           int64_t blocks_per_task, float scale, float softcap, int threads) {
-    if (bits != 8 && bits != 4 && bits != 2) return 1;
-    const int per_byte = 8 / bits;
-    if (rows < 1 || rows > kMaxRows || dim < 1 || dim > kMaxDim || vdim < 1 || vdim > kMaxDim || dim % per_byte ||
-        group < 1 || vgroup < 1 || vdim % vgroup || vgroup % per_byte || blocks_per_task < 1 || seqs < 0 ||
-        heads < 1 || table_stride < 0)
+    if (!decode_sizes_ok(rows, dim, vdim, vgroup, bits) || group < 1 || blocks_per_task < 1 || seqs < 0 || heads < 1 ||
+        table_stride < 0)
         return 1;
+    const int per_byte = 8 / bits;
     // A sequence's first task; every sequence has at least one run per head (its tail, or nothing).
     std::vector<int64_t> first(seqs + 1, 0);
     for (int64_t s = 0; s < seqs; ++s) {
@@ -787,7 +1024,7 @@ int kv_paged_coded_decode(const float* q, const uint8_t* kcodes, const float* ks
     }
     const Dims d{rows, dim, vdim, group, vgroup, bits, dim / per_byte, vdim / per_byte, vdim / vgroup};
     const CodedKernels kern = kernels_for(bits);
-    const CodedPool pool{kcodes,   kscale,   kmin,     vcodes,     vscale,     vmin,       kcodes_blk, kcodes_h,
+    const CodedTensors pool{kcodes,   kscale,   kmin,     vcodes,     vscale,     vmin,       kcodes_blk, kcodes_h,
                          kscale_blk, kscale_h, vcodes_blk, vcodes_h, vscale_blk, vscale_h};
     const int64_t tasks = first[seqs], tile_blocks = std::max<int64_t>(1, kTileTokens / group);
     const int64_t part = ChunkState::floats(d), q_rows = static_cast<int64_t>(rows) * dim;

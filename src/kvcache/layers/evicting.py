@@ -151,11 +151,22 @@ class EvictingLayer(SelectingLayer):
         pos = torch.arange(seen, seen + n, device=key.device).expand(batch, heads, n)
         return {**self.storage.encode(key, value), "positions": pos, "scores": self.policy.initial(pos)}
 
+    def _fitted_view(self, key, value):
+        # Coded slots are attended through their reader (``_record``): nothing to dequantize here.
+        return self.view() if self.storage.reader(self.store.tensors, 0, self.geometry) is None else (key, value)
+
     def _record(self, keys, values, held, seen, n):
         # The new tokens are the last slots, after every survivor: causal is end-aligned.
         fits = held is None
         positions = self.positions() if fits else held["positions"]
-        return Reads(keys, values, positions, seen, n, all_visible=fits and n == 1, new_at_end=True, weights=self.weights_for(n))
+        # An update that fitted is attended over the store itself: coded slots through their reader
+        # (a decode step reads the codes; slots.py), while the model gets ``keys``/``values`` as ever.
+        reader = self.storage.reader(self.store.tensors, self.length, self.geometry) if fits else None
+        read = (keys, values) if reader is None else (reader, None)
+        return Reads(
+            *read, positions, seen, n, all_visible=fits and n == 1, new_at_end=True, returned=(keys, values),
+            weights=self.weights_for(n),
+        )
 
     def weights_for(self, queries: int) -> str | None:
         return self.policy.weights_for(queries)

@@ -113,7 +113,7 @@ class SelectingLayer(OwnAttentionLayer):
             self._ensure_capacity(self.length + added, seen + n)
             self.store.append(new)
             self._seen = seen + n
-            keys, values = self.view()
+            keys, values = self._fitted_view(key, value)
             return self._record(keys, values, None, seen, n)
         # Too many new tokens for the spare room: attend a temporary concatenation (the new tokens
         # in full precision), then keep the best when it settles.
@@ -127,6 +127,12 @@ class SelectingLayer(OwnAttentionLayer):
             keys, values, self._set = new_keys, new_values, new
         self._seen = seen + n
         return self._record(keys, values, self._set, seen, n)
+
+    def _fitted_view(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What an update that fitted hands the model (``Reads.returned``): the stored slots as
+        views. A kind whose attention reads its slots otherwise (coded slots, through a reader)
+        hands back the update's own ``key``/``value`` instead of dequantizing every slot."""
+        return self.view()
 
     def _ensure_capacity(self, need: int, seen: int) -> None:
         if self.store.allocated and self.capacity >= need:
