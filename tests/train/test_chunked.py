@@ -378,6 +378,8 @@ def test_unreplayable_kinds_and_dropout_are_refused():
     model = model_of("llama")
     with pytest.raises(UnsupportedOperation, match="cannot replay a 'adakv' cache"):
         chunked_loss(model, ids_of(1, 12), "adakv:budget=8")
+    with pytest.raises(UnsupportedOperation, match="cannot replay a 'auto' cache: it may recode"):
+        chunked_loss(model, ids_of(1, 12), "auto:bytes=0.25")
     for coded in ("quantized:bits=4", "h2o:budget=8,storage=int8"):
         with pytest.raises(UnsupportedOperation, match="does not replay coded storage yet"):
             chunked_loss(model, ids_of(1, 12), coded)

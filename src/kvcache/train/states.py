@@ -26,7 +26,10 @@ from .replay import State
 
 #: Kinds whose decisions are not a set of positions per (row, KV head): Ada-KV keeps each head's
 #: slots in one flat run of the layer.
-UNREPLAYABLE = {"adakv": "it keeps every head's slots in one flat run, not per (row, KV head)"}
+UNREPLAYABLE = {
+    "adakv": "it keeps every head's slots in one flat run, not per (row, KV head)",
+    "auto": "it may recode its slots (int8, int4, int2) at any pass, and coded storage is not replayed",
+}
 
 
 def check_replayable(layers: list[KVLayer | None]) -> None:
