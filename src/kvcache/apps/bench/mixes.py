@@ -55,12 +55,10 @@ def spec_of(contender: str, tokens: int, model: Any) -> str:
 
 def fp32_bytes(cache) -> int:
     """Bytes an fp32 cache of every token seen would take."""
-    total = 0
-    for layer in cache.kv_layers:
-        if layer is not None and layer.geometry is not None:
-            g = layer.geometry
-            total += 4 * (g.key_dim + g.value_dim) * g.batch * g.heads * layer.seen
-    return total
+    from ...layers.auto import fp32_bytes as per_token
+
+    return sum(per_token(l.geometry) * l.geometry.batch * l.geometry.heads * l.seen
+               for l in cache.kv_layers if l is not None and l.geometry is not None)  # fmt: skip
 
 
 def run(options: RunOptions = RunOptions(), *, model: str | None = None, context: int | None = None) -> dict[str, Any]:
