@@ -116,6 +116,18 @@ def quantize_per_token(x: torch.Tensor, bits: int, group: int) -> Quantized:
     if d % group:
         raise ShapeError(f"head dim {d} is not a multiple of the group size {group}")
     _check_packable(d, bits)
+    from . import quant_native  # (imported here: it loads the attention package)
+
+    done = quant_native.quantize_per_token(x, bits, int(group))
+    if done is not None:
+        return Quantized(*done, bits)
+    return _quantize_per_token_torch(x, bits, int(group))
+
+
+def _quantize_per_token_torch(x: torch.Tensor, bits: int, group: int) -> Quantized:
+    """:func:`quantize_per_token` in PyTorch operations (any dtype and device; the reference the
+    native path is tested against, and the one that raises for values out of range)."""
+    d = x.shape[-1]
     grouped = x.reshape(*x.shape[:-1], d // group, group)
     mn, mx = torch.aminmax(grouped, dim=-1, keepdim=True)
     codes, scale = _encode(grouped, mn, mx, bits)

@@ -75,3 +75,75 @@ def test_the_report_counts_answers_bytes_and_the_best_fixed_mix():
 def test_the_cli_refuses_what_the_frontier_does_not_take(argv, message, capsys):
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def result_of(runs, seeds, lengths=(1024,)):
+    config = {"model": "m", "questions_per_context": 1, "depths": [0.1, 0.9], "budgets": [0.25], "kinds": ["snapkv"], "storages": ["full"],
+              "fp32_bytes_per_token": 1000, "answer_tokens": 8, "text_steps": 4, "lengths": list(lengths),
+              "contexts": {str(L): list(seeds) for L in lengths}}  # fmt: skip
+    return {"suite": "frontier", "config": config, "runs": runs, "text": []}
+
+
+def answer(point, budget, context, door, correct, length=1024, per_token=1000):
+    return {"cache": point, "budget": budget, "length": length, "context": context, "door": door, "depth": 0.1,
+            "correct": correct, "bytes_per_token": per_token, "storages": None}  # fmt: skip
+
+
+def test_merge_joins_runs_of_other_contexts_and_lengths_and_refuses_a_context_twice():
+    a = result_of([answer("full", None, 0, "red", True)], [0, 1])
+    b = result_of([answer("full", None, 2, "red", False)], [2])
+    c = result_of([answer("full", None, 0, "red", True, length=2048)], [0], lengths=(2048,))
+    merged = eval_frontier.merge([a, b, c])
+    assert merged["config"]["lengths"] == [1024, 2048] and merged["config"]["contexts"] == {"1024": [0, 1, 2], "2048": [0]}
+    assert len(merged["runs"]) == 3
+    with pytest.raises(ValueError, match=r"contexts \[0, 1\] at 1024 tokens are in two runs"):
+        eval_frontier.merge([a, a])
+    other = result_of([], [5])
+    other["config"]["budgets"] = [0.5]
+    with pytest.raises(ValueError, match="differ in budgets"):
+        eval_frontier.merge([a, other])
+
+
+def test_an_older_result_that_counts_its_contexts_merges_as_seeds_from_zero():
+    old = result_of([], [])
+    old["config"]["contexts"] = 2
+    assert eval_frontier.merge([old, result_of([], [2])])["config"]["contexts"] == {"1024": [0, 1, 2]}
+
+
+def test_the_paired_difference_counts_only_questions_both_answered():
+    runs = [answer("full", None, c, d, True) for c in range(2) for d in ("red", "blue")]
+    runs += [answer("auto", 0.25, 0, "red", True), answer("auto", 0.25, 0, "blue", False), answer("auto", 0.25, 1, "red", True),
+             answer("auto", 0.25, 1, "blue", True), answer("auto", 0.25, 9, "red", False)]  # fmt: skip
+    diff, half, n = eval_frontier.paired_difference(runs, ("auto", 0.25), ("full", None))
+    # d = 0, -1, 0, 0: mean -0.25, sample sd 0.5, half-width 1.96 * 0.5 / 2
+    assert n == 4 and diff == pytest.approx(-0.25) and half == pytest.approx(1.96 * 0.25)
+
+
+def test_the_length_table_reports_auto_against_the_full_cache_at_each_length():
+    runs = [answer("full", None, c, "red", True, length=L) for c in range(4) for L in (1024, 2048)]
+    runs += [answer("auto", 0.25, c, "red", c != 0, length=1024, per_token=200 + c) for c in range(4)]
+    runs += [answer("auto", 0.25, c, "red", True, length=2048, per_token=250) for c in range(4)]
+    runs += [answer("snapkv/full", 0.25, c, "red", c < 2, length=L, per_token=240) for c in range(4) for L in (1024, 2048)]
+    table = eval_frontier.length_table(result_of(runs, range(4), lengths=(1024, 2048)))
+    assert "| 1024 | 0.25 | 75% | -25.0 ± 49.0 pts | 75% (depth 0.1) | 0.202 / 0.203 | snapkv/full (0.240) | 50% | 50% | 100% | 4 |" in table
+    assert "| 2048 | 0.25 | 100% | +0.0 ± 0.0 pts |" in table
+
+
+def test_the_cli_merges_frontier_folders(tmp_path, capsys):
+    for name, seeds in (("a", [0]), ("b", [1])):
+        (tmp_path / name).mkdir()
+        runs = [answer("full", None, seeds[0], "red", True), answer("auto", 0.25, seeds[0], "red", True, per_token=200)]
+        (tmp_path / name / "frontier.json").write_text(__import__("json").dumps(result_of(runs, seeds)))
+    out = tmp_path / "both"
+    assert main(["eval", "--model", "smollm2", "--frontier", "--merge", f"{tmp_path / 'a'},{tmp_path / 'b'}", "--out", str(out), "--no-progress"]) == 0
+    assert "| 1024 | 0.25 | 100% | +0.0 ± 0.0 pts |" in (out / "frontier.md").read_text()
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    assert main(["eval", "--model", "smollm2", "--frontier", "--merge", str(tmp_path / "bad.json"), "--no-progress"]) == 2
+    assert "is not a frontier result" in capsys.readouterr().err
+
+
+def test_merge_and_first_context_apply_only_to_the_frontier(capsys):
+    assert main(["eval", "--model", "smollm2", "--merge", "x"]) == 2
+    assert "--merge applies to --frontier" in capsys.readouterr().err
+    assert main(["eval", "--first-context", "3"]) == 2
+    assert "--first-context applies to --frontier" in capsys.readouterr().err

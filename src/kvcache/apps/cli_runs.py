@@ -4,6 +4,8 @@ table and write its JSON, markdown and plot."""
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 from ..errors import KVCacheError
 from .bench import SUITES
@@ -155,6 +157,20 @@ def add_eval(subparsers: argparse._SubParsersAction) -> None:
         "with each slot storage, and auto:bytes=; writes frontier.json, frontier.md and frontier.png",
     )
     p.add_argument(
+        "--first-context",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --frontier: the contexts are those of seeds N, N+1, ... (to add contexts to an earlier run, then --merge; default 0)",
+    )
+    p.add_argument(
+        "--merge",
+        default=None,
+        metavar="DIR,...",
+        help="with --frontier: run nothing; merge the frontier.json of these folders (other lengths or contexts of the same "
+        "frontier) into one report in --out",
+    )
+    p.add_argument(
         "--reuse",
         default=None,
         metavar="KIND,...",
@@ -202,6 +218,9 @@ def _eval_real(args: argparse.Namespace) -> int:
         raise KVCacheError(f"--contexts must be at least 1, got {args.contexts}")
     if args.frontier:
         return _eval_frontier(args, lengths)
+    for name in ("merge",) + (("first_context",) if args.first_context else ()):
+        if getattr(args, name) is not None:
+            raise KVCacheError(f"--{name.replace('_', '-')} applies to --frontier")
     options = run_options(args)
     plots = say_if_no_plots()
     try:
@@ -220,18 +239,37 @@ def _eval_frontier(args: argparse.Namespace, lengths: tuple[int, ...] | None) ->
 
     if args.reuse is not None:
         raise KVCacheError("--reuse does not apply to --frontier (every point compresses with the question in the prompt)")
+    if args.first_context < 0:
+        raise KVCacheError(f"--first-context must be 0 or more, got {args.first_context}")
     kinds = eval_frontier.EVICTION if args.caches is None else tuple(k.strip() for k in args.caches.split(",") if k.strip())
     options = run_options(args)
     plots = say_if_no_plots()
     try:
-        result = eval_frontier.run(options, model_name=args.model, kinds=kinds, lengths=lengths, contexts=args.contexts,
-                                   needles_per_context=args.needles, budgets=_budgets(args))  # fmt: skip
+        if args.merge is not None:
+            result = eval_frontier.merge([_frontier_of(Path(d.strip())) for d in args.merge.split(",") if d.strip()])
+            if options.out is not None:
+                eval_frontier.write(result, Path(options.out))
+        else:
+            result = eval_frontier.run(options, model_name=args.model, kinds=kinds, lengths=lengths, contexts=args.contexts,
+                                       needles_per_context=args.needles, budgets=_budgets(args), first_context=args.first_context)  # fmt: skip
     except ValueError as e:
         raise KVCacheError(str(e)) from e
     lines = eval_frontier.points_of(result)
     print(eval_frontier.budget_table(lines, result["config"]["budgets"]))
     list_written(options.out, "frontier", plots)
     return 0
+
+
+def _frontier_of(folder: Path) -> dict:
+    """A frontier result read back from ``folder/frontier.json`` (an untrusted file: checked)."""
+    path = folder / "frontier.json" if folder.is_dir() else folder
+    try:
+        result = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise KVCacheError(f"--merge: cannot read a frontier result from {path}: {e}") from None
+    if not isinstance(result, dict) or not isinstance(result.get("config"), dict) or not isinstance(result.get("runs"), list):
+        raise KVCacheError(f"--merge: {path} is not a frontier result (expected an object with config and runs)")
+    return result
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -249,6 +287,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return _eval_real(args)
     if args.frontier:
         raise KVCacheError("--frontier applies to a real model (--model smollm2), not to the trained tiny one")
+    for name in ("merge",) + (("first_context",) if args.first_context else ()):
+        if getattr(args, name) is not None:
+            raise KVCacheError(f"--{name.replace('_', '-')} applies to --frontier")
     for name in ("lengths", "contexts", "reuse") + (("needles",) if args.needles != 1 else ()):
         if getattr(args, name) is not None:
             raise KVCacheError(f"--{name} applies to a real model (--model smollm2), not to the trained tiny one")

@@ -85,8 +85,11 @@ def run(
     contexts: int | None = None,
     needles_per_context: int = 1,
     budgets: tuple[float, ...] | None = None,
+    first_context: int = 0,
 ) -> dict[str, Any]:
-    """The frontier (see the module docstring); ``budgets``: byte budgets, shares of the fp32 cache."""
+    """The frontier (see the module docstring); ``budgets``: byte budgets, shares of the fp32 cache;
+    the contexts are those of seeds ``first_context ..`` (so that runs of more contexts can be
+    merged by :func:`merge`)."""
     from tqdm.auto import tqdm
 
     from ..models import load
@@ -104,12 +107,12 @@ def run(
     bar = tqdm(total=len(lengths) * contexts * needles_per_context * len(plan), desc="frontier", disable=not options.progress)
     rows: list[dict[str, Any]] = []
     for length in lengths:
-        for c in range(contexts):
+        for c in range(first_context, first_context + contexts):
             ctx = needles.make_context(tokenizer, length, seed=c, count=needles_per_context)
             T = len(ctx.prefix_ids) + max(len(q.ids) for q in ctx.questions)
             specs = {(name, b): spec_for(name, b, T, g) for name, b in points}
             doc_modes, q_modes = modes_for(model, list(specs.values()), [len(q.ids) for q in ctx.questions])
-            bar.set_postfix_str(f"{length} tokens, context {c + 1}/{contexts}")
+            bar.set_postfix_str(f"{length} tokens, context {c + 1 - first_context}/{contexts}")
             got, _ = run_context(model, tokenizer, ctx, plan, specs, doc_modes, q_modes, bar)
             rows += got
     text = text_runs(model, tokenizer, plan, s, seed=0, spec_for=lambda name, b, n: spec_for(name, b, n, g, room=s.text_steps + 1))
@@ -117,7 +120,8 @@ def run(
     fp32 = fp32_per_token(model, g)
     result = {
         "suite": "frontier",
-        "config": {"model": model_name, "lengths": list(lengths), "contexts": contexts, "questions_per_context": needles_per_context,
+        "config": {"model": model_name, "lengths": list(lengths), "contexts": {str(L): list(range(first_context, first_context + contexts)) for L in lengths},
+                   "questions_per_context": needles_per_context,
                    "depths": list(needles.DEPTHS), "budgets": list(s.budgets), "kinds": list(kinds), "storages": list(STORAGES),
                    "fp32_bytes_per_token": fp32, "answer_tokens": ANSWER_TOKENS, "text_steps": s.text_steps,
                    "quick": options.quick, "tiny": options.tiny},  # fmt: skip
@@ -137,6 +141,89 @@ def fp32_per_token(model: Any, g: Any) -> int:
 
     layers = sum(1 for layer in make_cache(model, "growable").kv_layers if layer is not None)
     return layers * g.heads * fp32_bytes(g)
+
+
+def context_seeds(config: dict[str, Any]) -> dict[int, list[int]]:
+    """Per length, the seeds of the contexts a result holds (older results say only how many)."""
+    c = config["contexts"]
+    if isinstance(c, int):
+        return {int(L): list(range(c)) for L in config["lengths"]}
+    return {int(L): list(seeds) for L, seeds in c.items()}
+
+
+MERGED_ALIKE = ("model", "questions_per_context", "depths", "budgets", "kinds", "storages", "fp32_bytes_per_token", "answer_tokens", "text_steps")
+
+
+def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One result from runs of other lengths or other contexts (``first_context``) of the same
+    frontier: the same model, budgets, kinds and questions; no context twice. The held-out text is
+    the same in every run (same seed and budgets): the first run's is kept."""
+    if not results:
+        raise ValueError("merge: no results given")
+    for r in results:
+        if r.get("suite") != "frontier":
+            raise ValueError(f"merge: expected frontier results, got suite {r.get('suite')!r}")
+    first = results[0]["config"]
+    seeds: dict[int, list[int]] = {}
+    for r in results:
+        c = r["config"]
+        differ = [k for k in MERGED_ALIKE if c.get(k) != first.get(k)]
+        if differ:
+            raise ValueError(f"merge: the runs differ in {', '.join(differ)}; only runs of the same frontier merge")
+        for L, got in context_seeds(c).items():
+            twice = sorted(set(seeds.get(L, [])) & set(got))
+            if twice:
+                raise ValueError(f"merge: contexts {twice} at {L} tokens are in two runs")
+            seeds[L] = sorted(seeds.get(L, []) + got)
+    config = {**first, "lengths": sorted(seeds), "contexts": {str(L): seeds[L] for L in sorted(seeds)}}
+    return {"suite": "frontier", "config": config, "runs": [row for r in results for row in r["runs"]], "text": results[0].get("text", [])}
+
+
+def paired_difference(runs: list[dict[str, Any]], a: tuple, b: tuple) -> tuple[float, float, int]:
+    """Accuracy of point ``a`` minus point ``b`` (each ``(cache, budget)``) over the questions both
+    answered, with the half-width of its 95% interval (1.96 standard errors of the mean per-question
+    difference: pairing removes the questions' own difficulty from the noise), and how many."""
+    answers = {(r["length"], r["context"], r["door"]): r["correct"] for r in runs if (r["cache"], r["budget"]) == b}
+    d = [int(r["correct"]) - int(answers[k]) for r in runs if (r["cache"], r["budget"]) == a
+         and (k := (r["length"], r["context"], r["door"])) in answers]  # fmt: skip
+    n = len(d)
+    if n == 0:
+        return math.nan, math.nan, 0
+    mean = sum(d) / n
+    var = sum((x - mean) ** 2 for x in d) / (n - 1) if n > 1 else math.nan
+    return mean, 1.96 * math.sqrt(var / n), n
+
+
+def length_table(result: dict[str, Any]) -> str:
+    """Per length and budget: ``auto`` (found, its difference from the full cache on the same
+    questions, its lowest depth, mean and largest bytes), the best fixed mix within the budget at
+    that length, ``snapkv/full`` and the full cache."""
+    c = result["config"]
+    out = ["| tokens | budget | auto: found | auto - full cache (95%) | auto: lowest depth | auto: bytes (mean / max) "
+           "| best fixed mix | found | snapkv/full: found | full cache: found | answers |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    fp32 = c["fp32_bytes_per_token"]
+    for L in c["lengths"]:
+        runs = [r for r in result["runs"] if r["length"] == L]
+        lines = points_of({**result, "runs": runs})
+        full = next((l for l in lines if l["point"] == "full"), None)
+        for b in c["budgets"]:
+            auto = next((l for l in lines if l["point"] == "auto" and l["budget"] == b), None)
+            fixed = [l for l in lines if "/" in l["point"] and l["budget"] == b and l["bytes"] <= b * 1.0001]
+            best = max(fixed, key=lambda l: (l["accuracy"], -l["bytes"]), default=None)
+            snap = next((l for l in lines if l["point"] == "snapkv/full" and l["budget"] == b), None)
+            diff, half, _ = paired_difference(runs, ("auto", b), ("full", None))
+            worst = min(auto["by_depth"].items(), key=lambda kv: kv[1]) if auto else None
+            top = max((r["bytes_per_token"] / fp32 for r in runs if (r["cache"], r["budget"]) == ("auto", b)), default=math.nan)
+            out.append("| " + " | ".join([
+                str(L), f"{b:g}", _pct(auto["accuracy"]) if auto else "-",
+                "-" if math.isnan(diff) else f"{diff * 100:+.1f} ± {half * 100:.1f} pts",
+                f"{_pct(worst[1])} (depth {worst[0]})" if worst else "-",
+                f"{auto['bytes']:.3f} / {top:.3f}" if auto else "-",
+                f"{best['point']} ({best['bytes']:.3f})" if best else "-", _pct(best["accuracy"]) if best else "-",
+                _pct(snap["accuracy"]) if snap else "-", _pct(full["accuracy"]) if full else "-", str(auto["answers"]) if auto else "-",
+            ]) + " |")  # fmt: skip
+    return "\n".join(out)
 
 
 # ---- the report ------------------------------------------------------------------------------------
@@ -255,15 +342,17 @@ def write(result: dict[str, Any], out: Path) -> None:
     (out / "frontier.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
     c = result["config"]
     lines = points_of(result)
+    counts = ", ".join(f"{len(v)} at {L}" for L, v in context_seeds(c).items())
     head = (
-        f"# Quality per byte on {c['model']}\n\nNeedles in prose at {', '.join(map(str, c['lengths']))} tokens, {c['contexts']} "
-        f"contexts per length, {c['questions_per_context']} question(s) each (depths {', '.join(map(str, c['depths']))}, turning "
+        f"# Quality per byte on {c['model']}\n\nNeedles in prose at {', '.join(map(str, c['lengths']))} tokens, contexts per length: {counts}; "
+        f"{c['questions_per_context']} question(s) each (depths {', '.join(map(str, c['depths']))}, turning "
         f"with the context), the question in the prompt; KL / top-1 against the full cache over {c['text_steps']} held-out tokens. "
         "Bytes: each cache's allocated bytes after its answer per token, as a share of an fp32 cache "
         f"({c['fp32_bytes_per_token']:,} bytes per token). Fixed mixes: `kind/storage`, keeping the tokens the budget affords "
         "in that storage; `auto`: `auto:bytes=<budget>`.\n\n"
     )
-    (out / "frontier.md").write_text(head + budget_table(lines, c["budgets"]) + "\n\nEvery point:\n\n"
+    (out / "frontier.md").write_text(head + "By length:\n\n" + length_table(result) + "\n\nAll lengths together:\n\n"
+                                     + budget_table(lines, c["budgets"]) + "\n\nEvery point:\n\n"
                                      + points_table(lines, c["lengths"], c["depths"]) + "\n")  # fmt: skip
     if can_plot():
         plot(result, out / "frontier.png")
