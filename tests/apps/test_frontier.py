@@ -5,6 +5,7 @@ minutes: ``kvcache eval --model smollm2 --frontier``.)"""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 
 import kvcache
 from kvcache.apps import eval_frontier
+from kvcache.apps.bench.common import can_plot
 from kvcache.apps.cli import main
 
 from helpers import model_for, prompt
@@ -130,13 +132,18 @@ def test_the_length_table_reports_auto_against_the_full_cache_at_each_length():
 
 
 def test_the_cli_merges_frontier_folders(tmp_path, capsys):
-    for name, seeds in (("a", [0]), ("b", [1])):
+    for name, seeds, length in (("a", [0], 1024), ("b", [1], 1024), ("c", [0], 2048)):
         (tmp_path / name).mkdir()
-        runs = [answer("full", None, seeds[0], "red", True), answer("auto", 0.25, seeds[0], "red", True, per_token=200)]
-        (tmp_path / name / "frontier.json").write_text(__import__("json").dumps(result_of(runs, seeds)))
-    out = tmp_path / "both"
-    assert main(["eval", "--model", "smollm2", "--frontier", "--merge", f"{tmp_path / 'a'},{tmp_path / 'b'}", "--out", str(out), "--no-progress"]) == 0
-    assert "| 1024 | 0.25 | 100% | +0.0 ± 0.0 pts |" in (out / "frontier.md").read_text()
+        runs = [answer("full", None, seeds[0], "red", True, length=length), answer("auto", 0.25, seeds[0], "red", True, length=length, per_token=200)]
+        (tmp_path / name / "frontier.json").write_text(json.dumps(result_of(runs, seeds, lengths=(length,))))
+    out = tmp_path / "all"
+    folders = ",".join(str(tmp_path / n) for n in "abc")
+    assert main(["eval", "--model", "smollm2", "--frontier", "--merge", folders, "--out", str(out), "--no-progress"]) == 0
+    report = (out / "frontier.md").read_text()
+    assert "| 1024 | 0.25 | 100% | +0.0 ± 0.0 pts |" in report and "| 2048 | 0.25 | 100% |" in report
+    assert "contexts per length: 2 at 1024, 1 at 2048" in report
+    if can_plot():
+        assert (out / "frontier.png").stat().st_size > 0  # one panel per length
     (tmp_path / "bad.json").write_text("[1, 2]")
     assert main(["eval", "--model", "smollm2", "--frontier", "--merge", str(tmp_path / "bad.json"), "--no-progress"]) == 2
     assert "is not a frontier result" in capsys.readouterr().err

@@ -309,30 +309,35 @@ def points_table(lines: list[dict[str, Any]], lengths: list[int], depths: list[f
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
+    """Accuracy against measured bytes, one panel per length: every fixed mix by storage, the
+    unbounded kinds, ``auto`` joined across budgets, and the Pareto front."""
     from .bench.common import figure
 
-    lines = points_of(result)
-    with figure(path, panels=1, size=(7.5, 5)) as axes:
-        ax = axes[0] if isinstance(axes, (list, tuple)) else axes
-        for storage, marker in zip(STORAGES, "osD^"):
-            pts = [(l["bytes"], l["accuracy"]) for l in lines if l["point"].endswith("/" + storage)]
-            if pts:
-                ax.scatter(*zip(*pts), marker=marker, alpha=0.5, label=f"fixed mixes, {storage}")
-        unb = [(l["bytes"], l["accuracy"], l["point"]) for l in lines if l["point"] in UNBOUNDED]
-        for x, y, name in unb:
-            ax.scatter([x], [y], marker="x", color="k")
-            ax.annotate(name, (x, y), fontsize=7)
-        auto = sorted((l["bytes"], l["accuracy"]) for l in lines if l["point"] == "auto")
-        if auto:
-            ax.plot(*zip(*auto), color="C3", marker="*", markersize=10, label="auto")
-        front = sorted((l["bytes"], l["accuracy"]) for l in lines if l["pareto"])
-        ax.step(*zip(*front), where="post", color="k", alpha=0.4, label="Pareto front")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("bytes after the answer, share of fp32 (measured)")
-        ax.set_ylabel("needles found")
-        ax.set_title(f"{result['config']['model']}: quality per byte at {', '.join(str(L) for L in result['config']['lengths'])} tokens")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
+    lengths = result["config"]["lengths"]
+    with figure(path, panels=len(lengths), size=(6.5, 4.8)) as axes:
+        for ax, length in zip(axes, lengths):
+            lines = points_of({**result, "runs": [r for r in result["runs"] if r["length"] == length]})
+            for storage, marker in zip(STORAGES, "osD^"):
+                pts = [(l["bytes"], l["accuracy"]) for l in lines if l["point"].endswith("/" + storage)]
+                if pts:
+                    ax.scatter(*zip(*pts), marker=marker, alpha=0.5, label=f"fixed mixes, {storage}")
+            for l in lines:
+                if l["point"] in UNBOUNDED:
+                    ax.scatter([l["bytes"]], [l["accuracy"]], marker="x", color="k")
+                    ax.annotate(l["point"], (l["bytes"], l["accuracy"]), fontsize=7)
+            auto = sorted((l["bytes"], l["accuracy"]) for l in lines if l["point"] == "auto")
+            if auto:
+                ax.plot(*zip(*auto), color="C3", marker="*", markersize=10, label="auto")
+            front = sorted((l["bytes"], l["accuracy"]) for l in lines if l["pareto"])
+            ax.step(*zip(*front), where="post", color="k", alpha=0.4, label="Pareto front")
+            ax.set_xscale("log", base=2)
+            ax.set_ylim(-0.03, 1.05)
+            ax.set_xlabel("bytes after the answer, share of fp32 (measured)")
+            ax.set_ylabel("needles found")
+            answers = max((l["answers"] for l in lines), default=0)
+            ax.set_title(f"{result['config']['model']}: {length} tokens, {answers} answers a point")
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=7, loc="lower right")
 
 
 def write(result: dict[str, Any], out: Path) -> None:
