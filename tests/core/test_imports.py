@@ -29,7 +29,7 @@ import kvcache
 PACKAGE = Path(kvcache.__file__).parent
 
 TIERS = ["errors", "storage", "model", "api", "apps"]
-STORAGE = ("layers", "attention", "persist", "quant", "policies", "options", "registry", "fingerprint", "half_precision", "models")
+STORAGE = ("layers", "attention", "persist", "quant", "quant_native", "policies", "options", "registry", "fingerprint", "half_precision", "models")
 MODEL = ("cache", "build", "cachefile", "spec", "hf", "attention_kwargs", "support", "foreign", "compiled", "scoring", "prefill", "prompts", "engine", "train")
 
 
