@@ -218,9 +218,7 @@ def _eval_real(args: argparse.Namespace) -> int:
         raise KVCacheError(f"--contexts must be at least 1, got {args.contexts}")
     if args.frontier:
         return _eval_frontier(args, lengths)
-    for name in ("merge",) + (("first_context",) if args.first_context else ()):
-        if getattr(args, name) is not None:
-            raise KVCacheError(f"--{name.replace('_', '-')} applies to --frontier")
+    _refuse_frontier_options(args)
     options = run_options(args)
     plots = say_if_no_plots()
     try:
@@ -260,6 +258,13 @@ def _eval_frontier(args: argparse.Namespace, lengths: tuple[int, ...] | None) ->
     return 0
 
 
+def _refuse_frontier_options(args: argparse.Namespace) -> None:
+    """Options that only ``--frontier`` takes, refused elsewhere."""
+    for name in ("merge",) + (("first_context",) if args.first_context else ()):
+        if getattr(args, name) is not None:
+            raise KVCacheError(f"--{name.replace('_', '-')} applies to --frontier")
+
+
 def _frontier_of(folder: Path) -> dict:
     """A frontier result read back from ``folder/frontier.json`` (an untrusted file: checked)."""
     path = folder / "frontier.json" if folder.is_dir() else folder
@@ -287,9 +292,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return _eval_real(args)
     if args.frontier:
         raise KVCacheError("--frontier applies to a real model (--model smollm2), not to the trained tiny one")
-    for name in ("merge",) + (("first_context",) if args.first_context else ()):
-        if getattr(args, name) is not None:
-            raise KVCacheError(f"--{name.replace('_', '-')} applies to --frontier")
+    _refuse_frontier_options(args)
     for name in ("lengths", "contexts", "reuse") + (("needles",) if args.needles != 1 else ()):
         if getattr(args, name) is not None:
             raise KVCacheError(f"--{name} applies to a real model (--model smollm2), not to the trained tiny one")

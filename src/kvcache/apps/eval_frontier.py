@@ -194,6 +194,23 @@ def paired_difference(runs: list[dict[str, Any]], a: tuple, b: tuple) -> tuple[f
     return mean, 1.96 * math.sqrt(var / n), n
 
 
+def at(result: dict[str, Any], length: int) -> dict[str, Any]:
+    """``result`` with the runs at ``length`` tokens only."""
+    return {**result, "runs": [r for r in result["runs"] if r["length"] == length]}
+
+
+def line_of(lines: list[dict[str, Any]], point: str, budget: float | None) -> dict[str, Any] | None:
+    """The line of ``point`` at ``budget`` (None for the unbounded kinds), if it was run."""
+    return next((l for l in lines if l["point"] == point and l["budget"] == budget), None)
+
+
+def best_fixed(lines: list[dict[str, Any]], budget: float) -> dict[str, Any] | None:
+    """The fixed mix of ``budget`` finding the most needles within it (by measured bytes; fewer
+    bytes break ties)."""
+    fixed = [l for l in lines if "/" in l["point"] and l["budget"] == budget and l["bytes"] <= budget * 1.0001]
+    return max(fixed, key=lambda l: (l["accuracy"], -l["bytes"]), default=None)
+
+
 def length_table(result: dict[str, Any]) -> str:
     """Per length and budget: ``auto`` (found, its difference from the full cache on the same
     questions, its lowest depth, mean and largest bytes), the best fixed mix within the budget at
@@ -204,14 +221,12 @@ def length_table(result: dict[str, Any]) -> str:
            "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     fp32 = c["fp32_bytes_per_token"]
     for L in c["lengths"]:
-        runs = [r for r in result["runs"] if r["length"] == L]
-        lines = points_of({**result, "runs": runs})
-        full = next((l for l in lines if l["point"] == "full"), None)
+        at_length = at(result, L)
+        runs = at_length["runs"]
+        lines = points_of(at_length)
+        full = line_of(lines, "full", None)
         for b in c["budgets"]:
-            auto = next((l for l in lines if l["point"] == "auto" and l["budget"] == b), None)
-            fixed = [l for l in lines if "/" in l["point"] and l["budget"] == b and l["bytes"] <= b * 1.0001]
-            best = max(fixed, key=lambda l: (l["accuracy"], -l["bytes"]), default=None)
-            snap = next((l for l in lines if l["point"] == "snapkv/full" and l["budget"] == b), None)
+            auto, best, snap = line_of(lines, "auto", b), best_fixed(lines, b), line_of(lines, "snapkv/full", b)
             diff, half, _ = paired_difference(runs, ("auto", b), ("full", None))
             worst = min(auto["by_depth"].items(), key=lambda kv: kv[1]) if auto else None
             top = max((r["bytes_per_token"] / fp32 for r in runs if (r["cache"], r["budget"]) == ("auto", b)), default=math.nan)
@@ -278,14 +293,11 @@ def _pct(x: float) -> str:
 
 def budget_table(lines: list[dict[str, Any]], budgets: list[float]) -> str:
     """Per budget: auto, the best fixed mix within the budget (by measured bytes), snapkv/full."""
-    full = next((l for l in lines if l["point"] == "full"), None)
+    full = line_of(lines, "full", None)
     out = ["| budget (of fp32) | auto: found | auto: bytes | auto: layers chose | best fixed mix | found | bytes | snapkv/full: found | full cache: found |",
            "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for b in budgets:
-        auto = next((l for l in lines if l["point"] == "auto" and l["budget"] == b), None)
-        fixed = [l for l in lines if "/" in l["point"] and l["budget"] == b and l["bytes"] <= b * 1.0001]
-        best = max(fixed, key=lambda l: (l["accuracy"], -l["bytes"]), default=None)
-        snap = next((l for l in lines if l["point"] == "snapkv/full" and l["budget"] == b), None)
+        auto, best, snap = line_of(lines, "auto", b), best_fixed(lines, b), line_of(lines, "snapkv/full", b)
         mix = ", ".join(f"{k} {v}" for k, v in sorted(auto["mix"].items())) if auto and auto["mix"] else "-"
         out.append("| " + " | ".join([
             f"{b:g}", _pct(auto["accuracy"]) if auto else "-", f"{auto['bytes']:.3f}" if auto else "-", mix,
@@ -316,7 +328,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     lengths = result["config"]["lengths"]
     with figure(path, panels=len(lengths), size=(6.5, 4.8)) as axes:
         for ax, length in zip(axes, lengths):
-            lines = points_of({**result, "runs": [r for r in result["runs"] if r["length"] == length]})
+            lines = points_of(at(result, length))
             for storage, marker in zip(STORAGES, "osD^"):
                 pts = [(l["bytes"], l["accuracy"]) for l in lines if l["point"].endswith("/" + storage)]
                 if pts:
