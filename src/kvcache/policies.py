@@ -223,10 +223,23 @@ class RepeatScores(Policy):
     Reconstruction"): the largest attention weight each slot received from any query, summed over
     the query heads of its KV head, kept as a running maximum over passes. Given the weights of a
     pass that repeats the context (``kvcache.scoring.compress_context``), this is KVzip's
-    query-agnostic score; in an ordinary forward pass it scores by the prompt's own queries."""
+    query-agnostic score; in an ordinary forward pass it scores by the prompt's own queries.
+
+    The most recent ``RECENT`` tokens (at most half the budget) are protected, as SnapKV protects
+    its observation window. Without that, a plain ``generate`` lost its question and every token it
+    generated: under causal attention a query early in the prompt spreads its weight over few
+    keys, so the early slots' maxima (0.5 and more) beat anything one later query pays a new token,
+    and each generated token was evicted on arrival (the model answered "TheTheThe..."). KVzip
+    itself compresses the context alone and never evicts the question or the answer; the
+    protected tokens are what stands for that in a fixed budget."""
 
     name = "kvzip"
     weights = "max"
+    #: Recent tokens protected by default (a question and the start of its answer).
+    RECENT: ClassVar[int] = 32
+
+    def recent_for(self, budget):
+        return min(self.RECENT, budget // 2)
 
     def initial(self, positions):
         return _zeros(positions)

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from ..errors import KVCacheError
 from .bench import SUITES
-from .cli_options import add_command, add_run_options, list_written, run_options, say_if_no_plots
+from .cli_options import PROG, add_command, add_run_options, list_written, run_options, say_if_no_plots
 
 
 def add_bench(subparsers: argparse._SubParsersAction) -> None:
@@ -157,6 +158,14 @@ def add_eval(subparsers: argparse._SubParsersAction) -> None:
         "with each slot storage, and auto:bytes=; writes frontier.json, frontier.md and frontier.png",
     )
     p.add_argument(
+        "--plain",
+        action="store_true",
+        help="real model: every documented kind used plainly (make_cache in generate, the question in the prompt) at "
+        "--budgets (default 0.5,0.25) on pass keys in held-out prose (--lengths: one length, default 2048; --contexts, "
+        "default 15); exits 1 when a kind finds far fewer needles than the full cache or an answer degenerates; "
+        "writes plain.json and plain.md",
+    )
+    p.add_argument(
         "--first-context",
         type=int,
         default=0,
@@ -203,9 +212,6 @@ def _eval_real(args: argparse.Namespace) -> int:
     from .eval_real_plan import DEFAULT_CONTEXT_KINDS, DEFAULT_KINDS, KINDS
     from .eval_real_report import table
 
-    frontier_kinds = ("snapkv", "pyramidkv", "adakv", "h2o", "tova", "tova-layer", "lastrec")
-    kinds = DEFAULT_KINDS if args.caches is None else _names(args.caches, frontier_kinds if args.frontier else KINDS, "--caches")
-    reuse = DEFAULT_CONTEXT_KINDS if args.reuse is None else _names(args.reuse, KINDS, "--reuse")
     lengths = None
     if args.lengths is not None:
         try:
@@ -216,6 +222,14 @@ def _eval_real(args: argparse.Namespace) -> int:
             raise KVCacheError(f"--lengths: every length must be at least 256 tokens, got {args.lengths!r}")
     if args.contexts is not None and args.contexts < 1:
         raise KVCacheError(f"--contexts must be at least 1, got {args.contexts}")
+    if args.frontier and args.plain:
+        raise KVCacheError("--frontier and --plain are two different runs: give one")
+    if args.plain:
+        _refuse_frontier_options(args)
+        return _eval_plain(args, lengths)
+    frontier_kinds = ("snapkv", "pyramidkv", "adakv", "h2o", "tova", "tova-layer", "lastrec")
+    kinds = DEFAULT_KINDS if args.caches is None else _names(args.caches, frontier_kinds if args.frontier else KINDS, "--caches")
+    reuse = DEFAULT_CONTEXT_KINDS if args.reuse is None else _names(args.reuse, KINDS, "--reuse")
     if args.frontier:
         return _eval_frontier(args, lengths)
     _refuse_frontier_options(args)
@@ -258,6 +272,29 @@ def _eval_frontier(args: argparse.Namespace, lengths: tuple[int, ...] | None) ->
     return 0
 
 
+def _eval_plain(args: argparse.Namespace, lengths: tuple[int, ...] | None) -> int:
+    from . import eval_plain
+
+    for name in ("reuse",) + (("needles",) if args.needles != 1 else ()):
+        if getattr(args, name) is not None:
+            raise KVCacheError(f"--{name} does not apply to --plain (one needle per context, the question in the prompt)")
+    if lengths is not None and len(lengths) != 1:
+        raise KVCacheError(f"--plain runs one length, got --lengths {args.lengths}")
+    kinds = tuple(eval_plain.PLAIN) if args.caches is None else _names(args.caches, tuple(eval_plain.PLAIN), "--caches")
+    options = run_options(args)
+    try:
+        result = eval_plain.run(options, model_name=args.model, kinds=kinds, budgets=_budgets(args),
+                                length=None if lengths is None else lengths[0], contexts=args.contexts)
+    except ValueError as e:
+        raise KVCacheError(str(e)) from e
+    print(eval_plain.table(result))
+    list_written(options.out, "plain", False)
+    failed = eval_plain.failures(result)
+    for line in failed:
+        print(f"{PROG} eval --plain: FAIL {line}", file=sys.stderr)
+    return 1 if failed else 0
+
+
 def _refuse_frontier_options(args: argparse.Namespace) -> None:
     """Options that only ``--frontier`` takes, refused elsewhere."""
     for name in ("merge",) + (("first_context",) if args.first_context else ()):
@@ -290,8 +327,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     if args.model is not None and find_entry(args.model) is not None:
         return _eval_real(args)
-    if args.frontier:
-        raise KVCacheError("--frontier applies to a real model (--model smollm2), not to the trained tiny one")
+    for flag in ("frontier", "plain"):
+        if getattr(args, flag):
+            raise KVCacheError(f"--{flag} applies to a real model (--model smollm2), not to the trained tiny one")
     _refuse_frontier_options(args)
     for name in ("lengths", "contexts", "reuse") + (("needles",) if args.needles != 1 else ()):
         if getattr(args, name) is not None:

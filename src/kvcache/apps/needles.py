@@ -125,17 +125,17 @@ def prose(tokenizer, tokens: int, seed: int, split: str = "train") -> list[str]:
     return out
 
 
-def make_context(tokenizer, length: int, seed: int, reserve: int = 48, count: int = 1) -> Context:
+def make_context(tokenizer, length: int, seed: int, reserve: int = 48, count: int = 1, split: str = "train") -> Context:
     """A context of about ``length - reserve`` tokens (the prefix) with ``count`` needles (3: one at
     each of ``DEPTHS``; 1: at ``DEPTHS[seed % 3]``) and one question per needle; ``reserve`` leaves
-    room for the question and the answer."""
+    room for the question and the answer; the prose comes from ``split``'s files."""
     rng = random.Random(f"needles-keys-{seed}")
     doors = rng.sample(DOORS, len(DEPTHS))
     keys = [str(rng.randrange(10000, 100000)) for _ in DEPTHS]
     depths = DEPTHS if count == 3 else (DEPTHS[seed % 3],)
     doors, keys = doors[: len(depths)], keys[: len(depths)]
     budget = length - reserve - _overhead(tokenizer)
-    paras = prose(tokenizer, budget, seed)
+    paras = prose(tokenizer, budget, seed, split)
     sizes = [len(tokenizer(p, add_special_tokens=False)["input_ids"]) + 1 for p in paras]
     while sum(sizes) > budget and len(paras) > 1:  # drop the last paragraph while over
         paras, sizes = paras[:-1], sizes[:-1]
