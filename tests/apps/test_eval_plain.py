@@ -1,0 +1,88 @@
+"""``kvcache eval --model smollm2 --plain`` (``apps/eval_plain.py``): the plan, the degeneration
+rule, the verdicts' arithmetic on results made by hand, the CLI's refusals, and a tiny real run."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcache.apps import eval_plain
+from kvcache.apps.cli import main
+
+
+def test_degenerate_means_one_token_repeated_to_the_end():
+    assert eval_plain.degenerate([5, 1, 1, 1, 1, 1, 1, 1, 1])
+    assert not eval_plain.degenerate([1, 1, 1, 1, 1, 1, 1, 2])
+    assert not eval_plain.degenerate([1, 1, 1])  # too short to tell
+
+
+def test_plan_puts_the_reference_first_and_budgets_only_bounded_kinds():
+    assert eval_plain.plan(("h2o", "quantized-int4", "growable"), (0.5, 0.25)) == [
+        ("growable", None), ("h2o", 0.5), ("h2o", 0.25), ("quantized-int4", None)]
+    with pytest.raises(ValueError, match="unknown kind.*bogus"):
+        eval_plain.plan(("bogus",), (0.5,))
+
+
+def test_specs_are_the_documented_ones():
+    assert eval_plain.spec_of("kvzip", 0.5, 2000) == "kvzip:budget=0.5"
+    assert eval_plain.spec_of("window", 0.5, 2000) == "window:window=996,sinks=4"
+    assert eval_plain.spec_of("static", None, 2000) == f"static:capacity={2000 + eval_plain.NEW_TOKENS}"
+    assert eval_plain.spec_of("auto", 0.25, 2000) == "auto:bytes=0.25"
+
+
+def test_position_kinds_are_judged_on_needles_inside_what_they_keep():
+    assert eval_plain.judged("window", 0.5, 0.9) and not eval_plain.judged("window", 0.5, 0.5)
+    assert eval_plain.judged("h2o", 0.5, 0.1)
+
+
+def _row(cache, budget, context, depth, found, degenerate=False):
+    return {"cache": cache, "budget": budget, "spec": f"{cache}:{budget}", "context": context, "depth": depth,
+            "found": found, "degenerate": degenerate, "bytes": 100}
+
+
+def _result(rows):
+    return {"config": {"margin": 0.25, "checked": 0.5}, "runs": rows}
+
+
+def test_verdicts_fail_a_kind_far_below_the_full_cache_or_degenerating():
+    depths = [0.1, 0.5, 0.9, 0.1]
+    rows = [_row("growable", None, c, d, True) for c, d in enumerate(depths)]
+    rows += [_row("h2o", 0.5, c, d, c < 3) for c, d in enumerate(depths)]  # 75%: within 25 points
+    rows += [_row("kvzip", 0.5, c, d, False, degenerate=True) for c, d in enumerate(depths)]
+    rows += [_row("tova", 0.5, c, d, c == 0) for c, d in enumerate(depths)]  # 25%
+    rows += [_row("tova", 0.25, c, d, False) for c, d in enumerate(depths)]  # reported, not judged
+    rows += [_row("window", 0.5, c, d, d == 0.9) for c, d in enumerate(depths)]  # finds all it keeps
+    got = {(v["cache"], v["budget"]): v for v in eval_plain.verdicts(_result(rows))}
+    assert got[("h2o", 0.5)]["ok"] and got[("window", 0.5)]["ok"]
+    assert got[("window", 0.5)]["judged"] == 1 and got[("window", 0.5)]["all"] == 0.25
+    assert "degenerate" in got[("kvzip", 0.5)]["reason"] and "found" in got[("kvzip", 0.5)]["reason"]
+    assert not got[("tova", 0.5)]["ok"] and "25% found against the full cache's 100%" in got[("tova", 0.5)]["reason"]
+    assert got[("tova", 0.25)]["ok"] and not got[("tova", 0.25)]["checked"]
+    assert eval_plain.failures(_result(rows) | {"verdicts": list(got.values())}) == [
+        "kvzip:0.5: " + got[("kvzip", 0.5)]["reason"], "tova:0.5: " + got[("tova", 0.5)]["reason"]]
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["--frontier"], "two different runs"),
+    (["--lengths", "1024,2048"], "one length"),
+    (["--reuse", "h2o"], "does not apply to --plain"),
+    (["--caches", "bogus"], "unknown kind"),
+])
+def test_the_cli_refuses_what_plain_does_not_take(capsys, args, words):
+    assert main(["eval", "--model", "smollm2", "--plain", *args, "--no-progress"]) != 0
+    assert words in capsys.readouterr().err
+
+
+def test_plain_is_refused_for_the_tiny_model(capsys):
+    assert main(["eval", "--plain", "--no-progress"]) != 0
+    assert "applies to a real model" in capsys.readouterr().err
+
+
+@pytest.mark.real_model
+def test_a_tiny_plain_run_on_smollm2_writes_its_report(tmp_path):
+    from kvcache.apps.run_options import RunOptions
+
+    result = eval_plain.run(RunOptions(tiny=True, out=tmp_path, progress=False), kinds=("growable", "kvzip", "quantized-int4"))
+    assert [(v["cache"], v["budget"]) for v in result["verdicts"]] == [("growable", None), ("kvzip", 0.5), ("quantized-int4", None)]
+    for r in result["runs"]:
+        assert r["prompt_tokens"] <= 384 and not r["degenerate"], r
+    assert (tmp_path / "plain.json").exists() and "| kvzip | 50% |" in (tmp_path / "plain.md").read_text()
