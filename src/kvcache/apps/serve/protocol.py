@@ -3,8 +3,9 @@ stream chunks of ``/v1/completions`` and ``/v1/chat/completions``.
 
 A body that is not a JSON object, a known field of the wrong type or out of range, or a missing
 required field is an ``ApiError`` (HTTP 400 unless said otherwise) that names the field; the
-server answers it in the OpenAI error shape (``ApiError.body``). Unknown fields are ignored, as the
-OpenAI API does. Extension fields: ``cache`` (a cache spec: the server's own, or a ``snapkv``
+server answers it in the OpenAI error shape (``ApiError.body``). A field this server does not
+honour, at a value that asks for something, is refused by name, never ignored (``fields.py``).
+Extension fields: ``cache`` (a cache spec: the server's own, or a ``snapkv``
 budget for this request when the server's pool is full precision).
 """
 
@@ -16,6 +17,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
+
+from .fields import CHAT, COMPLETIONS, refusal
 
 
 class ApiError(Exception):
@@ -58,7 +61,7 @@ def parse_body(raw: bytes) -> dict[str, Any]:
 
 
 def completion_params(body: dict[str, Any]) -> Params:
-    p = _common(body)
+    p = _common(body, COMPLETIONS)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -78,7 +81,7 @@ def completion_params(body: dict[str, Any]) -> Params:
 
 
 def chat_params(body: dict[str, Any]) -> Params:
-    p = _common(body)
+    p = _common(body, CHAT)
     messages = body.get("messages")
     if messages is None:
         raise ApiError("'messages' is required", param="messages")
@@ -100,7 +103,10 @@ def chat_params(body: dict[str, Any]) -> Params:
     return p
 
 
-def _common(body: dict[str, Any]) -> Params:
+def _common(body: dict[str, Any], endpoint: str) -> Params:
+    refused = refusal(body, endpoint)
+    if refused is not None:
+        raise ApiError(refused[1], param=refused[0], code="unsupported_field")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise ApiError("'model' is required and must be a string", param="model")
@@ -133,9 +139,6 @@ def _common(body: dict[str, Any]) -> Params:
         if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
             raise ApiError("stream_options must be an object with a boolean include_usage", param="stream_options")
         p.include_usage = bool(options.get("include_usage", False))
-    n = body.get("n", 1)
-    if n != 1:
-        raise ApiError("this server returns one choice a request: n must be 1", param="n")
     cache = body.get("cache")
     if cache is not None and not isinstance(cache, str):
         raise ApiError(f"cache must be a cache spec string such as 'snapkv:budget=0.25', got {cache!r}", param="cache")
