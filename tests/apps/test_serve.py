@@ -79,6 +79,25 @@ def test_completions_equal_generate_streamed_or_not(server, local, prompt):
     assert "".join(parts) == expected
 
 
+def test_a_batch_of_prompts_gets_one_choice_each_in_order_streamed_or_not(server, local):
+    # As lm-evaluation-harness sends them: a list of strings, or a list of token-id lists.
+    c = client(server)
+    expected = [greedy(local, completion_ids(local, p), 12) for p in PROMPTS]
+    for batch in (PROMPTS, [completion_ids(local, p) for p in PROMPTS]):
+        whole = c.completions.create(model="tiny-chat", prompt=batch, max_tokens=12, temperature=0)
+        assert [ch.index for ch in whole.choices] == list(range(len(PROMPTS)))
+        assert [ch.text for ch in whole.choices] == expected
+        assert whole.usage.prompt_tokens == sum(len(completion_ids(local, p)) for p in PROMPTS)
+        texts = {i: "" for i in range(len(PROMPTS))}
+        finished = set()
+        for chunk in c.completions.create(model="tiny-chat", prompt=batch, max_tokens=12, temperature=0, stream=True):
+            for ch in chunk.choices:
+                texts[ch.index] += ch.text
+                if ch.finish_reason is not None:
+                    finished.add(ch.index)
+        assert [texts[i] for i in range(len(PROMPTS))] == expected and finished == set(range(len(PROMPTS)))
+
+
 def test_chat_equals_generate_streamed_or_not(server, local):
     c = client(server)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a story."}]
@@ -141,6 +160,11 @@ def test_models_health_and_metrics(server):
         ("/v1/completions", {"model": "tiny-chat", "prompt": "hi", "temperature": "hot"}, 400, "temperature"),
         ("/v1/completions", {"model": "tiny-chat", "prompt": "hi", "stream": "yes"}, 400, "stream"),
         ("/v1/completions", {"model": "tiny-chat", "prompt": 42}, 400, "prompt"),
+        ("/v1/completions", {"model": "tiny-chat", "prompt": ["hi", 3]}, 400, "prompt"),
+        ("/v1/completions", {"model": "tiny-chat", "prompt": ["hi", ""]}, 400, "prompt"),
+        ("/v1/completions", {"model": "tiny-chat", "prompt": "hi", "logprobs": 1, "echo": True}, 400, "logprobs"),
+        ("/v1/completions", {"model": "tiny-chat", "prompt": "hi", "n": 2}, 400, "n"),
+        ("/v1/chat/completions", {"model": "tiny-chat", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400, "tools"),
         ("/v1/completions", {"model": "tiny-chat", "prompt": "hi", "max_tokens": 5000}, 400, "prompt"),
         ("/v1/completions", {"model": "gpt-5", "prompt": "hi"}, 404, "model"),
         ("/v1/chat/completions", {"model": "tiny-chat", "messages": "hi"}, 400, "messages"),

@@ -5,8 +5,9 @@ streamed as server-sent events or not; ``GET /v1/models``; ``GET /health``; ``GE
 (Prometheus text). With an API key every endpoint but ``/health`` wants ``Authorization: Bearer
 KEY``.
 
-A request is checked (``protocol.py``), tokenized, and submitted to the engine, which steps on its
-own thread; the engine's ``on_update`` wakes the request's handler on the event loop, which turns
+A request is checked (``protocol.py``), tokenized, and submitted to the engine (a completions
+request with a batch of prompts: one engine request each, their text merged into one response by
+choice index), which steps on its own thread; the engine's ``on_update`` wakes the request's handler on the event loop, which turns
 new tokens into text (``text.py``: stop strings, whole characters) and sends it. A client that goes
 away mid-stream cancels its request, so its blocks return to the pool at once. When the engine's
 queue holds ``max_queue`` requests, or the server is draining, a request gets 503 with
@@ -30,7 +31,8 @@ from starlette.routing import Route
 
 from ...errors import KVCacheError
 from .metrics import Metrics
-from .protocol import ApiError, Params, chat_params, chunk_body, completion_body, completion_params, new_id, parse_body, usage
+from .protocol import (ApiError, Params, add_usage, chat_params, chunk_body, completion_body, completion_params, new_id,
+                       parse_body, usage)
 from .text import TextStream
 
 
@@ -106,46 +108,142 @@ async def _generate(served: Served, request: Request, chat: bool) -> Response:
     if params.model not in served.names():
         raise ApiError(f"the model {params.model!r} does not exist here; this server serves {served.model_name!r}",
                        status=404, param="model", code="model_not_found")  # fmt: skip
-    ids = _tokens(served, params, chat)
+    prompts = [_chat_tokens(served, params)] if chat else [_prompt_tokens(served, p) for p in params.prompts or []]
     if params.max_tokens is None:  # chat without a limit: what the context and the pool leave
         room = min(served.context or served.engine.max_request_tokens, served.engine.max_request_tokens)
-        params.max_tokens = max(1, room - len(ids))
-    if served.context is not None and len(ids) + params.max_tokens > served.context:
-        raise ApiError(
-            f"this model's context is {served.context} tokens; the prompt has {len(ids)} and max_tokens asks for "
-            f"{params.max_tokens}", param="messages" if chat else "prompt", code="context_length_exceeded",
-        )  # fmt: skip
-    run = _Run(served, ids, params, chat)
-    run.start()  # refusals (503, 400) before any response starts
+        params.max_tokens = max(1, room - len(prompts[0]))
+    for i, ids in enumerate(prompts):
+        if served.context is not None and len(ids) + params.max_tokens > served.context:
+            which = "the prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            raise ApiError(
+                f"this model's context is {served.context} tokens; {which} has {len(ids)} and max_tokens asks for "
+                f"{params.max_tokens}", param="messages" if chat else "prompt", code="context_length_exceeded",
+            )  # fmt: skip
+    rid = new_id("chatcmpl" if chat else "cmpl")
+    runs = [_Run(served, ids, params, chat, i) for i, ids in enumerate(prompts)]
+    _start(served, runs)  # refusals (503, 400) before any response starts
     if params.stream:
-        return StreamingResponse(run.stream(request), media_type="text/event-stream",
+        return StreamingResponse(_stream(served, runs, rid, params, chat), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
-    return JSONResponse(await run.whole(request))
+    return JSONResponse(await _whole(runs, rid, params, chat))
 
 
-def _tokens(served: Served, params: Params, chat: bool) -> list[int]:
+def _chat_tokens(served: Served, params: Params) -> list[int]:
+    try:
+        ids = served.tokenizer.apply_chat_template(params.messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    except Exception as e:  # noqa: BLE001 - a template's own refusal (roles out of order, ...)
+        raise ApiError(f"the model's chat template refused these messages: {e}", param="messages") from None
+    return list(ids)
+
+
+def _prompt_tokens(served: Served, prompt: str | list[int]) -> list[int]:
     tokenizer = served.tokenizer
-    if chat:
-        try:
-            ids = tokenizer.apply_chat_template(params.messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-        except Exception as e:  # noqa: BLE001 - a template's own refusal (roles out of order, ...)
-            raise ApiError(f"the model's chat template refused these messages: {e}", param="messages") from None
-        return list(ids)
-    if isinstance(params.prompt, list):
+    if isinstance(prompt, list):
         vocab = len(tokenizer)
-        bad = next((t for t in params.prompt if not 0 <= t < vocab), None)
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
         if bad is not None:
             raise ApiError(f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
-        return params.prompt
-    return tokenizer(params.prompt, add_special_tokens=True)["input_ids"]
+        return prompt
+    return tokenizer(prompt, add_special_tokens=True)["input_ids"]
+
+
+def _start(served: Served, runs: list[_Run]) -> None:
+    """Submit every run's request, or none (``ApiError``: draining, a full queue, a refused spec)."""
+    if served.draining:
+        served.metrics.count("rejected")
+        raise ApiError("the server is shutting down", status=503, kind="server_error", code="draining",
+                       headers={"Retry-After": "5"})  # fmt: skip
+    if len(runs) > served.max_queue:
+        raise ApiError(f"{len(runs)} prompts in one request; this server queues at most {served.max_queue}", param="prompt")
+    if served.engine.waiting_count + len(runs) > served.max_queue:
+        served.metrics.count("rejected")
+        raise ApiError(f"the server is full ({served.max_queue} requests waiting); retry shortly", status=503,
+                       kind="server_error", code="overloaded", headers={"Retry-After": "1"})  # fmt: skip
+    started: list[_Run] = []
+    try:
+        for run in runs:
+            run.start()
+            started.append(run)
+    except ApiError:
+        for run in started:
+            run.handle.cancel(wait=False)
+        raise
+
+
+async def _merged(runs: list[_Run]) -> AsyncIterator[tuple[_Run, str | None]]:
+    """Every run's new text as it comes, ``(run, text)``; ``(run, None)`` once a run has ended."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(run: _Run) -> None:
+        try:
+            async for new in run.updates():
+                await queue.put((run, new))
+        finally:
+            queue.put_nowait((run, None))
+
+    tasks = [asyncio.create_task(pump(run)) for run in runs]
+    try:
+        left = len(runs)
+        while left:
+            run, new = await queue.get()
+            left -= new is None
+            yield run, new
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _whole(runs: list[_Run], rid: str, params: Params, chat: bool) -> dict[str, Any]:
+    texts: dict[int, list[str]] = {run.index: [] for run in runs}
+    try:
+        async for run, new in _merged(runs):
+            if new is not None:
+                texts[run.index].append(new)
+    finally:
+        _cancel_unfinished(runs)  # the client went away (the handler was cancelled)
+    failed = next((run for run in runs if run.finish == "error"), None)
+    if failed is not None:
+        raise ApiError(f"the engine failed this request: {failed.handle.error}", status=500, kind="server_error")
+    choices = [("".join(texts[run.index]), run.finish or "stop") for run in runs]
+    return completion_body(rid, params.model, choices, add_usage([run.usage() for run in runs]), chat)
+
+
+async def _stream(served: Served, runs: list[_Run], rid: str, params: Params, chat: bool) -> AsyncIterator[str]:
+    name = params.model
+    try:
+        if chat:
+            yield _event(chunk_body(rid, name, None, None, True, first=True))
+        async for run, new in _merged(runs):
+            if new is not None:
+                yield _event(chunk_body(rid, name, new, None, chat, index=run.index))
+            elif run.finish == "error":
+                yield _event(ApiError(f"the engine failed this request: {run.handle.error}", status=500, kind="server_error").body)
+                return
+            else:
+                yield _event(chunk_body(rid, name, None, run.finish or "stop", chat, index=run.index))
+        use = add_usage([run.usage() for run in runs])
+        if params.include_usage:
+            yield _event(chunk_body(rid, name, None, None, chat, use=use))
+        yield "data: [DONE]\n\n"
+    finally:
+        if any(run.finish is None for run in runs):  # the client went away mid-stream: blocks back now
+            served.metrics.count("disconnects")
+        _cancel_unfinished(runs)
+
+
+def _cancel_unfinished(runs: list[_Run]) -> None:
+    for run in runs:
+        if run.finish is None:
+            with contextlib.suppress(Exception):
+                run.handle.cancel(wait=False)
 
 
 class _Run:
-    """One request through the engine: submit, wake on each update, text out."""
+    """One prompt through the engine (choice ``index`` of its response): submit, wake on each
+    update, text out."""
 
-    def __init__(self, served: Served, ids: list[int], params: Params, chat: bool):
-        self.served, self.ids, self.params, self.chat = served, ids, params, chat
-        self.rid = new_id("chatcmpl" if chat else "cmpl")
+    def __init__(self, served: Served, ids: list[int], params: Params, chat: bool, index: int = 0):
+        self.served, self.ids, self.params, self.chat, self.index = served, ids, params, chat, index
         self.text = TextStream(served.tokenizer, params.stop)
         self.arrived = time.perf_counter()
         self.last_token_at: float | None = None
@@ -153,16 +251,8 @@ class _Run:
         self.finish: str | None = None
 
     def start(self) -> None:
-        """Submit the request to the engine (``ApiError`` if it cannot take it)."""
+        """Submit the request to the engine (``ApiError`` if it refuses its spec)."""
         served, params = self.served, self.params
-        if served.draining:
-            served.metrics.count("rejected")
-            raise ApiError("the server is shutting down", status=503, kind="server_error", code="draining",
-                           headers={"Retry-After": "5"})  # fmt: skip
-        if served.engine.waiting_count >= served.max_queue:
-            served.metrics.count("rejected")
-            raise ApiError(f"the server is full ({served.max_queue} requests waiting); retry shortly", status=503,
-                           kind="server_error", code="overloaded", headers={"Retry-After": "1"})  # fmt: skip
         loop, woken = asyncio.get_running_loop(), asyncio.Event()
         options = {} if params.cache is None else {"cache": params.cache}
         try:
@@ -174,7 +264,7 @@ class _Run:
             raise ApiError(str(e), param="cache" if params.cache else None) from None
         self.woken = woken
 
-    async def _updates(self) -> AsyncIterator[str]:
+    async def updates(self) -> AsyncIterator[str]:
         """New text as tokens come, until the request ends (``self.finish`` set)."""
         handle, woken = self.handle, self.woken
         while True:
@@ -206,47 +296,13 @@ class _Run:
                 self.served.metrics.between_tokens(now - self.last_token_at, fresh)
             self.last_token_at, self.seen = now, count
 
-    def _usage(self, handle: Any) -> dict[str, Any]:
+    def usage(self) -> dict[str, Any]:
+        """This request's usage (counted into the metrics once, when it is asked)."""
+        handle = self.handle
         stats = handle.stats
         cached = stats.reused_pool + stats.reused_store
         self.served.metrics.finished(len(self.ids), len(handle.tokens), stats.reused)
         return usage(len(self.ids), len(handle.tokens), cached)
-
-    async def whole(self, request: Request) -> dict[str, Any]:
-        handle, parts = self.handle, []
-        try:
-            async for new in self._updates():
-                parts.append(new)
-        finally:
-            if self.finish is None:
-                handle.cancel(wait=False)  # the client went away (the handler was cancelled)
-        if self.finish == "error":
-            raise ApiError(f"the engine failed this request: {handle.error}", status=500, kind="server_error")
-        return completion_body(self.rid, self.params.model, "".join(parts), self.finish or "stop", self._usage(handle), self.chat)
-
-    async def stream(self, request: Request) -> AsyncIterator[str]:
-        handle, name, first = self.handle, self.params.model, True
-        try:
-            if self.chat:
-                yield _event(chunk_body(self.rid, name, None, None, True, first=True))
-                first = False
-            async for new in self._updates():
-                yield _event(chunk_body(self.rid, name, new, None, self.chat, first=first))
-                first = False
-            if self.finish == "error":
-                error = ApiError(f"the engine failed this request: {handle.error}", status=500, kind="server_error")
-                yield _event(error.body)
-                return
-            yield _event(chunk_body(self.rid, name, None, self.finish, self.chat, first=first))
-            use = self._usage(handle)
-            if self.params.include_usage:
-                yield _event(chunk_body(self.rid, name, None, None, self.chat, use=use))
-            yield "data: [DONE]\n\n"
-        finally:
-            if self.finish is None:  # the client went away mid-stream: give the blocks back now
-                self.served.metrics.count("disconnects")
-                with contextlib.suppress(Exception):
-                    handle.cancel(wait=False)
 
 
 def _event(body: dict[str, Any]) -> str:

@@ -38,7 +38,7 @@ class Params:
     """A checked completion or chat request."""
 
     model: str
-    prompt: str | list[int] | None = None  # completions
+    prompts: list[str | list[int]] | None = None  # completions: one choice each, in order
     messages: list[dict[str, Any]] | None = None  # chat
     max_tokens: int | None = None
     temperature: float = 1.0
@@ -60,21 +60,30 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
+#: Prompts one completions request may carry (each one engine request).
+MAX_PROMPTS = 256
+
+
+def _token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
 def completion_params(body: dict[str, Any]) -> Params:
+    """``prompt`` as the OpenAI API takes it: a string, a list of token ids, or a batch (a list of
+    strings or of token-id lists), each prompt one choice."""
     p = _common(body, COMPLETIONS)
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        if not prompt:
-            raise ApiError("prompt is empty", param="prompt")
-        p.prompt = prompt
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        p.prompt = list(prompt)
-    elif prompt is None:
+    if prompt is None:
         raise ApiError("'prompt' is required", param="prompt")
-    else:
-        raise ApiError("prompt must be a string, or a list of token ids (one prompt a request)", param="prompt")
+    prompts = [prompt] if isinstance(prompt, str) or _token_ids(prompt) else prompt
+    if not isinstance(prompts, list) or not prompts or not all(isinstance(x, str) or _token_ids(x) for x in prompts):
+        raise ApiError("prompt must be a string, a list of token ids, or a non-empty list of either", param="prompt")
+    if len(prompts) > MAX_PROMPTS:
+        raise ApiError(f"at most {MAX_PROMPTS} prompts a request, got {len(prompts)}", param="prompt")
+    empty = next((i for i, x in enumerate(prompts) if x == ""), None)
+    if empty is not None:
+        raise ApiError("prompt is empty" if len(prompts) == 1 else f"prompt[{empty}] is empty", param="prompt")
+    p.prompts = [x if isinstance(x, str) else list(x) for x in prompts]
     if p.max_tokens is None:
         p.max_tokens = 16  # the OpenAI API's default for completions
     return p
@@ -171,20 +180,29 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
     }
 
 
-def completion_body(rid: str, model: str, text: str, finish: str, use: dict[str, Any], chat: bool) -> dict[str, Any]:
+def add_usage(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The usage of several choices' requests, summed."""
+    prompt = sum(u["prompt_tokens"] for u in parts)
+    done = sum(u["completion_tokens"] for u in parts)
+    return usage(prompt, done, sum(u["prompt_tokens_details"]["cached_tokens"] for u in parts))
+
+
+def completion_body(rid: str, model: str, choices: list[tuple[str, str]], use: dict[str, Any], chat: bool) -> dict[str, Any]:
+    """The whole answer: ``choices`` ``(text, finish)`` in index order."""
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish, "logprobs": None}
+        out = [{"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": finish, "logprobs": None}
+               for i, (text, finish) in enumerate(choices)]  # fmt: skip
         kind = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        out = [{"index": i, "text": text, "finish_reason": finish, "logprobs": None} for i, (text, finish) in enumerate(choices)]
         kind = "text_completion"
-    return {"id": rid, "object": kind, "created": int(time.time()), "model": model, "choices": [choice], "usage": use}
+    return {"id": rid, "object": kind, "created": int(time.time()), "model": model, "choices": out, "usage": use}
 
 
 def chunk_body(rid: str, model: str, text: str | None, finish: str | None, chat: bool, first: bool = False,
-               use: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
-    """One stream chunk: new ``text`` (or None), a ``finish`` reason on the last, or (``use``) the
-    usage chunk with no choices."""
+               use: dict[str, Any] | None = None, index: int = 0) -> dict[str, Any]:  # fmt: skip
+    """One stream chunk of choice ``index``: new ``text`` (or None), a ``finish`` reason on the
+    last, or (``use``) the usage chunk with no choices."""
     created = int(time.time())
     kind = "chat.completion.chunk" if chat else "text_completion"
     if use is not None:
@@ -193,7 +211,7 @@ def chunk_body(rid: str, model: str, text: str | None, finish: str | None, chat:
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if text:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
     else:
-        choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+        choice = {"index": index, "text": text or "", "finish_reason": finish, "logprobs": None}
     return {"id": rid, "object": kind, "created": created, "model": model, "choices": [choice]}
