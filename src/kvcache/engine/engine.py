@@ -39,6 +39,7 @@ from .coded_step import CodedStep
 from .formats import Geometry, engine_spec, make_pool
 from .pool import BlockPool, PoolError
 from .request import Request, RequestHandle, State
+from .logprobs import check_top, scored
 from .sampling import Sampling, choose
 from .scheduler import Compression, Scheduler, blocks_for
 from .tier import StoreTier
@@ -153,6 +154,8 @@ class Engine:
         seed: int | None = None,
         on_update: Callable[[], None] | None = None,
         cache: str | CacheSpec | None = None,
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
     ) -> RequestHandle:
         """Queue a request for ``input_ids`` (token ids: a list, a 1-D tensor or a ``[1, S]``
         tensor) to generate up to ``max_new_tokens`` tokens, stopping after an ``eos_token_id``
@@ -161,7 +164,10 @@ class Engine:
         the engine, after each step that gave the request tokens and when it finishes; it must be
         quick and must not call the engine. ``cache``: this request's own spec where the pool allows
         one (a float pool: ``"growable"``, or ``"snapkv:..."`` to compress its prompt); default the
-        engine's."""
+        engine's. ``logprobs`` / ``prompt_logprobs``: report each generated / prompt token's
+        log-probability with that many alternatives (0-20; ``handle.logprobs``,
+        ``handle.prompt_logprobs``); a prompt scored so is computed whole, not reused."""
+        logprobs, prompt_logprobs = check_top("logprobs", logprobs), check_top("prompt_logprobs", prompt_logprobs)
         prompt = self._prompt(input_ids)
         compression = self._compression if cache is None else self._request_compression(cache)
         max_new_tokens = _positive("max_new_tokens", max_new_tokens)
@@ -184,7 +190,7 @@ class Engine:
                 f"it serves requests of at most {self.window} tokens (this one reaches {longest})"
             )
         request = Request(next(self._ids), prompt, max_new_tokens, eos, sampling=sampling, on_update=on_update,
-                          compression=compression)  # fmt: skip
+                          compression=compression, logprobs=logprobs, prompt_logprobs=prompt_logprobs)  # fmt: skip
         request.generator = sampling.generator()
         request.stats.submitted = time.perf_counter()
         self._incoming.append(request)  # the next step takes it (deque appends are thread-safe)
@@ -293,11 +299,14 @@ class Engine:
         """One forward pass over ``rows``: the next token of each row that computed its last token,
         and what each prompt compressed in this step keeps (request id -> per layer keys and values
         ``[Hkv, keep, D]``)."""
-        ids, positions, packed, last = [], [], [], []
+        ids, positions, packed, last, scoring = [], [], [], [], []
         for request, n in rows:
             start = len(ids)
             ids.extend(request.tokens[request.computed : request.computed + n])
             positions.extend(range(request.computed, request.computed + n))
+            if request.prompt_logprobs is not None:  # logits at position p score prompt token p + 1
+                for p in range(request.computed, min(request.computed + n, len(request.prompt) - 1)):
+                    scoring.append((request, p + 1, start + p - request.computed))
             c = request.compression
             compresses = c is not None and not request.compressed and request.computed + n == len(request.prompt)
             weights = c.mode if compresses else None
@@ -306,7 +315,7 @@ class Engine:
                 last.append((request.rid, start + n - 1))
         step = CodedStep(self.pool, packed) if isinstance(self.pool, CodedBlockPool) else PagedStep(self.pool, packed)
         device = self.pool.device
-        keep = torch.tensor([i for _, i in last], dtype=torch.long, device=device)
+        keep = torch.tensor([i for _, i in last] + [i for _, _, i in scoring], dtype=torch.long, device=device)
         kwargs = {"logits_to_keep": keep} if self._keeps_logits else {}
         with torch.inference_mode(), use_kvcache_attention(self.model):
             out = self.model(
@@ -320,9 +329,29 @@ class Engine:
         logits = out.logits[0] if self._keeps_logits else out.logits[0, keep]
         by_id = {request.rid: request for request, _ in rows}
         picked = [by_id[rid] for rid, _ in last]
-        chosen = choose(logits, [r.sampling for r in picked], [r.generator for r in picked])
+        chosen = choose(logits[: len(last)], [r.sampling for r in picked], [r.generator for r in picked])
+        self._score(picked, logits[: len(last)], chosen, scoring, logits[len(last) :])
         kept = {rows[i][0].rid: self._compress(rows[i][0].compression, reported) for i, reported in step.reported.items()}
         return {rid: token for (rid, _), token in zip(last, chosen)}, kept
+
+    @staticmethod
+    def _score(picked: list[Request], logits: torch.Tensor, chosen: list[int], scoring: list[tuple[Request, int, int]],
+               prompt_logits: torch.Tensor) -> None:  # fmt: skip
+        """Record the log-probabilities asked for: of each chosen token (``logits`` ``[len(picked), V]``)
+        and of each prompt token scored in this pass (``scoring``: request, position, row;
+        ``prompt_logits`` ``[len(scoring), V]``). Written before the tokens are committed."""
+        for i, request in enumerate(picked):
+            if request.logprobs is not None:
+                request.token_logprobs += scored(logits[i : i + 1], [chosen[i]], request.logprobs)
+        by_request: dict[int, list[int]] = {}
+        for j, (request, _, _) in enumerate(scoring):
+            by_request.setdefault(request.rid, []).append(j)
+        for rows in by_request.values():
+            request = scoring[rows[0]][0]
+            at = [scoring[j][1] for j in rows]
+            found = scored(prompt_logits[rows], [request.prompt[p] for p in at], request.prompt_logprobs)
+            for p, s in zip(at, found):
+                request.prompt_scores[p] = s
 
     def _compression_for(self, spec: CacheSpec) -> Compression | None:
         key = str(spec)

@@ -102,10 +102,31 @@ class Request:
     on_update: Callable[[], None] | None = None
     #: How its prompt is compressed once computed (``scheduler.Compression``), or None.
     compression: Any = None
+    #: Alternatives reported per generated token (``logprobs.py``), or None for no log-probabilities.
+    logprobs: int | None = None
+    #: Alternatives reported per prompt token, or None: then its prompt is computed whole (no reuse
+    #: of positions not yet scored), each position's logits kept in the pass that computes it.
+    prompt_logprobs: int | None = None
+    #: The generated tokens' log-probabilities, in order (with ``logprobs``).
+    token_logprobs: list[Any] = field(default_factory=list)
+    #: Each prompt token's log-probability by position (the first None: nothing comes before it).
+    prompt_scores: list[Any] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt)
         self.stats.prompt_tokens = len(self.prompt)
+        self.prompt_scores = [None] * len(self.prompt) if self.prompt_logprobs is not None else []
+
+    @property
+    def scored_upto(self) -> int:
+        """Leading prompt tokens whose log-probabilities are known or not asked for (all of them
+        without ``prompt_logprobs``): positions before this may be reused instead of computed."""
+        if self.prompt_logprobs is None:
+            return len(self.prompt)
+        n = 1
+        while n < len(self.prompt) and self.prompt_scores[n] is not None:
+            n += 1
+        return n
 
     @property
     def generated(self) -> list[int]:
@@ -160,6 +181,17 @@ class RequestHandle:
     def tokens(self) -> list[int]:
         """The tokens generated so far (a copy)."""
         return list(self._request.generated)
+
+    @property
+    def logprobs(self) -> list[Any]:
+        """The generated tokens' log-probabilities so far (``TokenLogprob``; empty unless asked)."""
+        return list(self._request.token_logprobs)
+
+    @property
+    def prompt_logprobs(self) -> list[Any]:
+        """Each prompt token's log-probability (``TokenLogprob``; the first None), once the prompt
+        is computed; empty unless asked."""
+        return list(self._request.prompt_scores)
 
     @property
     def stats(self) -> RequestStats:
