@@ -98,6 +98,54 @@ def test_a_batch_of_prompts_gets_one_choice_each_in_order_streamed_or_not(server
         assert [texts[i] for i in range(len(PROMPTS))] == expected and finished == set(range(len(PROMPTS)))
 
 
+def log_softmax(local, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return torch.log_softmax(local[0](torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def test_echo_and_logprobs_score_the_prompt_as_the_model_does(server, local):
+    # lm-evaluation-harness's loglikelihood request: token-id prompts, echo, logprobs 1, max_tokens 1.
+    prompts = [completion_ids(local, p)[1:] for p in PROMPTS[:3]]  # without <bos>, as a client tokenizes
+    r = httpx.post(server.url + "/v1/completions", timeout=60, json={
+        "model": "tiny-chat", "prompt": prompts, "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True})
+    assert r.status_code == 200, r.text
+    for ids, choice in zip(prompts, r.json()["choices"]):
+        lp = choice["logprobs"]
+        assert len(lp["token_logprobs"]) == len(ids) + 1 and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        ref = log_softmax(local, ids)
+        for p in range(1, len(ids)):
+            assert abs(lp["token_logprobs"][p] - ref[p - 1, ids[p]].item()) < 1e-4
+            (alt, value), = lp["top_logprobs"][p].items()
+            assert abs(value - ref[p - 1].max().item()) < 1e-4
+        assert abs(lp["token_logprobs"][-1] - ref[-1].max().item()) < 1e-4  # greedy: the answer is the top token
+        assert choice["text"].startswith(local[1].decode(ids)) and lp["text_offset"][:2] == [0, len(lp["tokens"][0])]
+    usage = r.json()["usage"]
+    assert usage["prompt_tokens"] == sum(map(len, prompts)) and usage["completion_tokens"] == 3
+
+
+def test_max_tokens_0_with_echo_scores_the_prompt_only(server, local):
+    c = client(server)
+    whole = c.completions.create(model="tiny-chat", prompt=PROMPTS[1], max_tokens=0, echo=True, logprobs=0, temperature=0)
+    ids = completion_ids(local, PROMPTS[1])
+    assert whole.choices[0].text == PROMPTS[1] and whole.usage.completion_tokens == 0
+    assert len(whole.choices[0].logprobs.token_logprobs) == len(ids)
+    assert whole.choices[0].logprobs.top_logprobs[1] == {}
+
+
+def test_chat_logprobs_with_top_alternatives(server, local):
+    c = client(server)
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    ids = chat_ids(local, messages)
+    reply = c.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+    content = reply.choices[0].logprobs.content
+    assert "".join(t.token for t in content) == reply.choices[0].message.content
+    text_ids = local[1](reply.choices[0].message.content, add_special_tokens=False)["input_ids"]
+    ref = log_softmax(local, ids + text_ids)
+    for i, t in enumerate(content):
+        assert abs(t.logprob - ref[len(ids) - 1 + i].max().item()) < 1e-4 and len(t.top_logprobs) == 2
+        assert t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob and bytes(t.bytes).decode() == t.token
+
+
 def test_chat_equals_generate_streamed_or_not(server, local):
     c = client(server)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a story."}]
@@ -156,13 +204,13 @@ def test_models_health_and_metrics(server):
         ("/v1/completions", b"{not json", 400, None),
         ("/v1/completions", b"[1, 2]", 400, None),
         ("/v1/completions", {"model": "tiny-chat", "prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
-        ("/v1/completions", {"model": "tiny-chat", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
         ("/v1/completions", {"model": "tiny-chat", "prompt": "hi", "temperature": "hot"}, 400, "temperature"),
         ("/v1/completions", {"model": "tiny-chat", "prompt": "hi", "stream": "yes"}, 400, "stream"),
         ("/v1/completions", {"model": "tiny-chat", "prompt": 42}, 400, "prompt"),
         ("/v1/completions", {"model": "tiny-chat", "prompt": ["hi", 3]}, 400, "prompt"),
         ("/v1/completions", {"model": "tiny-chat", "prompt": ["hi", ""]}, 400, "prompt"),
-        ("/v1/completions", {"model": "tiny-chat", "prompt": "hi", "logprobs": 1, "echo": True}, 400, "logprobs"),
+        ("/v1/completions", {"model": "tiny-chat", "prompt": "hi", "logprobs": 1, "stream": True}, 400, "logprobs"),
+        ("/v1/completions", {"model": "tiny-chat", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
         ("/v1/completions", {"model": "tiny-chat", "prompt": "hi", "n": 2}, 400, "n"),
         ("/v1/chat/completions", {"model": "tiny-chat", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400, "tools"),
         ("/v1/completions", {"model": "tiny-chat", "prompt": "hi", "max_tokens": 5000}, 400, "prompt"),

@@ -16,7 +16,7 @@ BASE = {fields.COMPLETIONS: {"model": "m", "prompt": "hi"}, fields.CHAT: {"model
 PARSE = {fields.COMPLETIONS: completion_params, fields.CHAT: chat_params}
 #: A value that asks for nothing, and one that asks for something, of every field not built.
 NOTHING_AND_SOMETHING = {
-    "n": (1, 2), "best_of": (1, 3), "echo": (False, True), "logprobs": (False, 1), "top_logprobs": (0, 5),
+    "n": (1, 2), "best_of": (1, 3),
     "suffix": ("", " end"), "frequency_penalty": (0, 0.5), "presence_penalty": (0.0, -1), "logit_bias": ({}, {"50": -100}),
     "tools": ([], [{"type": "function", "function": {"name": "f"}}]), "tool_choice": ("none", "auto"),
     "parallel_tool_calls": (True, "yes"), "functions": ([], [{"name": "f"}]), "function_call": ("none", "auto"),
@@ -75,8 +75,27 @@ def test_chat_only_fields_are_refused_on_completions():
     assert e.value.param == "messages"
 
 
-def test_lm_evals_loglikelihood_request_is_refused_not_ignored():
+def test_lm_evals_loglikelihood_request_is_taken():
     # What lm-evaluation-harness's local-completions sends for a multiple-choice task.
+    p = completion_params({"model": "m", "prompt": [[5, 6, 7], [5, 8]], "max_tokens": 1, "temperature": 0, "logprobs": 1,
+                           "echo": True, "seed": 1234})  # fmt: skip
+    assert (p.logprobs, p.echo, p.max_tokens, p.prompts) == (1, True, 1, [[5, 6, 7], [5, 8]])
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"logprobs": True}, "logprobs"), ({"logprobs": 21}, "logprobs"), ({"echo": "yes"}, "echo"),
+    ({"max_tokens": 0}, "max_tokens"), ({"logprobs": 1, "stream": True}, "logprobs"),
+])
+def test_bad_logprobs_requests_name_the_field(extra, param):
     with pytest.raises(ApiError) as e:
-        completion_params({"model": "m", "prompt": "The sky is", "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True, "seed": 1234})
-    assert e.value.status == 400 and e.value.param in ("logprobs", "echo")
+        completion_params({**BASE[fields.COMPLETIONS], **extra})
+    assert e.value.param == param
+
+
+def test_chat_logprobs_are_a_boolean_with_top_logprobs():
+    assert chat_params({**BASE[fields.CHAT], "logprobs": True, "top_logprobs": 3}).logprobs == 3
+    assert chat_params({**BASE[fields.CHAT], "logprobs": False}).logprobs is None
+    for extra, param in (({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": 1}, "logprobs")):
+        with pytest.raises(ApiError) as e:
+            chat_params({**BASE[fields.CHAT], **extra})
+        assert e.value.param == param

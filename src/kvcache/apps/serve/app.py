@@ -30,6 +30,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from ...errors import KVCacheError
+from .logprobs import chat_logprobs, completion_logprobs, covered
 from .metrics import Metrics
 from .protocol import (ApiError, Params, add_usage, chat_params, chunk_body, completion_body, completion_params, new_id,
                        parse_body, usage)
@@ -120,7 +121,8 @@ async def _generate(served: Served, request: Request, chat: bool) -> Response:
                 f"{params.max_tokens}", param="messages" if chat else "prompt", code="context_length_exceeded",
             )  # fmt: skip
     rid = new_id("chatcmpl" if chat else "cmpl")
-    runs = [_Run(served, ids, params, chat, i) for i, ids in enumerate(prompts)]
+    texts = [None] * len(prompts) if chat else [p if isinstance(p, str) else None for p in params.prompts or []]
+    runs = [_Run(served, ids, params, chat, i, text) for i, (ids, text) in enumerate(zip(prompts, texts))]
     _start(served, runs)  # refusals (503, 400) before any response starts
     if params.stream:
         return StreamingResponse(_stream(served, runs, rid, params, chat), media_type="text/event-stream",
@@ -204,7 +206,7 @@ async def _whole(runs: list[_Run], rid: str, params: Params, chat: bool) -> dict
     failed = next((run for run in runs if run.finish == "error"), None)
     if failed is not None:
         raise ApiError(f"the engine failed this request: {failed.handle.error}", status=500, kind="server_error")
-    choices = [("".join(texts[run.index]), run.finish or "stop") for run in runs]
+    choices = [run.choice("".join(texts[run.index])) for run in runs]
     return completion_body(rid, params.model, choices, add_usage([run.usage() for run in runs]), chat)
 
 
@@ -242,8 +244,10 @@ class _Run:
     """One prompt through the engine (choice ``index`` of its response): submit, wake on each
     update, text out."""
 
-    def __init__(self, served: Served, ids: list[int], params: Params, chat: bool, index: int = 0):
+    def __init__(self, served: Served, ids: list[int], params: Params, chat: bool, index: int = 0, prompt: str | None = None):
+        """``prompt``: the prompt's text as given (echoed as it came), None for token ids."""
         self.served, self.ids, self.params, self.chat, self.index = served, ids, params, chat, index
+        self.prompt = prompt
         self.text = TextStream(served.tokenizer, params.stop)
         self.arrived = time.perf_counter()
         self.last_token_at: float | None = None
@@ -254,10 +258,14 @@ class _Run:
         """Submit the request to the engine (``ApiError`` if it refuses its spec)."""
         served, params = self.served, self.params
         loop, woken = asyncio.get_running_loop(), asyncio.Event()
-        options = {} if params.cache is None else {"cache": params.cache}
+        options: dict[str, Any] = {} if params.cache is None else {"cache": params.cache}
+        if params.logprobs is not None:
+            options["logprobs"] = params.logprobs
+            if params.echo:
+                options["prompt_logprobs"] = params.logprobs
         try:
-            self.handle = served.engine.submit(
-                self.ids, max_new_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
+            self.handle = served.engine.submit(  # max_tokens 0 (echo: scoring only): the token is dropped
+                self.ids, max_new_tokens=max(1, params.max_tokens), temperature=params.temperature, top_p=params.top_p,
                 seed=params.seed, on_update=lambda: loop.call_soon_threadsafe(woken.set), **options,
             )  # fmt: skip
         except (KVCacheError, ValueError) as e:
@@ -296,13 +304,36 @@ class _Run:
                 self.served.metrics.between_tokens(now - self.last_token_at, fresh)
             self.last_token_at, self.seen = now, count
 
+    @property
+    def generated(self) -> list[int]:
+        """The tokens this choice answers with (none when only the prompt was to be scored)."""
+        return [] if self.params.max_tokens == 0 else self.handle.tokens
+
+    def choice(self, text: str) -> tuple[str, str, Any]:
+        """``(text, finish, logprobs)`` of the whole answer, ``text`` the completion's (the prompt's
+        text put before it with ``echo``)."""
+        params, tokenizer, handle = self.params, self.served.tokenizer, self.handle
+        if params.max_tokens == 0:
+            text = ""
+        generated = self.generated[: covered(tokenizer, self.generated, text)]
+        logprobs = None
+        if params.logprobs is not None and self.chat:
+            logprobs = chat_logprobs(tokenizer, handle.logprobs[: len(generated)])
+        elif params.logprobs is not None:
+            ids, scores = list(generated), handle.logprobs[: len(generated)]
+            if params.echo:
+                ids, scores = self.ids + ids, handle.prompt_logprobs + scores
+            logprobs = completion_logprobs(tokenizer, ids, scores)
+        if params.echo:
+            text = (self.prompt if self.prompt is not None else tokenizer.decode(self.ids)) + text
+        return text, self.finish or "stop", logprobs
+
     def usage(self) -> dict[str, Any]:
         """This request's usage (counted into the metrics once, when it is asked)."""
-        handle = self.handle
-        stats = handle.stats
+        stats = self.handle.stats
         cached = stats.reused_pool + stats.reused_store
-        self.served.metrics.finished(len(self.ids), len(handle.tokens), stats.reused)
-        return usage(len(self.ids), len(handle.tokens), cached)
+        self.served.metrics.finished(len(self.ids), len(self.generated), stats.reused)
+        return usage(len(self.ids), len(self.generated), cached)
 
 
 def _event(body: dict[str, Any]) -> str:

@@ -34,6 +34,9 @@ HONOURED: dict[str, tuple[str, ...]] = {
     "stream": BOTH,
     "stream_options": BOTH,
     "cache": BOTH,
+    "logprobs": BOTH,
+    "echo": (COMPLETIONS,),
+    "top_logprobs": (CHAT,),
 }
 
 #: Field -> endpoints, for fields that do not change what is generated.
@@ -60,9 +63,6 @@ def _zero(v: Any) -> bool:
 DEFAULTS: dict[str, tuple[tuple[str, ...], Callable[[Any], bool], str]] = {
     "n": (BOTH, _is(1), "one choice a request: n must be 1"),
     "best_of": ((COMPLETIONS,), _is(1), "best_of is not supported (it must be 1)"),
-    "echo": ((COMPLETIONS,), _is(False), "echo is not supported yet"),
-    "logprobs": (BOTH, _is(False), "logprobs are not supported yet"),
-    "top_logprobs": ((CHAT,), _zero, "top_logprobs are not supported yet"),
     "suffix": ((COMPLETIONS,), _empty, "suffix (insertion) is not supported"),
     "frequency_penalty": (BOTH, _zero, "frequency_penalty is not supported (it must be 0)"),
     "presence_penalty": (BOTH, _zero, "presence_penalty is not supported (it must be 0)"),

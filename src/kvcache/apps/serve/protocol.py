@@ -18,6 +18,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...engine.logprobs import MAX_TOP
 from .fields import CHAT, COMPLETIONS, refusal
 
 
@@ -48,6 +49,10 @@ class Params:
     stream: bool = False
     include_usage: bool = False
     cache: str | None = None
+    #: Alternatives per token when log-probabilities are asked (completions: ``logprobs``; chat:
+    #: ``top_logprobs`` with ``logprobs: true``), else None.
+    logprobs: int | None = None
+    echo: bool = False  # completions: the prompt before the completion, its tokens scored too
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -84,6 +89,20 @@ def completion_params(body: dict[str, Any]) -> Params:
     if empty is not None:
         raise ApiError("prompt is empty" if len(prompts) == 1 else f"prompt[{empty}] is empty", param="prompt")
     p.prompts = [x if isinstance(x, str) else list(x) for x in prompts]
+    logprobs = body.get("logprobs")
+    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= MAX_TOP):
+        raise ApiError(f"logprobs must be an integer in [0, {MAX_TOP}], got {logprobs!r}", param="logprobs")
+    p.logprobs = logprobs
+    echo = body.get("echo", False)
+    if not isinstance(echo, bool):
+        raise ApiError(f"echo must be a boolean, got {echo!r}", param="echo")
+    p.echo = echo
+    if body.get("max_tokens") == 0 and not isinstance(body.get("max_tokens"), bool):
+        if not echo:
+            raise ApiError("max_tokens 0 (scoring the prompt only) needs echo: true", param="max_tokens")
+        p.max_tokens = 0
+    if p.logprobs is not None and p.stream:
+        raise ApiError("logprobs with stream: true is not supported yet; ask without streaming", param="logprobs")
     if p.max_tokens is None:
         p.max_tokens = 16  # the OpenAI API's default for completions
     return p
@@ -109,6 +128,18 @@ def chat_params(body: dict[str, Any]) -> Params:
         elif not isinstance(content, str):
             raise ApiError(f"messages[{i}].content must be a string", param=f"messages[{i}].content")
     p.messages = messages
+    wanted = body.get("logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise ApiError(f"logprobs must be a boolean, got {wanted!r}", param="logprobs")
+    top = body.get("top_logprobs")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP):
+        raise ApiError(f"top_logprobs must be an integer in [0, {MAX_TOP}], got {top!r}", param="top_logprobs")
+    if top and not wanted:
+        raise ApiError("top_logprobs needs logprobs: true", param="top_logprobs")
+    if wanted:
+        if p.stream:
+            raise ApiError("logprobs with stream: true is not supported yet; ask without streaming", param="logprobs")
+        p.logprobs = top or 0
     return p
 
 
@@ -121,6 +152,8 @@ def _common(body: dict[str, Any], endpoint: str) -> Params:
         raise ApiError("'model' is required and must be a string", param="model")
     p = Params(model=model)
     tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if tokens == 0 and endpoint == COMPLETIONS and not isinstance(tokens, bool):
+        tokens = None  # allowed with echo (completion_params checks)
     if tokens is not None:
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
             raise ApiError(f"max_tokens must be an integer >= 1, got {tokens!r}", param="max_tokens")
@@ -187,14 +220,14 @@ def add_usage(parts: list[dict[str, Any]]) -> dict[str, Any]:
     return usage(prompt, done, sum(u["prompt_tokens_details"]["cached_tokens"] for u in parts))
 
 
-def completion_body(rid: str, model: str, choices: list[tuple[str, str]], use: dict[str, Any], chat: bool) -> dict[str, Any]:
-    """The whole answer: ``choices`` ``(text, finish)`` in index order."""
+def completion_body(rid: str, model: str, choices: list[tuple[str, str, Any]], use: dict[str, Any], chat: bool) -> dict[str, Any]:
+    """The whole answer: ``choices`` ``(text, finish, logprobs)`` in index order."""
     if chat:
-        out = [{"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": finish, "logprobs": None}
-               for i, (text, finish) in enumerate(choices)]  # fmt: skip
+        out = [{"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": finish, "logprobs": lp}
+               for i, (text, finish, lp) in enumerate(choices)]  # fmt: skip
         kind = "chat.completion"
     else:
-        out = [{"index": i, "text": text, "finish_reason": finish, "logprobs": None} for i, (text, finish) in enumerate(choices)]
+        out = [{"index": i, "text": text, "finish_reason": finish, "logprobs": lp} for i, (text, finish, lp) in enumerate(choices)]
         kind = "text_completion"
     return {"id": rid, "object": kind, "created": int(time.time()), "model": model, "choices": out, "usage": use}
 
