@@ -123,6 +123,30 @@ def test_echo_and_logprobs_score_the_prompt_as_the_model_does(server, local):
     assert usage["prompt_tokens"] == sum(map(len, prompts)) and usage["completion_tokens"] == 3
 
 
+def pool_hits(server) -> int:
+    text = httpx.get(server.url + "/metrics").text
+    return int(next(line.split()[-1] for line in text.splitlines() if line.startswith('kvcache_cached_prompt_tokens_total{tier="pool"}')))
+
+
+def test_n_choices_share_one_computed_prompt(server, local):
+    c = client(server)
+    prompt = "Choices share this. " * 10 + PROMPTS[2]  # whole blocks to share, in no other test
+    expected = greedy(local, completion_ids(local, prompt), 8)
+    before = pool_hits(server)
+    whole = c.completions.create(model="tiny-chat", prompt=[prompt, PROMPTS[0]], max_tokens=8, temperature=0, n=3)
+    blocks = len(completion_ids(local, prompt)) // 16  # the server's block size
+    assert pool_hits(server) - before >= 2 * (blocks - 1) * 16  # the two later choices took the first's blocks
+    assert [ch.index for ch in whole.choices] == list(range(6))
+    assert [ch.text for ch in whole.choices[:3]] == [expected] * 3
+    assert whole.usage.prompt_tokens == len(completion_ids(local, prompt)) + len(completion_ids(local, PROMPTS[0]))
+    sampled = c.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "Tell me a story."}],
+                                        max_tokens=12, temperature=1.0, seed=7, n=3)  # fmt: skip
+    again = c.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "Tell me a story."}],
+                                      max_tokens=12, temperature=1.0, seed=7, n=3)  # fmt: skip
+    texts = [ch.message.content for ch in sampled.choices]
+    assert texts == [ch.message.content for ch in again.choices] and len(set(texts)) > 1  # seeded, and independent
+
+
 def test_max_tokens_0_with_echo_scores_the_prompt_only(server, local):
     c = client(server)
     whole = c.completions.create(model="tiny-chat", prompt=PROMPTS[1], max_tokens=0, echo=True, logprobs=0, temperature=0)
@@ -211,7 +235,7 @@ def test_models_health_and_metrics(server):
         ("/v1/completions", {"model": "tiny-chat", "prompt": ["hi", ""]}, 400, "prompt"),
         ("/v1/completions", {"model": "tiny-chat", "prompt": "hi", "logprobs": 1, "stream": True}, 400, "logprobs"),
         ("/v1/completions", {"model": "tiny-chat", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
-        ("/v1/completions", {"model": "tiny-chat", "prompt": "hi", "n": 2}, 400, "n"),
+        ("/v1/completions", {"model": "tiny-chat", "prompt": "hi", "n": 0}, 400, "n"),
         ("/v1/chat/completions", {"model": "tiny-chat", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400, "tools"),
         ("/v1/completions", {"model": "tiny-chat", "prompt": "hi", "max_tokens": 5000}, 400, "prompt"),
         ("/v1/completions", {"model": "gpt-5", "prompt": "hi"}, 404, "model"),

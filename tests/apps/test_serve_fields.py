@@ -92,6 +92,15 @@ def test_bad_logprobs_requests_name_the_field(extra, param):
     assert e.value.param == param
 
 
+@pytest.mark.parametrize("endpoint", [fields.COMPLETIONS, fields.CHAT])
+def test_n_is_a_count_of_choices(endpoint):
+    assert PARSE[endpoint]({**BASE[endpoint], "n": 3}).n == 3
+    for bad in (0, 17, 2.0, True):
+        with pytest.raises(ApiError) as e:
+            PARSE[endpoint]({**BASE[endpoint], "n": bad})
+        assert e.value.param == "n"
+
+
 def test_chat_logprobs_are_a_boolean_with_top_logprobs():
     assert chat_params({**BASE[fields.CHAT], "logprobs": True, "top_logprobs": 3}).logprobs == 3
     assert chat_params({**BASE[fields.CHAT], "logprobs": False}).logprobs is None

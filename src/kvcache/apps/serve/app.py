@@ -122,7 +122,10 @@ async def _generate(served: Served, request: Request, chat: bool) -> Response:
             )  # fmt: skip
     rid = new_id("chatcmpl" if chat else "cmpl")
     texts = [None] * len(prompts) if chat else [p if isinstance(p, str) else None for p in params.prompts or []]
-    runs = [_Run(served, ids, params, chat, i, text) for i, (ids, text) in enumerate(zip(prompts, texts))]
+    # n choices a prompt, prompt-major: submitted together, the later ones wait for the first to
+    # compute the prompt's blocks and share them (the engine's prefix sharing); sample j seeded seed + j.
+    runs = [_Run(served, ids, params, chat, i * params.n + j, text, None if params.seed is None else params.seed + j)
+            for i, (ids, text) in enumerate(zip(prompts, texts)) for j in range(params.n)]  # fmt: skip
     _start(served, runs)  # refusals (503, 400) before any response starts
     if params.stream:
         return StreamingResponse(_stream(served, runs, rid, params, chat), media_type="text/event-stream",
@@ -156,7 +159,8 @@ def _start(served: Served, runs: list[_Run]) -> None:
         raise ApiError("the server is shutting down", status=503, kind="server_error", code="draining",
                        headers={"Retry-After": "5"})  # fmt: skip
     if len(runs) > served.max_queue:
-        raise ApiError(f"{len(runs)} prompts in one request; this server queues at most {served.max_queue}", param="prompt")
+        raise ApiError(f"{len(runs)} choices (prompts x n) in one request; this server queues at most {served.max_queue}",
+                       param="prompt")
     if served.engine.waiting_count + len(runs) > served.max_queue:
         served.metrics.count("rejected")
         raise ApiError(f"the server is full ({served.max_queue} requests waiting); retry shortly", status=503,
@@ -244,10 +248,12 @@ class _Run:
     """One prompt through the engine (choice ``index`` of its response): submit, wake on each
     update, text out."""
 
-    def __init__(self, served: Served, ids: list[int], params: Params, chat: bool, index: int = 0, prompt: str | None = None):
-        """``prompt``: the prompt's text as given (echoed as it came), None for token ids."""
+    def __init__(self, served: Served, ids: list[int], params: Params, chat: bool, index: int = 0, prompt: str | None = None,
+                 seed: int | None = None):  # fmt: skip
+        """``prompt``: the prompt's text as given (echoed as it came), None for token ids; ``seed``:
+        this choice's sampling seed."""
         self.served, self.ids, self.params, self.chat, self.index = served, ids, params, chat, index
-        self.prompt = prompt
+        self.prompt, self.seed = prompt, seed
         self.text = TextStream(served.tokenizer, params.stop)
         self.arrived = time.perf_counter()
         self.last_token_at: float | None = None
@@ -266,7 +272,7 @@ class _Run:
         try:
             self.handle = served.engine.submit(  # max_tokens 0 (echo: scoring only): the token is dropped
                 self.ids, max_new_tokens=max(1, params.max_tokens), temperature=params.temperature, top_p=params.top_p,
-                seed=params.seed, on_update=lambda: loop.call_soon_threadsafe(woken.set), **options,
+                seed=self.seed, on_update=lambda: loop.call_soon_threadsafe(woken.set), **options,
             )  # fmt: skip
         except (KVCacheError, ValueError) as e:
             raise ApiError(str(e), param="cache" if params.cache else None) from None
@@ -333,7 +339,8 @@ class _Run:
         stats = self.handle.stats
         cached = stats.reused_pool + stats.reused_store
         self.served.metrics.finished(len(self.ids), len(self.generated), stats.reused)
-        return usage(len(self.ids), len(self.generated), cached)
+        first = self.index % self.params.n == 0  # a prompt counts once, whatever its n choices
+        return usage(len(self.ids) if first else 0, len(self.generated), cached if first else 0)
 
 
 def _event(body: dict[str, Any]) -> str:

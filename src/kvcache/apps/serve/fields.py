@@ -37,6 +37,7 @@ HONOURED: dict[str, tuple[str, ...]] = {
     "logprobs": BOTH,
     "echo": (COMPLETIONS,),
     "top_logprobs": (CHAT,),
+    "n": BOTH,
 }
 
 #: Field -> endpoints, for fields that do not change what is generated.
@@ -61,7 +62,6 @@ def _zero(v: Any) -> bool:
 
 #: Field -> (endpoints, whether a value asks for nothing, what a value that does not is refused as).
 DEFAULTS: dict[str, tuple[tuple[str, ...], Callable[[Any], bool], str]] = {
-    "n": (BOTH, _is(1), "one choice a request: n must be 1"),
     "best_of": ((COMPLETIONS,), _is(1), "best_of is not supported (it must be 1)"),
     "suffix": ((COMPLETIONS,), _empty, "suffix (insertion) is not supported"),
     "frequency_penalty": (BOTH, _zero, "frequency_penalty is not supported (it must be 0)"),

@@ -53,6 +53,7 @@ class Params:
     #: ``top_logprobs`` with ``logprobs: true``), else None.
     logprobs: int | None = None
     echo: bool = False  # completions: the prompt before the completion, its tokens scored too
+    n: int = 1  # choices per prompt: independent samples
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -67,6 +68,8 @@ def parse_body(raw: bytes) -> dict[str, Any]:
 
 #: Prompts one completions request may carry (each one engine request).
 MAX_PROMPTS = 256
+#: Choices per prompt (``n``).
+MAX_CHOICES = 16
 
 
 def _token_ids(value: Any) -> bool:
@@ -181,6 +184,12 @@ def _common(body: dict[str, Any], endpoint: str) -> Params:
         if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
             raise ApiError("stream_options must be an object with a boolean include_usage", param="stream_options")
         p.include_usage = bool(options.get("include_usage", False))
+    n = body.get("n", 1)
+    if n is None:
+        n = 1
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
+        raise ApiError(f"n must be an integer in [1, {MAX_CHOICES}], got {n!r}", param="n")
+    p.n = n
     cache = body.get("cache")
     if cache is not None and not isinstance(cache, str):
         raise ApiError(f"cache must be a cache spec string such as 'snapkv:budget=0.25', got {cache!r}", param="cache")
