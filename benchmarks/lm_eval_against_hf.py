@@ -1,0 +1,152 @@
+"""lm-evaluation-harness against ``kvcache serve``, compared with the harness's own ``hf`` backend.
+
+Writes two offline tasks from the shipped tiny model's held-out pass keys (``kv_mc``: multiple
+choice, four five-digit keys, scored by loglikelihood; ``kv_gen``: generate-until a newline), starts
+``kvcache serve --model tiny`` on a loopback port, runs ``lm_eval`` with ``local-completions``
+(default settings, then batches of 8 with 2 concurrent requests) and with ``hf`` on the same model
+folder, and prints per-sample agreement: the largest loglikelihood difference, ``is_greedy``
+agreement, identical generations.
+
+lm-eval lives in its own environment (it pins its own dependencies)::
+
+    python3 -m venv /tmp/lmeval && /tmp/lmeval/bin/pip install torch==2.13.0 \\
+        && /tmp/lmeval/bin/pip install 'lm-eval[api]' accelerate 'transformers<5.24'
+    .venv/bin/python benchmarks/lm_eval_against_hf.py --lm-eval /tmp/lmeval/bin/lm_eval --out /tmp/lm-check
+
+``add_bos_token=True`` is passed to ``local-completions`` so that it tokenizes as the ``hf``
+backend does for this model (``<bos>`` first); without it the two backends score different token
+sequences.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from kvcache.apps import tasks
+from kvcache.apps.trained import MODEL_DIR
+
+MC = """task: kv_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {folder}/mc.jsonl
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+target_delimiter: ""
+metric_list:
+  - metric: acc
+"""
+GEN = """task: kv_gen
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {folder}/gen.jsonl
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{prompt}}}}"
+doc_to_target: "{{{{target}}}}"
+generation_kwargs:
+  until: ["\\n"]
+  max_gen_toks: 12
+  do_sample: false
+metric_list:
+  - metric: exact_match
+"""
+
+
+def write_tasks(folder: Path, count: int) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    mc, gen = [], []
+    for i in range(count):
+        inst = tasks.make_instance("passkey", 2000 + i, length=384, depth=(i % 4) / 3)
+        rng = random.Random(i)
+        choices = [inst.answer] + [" " + str(rng.randrange(10000, 100000)) for _ in range(3)]
+        rng.shuffle(choices)
+        mc.append({"question": inst.prompt, "choices": choices, "answer": choices.index(inst.answer)})
+        gen.append({"prompt": inst.prompt, "target": inst.answer.strip()})
+    (folder / "mc.jsonl").write_text("".join(json.dumps(x) + "\n" for x in mc))
+    (folder / "gen.jsonl").write_text("".join(json.dumps(x) + "\n" for x in gen))
+    (folder / "kv_mc.yaml").write_text(MC.format(folder=folder))
+    (folder / "kv_gen.yaml").write_text(GEN.format(folder=folder))
+
+
+def samples(folder: Path, task: str) -> dict[int, dict]:
+    path = sorted(glob.glob(f"{folder}/**/samples_{task}_*.jsonl", recursive=True))[-1]
+    return {row["doc_id"]: row for row in map(json.loads, Path(path).read_text().splitlines())}
+
+
+def compare(reference: Path, run: Path) -> dict:
+    ref, got = samples(reference, "kv_mc"), samples(run, "kv_mc")
+    pairs = [(a[0], b[0]) for d in ref for a, b in zip(ref[d]["resps"], got[d]["resps"])]
+    gen_ref, gen_got = samples(reference, "kv_gen"), samples(run, "kv_gen")
+    return {
+        "loglikelihoods": len(pairs),
+        "max_abs_diff": max(abs(float(a[0]) - float(b[0])) for a, b in pairs),
+        "is_greedy_agree": sum(a[1] == b[1] for a, b in pairs),
+        "generations": len(gen_ref),
+        "generations_identical": sum(gen_ref[d]["resps"] == gen_got[d]["resps"] for d in gen_ref),
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--lm-eval", required=True, help="the lm_eval executable of its own environment")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--count", type=int, default=12)
+    p.add_argument("--port", type=int, default=8123)
+    args = p.parse_args()
+    out = args.out.resolve()
+    write_tasks(out / "tasks", args.count)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    server = subprocess.Popen([sys.executable, "-m", "kvcache", "serve", "--model", "tiny", "--port", str(args.port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        for _ in range(120):
+            try:
+                if httpx.get(f"http://127.0.0.1:{args.port}/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        base = f"model=tiny,base_url=http://127.0.0.1:{args.port}/v1/completions,tokenizer={MODEL_DIR},tokenizer_backend=huggingface,add_bos_token=True"
+        runs = {
+            "hf": ["--model", "hf", "--model_args", f"pretrained={MODEL_DIR},dtype=float32", "--device", "cpu"],
+            "serve, defaults": ["--model", "local-completions", "--model_args", base],
+            "serve, batch 8 x 2 concurrent": ["--model", "local-completions", "--model_args", base + ",num_concurrent=2", "--batch_size", "8"],
+        }
+        folders = {}
+        for i, (name, extra) in enumerate(runs.items()):
+            folders[name] = out / f"run{i}"
+            cmd = [args.lm_eval, *extra, "--include_path", str(out / "tasks"), "--tasks", "kv_mc,kv_gen",
+                   "--output_path", str(folders[name]), "--log_samples"]  # fmt: skip
+            started = time.perf_counter()
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            if done.returncode != 0:
+                print(done.stdout[-3000:], done.stderr[-3000:], file=sys.stderr)
+                return 1
+            print(f"{name}: {time.perf_counter() - started:.1f} s", flush=True)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    report = {name: compare(folders["hf"], folder) for name, folder in folders.items() if name != "hf"}
+    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    for name, r in report.items():
+        print(f"{name}: {r['loglikelihoods']} loglikelihoods, max |diff| from hf {r['max_abs_diff']:.1e}, is_greedy agree "
+              f"{r['is_greedy_agree']}/{r['loglikelihoods']}; generations identical {r['generations_identical']}/{r['generations']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
