@@ -154,6 +154,10 @@ def test_max_tokens_0_with_echo_scores_the_prompt_only(server, local):
     assert whole.choices[0].text == PROMPTS[1] and whole.usage.completion_tokens == 0
     assert len(whole.choices[0].logprobs.token_logprobs) == len(ids)
     assert whole.choices[0].logprobs.top_logprobs[1] == {}
+    streamed = c.completions.create(model="tiny-chat", prompt=PROMPTS[1], max_tokens=0, echo=True, temperature=0, stream=True)
+    assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == PROMPTS[1]
+    echoed = c.completions.create(model="tiny-chat", prompt=PROMPTS[1], max_tokens=6, echo=True, temperature=0, stream=True)
+    assert "".join(ch.choices[0].text for ch in echoed if ch.choices) == PROMPTS[1] + greedy(local, ids, 6)
 
 
 def test_chat_logprobs_with_top_alternatives(server, local):

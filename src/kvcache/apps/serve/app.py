@@ -219,9 +219,12 @@ async def _stream(served: Served, runs: list[_Run], rid: str, params: Params, ch
     try:
         if chat:
             yield _event(chunk_body(rid, name, None, None, True, first=True))
+        for run in runs if params.echo else ():
+            yield _event(chunk_body(rid, name, run.prompt_text(), None, chat, index=run.index))
         async for run, new in _merged(runs):
             if new is not None:
-                yield _event(chunk_body(rid, name, new, None, chat, index=run.index))
+                if params.max_tokens != 0:  # 0: the prompt scored only, the token drawn is not an answer
+                    yield _event(chunk_body(rid, name, new, None, chat, index=run.index))
             elif run.finish == "error":
                 yield _event(ApiError(f"the engine failed this request: {run.handle.error}", status=500, kind="server_error").body)
                 return
@@ -331,8 +334,12 @@ class _Run:
                 ids, scores = self.ids + ids, handle.prompt_logprobs + scores
             logprobs = completion_logprobs(tokenizer, ids, scores)
         if params.echo:
-            text = (self.prompt if self.prompt is not None else tokenizer.decode(self.ids)) + text
+            text = self.prompt_text() + text
         return text, self.finish or "stop", logprobs
+
+    def prompt_text(self) -> str:
+        """The prompt as it came (token ids decoded), for ``echo``."""
+        return self.prompt if self.prompt is not None else self.served.tokenizer.decode(self.ids)
 
     def usage(self) -> dict[str, Any]:
         """This request's usage (counted into the metrics once, when it is asked)."""

@@ -100,7 +100,7 @@ def completion_params(body: dict[str, Any]) -> Params:
     if not isinstance(echo, bool):
         raise ApiError(f"echo must be a boolean, got {echo!r}", param="echo")
     p.echo = echo
-    if body.get("max_tokens") == 0 and not isinstance(body.get("max_tokens"), bool):
+    if type(body.get("max_tokens")) is int and body["max_tokens"] == 0:
         if not echo:
             raise ApiError("max_tokens 0 (scoring the prompt only) needs echo: true", param="max_tokens")
         p.max_tokens = 0
@@ -155,7 +155,7 @@ def _common(body: dict[str, Any], endpoint: str) -> Params:
         raise ApiError("'model' is required and must be a string", param="model")
     p = Params(model=model)
     tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if tokens == 0 and endpoint == COMPLETIONS and not isinstance(tokens, bool):
+    if type(tokens) is int and tokens == 0 and endpoint == COMPLETIONS:
         tokens = None  # allowed with echo (completion_params checks)
     if tokens is not None:
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
