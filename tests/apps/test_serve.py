@@ -160,6 +160,26 @@ def test_max_tokens_0_with_echo_scores_the_prompt_only(server, local):
     assert "".join(ch.choices[0].text for ch in echoed if ch.choices) == PROMPTS[1] + greedy(local, ids, 6)
 
 
+def test_streamed_logprobs_are_the_whole_answers_in_pieces(server, local):
+    c = client(server)
+    for prompt in PROMPTS[:2]:
+        whole = c.completions.create(model="tiny-chat", prompt=prompt, max_tokens=10, temperature=0, logprobs=2).choices[0].logprobs
+        tokens, values, offsets = [], [], []
+        for chunk in c.completions.create(model="tiny-chat", prompt=prompt, max_tokens=10, temperature=0, logprobs=2, stream=True):
+            if chunk.choices and chunk.choices[0].logprobs is not None:
+                lp = chunk.choices[0].logprobs
+                tokens += lp.tokens
+                values += lp.token_logprobs
+                offsets += lp.text_offset
+        assert (tokens, values, offsets) == (whole.tokens, whole.token_logprobs, whole.text_offset)
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    whole = c.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=8, temperature=0, logprobs=True, top_logprobs=1)
+    pieces = [t for chunk in c.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=8, temperature=0,
+                                                       logprobs=True, top_logprobs=1, stream=True)
+              if chunk.choices and chunk.choices[0].logprobs is not None for t in chunk.choices[0].logprobs.content]  # fmt: skip
+    assert [(t.token, t.logprob) for t in pieces] == [(t.token, t.logprob) for t in whole.choices[0].logprobs.content]
+
+
 def test_chat_logprobs_with_top_alternatives(server, local):
     c = client(server)
     messages = [{"role": "user", "content": "Tell me a story."}]
@@ -237,7 +257,7 @@ def test_models_health_and_metrics(server):
         ("/v1/completions", {"model": "tiny-chat", "prompt": 42}, 400, "prompt"),
         ("/v1/completions", {"model": "tiny-chat", "prompt": ["hi", 3]}, 400, "prompt"),
         ("/v1/completions", {"model": "tiny-chat", "prompt": ["hi", ""]}, 400, "prompt"),
-        ("/v1/completions", {"model": "tiny-chat", "prompt": "hi", "logprobs": 1, "stream": True}, 400, "logprobs"),
+        ("/v1/completions", {"model": "tiny-chat", "prompt": "hi", "logprobs": 1, "echo": True, "stream": True}, 400, "logprobs"),
         ("/v1/completions", {"model": "tiny-chat", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
         ("/v1/completions", {"model": "tiny-chat", "prompt": "hi", "n": 0}, 400, "n"),
         ("/v1/chat/completions", {"model": "tiny-chat", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400, "tools"),

@@ -84,7 +84,7 @@ def test_lm_evals_loglikelihood_request_is_taken():
 
 @pytest.mark.parametrize(("extra", "param"), [
     ({"logprobs": True}, "logprobs"), ({"logprobs": 21}, "logprobs"), ({"echo": "yes"}, "echo"),
-    ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": 0.0, "echo": True}, "max_tokens"), ({"logprobs": 1, "stream": True}, "logprobs"),
+    ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": 0.0, "echo": True}, "max_tokens"), ({"logprobs": 1, "echo": True, "stream": True}, "logprobs"),
 ])
 def test_bad_logprobs_requests_name_the_field(extra, param):
     with pytest.raises(ApiError) as e:

@@ -30,7 +30,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from ...errors import KVCacheError
-from .logprobs import chat_logprobs, completion_logprobs, covered
+from .logprobs import chat_logprobs, completion_logprobs, covered, offset_of
 from .metrics import Metrics
 from .protocol import (ApiError, Params, add_usage, chat_params, chunk_body, completion_body, completion_params, new_id,
                        parse_body, usage)
@@ -221,15 +221,18 @@ async def _stream(served: Served, runs: list[_Run], rid: str, params: Params, ch
             yield _event(chunk_body(rid, name, None, None, True, first=True))
         for run in runs if params.echo else ():
             yield _event(chunk_body(rid, name, run.prompt_text(), None, chat, index=run.index))
+        shown = {run.index: "" for run in runs}
         async for run, new in _merged(runs):
             if new is not None:
                 if params.max_tokens != 0:  # 0: the prompt scored only, the token drawn is not an answer
-                    yield _event(chunk_body(rid, name, new, None, chat, index=run.index))
+                    shown[run.index] += new
+                    yield _event(chunk_body(rid, name, new, None, chat, index=run.index, logprobs=run.streamed(shown[run.index])))
             elif run.finish == "error":
                 yield _event(ApiError(f"the engine failed this request: {run.handle.error}", status=500, kind="server_error").body)
                 return
             else:
-                yield _event(chunk_body(rid, name, None, run.finish or "stop", chat, index=run.index))
+                last = run.streamed(shown[run.index], final=True) if params.max_tokens != 0 else None
+                yield _event(chunk_body(rid, name, None, run.finish or "stop", chat, index=run.index, logprobs=last))
         use = add_usage([run.usage() for run in runs])
         if params.include_usage:
             yield _event(chunk_body(rid, name, None, None, chat, use=use))
@@ -257,6 +260,7 @@ class _Run:
         this choice's sampling seed."""
         self.served, self.ids, self.params, self.chat, self.index = served, ids, params, chat, index
         self.prompt, self.seed = prompt, seed
+        self.sent = 0  # generated tokens whose log-probabilities a stream chunk carried
         self.text = TextStream(served.tokenizer, params.stop)
         self.arrived = time.perf_counter()
         self.last_token_at: float | None = None
@@ -336,6 +340,20 @@ class _Run:
         if params.echo:
             text = self.prompt_text() + text
         return text, self.finish or "stop", logprobs
+
+    def streamed(self, text: str, final: bool = False) -> Any:
+        """The log-probabilities of the generated tokens that ``text`` (the stream's text so far)
+        now covers and that no earlier chunk carried (None when none were asked)."""
+        params, tokenizer = self.params, self.served.tokenizer
+        if params.logprobs is None:
+            return None
+        scores = self.handle.logprobs
+        ids = self.handle.tokens[: len(scores)]
+        upto = covered(tokenizer, ids, text, whole=not final)
+        start, self.sent = self.sent, max(self.sent, upto)
+        if self.chat:
+            return chat_logprobs(tokenizer, scores[start:upto])
+        return completion_logprobs(tokenizer, ids[start:upto], scores[start:upto], offset_of(tokenizer, ids[:start]))
 
     def prompt_text(self) -> str:
         """The prompt as it came (token ids decoded), for ``echo``."""

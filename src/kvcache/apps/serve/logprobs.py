@@ -17,19 +17,29 @@ from collections.abc import Sequence
 from typing import Any
 
 
-def covered(tokenizer: Any, ids: Sequence[int], text: str) -> int:
-    """How many of the generated ``ids`` the emitted ``text`` covers (a stop string may cut it)."""
+def covered(tokenizer: Any, ids: Sequence[int], text: str, whole: bool = False) -> int:
+    """How many of the generated ``ids`` the emitted ``text`` covers: every token that starts in it
+    (the final text, which a stop string may cut), or with ``whole`` only those that end in it (a
+    stream's text so far, whose last token may still be held back)."""
     length = 0
     for n, t in enumerate(ids):
         if length >= len(text):
             return n
         length += len(tokenizer.decode([t]))
+        if whole and length > len(text):
+            return n
     return len(ids)
 
 
-def completion_logprobs(tokenizer: Any, ids: Sequence[int], scores: Sequence[Any]) -> dict[str, Any]:
-    """The completions shape for tokens ``ids`` and their ``scores`` (``TokenLogprob`` or None)."""
-    tokens, logprobs, tops, offsets, at = [], [], [], [], 0
+def offset_of(tokenizer: Any, ids: Sequence[int]) -> int:
+    """Characters the tokens ``ids`` decode to, one by one (where the next token's text starts)."""
+    return sum(len(tokenizer.decode([t])) for t in ids)
+
+
+def completion_logprobs(tokenizer: Any, ids: Sequence[int], scores: Sequence[Any], at: int = 0) -> dict[str, Any]:
+    """The completions shape for tokens ``ids`` and their ``scores`` (``TokenLogprob`` or None), the
+    first token's text at offset ``at`` of the choice's text."""
+    tokens, logprobs, tops, offsets = [], [], [], []
     for t, s in zip(ids, scores):
         text = tokenizer.decode([t])
         tokens.append(text)

@@ -104,8 +104,8 @@ def completion_params(body: dict[str, Any]) -> Params:
         if not echo:
             raise ApiError("max_tokens 0 (scoring the prompt only) needs echo: true", param="max_tokens")
         p.max_tokens = 0
-    if p.logprobs is not None and p.stream:
-        raise ApiError("logprobs with stream: true is not supported yet; ask without streaming", param="logprobs")
+    if p.logprobs is not None and p.echo and p.stream:
+        raise ApiError("echo with logprobs while streaming is not supported yet; ask without streaming", param="logprobs")
     if p.max_tokens is None:
         p.max_tokens = 16  # the OpenAI API's default for completions
     return p
@@ -140,8 +140,6 @@ def chat_params(body: dict[str, Any]) -> Params:
     if top and not wanted:
         raise ApiError("top_logprobs needs logprobs: true", param="top_logprobs")
     if wanted:
-        if p.stream:
-            raise ApiError("logprobs with stream: true is not supported yet; ask without streaming", param="logprobs")
         p.logprobs = top or 0
     return p
 
@@ -242,9 +240,9 @@ def completion_body(rid: str, model: str, choices: list[tuple[str, str, Any]], u
 
 
 def chunk_body(rid: str, model: str, text: str | None, finish: str | None, chat: bool, first: bool = False,
-               use: dict[str, Any] | None = None, index: int = 0) -> dict[str, Any]:  # fmt: skip
-    """One stream chunk of choice ``index``: new ``text`` (or None), a ``finish`` reason on the
-    last, or (``use``) the usage chunk with no choices."""
+               use: dict[str, Any] | None = None, index: int = 0, logprobs: Any = None) -> dict[str, Any]:  # fmt: skip
+    """One stream chunk of choice ``index``: new ``text`` (or None) with its tokens' ``logprobs``, a
+    ``finish`` reason on the last, or (``use``) the usage chunk with no choices."""
     created = int(time.time())
     kind = "chat.completion.chunk" if chat else "text_completion"
     if use is not None:
@@ -253,7 +251,7 @@ def chunk_body(rid: str, model: str, text: str | None, finish: str | None, chat:
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if text:
             delta["content"] = text
-        choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
+        choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
     else:
-        choice = {"index": index, "text": text or "", "finish_reason": finish, "logprobs": None}
+        choice = {"index": index, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
     return {"id": rid, "object": kind, "created": created, "model": model, "choices": [choice]}
