@@ -9,8 +9,8 @@ answered in place (exact answers would flag every honest eviction kind here; the
 ``kvcache eval --model smollm2 --plain``, compares exact answers). A kind fails when
 
 - its digit accuracy, on the needles it is judged on (``eval_plain.judged``: for window and lastrec
-  those inside the half they keep), is more than ``MARGIN`` below the full cache's; measured: the
-  full cache 1.00, the eviction kinds 0.72-1.00 (h2o lowest), the kvzip of before the fix 0.02; or
+  those inside the half they keep), is more than ``MARGIN`` (0.45) below the full cache's; measured:
+  the full cache 1.00, the eviction kinds 0.72-1.00 (h2o lowest), the kvzip of before the fix 0.02; or
 - its answers stop being answers: the line after the prompt is not a number of the key's length
   (kvzip before the fix answered "22222" or "cees p"; measured: every passing kind answers 20 of 20
   as numbers).
@@ -33,8 +33,10 @@ from kvcache.apps import eval_plain, tasks
 from kvcache.apps.trained import load_trained
 
 LENGTH, N, SHARE = 512, 20, 0.5
-#: Digit accuracy a kind may lose against the full cache (measured gaps: 0.00-0.28; the defect 0.98).
-MARGIN = 0.35
+#: Digit accuracy a kind may lose against the full cache. Measured here (AVX-512): gaps 0.00-0.28
+#: (h2o the largest), the defect 0.98, TOVA 0.71-1.00. One prompt is 0.05 of it, and greedy answers
+#: of a tiny model may flip on near-ties between CPUs, so h2o gets three prompts of room beyond 0.28.
+MARGIN = 0.45
 #: Share of answers that must have the answer's form.
 ANSWERED = 0.9
 KNOWN = {
