@@ -171,13 +171,17 @@ def test_streamed_logprobs_are_the_whole_answers_in_pieces(server, local):
                 tokens += lp.tokens
                 values += lp.token_logprobs
                 offsets += lp.text_offset
-        assert (tokens, values, offsets) == (whole.tokens, whole.token_logprobs, whole.text_offset)
+        # The two requests may be packed or reuse the pool differently: the same tokens, float32-near values.
+        assert (tokens, offsets) == (whole.tokens, whole.text_offset)
+        assert max(abs(a - b) for a, b in zip(values, whole.token_logprobs)) < 1e-4
     messages = [{"role": "user", "content": "Tell me a story."}]
     whole = c.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=8, temperature=0, logprobs=True, top_logprobs=1)
     pieces = [t for chunk in c.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=8, temperature=0,
                                                        logprobs=True, top_logprobs=1, stream=True)
               if chunk.choices and chunk.choices[0].logprobs is not None for t in chunk.choices[0].logprobs.content]  # fmt: skip
-    assert [(t.token, t.logprob) for t in pieces] == [(t.token, t.logprob) for t in whole.choices[0].logprobs.content]
+    expected = whole.choices[0].logprobs.content
+    assert [t.token for t in pieces] == [t.token for t in expected]
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(pieces, expected)) < 1e-4
 
 
 def test_chat_logprobs_with_top_alternatives(server, local):
