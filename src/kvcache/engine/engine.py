@@ -304,9 +304,9 @@ class Engine:
             start = len(ids)
             ids.extend(request.tokens[request.computed : request.computed + n])
             positions.extend(range(request.computed, request.computed + n))
-            if request.prompt_logprobs is not None:  # logits at position p score prompt token p + 1
-                for p in range(request.computed, min(request.computed + n, len(request.prompt) - 1)):
-                    scoring.append((request, p + 1, start + p - request.computed))
+            scores = min(request.computed + n, len(request.prompt) - 1) - request.computed
+            if request.prompt_logprobs is not None and scores > 0:  # logits at position p score prompt token p + 1
+                scoring.append((request, start, scores))
             c = request.compression
             compresses = c is not None and not request.compressed and request.computed + n == len(request.prompt)
             weights = c.mode if compresses else None
@@ -315,7 +315,8 @@ class Engine:
                 last.append((request.rid, start + n - 1))
         step = CodedStep(self.pool, packed) if isinstance(self.pool, CodedBlockPool) else PagedStep(self.pool, packed)
         device = self.pool.device
-        keep = torch.tensor([i for _, i in last] + [i for _, _, i in scoring], dtype=torch.long, device=device)
+        rows_scored = [i for _, start, count in scoring for i in range(start, start + count)]
+        keep = torch.tensor([i for _, i in last] + rows_scored, dtype=torch.long, device=device)
         kwargs = {"logits_to_keep": keep} if self._keeps_logits else {}
         with torch.inference_mode(), use_kvcache_attention(self.model):
             out = self.model(
@@ -338,20 +339,18 @@ class Engine:
     def _score(picked: list[Request], logits: torch.Tensor, chosen: list[int], scoring: list[tuple[Request, int, int]],
                prompt_logits: torch.Tensor) -> None:  # fmt: skip
         """Record the log-probabilities asked for: of each chosen token (``logits`` ``[len(picked), V]``)
-        and of each prompt token scored in this pass (``scoring``: request, position, row;
-        ``prompt_logits`` ``[len(scoring), V]``). Written before the tokens are committed."""
+        and of the prompt tokens scored in this pass (``scoring``: per request, the row of its chunk's
+        first token and how many of its positions score the next prompt token; ``prompt_logits``
+        those rows' logits, in that order). Written before the tokens are committed."""
         for i, request in enumerate(picked):
             if request.logprobs is not None:
                 request.token_logprobs += scored(logits[i : i + 1], [chosen[i]], request.logprobs)
-        by_request: dict[int, list[int]] = {}
-        for j, (request, _, _) in enumerate(scoring):
-            by_request.setdefault(request.rid, []).append(j)
-        for rows in by_request.values():
-            request = scoring[rows[0]][0]
-            at = [scoring[j][1] for j in rows]
-            found = scored(prompt_logits[rows], [request.prompt[p] for p in at], request.prompt_logprobs)
-            for p, s in zip(at, found):
-                request.prompt_scores[p] = s
+        row = 0
+        for request, _, count in scoring:
+            first = request.computed + 1  # the first prompt token this chunk's logits score
+            found = scored(prompt_logits[row : row + count], request.prompt[first : first + count], request.prompt_logprobs)
+            request.prompt_scores[first : first + count] = found
+            row += count
 
     def _compression_for(self, spec: CacheSpec) -> Compression | None:
         key = str(spec)

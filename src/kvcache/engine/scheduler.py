@@ -141,13 +141,14 @@ class Scheduler:
         """Start ``request``: its pool hits, then blocks for its first chunk; returns the chunk's
         tokens, 0 if the pool has no room now, None if it waits for a prefix being computed."""
         pool, bs = self.pool, self.pool.block_size
+        scored = request.scored_upto  # prompt tokens whose log-probabilities need no logits of this pass
         hits: list[int] = []
         if self.share_prefixes:
             limit = min((len(request.tokens) - 1) // bs, len(request.keys))  # the last token is always computed
             if request.compression is not None and not request.compressed:  # the observation window is computed here
                 limit = min(limit, max(0, len(request.prompt) - request.compression.window) // bs)
             if request.prompt_logprobs is not None:  # a position's logits score the next token: compute them
-                limit = min(limit, (request.scored_upto - 1) // bs)
+                limit = min(limit, (scored - 1) // bs)
             for key in request.keys[:limit]:
                 block = pool.lookup(key)
                 if block is None:
@@ -157,8 +158,9 @@ class Scheduler:
                 _release(pool, hits)
                 return None
         start = len(hits) * bs
-        scoring = request.scored_upto < len(request.prompt)  # the store holds no logits
-        fetched = self.tier.fetch(request.tokens[: self._loadable(request)], start) if self.tier is not None and not scoring else None
+        fetched = None
+        if self.tier is not None and scored == len(request.prompt):  # the store holds no logits
+            fetched = self.tier.fetch(request.tokens[: self._loadable(request)], start)
         loaded = fetched[1] if fetched is not None else start
         request.computed = loaded
         n = self._chunk(request, min(len(request.tokens) - loaded, budget))

@@ -30,7 +30,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from ...errors import KVCacheError
-from .logprobs import chat_logprobs, completion_logprobs, covered, offset_of
+from .logprobs import chat_logprobs, completion_logprobs, covered, length_of
 from .metrics import Metrics
 from .protocol import (ApiError, Params, add_usage, chat_params, chunk_body, completion_body, completion_params, new_id,
                        parse_body, usage)
@@ -224,14 +224,13 @@ async def _stream(served: Served, runs: list[_Run], rid: str, params: Params, ch
         shown = {run.index: "" for run in runs}
         async for run, new in _merged(runs):
             if new is not None:
-                if params.max_tokens != 0:  # 0: the prompt scored only, the token drawn is not an answer
-                    shown[run.index] += new
-                    yield _event(chunk_body(rid, name, new, None, chat, index=run.index, logprobs=run.streamed(shown[run.index])))
+                shown[run.index] += new
+                yield _event(chunk_body(rid, name, new, None, chat, index=run.index, logprobs=run.streamed(shown[run.index])))
             elif run.finish == "error":
                 yield _event(ApiError(f"the engine failed this request: {run.handle.error}", status=500, kind="server_error").body)
                 return
             else:
-                last = run.streamed(shown[run.index], final=True) if params.max_tokens != 0 else None
+                last = run.streamed(shown[run.index], final=True)
                 yield _event(chunk_body(rid, name, None, run.finish or "stop", chat, index=run.index, logprobs=last))
         use = add_usage([run.usage() for run in runs])
         if params.include_usage:
@@ -260,7 +259,8 @@ class _Run:
         this choice's sampling seed."""
         self.served, self.ids, self.params, self.chat, self.index = served, ids, params, chat, index
         self.prompt, self.seed = prompt, seed
-        self.sent = 0  # generated tokens whose log-probabilities a stream chunk carried
+        self.sent = 0  # generated tokens whose log-probabilities a stream chunk carried ...
+        self.sent_text = 0  # ... and the characters they decode to
         self.text = TextStream(served.tokenizer, params.stop)
         self.arrived = time.perf_counter()
         self.last_token_at: float | None = None
@@ -301,7 +301,7 @@ class _Run:
             elif done:
                 self.finish = "length" if handle.finish_reason == "length" else handle.finish_reason
                 self.finish = self.finish if self.finish in ("length", "error") else "stop"
-            if new:
+            if new and not self.params.scoring_only:
                 yield new
             if self.finish is not None:
                 return
@@ -320,14 +320,12 @@ class _Run:
     @property
     def generated(self) -> list[int]:
         """The tokens this choice answers with (none when only the prompt was to be scored)."""
-        return [] if self.params.max_tokens == 0 else self.handle.tokens
+        return [] if self.params.scoring_only else self.handle.tokens
 
     def choice(self, text: str) -> tuple[str, str, Any]:
         """``(text, finish, logprobs)`` of the whole answer, ``text`` the completion's (the prompt's
         text put before it with ``echo``)."""
         params, tokenizer, handle = self.params, self.served.tokenizer, self.handle
-        if params.max_tokens == 0:
-            text = ""
         generated = self.generated[: covered(tokenizer, self.generated, text)]
         logprobs = None
         if params.logprobs is not None and self.chat:
@@ -345,15 +343,16 @@ class _Run:
         """The log-probabilities of the generated tokens that ``text`` (the stream's text so far)
         now covers and that no earlier chunk carried (None when none were asked)."""
         params, tokenizer = self.params, self.served.tokenizer
-        if params.logprobs is None:
+        if params.logprobs is None or params.scoring_only:
             return None
         scores = self.handle.logprobs
         ids = self.handle.tokens[: len(scores)]
-        upto = covered(tokenizer, ids, text, whole=not final)
-        start, self.sent = self.sent, max(self.sent, upto)
+        start, at = self.sent, self.sent_text  # only the tokens past those sent are decoded again
+        upto = start + covered(tokenizer, ids[start:], text[at:], whole=not final)
+        self.sent, self.sent_text = upto, at + length_of(tokenizer, ids[start:upto])
         if self.chat:
             return chat_logprobs(tokenizer, scores[start:upto])
-        return completion_logprobs(tokenizer, ids[start:upto], scores[start:upto], offset_of(tokenizer, ids[:start]))
+        return completion_logprobs(tokenizer, ids[start:upto], scores[start:upto], at)
 
     def prompt_text(self) -> str:
         """The prompt as it came (token ids decoded), for ``echo``."""

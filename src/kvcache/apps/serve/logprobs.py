@@ -31,7 +31,7 @@ def covered(tokenizer: Any, ids: Sequence[int], text: str, whole: bool = False) 
     return len(ids)
 
 
-def offset_of(tokenizer: Any, ids: Sequence[int]) -> int:
+def length_of(tokenizer: Any, ids: Sequence[int]) -> int:
     """Characters the tokens ``ids`` decode to, one by one (where the next token's text starts)."""
     return sum(len(tokenizer.decode([t])) for t in ids)
 

@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...engine.logprobs import MAX_TOP
+from ...engine.logprobs import check_top
 from .fields import CHAT, COMPLETIONS, refusal
 
 
@@ -54,6 +54,11 @@ class Params:
     logprobs: int | None = None
     echo: bool = False  # completions: the prompt before the completion, its tokens scored too
     n: int = 1  # choices per prompt: independent samples
+
+    @property
+    def scoring_only(self) -> bool:
+        """``max_tokens: 0`` with ``echo``: the prompt is scored; the one token drawn is no answer."""
+        return self.max_tokens == 0
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -92,10 +97,7 @@ def completion_params(body: dict[str, Any]) -> Params:
     if empty is not None:
         raise ApiError("prompt is empty" if len(prompts) == 1 else f"prompt[{empty}] is empty", param="prompt")
     p.prompts = [x if isinstance(x, str) else list(x) for x in prompts]
-    logprobs = body.get("logprobs")
-    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= MAX_TOP):
-        raise ApiError(f"logprobs must be an integer in [0, {MAX_TOP}], got {logprobs!r}", param="logprobs")
-    p.logprobs = logprobs
+    p.logprobs = _alternatives(body, "logprobs")
     echo = body.get("echo", False)
     if not isinstance(echo, bool):
         raise ApiError(f"echo must be a boolean, got {echo!r}", param="echo")
@@ -134,14 +136,20 @@ def chat_params(body: dict[str, Any]) -> Params:
     wanted = body.get("logprobs")
     if wanted is not None and not isinstance(wanted, bool):
         raise ApiError(f"logprobs must be a boolean, got {wanted!r}", param="logprobs")
-    top = body.get("top_logprobs")
-    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP):
-        raise ApiError(f"top_logprobs must be an integer in [0, {MAX_TOP}], got {top!r}", param="top_logprobs")
+    top = _alternatives(body, "top_logprobs")
     if top and not wanted:
         raise ApiError("top_logprobs needs logprobs: true", param="top_logprobs")
     if wanted:
         p.logprobs = top or 0
     return p
+
+
+def _alternatives(body: dict[str, Any], name: str) -> int | None:
+    """``body[name]``, a count of alternatives per token, checked as the engine checks it."""
+    try:
+        return check_top(name, body.get(name))
+    except ValueError as e:
+        raise ApiError(str(e), param=name) from None
 
 
 def _common(body: dict[str, Any], endpoint: str) -> Params:
