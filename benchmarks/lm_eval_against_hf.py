@@ -2,20 +2,22 @@
 
 Writes two offline tasks from the shipped tiny model's held-out pass keys (``kv_mc``: multiple
 choice, four five-digit keys, scored by loglikelihood; ``kv_gen``: generate-until a newline), starts
-``kvcache serve --model tiny`` on a loopback port, runs ``lm_eval`` with ``local-completions``
-(default settings, then batches of 8 with 2 concurrent requests) and with ``hf`` on the same model
-folder, and prints per-sample agreement: the largest loglikelihood difference, ``is_greedy``
-agreement, identical generations.
+``kvcache serve --model MODEL`` on a loopback port, runs ``lm_eval`` with ``local-completions``
+(default settings, then batches of 8 with 2 concurrent requests), with ``local-chat-completions``
+(``--apply_chat_template``, ``kv_gen``) and with ``hf`` on the same model folder (with and without
+the chat template), and prints per-sample agreement: the largest loglikelihood difference,
+``is_greedy`` agreement, identical generations, each backend's accuracy.
 
 lm-eval lives in its own environment (it pins its own dependencies)::
 
     python3 -m venv /tmp/lmeval && /tmp/lmeval/bin/pip install torch==2.13.0 \\
         && /tmp/lmeval/bin/pip install 'lm-eval[api]' accelerate 'transformers<5.24'
     .venv/bin/python benchmarks/lm_eval_against_hf.py --lm-eval /tmp/lmeval/bin/lm_eval --out /tmp/lm-check
+    .venv/bin/python benchmarks/lm_eval_against_hf.py --lm-eval /tmp/lmeval/bin/lm_eval --out /tmp/lm-smol --model smollm2
 
-``add_bos_token=True`` is passed to ``local-completions`` so that it tokenizes as the ``hf``
-backend does for this model (``<bos>`` first); without it the two backends score different token
-sequences.
+``add_bos_token=True`` is passed to ``local-completions`` for the tiny model so that it tokenizes
+as the ``hf`` backend does (``<bos>`` first); without it the two backends score different token
+sequences. SmolLM2's tokenizer adds no special token, so there every setting is the default.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from pathlib import Path
 import httpx
 
 from kvcache.apps import tasks
-from kvcache.apps.trained import MODEL_DIR
+from kvcache.apps.bench.serve import tiny_chat_folder
+from kvcache.apps.bench.workload import resolve_model
 
 MC = """task: kv_mc
 dataset_path: json
@@ -64,6 +67,7 @@ generation_kwargs:
   do_sample: false
 metric_list:
   - metric: exact_match
+    regexes_to_ignore: ["\\\\s"]
 """
 
 
@@ -88,17 +92,28 @@ def samples(folder: Path, task: str) -> dict[int, dict]:
     return {row["doc_id"]: row for row in map(json.loads, Path(path).read_text().splitlines())}
 
 
-def compare(reference: Path, run: Path) -> dict:
+def compare(reference: Path, run: Path, chat: bool) -> dict:
+    gen_ref, gen_got = samples(reference, "kv_gen"), samples(run, "kv_gen")
+    out = {
+        "generations": len(gen_ref),
+        "generations_identical": sum(gen_ref[d]["resps"] == gen_got[d]["resps"] for d in gen_ref),
+        "gen_exact_match": [accuracy(gen_ref, "exact_match"), accuracy(gen_got, "exact_match")],
+    }
+    if chat:
+        return out
     ref, got = samples(reference, "kv_mc"), samples(run, "kv_mc")
     pairs = [(a[0], b[0]) for d in ref for a, b in zip(ref[d]["resps"], got[d]["resps"])]
-    gen_ref, gen_got = samples(reference, "kv_gen"), samples(run, "kv_gen")
     return {
         "loglikelihoods": len(pairs),
         "max_abs_diff": max(abs(float(a[0]) - float(b[0])) for a, b in pairs),
         "is_greedy_agree": sum(a[1] == b[1] for a, b in pairs),
-        "generations": len(gen_ref),
-        "generations_identical": sum(gen_ref[d]["resps"] == gen_got[d]["resps"] for d in gen_ref),
+        "mc_acc": [accuracy(ref, "acc"), accuracy(got, "acc")],
+        **out,
     }
+
+
+def accuracy(rows: dict[int, dict], metric: str) -> float:
+    return sum(float(row[metric]) for row in rows.values()) / len(rows)
 
 
 def main() -> int:
@@ -107,11 +122,15 @@ def main() -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--count", type=int, default=12)
     p.add_argument("--port", type=int, default=8123)
+    p.add_argument("--model", default="tiny", help="tiny, a registered name (smollm2) or a model folder")
     args = p.parse_args()
+    # the tiny model's tokenizer has no chat template: the copy bench serve makes gives it ChatML
     out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    folder = tiny_chat_folder(out) if args.model == "tiny" else resolve_model(args.model)
     write_tasks(out / "tasks", args.count)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    server = subprocess.Popen([sys.executable, "-m", "kvcache", "serve", "--model", "tiny", "--port", str(args.port)],
+    server = subprocess.Popen([sys.executable, "-m", "kvcache", "serve", "--model", str(folder), "--port", str(args.port)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)  # fmt: skip
     try:
         for _ in range(120):
@@ -120,16 +139,24 @@ def main() -> int:
                     break
             except httpx.HTTPError:
                 time.sleep(0.5)
-        base = f"model=tiny,base_url=http://127.0.0.1:{args.port}/v1/completions,tokenizer={MODEL_DIR},tokenizer_backend=huggingface,add_bos_token=True"
+        url = f"http://127.0.0.1:{args.port}/v1"
+        bos = ",add_bos_token=True" if args.model == "tiny" else ""
+        base = f"model={folder.name},base_url={url}/completions,tokenizer={folder},tokenizer_backend=huggingface{bos}"
+        hf = ["--model", "hf", "--model_args", f"pretrained={folder},dtype=float32", "--device", "cpu"]
+        chat = ["--apply_chat_template", "--tasks", "kv_gen"]
         runs = {
-            "hf": ["--model", "hf", "--model_args", f"pretrained={MODEL_DIR},dtype=float32", "--device", "cpu"],
-            "serve, defaults": ["--model", "local-completions", "--model_args", base],
-            "serve, batch 8 x 2 concurrent": ["--model", "local-completions", "--model_args", base + ",num_concurrent=2", "--batch_size", "8"],
-        }
+            "hf": [*hf, "--tasks", "kv_mc,kv_gen"],
+            "hf, chat template": [*hf, *chat],
+            "serve, defaults": ["--model", "local-completions", "--model_args", base, "--tasks", "kv_mc,kv_gen"],
+            "serve, batch 8 x 2 concurrent": ["--model", "local-completions", "--model_args", base + ",num_concurrent=2",
+                                              "--batch_size", "8", "--tasks", "kv_mc,kv_gen"],
+            "serve chat, 2 concurrent": ["--model", "local-chat-completions", "--model_args",
+                                         f"model={folder.name},base_url={url}/chat/completions,num_concurrent=2", *chat],
+        }  # fmt: skip
         folders = {}
         for i, (name, extra) in enumerate(runs.items()):
             folders[name] = out / f"run{i}"
-            cmd = [args.lm_eval, *extra, "--include_path", str(out / "tasks"), "--tasks", "kv_mc,kv_gen",
+            cmd = [args.lm_eval, *extra, "--include_path", str(out / "tasks"),
                    "--output_path", str(folders[name]), "--log_samples"]  # fmt: skip
             started = time.perf_counter()
             done = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -140,11 +167,18 @@ def main() -> int:
     finally:
         server.terminate()
         server.wait(timeout=60)
-    report = {name: compare(folders["hf"], folder) for name, folder in folders.items() if name != "hf"}
+    report = {}
+    for name, run in folders.items():
+        if name.startswith("serve"):
+            chat = "chat" in name
+            report[name] = compare(folders["hf, chat template" if chat else "hf"], run, chat)
     (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     for name, r in report.items():
-        print(f"{name}: {r['loglikelihoods']} loglikelihoods, max |diff| from hf {r['max_abs_diff']:.1e}, is_greedy agree "
-              f"{r['is_greedy_agree']}/{r['loglikelihoods']}; generations identical {r['generations_identical']}/{r['generations']}")
+        line = f"{name}: generations identical {r['generations_identical']}/{r['generations']}, exact match (hf, serve) {r['gen_exact_match']}"
+        if "loglikelihoods" in r:
+            line += (f"; {r['loglikelihoods']} loglikelihoods, max |diff| from hf {r['max_abs_diff']:.1e}, is_greedy agree "
+                     f"{r['is_greedy_agree']}/{r['loglikelihoods']}, acc (hf, serve) {r['mc_acc']}")
+        print(line)
     return 0
 
 

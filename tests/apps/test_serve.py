@@ -354,6 +354,33 @@ def test_an_api_key_guards_every_endpoint_but_health(model_dir, tmp_path):
         assert process.stop() == 0
 
 
+def test_ignore_eos_generates_past_the_end_of_sequence_token(model_dir, local, tmp_path):
+    """vLLM's ``ignore_eos`` (load generators send it): on a copy of the model whose end-of-sequence
+    token is the first one it answers, a request stops there, and with ``ignore_eos`` goes on to
+    ``max_tokens`` with the model's own greedy tokens."""
+    import shutil
+
+    prompt = PROMPTS[2]
+    ids = completion_ids(local, prompt)
+    with torch.inference_mode():
+        first = int(local[0](torch.tensor([ids])).logits[0, -1].argmax())
+    folder = tmp_path / "eos" / "tiny-chat"  # served under its folder's name
+    shutil.copytree(model_dir, folder)
+    config = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps(config | {"eos_token_id": first}))
+    process = ServeProcess(tmp_path, "--model", str(folder), "--max-bytes", "16M").start()
+    try:
+        c = client(process)
+        stopped = c.completions.create(model="tiny-chat", prompt=prompt, max_tokens=12, temperature=0)
+        assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == 1
+        going = c.completions.create(model="tiny-chat", prompt=prompt, max_tokens=12, temperature=0,
+                                     extra_body={"ignore_eos": True})  # fmt: skip
+        assert going.choices[0].finish_reason == "length" and going.usage.completion_tokens == 12
+        assert going.choices[0].text == greedy(local, ids, 12)
+    finally:
+        assert process.stop() == 0
+
+
 def test_a_full_queue_answers_503_with_retry_after(model_dir, tmp_path):
     process = ServeProcess(tmp_path, "--model", str(model_dir), "--max-bytes", "16M", "--max-seqs", "1",
                            "--max-queue", "1").start()  # fmt: skip

@@ -26,6 +26,7 @@ NOTHING_AND_SOMETHING = {
     "store": (False, True), "metadata": ({}, {"k": "v"}), "service_tier": ("auto", "flex"),
     "moderation": (None, {"input": {"mode": "block"}}), "prompt_cache_retention": ("in_memory", "24h"),
     "prompt_cache_options": ({}, {"ttl": "1h"}),
+    "repetition_penalty": (1.0, 1.2),
 }
 
 
@@ -108,3 +109,21 @@ def test_chat_logprobs_are_a_boolean_with_top_logprobs():
         with pytest.raises(ApiError) as e:
             chat_params({**BASE[fields.CHAT], **extra})
         assert e.value.param == param
+
+
+@pytest.mark.parametrize("endpoint", [fields.COMPLETIONS, fields.CHAT])
+def test_vllm_extensions_that_load_generators_send(endpoint):
+    """``vllm bench serve`` sends ``repetition_penalty: 1.0`` and, with ``--ignore-eos``,
+    ``ignore_eos: true``: the first asks for nothing (any other value is refused by name), the second
+    is honoured (``test_serve.py`` checks what it does)."""
+    name = "repetition_penalty"
+    nothing, something = NOTHING_AND_SOMETHING[name]
+    PARSE[endpoint]({**BASE[endpoint], name: nothing})
+    with pytest.raises(ApiError) as e:
+        PARSE[endpoint]({**BASE[endpoint], name: something})
+    assert e.value.param == name and name in e.value.message
+    assert PARSE[endpoint]({**BASE[endpoint], "ignore_eos": True}).ignore_eos is True
+    assert PARSE[endpoint](dict(BASE[endpoint])).ignore_eos is False
+    with pytest.raises(ApiError) as e:
+        PARSE[endpoint]({**BASE[endpoint], "ignore_eos": "yes"})
+    assert e.value.param == "ignore_eos"

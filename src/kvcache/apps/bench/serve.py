@@ -49,9 +49,11 @@ from .serve_workload import ChatTexts, Load, ServerError, chat_body, chat_texts,
 CONTENDERS = (OURS, "kvcache+int8", PEER)
 #: The ``--cache`` of each kvcache contender.
 SPECS = {OURS: "growable", "kvcache+int8": "quantized:bits=8"}
-#: A ChatML template for the shipped tiny model (its tokenizer has none), for ``tiny`` runs.
+#: A ChatML template for the shipped tiny model (its tokenizer has none), for ``tiny`` runs. It
+#: starts with ``<bos>`` as the tokenizer's own encoding does: a chat template is rendered without
+#: special tokens, so a template that left it out would give the model text it never saw unprefixed.
 CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 __all__ = ["CONTENDERS", "plot", "run", "sizes", "table"]

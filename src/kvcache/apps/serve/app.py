@@ -272,6 +272,8 @@ class _Run:
         served, params = self.served, self.params
         loop, woken = asyncio.get_running_loop(), asyncio.Event()
         options: dict[str, Any] = {} if params.cache is None else {"cache": params.cache}
+        if params.ignore_eos:
+            options["eos_token_id"] = []
         if params.logprobs is not None:
             options["logprobs"] = params.logprobs
             if params.echo:

@@ -20,7 +20,8 @@ from typing import Any
 COMPLETIONS, CHAT = "completions", "chat"
 BOTH = (COMPLETIONS, CHAT)
 
-#: Field -> the endpoints that honour it (``cache`` is kvcache's own extension).
+#: Field -> the endpoints that honour it (``cache`` is kvcache's own extension; ``ignore_eos`` is
+#: vLLM's, which load generators such as ``vllm bench serve`` send).
 HONOURED: dict[str, tuple[str, ...]] = {
     "model": BOTH,
     "prompt": (COMPLETIONS,),
@@ -38,6 +39,7 @@ HONOURED: dict[str, tuple[str, ...]] = {
     "echo": (COMPLETIONS,),
     "top_logprobs": (CHAT,),
     "n": BOTH,
+    "ignore_eos": BOTH,
 }
 
 #: Field -> endpoints, for fields that do not change what is generated.
@@ -85,6 +87,9 @@ DEFAULTS: dict[str, tuple[tuple[str, ...], Callable[[Any], bool], str]] = {
     "moderation": ((CHAT,), lambda v: False, "moderation is not supported"),
     "prompt_cache_retention": ((CHAT,), _is("in_memory"), "prompts are cached in memory only (prompt_cache_retention must be 'in_memory')"),
     "prompt_cache_options": ((CHAT,), _empty, "prompt cache options are not supported (prefixes are cached by content)"),
+    # vLLM's extension, sent at 1.0 by `vllm bench serve`
+    "repetition_penalty": (BOTH, lambda v: not isinstance(v, bool) and isinstance(v, (int, float)) and v == 1,
+                           "repetition_penalty is not supported (it must be 1)"),
 }
 
 

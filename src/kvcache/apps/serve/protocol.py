@@ -54,6 +54,7 @@ class Params:
     logprobs: int | None = None
     echo: bool = False  # completions: the prompt before the completion, its tokens scored too
     n: int = 1  # choices per prompt: independent samples
+    ignore_eos: bool = False  # vLLM's extension: generate max_tokens, past end-of-sequence tokens
 
     @property
     def scoring_only(self) -> bool:
@@ -196,6 +197,10 @@ def _common(body: dict[str, Any], endpoint: str) -> Params:
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
         raise ApiError(f"n must be an integer in [1, {MAX_CHOICES}], got {n!r}", param="n")
     p.n = n
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise ApiError(f"ignore_eos must be a boolean, got {ignore_eos!r}", param="ignore_eos")
+    p.ignore_eos = ignore_eos
     cache = body.get("cache")
     if cache is not None and not isinstance(cache, str):
         raise ApiError(f"cache must be a cache spec string such as 'snapkv:budget=0.25', got {cache!r}", param="cache")
