@@ -29,6 +29,7 @@ from ..errors import UnsupportedOperation
 from ..fingerprint import AmbiguousGlobalPerLayerAttributeError
 from ..fingerprint import config_summary, fingerprint_of, text_config
 from ..hf import FORWARD_STEP, use_kvcache_attention
+from ..linears import PackedLinears
 from ..build import make_cache
 from ..prompts import PromptStore
 from ..scoring import compress
@@ -78,6 +79,9 @@ class Engine:
     - ``store``: a ``PromptStore`` (or a backend for one: ``"memory"``, a folder, ``"redis://..."``)
       as the tier past the pool (``tier.py``): prompts load what it holds beyond the pool's hits,
       and computed prompts (and preempted requests) are written back. Float pools only.
+    - ``pack_linears``: run the model's linear layers on prepacked oneDNN copies of their weights
+      during steps (``linears.py``: about twice as fast at decode sizes on the CPU; costs those
+      weights' bytes again, ``engine.linears.bytes``). The model itself is left as it was.
     - ``spec``: the blocks' format (``formats.py``): ``"growable"`` (full precision, the model's
       dtype) or ``"quantized:bits=8"`` / ``4`` / ``2`` (coded blocks, each request's unfilled last
       block exact).
@@ -100,6 +104,7 @@ class Engine:
         max_seqs: int = 32,
         share_prefixes: bool = True,
         store: PromptStore | str | None = None,
+        pack_linears: bool = True,
     ):
         self.spec = engine_spec(spec)
         self.model = model
@@ -120,6 +125,7 @@ class Engine:
         self.scheduler = Scheduler(self.pool, salt, max_batch_tokens, max_seqs, share_prefixes, tier)
         self.stats = EngineStats()
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self.linears = PackedLinears(model, rows_hint=min(max_seqs, 16)) if pack_linears else None
         self._eos = _eos_ids(getattr(getattr(model, "generation_config", None), "eos_token_id", None))
         self._vocab = getattr(text_config(model), "vocab_size", None)
         self._check_packing()
@@ -318,7 +324,8 @@ class Engine:
         rows_scored = [i for _, start, count in scoring for i in range(start, start + count)]
         keep = torch.tensor([i for _, i in last] + rows_scored, dtype=torch.long, device=device)
         kwargs = {"logits_to_keep": keep} if self._keeps_logits else {}
-        with torch.inference_mode(), use_kvcache_attention(self.model):
+        linears = self.linears.active() if self.linears is not None else contextlib.nullcontext()
+        with torch.inference_mode(), use_kvcache_attention(self.model), linears:
             out = self.model(
                 input_ids=torch.tensor([ids], device=device),
                 position_ids=torch.tensor([positions], device=device),
@@ -420,7 +427,8 @@ class Engine:
         step = PagedStep(pool, rows)
         device = pool.device
         keep = {"logits_to_keep": torch.tensor([len(ids) - 1], device=device)} if self._keeps_logits else {}
-        with torch.inference_mode(), use_kvcache_attention(self.model):
+        linears = self.linears.active() if self.linears is not None else contextlib.nullcontext()
+        with torch.inference_mode(), use_kvcache_attention(self.model), linears:
             out = self.model(
                 input_ids=torch.tensor([ids], device=device), position_ids=torch.tensor([positions], device=device),
                 use_cache=False, **{FORWARD_STEP: step}, **keep,

@@ -1,0 +1,68 @@
+"""``PackedLinears``: a model's linear layers on prepacked oneDNN weights inside ``active()``, equal
+to ``F.linear`` within float32 rounding, the model left as it was, never stale."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvcache.linears import PackedLinears, can_pack
+
+pytestmark = pytest.mark.skipif(not can_pack(torch.zeros(2, 2)), reason="this torch build has no oneDNN linear packing")
+
+
+def mlp(dtype=torch.float32) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.GELU(), torch.nn.Linear(40, 8, bias=False)).to(dtype)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 70])
+def test_packed_forward_equals_linear(rows):
+    model = mlp()
+    x = torch.randn(2, rows, 24)
+    want = model(x)
+    packed = PackedLinears(model)
+    assert len(packed) == 2 and packed.bytes == (24 * 40 + 40 * 8) * 4
+    with torch.inference_mode(), packed.active():
+        got = model(x)
+        assert "forward" in model[0].__dict__
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert all("forward" not in m.__dict__ for m in model)  # restored
+
+
+def test_a_changed_weight_is_repacked_never_stale():
+    model = mlp()
+    packed = PackedLinears(model)
+    x = torch.randn(5, 24)
+    with torch.no_grad():
+        model[0].weight.mul_(2.0)  # in place
+    model[2].weight = torch.nn.Parameter(torch.randn(8, 40))  # replaced
+    want = model(x)
+    with torch.inference_mode(), packed.active():
+        got = model(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_grad_mode_other_dtypes_and_own_forwards_keep_their_path():
+    model = mlp()
+    packed = PackedLinears(model)
+    with packed.active():  # grad enabled: the packed op has no backward
+        assert all("forward" not in m.__dict__ for m in model)
+        model(torch.randn(3, 24)).sum().backward()
+    assert model[0].weight.grad is not None
+    assert len(PackedLinears(mlp(torch.bfloat16))) == 0
+    own = lambda x: x  # noqa: E731
+    model[0].forward = own
+    with torch.inference_mode(), packed.active():
+        assert model[0].forward is own and "forward" in model[2].__dict__
+    assert model[0].forward is own and "forward" not in model[2].__dict__
+
+
+def test_an_error_inside_restores_the_model():
+    model = mlp()
+    packed = PackedLinears(model)
+    with pytest.raises(RuntimeError, match="inside"), torch.inference_mode(), packed.active():
+        raise RuntimeError("inside")
+    assert all("forward" not in m.__dict__ for m in model)
+    assert torch.equal(model[0](torch.ones(1, 24)), F.linear(torch.ones(1, 24), model[0].weight, model[0].bias))
