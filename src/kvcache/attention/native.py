@@ -19,6 +19,8 @@ from .native_build import library
 
 #: Query rows per KV head and head dims the library takes.
 MAX_ROWS, MAX_DIM = 16, 512
+#: Query rows per sequence the paged entry takes (several sequences' rows share a prefix's pass).
+PAGED_MAX_ROWS = 64
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 #: Tokens per task: enough to amortise a task, few enough that a long sequence splits across threads.
 _MIN_CHUNK, _TASKS_PER_THREAD = 256, 16
@@ -29,7 +31,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     f32 = ctypes.c_float
     lib.kv_float_decode.argtypes = [ptr] * 5 + [i32, i64, i64, i32, i32, i32, i64] + [i64] * 6 + [i64, f32, f32, i32]
     lib.kv_float_decode.restype = i32
-    lib.kv_paged_decode.argtypes = [ptr] * 6 + [i32, i64, i64, i32, i32, i32] + [i64] * 7 + [f32, f32, i32]
+    lib.kv_paged_decode.argtypes = [ptr] * 7 + [i32, i64, i64, i32, i32, i32] + [i64] * 7 + [f32, f32, i32]
     lib.kv_paged_decode.restype = i32
     return lib
 
@@ -152,14 +154,18 @@ def paged_decode(
     scale: float,
     softcap: float | None = None,
     blocks_per_task: int | None = None,
-) -> torch.Tensor | None:
+    lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
     """Decode attention of query rows ``q`` ``[S, Hkv, R, D]`` (a sequence's grouped rows packed per
     KV head) over keys and values held in pool blocks ``[blocks, Hkv, block_size, D]`` (``Dv``),
     sequence ``s`` reading its first ``lengths[s]`` tokens from blocks ``tables[s, 0], tables[s, 1],
     ...`` (int32 ``[S, max_blocks]``; ``lengths`` int64 ``[S]``): float32 ``[S, Hkv, R, Dv]``, a
     sequence of length 0 getting zeros; None where the library cannot take it (see the module
     docstring). The caller checks that the table's block ids are within the pool. A task of the
-    library takes ``blocks_per_task`` blocks of a sequence (default: about ``_MIN_CHUNK`` tokens)."""
+    library takes ``blocks_per_task`` blocks of a sequence (default: about ``_MIN_CHUNK`` tokens).
+    With ``lse``, ``(out, lse)``: ``lse`` float32 ``[S, Hkv, R]`` is each row's log-sum-exp of its
+    scaled scores (-inf for a sequence of length 0), what merging with attention over other keys
+    needs. ``R`` may be up to ``PAGED_MAX_ROWS``."""
     seqs, heads, rows, dim = q.shape
     blocks, pool_heads, block_size, _ = key_pool.shape
     vdim = value_pool.shape[3]
@@ -171,7 +177,7 @@ def paged_decode(
         and value_pool.shape[:3] == key_pool.shape[:3]
         and key_pool.stride(3) == 1 and key_pool.stride(2) == dim
         and value_pool.stride(3) == 1 and value_pool.stride(2) == vdim
-        and 1 <= rows <= MAX_ROWS and 1 <= dim <= MAX_DIM and 1 <= vdim <= MAX_DIM
+        and 1 <= rows <= PAGED_MAX_ROWS and 1 <= dim <= MAX_DIM and 1 <= vdim <= MAX_DIM
         and tables.dim() == 2 and tables.shape[0] == seqs and lengths.shape == (seqs,)
         and not (torch.is_grad_enabled() and q.requires_grad)
     )  # fmt: skip
@@ -183,10 +189,13 @@ def paged_decode(
     table = tables.to(torch.int32).contiguous()
     length = lengths.to(torch.int64).contiguous()
     out = torch.empty(seqs, heads, rows, vdim, dtype=torch.float32)
+    sums = torch.empty(seqs, heads, rows, dtype=torch.float32) if lse else None
     ks, vs = key_pool.stride(), value_pool.stride()
     failed = lib.kv_paged_decode(
         qf.data_ptr(), key_pool.data_ptr(), value_pool.data_ptr(), table.data_ptr(), length.data_ptr(), out.data_ptr(),
-        _DTYPES[key_pool.dtype], seqs, heads, rows, dim, vdim, block_size, table.shape[1],
+        None if sums is None else sums.data_ptr(), _DTYPES[key_pool.dtype], seqs, heads, rows, dim, vdim, block_size, table.shape[1],
         ks[0], ks[1], vs[0], vs[1], per_task, float(scale), float(softcap or 0.0), torch.get_num_threads(),
     )  # fmt: skip
-    return None if failed else out
+    if failed:
+        return None
+    return (out, sums) if sums is not None else out

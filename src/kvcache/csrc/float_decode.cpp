@@ -27,7 +27,7 @@
 
 namespace {
 
-constexpr int kMaxRows = 16;
+constexpr int kMaxRows = 64;  // query rows of one task: a group's heads, or several sequences' (shared prefix)
 constexpr int kMaxDim = 512;
 constexpr int kTile = 64;  // tokens scored before their values are summed (scores stay in L1)
 // The score of a masked key: finite (so no infinity meets the exponent), below any real score.
@@ -383,7 +383,10 @@ inline __attribute__((always_inline)) void chunk_pass(const float* __restrict q,
 // The normalised output [rows, vdim] of `count` partials of one (batch, head) (consecutive, each
 // with its acc [rows, vdim] relative to its own max): every partial weighted by exp(its max - the
 // largest); a row no partial saw gets zeros.
-inline void merge_partials(const Partial* parts, const float* accs, int64_t count, int rows, int vdim, float* out) {
+// With `lse`, each row's log of its summed weights (max + log sum; -inf for a row no partial saw),
+// so that attention over another part of the keys can be merged with this one.
+inline void merge_partials(const Partial* parts, const float* accs, int64_t count, int rows, int vdim, float* out,
+                           float* lse = nullptr) {
     for (int r = 0; r < rows; ++r) {
         float m = kMasked;
         for (int64_t c = 0; c < count; ++c)
@@ -400,6 +403,7 @@ inline void merge_partials(const Partial* parts, const float* accs, int64_t coun
         }
         if (total > 0.f)
             for (int d = 0; d < vdim; ++d) o[d] /= total;
+        if (lse != nullptr) lse[r] = total > 0.f ? m + std::log(total) : -INFINITY;
     }
 }
 
@@ -436,7 +440,7 @@ int decode(const float* q, const T* k, const T* v, const uint8_t* keep, float* o
 
 template <typename T>
 int paged_decode(const float* q, const T* k, const T* v, const int32_t* tables, const int64_t* lengths, float* out,
-                 int64_t seqs, int64_t heads, int rows, int dim, int vdim, int64_t block_size, int64_t table_stride,
+                 float* lse, int64_t seqs, int64_t heads, int rows, int dim, int vdim, int64_t block_size, int64_t table_stride,
                  int64_t k_blk, int64_t k_h, int64_t v_blk, int64_t v_h, int64_t blocks_per_task, float scale,
                  float softcap, int threads) {
     if (rows < 1 || rows > kMaxRows || dim < 1 || dim > kMaxDim || vdim < 1 || vdim > kMaxDim || block_size < 1 ||
@@ -491,7 +495,7 @@ int paged_decode(const float* q, const T* k, const T* v, const int32_t* tables, 
             const int64_t s = sh / heads, h = sh % heads;
             const int64_t per_head = (first[s + 1] - first[s]) / heads, base = first[s] + h * per_head;
             merge_partials(parts.data() + base, accs.data() + base * rows * vdim, per_head, rows, vdim,
-                           out + sh * rows * vdim);
+                           out + sh * rows * vdim, lse == nullptr ? nullptr : lse + sh * rows);
         }
     }
     return 0;
@@ -517,19 +521,20 @@ int kv_float_decode(const float* q, const void* k, const void* v, const uint8_t*
 
 // Paged decode (see paged_decode): q float32 [S, Hkv, R, D] contiguous; k / v pools [blocks, Hkv, bs, D]
 // with block strides k_blk / v_blk and head strides k_h / v_h (elements; token rows contiguous);
-// tables int32 [S, table_stride]; lengths int64 [S]; out float32 [S, Hkv, R, Dv]. A sequence of
-// length 0 gets zeros.
+// tables int32 [S, table_stride]; lengths int64 [S]; out float32 [S, Hkv, R, Dv]; lse float32
+// [S, Hkv, R] or null (each row's log-sum-exp of its scores). A sequence of length 0 gets zeros
+// (and lse -inf).
 int kv_paged_decode(const float* q, const void* k, const void* v, const int32_t* tables, const int64_t* lengths,
-                    float* out, int dtype, int64_t seqs, int64_t heads, int rows, int dim, int vdim, int64_t block_size,
+                    float* out, float* lse, int dtype, int64_t seqs, int64_t heads, int rows, int dim, int vdim, int64_t block_size,
                     int64_t table_stride, int64_t k_blk, int64_t k_h, int64_t v_blk, int64_t v_h,
                     int64_t blocks_per_task, float scale, float softcap, int threads) {
     if (dtype == 0)
-        return paged_decode(q, static_cast<const float*>(k), static_cast<const float*>(v), tables, lengths, out, seqs,
+        return paged_decode(q, static_cast<const float*>(k), static_cast<const float*>(v), tables, lengths, out, lse, seqs,
                             heads, rows, dim, vdim, block_size, table_stride, k_blk, k_h, v_blk, v_h, blocks_per_task,
                             scale, softcap, threads);
     if (dtype == 1)
         return paged_decode(q, static_cast<const uint16_t*>(k), static_cast<const uint16_t*>(v), tables, lengths, out,
-                            seqs, heads, rows, dim, vdim, block_size, table_stride, k_blk, k_h, v_blk, v_h,
+                            lse, seqs, heads, rows, dim, vdim, block_size, table_stride, k_blk, k_h, v_blk, v_h,
                             blocks_per_task, scale, softcap, threads);
     return 2;
 }

@@ -64,6 +64,8 @@ class EngineStats:
     preemptions: int = 0
     #: Prompt tokens loaded from the store tier (first admissions and reloads after preemption).
     store_tokens: int = 0
+    #: Decode rows that read a shared prefix once with other rows (``shared_prefix.py``), over all steps.
+    shared_prefix_rows: int = 0
 
 
 class Engine:
@@ -334,6 +336,7 @@ class Engine:
                 **kwargs,
             )
         self._check_layers_run(step)
+        self.stats.shared_prefix_rows += step.shared_rows
         logits = out.logits[0] if self._keeps_logits else out.logits[0, keep]
         by_id = {request.rid: request for request, _ in rows}
         picked = [by_id[rid] for rid, _ in last]
@@ -434,6 +437,7 @@ class Engine:
                 use_cache=False, **{FORWARD_STEP: step}, **keep,
             )
         self._check_layers_run(step)
+        self.stats.shared_prefix_rows += step.shared_rows
         return out.logits[0, -1].float()
 
     def _check_layers_run(self, step: PagedStep) -> None:

@@ -10,7 +10,8 @@ and values ``[1, Hkv, T, D]``. For each layer the step:
 
 1. writes every new key and value into its row's block and slot (one indexed copy);
 2. runs the rows that compute one token (decode) together through the paged decode kernel
-   (``native.paged_decode``: ragged lengths, each row's block table);
+   (``native.paged_decode``: ragged lengths, each row's block table), rows that share prefix
+   blocks reading those once for all of them (``shared_prefix.py``);
 3. runs each row of several tokens (a prefill chunk) through attention over its blocks, causal
    aligned to the end (the chunk follows the row's past), or over the chunk itself when the row
    has no past.
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 from ..attention import attend, attend_weighted, native
 from ..attention_kwargs import AttentionExtras
 from ..errors import UnsupportedOperation
+from . import shared_prefix
 from .paged import paged_decode
 from .pool import BlockPool
 
@@ -77,6 +79,11 @@ class PagedStep:
         for i, r in enumerate(self.decode_rows):
             self.decode_tables[i, : len(r.table)] = torch.tensor(r.table, dtype=torch.int32)
         self.decode_lengths = torch.tensor([r.length for r in self.decode_rows], dtype=torch.int64)
+        #: How the decode rows read shared prefixes (``shared_prefix.plan``), made at the first
+        #: layer (it needs the query heads per KV head); False until then, None for none.
+        self._sharing: shared_prefix.Plan | None | bool = False
+        #: Decode rows that read a shared prefix in one pass with other rows, in this step.
+        self.shared_rows = 0
         self.layers_run = 0
         #: For each row that reports weights (by its index in ``rows``): per layer the row's keys and
         #: values ``[1, Hkv, length, D]`` and its weights float32 ``[1, Hkv, length]``.
@@ -162,6 +169,14 @@ class PagedStep:
         pool = self.pool
         seqs, q_heads, _, dim = q.shape
         packed = q.reshape(seqs, pool.kv_heads, q_heads // pool.kv_heads, dim)
+        if self._sharing is False:
+            tables, lengths = [r.table for r in self.decode_rows], [r.length for r in self.decode_rows]
+            self._sharing = shared_prefix.plan(tables, lengths, pool.block_size, q_heads // pool.kv_heads)
+        if self._sharing is not None:
+            got = shared_prefix.attend(self._sharing, packed, pool.key_blocks[layer], pool.value_blocks[layer], scale)
+            if got is not None:
+                self.shared_rows = sum(len(p.rows) for p in self._sharing.passes)
+                return got.reshape(seqs, q_heads, 1, -1)
         got = native.paged_decode(
             packed, pool.key_blocks[layer], pool.value_blocks[layer], self.decode_tables, self.decode_lengths, scale
         )
