@@ -123,5 +123,11 @@ class Metrics:
             "# HELP kvcache_engine_steps_total Engine steps (forward passes).",
             "# TYPE kvcache_engine_steps_total counter",
             f"kvcache_engine_steps_total {stats.steps}",
+            "# HELP kvcache_forward_tokens_total Tokens run through the model (prompt chunks, recomputation, decode rows).",
+            "# TYPE kvcache_forward_tokens_total counter",
+            f"kvcache_forward_tokens_total {stats.forward_tokens}",
+            "# HELP kvcache_shared_prefix_rows_total Decode rows that read a shared prefix once with other rows.",
+            "# TYPE kvcache_shared_prefix_rows_total counter",
+            f"kvcache_shared_prefix_rows_total {stats.shared_prefix_rows}",
         ]
         return "\n".join(lines) + "\n"

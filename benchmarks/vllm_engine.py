@@ -1,0 +1,132 @@
+"""``kvcache.Engine.generate_batch`` against vLLM's ``LLM.generate`` (its CPU build) on issue 40's
+engine workloads, alternated round by round, each contender alone on the machine.
+
+Workloads (SmolLM2-135M-Instruct fp32, greedy, 32 new tokens, the same token ids for both):
+
+- ``shared``: 16 requests = one shared 1,024-token system prompt + a distinct 64-token turn;
+- ``distinct``: 16 distinct ~1,088-token prompts (no shared prefix; mostly prefill).
+
+Every round runs a fresh ``kvcache.Engine`` (its pool empty) and vLLM's one ``LLM`` with its prefix
+cache reset (``reset_prefix_cache``), each after the same 2-request warm-up. vLLM runs in its own
+environment (see ``vllm_bench_serve.py``) as a child process per round, configured as its CPU
+documentation says for a 2-core machine: both cores bound to its OpenMP threads
+(``VLLM_CPU_OMP_THREADS_BIND=0-1``, ``VLLM_CPU_NUM_OF_RESERVED_CPU=0``), prefix caching on,
+``dtype=float32``, a 4 GiB KV space.
+
+    .venv/bin/python benchmarks/vllm_engine.py --vllm-python /tmp/vllm/bin/python --out DIR [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hum".split()
+
+VLLM_SIDE = r'''
+import json, os, sys, time
+if __name__ == "__main__":
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    job = json.load(open(sys.argv[1]))
+    llm = LLM(model=job["model"], dtype="float32", enable_prefix_caching=True, max_model_len=4096, seed=0)
+    params = SamplingParams(temperature=0.0, max_tokens=job["new"], ignore_eos=True)
+    results = {}
+    for name, prompts in job["workloads"].items():
+        llm.reset_prefix_cache()
+        llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["warmup"]], params, use_tqdm=False)
+        llm.reset_prefix_cache()
+        t0 = time.perf_counter()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        results[name] = {"seconds": seconds, "tokens": [list(o.outputs[0].token_ids) for o in outs]}
+    json.dump(results, open(sys.argv[2], "w"))
+'''
+VLLM_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "4"}
+
+
+def text_ids(tokenizer, count: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return tokenizer(" ".join(rng.choice(WORDS) + str(rng.randrange(100)) for _ in range(count)))["input_ids"][:count]
+
+
+def workloads(tokenizer, rows: int, seed: int) -> dict[str, list[list[int]]]:
+    shared = text_ids(tokenizer, 1024, 1)
+    return {
+        "shared": [shared + text_ids(tokenizer, 64, 1000 * seed + r) for r in range(rows)],
+        "distinct": [text_ids(tokenizer, 1088, 2000 * seed + r) for r in range(rows)],
+    }
+
+
+def ours(model, prompts: dict[str, list[list[int]]], warmup: list[list[int]], new: int) -> dict:
+    import kvcache
+
+    out = {}
+    for name, batch in prompts.items():
+        kvcache.Engine(model, max_seqs=32).generate_batch(warmup, max_new_tokens=new, eos_token_id=[])
+        engine = kvcache.Engine(model, max_seqs=32)
+        t0 = time.perf_counter()
+        tokens = engine.generate_batch(batch, max_new_tokens=new, eos_token_id=[])
+        out[name] = {"seconds": time.perf_counter() - t0, "tokens": [list(map(int, t)) for t in tokens]}
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--vllm-python", required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rows", type=int, default=16)
+    p.add_argument("--new", type=int, default=32)
+    args = p.parse_args()
+    from kvcache.apps.bench.workload import load_model
+
+    model, tokenizer, folder = load_model("smollm2")
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "vllm_side.py").write_text(VLLM_SIDE)
+    flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
+    isa = " ".join(f for f in flags if f.startswith(("avx", "fma", "amx")))
+    rows: list[dict] = []
+    for rnd in range(args.rounds):
+        prompts = workloads(tokenizer, args.rows, rnd)
+        warmup = [text_ids(tokenizer, 200, 9000 + rnd + i) for i in range(2)]
+        job = out / f"job{rnd}.json"
+        job.write_text(json.dumps({"model": str(folder), "new": args.new, "workloads": prompts, "warmup": warmup}))
+        got = {"kvcache": ours(model, prompts, warmup, args.new)}
+        done = subprocess.run([args.vllm_python, str(out / "vllm_side.py"), str(job), str(out / f"vllm{rnd}.json")],
+                              env={**os.environ, **VLLM_ENV}, capture_output=True, text=True)  # fmt: skip
+        if done.returncode != 0:
+            print(done.stderr[-3000:], file=sys.stderr)
+            return 1
+        got["vllm"] = json.loads((out / f"vllm{rnd}.json").read_text())
+        for name in prompts:
+            a, b = got["kvcache"][name], got["vllm"][name]
+            tokens = args.rows * args.new
+            row = {"round": rnd, "workload": name, "kvcache": tokens / a["seconds"], "vllm": tokens / b["seconds"],
+                   "agree": sum(x == y for x, y in zip(a["tokens"], b["tokens"]))}  # fmt: skip
+            rows.append(row)
+            print(f"round {rnd} {name}: kvcache {row['kvcache']:.1f} tokens/s, vLLM {row['vllm']:.1f}, "
+                  f"identical {row['agree']}/{args.rows}", flush=True)  # fmt: skip
+    lines = [f"CPU flags: {isa}; {os.cpu_count()} cores; {args.rounds} rounds, medians", "",
+             "| workload | kvcache tokens/s | vLLM tokens/s | kvcache / vLLM | identical answers |", "|---|---|---|---|---|"]  # fmt: skip
+    for name in ("shared", "distinct"):
+        mine = [r for r in rows if r["workload"] == name]
+        k, v = statistics.median(r["kvcache"] for r in mine), statistics.median(r["vllm"] for r in mine)
+        agree = sum(r["agree"] for r in mine)
+        lines.append(f"| {name} | {k:.1f} | {v:.1f} | {k / v:.2f}x | {agree}/{args.rows * len(mine)} |")
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+    (out / "rounds.json").write_text(json.dumps(rows, indent=1) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
