@@ -4,7 +4,7 @@
       |
     api      kvcache (the package: the public names)
       |
-    model    cache, build, cachefile, spec, hf, attention_kwargs, support, foreign, compiled, prefill (the transformers-facing cache)
+    model    cache, build, cachefile, spec, hf, attention_kwargs, support, foreign, compiled, prefill, linears (the transformers-facing cache)
       |
     storage  layers.*, attention.*, persist.*, quant, policies, options, registry, fingerprint, half_precision,
              models.* (real pretrained models: may import errors and transformers, nothing of the cache)
