@@ -1,6 +1,7 @@
 """Builds and loads the project's small C++ libraries (``csrc/*.cpp``) on first use.
 
-The sources have no Python or torch headers: one ``g++ -O3 -march=native -fopenmp -shared`` call,
+The sources have no Python or torch headers: one ``g++ -O3 -march=native -fopenmp -shared`` call
+(``-march`` as ``KVCACHE_ISA`` says, below),
 a second or two, into a cache directory (``$KVCACHE_EXTENSION_DIR``, else ``$XDG_CACHE_HOME/kvcache``
 or ``~/.cache/kvcache``), named by a hash of the source, the command and this CPU's instruction-set
 flags, so a changed source, compiler or CPU builds anew. A library is loaded with ``ctypes`` after
@@ -8,6 +9,12 @@ torch, so its OpenMP calls resolve to the runtime torch already loaded.
 
 ``KVCACHE_NO_EXTENSION=1`` turns every library off (the pure PyTorch paths then run); so does a
 failed build, with one warning that says why.
+
+``KVCACHE_ISA`` caps the instruction set the libraries are built for, so that a machine with
+AVX-512 can build, test and time the code another CPU would run: ``native`` (the default, every
+extension this CPU has), ``avx512`` (x86-64-v4: AVX-512 F/BW/CD/DQ/VL), ``avx2`` (x86-64-v3: AVX2,
+FMA), ``generic`` (x86-64-v2 on x86, Armv8-A NEON on Arm). A cap this CPU cannot run, or an unknown
+name, fails the build (one warning; the PyTorch paths run).
 """
 
 from __future__ import annotations
@@ -27,7 +34,15 @@ from pathlib import Path
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 DISABLE_ENV = "KVCACHE_NO_EXTENSION"
 DIR_ENV = "KVCACHE_EXTENSION_DIR"
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-Wno-psabi"]
+ISA_ENV = "KVCACHE_ISA"
+_FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-Wno-psabi"]
+#: ``KVCACHE_ISA`` -> (the -march of x86-64, of Arm, the CPU flags it needs on x86).
+_ISAS: dict[str, tuple[str | None, str | None, tuple[str, ...]]] = {
+    "native": ("native", "native", ()),
+    "avx512": ("x86-64-v4", None, ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")),
+    "avx2": ("x86-64-v3", None, ("avx2", "fma")),
+    "generic": ("x86-64-v2", "armv8-a", ()),
+}
 
 _loaded: dict[str, ctypes.CDLL] = {}
 _failed: dict[str, str] = {}
@@ -65,7 +80,7 @@ def _cache_dir() -> Path:
     return Path(base) / "kvcache"
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
     """This CPU's instruction-set flags (``-march=native`` code runs only where they hold)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -76,12 +91,36 @@ def _cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
+def isa() -> str:
+    """The instruction set the libraries are built for: ``KVCACHE_ISA``, else ``"native"``."""
+    return os.environ.get(ISA_ENV, "").strip().lower() or "native"
+
+
+def _march() -> str:
+    """The ``-march=`` flag for ``isa()``; RuntimeError for a name not known or a cap this CPU
+    cannot run."""
+    name = isa()
+    if name not in _ISAS:
+        raise RuntimeError(f"{ISA_ENV}={name!r} is not one of {', '.join(_ISAS)}")
+    x86, arm, needs = _ISAS[name]
+    on_x86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
+    arch = x86 if on_x86 else arm
+    if arch is None:
+        raise RuntimeError(f"{ISA_ENV}={name} is an x86 instruction set; this machine is {platform.machine()}")
+    flags = set(cpu_flags().split())
+    missing = [f for f in needs if f not in flags]
+    if missing:
+        raise RuntimeError(f"{ISA_ENV}={name} needs CPU flags this CPU lacks: {', '.join(missing)}")
+    return f"-march={arch}"
+
+
 def _build(source_path: Path) -> Path:
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not compiler:
         raise RuntimeError("no C++ compiler found (g++ or c++ on PATH, or $CXX)")
+    flags = [*_FLAGS, _march()]
     source = source_path.read_bytes()
-    tag = hashlib.sha256(source + repr((compiler, _FLAGS, sys.platform, _cpu_flags())).encode()).hexdigest()[:16]
+    tag = hashlib.sha256(source + repr((compiler, flags, sys.platform, cpu_flags())).encode()).hexdigest()[:16]
     target = _cache_dir() / f"{source_path.stem}-{tag}.so"
     if target.exists():
         return target
@@ -90,7 +129,7 @@ def _build(source_path: Path) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *_FLAGS, str(source_path), "-o", tmp], capture_output=True, text=True, timeout=300)
+        done = subprocess.run([compiler, *flags, str(source_path), "-o", tmp], capture_output=True, text=True, timeout=300)
         if done.returncode:
             raise RuntimeError(f"{compiler} exited with {done.returncode}: {done.stderr}")
         os.replace(tmp, target)

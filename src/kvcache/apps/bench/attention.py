@@ -35,7 +35,7 @@ from . import coded_attention, paged_attention
 from dataclasses import dataclass
 
 from ...errors import KVCacheError
-from .common import clock_cold, figure, finish_axes, markdown_table, median, read_bandwidth
+from .common import clock_cold, figure, finish_axes, machine_line, markdown_table, median, read_bandwidth
 from .harness import alternate, report
 from ..run_options import RunOptions
 
@@ -196,7 +196,8 @@ def table(result: dict[str, Any]) -> str:
     coded = coded_attention.table(result["quantized_rows"]) if result.get("quantized_rows") else ""
     coded += paged_attention.table(result["paged_rows"]) if result.get("paged_rows") else ""
     timing = result["config"].get("timing", "")
-    return f"Measured read bandwidth: {bw:.1f} GB/s; {timing}\n\n" + markdown_table(header, body) + coded
+    machine = machine_line(result.get("machine", {}))
+    return f"{machine}\n\nMeasured read bandwidth: {bw:.1f} GB/s; {timing}\n\n" + markdown_table(header, body) + coded
 
 
 def plot(result: dict[str, Any], path: Path) -> None:

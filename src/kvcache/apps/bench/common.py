@@ -21,14 +21,40 @@ from typing import Any
 import torch
 
 
+#: Prefixes of the CPU flags that say which vector instructions the kernels may use.
+VECTOR_FLAGS = ("avx", "fma", "amx", "sse4", "asimd", "sve", "neon")
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "Model")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_line(info: dict[str, Any]) -> str:
+    """One line naming the CPU, its vector flags and the ISA the kernels were built for."""
+    return (f"CPU: {info.get('cpu_model', '?')}, {info.get('cpu_count', '?')} cores, {info.get('torch_threads', '?')} threads; "
+            f"vector flags: {info.get('vector_flags', '?')}; kernels built for: {info.get('kernel_isa', '?')}")  # fmt: skip
+
+
 def machine_info(device: str = "cpu") -> dict[str, Any]:
     import transformers
 
     import kvcache
 
+    from ...attention.native_build import cpu_flags, isa
+
+    flags = cpu_flags().split()
     info = {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
+        "cpu_model": cpu_model(),
+        "vector_flags": " ".join(f for f in flags if f.startswith(VECTOR_FLAGS)),
+        "kernel_isa": isa(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),

@@ -31,7 +31,7 @@ import torch
 from ...errors import KVCacheError
 from ...hf import register_attention
 from ..run_options import RunOptions
-from .common import figure, finish_axes, human_bytes, markdown_table, median
+from .common import figure, finish_axes, human_bytes, machine_line, markdown_table, median
 from .floor import Machine, ModelShape, floor_seconds, measure_machine, model_shape
 from .harness import alternate, report
 from .real_decode import CONFIGURED, CONTENDERS, REFERENCE, Runner
@@ -240,7 +240,7 @@ def table(result: dict[str, Any]) -> str:
     config = result["config"]
     intro = (
         f"Model {config['model']}; {config['steps']} greedy steps per decode, median of {config['repeats']} rounds; "
-        f"{config['method']}. Floor: {config['floor']}.\n\n"
+        f"{config['method']}. Floor: {config['floor']}.\n\n{machine_line(result.get('machine', {}))}\n\n"
     )
     configured = config.get("configured", {})
     how = ["", "How each contender is configured (`{capacity}` = context + steps of the row: fixed caches sized to the request):", ""]

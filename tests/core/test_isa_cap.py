@@ -1,0 +1,51 @@
+"""``KVCACHE_ISA`` caps the instruction set the C++ libraries are built for, so this machine tests
+the code a CPU with less would run: the float decode library's tests (dense and paged decode
+against SDPA, shared-prefix attention against per-row SDPA) pass when it is built for AVX2+FMA (the
+generic baseline on a CPU without AVX2), in a fresh process and extension folder. The coded library's tests
+take about a minute to build per cap, so they run under a cap on demand, not here:
+``KVCACHE_ISA=avx2 python -m pytest tests/core/test_fused_coded_decode.py tests/core/test_paged_coded_decode.py``."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvcache.attention.native_build import ISA_ENV, cpu_flags
+
+ROOT = Path(__file__).resolve().parents[2]
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+#: AVX2+FMA where this CPU has it (the x86 machines without AVX-512), else the generic baseline.
+CAPS = ["avx2"] if X86 and {"avx2", "fma"} <= set(cpu_flags().split()) else ["generic"]
+
+
+def run(code_or_args: list[str], isa: str, folder: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, ISA_ENV: isa, "KVCACHE_EXTENSION_DIR": str(folder), "OMP_NUM_THREADS": "1"}
+    env.pop("KVCACHE_NO_EXTENSION", None)
+    return subprocess.run([sys.executable, *code_or_args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("isa", CAPS)
+def test_the_float_kernels_pass_their_tests_built_for_a_capped_isa(isa, tmp_path):
+    done = run(["-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider", "-W", "error::RuntimeWarning",
+                "tests/core/test_native_decode.py", "tests/engine/test_shared_prefix.py", "-k", "not engine"], isa, tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert list(tmp_path.glob("float_decode-*.so")), "the library was not built under the cap"
+
+
+def test_an_unknown_isa_warns_and_the_pytorch_path_runs(tmp_path):
+    code = (
+        "import warnings, torch\n"
+        "from kvcache.attention import native\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    print(native.available(), [str(x.message) for x in w])\n"
+    )
+    done = run(["-c", code], "avx9000", tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("False") and "KVCACHE_ISA='avx9000' is not one of" in done.stdout
+    assert not list(tmp_path.glob("*.so"))
