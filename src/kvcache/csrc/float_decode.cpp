@@ -24,6 +24,9 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -61,6 +64,7 @@ inline __attribute__((always_inline)) v16 fold(v16 a, v16 b) {
     return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);
 }
 
+#if defined(__AVX512F__)
 // Scores of one query row (dim floats) against 16 keys (rows of `keys`, `stride` floats apart).
 // Lane t of the result: the sum of the 16 lanes of part[t].
 inline __attribute__((always_inline)) v16 sums16(const v16* part) {
@@ -70,17 +74,86 @@ inline __attribute__((always_inline)) v16 sums16(const v16* part) {
     for (int i = 0; i < 2; ++i) l2[i] = fold<4>(l4[2 * i], l4[2 * i + 1]);
     return fold<2>(l2[0], l2[1]);
 }
+// Query rows whose weighted value sums are kept in registers together (add_weighted_rows).
+constexpr int kRowsTogether = 4;
+// 16-float vectors per column block of the weighted value sums (64 columns).
+constexpr int kColumnVectors = 4;
+#else
+// Where registers hold 8 floats, a 16-lane shuffle spans two registers and compiles to
+// element-by-element moves through memory: each key's 16 lanes are first added into 8, and on
+// AVX2 8 keys' sums are folded by horizontal adds (two levels) and one 128-bit lane swap.
+typedef float v8 __attribute__((vector_size(32)));
+
+inline __attribute__((always_inline)) v8 half_sum(const v16& a) {
+    v8 lo, hi;
+    __builtin_memcpy(&lo, &a, sizeof lo);
+    __builtin_memcpy(&hi, reinterpret_cast<const float*>(&a) + 8, sizeof hi);
+    return lo + hi;
+}
+
+#if defined(__AVX2__)
+// Lane t: the sum of the 8 lanes of h[t].
+inline __attribute__((always_inline)) v8 sums8(const v8* h) {
+    const __m256 s01 = _mm256_hadd_ps((__m256)h[0], (__m256)h[1]), s23 = _mm256_hadd_ps((__m256)h[2], (__m256)h[3]);
+    const __m256 s45 = _mm256_hadd_ps((__m256)h[4], (__m256)h[5]), s67 = _mm256_hadd_ps((__m256)h[6], (__m256)h[7]);
+    const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+    return (v8)_mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+#else
+inline __attribute__((always_inline)) v8 sums8(const v8* h) {
+    v8 out;
+    for (int t = 0; t < 8; ++t) {
+        float x = 0.f;
+        for (int i = 0; i < 8; ++i) x += h[t][i];
+        out[t] = x;
+    }
+    return out;
+}
+#endif
+
+inline __attribute__((always_inline)) v16 sums16(const v16* part) {
+    v8 h[8];
+    v16 out;
+    for (int half = 0; half < 2; ++half) {
+        for (int t = 0; t < 8; ++t) h[t] = half_sum(part[8 * half + t]);
+        const v8 got = sums8(h);
+        __builtin_memcpy(reinterpret_cast<float*>(&out) + 8 * half, &got, sizeof got);
+    }
+    return out;
+}
+// 16 registers of 8 floats: two query rows' running sums at a time, so they do not spill.
+constexpr int kRowsTogether = 2;
+constexpr int kColumnVectors = 2;  // 32 columns a block
+#endif
+
+// One key's products with the query, summed over the head dim into 16 lanes.
+template <int NV>
+inline __attribute__((always_inline)) v16 products(const float* __restrict q, const float* __restrict k) {
+    v16 a = load16(q) * load16(k);
+    for (int v = 1; v < NV; ++v) a += load16(q + 16 * v) * load16(k + 16 * v);
+    return a;
+}
 
 template <int NV>
 inline __attribute__((always_inline)) v16 scores16(const float* __restrict q, const float* __restrict keys, int64_t stride) {
     v16 part[16];
-    for (int t = 0; t < 16; ++t) {
-        const float* k = keys + t * stride;
-        v16 a = load16(q) * load16(k);
-        for (int v = 1; v < NV; ++v) a += load16(q + 16 * v) * load16(k + 16 * v);
-        part[t] = a;
-    }
+    for (int t = 0; t < 16; ++t) part[t] = products<NV>(q, keys + t * stride);
     return sums16(part);
+}
+
+// The register-wide vector of the weighted value sums: a scalar times a vector wider than the
+// registers is broadcast through memory element by element, so these use the native width.
+#if defined(__AVX512F__)
+typedef v16 vw;
+#else
+typedef float vw __attribute__((vector_size(32)));
+#endif
+constexpr int kW = sizeof(vw) / sizeof(float);
+
+inline __attribute__((always_inline)) vw loadw(const float* p) {
+    vw v;
+    __builtin_memcpy(&v, p, sizeof v);
+    return v;
 }
 
 // acc rows [0, RR) (each `acc_stride` floats apart; 16 * NV columns of them) += sum over the tile's
@@ -91,12 +164,7 @@ inline __attribute__((always_inline)) v16 scores16(const float* __restrict q, co
 template <int NV>
 inline __attribute__((always_inline)) v16 scores16_at(const float* __restrict q, const float* const* __restrict keys) {
     v16 part[16];
-    for (int t = 0; t < 16; ++t) {
-        const float* k = keys[t];
-        v16 a = load16(q) * load16(k);
-        for (int v = 1; v < NV; ++v) a += load16(q + 16 * v) * load16(k + 16 * v);
-        part[t] = a;
-    }
+    for (int t = 0; t < 16; ++t) part[t] = products<NV>(q, keys[t]);
     return sums16(part);
 }
 
@@ -104,21 +172,22 @@ template <int NV, int RR>
 inline __attribute__((always_inline)) void add_weighted_rows(const float* __restrict p, const float* __restrict v,
                                                              int64_t v_t, int n, const bool* __restrict live,
                                                              float* __restrict acc, int acc_stride) {
-    v16 a[RR][NV];
+    constexpr int N = NV * 16 / kW;
+    vw a[RR][N];
     for (int r = 0; r < RR; ++r)
-        for (int i = 0; i < NV; ++i) a[r][i] = load16(acc + r * acc_stride + 16 * i);
+        for (int i = 0; i < N; ++i) a[r][i] = loadw(acc + r * acc_stride + kW * i);
     for (int j = 0; j < n; ++j) {
         if (!live[j]) continue;
         const float* __restrict row = v + j * v_t;
-        v16 x[NV];
-        for (int i = 0; i < NV; ++i) x[i] = load16(row + 16 * i);
+        vw x[N];
+        for (int i = 0; i < N; ++i) x[i] = loadw(row + kW * i);
         for (int r = 0; r < RR; ++r) {
             const float w = p[r * kTile + j];
-            for (int i = 0; i < NV; ++i) a[r][i] += w * x[i];
+            for (int i = 0; i < N; ++i) a[r][i] += w * x[i];
         }
     }
     for (int r = 0; r < RR; ++r)
-        for (int i = 0; i < NV; ++i) __builtin_memcpy(acc + r * acc_stride + 16 * i, &a[r][i], sizeof(v16));
+        for (int i = 0; i < N; ++i) __builtin_memcpy(acc + r * acc_stride + kW * i, &a[r][i], sizeof(vw));
 }
 
 // Every query row's weighted sum of the tile's values, for value dims 32, 64 and 128: columns in
@@ -127,20 +196,21 @@ inline __attribute__((always_inline)) void add_weighted_rows(const float* __rest
 template <int NV, int RR>
 inline __attribute__((always_inline)) void add_weighted_rows_at(const float* __restrict p, const float* const* __restrict v,
                                                                 int n, float* __restrict acc, int acc_stride) {
-    v16 a[RR][NV];
+    constexpr int N = NV * 16 / kW;
+    vw a[RR][N];
     for (int r = 0; r < RR; ++r)
-        for (int i = 0; i < NV; ++i) a[r][i] = load16(acc + r * acc_stride + 16 * i);
+        for (int i = 0; i < N; ++i) a[r][i] = loadw(acc + r * acc_stride + kW * i);
     for (int j = 0; j < n; ++j) {
         const float* __restrict row = v[j];
-        v16 x[NV];
-        for (int i = 0; i < NV; ++i) x[i] = load16(row + 16 * i);
+        vw x[N];
+        for (int i = 0; i < N; ++i) x[i] = loadw(row + kW * i);
         for (int r = 0; r < RR; ++r) {
             const float w = p[r * kTile + j];
-            for (int i = 0; i < NV; ++i) a[r][i] += w * x[i];
+            for (int i = 0; i < N; ++i) a[r][i] += w * x[i];
         }
     }
     for (int r = 0; r < RR; ++r)
-        for (int i = 0; i < NV; ++i) __builtin_memcpy(acc + r * acc_stride + 16 * i, &a[r][i], sizeof(v16));
+        for (int i = 0; i < N; ++i) __builtin_memcpy(acc + r * acc_stride + kW * i, &a[r][i], sizeof(vw));
 }
 
 template <int NV>
@@ -149,7 +219,8 @@ inline void add_weighted_tile_at(const float* scores, const float* const* v, int
     const float* vc[kTile];
     for (int j = 0; j < n; ++j) vc[j] = v[j] + c;
     int r = 0;
-    for (; r + 4 <= rows; r += 4) add_weighted_rows_at<NV, 4>(scores + r * kTile, vc, n, acc + r * vdim + c, vdim);
+    for (; r + kRowsTogether <= rows; r += kRowsTogether)
+        add_weighted_rows_at<NV, kRowsTogether>(scores + r * kTile, vc, n, acc + r * vdim + c, vdim);
     const float* p = scores + r * kTile;
     float* a = acc + r * vdim + c;
     switch (rows - r) {
@@ -165,7 +236,8 @@ inline void add_weighted_tile(const float* scores, const float* v, int64_t v_t, 
                               int rows, int vdim) {
     for (int c = 0; c < vdim; c += 16 * NV) {
         int r = 0;
-        for (; r + 4 <= rows; r += 4) add_weighted_rows<NV, 4>(scores + r * kTile, v + c, v_t, n, live, acc + r * vdim + c, vdim);
+        for (; r + kRowsTogether <= rows; r += kRowsTogether)
+            add_weighted_rows<NV, kRowsTogether>(scores + r * kTile, v + c, v_t, n, live, acc + r * vdim + c, vdim);
         const float* p = scores + r * kTile;
         float* a = acc + r * vdim + c;
         switch (rows - r) {
@@ -292,11 +364,10 @@ inline void tile_at(const float* __restrict q, int rows, int dim, int vdim, cons
     softmax_tile(scores, live, n, rows, vdim, scale, softcap, part, acc);
     if constexpr (std::is_same_v<T, float>) {
         if (vdim == 64 || vdim == 128 || vdim == 32) {
-            for (int c = 0; c < vdim; c += vdim == 32 ? 32 : 64)
-                if (vdim == 32)
-                    add_weighted_tile_at<2>(scores, v, n, acc, rows, vdim, c);
-                else
-                    add_weighted_tile_at<4>(scores, v, n, acc, rows, vdim, c);
+            if (vdim == 32 || kColumnVectors == 2)
+                for (int c = 0; c < vdim; c += 32) add_weighted_tile_at<2>(scores, v, n, acc, rows, vdim, c);
+            else
+                for (int c = 0; c < vdim; c += 64) add_weighted_tile_at<4>(scores, v, n, acc, rows, vdim, c);
             return;
         }
     }
@@ -360,7 +431,7 @@ inline __attribute__((always_inline)) void chunk_pass(const float* __restrict q,
         softmax_tile(scores, live, n, rows, vdim, scale, softcap, part, acc);
         if constexpr (std::is_same_v<T, float>) {
             if (vdim == 64 || vdim == 128 || vdim == 32) {
-                if (vdim == 32)
+                if (vdim == 32 || kColumnVectors == 2)
                     add_weighted_tile<2>(scores, v + base * v_t, v_t, n, live, acc, rows, vdim);
                 else
                     add_weighted_tile<4>(scores, v + base * v_t, v_t, n, live, acc, rows, vdim);
