@@ -468,11 +468,35 @@ class Engine:
             self._thread = None
             self._notify()
 
+    def run_here(self, stop: threading.Event) -> None:
+        """Step on the calling thread until ``stop`` is set (then ``wake()``), waiting while there is
+        nothing to run; meanwhile other threads' handles wait instead of stepping, as with
+        ``running()``. An error in a step fails the requests of that step and the loop goes on.
+
+        Run it on the thread that loaded the model when another thread serves requests: with
+        OpenMP (torch's CPU builds) a second thread that has run parallel work keeps a second team
+        of workers, and libgomp then stops its workers spinning between parallel regions, which
+        cost a 16-row decode step of SmolLM2 about a third more on the background thread of
+        ``running()`` (docs/benchmarks.md, "The engine's step")."""
+        if self._thread is not None:
+            raise RuntimeError("the engine is already stepping on another thread")
+        self._thread = threading.current_thread()
+        try:
+            self._loop(stop)
+        finally:
+            self._thread = None
+            self._notify()
+
+    def wake(self) -> None:
+        """Wake the thread stepping the engine (after setting the event that stops ``run_here``)."""
+        self._notify()
+
     def _in_background(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and threading.current_thread() is not self._thread
 
-    def _loop(self) -> None:
-        while not self._stop.is_set():
+    def _loop(self, stop: threading.Event | None = None) -> None:
+        stop = self._stop if stop is None else stop
+        while not stop.is_set():
             try:
                 worked = self.step()
             except Exception as error:  # fail this step's requests, keep serving the rest
@@ -480,7 +504,7 @@ class Engine:
                 continue
             if not worked:
                 with self._changed:
-                    self._changed.wait_for(lambda: self._stop.is_set() or not self.idle, timeout=1.0)
+                    self._changed.wait_for(lambda: stop.is_set() or not self.idle, timeout=1.0)
 
     def _fail_running(self, error: Exception) -> None:
         with self._lock:

@@ -1,8 +1,9 @@
 """``kvcache serve``: load a model, make its engine, and serve the app (``app.py``) with uvicorn.
 
-The engine steps on its background thread for the server's whole life. SIGTERM (or SIGINT) drains:
+The engine steps on the main thread (the one that loaded the model; see ``Engine.run_here``) for
+the server's whole life, uvicorn's event loop on a thread beside it. SIGTERM (or SIGINT) drains:
 the server stops listening, requests that arrive on open connections get 503, running requests
-finish (uvicorn waits for their responses), then the engine thread stops and the process exits 0.
+finish (uvicorn waits for their responses), then the engine stops stepping and the process exits 0.
 """
 
 from __future__ import annotations
@@ -87,8 +88,28 @@ def serve(options: ServeOptions) -> int:
     server = _DrainingServer(config, served)
     engine = served.engine
     print(f"kvcache serve: {served.model_name} on http://{options.host}:{options.port} ({engine!r})", flush=True)
-    with engine.running():
-        server.run()
+    # The engine steps on this (the main) thread, which loaded the model, and the HTTP server runs
+    # beside it: stepping on a second thread would give OpenMP a second team of workers and slow
+    # every step by about a third (Engine.run_here). Signals reach the main thread, so their
+    # handlers are installed here and hand the exit to the server.
+    stopped = threading.Event()
+
+    def http() -> None:
+        try:
+            server.run()
+        finally:
+            stopped.set()
+            engine.wake()
+
+    thread = threading.Thread(target=http, name="kvcache-http", daemon=True)
+    original = {sig: signal.signal(sig, server.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        thread.start()
+        engine.run_here(stopped)
+        thread.join()
+    finally:
+        for sig, handler in original.items():
+            signal.signal(sig, handler)
     return 0
 
 
