@@ -171,6 +171,32 @@ def test_the_background_thread_serves_generate_batch_and_handles(model):
     assert engine.generate_batch([prompts[0]], max_new_tokens=5, eos_token_id=[]) == [outputs[0]]
 
 
+def test_run_here_steps_on_the_calling_thread_while_another_thread_waits_on_handles(model):
+    """What ``kvcache serve`` does: the engine steps on the thread that loaded the model and a client
+    thread submits and waits; setting the stop event and waking ends the loop."""
+    import threading
+
+    prompts = [ids(7, 90), ids(18, 91)]
+    engine = Engine(model, block_size=8, blocks=32)
+    stop, got, stepping = threading.Event(), {}, []
+
+    def client():
+        got["outputs"] = engine.generate_batch(prompts, max_new_tokens=5, eos_token_id=[])
+        with pytest.raises(RuntimeError, match="already stepping"):
+            engine.run_here(threading.Event())
+        stepping.append(engine._thread)
+        stop.set()
+        engine.wake()
+
+    thread = threading.Thread(target=client)
+    thread.start()
+    engine.run_here(stop)
+    thread.join()
+    assert stepping == [threading.current_thread()] and engine._thread is None and engine.idle
+    for prompt, out in zip(prompts, got["outputs"]):
+        same_or_near_tie(out, reference(model, prompt, 5))
+
+
 def test_a_failed_forward_pass_leaves_every_request_as_it_was(model):
     prompts = [ids(6, 80), ids(11, 81)]
     engine = Engine(model, block_size=4, blocks=32)

@@ -453,7 +453,9 @@ class Engine:
     def running(self) -> Iterator[Engine]:
         """Step on a background thread while the block runs (handles then wait instead of
         stepping). On leaving, the thread stops after its current step; requests not finished stay
-        queued. An error in a step fails the requests of that step and the thread goes on."""
+        queued. An error in a step fails the requests of that step and the thread goes on.
+        Where the model was loaded on the calling thread and speed matters, ``run_here`` on that
+        thread is faster (OpenMP, see there)."""
         if self._thread is not None:
             raise RuntimeError("the engine is already running on a background thread")
         self._stop.clear()
