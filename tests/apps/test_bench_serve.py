@@ -28,6 +28,14 @@ def test_registered():
     assert "serve" in SUITES
 
 
+def test_the_tiny_run_is_well_formed(result):
+    """The checks every suite's tiny run gets in test_bench.py (run here, where the run is made)."""
+    from test_bench import assert_well_formed
+
+    returned, out = result
+    assert_well_formed("serve", out, returned)
+
+
 def test_outputs_written(result):
     res, out = result
     assert json.loads((out / "serve.json").read_text())["rows"] == json.loads(json.dumps(res["rows"], default=str))
