@@ -19,6 +19,7 @@ float32), which is why ``generate`` does not use it unless asked.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -30,14 +31,20 @@ __all__ = ["PackedLinears", "can_pack"]
 
 def can_pack(weight: torch.Tensor) -> bool:
     """Whether this torch build can pack ``weight`` ``[out, in]`` for oneDNN (float32, on the CPU)."""
+    return _fits(weight) and _built_with_packing()
+
+
+@functools.cache
+def _built_with_packing() -> bool:
     return (
-        weight.device.type == "cpu"
-        and weight.dtype == torch.float32
-        and weight.dim() == 2
-        and torch.backends.mkldnn.is_available()
+        torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     )
+
+
+def _fits(weight: torch.Tensor) -> bool:
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
 
 
 class _Packed:
@@ -85,7 +92,7 @@ class PackedLinears:
         swapped = []
         try:
             for module, packed in self._packed.items():
-                if not can_pack(module.weight):
+                if not _fits(module.weight):
                     continue  # moved to another device or dtype since: its own forward
                 if packed.stale(module.weight):
                     packed = self._packed[module] = _Packed(module.weight, self.rows_hint)

@@ -459,7 +459,7 @@ class Engine:
         if self._thread is not None:
             raise RuntimeError("the engine is already running on a background thread")
         self._stop.clear()
-        self._thread = threading.Thread(target=self._loop, name="kvcache-engine", daemon=True)
+        self._thread = threading.Thread(target=self._loop, args=(self._stop,), name="kvcache-engine", daemon=True)
         self._thread.start()
         try:
             yield self
@@ -496,8 +496,7 @@ class Engine:
     def _in_background(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and threading.current_thread() is not self._thread
 
-    def _loop(self, stop: threading.Event | None = None) -> None:
-        stop = self._stop if stop is None else stop
+    def _loop(self, stop: threading.Event) -> None:
         while not stop.is_set():
             try:
                 worked = self.step()

@@ -8,12 +8,10 @@ finish (uvicorn waits for their responses), then the engine stops stepping and t
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,7 +113,9 @@ def serve(options: ServeOptions) -> int:
 
 class _DrainingServer:
     """uvicorn's server, which on the first exit signal also marks the app as draining (new requests
-    on open connections get 503 while running ones finish)."""
+    on open connections get 503 while running ones finish). It runs off the main thread, where
+    uvicorn installs no signal handlers (so re-raises none after the drain): ``serve`` installs
+    them on the main thread and hands them to ``handle_exit``."""
 
     def __new__(cls, config: Any, served: Any) -> Any:
         import uvicorn
@@ -126,19 +126,5 @@ class _DrainingServer:
                     served.draining = True
                     log.info("draining: finishing %d running requests", served.engine.running_count)
                 super().handle_exit(sig, frame)
-
-            @contextlib.contextmanager
-            def capture_signals(self) -> Iterator[None]:
-                """uvicorn's, less its re-raising of the signal after the drain (which would end
-                the process by the signal instead of exiting 0)."""
-                if threading.current_thread() is not threading.main_thread():
-                    yield
-                    return
-                original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
-                try:
-                    yield
-                finally:
-                    for sig, handler in original.items():
-                        signal.signal(sig, handler)
 
         return Server(config)
