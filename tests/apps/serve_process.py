@@ -23,6 +23,13 @@ def tiny_chat_model(folder: Path) -> Path:
     return target if target.exists() else tiny_chat_folder(folder)
 
 
+def tiny_chat_server(folder: Path, model_dir: Path) -> ServeProcess:
+    """The server the client tests share, started: ``model_dir``, 16-token blocks, 8 requests at
+    once, a 64 MiB pool."""
+    return ServeProcess(folder, "--model", str(model_dir), "--block-size", "16", "--max-seqs", "8",
+                        "--max-bytes", "64M").start()  # fmt: skip
+
+
 class ServeProcess:
     def __init__(self, folder: Path, *args: str, env: dict[str, str] | None = None):
         self.port = free_port()

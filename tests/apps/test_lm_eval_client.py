@@ -20,7 +20,7 @@ import random
 import pytest
 
 from kvcache.apps import tasks
-from serve_process import ServeProcess, tiny_chat_model
+from serve_process import tiny_chat_model, tiny_chat_server
 
 pytest.importorskip("aiohttp")
 openai_completions = pytest.importorskip(
@@ -70,8 +70,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    process = ServeProcess(tmp_path_factory.mktemp("serve"), "--model", str(model_dir), "--block-size", "16",
-                           "--max-seqs", "8", "--max-bytes", "64M").start()  # fmt: skip
+    process = tiny_chat_server(tmp_path_factory.mktemp("serve"), model_dir)
     yield process
     assert process.stop() == 0, process.output()
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kvcache.apps.trained import load_pretrained
-from serve_process import ServeProcess, tiny_chat_model
+from serve_process import ServeProcess, tiny_chat_model, tiny_chat_server
 
 openai = pytest.importorskip("openai")  # the test extra brings it; without it this file cannot run
 
@@ -38,8 +38,7 @@ def local(model_dir):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    process = ServeProcess(tmp_path_factory.mktemp("serve"), "--model", str(model_dir), "--block-size", "16",
-                           "--max-seqs", "8", "--max-bytes", "64M").start()  # fmt: skip
+    process = tiny_chat_server(tmp_path_factory.mktemp("serve"), model_dir)
     yield process
     assert process.stop() == 0, process.output()
 
