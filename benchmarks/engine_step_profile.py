@@ -19,6 +19,7 @@ import time
 import torch
 
 import kvcache
+from kvcache.apps.bench.common import machine_info, machine_line
 from kvcache.apps.bench.workload import load_model
 
 
@@ -43,8 +44,7 @@ def main() -> int:
     args = p.parse_args()
     model, tokenizer, _ = load_model(args.model)
     prompts = workload(tokenizer, args.rows, args.prefix, args.turn)
-    flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
-    print("CPU flags:", " ".join(f for f in flags if f.startswith(("avx", "fma", "amx"))), "| threads", torch.get_num_threads())
+    print(machine_line(machine_info()))
 
     for rnd in range(2):  # the first round warms up (kernels built, allocator primed)
         engine = kvcache.Engine(model, max_seqs=max(32, args.rows))

@@ -28,11 +28,13 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
+from kvcache.apps.bench.common import machine_info, machine_line
 from kvcache.apps.bench.workload import resolve_model
 
 #: The load generator: vLLM's ``bench serve`` module with its own parser (see the module docstring).
@@ -118,7 +120,8 @@ def main() -> int:
     args = p.parse_args()
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    entry = out / "vllm_bench_serve_entry.py"
+    scratch = tempfile.TemporaryDirectory()
+    entry = Path(scratch.name) / "vllm_bench_serve_entry.py"
     entry.write_text(ENTRY)
     folder = resolve_model(args.model)
     results: dict[str, dict] = {}
@@ -132,8 +135,7 @@ def main() -> int:
         finally:
             server.terminate()
             server.wait(timeout=120)
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
-    text = f"CPU: {cpu}, {os.cpu_count()} cores\n\n" + table(results)
+    text = machine_line(machine_info()) + "\n\n" + table(results)
     (out / "report.md").write_text(text)
     print(text)
     return 0

@@ -25,8 +25,11 @@ import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+
+from vllm_bench_serve import VLLM_ENV  # vLLM configured once, for both benchmarks
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hum".split()
 
@@ -49,7 +52,6 @@ if __name__ == "__main__":
         results[name] = {"seconds": seconds, "tokens": [list(o.outputs[0].token_ids) for o in outs]}
     json.dump(results, open(sys.argv[2], "w"))
 '''
-VLLM_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "4"}
 
 
 def text_ids(tokenizer, count: int, seed: int) -> list[int]:
@@ -89,19 +91,21 @@ def main() -> int:
     from kvcache.apps.bench.workload import load_model
 
     model, tokenizer, folder = load_model("smollm2")
+    from kvcache.apps.bench.common import machine_info, machine_line
+
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    (out / "vllm_side.py").write_text(VLLM_SIDE)
-    flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
-    isa = " ".join(f for f in flags if f.startswith(("avx", "fma", "amx")))
+    held = tempfile.TemporaryDirectory()  # vLLM's side and its jobs (token ids): inputs, not results
+    scratch = Path(held.name)
+    (scratch / "vllm_side.py").write_text(VLLM_SIDE)
     rows: list[dict] = []
     for rnd in range(args.rounds):
         prompts = workloads(tokenizer, args.rows, rnd)
         warmup = [text_ids(tokenizer, 200, 9000 + rnd + i) for i in range(2)]
-        job = out / f"job{rnd}.json"
+        job = scratch / f"job{rnd}.json"
         job.write_text(json.dumps({"model": str(folder), "new": args.new, "workloads": prompts, "warmup": warmup}))
         got = {"kvcache": ours(model, prompts, warmup, args.new)}
-        done = subprocess.run([args.vllm_python, str(out / "vllm_side.py"), str(job), str(out / f"vllm{rnd}.json")],
+        done = subprocess.run([args.vllm_python, str(scratch / "vllm_side.py"), str(job), str(out / f"vllm{rnd}.json")],
                               env={**os.environ, **VLLM_ENV}, capture_output=True, text=True)  # fmt: skip
         if done.returncode != 0:
             print(done.stderr[-3000:], file=sys.stderr)
@@ -115,7 +119,7 @@ def main() -> int:
             rows.append(row)
             print(f"round {rnd} {name}: kvcache {row['kvcache']:.1f} tokens/s, vLLM {row['vllm']:.1f}, "
                   f"identical {row['agree']}/{args.rows}", flush=True)  # fmt: skip
-    lines = [f"CPU flags: {isa}; {os.cpu_count()} cores; {args.rounds} rounds, medians", "",
+    lines = [f"{machine_line(machine_info())}; {args.rounds} rounds, medians", "",
              "| workload | kvcache tokens/s | vLLM tokens/s | kvcache / vLLM | identical answers |", "|---|---|---|---|---|"]  # fmt: skip
     for name in ("shared", "distinct"):
         mine = [r for r in rows if r["workload"] == name]
