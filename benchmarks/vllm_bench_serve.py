@@ -18,7 +18,13 @@ Workloads (SmolLM2-135M-Instruct, fp32, streamed completions, greedy, ``--ignore
 
 - ``shared-prefix``: vLLM's ``prefix_repetition`` dataset, one 1,024-token prefix + a distinct
   64-token suffix per request, 32 new tokens, 16 requests all at once (issue 40's workload);
-- ``random``: 32 random 512-token prompts, 64 new tokens, at most 8 at once.
+- ``random``: 32 random 512-token prompts, 64 new tokens, at most 8 at once;
+- ``shared-prefix-64``: the ``shared-prefix`` workload with 64 requests all at once;
+- ``shared-prefix-poisson``: the same 64 requests arriving as a Poisson process at 4 a second;
+- ``long``: 8 random 4,096-token prompts, 32 new tokens, at most 4 at once.
+
+Both servers hold up to 64 requests at once (``kvcache serve --max-seqs 64``; vLLM's server
+defaults to more) and take prompts up to 8,192 tokens.
 """
 
 from __future__ import annotations
@@ -53,6 +59,14 @@ WORKLOADS = {
                       "--prefix-repetition-output-len", "32", "--num-prompts", "16", "--max-concurrency", "16"],
     "random": ["--dataset-name", "random", "--random-input-len", "512", "--random-output-len", "64",
                "--num-prompts", "32", "--max-concurrency", "8"],
+    "shared-prefix-64": ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "1024",
+                         "--prefix-repetition-suffix-len", "64", "--prefix-repetition-num-prefixes", "1",
+                         "--prefix-repetition-output-len", "32", "--num-prompts", "64", "--max-concurrency", "64"],
+    "shared-prefix-poisson": ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "1024",
+                              "--prefix-repetition-suffix-len", "64", "--prefix-repetition-num-prefixes", "1",
+                              "--prefix-repetition-output-len", "32", "--num-prompts", "64", "--request-rate", "4"],
+    "long": ["--dataset-name", "random", "--random-input-len", "4096", "--random-output-len", "32",
+             "--num-prompts", "8", "--max-concurrency", "4"],
 }  # fmt: skip
 #: vLLM's CPU server as its documentation configures it on a 2-core machine: both cores bound to
 #: its OpenMP threads, prefix caching on (its default in V1), a 4 GiB KV space.
@@ -75,11 +89,11 @@ def wait_ready(url: str, process: subprocess.Popen, timeout: float = 600) -> Non
 
 def start(contender: str, folder: Path, port: int, vllm_python: str, log: Path) -> subprocess.Popen:
     if contender == "kvcache":
-        cmd = [sys.executable, "-m", "kvcache", "serve", "--model", str(folder), "--port", str(port)]
+        cmd = [sys.executable, "-m", "kvcache", "serve", "--model", str(folder), "--port", str(port), "--max-seqs", "64"]
         env = dict(os.environ)
     else:
         cmd = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--port", str(port),
-               "--served-model-name", folder.name, "--dtype", "float32", "--max-model-len", "4096"]  # fmt: skip
+               "--served-model-name", folder.name, "--dtype", "float32", "--max-model-len", "8192"]  # fmt: skip
         env = {**os.environ, **VLLM_ENV}
     process = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
     wait_ready(f"http://127.0.0.1:{port}/health", process)

@@ -4,7 +4,10 @@ engine workloads, alternated round by round, each contender alone on the machine
 Workloads (SmolLM2-135M-Instruct fp32, greedy, 32 new tokens, the same token ids for both):
 
 - ``shared``: 16 requests = one shared 1,024-token system prompt + a distinct 64-token turn;
-- ``distinct``: 16 distinct ~1,088-token prompts (no shared prefix; mostly prefill).
+- ``distinct``: 16 distinct ~1,088-token prompts (no shared prefix; mostly prefill);
+- ``long``: 8 distinct ~4,096-token prompts.
+
+``--rows`` sets the request count of ``shared`` and ``distinct`` (``long`` takes half as many).
 
 Every round runs a fresh ``kvcache.Engine`` (its pool empty) and vLLM's one ``LLM`` with its prefix
 cache reset (``reset_prefix_cache``), each after the same 2-request warm-up. vLLM runs in its own
@@ -13,7 +16,8 @@ documentation says for a 2-core machine: both cores bound to its OpenMP threads
 (``VLLM_CPU_OMP_THREADS_BIND=0-1``, ``VLLM_CPU_NUM_OF_RESERVED_CPU=0``), prefix caching on,
 ``dtype=float32``, a 4 GiB KV space.
 
-    .venv/bin/python benchmarks/vllm_engine.py --vllm-python /tmp/vllm/bin/python --out DIR [--rounds 3]
+    .venv/bin/python benchmarks/vllm_engine.py --vllm-python /tmp/vllm/bin/python --out DIR [--rounds 3] \\
+        [--rows 16] [--workloads shared,distinct,long]
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ if __name__ == "__main__":
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     job = json.load(open(sys.argv[1]))
-    llm = LLM(model=job["model"], dtype="float32", enable_prefix_caching=True, max_model_len=4096, seed=0)
+    llm = LLM(model=job["model"], dtype="float32", enable_prefix_caching=True, max_model_len=8192, seed=0)
     params = SamplingParams(temperature=0.0, max_tokens=job["new"], ignore_eos=True)
     results = {}
     for name, prompts in job["workloads"].items():
@@ -59,12 +63,16 @@ def text_ids(tokenizer, count: int, seed: int) -> list[int]:
     return tokenizer(" ".join(rng.choice(WORDS) + str(rng.randrange(100)) for _ in range(count)))["input_ids"][:count]
 
 
-def workloads(tokenizer, rows: int, seed: int) -> dict[str, list[list[int]]]:
-    shared = text_ids(tokenizer, 1024, 1)
-    return {
-        "shared": [shared + text_ids(tokenizer, 64, 1000 * seed + r) for r in range(rows)],
-        "distinct": [text_ids(tokenizer, 1088, 2000 * seed + r) for r in range(rows)],
+WORKLOADS = ("shared", "distinct", "long")
+
+
+def workloads(tokenizer, rows: int, seed: int, names: tuple[str, ...] = WORKLOADS) -> dict[str, list[list[int]]]:
+    made = {
+        "shared": lambda: [text_ids(tokenizer, 1024, 1) + text_ids(tokenizer, 64, 1000 * seed + r) for r in range(rows)],
+        "distinct": lambda: [text_ids(tokenizer, 1088, 2000 * seed + r) for r in range(rows)],
+        "long": lambda: [text_ids(tokenizer, 4096, 3000 * seed + r) for r in range(max(1, rows // 2))],
     }
+    return {name: made[name]() for name in names}
 
 
 def ours(model, prompts: dict[str, list[list[int]]], warmup: list[list[int]], new: int) -> dict:
@@ -72,8 +80,8 @@ def ours(model, prompts: dict[str, list[list[int]]], warmup: list[list[int]], ne
 
     out = {}
     for name, batch in prompts.items():
-        kvcache.Engine(model, max_seqs=32).generate_batch(warmup, max_new_tokens=new, eos_token_id=[])
-        engine = kvcache.Engine(model, max_seqs=32)
+        kvcache.Engine(model, max_seqs=max(32, len(batch))).generate_batch(warmup, max_new_tokens=new, eos_token_id=[])
+        engine = kvcache.Engine(model, max_seqs=max(32, len(batch)))
         t0 = time.perf_counter()
         tokens = engine.generate_batch(batch, max_new_tokens=new, eos_token_id=[])
         out[name] = {"seconds": time.perf_counter() - t0, "tokens": [list(map(int, t)) for t in tokens]}
@@ -87,7 +95,11 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--rows", type=int, default=16)
     p.add_argument("--new", type=int, default=32)
+    p.add_argument("--workloads", default="shared,distinct", help=f"comma-separated, of {', '.join(WORKLOADS)}")
     args = p.parse_args()
+    names = tuple(args.workloads.split(","))
+    if unknown := [n for n in names if n not in WORKLOADS]:
+        p.error(f"unknown workloads {unknown}; expected some of {', '.join(WORKLOADS)}")
     from kvcache.apps.bench.workload import load_model
 
     model, tokenizer, folder = load_model("smollm2")
@@ -100,7 +112,7 @@ def main() -> int:
     (scratch / "vllm_side.py").write_text(VLLM_SIDE)
     rows: list[dict] = []
     for rnd in range(args.rounds):
-        prompts = workloads(tokenizer, args.rows, rnd)
+        prompts = workloads(tokenizer, args.rows, rnd, names)
         warmup = [text_ids(tokenizer, 200, 9000 + rnd + i) for i in range(2)]
         job = scratch / f"job{rnd}.json"
         job.write_text(json.dumps({"model": str(folder), "new": args.new, "workloads": prompts, "warmup": warmup}))
@@ -113,19 +125,20 @@ def main() -> int:
         got["vllm"] = json.loads((out / f"vllm{rnd}.json").read_text())
         for name in prompts:
             a, b = got["kvcache"][name], got["vllm"][name]
-            tokens = args.rows * args.new
-            row = {"round": rnd, "workload": name, "kvcache": tokens / a["seconds"], "vllm": tokens / b["seconds"],
-                   "agree": sum(x == y for x, y in zip(a["tokens"], b["tokens"]))}  # fmt: skip
+            tokens = len(prompts[name]) * args.new
+            row = {"round": rnd, "workload": name, "requests": len(prompts[name]), "kvcache": tokens / a["seconds"],
+                   "vllm": tokens / b["seconds"], "agree": sum(x == y for x, y in zip(a["tokens"], b["tokens"]))}  # fmt: skip
             rows.append(row)
             print(f"round {rnd} {name}: kvcache {row['kvcache']:.1f} tokens/s, vLLM {row['vllm']:.1f}, "
-                  f"identical {row['agree']}/{args.rows}", flush=True)  # fmt: skip
+                  f"identical {row['agree']}/{row['requests']}", flush=True)  # fmt: skip
     lines = [f"{machine_line(machine_info())}; {args.rounds} rounds, medians", "",
-             "| workload | kvcache tokens/s | vLLM tokens/s | kvcache / vLLM | identical answers |", "|---|---|---|---|---|"]  # fmt: skip
-    for name in ("shared", "distinct"):
+             "| workload | requests | kvcache tokens/s | vLLM tokens/s | kvcache / vLLM | identical answers |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    for name in names:
         mine = [r for r in rows if r["workload"] == name]
         k, v = statistics.median(r["kvcache"] for r in mine), statistics.median(r["vllm"] for r in mine)
-        agree = sum(r["agree"] for r in mine)
-        lines.append(f"| {name} | {k:.1f} | {v:.1f} | {k / v:.2f}x | {agree}/{args.rows * len(mine)} |")
+        agree, asked = sum(r["agree"] for r in mine), sum(r["requests"] for r in mine)
+        lines.append(f"| {name} | {mine[0]['requests']} | {k:.1f} | {v:.1f} | {k / v:.2f}x | {agree}/{asked} |")
     (out / "report.md").write_text("\n".join(lines) + "\n")
     (out / "rounds.json").write_text(json.dumps(rows, indent=1) + "\n")
     print("\n".join(lines))

@@ -411,12 +411,14 @@ def test_tiny_llama_decode_with_cache_matches_sdpa(monkeypatch):
     assert cache.seen == 12 + len(steps)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
-    # A decode step under "kvcache" runs attend, not torch's SDPA.
+    # A decode step under "kvcache" runs the C++ decode, not torch's SDPA; without the library
+    # (KVCACHE_NO_EXTENSION=1, or no compiler) it falls back to SDPA, as route() documents.
     m = torch.ones(3, cache.seen + 1, dtype=torch.long)
     m[:, : mask.shape[1]] = mask
     with torch.no_grad(), Recorder() as rec:
         model(input_ids=steps[0], attention_mask=m, past_key_values=cache, use_cache=True)
-    assert not any("scaled_dot_product" in name for name, _, _ in rec.ops)
+    ran_sdpa = any("scaled_dot_product" in name for name, _, _ in rec.ops)
+    assert ran_sdpa == (not kvcache.attention.native.available())
 
 
 def test_kvcache_attention_picks_attend_for_decode_where_it_measured_faster():
@@ -589,3 +591,25 @@ def test_plain_tensors_read_blockwise_are_the_same_path_as_a_reader_of_them(q_le
     assert (got_w is None and want_w is None) or torch.equal(got_w, want_w)
     with pytest.raises(NotImplementedError):
         kvcache.attention.BlockReader.first(Hidden(k, v), 39)  # a block reader reads all its slots
+
+
+@pytest.mark.parametrize("weights", [None, "sum"])
+@pytest.mark.parametrize("q_len,kv_len", [(40, 24), (24, 3), (9, 9)])
+def test_causal_with_more_queries_than_keys_split_into_blocks(monkeypatch, weights, q_len, kv_len):
+    # Query rows split over several blocks (tiny block budget): the first blocks lie wholly before
+    # the first key (aligned to the end, row i sees keys j <= kv_len - q_len + i) and give zeros.
+    monkeypatch.setattr(kvcache.attention.kernel, "_BLOCK_BYTES", 4 * 2 * 24 * 4 * 5)
+    monkeypatch.setattr(kvcache.attention.kernel, "_CACHE_BYTES", 4 * 2 * 24 * 4 * 5)
+    monkeypatch.setattr(kvcache.attention.kernel, "_MIN_CACHE_ROWS", 1)
+    g = torch.Generator().manual_seed(q_len * 100 + kv_len)
+    q = torch.randn(2, 4, q_len, 8, generator=g, dtype=torch.float64)
+    k = torch.randn(2, 2, kv_len, 8, generator=g, dtype=torch.float64)
+    v = torch.randn(2, 2, kv_len, 8, generator=g, dtype=torch.float64)
+    allowed = torch.arange(kv_len)[None, :] <= (kv_len - q_len + torch.arange(q_len))[:, None]
+    scores = (q @ k.repeat_interleave(2, dim=1).transpose(-1, -2)) / math.sqrt(8)
+    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1).nan_to_num(0.0)
+    want = probs @ v.repeat_interleave(2, dim=1)
+    got, reduced = attend_weighted(q, k, v, causal=True, weights=weights)
+    torch.testing.assert_close(got, want)
+    if weights == "sum":
+        torch.testing.assert_close(reduced, probs.view(2, 2, 2, q_len, kv_len).sum(dim=(2, 3)).float())  # weights: float32

@@ -198,3 +198,33 @@ def test_importing_kvcache_loads_no_application_module():
     loaded = done.stdout.split()
     assert "kvcache.cache" in loaded  # the probe saw the library load
     assert [m for m in loaded if tier_of(m) == "apps"] == []
+
+
+def test_importing_kvcache_pulls_in_no_optional_dependency():
+    # redis (prompt stores at redis:// locations), gguf and accelerate (converting real models) are
+    # extras: importing the library loads none of them beyond what torch and transformers' model
+    # classes load by themselves (transformers imports accelerate where it is installed).
+    optional = ("redis", "gguf", "accelerate")
+    code = (
+        "import sys, torch, transformers\n"
+        "from transformers import AutoModelForCausalLM, PreTrainedModel, DynamicCache\n"
+        "before = set(sys.modules)\n"
+        "import kvcache\n"
+        f"print(' '.join(sorted(m for m in set(sys.modules) - before if m.split('.')[0] in {optional!r})))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == []
+
+
+def test_a_redis_location_without_the_redis_package_says_what_to_install():
+    code = (
+        "import sys\n"
+        "sys.modules['redis'] = None  # as if not installed\n"
+        "from kvcache.prompts.backends import open_backend\n"
+        "try:\n"
+        "    open_backend('redis://127.0.0.1:1/0')\n"
+        "except ModuleNotFoundError as e:\n"
+        "    print(e)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "kvcache[redis]" in done.stdout

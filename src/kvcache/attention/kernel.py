@@ -171,6 +171,9 @@ def attend_weighted(
     for start, stop in _blocks(q_len, group, row_bytes, weighted_from, 0 if fused is None else sdpa_rows, plain is not None):
         # With causal, keys past this are in the future of every row of the block.
         limit = kv_len - q_len + stop if causal and plain is not None else kv_len
+        if limit <= 0:  # more queries than keys: every row of this block sees no key, so zeros
+            outs.append(query.new_zeros(batch, kv_heads, group, stop - start, value_dim))
+            continue
         if stop <= sdpa_rows:
             outs.append(_sdpa_block(query, *plain, settings, start, stop, limit))
             continue

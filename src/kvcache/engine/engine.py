@@ -6,7 +6,7 @@ decoding request and prompt chunks for the others, up to ``max_batch_tokens``. T
 forward pass of one packed sequence (``step.py``): the model's linear layers see every row's
 tokens at once, and its attention writes each row's keys and values into the row's blocks and
 reads the row's own blocks. The last token of each row whose tokens are all computed gives that
-request its next token (greedy). Requests join and leave at every step; a request that finds its
+request its next token (greedy, or sampled per request: ``sampling.py``). Requests join and leave at every step; a request that finds its
 prompt's leading blocks registered in the pool takes them instead of computing them.
 """
 
@@ -90,7 +90,7 @@ class Engine:
 
     ``submit`` queues a request and returns its ``RequestHandle``; ``step`` runs one scheduler
     step; ``with engine.running():`` steps on a background thread; ``generate_batch`` runs a list
-    of prompts to the end. Decoding is greedy. The model is switched to the ``"kvcache"`` attention
+    of prompts to the end. Decoding is greedy unless a request asks for a temperature. The model is switched to the ``"kvcache"`` attention
     only inside each step (``use_kvcache_attention`` as a context manager).
     """
 

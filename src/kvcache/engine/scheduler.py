@@ -26,7 +26,6 @@ preempted (so it reloads them instead of computing them again).
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections import deque
 from collections.abc import Callable
@@ -34,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..prompts.keys import chain
 from .coded_pool import CodedBlockPool
 from .pool import BlockPool
 from .request import Request, State
@@ -342,15 +342,8 @@ def blocks_for(tokens: int, block_size: int) -> int:
 
 def extend_keys(salt: bytes, keys: list[str], tokens: list[int], block_size: int) -> list[str]:
     """``keys`` (the chain keys of the first full blocks of ``tokens``) extended to every full block
-    of ``tokens``: the same keys as ``chain_keys(tokens, block_size, salt)``, computing only the new
-    ones."""
-    out = list(keys)
-    digest = bytes.fromhex(out[-1]) if out else hashlib.sha256(salt).digest()
-    ids = torch.as_tensor(tokens, dtype=torch.int64)
-    for start in range(len(out) * block_size, len(tokens) - block_size + 1, block_size):
-        digest = hashlib.sha256(digest + ids[start : start + block_size].numpy().tobytes()).digest()
-        out.append(digest.hex())
-    return out
+    of ``tokens``, computing only the new ones (``prompts.keys.chain``)."""
+    return chain(salt, tokens, block_size, keys)
 
 
 def _release(pool: BlockPool, blocks: list[int]) -> None:

@@ -8,7 +8,7 @@
 a local model folder is too. Converted models live in ``$KVCACHE_HOME/models/<name>`` (default
 ``~/.cache/kvcache``), each with a manifest of its files' sizes and hashes. Every failure is one
 :class:`~kvcache.errors.ModelUnavailableError`. Converting GGUF weights needs ``gguf`` and
-``accelerate`` (dependencies of kvcache).
+``accelerate``: the ``models`` extra (``pip install 'kvcache[models]'``).
 """
 
 from ..errors import ModelUnavailableError

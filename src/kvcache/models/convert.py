@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..errors import ModelUnavailableError
 
-INSTALL_HINT = "pip install gguf accelerate (dependencies of kvcache)"
+INSTALL_HINT = "pip install 'kvcache[models]' (or pip install gguf accelerate)"
 
 
 @dataclass(frozen=True)

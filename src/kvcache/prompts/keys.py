@@ -33,12 +33,14 @@ def salt(fingerprint: str, dtype: torch.dtype, spec: str, chunk: int) -> bytes:
     return json.dumps(fields, sort_keys=True).encode()
 
 
-def chain(salt_bytes: bytes, tokens: Sequence[int], chunk: int) -> list[str]:
-    """Hex keys of the prefixes ``tokens[:chunk]``, ``tokens[:2 * chunk]``, ... (full chunks only)."""
-    digest = hashlib.sha256(salt_bytes).digest()
-    keys = []
+def chain(salt_bytes: bytes, tokens: Sequence[int], chunk: int, known: Sequence[str] = ()) -> list[str]:
+    """Hex keys of the prefixes ``tokens[:chunk]``, ``tokens[:2 * chunk]``, ... (full chunks only).
+    ``known``: the keys of the first chunks, already computed (a chain extended as tokens come):
+    kept, and only the keys after them computed."""
+    keys = list(known)
+    digest = bytes.fromhex(keys[-1]) if keys else hashlib.sha256(salt_bytes).digest()
     ids = torch.as_tensor(list(tokens), dtype=torch.int64)
-    for start in range(0, len(ids) - chunk + 1, chunk):
+    for start in range(len(keys) * chunk, len(ids) - chunk + 1, chunk):
         digest = hashlib.sha256(digest + ids[start : start + chunk].numpy().tobytes()).digest()
         keys.append(digest.hex())
     return keys
