@@ -28,7 +28,7 @@ MAX_PARAMETERS = 4_000_000  # the default configs of some families are large: re
 
 #: Applied to every config (and text config) that has the field; older families spell them their way.
 GENERIC: dict[str, Any] = dict(
-    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+    vocab_size=VOCAB, unpadded_vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
     head_dim=16, max_position_embeddings=512, sliding_window=4, attention_chunk_size=4,
     num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
     shared_expert_intermediate_size=32, n_shared_experts=1, kv_lora_rank=16, q_lora_rank=16,
@@ -73,6 +73,11 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
     # Inkling: sliding layers with heads and a window of their own; a relative-position extent.
     **{f: dict(swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16, sliding_window_size=4,
                rel_extent=32) for f in ("inkling_text", "inkling2_text")},
+    # Inkling 2 Loop (transformers 5.24): layers 2-3 run twice, gated by a low-rank gate.
+    "inkling2_loop_text": dict(swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16,
+                               sliding_window_size=4, rel_extent=32, loop_gate_rank=8,
+                               n_layers_per_attn_res_block=2, loop_layer_index_start=2, loop_layer_index_end=4,
+                               loop_num_passes=2),
     # dots3: the indexer (DSA) sizes and the shared experts; index_topk below the runs' length.
     "dots3_note_text": dict(index_topk=4, index_head_dim=16, index_n_heads=2, shared_experts_intermediate_size=32,
                             swa_num_attention_heads=4, swa_num_key_value_heads=4, swa_q_lora_rank=16,

@@ -3,7 +3,7 @@
     import kvcache
     kvcache.use_kvcache_attention(model)              # the fast decode attention (bounded caches need it)
     cache = kvcache.make_cache(model)                 # growable, the default
-    out = model.generate(ids, past_key_values=cache)
+    out = model.generate(ids, past_key_values=cache)   # transformers >= 5.24: cache=cache
     cache.save("chat.kv"); cache = kvcache.load_cache("chat.kv", model)
 
 Importing kvcache registers the ``"kvcache"`` attention implementation with ``transformers``.
@@ -12,7 +12,9 @@ Importing kvcache registers the ``"kvcache"`` attention implementation with ``tr
 from .attention import attend
 from .build import make_cache
 from .cache import CacheSnapshot, KVCache
+from .cache_arg import cache_kwargs, cache_name
 from .cachefile import load_cache, save_cache
+from .engine import Engine
 from .errors import (
     CacheFileError,
     CacheFullError,
@@ -31,9 +33,8 @@ from .errors import (
 )
 from .hf import register_attention, use_kvcache_attention
 from .prefill import prefill
-from .spec import CacheSpec, parse_spec
 from .prompts import PromptStore
-from .engine import Engine
+from .spec import CacheSpec, parse_spec
 
 __version__ = "0.1.0"
 
@@ -60,6 +61,8 @@ __all__ = [
     "TruncatedFileError",
     "UnsupportedOperation",
     "attend",
+    "cache_kwargs",
+    "cache_name",
     "load_cache",
     "make_cache",
     "parse_spec",

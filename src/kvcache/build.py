@@ -66,6 +66,15 @@ def make_cache(model: Any, spec: str | CacheSpec = "growable", *, compile: bool 
     """
     config = text_config(model)
     parsed = parse_spec(spec, **options)
+    visits, layers = getattr(config, "total_num_hidden_layers", None), getattr(config, "num_hidden_layers", None)
+    if isinstance(visits, int) and isinstance(layers, int) and visits != layers:
+        # Inkling 2 Loop (transformers 5.24): a looped layer's later passes write cache layers
+        # past the model's layer count, which one cache layer per model layer cannot hold.
+        raise UnsupportedOperation(
+            f"this model runs some of its {layers} layers more than once ({visits} layer passes a token), each pass "
+            f"with a cache layer of its own; kvcache builds one cache layer per model layer: use transformers' "
+            f"DynamicCache(config=model.config) for it"
+        )
     layer_types, per_layer = get_layer_types_and_kwargs(config)
     kind = spec_kind(parsed.kind)
     # Caller-owned buffers are one (keys, values) pair per full-attention layer, handed out in order.

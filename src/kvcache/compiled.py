@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from .cache_arg import cache_name
 from .hf import HFLayer
 from .layers import KVLayer
 
@@ -62,9 +63,13 @@ def compiled_decode(model: Any, **compile_options: Any) -> Callable[..., Any]:
     (``compile_options`` go to ``torch.compile``: ``mode``, ``backend``, ...), run without autograd
     (in-place writes to the cache would otherwise make its buffers require grad and recompile)."""
     forward = torch.compile(model.forward, **{"fullgraph": True, **compile_options})
+    name = cache_name(model)
+
+    def arg(cache: Any) -> dict[str, Any]:
+        return {name: cache}
 
     def step(input_ids: torch.Tensor, cache: Any, **kwargs: Any) -> Any:
         with torch.no_grad():
-            return forward(input_ids=input_ids, past_key_values=cache, use_cache=True, **kwargs)
+            return forward(input_ids=input_ids, **arg(cache), use_cache=True, **kwargs)
 
     return step

@@ -28,6 +28,7 @@ from collections.abc import Callable
 import torch
 
 from .cache import KVCache
+from .cache_arg import cache_kwargs
 from .hf import use_kvcache_attention
 
 
@@ -69,7 +70,7 @@ def prefill(
             kwargs = {}
             if attention_mask is not None:  # generate's positions: a padded row's real tokens count from 0
                 kwargs = {"attention_mask": attention_mask[:, : seen + stop], "position_ids": positions[:, seen + start : seen + stop]}
-            out = model(input_ids=ids[:, start:stop], past_key_values=cache, use_cache=True, logits_to_keep=1, **kwargs)
+            out = model(input_ids=ids[:, start:stop], **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1, **kwargs)
             logits = out.logits[:, -1]
             del out  # the chunk's hidden states go before the next chunk comes
             bar.update(stop - start)

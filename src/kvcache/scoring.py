@@ -27,6 +27,7 @@ import torch
 
 from .build import make_cache
 from .cache import KVCache
+from .cache_arg import cache_kwargs
 from .hf import use_kvcache_attention
 from .layers.own_attention import OwnAttentionLayer
 from .layers.recording import RecordingLayer
@@ -121,7 +122,7 @@ def repeat_scores(model: Any, cache: KVCache, repeat_ids: torch.Tensor, *, chunk
     try:
         with use_kvcache_attention(model):
             for start in range(0, repeat_ids.shape[1], chunk):
-                model(repeat_ids[:, start : start + chunk], past_key_values=cache, use_cache=True)
+                model(repeat_ids[:, start : start + chunk], **cache_kwargs(model, cache), use_cache=True)
                 for i, w in enumerate(recorded(cache, KVZIP_MODE)):
                     if w is not None:
                         w = w[..., :context]
@@ -140,6 +141,6 @@ def compress_context(model: Any, ids: torch.Tensor, spec: str, repeat_ids: torch
     cache = recording_cache(model, (KVZIP_MODE,))
     with use_kvcache_attention(model):
         for start in range(0, ids.shape[1], chunk):
-            model(ids[:, start : start + chunk], past_key_values=cache, use_cache=True)
+            model(ids[:, start : start + chunk], **cache_kwargs(model, cache), use_cache=True)
     scores = repeat_scores(model, cache, repeat_ids, chunk=chunk)
     return compress(model, spec, keys_values(cache), {KVZIP_MODE: scores})

@@ -30,7 +30,7 @@ PACKAGE = Path(kvcache.__file__).parent
 
 TIERS = ["errors", "storage", "model", "api", "apps"]
 STORAGE = ("layers", "attention", "persist", "quant", "quant_native", "policies", "options", "registry", "fingerprint", "half_precision", "models")
-MODEL = ("cache", "build", "cachefile", "spec", "hf", "attention_kwargs", "support", "foreign", "compiled", "scoring", "prefill", "prompts", "engine", "train", "linears")
+MODEL = ("cache", "build", "cachefile", "spec", "hf", "attention_kwargs", "cache_arg", "support", "foreign", "compiled", "scoring", "prefill", "prompts", "engine", "train", "linears")
 
 
 def module_name(path: Path) -> str:

@@ -21,12 +21,14 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvcache import cache_kwargs
+
 from .. import __version__
 from ..errors import KVCacheError
 from ..spec import parse_spec, valid_specs
 from .cli_demo import add_demo
-from .cli_models import add_models
 from .cli_load import TINY, load_model
+from .cli_models import add_models
 from .cli_options import (
     DTYPES,
     PROG,
@@ -41,7 +43,6 @@ from .cli_options import (
 from .cli_runs import add_bench, add_eval
 from .cli_serve import add_serve
 from .cli_train import add_finetune
-
 
 # ---- kvcache generate ----------------------------------------------------------------------
 
@@ -149,9 +150,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     """
     import torch
 
-    from .bench.common import human_bytes
     from ..build import make_cache
     from ..hf import use_kvcache_attention
+    from .bench.common import human_bytes
     from .tokenizer import TokenStreamer
 
     if not args.sample and (args.temperature is not None or args.top_p is not None):
@@ -191,7 +192,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         out = model.generate(
             input_ids,
             attention_mask=torch.ones_like(input_ids),
-            past_key_values=cache,
+            **cache_kwargs(model, cache),
             max_new_tokens=args.max_new_tokens,
             streamer=streamer,
             pad_token_id=pad,

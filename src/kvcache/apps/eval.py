@@ -32,11 +32,13 @@ from typing import Any
 
 import torch
 
+from kvcache import cache_kwargs
+
+from ..build import make_cache
+from ..hf import use_kvcache_attention
 from . import tasks
 from .contenders import SINKS, spec_for
 from .run_options import RunOptions
-from ..build import make_cache
-from ..hf import use_kvcache_attention
 from .trained import MODEL_DIR, load_trained
 
 #: Kinds the harness knows, in report order; "full" is the reference.
@@ -113,10 +115,10 @@ def text_logprobs(model, tokenizer, spec: str, s: Setting) -> tuple[torch.Tensor
     cache = make_cache(model, spec)
     out = []
     with torch.inference_mode(), use_kvcache_attention(model):
-        logits = model(ids[:, :half], past_key_values=cache, use_cache=True).logits[:, -1]
+        logits = model(ids[:, :half], **cache_kwargs(model, cache), use_cache=True).logits[:, -1]
         out.append(logits.float().log_softmax(-1))
         for t in range(half, ids.shape[1] - 1):
-            logits = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1]
+            logits = model(ids[:, t : t + 1], **cache_kwargs(model, cache), use_cache=True).logits[:, -1]
             out.append(logits.float().log_softmax(-1))
     return torch.stack(out, dim=1), cache.nbytes / (cache.seen * ids.shape[0])
 

@@ -39,6 +39,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from kvcache import cache_kwargs
+
 from . import needles
 from .run_options import RunOptions
 
@@ -142,7 +144,7 @@ def run(
             for kind, share in runs:
                 spec = spec_of(kind, share, ids.shape[1])
                 cache = make_cache(model, spec)
-                out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, do_sample=False,
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), **cache_kwargs(model, cache), do_sample=False,
                                      max_new_tokens=NEW_TOKENS, pad_token_id=tokenizer.eos_token_id)
                 tokens = out[0, ids.shape[1]:].tolist()
                 text = tokenizer.decode(tokens, skip_special_tokens=True)

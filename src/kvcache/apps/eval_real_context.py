@@ -16,13 +16,22 @@ from typing import Any
 
 import torch
 
-from . import needles
+from kvcache import cache_kwargs
+
 from .. import scoring
 from ..build import make_cache
 from ..hf import use_kvcache_attention
 from ..layers.auto import mix_of
+from . import needles
 from .eval_real_plan import ANSWER_TOKENS, KINDS, SINKS, Setting, spec_of
-from .eval_real_weights import attention_profile, modes_for, needle_kept, needle_span, prompt_weights, recorded_weights
+from .eval_real_weights import (
+    attention_profile,
+    modes_for,
+    needle_kept,
+    needle_span,
+    prompt_weights,
+    recorded_weights,
+)
 
 
 def chosen_storages(cache) -> dict[str, int] | None:
@@ -40,7 +49,7 @@ def _decode(model, cache, first: torch.Tensor, steps: int) -> list[int]:
     """``steps`` greedy tokens after ``first`` ``[1, 1]`` (inclusive of it), one pass each."""
     out, token = [int(first)], first
     for _ in range(steps - 1):
-        logits = model(token, past_key_values=cache, use_cache=True).logits[:, -1]
+        logits = model(token, **cache_kwargs(model, cache), use_cache=True).logits[:, -1]
         token = logits.argmax(-1, keepdim=True)
         out.append(int(token))
     return out
@@ -48,7 +57,7 @@ def _decode(model, cache, first: torch.Tensor, steps: int) -> list[int]:
 
 def _answer_after(model, cache, ids: list[int], steps: int) -> list[int]:
     """Feed ``ids`` through ``cache`` (a real pass), then decode greedily."""
-    logits = model(torch.tensor([ids], device=model.device), past_key_values=cache, use_cache=True).logits[:, -1]
+    logits = model(torch.tensor([ids], device=model.device), **cache_kwargs(model, cache), use_cache=True).logits[:, -1]
     return _decode(model, cache, logits.argmax(-1, keepdim=True), steps)
 
 
@@ -63,7 +72,7 @@ def run_context(model, tokenizer, ctx: needles.Context, plan, specs, doc_modes, 
     with use_kvcache_attention(model):
         wants_kvzip = any(k == "kvzip" for k, _, _ in plan)
         rec = scoring.recording_cache(model, doc_modes + ((scoring.KVZIP_MODE,) if wants_kvzip else ()))
-        model(prefix, past_key_values=rec, use_cache=True)
+        model(prefix, **cache_kwargs(model, rec), use_cache=True)
         doc_weights = recorded_weights(rec, doc_modes)
         started = time.perf_counter()
         kvzip = scoring.repeat_scores(model, rec, torch.tensor([ctx.repeat_ids], device=device)) if wants_kvzip else None
@@ -99,7 +108,7 @@ def run_context(model, tokenizer, ctx: needles.Context, plan, specs, doc_modes, 
         for q in ctx.questions:
             fork = rec.fork()
             started = time.perf_counter()
-            logits = model(torch.tensor([q.ids], device=device), past_key_values=fork, use_cache=True).logits[:, -1]
+            logits = model(torch.tensor([q.ids], device=device), **cache_kwargs(model, fork), use_cache=True).logits[:, -1]
             info.setdefault("question_seconds", []).append(time.perf_counter() - started)
             first = logits.argmax(-1, keepdim=True)
             weights = prompt_weights(doc_weights, recorded_weights(fork, q_modes), len(q.ids))
@@ -131,7 +140,7 @@ def _document_cache(model, kind: str, spec: str, prefix: torch.Tensor, kv=None, 
     ``kv`` with the document's ``weights`` (kvzip: with its repetition scores ``kvzip``)."""
     if kind == "window":
         cache = make_cache(model, spec)
-        model(prefix, past_key_values=cache, use_cache=True)
+        model(prefix, **cache_kwargs(model, cache), use_cache=True)
         return cache
     return scoring.compress(model, spec, kv, {scoring.KVZIP_MODE: kvzip} if kind == "kvzip" else weights)
 
@@ -153,7 +162,7 @@ def text_runs(model, tokenizer, plan, s: Setting, seed: int, spec_for=None) -> l
     done: set[tuple] = set()
     with use_kvcache_attention(model):
         rec = scoring.recording_cache(model, doc_modes + (scoring.KVZIP_MODE,))
-        first = model(prefix, past_key_values=rec, use_cache=True).logits[:, -1].float().log_softmax(-1)
+        first = model(prefix, **cache_kwargs(model, rec), use_cache=True).logits[:, -1].float().log_softmax(-1)
         weights = recorded_weights(rec, doc_modes)
         repeat = tokenizer("\n\nRepeat the text above exactly:\n", add_special_tokens=False)["input_ids"] + ids[:half]
         kvzip = scoring.repeat_scores(model, rec, torch.tensor([repeat], device=model.device))
@@ -166,7 +175,7 @@ def text_runs(model, tokenizer, plan, s: Setting, seed: int, spec_for=None) -> l
             cache = _document_cache(model, kind, spec, prefix, kv, weights, kvzip)
             logps = [first]
             for t in rest[:-1]:
-                logits = model(torch.tensor([[t]], device=model.device), past_key_values=cache, use_cache=True).logits[:, -1]
+                logits = model(torch.tensor([[t]], device=model.device), **cache_kwargs(model, cache), use_cache=True).logits[:, -1]
                 logps.append(logits.float().log_softmax(-1))
             logps = torch.cat(logps)
             if reference is None:
@@ -185,8 +194,8 @@ def measure_costs(model, ctx: needles.Context) -> dict[str, float]:
     prefix = torch.tensor([ctx.prefix_ids], device=model.device)
     cache = make_cache(model, "growable")
     started = time.perf_counter()
-    model(prefix, past_key_values=cache, use_cache=True)
+    model(prefix, **cache_kwargs(model, cache), use_cache=True)
     prefill = time.perf_counter() - started
     started = time.perf_counter()
-    model(torch.tensor([ctx.questions[0].ids], device=model.device), past_key_values=cache, use_cache=True)
+    model(torch.tensor([ctx.questions[0].ids], device=model.device), **cache_kwargs(model, cache), use_cache=True)
     return {"prefill_seconds": prefill, "question_seconds": time.perf_counter() - started}

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from kvcache import cache_kwargs
+
 from ..errors import KVCacheError
 
 #: The projections LoRA adapts in every attention block.
@@ -90,7 +92,7 @@ def needle_accuracy(model: Any, tokenizer: Any, spec: str, length: int, count: i
         cache = make_cache(model, spec)
         prefill(model, ids[:, :-1], cache, chunk=chunk)
         with torch.no_grad(), use_kvcache_attention(model):
-            out = model.generate(ids, past_key_values=cache, max_new_tokens=8, do_sample=False,
+            out = model.generate(ids, **cache_kwargs(model, cache), max_new_tokens=8, do_sample=False,
                                  pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)  # fmt: skip
         found += needles.answer_of(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)) == question.key
     return found / count

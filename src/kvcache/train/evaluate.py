@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..build import make_cache
+from ..cache_arg import cache_kwargs
 from ..hf import use_kvcache_attention
 from .chunked import check_arguments, labelled_targets, summed_loss
 
@@ -22,7 +23,7 @@ def cache_loss(model, input_ids: torch.Tensor, spec: str = "growable", *, chunk:
     total = 0.0
     with use_kvcache_attention(model):
         for start in range(0, input_ids.shape[1], chunk):
-            logits = model(input_ids=input_ids[:, start : start + chunk], past_key_values=cache, use_cache=True).logits
+            logits = model(input_ids=input_ids[:, start : start + chunk], **cache_kwargs(model, cache), use_cache=True).logits
             total += float(summed_loss(logits, targets[:, start : start + chunk]))
             del logits
     return total / count

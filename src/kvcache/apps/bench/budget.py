@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from kvcache import cache_kwargs
+
 from ...build import make_cache
 from ...hf import use_kvcache_attention
 from ..run_options import RunOptions
@@ -69,7 +71,7 @@ def run_one(model, prompt: torch.Tensor, spec: str, new: int) -> dict[str, Any]:
     cache = make_cache(model, spec)
     trace: list[tuple[int, int]] = []
     with torch.inference_mode():
-        logits = model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        logits = model(prompt, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1).logits
         after_prompt, before = cache.nbytes, cache.reallocations
         trace.append((prompt.shape[1], after_prompt))
         peak = after_prompt
@@ -78,7 +80,7 @@ def run_one(model, prompt: torch.Tensor, spec: str, new: int) -> dict[str, Any]:
         def decode() -> None:
             nonlocal token, peak
             for step in range(new):
-                out = model(token, past_key_values=cache, use_cache=True).logits
+                out = model(token, **cache_kwargs(model, cache), use_cache=True).logits
                 token = out[:, -1:].argmax(-1)
                 peak = max(peak, cache.nbytes)
                 if (step + 1) % TRACE_EVERY == 0 or step + 1 == new:

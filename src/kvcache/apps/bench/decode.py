@@ -22,12 +22,14 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from kvcache import cache_kwargs
+
 from ...hf import register_attention
 from ..contenders import make_contender as make_named
+from ..run_options import RunOptions
 from ..tiny import tiny_model
 from .common import figure, finish_axes, human_bytes, markdown_table, median
 from .harness import alternate, report, timed_generate
-from ..run_options import RunOptions
 
 CONTENDERS = ("dynamic", "hf_static", "growable", "static", "growable+attend")
 VARIANTS = {"mha": 8, "gqa": 32}  # query heads over 8 KV heads
@@ -66,7 +68,7 @@ def prefill(model, prompt: torch.Tensor) -> tuple[list[tuple[torch.Tensor, torch
     model.set_attn_implementation("sdpa")
     cache = DynamicCache(config=model.config)
     with torch.inference_mode():
-        logits = model(prompt, past_key_values=cache, use_cache=True).logits[:, -1]
+        logits = model(prompt, **cache_kwargs(model, cache), use_cache=True).logits[:, -1]
     first = logits.argmax(-1, keepdim=True)
     return [(layer.keys, layer.values) for layer in cache.layers], torch.cat([prompt, first], dim=1)
 

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from kvcache import cache_kwargs
+
 from ...errors import KVCacheError
 from .prompt_request import FirstToken, Prompts
 
@@ -181,7 +183,7 @@ def _one_sequential(model: Any, w: Workload, ids: Sequence[int], store: Any, clo
         cache, _ = store.cache_for(model, x, "growable")
     first = FirstToken()
     out = model.generate(
-        x, attention_mask=torch.ones_like(x), past_key_values=cache, max_new_tokens=w.new_tokens, do_sample=False,
+        x, attention_mask=torch.ones_like(x), **cache_kwargs(model, cache), max_new_tokens=w.new_tokens, do_sample=False,
         eos_token_id=w.never, pad_token_id=w.pad, streamer=first, output_logits=True, return_dict_in_generate=True,
     )  # fmt: skip
     finish = time.perf_counter()

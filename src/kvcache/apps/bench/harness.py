@@ -14,6 +14,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from kvcache import cache_kwargs
+
 from ...hf import ATTENTION_NAME, use_kvcache_attention
 from ..run_options import RunOptions
 from .common import clock, machine_info, write_outputs
@@ -42,7 +44,7 @@ def greedy_generate(model, ids: torch.Tensor, cache, new_tokens: int, **options)
     ``options`` go to ``generate`` as they are (attention mask, logits processors, pad id)."""
     return model.generate(
         ids,
-        past_key_values=cache,
+        **cache_kwargs(model, cache),
         max_new_tokens=new_tokens,
         min_new_tokens=new_tokens,
         do_sample=False,

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from kvcache import cache_kwargs
+
 from ...build import make_cache
 from ...hf import use_kvcache_attention
 from ..run_options import RunOptions
@@ -75,7 +77,7 @@ def run(options: RunOptions = RunOptions(), *, model: str | None = None, context
     with torch.inference_mode(), use_kvcache_attention(lm):
         for c, spec in specs.items():
             caches[c] = make_cache(lm, spec)
-            logits = lm(ids, past_key_values=caches[c], use_cache=True, logits_to_keep=1).logits
+            logits = lm(ids, **cache_kwargs(lm, caches[c]), use_cache=True, logits_to_keep=1).logits
             tokens[c] = logits[:, -1:].argmax(-1)
             bar.update()
         for _ in range(rounds):
@@ -83,7 +85,7 @@ def run(options: RunOptions = RunOptions(), *, model: str | None = None, context
 
                 def decode(c: str = c) -> None:
                     for _ in range(steps):
-                        tokens[c] = lm(tokens[c], past_key_values=caches[c], use_cache=True).logits[:, -1:].argmax(-1)
+                        tokens[c] = lm(tokens[c], **cache_kwargs(lm, caches[c]), use_cache=True).logits[:, -1:].argmax(-1)
 
                 times[c].append(clock(decode, options.device) / steps)
                 bar.update()

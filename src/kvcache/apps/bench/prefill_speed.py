@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from kvcache import cache_kwargs
+
 from ...errors import KVCacheError
 
 #: name -> (attention implementation, cache spec or None for ``DynamicCache``, chunked)
@@ -55,8 +57,9 @@ DEFAULT = ("sdpa", "sdpa chunked", "growable", "growable chunked", "snapkv", "ad
 def one_prefill(model: Any, ids: torch.Tensor, contender: str, chunk: int) -> tuple[float, float]:
     """``(wall, cpu)`` seconds of one prefill of ``ids`` ``[B, S]`` by ``contender`` (a fresh
     cache): elapsed time, and the CPU time of the process (every thread's)."""
-    import kvcache
     from transformers import DynamicCache
+
+    import kvcache
 
     attention, spec, chunked = CONTENDERS[contender]
     step = chunk if chunked else ids.shape[1]
@@ -66,7 +69,7 @@ def one_prefill(model: Any, ids: torch.Tensor, contender: str, chunk: int) -> tu
         wall, cpu = time.perf_counter(), time.process_time()
         with torch.inference_mode():
             for s in range(0, ids.shape[1], step):
-                model(ids[:, s : s + step], past_key_values=cache, use_cache=True, logits_to_keep=1)
+                model(ids[:, s : s + step], **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
         return time.perf_counter() - wall, time.process_time() - cpu
     cache = kvcache.make_cache(model, spec)
     wall, cpu = time.perf_counter(), time.process_time()

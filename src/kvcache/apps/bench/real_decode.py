@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from kvcache import cache_name
+
 from ...cache import KVCache
 from ...hf import ATTENTION_NAME, use_kvcache_attention
 from ..contenders import HF_QUANTIZED, make_contender
@@ -147,14 +149,15 @@ def fill(cache: Any, past: Past, batch: int, context: int) -> None:
         cache.update(keys, values, i)
 
 
-def greedy_steps(forward: Any, cache: Any, token: torch.Tensor, position: int, steps: int) -> torch.Tensor:
-    """``steps`` greedy tokens ``[B, steps]`` after ``token`` ``[B, 1]`` at ``position``."""
+def greedy_steps(forward: Any, cache: Any, token: torch.Tensor, position: int, steps: int, name: str) -> torch.Tensor:
+    """``steps`` greedy tokens ``[B, steps]`` after ``token`` ``[B, 1]`` at ``position``; ``forward`` takes
+    the cache under ``name`` (``kvcache.cache_name``)."""
     out = []
     with torch.inference_mode():
         token = token.clone()  # an inference tensor like every later token: one compiled graph for all steps
         for i in range(steps):
             where = torch.tensor([position + i], device=token.device)
-            logits = forward(input_ids=token, past_key_values=cache, cache_position=where, use_cache=True, logits_to_keep=1).logits
+            logits = forward(input_ids=token, **{name: cache}, cache_position=where, use_cache=True, logits_to_keep=1).logits
             token = logits[:, -1].argmax(-1, keepdim=True)
             out.append(token)
     return torch.cat(out, dim=1)
@@ -209,7 +212,7 @@ class Runner:
                 try:
                     cache = self.cache_for(contender, batch, context)
                     fill(cache, self.past, batch, context)
-                    self.compile_s[name, batch, context] = clock(lambda: greedy_steps(forward, cache, token, context, WARMUP_STEPS))
+                    self.compile_s[name, batch, context] = clock(lambda: greedy_steps(forward, cache, token, context, WARMUP_STEPS, cache_name(self.model)))
                 except Exception as e:  # a graph break, an unsupported op: the row reports it
                     return self._fail(name, batch, context, "compile failed", e)
             cache = self.cache_for(contender, batch, context)
@@ -220,7 +223,7 @@ class Runner:
             stance = torch.compiler.set_stance("fail_on_recompile") if contender.compiled else nullcontext()
             try:
                 with stance:
-                    seconds = clock(lambda: result.setdefault("tokens", greedy_steps(forward, cache, token, context, self.steps)))
+                    seconds = clock(lambda: result.setdefault("tokens", greedy_steps(forward, cache, token, context, self.steps, cache_name(self.model))))
             except Exception as e:
                 if not contender.compiled:
                     raise

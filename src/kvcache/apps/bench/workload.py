@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from kvcache import cache_kwargs
+
 from ...errors import KVCacheError
 
 #: Keys and values per layer, ``[B, Hkv, T, D]`` each.
@@ -110,7 +112,7 @@ def prefill(model: Any, prompts: torch.Tensor, chunk: int = 512, bar: Any = None
         cache = DynamicCache(config=model.config)
         with torch.inference_mode():
             for start in range(0, length, chunk):
-                model(prompts[row : row + 1, start : start + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1)
+                model(prompts[row : row + 1, start : start + chunk], **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
                 if bar is not None:
                     bar.update(min(chunk, length - start))
         for i, layer in enumerate(cache.layers):
