@@ -67,7 +67,7 @@ class KVCache(ForeignLayers, Cache):
         self._set_others(others or {})
         self.spec = spec
         self.config_summary = config_summary
-        #: The (text) config of the model this cache was made for: bounded layers check, before
+        #: The (text) config of the model this cache was made for: own-attention layers check, before
         #: anything is written, that it selects the "kvcache" attention.
         self.attention_config = attention_config
         self._live = [s for s in self.kv_layers if s is not None]
@@ -121,7 +121,7 @@ class KVCache(ForeignLayers, Cache):
     def extend(self, past: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
         """Append keys/values computed elsewhere (e.g. another cache's ``[(keys, values), ...]``,
         ``[B, Hkv, S, D]`` per layer, None for layers without a cache), with no attention pass:
-        bounded layers settle at once, keeping what their policy keeps without attention scores."""
+        own-attention layers settle at once, keeping what their policy keeps without attention scores."""
         foreign.refuse("extend", self.other_kinds, "extend works on caches whose layers are all attention (or dummy)")
         if len(past) != len(self.kv_layers):
             raise ShapeError(f"extend: expected one (keys, values) per layer ({len(self.kv_layers)}), got {len(past)}")
@@ -137,7 +137,7 @@ class KVCache(ForeignLayers, Cache):
                 layer.settle()
 
     def _check_attended(self) -> None:
-        """Raise, changing nothing, if a bounded layer's last update went unattended through the model:
+        """Raise, changing nothing, if an own-attention layer's last update went unattended through the model:
         its attention did not run the "kvcache" implementation (or did not get the keys the layer
         handed out), so it did not mask by position. (``extend`` and direct use settle instead.)"""
         for layer in self.own_attention_layers:
@@ -149,11 +149,12 @@ class KVCache(ForeignLayers, Cache):
 
     @property
     def needs_kvcache_attention(self) -> bool:
-        """Whether a layer is bounded, so the model must run the ``"kvcache"`` attention."""
+        """Whether a layer attends its own slots (window, eviction kinds, quantized), so the model must
+        run the ``"kvcache"`` attention."""
         return bool(self._own_attention_kinds)
 
     def check_attention(self) -> None:
-        """Raise, changing nothing, if a bounded layer would be attended by another implementation
+        """Raise, changing nothing, if an own-attention layer would be attended by another implementation
         than ``"kvcache"`` (read from the config of the model the cache was made for)."""
         config = self.attention_config
         if config is None or not self._own_attention_kinds:

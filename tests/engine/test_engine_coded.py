@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from coded_reference import coded_reference
 from engine_reference import ids, reference, same_or_near_tie
+
 from kvcache import Engine, quant
 from kvcache.attention import fused
 from kvcache.engine import CodedBlockPool, PoolError
@@ -152,12 +152,12 @@ def test_a_written_block_reads_back_as_quant_dequantizes_it(bits):
     g = torch.Generator().manual_seed(bits)
     k, v = torch.randn(2, 4, 8, generator=g) * 3 + 1, torch.randn(2, 4, 8, generator=g)
     pool.write(1, block, 0, k, v)
-    got_k, got_v = pool.views(1, [block])
+    got_k, got_v = pool.gather(1, [block])
     expected_k = quant.dequantize_per_channel(quant.quantize_per_channel(k, bits))
     expected_v = quant.dequantize_per_token(quant.quantize_per_token(v, bits, 4), 4)
     assert torch.equal(got_k, expected_k) and torch.equal(got_v, expected_v)
     copy = pool.copy_block(block)
-    assert all(torch.equal(a, b) for a, b in zip(pool.views(1, [copy]), (got_k, got_v)))
+    assert all(torch.equal(a, b) for a, b in zip(pool.gather(1, [copy]), (got_k, got_v)))
     with pytest.raises(PoolError, match="layer 0 has 0 of 4"):
         pool.register(block, "prefix")
     pool.write(0, block, 0, k, v)

@@ -306,29 +306,29 @@ def test_write_then_views_across_blocks_and_layers():
             vs += [v1, v2]
         want[layer] = torch.cat(ks, dim=1), torch.cat(vs, dim=1)
     for layer in range(LAYERS):
-        k, v = pool.views(layer, table)
+        k, v = pool.gather(layer, table)
         assert k.shape == (HEADS, 3 * BS, D) and v.shape == (HEADS, 3 * BS, DV)
         assert k.is_contiguous() and v.is_contiguous()
         assert torch.equal(k, want[layer][0]) and torch.equal(v, want[layer][1])
         # one block at a time, and a table naming a block twice
-        k1, _ = pool.views(layer, [table[1]])
+        k1, _ = pool.gather(layer, [table[1]])
         assert torch.equal(k1, want[layer][0][:, BS : 2 * BS])
-        k2, v2 = pool.views(layer, [table[0], table[0]])
+        k2, v2 = pool.gather(layer, [table[0], table[0]])
         assert torch.equal(k2, want[layer][0][:, :BS].repeat(1, 2, 1))
         assert torch.equal(v2, want[layer][1][:, :BS].repeat(1, 2, 1))
     # the views are copies: changing one leaves the pool alone
-    k, _ = pool.views(0, table)
+    k, _ = pool.gather(0, table)
     k.zero_()
-    assert torch.equal(pool.views(0, table)[0], want[0][0])
+    assert torch.equal(pool.gather(0, table)[0], want[0][0])
 
 
 def test_views_of_an_empty_table_and_refusals():
     pool = make()
-    k, v = pool.views(1, [])
+    k, v = pool.gather(1, [])
     assert k.shape == (HEADS, 0, D) and v.shape == (HEADS, 0, DV)
     (b,) = pool.allocate(1)
-    refused(pool, lambda: pool.views(0, [b, b + 1]), f"cannot read block {b + 1}: it is free")
-    refused(pool, lambda: pool.views(LAYERS, [b]), f"layer {LAYERS} is not a layer of this pool")
+    refused(pool, lambda: pool.gather(0, [b, b + 1]), f"cannot read block {b + 1}: it is free")
+    refused(pool, lambda: pool.gather(LAYERS, [b]), f"layer {LAYERS} is not a layer of this pool")
 
 
 def test_write_takes_a_batch_of_one():
@@ -336,7 +336,7 @@ def test_write_takes_a_batch_of_one():
     (b,) = pool.allocate(1)
     k, v = slots(2, 0), slots(2, 1, DV)
     pool.write(1, b, 2, k[None], v[None])
-    got_k, got_v = pool.views(1, [b])
+    got_k, got_v = pool.gather(1, [b])
     assert torch.equal(got_k[:, 2:], k) and torch.equal(got_v[:, 2:], v)
 
 
@@ -406,10 +406,10 @@ def test_copy_block_is_copy_on_write():
     assert dst != src and pool.refcount(dst) == 1 and pool.key(dst) is None and pool.writable(dst)
     assert pool.refcount(src) == 2 and pool.key(src) == "k"
     for layer, (k, v) in enumerate(written):
-        got_k, got_v = pool.views(layer, [dst])
+        got_k, got_v = pool.gather(layer, [dst])
         assert torch.equal(got_k, k) and torch.equal(got_v, v)
     pool.write(1, dst, 0, slots(BS, 99), slots(BS, 98, DV))
-    assert torch.equal(pool.views(1, [src])[0], written[1][0])  # the source is untouched
+    assert torch.equal(pool.gather(1, [src])[0], written[1][0])  # the source is untouched
     # the copy is full, so it can be registered under its own key
     assert pool.register(dst, "k2") == dst
     pool.check()
@@ -421,7 +421,7 @@ def test_copy_block_of_a_partial_block_copies_what_was_written():
     pool.write(0, src, 0, slots(2, 0), slots(2, 1, DV))
     dst = pool.copy_block(src)
     refused(pool, lambda: pool.register(dst, "k"), f"layer 0 has 2 of {BS} slots written")
-    assert torch.equal(pool.views(0, [dst])[0][:, :2], slots(2, 0))
+    assert torch.equal(pool.gather(0, [dst])[0][:, :2], slots(2, 0))
 
 
 def test_copy_block_refusals_change_nothing():
@@ -484,7 +484,7 @@ def test_two_sequences_sharing_full_blocks_get_the_same_blocks():
     assert b[:2] == a[:2] and set(b[2:]).isdisjoint(a)
     assert [pool.refcount(x) for x in a] == [2, 2, 1, 1]
     for layer in range(LAYERS):
-        k, v = pool.views(layer, b)
+        k, v = pool.gather(layer, b)
         want_k, want_v = content(b_tokens, layer)
         assert torch.equal(k[:, : len(b_tokens)], want_k) and torch.equal(v[:, : len(b_tokens)], want_v)
     # another salt (another model) shares nothing
@@ -503,7 +503,7 @@ def test_two_sequences_sharing_full_blocks_get_the_same_blocks():
     again = prefill(pool, a_tokens, "model")
     assert again[:3] == a[:3] and pool.cached_count == 3
     for layer in range(LAYERS):
-        k, v = pool.views(layer, again[:3])
+        k, v = pool.gather(layer, again[:3])
         want_k, want_v = content(a_tokens[: 3 * BS], layer)
         assert torch.equal(k, want_k) and torch.equal(v, want_v)
 
@@ -846,7 +846,7 @@ class PoolMachine(RuleBasedStateMachine):
     @rule(data=st.data(), layer=st.integers(0, M_LAYERS - 1))
     def views(self, data, layer):
         table = data.draw(st.lists(st.sampled_from(self.owned()), max_size=4), label="table")
-        k, v = self.pool.views(layer, table)
+        k, v = self.pool.gather(layer, table)
         assert k.shape == (M_HEADS, len(table) * M_BS, M_D) and v.shape == (M_HEADS, len(table) * M_BS, M_DV)
         for i, block in enumerate(table):
             for s in range(M_BS):
@@ -866,7 +866,7 @@ class PoolMachine(RuleBasedStateMachine):
             "write": lambda: self.put(0, block, 0, 1),
             "register": lambda: self.pool.register(block, "a"),
             "copy_block": lambda: self.pool.copy_block(block),
-            "views": lambda: self.pool.views(0, [block]),
+            "views": lambda: self.pool.gather(0, [block]),
         }
         with pytest.raises(PoolError, match=f"block {block}: it is (free|cached)"):
             calls[verb]()

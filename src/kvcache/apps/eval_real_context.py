@@ -24,14 +24,7 @@ from ..hf import use_kvcache_attention
 from ..layers.auto import mix_of
 from . import needles
 from .eval_real_plan import ANSWER_TOKENS, KINDS, SINKS, Setting, spec_of
-from .eval_real_weights import (
-    attention_profile,
-    modes_for,
-    needle_kept,
-    needle_span,
-    prompt_weights,
-    recorded_weights,
-)
+from .eval_real_weights import attention_profile, modes_for, needle_kept, needle_span, prompt_weights, recorded_weights
 
 
 def chosen_storages(cache) -> dict[str, int] | None:

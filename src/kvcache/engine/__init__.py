@@ -1,7 +1,7 @@
 """The paged-attention engine: many requests over one model, continuous batching over a paged KV
 pool with prefix sharing.
 
-- ``engine``: ``Engine`` (submit, step, running, generate_batch) and ``model_geometry``.
+- ``engine``: ``Engine`` (submit, step, running, generate_batch) and ``pool_shape``.
 - ``scheduler``: which requests compute which tokens each step; admission, prefix hits, preemption.
 - ``step``: one step as one forward pass of a packed sequence; its attention over the pool.
 - ``request``: ``RequestHandle`` (tokens as they come, result, cancel, stats) and ``RequestStats``.

@@ -25,22 +25,21 @@ from typing import Any
 
 import torch
 
+from ..build import make_cache
 from ..errors import UnsupportedOperation
-from ..fingerprint import AmbiguousGlobalPerLayerAttributeError
-from ..fingerprint import config_summary, fingerprint_of, text_config
+from ..fingerprint import AmbiguousGlobalPerLayerAttributeError, config_summary, fingerprint_of, text_config
 from ..hf import FORWARD_STEP, use_kvcache_attention
 from ..linears import PackedLinears
-from ..build import make_cache
 from ..prompts import PromptStore
-from ..scoring import compress
 from ..prompts.keys import salt as key_salt
+from ..scoring import compress
 from ..spec import CacheSpec, parse_spec
 from .coded_pool import CodedBlockPool
 from .coded_step import CodedStep
-from .formats import Geometry, engine_spec, make_pool
+from .formats import PoolShape, engine_spec, make_pool
+from .logprobs import check_top, scored
 from .pool import BlockPool, PoolError
 from .request import Request, RequestHandle, State
-from .logprobs import check_top, scored
 from .sampling import Sampling, choose
 from .scheduler import Compression, Scheduler, blocks_for
 from .tier import StoreTier
@@ -110,7 +109,7 @@ class Engine:
     ):
         self.spec = engine_spec(spec)
         self.model = model
-        geometry = model_geometry(model)
+        geometry = pool_shape(model)
         self.window = geometry.window
         max_batch_tokens = _positive("max_batch_tokens", max_batch_tokens)
         max_seqs = _positive("max_seqs", max_seqs)
@@ -536,7 +535,7 @@ class Engine:
         return prompt
 
 
-def model_geometry(model: Any) -> Geometry:
+def pool_shape(model: Any) -> PoolShape:
     """The pool's shape for ``model``, or ``UnsupportedOperation`` saying why the engine cannot serve it."""
     if not hasattr(model, "config") or not hasattr(model, "set_attn_implementation"):
         raise TypeError(f"Engine expects a transformers causal LM, got {type(model).__name__}")
@@ -571,7 +570,7 @@ def model_geometry(model: Any) -> Geometry:
         parameter = next(model.parameters())
     except StopIteration:
         raise TypeError("the model has no parameters") from None
-    return Geometry(config.num_hidden_layers, kv_heads, head_dim, parameter.dtype, parameter.device, window)
+    return PoolShape(config.num_hidden_layers, kv_heads, head_dim, parameter.dtype, parameter.device, window)
 
 
 def _compression(model: Any, spec: CacheSpec, max_batch_tokens: int) -> Compression | None:

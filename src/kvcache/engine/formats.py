@@ -35,7 +35,7 @@ _SNAPKV_FIXED = ("recent", "sinks", "storage")
 
 
 @dataclass(frozen=True)
-class Geometry:
+class PoolShape:
     layers: int
     kv_heads: int
     head_dim: int
@@ -68,7 +68,7 @@ def engine_spec(spec: str | CacheSpec) -> CacheSpec:
 
 
 def make_pool(
-    spec: CacheSpec, geometry: Geometry, block_size: int, blocks: int | None, max_bytes: int | None, max_seqs: int
+    spec: CacheSpec, geometry: PoolShape, block_size: int, blocks: int | None, max_bytes: int | None, max_seqs: int
 ) -> BlockPool:
     """The pool for ``spec`` (from ``engine_spec``): ``blocks`` blocks, or as many as ``max_bytes``
     holds, or by default enough for ``max_seqs`` requests of 1,024 tokens."""

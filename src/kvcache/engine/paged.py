@@ -54,7 +54,7 @@ def _gathered(pool, layer, query, tables, lengths, scale) -> torch.Tensor:
         if length == 0:
             rows.append(query.new_zeros(1, query.shape[1], 1, pool.value_dim))
             continue
-        keys, values = pool.views(layer, table)
+        keys, values = pool.gather(layer, table)
         k, v = keys[None, :, :length].to(query.dtype), values[None, :, :length].to(query.dtype)
         rows.append(F.scaled_dot_product_attention(query[s : s + 1], k, v, scale=scale, enable_gqa=True))
     return torch.cat(rows, dim=0)

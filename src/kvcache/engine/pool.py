@@ -273,7 +273,7 @@ class BlockPool:
             written[dst] = written[src]
         return dst
 
-    def views(self, layer: int, block_ids: Iterable[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(self, layer: int, block_ids: Iterable[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys ``[Hkv, n * block_size, D]`` and values ``[Hkv, n * block_size, Dv]`` of the
         owned blocks ``block_ids`` in order, gathered into new contiguous tensors."""
         layer = self._layer(layer)

@@ -145,7 +145,7 @@ class PagedStep:
                 k, v = key[:, :, r.start : r.start + r.count], value[:, :, r.start : r.start + r.count]
                 got = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
             else:
-                k, v = pool.views(layer, r.table[: -(-r.length // pool.block_size)])
+                k, v = pool.gather(layer, r.table[: -(-r.length // pool.block_size)])
                 k, v = k[None, :, : r.length].to(q.dtype), v[None, :, : r.length].to(q.dtype)
                 got = attend(q, k, v, scale=scale, causal=True)
             out[0, r.start : r.start + r.count] = got[0].transpose(0, 1)
@@ -157,7 +157,7 @@ class PagedStep:
         span = slice(row.start, row.start + row.count)
         k, v = key[:, :, span], value[:, :, span]
         if row.past:
-            pk, pv = self.pool.views(layer, row.table[: -(-row.past // self.pool.block_size)])
+            pk, pv = self.pool.gather(layer, row.table[: -(-row.past // self.pool.block_size)])
             k = torch.cat([pk[None, :, : row.past].to(k.dtype), k], dim=2)
             v = torch.cat([pv[None, :, : row.past].to(v.dtype), v], dim=2)
         got, weights = attend_weighted(q, k, v, scale=scale, causal=True, weights=row.weights)

@@ -74,7 +74,7 @@ class StoreTier:
         blocks = request.table[: -(-held // bs)]
         past = []
         for layer in range(pool.layers):
-            k, v = pool.views(layer, blocks)
+            k, v = pool.gather(layer, blocks)
             past.append((k[None, :, :held], v[None, :, :held]))
         cache = make_cache(self.model, "growable")
         cache.extend(past)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from ..build import make_cache
 from ..cache import KVCache
-from .keys import Row
+from .keys import PromptRow
 
 #: What a chunk entry is saved as.
 CHUNK_SPEC = "growable"
@@ -23,7 +23,7 @@ def chunks_needed(tokens: int, chunk: int) -> int:
     return 0 if tokens <= 0 else -(-tokens // chunk)
 
 
-def chunk_tokens(found: list[Row], keys: list[list[str]], key: str, chunk: int) -> list[int]:
+def chunk_tokens(found: list[PromptRow], keys: list[list[str]], key: str, chunk: int) -> list[int]:
     """The token ids of the chunk stored under ``key`` (any row that keys it)."""
     for row, row_keys in zip(found, keys):
         if key in row_keys:
@@ -41,7 +41,7 @@ class Place:
     take: int
 
 
-def placements(found: list[Row], keys: list[list[str]], columns: int, chunk: int) -> dict[str, list[Place]]:
+def placements(found: list[PromptRow], keys: list[list[str]], columns: int, chunk: int) -> dict[str, list[Place]]:
     """The places of every chunk entry a cache of ``columns`` slots takes, by key: each row's
     stored tokens end at the last column, after its padding (masked out by the attention mask, as
     ``generate``'s own pad slots are), so a chunk's slots follow the row's earlier chunks."""

@@ -47,14 +47,14 @@ def chain(salt_bytes: bytes, tokens: Sequence[int], chunk: int, known: Sequence[
 
 
 @dataclass(frozen=True)
-class Row:
+class PromptRow:
     """One prompt of a batch: ``pad`` left pads, then its real ``tokens``."""
 
     pad: int
     tokens: list[int]
 
 
-def rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> list[Row]:
+def rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> list[PromptRow]:
     """The rows of ``input_ids`` ``[B, T]`` without their left padding (``attention_mask`` ``[B, T']``,
     1 = a real token; ``T' <= T`` covers the prompt, the tokens after it count as real, as after
     ``generate``). Raises ``ValueError`` for anything but left padding."""
@@ -62,7 +62,7 @@ def rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) ->
     batch, width = input_ids.shape
     ids = input_ids.tolist()
     if attention_mask is None:
-        return [Row(0, row) for row in ids]
+        return [PromptRow(0, row) for row in ids]
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2 or attention_mask.shape[0] != batch or attention_mask.shape[1] > width:
         got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
         raise ValueError(f"attention_mask must be [B, T'] with B = {batch} and T' <= {width} (the prompt's columns), got {got}")
@@ -74,6 +74,6 @@ def rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) ->
                 f"attention_mask row {r} is not left padding (zeros, then ones): prompt reuse needs "
                 "left-padded batches, as generate takes them for decoder-only models"
             )
-        out.append(Row(pad, ids[r][pad:]))
+        out.append(PromptRow(pad, ids[r][pad:]))
     return out
 

@@ -55,7 +55,7 @@ from .chunk_entry import ChunkLayout, open_chunk
 from .chunk_fill import ChunkFiller
 from .chunks import Place, chunk_payload, chunk_tokens, placements
 from .entry import seal, unseal
-from .keys import Row, chain, rows, salt
+from .keys import PromptRow, chain, rows, salt
 
 log = logging.getLogger("kvcache.prompts")
 T = TypeVar("T")
@@ -167,7 +167,7 @@ class PromptStore:
         kinds = {s.kind for s in cache.kv_layers if s is not None}
         return "chunks" if kinds <= CHUNKED_KINDS else "states"
 
-    def _fill_from_chunks(self, model: Any, cache: KVCache, found: list[Row], key_salt: bytes, width: int) -> tuple[KVCache, int]:
+    def _fill_from_chunks(self, model: Any, cache: KVCache, found: list[PromptRow], key_salt: bytes, width: int) -> tuple[KVCache, int]:
         """The empty ``cache`` (or, after a bad entry, a new one like it) filled with the longest
         prefix every row has stored, and its columns."""
         keys = [chain(key_salt, row.tokens, self.chunk) for row in found]
@@ -404,7 +404,7 @@ class PromptStore:
         return result
 
 
-def _one_request(found: list[Row], width: int, what: str) -> None:
+def _one_request(found: list[PromptRow], width: int, what: str) -> None:
     if len(found) != 1 or found[0].pad:
         raise UnsupportedOperation(
             f"{what}: a cache kind whose state depends on the whole prefix (quantized, windows, eviction) is "

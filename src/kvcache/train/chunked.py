@@ -31,7 +31,7 @@ from ..build import make_cache
 from ..errors import UnsupportedOperation
 from ..hf import FORWARD_STEP, use_kvcache_attention
 from ..prefill import prefill
-from .replay import ChunkStep, State
+from .replay import ChunkStep, ReplayState
 from .states import Archive, check_replayable, read_states, rule_of
 
 GRAD_MODES = ("replay", "detach")
@@ -108,7 +108,7 @@ class _Totals:
         self.loss, self.done, self.state_bytes = 0.0, 0, 0
 
 
-def _decide(model, ids, cache, group, archive, bar) -> tuple[list[State | None], list[list[torch.Tensor | None]]]:
+def _decide(model, ids, cache, group, archive, bar) -> tuple[list[ReplayState | None], list[list[torch.Tensor | None]]]:
     """Feed the group's chunks to the inference cache as ``kvcache.prefill`` does; return the state
     before the group and each layer's kept positions after each chunk (written to ``archive``)."""
     entering = read_states(cache.kv_layers)
@@ -128,7 +128,7 @@ def _replay(model, ids, targets, count, group, entering, kept, archive, rules, t
     """The group's chunks with autograd, last first: each attends its recorded state as leaves and
     back-propagates its loss with the adjoint of the state it kept; the leaves' gradients are the
     adjoint for the chunk before. The state entering the group is a constant."""
-    adjoint: list[State | None] | None = None
+    adjoint: list[ReplayState | None] | None = None
     for j in reversed(range(len(group))):
         start, stop = group[j]
         before = entering if j == 0 else [archive.read(i, p) for i, p in enumerate(kept[j - 1])]
@@ -155,13 +155,13 @@ def _replay(model, ids, targets, count, group, entering, kept, archive, rules, t
             after_chunk(totals.done)
 
 
-def _gradient(leaf: State | None) -> State | None:
+def _gradient(leaf: ReplayState | None) -> ReplayState | None:
     """A leaf state's gradient as a state (zeros where nothing reached it)."""
     if leaf is None:
         return None
     keys = leaf.keys.grad if leaf.keys.grad is not None else torch.zeros_like(leaf.keys)
     values = leaf.values.grad if leaf.values.grad is not None else torch.zeros_like(leaf.values)
-    return State(keys, values, leaf.positions)
+    return ReplayState(keys, values, leaf.positions)
 
 
 def _chunk_loss(model, ids: torch.Tensor, targets: torch.Tensor, step: ChunkStep, start: int, count: int) -> torch.Tensor:

@@ -3,7 +3,7 @@
 The model runs as it always does (its embeddings, norms, MLPs, rotary positions); only its
 attention calls are taken over: the forward pass carries a ``ChunkStep`` under ``hf.FORWARD_STEP``
 and the ``"kvcache"`` attention hands each call to it. For layer ``l`` the step attends the chunk's
-queries over the layer's state before the chunk (``State``: keys, values and the absolute position
+queries over the layer's state before the chunk (``ReplayState``: keys, values and the absolute position
 of each slot, tensors that may require gradients) followed by the chunk's own keys and values, with
 the layer's visibility rule by position (causal; a window's band and sinks). It then puts together
 the state the layer kept after the chunk, as the inference cache decided it (``kept``: positions),
@@ -25,7 +25,7 @@ from ..errors import UnsupportedOperation
 
 
 @dataclass
-class State:
+class ReplayState:
     """One layer's cache state: keys ``[B, Hkv, N, D]``, values ``[B, Hkv, N, Dv]`` and the
     absolute position of each slot ``[B, Hkv, N]`` (-1: an empty slot, never attended)."""
 
@@ -37,17 +37,17 @@ class State:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.keys, self.values))
 
-    def detached(self) -> State:
-        return State(self.keys.detach(), self.values.detach(), self.positions)
+    def detached(self) -> ReplayState:
+        return ReplayState(self.keys.detach(), self.values.detach(), self.positions)
 
-    def leaf(self) -> State:
+    def leaf(self) -> ReplayState:
         """A copy whose keys and values are leaves that collect their gradient."""
-        return State(self.keys.detach().requires_grad_(True), self.values.detach().requires_grad_(True), self.positions)
+        return ReplayState(self.keys.detach().requires_grad_(True), self.values.detach().requires_grad_(True), self.positions)
 
 
-def empty_state(batch: int, heads: int, head_dim: int, value_dim: int, dtype: torch.dtype, device) -> State:
+def empty_state(batch: int, heads: int, head_dim: int, value_dim: int, dtype: torch.dtype, device) -> ReplayState:
     """The state of a layer before any token: no slots."""
-    return State(
+    return ReplayState(
         torch.zeros(batch, heads, 0, head_dim, dtype=dtype, device=device),
         torch.zeros(batch, heads, 0, value_dim, dtype=dtype, device=device),
         torch.zeros(batch, heads, 0, dtype=torch.long, device=device),
@@ -79,15 +79,15 @@ def gather_index(candidates: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
 class ChunkStep:
     """The attention of one chunk at positions ``[start, start + tokens)`` over per-layer states.
 
-    ``states[l]``: layer ``l``'s ``State`` before the chunk (None: no slots yet). ``kept[l]``: the positions layer ``l``
+    ``states[l]``: layer ``l``'s ``ReplayState`` before the chunk (None: no slots yet). ``kept[l]``: the positions layer ``l``
     held after the chunk ``[B, Hkv, N']`` (None: the next state is not wanted). ``rules[l]``: the
     layer's visibility (``attention.Visibility``). After the forward pass, ``after[l]`` is the
     state after the chunk, built in the graph."""
 
-    def __init__(self, start: int, tokens: int, states: list[State | None], kept: list[torch.Tensor | None], rules: list[Visibility]) -> None:
+    def __init__(self, start: int, tokens: int, states: list[ReplayState | None], kept: list[torch.Tensor | None], rules: list[Visibility]) -> None:
         self.start, self.tokens = start, tokens
         self.states, self.kept, self.rules = states, kept, rules
-        self.after: list[State | None] = [None] * len(states)
+        self.after: list[ReplayState | None] = [None] * len(states)
         self.layers_run = 0
 
     def attend(
@@ -134,7 +134,7 @@ class ChunkStep:
         kept = self.kept[layer]
         if kept is not None:
             index = gather_index(positions, kept)
-            self.after[layer] = State(
+            self.after[layer] = ReplayState(
                 keys.gather(2, index.unsqueeze(-1).expand(*index.shape, keys.shape[-1])),
                 values.gather(2, index.unsqueeze(-1).expand(*index.shape, values.shape[-1])),
                 kept,

@@ -22,7 +22,7 @@ from ..layers.quantized import QuantizedLayer
 from ..layers.sliding import SlidingLayer
 from ..layers.slots import FullSlots
 from ..layers.window import WindowLayer
-from .replay import State
+from .replay import ReplayState
 
 #: Kinds whose decisions are not a set of positions per (row, KV head): Ada-KV keeps each head's
 #: slots in one flat run of the layer.
@@ -62,7 +62,7 @@ def rule_of(layer: KVLayer) -> Visibility:
     return CAUSAL
 
 
-def read_state(layer: KVLayer, copy: bool = True) -> State | None:
+def read_state(layer: KVLayer, copy: bool = True) -> ReplayState | None:
     """The layer's state (None before any token): keys and values as its attention reads them (a
     coded store's dequantized), copies unless ``copy`` is False (views of the store, valid until the
     cache changes), and positions ``[B, Hkv, N]``, always a copy (they are kept as decisions)."""
@@ -72,10 +72,10 @@ def read_state(layer: KVLayer, copy: bool = True) -> State | None:
     positions = layer.positions().expand(*keys.shape[:3]).clone()
     if copy:
         keys, values = keys.detach().clone(), values.detach().clone()
-    return State(keys, values, positions)
+    return ReplayState(keys, values, positions)
 
 
-def read_states(layers: list[KVLayer], copy: bool = True) -> list[State | None]:
+def read_states(layers: list[KVLayer], copy: bool = True) -> list[ReplayState | None]:
     return [read_state(layer, copy) for layer in layers]
 
 
@@ -95,7 +95,7 @@ class Archive:
     def _cells(self, positions: torch.Tensor) -> torch.Tensor:
         return torch.where(positions < 0, self.length, positions)
 
-    def write(self, layer: int, state: State | None) -> None:
+    def write(self, layer: int, state: ReplayState | None) -> None:
         """Note the keys and values of ``state``'s positions (they never change once computed)."""
         if state is None:
             return
@@ -107,13 +107,13 @@ class Archive:
         self.keys[layer].scatter_(2, at.expand_as(state.keys), state.keys)
         self.values[layer].scatter_(2, at.expand_as(state.values), state.values)
 
-    def read(self, layer: int, positions: torch.Tensor | None) -> State | None:
+    def read(self, layer: int, positions: torch.Tensor | None) -> ReplayState | None:
         """The state of ``positions`` ``[B, Hkv, N]`` (None: no state)."""
         if positions is None:
             return None
         at = self._cells(positions).unsqueeze(-1)
         keys, values = self.keys[layer], self.values[layer]
-        return State(
+        return ReplayState(
             keys.gather(2, at.expand(*at.shape[:3], keys.shape[-1])),
             values.gather(2, at.expand(*at.shape[:3], values.shape[-1])),
             positions,

@@ -118,7 +118,7 @@ def _dense(pool: BlockPool, tables: list[list[int]], lengths: list[int]):
     v = torch.zeros_like(k)
     mask = torch.zeros(len(lengths), 1, 1, longest, dtype=torch.bool)
     for s, (t, n) in enumerate(zip(tables, lengths)):
-        ks, vs = pool.views(0, t)
+        ks, vs = pool.gather(0, t)
         k[s, :, :n], v[s, :, :n] = ks[:, :n], vs[:, :n]
         mask[s, ..., :n] = True
     return k, v, mask
