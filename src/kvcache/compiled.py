@@ -55,7 +55,7 @@ class FixedHFLayer(HFLayer):
 
 def hf_layer(layer: KVLayer) -> HFLayer:
     """The ``transformers`` layer for ``layer``: compileable for the fixed-shape layers."""
-    return FixedHFLayer(layer) if getattr(layer, "compiled", False) else HFLayer(layer)
+    return FixedHFLayer(layer) if layer.compiled else HFLayer(layer)
 
 
 def compiled_decode(model: Any, **compile_options: Any) -> Callable[..., Any]:

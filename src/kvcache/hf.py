@@ -251,12 +251,11 @@ class HFLayer(CacheLayerMixin):
 
     @property
     def record_past(self) -> bool:
-        return getattr(self.layer, "journal", None) is not None
+        return self.layer.recording_past
 
     @record_past.setter
     def record_past(self, on: bool) -> None:  # generate sets it False when it hands the cache back
-        if hasattr(self.layer, "activate_past_recording"):
-            self.layer.activate_past_recording(bool(on))
+        self.layer.activate_past_recording(bool(on))
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.layer.reorder(beam_idx)

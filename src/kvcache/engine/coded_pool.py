@@ -16,8 +16,8 @@ blocks are immutable, as in the float pool). Quantization is ``quant.py``'s, so 
 dequantizes exactly as ``quant.dequantize_per_channel`` / ``dequantize_per_token`` say.
 
 The bookkeeping (reference counts, prefix keys, the LRU, written slots) is ``BlockPool``'s; only the
-storage differs. ``write`` and ``views`` keep their meaning: ``write`` codes a whole block at once
-(the only write a coded block takes), ``views`` dequantizes.
+storage differs. ``write`` and ``gather`` keep their meaning: ``write`` codes a whole block at once
+(the only write a coded block takes), ``gather`` dequantizes.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from .pool import BlockPool, PoolError
 
 class CodedBlockPool(BlockPool):
     """``blocks`` coded blocks of ``bits`` bits and ``tails`` float32 open blocks (see the module
-    docstring); the other arguments as ``BlockPool``'s. ``dtype`` is the model's: what ``views``
+    docstring); the other arguments as ``BlockPool``'s. ``dtype`` is the model's: what ``gather``
     return and what ``write`` takes."""
 
     def __init__(

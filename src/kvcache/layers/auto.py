@@ -283,8 +283,8 @@ def mix_of(cache: Any) -> list[dict[str, Any] | None]:
     estimate of each storage weighed), None for other layers or one that has not chosen."""
     out: list[dict[str, Any] | None] = []
     for layer in cache.kv_layers:
-        c = getattr(layer, "choice", None)
-        if not isinstance(layer, AutoLayer) or c is None:
+        c = layer.choice if isinstance(layer, AutoLayer) else None
+        if c is None:
             out.append(None)
             continue
         out.append({"storage": c.storage, "slots": c.slots, "seen": c.seen,

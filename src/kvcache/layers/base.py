@@ -44,10 +44,23 @@ class KVLayer(DeclaredKind, ABC):
     #: True for kinds whose ``_append`` is ``_record_in_order`` (set per class, never by hand):
     #: ``update`` then returns ``_append_in_order``'s keys and values without building the record.
     appends_in_order: ClassVar[bool] = False
+    #: True for the fixed-shape twins that decode under ``torch.compile`` (``layers/fixed*.py``);
+    #: ``compiled.hf_layer`` gives them their own bridge.
+    compiled: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         cls.appends_in_order = cls._append is KVLayer._record_in_order
+
+    @property
+    def recording_past(self) -> bool:
+        """Whether the layer logs what its updates overwrite, so ``crop`` can take tokens back (a
+        window's ring while speculative decoding runs). Layers that only append log nothing."""
+        return False
+
+    def activate_past_recording(self, on: bool = True) -> None:
+        """Start (``False``: stop) keeping what ``crop`` needs to take tokens back (``generate`` calls
+        it before speculative decoding). Layers that only append need nothing: a no-op."""
 
     def __init__(self) -> None:
         self.geometry: Geometry | None = None

@@ -145,6 +145,10 @@ class WindowLayer(OwnAttentionLayer):
 
     # ---- rollback and state ---------------------------------------------------------------
 
+    @property
+    def recording_past(self) -> bool:
+        return self.journal is not None
+
     def activate_past_recording(self, on: bool = True) -> None:
         """Log every update until the next trim so that ``trim`` can take back its tokens even
         after they overwrote window slots (speculative decoding; ``rollback.py``). ``False`` stops
