@@ -75,9 +75,9 @@ class KVCache(ForeignLayers, Cache):
         #: The layers whose attention must read their update's record (``layers/own_attention.py``).
         self.own_attention_layers = [s for s in self._live if s.needs_own_attention]
         self._own_attention_kinds = sorted({s.kind for s in self.own_attention_layers})
-        for layer, readers in zip(self.kv_layers, kv_readers(attention_config, len(self.kv_layers))):
-            if layer is not None and layer.needs_own_attention:
-                layer.readers = readers
+        #: Per layer, the attention calls that attend each of its updates (``kv_attended_by``): its
+        #: bridge passes them to an own-attention layer with every update.
+        self.attended_by = kv_attended_by(attention_config, len(self.kv_layers))
         # For each layer index, the own-attention layer whose pending record its attention reads (its own, or
         # for a layer reusing another's keys and values the owner's), or None (``pending_layer``).
         self._read_layers = [
@@ -88,7 +88,9 @@ class KVCache(ForeignLayers, Cache):
         self._can_refuse = [s for s in self._live if type(s).check_append is not KVLayer.check_append]
         self._first_live = next((i for i, s in enumerate(self.kv_layers) if s is not None), -1)
         self._first_state = min(([self._first_live] if self._first_live >= 0 else []) + list(self.linear), default=-1)
-        super().__init__(layers=[hf_layer(s) if s is not None else self._slot_layer(i, DummyLayer()) for i, s in enumerate(self.kv_layers)])
+        super().__init__(layers=[
+            hf_layer(s, self.attended_by[i]) if s is not None else self._slot_layer(i, DummyLayer()) for i, s in enumerate(self.kv_layers)
+        ])
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         """Append to layer ``layer_idx``. Before the first layer of a forward pass writes, every
@@ -283,7 +285,7 @@ def _handed_out(layer: KVLayer, key: torch.Tensor) -> bool:
     return layer.pending is not None and layer.pending.returned[0] is key
 
 
-def kv_readers(config: PretrainedConfig | None, n_layers: int) -> list[int]:
+def kv_attended_by(config: PretrainedConfig | None, n_layers: int) -> list[int]:
     """How many attention calls read each layer's keys and values in a forward pass: 1, or for a
     layer whose K/V later layers reuse (Gemma 3n / 4: ``kv_sharing_modes`` "store", read by the
     "reuse" layers of its type, which keep no cache), 1 plus those layers."""

@@ -53,9 +53,10 @@ class FixedHFLayer(HFLayer):
         return self.layer.seen_tensor
 
 
-def hf_layer(layer: KVLayer) -> HFLayer:
-    """The ``transformers`` layer for ``layer``: compileable for the fixed-shape layers."""
-    return FixedHFLayer(layer) if layer.compiled else HFLayer(layer)
+def hf_layer(layer: KVLayer, attended_by: int = 1) -> HFLayer:
+    """The ``transformers`` layer for ``layer`` (``attended_by``: as ``HFLayer``'s): compileable for
+    the fixed-shape layers."""
+    return FixedHFLayer(layer, attended_by) if layer.compiled else HFLayer(layer, attended_by)
 
 
 def compiled_decode(model: Any, **compile_options: Any) -> Callable[..., Any]:

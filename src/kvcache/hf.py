@@ -196,8 +196,11 @@ class HFLayer(CacheLayerMixin):
     is_croppable = True
     supports_early_init = True
 
-    def __init__(self, layer: KVLayer) -> None:  # no super().__init__: keys/values are properties
+    def __init__(self, layer: KVLayer, attended_by: int = 1) -> None:  # no super().__init__: keys/values are properties
         self.layer = layer
+        #: Attention calls that attend each update of an own-attention layer: its own, plus one per
+        #: later layer reusing its keys and values (``cache.kv_attended_by``); passed with every update.
+        self.attended_by = attended_by
 
     def __repr__(self) -> str:
         return f"HFLayer({self.layer!r})"
@@ -227,6 +230,8 @@ class HFLayer(CacheLayerMixin):
             self.layer.update(key_states[:, :, :0], value_states[:, :, :0])
 
     def update(self, key_states, value_states, *args, **kwargs):
+        if self.layer.needs_own_attention:
+            return self.layer.update(key_states, value_states, self.attended_by)
         return self.layer.update(key_states, value_states)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:

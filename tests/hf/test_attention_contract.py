@@ -11,7 +11,7 @@ from transformers import Gemma3nTextConfig
 import kvcache
 from kvcache import DTypeError, UnsupportedOperation
 from kvcache.attention import BlockReader, attend, attend_weighted, position_rows
-from kvcache.cache import kv_owners, kv_readers
+from kvcache.cache import kv_owners, kv_attended_by
 from kvcache.hf import boolean_mask, hf_attention_forward
 from kvcache.layers import EvictingLayer, GrowableLayer, QuantizedLayer, WindowLayer
 from kvcache.layers.own_attention import OwnAttentionLayer
@@ -76,7 +76,7 @@ def test_the_kvcache_attention_finds_bounded_layers_through_the_cache(monkeypatc
         return attend_layer(self, *args, **kwargs)
 
     monkeypatch.setattr(OwnAttentionLayer, "attend", counting)
-    monkeypatch.setattr(OwnAttentionLayer, "update", lambda self, k, v: _update_and_record(self, k, v, update_layer, returned))
+    monkeypatch.setattr(OwnAttentionLayer, "update", lambda self, k, v, n=1: _update_and_record(self, k, v, n, update_layer, returned))
     model = model_for("llama")
     cache = kvcache.make_cache(model, "h2o:budget=8")
     with kvcache.use_kvcache_attention(model), torch.no_grad():
@@ -86,8 +86,8 @@ def test_the_kvcache_attention_finds_bounded_layers_through_the_cache(monkeypatc
     assert returned and not any(hasattr(k, "kvcache_layer") for k in returned)
 
 
-def _update_and_record(layer, k, v, update, returned):
-    out = update(layer, k, v)
+def _update_and_record(layer, k, v, attended_by, update, returned):
+    out = update(layer, k, v, attended_by)
     returned.append(out[0])
     return out
 
@@ -157,7 +157,7 @@ def test_transformers_masks_become_booleans_in_the_bridge_only():
 
 def test_reuse_layers_read_the_last_store_layer_of_their_type():
     config = Gemma3nTextConfig(activation_sparsity_pattern=[0.0] * 35)
-    owners, readers = kv_owners(config, 35), kv_readers(config, 35)
+    owners, readers = kv_owners(config, 35), kv_attended_by(config, 35)
     modes, types = config.kv_sharing_modes, config.layer_types
     for i, (mode, kind) in enumerate(zip(modes, types)):
         if mode == "reuse":

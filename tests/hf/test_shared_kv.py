@@ -24,7 +24,7 @@ from transformers import (
 )
 
 import kvcache
-from kvcache.cache import kv_readers
+from kvcache.cache import kv_attended_by
 from kvcache.errors import UnsupportedOperation
 from kvcache.layers import EvictingLayer, QuantizedLayer, WindowLayer
 
@@ -117,7 +117,7 @@ def test_readers_of_the_real_gemma3n_layout():
     """Gemma 3n E2B/E4B: 35 layers, 4 sliding then 1 full, the last 15 reuse layers 18 (sliding)
     and 19 (full)."""
     config = Gemma3nTextConfig(activation_sparsity_pattern=[0.0] * 35)
-    readers = kv_readers(config, 35)
+    readers = kv_attended_by(config, 35)
     modes, types = config.kv_sharing_modes, config.layer_types
     assert modes.count("reuse") == 15
     stores = [i for i, m in enumerate(modes) if m == "store"]
@@ -128,9 +128,10 @@ def test_readers_of_the_real_gemma3n_layout():
     assert all(readers[i] == 1 for i in range(35) if i not in stores)
 
 
-def test_cache_gives_the_store_layers_their_readers():
+def test_cache_gives_the_store_layers_bridges_their_attended_by():
     cache = kvcache.make_cache(shared_model("gemma3n"), "window:window=64")
-    assert [None if s is None else s.readers for s in cache.kv_layers] == [2, 2, None, None]
+    assert cache.attended_by == [2, 2, 1, 1]
+    assert [None if s is None else h.attended_by for s, h in zip(cache.kv_layers, cache.layers)] == [2, 2, None, None]
 
 
 LAYERS = {
@@ -151,10 +152,9 @@ def test_every_reader_attends_the_set_before_the_layer_settles(kind):
     """With three readers, each reads the same set (same query, same output); the layer then
     ends where a one-reader layer fed the same tokens ends (eviction scored by the owner's weights)."""
     shared, alone = LAYERS[kind](), LAYERS[kind]()
-    shared.readers = 3
     for step, n in enumerate([6, 1, 1, 3, 1, 1, 1]):
         k, v, q = kv(n, seed=step)
-        shared.update(k, v)
+        shared.update(k, v, attended_by=3)
         alone.update(k, v)
         want = alone.attend(q)
         for reader in range(3):
@@ -168,17 +168,15 @@ def test_every_reader_attends_the_set_before_the_layer_settles(kind):
 def test_a_sharing_reader_may_bring_only_the_last_queries():
     """Gemma 4 runs only the last queries through the sharing layers: they sit at the last positions."""
     layer = WindowLayer(window=4)
-    layer.readers = 2
     k, v, q = kv(7, seed=1)
-    full = layer.attend(q) if layer.update(k, v) else None
+    full = layer.attend(q) if layer.update(k, v, attended_by=2) else None
     torch.testing.assert_close(layer.attend(q[:, :, -2:]), full[:, :, -2:], atol=1e-6, rtol=1e-6)
 
 
 def test_the_owner_must_bring_every_query_and_a_refused_read_changes_nothing():
     layer = WindowLayer(window=4)
-    layer.readers = 2
     k, v, q = kv(7, seed=1)
-    layer.update(k, v)
+    layer.update(k, v, attended_by=2)
     with pytest.raises(UnsupportedOperation, match="appended 7 tokens, but attend\\(\\) got 2"):
         layer.attend(q[:, :, -2:])
     layer.attend(q)  # still pending, for the owner
@@ -186,3 +184,12 @@ def test_the_owner_must_bring_every_query_and_a_refused_read_changes_nothing():
         layer.attend(torch.cat([q, q], dim=2))
     layer.attend(q)
     assert layer.pending is None
+
+
+def test_attended_by_must_be_a_positive_count_and_a_refused_update_changes_nothing():
+    layer = WindowLayer(window=4)
+    k, v, _ = kv(3, seed=2)
+    for bad in (0, -1, True, 2.0):
+        with pytest.raises(ValueError, match="attended_by must be a positive integer"):
+            layer.update(k, v, attended_by=bad)
+    assert layer.seen == 0 and layer.pending is None

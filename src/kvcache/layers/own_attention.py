@@ -35,30 +35,34 @@ class OwnAttentionLayer(KVLayer):
     def __init__(self) -> None:
         super().__init__()
         self.pending: Reads | None = None  # the last update's read record, until it settles
-        #: Attention calls that read each update's record: the layer's own, plus one per later layer
-        #: that reuses this layer's keys and values (Gemma 3n / 4 ``kv_sharing_modes``; set by ``KVCache``).
-        self.readers = 1
+        #: Attention calls that attend the last update's record (its ``attended_by``) and those to come.
+        self._attended_by = 1
         self._reads_left = 0
         self._owner_weights: torch.Tensor | None = None
 
-    def append(self, key: torch.Tensor, value: torch.Tensor) -> Reads:
+    def append(self, key: torch.Tensor, value: torch.Tensor, attended_by: int = 1) -> Reads:
         """Append ``[B, Hkv, S, D]`` keys and values; returns the read record, kept as ``pending``
-        until its attention (``attend``) or ``settle``. An unattended last update settles first."""
+        until its attention (``attend``) or ``settle``. An unattended last update settles first.
+        ``attended_by``: the attention calls that attend this record, the layer's own plus one per
+        later layer that reuses this layer's keys and values (Gemma 3n / 4 ``kv_sharing_modes``: the
+        cache's bridge passes them, ``cache.kv_attended_by``); the layer settles after the last."""
+        if isinstance(attended_by, bool) or not isinstance(attended_by, int) or attended_by < 1:
+            raise ValueError(f"attended_by must be a positive integer, got {attended_by!r}")
         if not self._fits(key, value):
             check_kv(key, value, self.geometry)
         self.settle()
         self.pending = self._append(key, value)
-        self._reads_left = self.readers
+        self._attended_by = self._reads_left = attended_by
         return self.pending
 
-    def update(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, key: torch.Tensor, value: torch.Tensor, attended_by: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """``append``, returning what the model gets: the record's ``returned`` keys and values."""
-        return self.append(key, value).returned
+        return self.append(key, value, attended_by).returned
 
     @property
     def unattended(self) -> bool:
         """Whether the last update appended tokens that no attention has read yet."""
-        return self.pending is not None and self.pending.queries > 0 and self._reads_left == self.readers
+        return self.pending is not None and self.pending.queries > 0 and self._reads_left == self._attended_by
 
     def attend(
         self,
@@ -79,7 +83,7 @@ class OwnAttentionLayer(KVLayer):
         ``[B|1, Hq|1, Sq, P]`` (relative-position logits, Inkling). ``sinks``: attention sinks, as
         in ``attend``. Returns ``[B, Hq, Sq, Dv]``.
 
-        A layer that shares this one's keys and values (``readers > 1``) reads after the owner and
+        A layer that shares this one's keys and values (an update with ``attended_by > 1``) reads after the owner and
         may bring only the last ``Sq`` of the update's queries (Gemma 4 skips the others in the
         shared layers); ``mask`` then has those rows. After the last reader the layer settles
         with the owner's weights, so every reader attends the record as the owner did.
@@ -91,7 +95,7 @@ class OwnAttentionLayer(KVLayer):
                 if self.initialized
                 else f"{self.kind} layer: attend() needs an update() first, for its queries"
             )
-        n, owner, appended = query.shape[2], self._reads_left == self.readers, reads.queries
+        n, owner, appended = query.shape[2], self._reads_left == self._attended_by, reads.queries
         if n != appended and (owner or n > appended):
             raise UnsupportedOperation(
                 f"{self.kind} layer: the last update appended {appended} tokens, but attend() got {n} queries"
