@@ -64,13 +64,10 @@ def compiled_decode(model: Any, **compile_options: Any) -> Callable[..., Any]:
     (``compile_options`` go to ``torch.compile``: ``mode``, ``backend``, ...), run without autograd
     (in-place writes to the cache would otherwise make its buffers require grad and recompile)."""
     forward = torch.compile(model.forward, **{"fullgraph": True, **compile_options})
-    name = cache_name(model)
-
-    def arg(cache: Any) -> dict[str, Any]:
-        return {name: cache}
+    name = cache_name(model)  # read once, not on every step
 
     def step(input_ids: torch.Tensor, cache: Any, **kwargs: Any) -> Any:
         with torch.no_grad():
-            return forward(input_ids=input_ids, **arg(cache), use_cache=True, **kwargs)
+            return forward(input_ids=input_ids, **{name: cache}, use_cache=True, **kwargs)
 
     return step

@@ -57,7 +57,7 @@ class Scheduler:
         return not self.waiting and not self.running
 
     def add(self, request: Request) -> None:
-        request.keys = extend_keys(self.salt, [], request.tokens, self.pool.block_size) if self.share_prefixes else []
+        request.keys = chain(self.salt, request.tokens, self.pool.block_size) if self.share_prefixes else []
         self.waiting.append(request)
 
     # ---- planning a step -------------------------------------------------------------------------
@@ -267,7 +267,7 @@ class Scheduler:
         elif stats.generated >= request.max_new_tokens:
             self.finish(request, "length")
         elif self.share_prefixes and not request.compressed and len(request.tokens) % self.pool.block_size == 0:
-            request.keys = extend_keys(self.salt, request.keys, request.tokens, self.pool.block_size)
+            request.keys = chain(self.salt, request.tokens, self.pool.block_size, request.keys)
 
     def _register(self, request: Request) -> None:
         """Register the request's newly full blocks (swapping any that duplicate a registered one)."""
@@ -293,7 +293,7 @@ class Scheduler:
             self.tier.save(request)
         self._give_back(request)
         request.computed, request.registered, request.dropped, request.compressed = 0, 0, 0, False
-        request.keys = extend_keys(self.salt, [], request.tokens, self.pool.block_size) if self.share_prefixes else []
+        request.keys = chain(self.salt, request.tokens, self.pool.block_size) if self.share_prefixes else []
         request.state = State.WAITING
         request.stats.preemptions += 1
         self.preemptions += 1
@@ -338,12 +338,6 @@ class Compression:
 
 def blocks_for(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
-
-
-def extend_keys(salt: bytes, keys: list[str], tokens: list[int], block_size: int) -> list[str]:
-    """``keys`` (the chain keys of the first full blocks of ``tokens``) extended to every full block
-    of ``tokens``, computing only the new ones (``prompts.keys.chain``)."""
-    return chain(salt, tokens, block_size, keys)
 
 
 def _release(pool: BlockPool, blocks: list[int]) -> None:

@@ -39,8 +39,8 @@ def chain(salt_bytes: bytes, tokens: Sequence[int], chunk: int, known: Sequence[
     kept, and only the keys after them computed."""
     keys = list(known)
     digest = bytes.fromhex(keys[-1]) if keys else hashlib.sha256(salt_bytes).digest()
-    ids = torch.as_tensor(list(tokens), dtype=torch.int64)
-    for start in range(len(keys) * chunk, len(ids) - chunk + 1, chunk):
+    ids = torch.as_tensor(list(tokens[len(keys) * chunk :]), dtype=torch.int64)  # only what is new
+    for start in range(0, len(ids) - chunk + 1, chunk):
         digest = hashlib.sha256(digest + ids[start : start + chunk].numpy().tobytes()).digest()
         keys.append(digest.hex())
     return keys
