@@ -67,8 +67,12 @@ WORKLOADS = ("shared", "distinct", "long")
 
 
 def workloads(tokenizer, rows: int, seed: int, names: tuple[str, ...] = WORKLOADS) -> dict[str, list[list[int]]]:
+    def shared() -> list[list[int]]:
+        prefix = text_ids(tokenizer, 1024, 1)
+        return [prefix + text_ids(tokenizer, 64, 1000 * seed + r) for r in range(rows)]
+
     made = {
-        "shared": lambda: [text_ids(tokenizer, 1024, 1) + text_ids(tokenizer, 64, 1000 * seed + r) for r in range(rows)],
+        "shared": shared,
         "distinct": lambda: [text_ids(tokenizer, 1088, 2000 * seed + r) for r in range(rows)],
         "long": lambda: [text_ids(tokenizer, 4096, 3000 * seed + r) for r in range(max(1, rows // 2))],
     }
