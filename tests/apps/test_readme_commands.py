@@ -1,9 +1,9 @@
 """Every command the README shows works after the README's own set-up, which installs the package
-without extras (``pip install -e .``).
+with the extras its first command names (``pip install -e ".[models]"``) and no others.
 
 The commands of the README's "Command line" block run as subprocesses in a fresh folder, with the
-modules that only the extras bring (matplotlib, pytest, hypothesis, ...) made unimportable, so the
-environment is the README's install. Long runs take their quick, seconds-long modes: ``bench`` and
+modules that only the other extras bring (matplotlib, pytest, hypothesis, ...) made unimportable,
+so the environment is the README's install. Long runs take their quick, seconds-long modes: ``bench`` and
 ``eval`` add ``--tiny`` (same code paths, smaller sizes), the demo one repeat and fewer tokens.
 The README's first Python example runs too, on a tiny model.
 """
@@ -43,11 +43,19 @@ def documented_commands() -> list[str]:
     return [" ".join(shlex.quote(w) for w in words) for words in lines if words and words[0] == "kvcache"]
 
 
+def setup_extras() -> set[str]:
+    """The extras the README's first command installs (``pip install ... -e ".[a,b]"``)."""
+    first = next(line for line in README.splitlines() if line.startswith("python3 -m venv"))
+    named = re.search(r"""-e ["']?\.\[([^\]]*)\]""", first)
+    return set(named.group(1).split(",")) if named else set()
+
+
 def extras_only_modules() -> set[str]:
-    """Top-level import names of what ``pip install -e '.[extra]'`` adds to ``pip install -e .``."""
+    """Top-level import names of what the extras the README's set-up leaves out add to its install."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    core = {_name(d) for d in project["dependencies"]}
-    extra = {_name(d) for deps in project["optional-dependencies"].values() for d in deps} - core
+    installed = {_name(d) for d in project["dependencies"]}
+    installed |= {_name(d) for name in setup_extras() for d in project["optional-dependencies"][name]}
+    extra = {_name(d) for deps in project["optional-dependencies"].values() for d in deps} - installed
     by_dist: dict[str, set[str]] = {}
     for module, dists in importlib.metadata.packages_distributions().items():
         for dist in dists:
@@ -88,8 +96,12 @@ def test_the_readme_documents_commands_for_every_subcommand():
 
 
 def test_extras_only_modules_are_found():
-    """The blocked set is real: matplotlib (bench extra) and pytest (test extra) are in it."""
-    assert {"matplotlib", "pytest"} <= extras_only_modules()
+    """The blocked set is real: matplotlib (bench extra) and pytest (test extra) are in it, and
+    what the set-up's ``models`` extra installs (gguf, accelerate) is not."""
+    assert setup_extras() == {"models"}
+    blocked = extras_only_modules()
+    assert {"matplotlib", "pytest"} <= blocked
+    assert not {"gguf", "accelerate"} & blocked
 
 
 @pytest.mark.parametrize("command", documented_commands())
