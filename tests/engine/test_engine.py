@@ -262,8 +262,8 @@ def test_bad_requests_are_refused_and_change_nothing(model):
 
 
 def test_bad_engines_are_refused(model):
-    with pytest.raises(UnsupportedOperation, match="'h2o' is not built into the engine"):
-        Engine(model, "h2o:budget=64")
+    with pytest.raises(UnsupportedOperation, match="does not serve 'kvzip' caches"):
+        Engine(model, "kvzip:budget=64")
     with pytest.raises(ValueError, match="not both"):
         Engine(model, blocks=4, max_bytes=10**6)
     with pytest.raises(ValueError, match="holds no block"):

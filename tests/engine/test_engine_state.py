@@ -13,8 +13,9 @@ as ``engine_reference`` says) and no block is still owned.
 
 The same machine runs over int8 blocks (``CodedMachine``: every running request holds its own open
 block, the open blocks add up; tokens are not compared, as the reference depends on the chunks
-the engine chose) and over snapkv (``SnapMachine``: a compressed request's blocks cover what it
-kept; tokens against ``test_engine_snapkv.snapkv_reference``, which chunking does not change).
+the engine chose) and over bounded kinds (``SnapMachine``, ``H2OMachine``: once its prompt is
+computed a request holds no blocks of its own but a lease covering its cache's bytes; tokens
+against ``test_engine_bounded.bounded_reference``, which chunking does not change).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from engine_reference import reference, same_or_near_tie
-from test_engine_snapkv import snapkv_reference
+from test_engine_bounded import bounded_reference
 from helpers import model_for
 from kvcache import Engine
 from kvcache.engine.request import State
@@ -43,7 +44,7 @@ def expected(model, prompt: list[int], new: int, spec: str = "growable"):
         if spec == "growable":
             _REFERENCES[key] = reference(model, prompt, new)
         else:
-            _REFERENCES[key] = snapkv_reference(model, prompt, new, spec)[0]
+            _REFERENCES[key] = bounded_reference(model, prompt, new, spec)[0]
     return _REFERENCES[key]
 
 
@@ -80,7 +81,7 @@ class EngineMachine(RuleBasedStateMachine):
         prompt, new, handle = self.live.pop(pick % len(self.live))
         pool = self.engine.pool
         # Blocks only this request holds go back at once; shared ones stay with their other owners.
-        alone = sum(pool.refcount(b) == 1 for b in handle._request.table)
+        alone = sum(pool.refcount(b) == 1 for b in handle._request.table) + len(handle._request.lease)
         owned, was_done = pool.owned_count, handle.done
         handle.cancel()
         assert pool.owned_count == owned - alone
@@ -97,13 +98,14 @@ class EngineMachine(RuleBasedStateMachine):
             if request.state is State.RUNNING:
                 assert len(request.table) * BS >= request.slots
                 assert all(pool.refcount(b) > 0 for b in request.table)
-                assert request.compact_table == [], "compact blocks outlived the step that compressed"
-                if request.compressed:
-                    assert len(request.table) == -(-request.slots // BS), "a compressed request holds more than it kept"
+                assert all(pool.refcount(b) == 1 for b in request.lease)
+                if request.cache is not None:
+                    assert request.table == [], "a request with its own cache still holds prompt blocks"
+                    assert len(request.lease) * pool.block_nbytes >= request.cache.nbytes, "the lease is short"
                 if request.tail >= 0:
                     tails.append(request.tail)
             else:
-                assert request.table == [] and request.tail == -1 and request.compact_table == []
+                assert request.table == [] and request.tail == -1 and request.lease == [] and request.cache is None
                 assert request.computed == 0 or request.state is State.FINISHED
             if not self.compare:
                 continue
@@ -132,7 +134,12 @@ class CodedMachine(EngineMachine):
 
 class SnapMachine(EngineMachine):
     spec = SNAPKV
-    blocks = 9  # a 17-token prompt's 5 blocks and the 3 of what it keeps, at once
+    blocks = 9
+
+
+class H2OMachine(EngineMachine):
+    spec = "h2o:budget=0.5,recent=2"
+    blocks = 9
 
 
 SETTINGS = settings(max_examples=60, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -142,3 +149,5 @@ TestCodedMachine = CodedMachine.TestCase
 TestCodedMachine.settings = settings(SETTINGS, max_examples=30)
 TestSnapMachine = SnapMachine.TestCase
 TestSnapMachine.settings = settings(SETTINGS, max_examples=30)
+TestH2OMachine = H2OMachine.TestCase
+TestH2OMachine.settings = settings(SETTINGS, max_examples=20)

@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 
-from ..build import make_cache
 from ..errors import UnsupportedOperation
 from ..fingerprint import AmbiguousGlobalPerLayerAttributeError, config_summary, fingerprint_of, text_config
 from ..hf import FORWARD_STEP, use_kvcache_attention
@@ -36,12 +35,13 @@ from ..scoring import compress
 from ..spec import CacheSpec, parse_spec
 from .coded_pool import CodedBlockPool
 from .coded_step import CodedStep
+from .compression import Compression, accumulate, compression_for
 from .formats import PoolShape, engine_spec, make_pool
 from .logprobs import check_top, scored
 from .pool import BlockPool, PoolError
 from .request import Request, RequestHandle, State
 from .sampling import Sampling, choose
-from .scheduler import Compression, Scheduler, blocks_for
+from .scheduler import Scheduler, blocks_for
 from .tier import StoreTier
 
 log = logging.getLogger("kvcache.engine")
@@ -170,8 +170,8 @@ class Engine:
         (``sampling.py``: ``top_p``, ``seed``). ``on_update`` is called, on the thread that steps
         the engine, after each step that gave the request tokens and when it finishes; it must be
         quick and must not call the engine. ``cache``: this request's own spec where the pool allows
-        one (a float pool: ``"growable"``, or ``"snapkv:..."`` to compress its prompt); default the
-        engine's. ``logprobs`` / ``prompt_logprobs``: report each generated / prompt token's
+        one (a float pool: ``"growable"``, or a bounded kind, ``"h2o:budget=256"``, whose own cache
+        holds its context once its prompt is computed: ``compression.py``); default the engine's. ``logprobs`` / ``prompt_logprobs``: report each generated / prompt token's
         log-probability with that many alternatives (0-20; ``handle.logprobs``,
         ``handle.prompt_logprobs``); a prompt scored so is computed whole, not reused."""
         logprobs, prompt_logprobs = check_top("logprobs", logprobs), check_top("prompt_logprobs", prompt_logprobs)
@@ -182,10 +182,8 @@ class Engine:
         sampling = Sampling(temperature, top_p, seed)
         longest = len(prompt) + max_new_tokens - 1  # the last token is never computed
         bs = self.pool.block_size
-        need = blocks_for(longest, bs)
-        if compression is not None:  # the whole prompt and what it keeps, at once; then what it keeps grows
-            keep = compression.keep(len(prompt))
-            need = max(blocks_for(len(prompt), bs) + blocks_for(keep, bs), blocks_for(keep + max_new_tokens - 1, bs))
+        # A bounded request holds its prompt in blocks, then its cache's bytes (counted as it grows).
+        need = blocks_for(longest if compression is None else len(prompt), bs)
         if need > self.pool.total:
             raise PoolError(
                 f"a request of {len(prompt)} prompt + {max_new_tokens} new tokens needs {need} blocks of {bs}; "
@@ -302,10 +300,9 @@ class Engine:
         while self.step():
             pass
 
-    def _forward(self, rows: list[tuple[Request, int]]) -> tuple[dict[int, int], dict[int, list]]:
+    def _forward(self, rows: list[tuple[Request, int]]) -> tuple[dict[int, int], dict[int, Any]]:
         """One forward pass over ``rows``: the next token of each row that computed its last token,
-        and what each prompt compressed in this step keeps (request id -> per layer keys and values
-        ``[Hkv, keep, D]``)."""
+        and the own cache of each prompt compressed in this step (request id -> ``KVCache``)."""
         ids, positions, packed, last, scoring = [], [], [], [], []
         for request, n in rows:
             start = len(ids)
@@ -315,9 +312,9 @@ class Engine:
             if request.prompt_logprobs is not None and scores > 0:  # logits at position p score prompt token p + 1
                 scoring.append((request, start, scores))
             c = request.compression
-            compresses = c is not None and not request.compressed and request.computed + n == len(request.prompt)
-            weights = c.mode if compresses else None
-            packed.append(Row(start, n, request.slots, tuple(request.table), request.tail, weights))
+            prompt = c is not None and request.cache is None
+            weights = c.chunk_modes(request.computed + n == len(request.prompt)) if prompt else None
+            packed.append(Row(start, n, request.slots, tuple(request.table), request.tail, weights, request.cache))
             if request.computed + n == len(request.tokens):
                 last.append((request.rid, start + n - 1))
         step = CodedStep(self.pool, packed) if isinstance(self.pool, CodedBlockPool) else PagedStep(self.pool, packed)
@@ -341,8 +338,14 @@ class Engine:
         picked = [by_id[rid] for rid, _ in last]
         chosen = choose(logits[: len(last)], [r.sampling for r in picked], [r.generator for r in picked])
         self._score(picked, logits[: len(last)], chosen, scoring, logits[len(last) :])
-        kept = {rows[i][0].rid: self._compress(rows[i][0].compression, reported) for i, reported in step.reported.items()}
-        return {rid: token for (rid, _), token in zip(last, chosen)}, kept
+        caches = {}
+        for i, reported in step.reported.items():
+            request, n = rows[i]
+            request.observed = accumulate(request.observed, {m: [w[m] for _, _, w in reported] for m in reported[0][2]})
+            if request.computed + n == len(request.prompt):
+                past = [(k, v) for k, v, _ in reported]
+                caches[request.rid] = compress(self.model, request.compression.spec, past, request.observed)
+        return {rid: token for (rid, _), token in zip(last, chosen)}, caches
 
     @staticmethod
     def _score(picked: list[Request], logits: torch.Tensor, chosen: list[int], scoring: list[tuple[Request, int, int]],
@@ -363,34 +366,24 @@ class Engine:
 
     def _compression_for(self, spec: CacheSpec) -> Compression | None:
         key = str(spec)
-        if key not in self._compressions:
-            self._compressions[key] = _compression(self.model, spec, self._max_batch_tokens)
+        if key not in self._compressions:  # a quantized spec is the coded pool's format, not a cache of its own
+            own = spec.kind != "quantized"
+            self._compressions[key] = compression_for(self.model, spec, self._max_batch_tokens) if own else None
         return self._compressions[key]
 
     def _request_compression(self, cache: str | CacheSpec) -> Compression | None:
         """A request's own spec: the engine's, or over a float pool ``growable`` (no compression)
-        or ``snapkv:...``; anything else is refused, naming what this engine takes."""
+        or a bounded kind; anything else is refused, naming what this engine takes."""
         spec = parse_spec(cache)
         if str(spec) == str(self.spec):
             return self._compression
-        if isinstance(self.pool, CodedBlockPool) or spec.kind not in ("growable", "snapkv"):
+        if isinstance(self.pool, CodedBlockPool) or spec.kind == "quantized":
             raise UnsupportedOperation(
                 f"this engine's pool holds {self.spec} blocks; a request may ask for {self.spec}"
-                + ("" if isinstance(self.pool, CodedBlockPool) else ", growable or snapkv:budget=...")
+                + ("" if isinstance(self.pool, CodedBlockPool) else ", growable or a bounded kind (h2o:budget=..., auto:bytes=...)")
                 + f", not {spec}"
             )
         return self._compression_for(engine_spec(spec))
-
-    def _compress(self, c: Compression, reported: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """What the spec's own layers keep of a prompt (per layer its keys, values and reduced
-        weights, as the step reported them): per layer ``(keys, values)`` ``[Hkv, keep, D]``."""
-        past = [(k, v) for k, v, _ in reported]
-        cache = compress(self.model, c.spec, past, {c.mode: [w for _, _, w in reported]})
-        kept = []
-        for layer in cache.kv_layers:
-            k, v = layer.view()
-            kept.append((k[0], v[0]))
-        return kept
 
     def _check_packing(self) -> None:
         """Refuse a model that does not compute a packed row as it computes the row alone: one that
@@ -571,21 +564,6 @@ def pool_shape(model: Any) -> PoolShape:
     except StopIteration:
         raise TypeError("the model has no parameters") from None
     return PoolShape(config.num_hidden_layers, kv_heads, head_dim, parameter.dtype, parameter.device, window)
-
-
-def _compression(model: Any, spec: CacheSpec, max_batch_tokens: int) -> Compression | None:
-    """How prompts are compressed under ``spec`` (None: they are not), sized by the kind's own
-    layer (every layer of a ``snapkv`` cache keeps the same number of tokens)."""
-    if spec.kind != "snapkv":
-        return None
-    layers = [layer for layer in make_cache(model, spec).kv_layers if layer is not None]
-    if not layers or any(getattr(layer, "is_sliding", False) for layer in layers):
-        raise UnsupportedOperation("the engine compresses prompts of models whose layers all attend every earlier token")
-    window = layers[0].policy.window
-    if max_batch_tokens < window:
-        raise ValueError(f"max_batch_tokens={max_batch_tokens} cannot hold snapkv's observation window of {window} tokens")
-    sizing = layers[0]
-    return Compression(str(spec), keep=lambda tokens: min(tokens, sizing.budget_now(tokens)), window=window)
 
 
 def _tell(requests: Iterable[Request]) -> None:

@@ -5,15 +5,13 @@
   value head dim if smaller): coded blocks with one full-precision open block per running request
   (``CodedBlockPool``). The kind's ``residual`` is not an option here: the open block is the
   engine's exact residual (between 1 and ``block_size`` recent tokens).
-- ``"snapkv:budget=0.25"`` (``window``, ``pool`` as the kind's): full-precision blocks; each
-  request's prompt, once computed, is compressed by kvcache's own SnapKV layer (``scoring.compress``,
-  the weights of the prompt's last ``window`` queries) into as many blocks as it keeps, and its
-  prompt blocks go back to the pool. Generated tokens are then appended and kept: SnapKV
-  compresses the prompt, as the paper and kvpress do (the ``snapkv`` kind under ``generate``, with
-  a budget, also evicts generated tokens once its budget is full).
+- a bounded kind (``"h2o:budget=256"``, ``"snapkv:budget=0.25"``, ``"adakv:..."``,
+  ``"auto:bytes=0.125"``, ``storage=`` on any): full-precision blocks for prompts; each request's
+  context, once its prompt is computed, lives in a cache of that kind of its own
+  (``compression.py``), whose bytes it holds in the pool's blocks.
 
-Any other kind is refused by name. ``make_pool`` sizes the pool from ``blocks`` or ``max_bytes``
-(everything the pool allocates counts: coded blocks, scales and the open blocks).
+``make_pool`` sizes the pool from ``blocks`` or ``max_bytes`` (everything the pool allocates counts:
+coded blocks, scales and the open blocks).
 """
 
 from __future__ import annotations
@@ -27,13 +25,6 @@ from ..spec import CacheSpec, parse_spec
 from .coded_pool import CodedBlockPool
 from .pool import BlockPool
 
-#: Cache kinds the engine's pool holds.
-KINDS = ("growable", "quantized", "snapkv")
-
-#: Options of the snapkv kind the engine does not take (it keeps what SnapKV chooses, plus the window).
-_SNAPKV_FIXED = ("recent", "sinks", "storage")
-
-
 @dataclass(frozen=True)
 class PoolShape:
     layers: int
@@ -45,21 +36,10 @@ class PoolShape:
 
 
 def engine_spec(spec: str | CacheSpec) -> CacheSpec:
-    """``spec`` parsed (``SpecError`` for a malformed one), or ``UnsupportedOperation`` for a kind or
-    option the engine's pool does not hold."""
+    """``spec`` parsed (``SpecError`` for a malformed one), or ``UnsupportedOperation`` for an
+    option the engine's coded pool does not take (which kinds it serves, ``compression.py`` says)."""
     parsed = parse_spec(spec)
-    if parsed.kind not in KINDS:
-        raise UnsupportedOperation(
-            f"the engine's pool holds {' or '.join(map(repr, KINDS))} blocks; {parsed.kind!r} is not built into the "
-            "engine yet (serve it one request at a time with generate and make_cache)"
-        )
-    fixed = [o for o in _SNAPKV_FIXED if o in parsed.options] if parsed.kind == "snapkv" else []
-    if fixed:
-        raise UnsupportedOperation(
-            f"the engine's snapkv keeps the prompt's chosen tokens and its observation window in full precision; "
-            f"it takes budget, window and pool, not {', '.join(fixed)}"
-        )
-    if "residual" in parsed.options:
+    if parsed.kind == "quantized" and "residual" in parsed.options:
         raise UnsupportedOperation(
             "the engine keeps each request's unfilled last block exact (its residual, 1 to block_size tokens); "
             "drop the residual option"

@@ -87,12 +87,13 @@ class Request:
     registered: int = 0
     #: Its open block while running over a ``CodedBlockPool`` (the unfilled last block); else -1.
     tail: int = -1
-    #: Tokens evicted from its blocks (a prompt compressed by SnapKV): its blocks hold
-    #: ``computed - dropped`` slots, in an order of their own once ``compressed``.
-    dropped: int = 0
-    compressed: bool = False
-    #: Blocks allocated for the compressed prompt in the step that compresses it.
-    compact_table: list[int] = field(default_factory=list)
+    #: Its own bounded cache once its prompt is computed (``compression.py``; a ``KVCache``): its
+    #: context lives there, not in the pool's blocks. None for a request of the pool's blocks.
+    cache: Any = None
+    #: Blocks held for its own cache's bytes (never written: they stand for the cache in the pool).
+    lease: list[int] = field(default_factory=list)
+    #: Attention weights its prompt reported so far, to compress it: mode -> per layer ``[1, Hkv, T]``.
+    observed: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     state: State = State.WAITING
     finish_reason: str | None = None
     error: BaseException | None = None
@@ -100,7 +101,7 @@ class Request:
     sampling: Sampling = field(default_factory=Sampling)
     generator: torch.Generator | None = None
     on_update: Callable[[], None] | None = None
-    #: How its prompt is compressed once computed (``scheduler.Compression``), or None.
+    #: How its prompt is compressed into its own cache once computed (``compression.Compression``), or None.
     compression: Any = None
     #: Alternatives reported per generated token (``logprobs.py``), or None for no log-probabilities.
     logprobs: int | None = None
@@ -134,8 +135,8 @@ class Request:
 
     @property
     def slots(self) -> int:
-        """Slots of its blocks in use (its computed tokens less those evicted)."""
-        return self.computed - self.dropped
+        """Slots of its blocks in use: its computed tokens, or none once its own cache holds them."""
+        return 0 if self.cache is not None else self.computed
 
     @property
     def remaining(self) -> int:

@@ -22,20 +22,25 @@ duplicate one registered meanwhile is swapped for it. Not thread-safe: the engin
 With a store tier (``tier.py``), a joining request asks the prompt store for what lies past its
 pool hits, and a request's full chunks are stored once its prompt is computed and before it is
 preempted (so it reloads them instead of computing them again).
+
+A request of a bounded kind (``compression.py``) gives its prompt's blocks back once its own cache
+holds its context, and from then on holds a lease: as many blocks as its cache's bytes fill,
+recounted after every step (``commit``), preempting the newest other request when the pool runs
+short. It computes one token a step past its prompt, also when it computes its generated tokens
+again after a preemption, so its cache evicts as it did the first time.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from ..prompts.keys import chain
 from .coded_pool import CodedBlockPool
-from .pool import BlockPool
+from .pool import BlockPool, PoolError
 from .request import Request, State
 from .tier import StoreTier
 
@@ -98,12 +103,11 @@ class Scheduler:
         return rows
 
     def _grow(self, request: Request, n: int, order: list[Request], scheduled: set[int]) -> bool:
-        """Give ``request`` the blocks for ``n`` more tokens (and, in the step that compresses its
-        prompt, the blocks of the compressed prompt), preempting newer unscheduled requests as
+        """Give ``request`` the blocks for ``n`` more tokens, preempting newer unscheduled requests as
         needed; False if ``request`` had to be preempted itself."""
-        grow = blocks_for(request.slots + n, self.pool.block_size) - len(request.table)
-        compact = self._compact_blocks(request, n)
-        need = max(grow, 0) + compact
+        if request.cache is not None:  # its cache holds them; its lease is counted after the step
+            return True
+        need = blocks_for(request.slots + n, self.pool.block_size) - len(request.table)
         while need > self.pool.available:
             victim = next(
                 (r for r in reversed(order) if r.state is State.RUNNING and r is not request and r.rid not in scheduled),
@@ -112,18 +116,19 @@ class Scheduler:
             self.preempt(victim or request)
             if victim is None:
                 return False
-        if grow > 0:
-            request.table.extend(self.pool.allocate(grow))
-        request.compact_table = self.pool.allocate(compact)
+        if need > 0:
+            request.table.extend(self.pool.allocate(need))
         return True
 
     def _chunk(self, request: Request, n: int) -> int:
         """The tokens ``request`` computes this step, at most ``n``: a prompt to be compressed ends a
         chunk exactly at its end, and its last chunk holds the observation window (0: wait for a
-        step with more room)."""
+        step with more room); past it, one token a step."""
         c = request.compression
-        if c is None or request.compressed:
+        if c is None:
             return n
+        if request.cache is not None:
+            return min(n, 1)
         left = len(request.prompt) - request.computed
         if left <= 0:
             return n
@@ -131,12 +136,6 @@ class Scheduler:
             return left
         return max(0, min(n, left - c.window))
 
-    def _compact_blocks(self, request: Request, n: int) -> int:
-        """Blocks for the compressed prompt if ``request`` compresses it after ``n`` more tokens."""
-        c = request.compression
-        if c is None or request.compressed or request.computed + n != len(request.prompt):
-            return 0
-        return blocks_for(c.keep(len(request.prompt)), self.pool.block_size)
     def _admit(self, request: Request, budget: int) -> int | None:
         """Start ``request``: its pool hits, then blocks for its first chunk; returns the chunk's
         tokens, 0 if the pool has no room now, None if it waits for a prefix being computed."""
@@ -145,8 +144,8 @@ class Scheduler:
         hits: list[int] = []
         if self.share_prefixes:
             limit = min((len(request.tokens) - 1) // bs, len(request.keys))  # the last token is always computed
-            if request.compression is not None and not request.compressed:  # the observation window is computed here
-                limit = min(limit, max(0, len(request.prompt) - request.compression.window) // bs)
+            if request.compression is not None:  # the queries its compression reads are computed here
+                limit = min(limit, request.compression.first_observed(len(request.prompt)) // bs)
             if request.prompt_logprobs is not None:  # a position's logits score the next token: compute them
                 limit = min(limit, (scored - 1) // bs)
             for key in request.keys[:limit]:
@@ -164,14 +163,12 @@ class Scheduler:
         loaded = fetched[1] if fetched is not None else start
         request.computed = loaded
         n = self._chunk(request, min(len(request.tokens) - loaded, budget))
-        compact = self._compact_blocks(request, n)
         need = blocks_for(loaded + n, bs) - len(hits)
-        if n == 0 or need + compact > pool.available:
+        if n == 0 or need > pool.available:
             _release(pool, hits)
             request.computed = 0
             return 0
         request.table = hits + pool.allocate(need)
-        request.compact_table = pool.allocate(compact)
         if fetched is not None:
             self.tier.write(request.table, start, fetched[0], loaded)  # type: ignore[union-attr]
             self.store_tokens += loaded - start
@@ -187,10 +184,10 @@ class Scheduler:
 
     def _loadable(self, request: Request) -> int:
         """How many of ``request``'s tokens a store may provide, plus one (``StoreTier.fetch`` leaves
-        the last token to compute): all but the observation window of a prompt to be compressed."""
-        if request.compression is None or request.compressed:
+        the last token to compute): the tokens before the first query a compression reads."""
+        if request.compression is None:
             return len(request.tokens)
-        return max(1, len(request.prompt) - request.compression.window + 1)
+        return request.compression.first_observed(len(request.prompt)) + 1
 
     def _in_flight(self, key: str, index: int) -> bool:
         """Whether a running request is computing the block whose chain key is ``key`` (its
@@ -201,6 +198,8 @@ class Scheduler:
         )
 
     def _claim(self, request: Request, n: int) -> None:
+        if request.cache is not None:  # its own cache takes the tokens
+            return
         bs, t = self.pool.block_size, request.slots
         end = t + n
         while t < end:
@@ -212,13 +211,12 @@ class Scheduler:
     # ---- after the forward pass ------------------------------------------------------------------
 
     def commit(
-        self, rows: list[tuple[Request, int]], chosen: dict[int, int],
-        kept: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] | None = None,
+        self, rows: list[tuple[Request, int]], chosen: dict[int, int], caches: dict[int, Any] | None = None,
     ) -> list[Request]:
         """Advance each row by its computed tokens; append the token chosen for each request that
-        finished its tokens (``chosen``: request id -> token id); move each prompt compressed in
-        this step into its compact blocks (``kept``: request id -> per layer the kept keys and
-        values ``[Hkv, keep, D]``). Returns the requests that got a token."""
+        finished its tokens (``chosen``: request id -> token id); hand each prompt compressed in
+        this step its own cache (``caches``: request id -> ``KVCache``), its prompt's blocks given
+        back; recount the leases. Returns the requests that got a token."""
         now = time.perf_counter()
         got = []
         for request, n in rows:
@@ -227,34 +225,43 @@ class Scheduler:
             if self.tier is not None and request.computed - n < len(request.prompt) <= request.computed:
                 self.tier.save(request)  # the prompt is computed: its chunks go to the store
             self._register(request)
-            if kept is not None and request.rid in kept:
-                self._compact(request, kept[request.rid])
-            if request.computed >= len(request.prompt):
-                request.stats.held_blocks = max(request.stats.held_blocks, len(request.table))
+            if caches is not None and request.rid in caches:
+                _release(self.pool, request.table)
+                request.table, request.cache, request.observed = [], caches[request.rid], {}
+                request.keys, request.registered = [], 0
             if request.rid in chosen:
                 self._append(request, chosen[request.rid], now)
                 got.append(request)
+        for request, _ in rows:
+            if request.state is State.RUNNING and request.cache is not None:
+                self._lease(request)
+            if request.state is State.RUNNING and request.computed >= len(request.prompt):
+                held = len(request.table) + len(request.lease)
+                request.stats.held_blocks = max(request.stats.held_blocks, held)
         return got
 
-    def _compact(self, request: Request, kept: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Write the kept keys and values into the request's compact blocks and give its prompt's
-        blocks back (registered full ones stay in the pool's LRU for other requests)."""
-        pool, bs = self.pool, self.pool.block_size
-        keep = kept[0][0].shape[1]
-        table = request.compact_table
-        if blocks_for(keep, bs) != len(table):
-            raise RuntimeError(f"compressing request {request.rid}: {keep} kept tokens for {len(table)} blocks")
-        blocks = torch.tensor([table[t // bs] for t in range(keep)], dtype=torch.long, device=pool.device)
-        offsets = torch.tensor([t % bs for t in range(keep)], dtype=torch.long, device=pool.device)
-        for layer, (k, v) in enumerate(kept):
-            pool.key_blocks[layer][blocks, :, offsets] = k.transpose(0, 1).to(pool.dtype)
-            pool.value_blocks[layer][blocks, :, offsets] = v.transpose(0, 1).to(pool.dtype)
-        for i in range(0, keep, bs):
-            pool.claim(table[i // bs], 0, min(bs, keep - i))
-        _release(pool, request.table)
-        request.table, request.compact_table = table, []
-        request.dropped, request.compressed = request.computed - keep, True
-        request.keys, request.registered = [], 0
+    def _lease(self, request: Request) -> None:
+        """Hold as many blocks as ``request``'s own cache's bytes fill. While the pool has too few,
+        the newest running request gives its blocks back (``request`` itself when it is the newest,
+        so the oldest always goes on); a cache larger than the whole pool fails its request."""
+        pool = self.pool
+        need = -(-request.cache.nbytes // pool.block_nbytes) - len(request.lease)
+        while need > pool.available:
+            others = [r for r in self.running if r is not request]
+            if not others:
+                error = PoolError(
+                    f"request {request.rid}'s {request.compression.spec} cache holds {request.cache.nbytes} bytes, "
+                    f"more than the pool's {pool.total} blocks of {pool.block_nbytes}"
+                )
+                self.finish(request, "error", error)
+                return
+            victim = max(others, key=lambda r: r.rid)
+            if victim.rid < request.rid:
+                self.preempt(request)
+                return
+            self.preempt(victim)
+        if need > 0:
+            request.lease.extend(pool.allocate(need))
 
     def _append(self, request: Request, token: int, now: float) -> None:
         request.tokens.append(token)
@@ -266,12 +273,12 @@ class Scheduler:
             self.finish(request, "eos")
         elif stats.generated >= request.max_new_tokens:
             self.finish(request, "length")
-        elif self.share_prefixes and not request.compressed and len(request.tokens) % self.pool.block_size == 0:
+        elif self.share_prefixes and request.cache is None and len(request.tokens) % self.pool.block_size == 0:
             request.keys = chain(self.salt, request.tokens, self.pool.block_size, request.keys)
 
     def _register(self, request: Request) -> None:
         """Register the request's newly full blocks (swapping any that duplicate a registered one)."""
-        if not self.share_prefixes or request.compressed or request.state is not State.RUNNING:
+        if not self.share_prefixes or request.cache is not None or request.state is not State.RUNNING:
             return
         pool, table = self.pool, request.table
         full = min(request.computed // pool.block_size, len(request.keys))
@@ -292,7 +299,7 @@ class Scheduler:
         if self.tier is not None:
             self.tier.save(request)
         self._give_back(request)
-        request.computed, request.registered, request.dropped, request.compressed = 0, 0, 0, False
+        request.computed, request.registered = 0, 0
         request.keys = chain(self.salt, request.tokens, self.pool.block_size) if self.share_prefixes else []
         request.state = State.WAITING
         request.stats.preemptions += 1
@@ -313,27 +320,12 @@ class Scheduler:
         request.stats.finished = time.perf_counter()
 
     def _give_back(self, request: Request) -> None:
-        """Release ``request``'s blocks (and compact blocks) and its open block."""
-        _release(self.pool, request.table + request.compact_table)
-        request.table, request.compact_table = [], []
+        """Release ``request``'s blocks, its lease, its own cache and its open block."""
+        _release(self.pool, request.table + request.lease)
+        request.table, request.lease, request.cache, request.observed = [], [], None, {}
         if request.tail >= 0:
             self.pool.give_tail(request.tail)  # type: ignore[attr-defined]
             request.tail = -1
-
-
-@dataclass(frozen=True)
-class Compression:
-    """A prompt compressed once computed (SnapKV, cache spec ``spec``): ``keep(T)`` tokens kept of a
-    prompt of ``T``; the prompt's last chunk holds at least its last ``window`` tokens (the
-    observation window), whose attention weights (``attend_weighted`` mode ``mode``) score it."""
-
-    spec: str
-    keep: Callable[[int], int]
-    window: int
-
-    @property
-    def mode(self) -> str:
-        return f"window:{self.window}"
 
 
 def blocks_for(tokens: int, block_size: int) -> int:

@@ -14,13 +14,16 @@ and values ``[1, Hkv, T, D]``. For each layer the step:
    blocks reading those once for all of them (``shared_prefix.py``);
 3. runs each row of several tokens (a prefill chunk) through attention over its blocks, causal
    aligned to the end (the chunk follows the row's past), or over the chunk itself when the row
-   has no past.
+   has no past;
+4. runs each row whose context lives in a bounded cache of its own (``compression.py``) through
+   that cache's layer: ``update`` with its new key and value, then ``attend``, as under ``generate``.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -44,9 +47,11 @@ class Row:
     table: tuple[int, ...]
     #: The row's open block in a ``CodedBlockPool`` (its unfilled last block); -1 in a float pool.
     tail: int = -1
-    #: Attention weights to report for this row (a prompt's last chunk, to be compressed): the
-    #: mode of ``attend_weighted`` (``"window:32"``), or None.
-    weights: str | None = None
+    #: Attention weights to report for this row (a chunk of a prompt to be compressed): modes of
+    #: ``attend_weighted`` (``("window:32",)``), or None.
+    weights: tuple[str, ...] | None = None
+    #: The row's own bounded cache (a ``KVCache``), which holds its context instead of ``table``.
+    cache: Any = None
 
     @property
     def length(self) -> int:
@@ -66,6 +71,12 @@ class PagedStep:
         self.pool, self.rows = pool, rows
         self.tokens = sum(r.count for r in rows)
         bs = pool.block_size
+        self.own_rows = [r for r in rows if r.cache is not None]
+        rows = [r for r in rows if r.cache is None]
+        self.pooled = (
+            torch.tensor([t for r in rows for t in range(r.start, r.start + r.count)], dtype=torch.long, device=pool.device)
+            if self.own_rows else None
+        )
         slots = [(r.table[t // bs], t % bs) for r in rows for t in range(r.past, r.length)]
         self.slot_blocks = torch.tensor([b for b, _ in slots], dtype=torch.long, device=pool.device)
         self.slot_offsets = torch.tensor([o for _, o in slots], dtype=torch.long, device=pool.device)
@@ -86,8 +97,8 @@ class PagedStep:
         self.shared_rows = 0
         self.layers_run = 0
         #: For each row that reports weights (by its index in ``rows``): per layer the row's keys and
-        #: values ``[1, Hkv, length, D]`` and its weights float32 ``[1, Hkv, length]``.
-        self.reported: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        #: values ``[1, Hkv, length, D]`` and its weights, mode -> float32 ``[1, Hkv, length]``.
+        self.reported: dict[int, list[tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]] = {}
 
     def attend(
         self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -128,11 +139,19 @@ class PagedStep:
         """Store the layer's new keys and values and attend every row: ``[1, T, Hq, Dv]``."""
         pool = self.pool
         keys, values = pool.key_blocks[layer], pool.value_blocks[layer]
-        # keys[block, :, offset] is [T, Hkv, D]: every new token's slot in one indexed copy.
-        keys[self.slot_blocks, :, self.slot_offsets] = key[0].transpose(0, 1).to(pool.dtype)
-        values[self.slot_blocks, :, self.slot_offsets] = value[0].transpose(0, 1).to(pool.dtype)
-
         out = query.new_empty(1, self.tokens, query.shape[1], value.shape[-1])
+        for r in self.own_rows:
+            span = slice(r.start, r.start + r.count)
+            own = r.cache.kv_layers[layer]
+            own.update(key[:, :, span], value[:, :, span])
+            out[0, span] = own.attend(query[:, :, span], scale=scale)[0].transpose(0, 1)
+        new_keys, new_values = key[0], value[0]
+        if self.pooled is not None:  # the tokens of rows in the pool, when others have their own cache
+            new_keys, new_values = new_keys[:, self.pooled], new_values[:, self.pooled]
+        # keys[block, :, offset] is [T, Hkv, D]: every new token's slot in one indexed copy.
+        keys[self.slot_blocks, :, self.slot_offsets] = new_keys.transpose(0, 1).to(pool.dtype)
+        values[self.slot_blocks, :, self.slot_offsets] = new_values.transpose(0, 1).to(pool.dtype)
+
         if self.decode_rows:
             q = query[0, :, self.decode_tokens].transpose(0, 1).unsqueeze(2)  # [S, Hq, 1, D]
             got = self._decode(layer, q, scale)
@@ -160,7 +179,10 @@ class PagedStep:
             pk, pv = self.pool.gather(layer, row.table[: -(-row.past // self.pool.block_size)])
             k = torch.cat([pk[None, :, : row.past].to(k.dtype), k], dim=2)
             v = torch.cat([pv[None, :, : row.past].to(v.dtype), v], dim=2)
-        got, weights = attend_weighted(q, k, v, scale=scale, causal=True, weights=row.weights)
+        if row.weights:
+            got, weights = attend_weighted(q, k, v, scale=scale, causal=True, weights=row.weights)
+        else:  # keys and values only (a compression that reads no weights)
+            got, weights = attend(q, k, v, scale=scale, causal=True), {}
         self.reported.setdefault(self.rows.index(row), []).append((k, v, weights))
         return got
 

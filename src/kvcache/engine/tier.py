@@ -64,7 +64,7 @@ class StoreTier:
     def save(self, request: Request) -> int:
         """Store the full chunks of ``request``'s computed tokens that the store lacks; the tokens
         newly stored."""
-        if request.compressed:  # its blocks no longer hold its tokens in order
+        if request.cache is not None:  # its own cache holds its context, not the pool's blocks
             return 0
         chunk = self.store.chunk
         held = request.computed // chunk * chunk
