@@ -268,7 +268,7 @@ def test_models_health_and_metrics(server):
         ("/v1/completions", {"model": "gpt-5", "prompt": "hi"}, 404, "model"),
         ("/v1/chat/completions", {"model": "tiny-chat", "messages": "hi"}, 400, "messages"),
         ("/v1/chat/completions", {"model": "tiny-chat", "messages": [{"role": "user", "content": 3}]}, 400, "messages[0].content"),
-        ("/v1/chat/completions", {"model": "tiny-chat", "messages": [{"role": "user", "content": "x"}], "cache": "h2o:budget=8"}, 400, "cache"),
+        ("/v1/chat/completions", {"model": "tiny-chat", "messages": [{"role": "user", "content": "x"}], "cache": "kvzip:budget=8"}, 400, "cache"),
     ],
 )
 def test_bad_requests_get_the_openai_error_shape(server, path, body, status, param):

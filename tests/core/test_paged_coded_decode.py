@@ -1,4 +1,4 @@
-"""``fused.paged_decode_attention``: a decode step of many sequences over a pool of coded blocks
+"""``fused_paged.paged_decode_attention``: a decode step of many sequences over a pool of coded blocks
 (each sequence reading its blocks through its table, then an exact tail block), against torch's
 SDPA over each sequence's keys and values dequantized with ``quant.py``'s reference formulas
 (``dequantize_per_channel`` per block for keys, ``dequantize_per_token`` for values) and
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kvcache import quant
-from kvcache.attention import fused
+from kvcache.attention import fused, fused_paged
 from kvcache.attention.native_build import DISABLE_ENV
 
 FP32 = {"rtol": 1e-5, "atol": 1e-5}
@@ -91,7 +91,7 @@ class Step:
             "tail_blocks": self.tail_blocks, "tail_lengths": self.tail_lengths,
         }  # fmt: skip
         args.update(changes)
-        return fused.paged_decode_attention(query, scale=scale, softcap=softcap, **args)
+        return fused_paged.paged_decode_attention(query, scale=scale, softcap=softcap, **args)
 
     def reference(self, query, scale, softcap=None):
         """Each sequence's dequantized blocks in table order and its tail, then SDPA (or the cap written out)."""

@@ -17,7 +17,7 @@ from coded_reference import coded_reference
 from engine_reference import ids, reference, same_or_near_tie
 
 from kvcache import Engine, quant
-from kvcache.attention import fused
+from kvcache.attention import fused_paged
 from kvcache.engine import CodedBlockPool, PoolError
 from kvcache.errors import SpecError, UnsupportedOperation
 
@@ -123,7 +123,7 @@ def test_the_torch_path_gives_what_the_coded_library_gives(model, monkeypatch):
     spec = "quantized:bits=4,group_size=8"
     fast, _ = run(Engine(model, spec, block_size=8, blocks=64, max_batch_tokens=64, max_seqs=4), prompts)
     calls = []
-    monkeypatch.setattr(fused, "paged_decode_attention", lambda *a, **k: calls.append(1))  # returns None: declined
+    monkeypatch.setattr(fused_paged, "paged_decode_attention", lambda *a, **k: calls.append(1))  # returns None: declined
     slow, _ = run(Engine(model, spec, block_size=8, blocks=64, max_batch_tokens=64, max_seqs=4), prompts)
     assert calls, "the library path was not asked"
     ties = sum(same_or_near_tie(s.result(), (f.result(), [0.0] * NEW)) for f, s in zip(fast, slow))

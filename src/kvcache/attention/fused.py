@@ -13,8 +13,8 @@ does a plain decode step in one pass over the codes ("flash decoding": scores, c
 softmax and the weighted values, chunk by chunk, the chunks merged at the end), returning each
 row's normalised output and the log-sum-exp of its scores; ``merge_attention`` folds in the
 attention over further keys (a quantized layer's exact tail) by those log-sum-exps.
-``paged_decode_attention`` is the same pass for a decode step of many sequences whose coded blocks
-lie in a pool (each read through its block table), each with an exact tail block.
+``fused_paged.paged_decode_attention`` is the same pass for a decode step of many sequences whose
+coded blocks lie in a pool (each read through its block table), each with an exact tail block.
 
 An eviction layer's coded slots (``layers/slots.py``) keep keys per token too, in groups of channels
 like the values, so that a slot can be overwritten alone: ``token_key_scores`` and
@@ -95,14 +95,14 @@ def key_scores(
     group = codes.shape[3]
     width = blocks * group if width is None else width
     lib = library()
-    if lib is None or not _fits(rows, dim, bits, query.device) or width < blocks * group or blocks > codes.shape[2]:
+    if lib is None or not fits(rows, dim, bits, query.device) or width < blocks * group or blocks > codes.shape[2]:
         return None
     out = torch.empty(batch, heads, rows, width, dtype=torch.float32)
     if blocks * group * out.shape[0] * heads * rows == 0:
         return out
     q = query.detach().float().contiguous()
-    codes = _inner_contiguous(codes)
-    scale, minimum = _same_strides(scale, minimum)
+    codes = inner_contiguous(codes)
+    scale, minimum = same_strides(scale, minimum)
     threads = torch.get_num_threads()
     chunk = task_chunk(blocks, batch * heads, threads, _TASKS_PER_THREAD, max(1, _MIN_CHUNK // group))
     failed = lib.kv_coded_key_scores(
@@ -124,13 +124,13 @@ def weighted_values(
     batch, heads, rows, tokens = weights.shape
     dim = codes.shape[3] * 8 // bits
     lib = library()
-    if lib is None or not _fits(rows, dim, bits, weights.device) or group % (8 // bits) or dim % group or tokens > codes.shape[2]:
+    if lib is None or not fits(rows, dim, bits, weights.device) or group % (8 // bits) or dim % group or tokens > codes.shape[2]:
         return None
     p = weights.detach().float()
     if p.stride(3) != 1:
         p = p.contiguous()
-    codes = _inner_contiguous(codes)
-    scale, minimum = _same_strides(scale, minimum)
+    codes = inner_contiguous(codes)
+    scale, minimum = same_strides(scale, minimum)
     threads = torch.get_num_threads()
     chunk = task_chunk(tokens, batch * heads, threads, _TASKS_PER_THREAD, _MIN_CHUNK)
     chunks = max(1, math.ceil(tokens / chunk))
@@ -174,7 +174,7 @@ def decode_attention(
     lib = library()
     if (
         lib is None
-        or not _fits(rows, max(dim, vdim), bits, query.device)
+        or not fits(rows, max(dim, vdim), bits, query.device)
         or blocks < 1
         or blocks > kcodes.shape[2]
         or blocks * group > vcodes.shape[2]
@@ -188,9 +188,9 @@ def decode_attention(
     tail_len = 0 if tail_keys is None else tail_keys.shape[2]
     exact_values = tail_values is not None and tail_len > vcoded
     q = query.detach().float().contiguous()
-    kcodes, vcodes = _inner_contiguous(kcodes), _inner_contiguous(vcodes)
-    kscale, kmin = _same_strides(kscale, kmin)
-    vscale, vmin = _same_strides(vscale, vmin)
+    kcodes, vcodes = inner_contiguous(kcodes), inner_contiguous(vcodes)
+    kscale, kmin = same_strides(kscale, kmin)
+    vscale, vmin = same_strides(vscale, vmin)
     out = torch.empty(batch, heads, rows, vdim, dtype=torch.float32)
     lse = torch.empty(batch, heads, rows, dtype=torch.float32)
     threads = torch.get_num_threads()
@@ -224,8 +224,8 @@ def token_key_scores(
     if out.numel() == 0:
         return out
     q = query.detach().float().contiguous()
-    codes = _inner_contiguous(codes)
-    scale, minimum = _same_strides(scale, minimum)
+    codes = inner_contiguous(codes)
+    scale, minimum = same_strides(scale, minimum)
     threads = torch.get_num_threads()
     chunk = task_chunk(tokens, batch * heads, threads, _TASKS_PER_THREAD, _MIN_CHUNK)
     failed = lib.kv_token_coded_key_scores(
@@ -263,7 +263,7 @@ def token_decode_attention(
         lib is None
         or tokens < 1
         or not _token_keys_fit(query, keys, bits, key_group, tokens)
-        or not _fits(rows, vdim, bits, query.device)
+        or not fits(rows, vdim, bits, query.device)
         or vcodes.shape[:2] != (batch, heads)
         or tokens > vcodes.shape[2]
         or value_group < 1
@@ -273,9 +273,9 @@ def token_decode_attention(
     ):
         return None
     q = query.detach().float().contiguous()
-    kcodes, vcodes = _inner_contiguous(keys[0]), _inner_contiguous(vcodes)
-    kscale, kmin = _same_strides(keys[1], keys[2])
-    vscale, vmin = _same_strides(vscale, vmin)
+    kcodes, vcodes = inner_contiguous(keys[0]), inner_contiguous(vcodes)
+    kscale, kmin = same_strides(keys[1], keys[2])
+    vscale, vmin = same_strides(vscale, vmin)
     out = torch.empty(batch, heads, rows, vdim, dtype=torch.float32)
     lse = torch.empty(batch, heads, rows, dtype=torch.float32)
     threads = torch.get_num_threads()
@@ -299,7 +299,7 @@ def _token_keys_fit(
     codes, scale, minimum = keys
     batch, heads, rows, dim = query.shape
     return (
-        _fits(rows, dim, bits, query.device)
+        fits(rows, dim, bits, query.device)
         and codes.dtype == torch.uint8
         and codes.dim() == scale.dim() == 4
         and codes.shape[:2] == (batch, heads)
@@ -309,119 +309,6 @@ def _token_keys_fit(
         and dim % group == 0
         and scale.shape == minimum.shape == (*codes.shape[:3], dim // group)
         and 0 <= tokens <= codes.shape[2]
-        and not (torch.is_grad_enabled() and query.requires_grad)  # the library computes no gradients
-    )
-
-
-#: Key blocks a task of ``paged_decode_attention`` takes, in tokens (a sequence's blocks are split
-#: into runs of about this many, so one long sequence still spreads over the threads).
-_PAGED_TASK_TOKENS = 256
-
-
-def paged_decode_attention(
-    query: torch.Tensor,
-    keys: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    values: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    bits: int,
-    value_group: int,
-    tables: torch.Tensor,
-    coded: torch.Tensor,
-    tail_keys: torch.Tensor,
-    tail_values: torch.Tensor,
-    tail_blocks: torch.Tensor,
-    tail_lengths: torch.Tensor,
-    scale: float,
-    softcap: float | None = None,
-) -> torch.Tensor | None:
-    """A decode step of ``S`` sequences over a pool of coded blocks, in one library call: the
-    normalised attention output float32 ``[S, Hkv, R, Dv]`` of query rows ``[S, Hkv, R, D]`` (the rows
-    of each KV head's group packed), scores ``scale * q . k`` (capped as ``softcap * tanh(score /
-    softcap)`` when ``softcap`` is given).
-
-    ``keys``: codes uint8 ``[NB, Hkv, bs, D * bits / 8]``, scale and minimum ``[NB, Hkv, D]`` (per
-    channel over each block's ``bs`` tokens); ``values``: codes ``[NB, Hkv, bs, Dv * bits / 8]``, scale
-    and minimum ``[NB, Hkv, bs, Dv / value_group]`` (per token). Sequence ``s`` attends, in order, its
-    ``coded[s]`` (int64 ``[S]``, a multiple of ``bs``) coded tokens from blocks ``tables[s, 0],
-    tables[s, 1], ...`` (int32 ``[S, W]``), then ``tail_lengths[s]`` (int64 ``[S]``, ``0..bs``) exact
-    tokens from block ``tail_blocks[s]`` (int32 ``[S]``, ignored for an empty tail) of the float32
-    pools ``tail_keys`` ``[NT, Hkv, bs, D]`` and ``tail_values`` ``[NT, Hkv, bs, Dv]`` (last dims
-    contiguous). A sequence with no tokens gets zeros.
-
-    None: see the module docstring (also for tail pools of another dtype or layout). Raises
-    ``ValueError`` for a length, block id or tail block outside the table or the pools."""
-    if not _paged_fits(query, keys, values, bits, value_group, tables, coded, tail_keys, tail_values, tail_blocks, tail_lengths):
-        return None
-    lib = library()
-    if lib is None:
-        return None
-    seqs, heads, rows, dim = query.shape
-    kcodes, kscale, kmin = keys
-    vcodes, vscale, vmin = values
-    pool_blocks, _, block_size, _ = kcodes.shape
-    vdim = tail_values.shape[3]
-    out = torch.empty(seqs, heads, rows, vdim, dtype=torch.float32)
-    if seqs == 0:
-        return out
-    q = query.detach().float().contiguous()
-    kcodes, vcodes = _inner_contiguous(kcodes), _inner_contiguous(vcodes)
-    kscale, kmin = _same_strides(kscale, kmin)
-    vscale, vmin = _same_strides(vscale, vmin)
-    table = tables.to(torch.int32).contiguous()
-    coded = coded.to(torch.int64).contiguous()
-    tail_blocks, tail_lengths = tail_blocks.to(torch.int32).contiguous(), tail_lengths.to(torch.int64).contiguous()
-    per_task = max(1, _PAGED_TASK_TOKENS // block_size)
-    tk, tv = tail_keys.stride(), tail_values.stride()
-    failed = lib.kv_paged_coded_decode(
-        q.data_ptr(), kcodes.data_ptr(), kscale.data_ptr(), kmin.data_ptr(),
-        vcodes.data_ptr(), vscale.data_ptr(), vmin.data_ptr(), tail_keys.data_ptr(), tail_values.data_ptr(),
-        table.data_ptr(), coded.data_ptr(), tail_blocks.data_ptr(), tail_lengths.data_ptr(), out.data_ptr(),
-        seqs, heads, rows, dim, vdim, block_size, value_group, bits, pool_blocks, tail_keys.shape[0], table.shape[1],
-        kcodes.stride(0), kcodes.stride(1), kscale.stride(0), kscale.stride(1),
-        vcodes.stride(0), vcodes.stride(1), vscale.stride(0), vscale.stride(1),
-        tk[0], tk[1], tk[2], tv[0], tv[1], tv[2],
-        per_task, float(scale), float(softcap or 0.0), torch.get_num_threads(),
-    )  # fmt: skip
-    if failed == 2:
-        raise ValueError(
-            f"paged coded decode: a sequence's coded length (a multiple of the block size {block_size}, within "
-            f"its table of {table.shape[1]}), block id (below {pool_blocks}), tail length (0..{block_size}) or "
-            f"tail block (below {tail_keys.shape[0]}) is out of range"
-        )
-    return None if failed else out
-
-
-def _paged_fits(query, keys, values, bits, value_group, tables, coded, tail_keys, tail_values, tail_blocks, tail_lengths) -> bool:
-    """Whether ``paged_decode_attention`` can take these shapes (see its docstring) in the library."""
-    kcodes, kscale, kmin = keys
-    vcodes, vscale, vmin = values
-    tensors = (query, kcodes, kscale, kmin, vcodes, vscale, vmin, tables, coded, tail_keys, tail_values, tail_blocks, tail_lengths)
-    if query.dim() != 4 or kcodes.dim() != 4 or vcodes.dim() != 4 or bits not in (8, 4, 2):
-        return False
-    seqs, heads, rows, dim = query.shape
-    blocks, block_size = kcodes.shape[0], kcodes.shape[2]
-    vdim = vcodes.shape[3] * 8 // bits
-    return (
-        all(t.device.type == "cpu" for t in tensors)
-        and _fits(rows, max(dim, vdim), bits, query.device)
-        and kcodes.dtype == vcodes.dtype == torch.uint8
-        and block_size >= 1
-        and kcodes.shape == (blocks, heads, block_size, dim * bits // 8)
-        and dim % (8 // bits) == 0
-        and kscale.shape == kmin.shape == (blocks, heads, dim)
-        and vcodes.shape[:3] == (blocks, heads, block_size)
-        and value_group >= 1
-        and value_group % (8 // bits) == 0
-        and vdim % value_group == 0
-        and vscale.shape == vmin.shape == (blocks, heads, block_size, vdim // value_group)
-        and tail_keys.dtype == tail_values.dtype == torch.float32
-        and tail_keys.dim() == tail_values.dim() == 4
-        and tail_keys.shape == (tail_keys.shape[0], heads, block_size, dim)
-        and tail_values.shape == (tail_keys.shape[0], heads, block_size, vdim)
-        and tail_keys.stride(3) == 1
-        and tail_values.stride(3) == 1
-        and tables.dim() == 2
-        and tables.shape[0] == seqs
-        and coded.shape == tail_blocks.shape == tail_lengths.shape == (seqs,)
         and not (torch.is_grad_enabled() and query.requires_grad)  # the library computes no gradients
     )
 
@@ -454,11 +341,12 @@ def merge_attention(
     return torch.lerp(out1, out2, share2)
 
 
-def _fits(rows: int, dim: int, bits: int, device: torch.device) -> bool:
+def fits(rows: int, dim: int, bits: int, device: torch.device) -> bool:
+    """Whether the library takes ``rows`` query rows per KV head of head dim ``dim`` at ``bits`` on ``device``."""
     return device.type == "cpu" and 1 <= rows <= MAX_ROWS and 1 <= dim <= MAX_DIM and bits in (8, 4, 2)
 
 
-def _inner_contiguous(t: torch.Tensor) -> torch.Tensor:
+def inner_contiguous(t: torch.Tensor) -> torch.Tensor:
     """``t`` ``[B, Hkv, ...]`` with every dim after the first two contiguous (a store's view already is)."""
     expected, step = [], 1
     for size in reversed(t.shape[2:]):
@@ -467,10 +355,10 @@ def _inner_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if list(t.stride()[2:]) == expected[::-1] else t.contiguous()
 
 
-def _same_strides(scale: torch.Tensor, minimum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def same_strides(scale: torch.Tensor, minimum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale and minimum as float32 with inner dims contiguous and equal strides (one pair of
     strides reaches both)."""
-    scale, minimum = _inner_contiguous(scale.float()), _inner_contiguous(minimum.float())
+    scale, minimum = inner_contiguous(scale.float()), inner_contiguous(minimum.float())
     if scale.stride() != minimum.stride():
         scale, minimum = scale.contiguous(), minimum.contiguous()
     return scale, minimum

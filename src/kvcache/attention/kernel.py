@@ -32,10 +32,12 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ..errors import DTypeError, ShapeError
+from ..errors import DTypeError
 from . import native
 from .causal import can_split, causal_attention
+from .heads import check_inputs, group_mask, group_sinks, sink_rows, softmax
 from .readers import BlockReader, TensorLike, TensorReader
+from .weights import Weights, first_weighted_row, reduce_into, reduced, weight_modes, zeros
 
 _BLOCK_BYTES = 64 * 2**20  # score bytes per query block, at most
 #: Score bytes per block of query rows over plain tensors: the block's scores and softmax stay in
@@ -78,15 +80,6 @@ def attend(
             return out
     out, _ = attend_weighted(query, key, value, scale=scale, mask=mask, causal=causal, softcap=softcap, sinks=sinks)
     return out
-
-
-#: What ``attend_weighted`` can report about the attention weights, per KV head and key (each
-#: summed over the query heads of the group): ``"sum"`` over every query row, ``"last"`` for the
-#: last query only, ``"max"`` the largest weight any query row gave the key, and ``"window:N"``
-#: summed over the last N query rows (SnapKV's observation window).
-WEIGHTS = ("sum", "last", "max", "window:N")
-
-Weights = str | tuple[str, ...] | None
 
 
 class Settings(NamedTuple):
@@ -141,28 +134,28 @@ def attend_weighted(
     reading only the keys it can see. A decode step may take the one-pass C++ library.
     """
     reader = _as_reader(key, value)
-    modes = _weight_modes(weights)
+    modes = weight_modes(weights)
     plain = reader.tensors()  # (keys, values) as whole tensors, or None: a reader of blocks
-    batch, q_heads, q_len, head_dim, kv_heads, kv_len, value_dim = _check_inputs(query, reader, plain, mask)
+    batch, q_heads, q_len, head_dim, kv_heads, kv_len, value_dim = check_inputs(query, reader, plain, mask)
     group = q_heads // kv_heads
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
     # [B, Hq, Sq, D] -> [B, Hkv, group, Sq, D]: query head h reads KV head h // group.
     q5 = query.reshape(batch, kv_heads, group, q_len, head_dim)
-    mask5 = _group_mask(mask, batch, kv_heads, group, q_len, kv_len)
+    mask5 = group_mask(mask, batch, kv_heads, group, q_len, kv_len)
 
     if q_len == 0:
-        return query.new_empty(batch, q_heads, 0, value_dim), _reduced(weights, modes, reader)
+        return query.new_empty(batch, q_heads, 0, value_dim), reduced(weights, modes, reader)
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be a positive number or None, got {softcap}")
     settings = Settings(scale, softcap, causal, mask5, mask_rows, group_sinks(sinks, kv_heads, group))
-    weighted_from = _first_weighted_row(modes, q_len)
+    weighted_from = first_weighted_row(modes, q_len)
     try_native, sdpa_rows = route(plain is not None, settings, group, q_len, weighted_from, coded=plain is None)
     if try_native:
         out = _native_decode(q5, *plain, settings) if plain is not None else _reader_decode(q5, reader, settings)
         if out is not None:
             return out.to(query.dtype).reshape(batch, q_heads, q_len, value_dim), None
-    reduced = {mode: _zeros(reader) for mode in modes}
+    by_mode = {mode: zeros(reader) for mode in modes}
     outs = []
     fused = _fused_rows(query, *plain, settings, sdpa_rows) if sdpa_rows else None
     if fused is not None:
@@ -178,14 +171,14 @@ def attend_weighted(
             outs.append(_sdpa_block(query, *plain, settings, start, stop, limit))
             continue
         probs = _block_probs(q5, reader, settings, start, stop, limit)
-        for mode, acc in reduced.items():
-            _reduce_into(acc[..., :limit], mode, probs, start, q_len)
+        for mode, acc in by_mode.items():
+            reduce_into(acc[..., :limit], mode, probs, start, q_len)
         rows = group * (stop - start)
         flat = probs.to(query.dtype).reshape(batch, kv_heads, rows, limit)
         out = reader.first(limit).weighted_values(flat, rows <= DECODE_ROWS)
         outs.append(out.view(batch, kv_heads, group, stop - start, value_dim))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)
-    return out.reshape(batch, q_heads, q_len, value_dim), _reduced(weights, modes, reader, reduced)
+    return out.reshape(batch, q_heads, q_len, value_dim), reduced(weights, modes, reader, by_mode)
 
 
 def route(
@@ -240,30 +233,6 @@ def _as_reader(key: TensorLike, value: torch.Tensor | None) -> BlockReader:
     return TensorReader(key, value)
 
 
-def _weight_modes(weights: Weights) -> tuple[str, ...]:
-    """The modes asked for, each checked: ``"sum"``, ``"last"``, ``"max"`` or ``"window:N"`` (N >= 1)."""
-    if weights is None:
-        return ()
-    modes = (weights,) if isinstance(weights, str) else tuple(weights)
-    for mode in modes:
-        if mode in ("sum", "last", "max"):
-            continue
-        if isinstance(mode, str) and mode.startswith("window:") and mode[7:].isdigit() and int(mode[7:]) >= 1:
-            continue
-        raise ValueError(f"weights must be None or one of {WEIGHTS} (N a whole number >= 1), or a tuple of them; got {mode!r}")
-    return modes
-
-
-def _first_weighted_row(modes: tuple[str, ...], q_len: int) -> int:
-    """The first query row whose softmax weights a mode needs (``q_len``: none does)."""
-    first = q_len
-    for mode in modes:
-        if mode in ("sum", "max"):
-            return 0
-        first = min(first, q_len - (1 if mode == "last" else min(q_len, int(mode[7:]))))
-    return first
-
-
 def _blocks(
     q_len: int, group: int, row_bytes: int, split_at: int, first: int = 0, in_cache: bool = False
 ) -> list[tuple[int, int]]:
@@ -285,32 +254,6 @@ def _blocks(
     for lo, hi in ((first, max(first, split_at)), (max(first, split_at), q_len)):
         out += [(s, min(hi, s + block)) for s in range(lo, hi, block)]
     return out
-
-
-def _reduce_into(acc: torch.Tensor, mode: str, probs: torch.Tensor, start: int, q_len: int) -> None:
-    """Fold the weights ``[B, Hkv, group, rows, T']`` of query rows ``start...`` into ``acc`` ``[B, Hkv, T']``."""
-    rows = probs.shape[3]
-    if mode == "sum":
-        acc += probs.sum(dim=(2, 3))
-    elif mode == "max":
-        torch.maximum(acc, probs.sum(dim=2).amax(dim=2).to(acc.dtype), out=acc)
-    else:
-        first = q_len - (1 if mode == "last" else min(q_len, int(mode[7:])))
-        lo = max(first - start, 0)
-        if lo < rows:
-            acc += probs[:, :, :, lo:].sum(dim=(2, 3))
-
-
-def _zeros(reader: BlockReader) -> torch.Tensor:
-    return torch.zeros(reader.shape[0], reader.shape[1], reader.shape[2], dtype=torch.float32, device=reader.device)
-
-
-def _reduced(weights: Weights, modes: tuple[str, ...], reader: BlockReader, reduced: dict | None = None):
-    """The weights in the form asked for: None, one tensor (one mode) or a dict (a tuple of modes)."""
-    if not modes:
-        return None
-    reduced = reduced if reduced is not None else {mode: _zeros(reader) for mode in modes}
-    return reduced[modes[0]] if isinstance(weights, str) else reduced
 
 
 def _fused_rows(query, key, value, settings: Settings, rows: int) -> torch.Tensor | None:
@@ -439,104 +382,9 @@ def _block_probs(q5, reader: BlockReader, settings: Settings, start: int, stop: 
         lo = max(0, min(limit, kv_len - q_len + start + 1))
         future = torch.arange(lo, limit, device=q5.device).view(1, -1) > q_pos  # [rows, limit - lo]
         scores[..., lo:limit].masked_fill_(future, -math.inf)
-    probs = softmax(scores, _sink_rows(settings.sinks, start, stop))
+    probs = softmax(scores, sink_rows(settings.sinks, start, stop))
     return probs.nan_to_num(0.0) if masked else probs  # a row with every key masked: zeros, not NaN
-
-
-def softmax(scores: torch.Tensor, sinks5: torch.Tensor | None) -> torch.Tensor:
-    """Softmax over the last dim of ``[B, Hkv, group, rows, T]`` scores, in float32 (float64
-    scores stay float64); with sinks ``[1, Hkv, group, 1, 1]`` (see ``attend``), one more logit
-    per row joins the normalisation and is dropped from the result (``[B|1, Hkv, group, rows|1,
-    1]``: one per row)."""
-    dtype = torch.promote_types(scores.dtype, torch.float32)
-    if sinks5 is None:
-        return torch.softmax(scores, dim=-1, dtype=dtype)
-    sink = sinks5.expand(*scores.shape[:-1], 1)
-    return torch.softmax(torch.cat([scores.to(dtype), sink.to(dtype)], dim=-1), dim=-1)[..., :-1]
-
-
-def group_sinks(sinks: torch.Tensor | None, kv_heads: int, group: int) -> torch.Tensor | None:
-    """Sinks as float32 ``[B|1, Hkv, group, Sq|1, 1]`` (query head h sits under KV head h // group):
-    learned ones, one logit per query head ``[Hq]`` (gpt-oss), or one per query row
-    ``[B|1, Hq, Sq|1, 1]``, computed from each query's own state (Inkling 2)."""
-    if sinks is None:
-        return None
-    q_heads = kv_heads * group
-    if isinstance(sinks, torch.Tensor) and sinks.dim() == 1 and sinks.numel() == q_heads:
-        return sinks.detach().float().reshape(1, kv_heads, group, 1, 1)
-    if isinstance(sinks, torch.Tensor) and sinks.dim() == 4 and sinks.shape[1] == q_heads and sinks.shape[3] == 1:
-        return sinks.detach().float().reshape(sinks.shape[0], kv_heads, group, sinks.shape[2], 1)
-    shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
-    raise ShapeError(f"sinks must be one logit per query head [{q_heads}] or per query row [B, {q_heads}, Sq, 1], got {shape}")
-
-
-def _sink_rows(sinks5: torch.Tensor | None, start: int, stop: int) -> torch.Tensor | None:
-    """The sinks of query rows ``start:stop`` (all of them when they are the same for every row)."""
-    return sinks5 if sinks5 is None or sinks5.shape[3] == 1 else sinks5[:, :, :, start:stop]
-
-
-def group_heads(mask: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """A mask ``[B|1, H|1, S, T]`` as ``[B|1, Hkv|1, group|1, S, T]``: per query head masks (H = Hq)
-    split under their KV head, a mask shared by every head kept broadcastable (a view)."""
-    if mask.shape[1] == 1:
-        return mask.unsqueeze(2)
-    if mask.shape[1] % kv_heads:
-        raise ShapeError(f"a mask over {mask.shape[1]} heads does not split under {kv_heads} key/value heads")
-    return mask.reshape(mask.shape[0], kv_heads, mask.shape[1] // kv_heads, *mask.shape[2:])
 
 
 def _cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
     return scores if softcap is None else torch.tanh(scores / softcap) * softcap
-
-
-def _check_inputs(query: torch.Tensor, reader: BlockReader, plain, mask) -> tuple[int, int, int, int, int, int, int]:
-    """Check the call's inputs (``plain``: ``reader.tensors()``); returns ``B, Hq, Sq, D, Hkv, T, Dv``."""
-    named = (("query", query),) if plain is None else (("query", query), ("key", plain[0]), ("value", plain[1]))
-    for name, t in named:
-        if not isinstance(t, torch.Tensor):
-            raise DTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ShapeError(f"{name} must be [batch, heads, seq, head_dim], got shape {tuple(t.shape)}")
-    key, value = plain if plain is not None else (reader, reader)
-    batch, q_heads, q_len, head_dim = q_shape = query.shape
-    k_shape, v_shape = reader.shape, reader.value_shape
-    if k_shape[0] != batch or v_shape[0] != batch:
-        raise ShapeError(
-            f"batch mismatch: query {tuple(q_shape)}, key {tuple(k_shape)}, value {tuple(v_shape)}"
-        )
-    if k_shape[1] != v_shape[1] or k_shape[2] != v_shape[2]:
-        raise ShapeError(
-            f"key and value must agree on [batch, kv_heads, seq]: key {tuple(k_shape)}, value {tuple(v_shape)}"
-        )
-    if k_shape[3] != head_dim:
-        raise ShapeError(f"query head dim {head_dim} does not match key head dim {k_shape[3]}")
-    if k_shape[1] == 0 or q_heads % k_shape[1]:
-        raise ShapeError(
-            f"query heads ({q_heads}) must be a multiple of key/value heads ({k_shape[1]})"
-        )
-    if not (query.dtype == key.dtype == value.dtype):
-        raise DTypeError(f"query, key and value must share a dtype: {query.dtype}, {key.dtype}, {value.dtype}")
-    if mask is not None:
-        if not isinstance(mask, torch.Tensor):
-            raise DTypeError(f"mask must be a torch.Tensor or None, got {type(mask).__name__}")
-        if mask.dtype != torch.bool and not mask.is_floating_point():
-            raise DTypeError(f"mask must be boolean (True = attend) or floating (additive), got {mask.dtype}")
-    return batch, q_heads, q_len, head_dim, k_shape[1], k_shape[2], v_shape[3]
-
-
-def _group_mask(mask, batch, kv_heads, group, q_len, kv_len) -> torch.Tensor | None:
-    """An SDPA mask broadcastable to ``[B, Hq, Sq, T]`` as ``[B|1, Hkv|1, group|1, Sq|1, T]`` (a view)."""
-    if mask is None:
-        return None
-    q_heads = kv_heads * group
-    while mask.dim() < 4:
-        mask = mask.unsqueeze(0)
-    if mask.dim() != 4:
-        raise ShapeError(f"mask must have at most 4 dims [B, H, Sq, T], got shape {tuple(mask.shape)}")
-    mb, mh, mq, mt = mask.shape
-    if mb not in (1, batch) or mh not in (1, q_heads) or mq not in (1, q_len) or mt not in (1, kv_len):
-        raise ShapeError(
-            f"mask of shape {tuple(mask.shape)} does not broadcast to [B, Hq, Sq, T] = "
-            f"[{batch}, {q_heads}, {q_len}, {kv_len}]"
-        )
-    return group_heads(mask, kv_heads)

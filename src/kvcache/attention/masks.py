@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 
 from ..errors import DTypeError
-from .kernel import group_heads
+from .heads import group_heads
 
 
 class VisibilityRule(Protocol):

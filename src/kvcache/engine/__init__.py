@@ -1,7 +1,8 @@
 """The paged-attention engine: many requests over one model, continuous batching over a paged KV
 pool with prefix sharing.
 
-- ``engine``: ``Engine`` (submit, step, running, generate_batch) and ``pool_shape``.
+- ``engine``: ``Engine`` (submit, step, running, generate_batch); ``probe``: whether it can serve a
+  model; ``inputs``: the checks of what callers hand it.
 - ``scheduler``: which requests compute which tokens each step; admission, prefix hits, preemption.
 - ``step``: one step as one forward pass of a packed sequence; its attention over the pool.
 - ``request``: ``RequestHandle`` (tokens as they come, result, cancel, stats) and ``RequestStats``.

@@ -5,7 +5,7 @@ exact tokens. Per layer the step:
 
 1. writes each decode row's new key and value into its open block (it always has room: a block
    that fills is coded at the end of the step that filled it);
-2. attends the decode rows in one call of the coded library (``fused.paged_decode_attention``:
+2. attends the decode rows in one call of the coded library (``fused_paged.paged_decode_attention``:
    scores from the key codes, online softmax, values decoded from their codes, then the open
    block's exact tokens), or, where the library cannot run, through SDPA over each row's
    dequantized blocks;
@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..attention import attend, fused
+from ..attention import attend, fused_paged
 from .coded_pool import CodedBlockPool, flat
 from .step import PagedStep, Row
 
@@ -106,7 +106,7 @@ class CodedStep(PagedStep):
         pool = self.pool
         seqs, q_heads, dim = q.shape
         packed = q.reshape(seqs, pool.kv_heads, q_heads // pool.kv_heads, dim)
-        got = fused.paged_decode_attention(
+        got = fused_paged.paged_decode_attention(
             packed,
             (pool.key_codes[layer], pool.key_scale[layer], pool.key_min[layer]),
             (pool.value_codes[layer], pool.value_scale[layer], pool.value_min[layer]),

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ..errors import UnsupportedOperation
-from ..fingerprint import AmbiguousGlobalPerLayerAttributeError, config_summary, fingerprint_of, text_config
+from ..fingerprint import config_summary, fingerprint_of, text_config
 from ..hf import FORWARD_STEP, use_kvcache_attention
 from ..linears import PackedLinears
 from ..prompts import PromptStore
@@ -36,15 +36,17 @@ from ..spec import CacheSpec, parse_spec
 from .coded_pool import CodedBlockPool
 from .coded_step import CodedStep
 from .compression import Compression, accumulate, compression_for
-from .formats import PoolShape, engine_spec, make_pool
-from .logprobs import check_top, scored
-from .pool import BlockPool, PoolError
+from .formats import engine_spec, make_pool, pool_shape
+from .inputs import eos_ids, positive, prompt_ids
+from .logprobs import check_top, record
+from .pool import PoolError
 from .request import Request, RequestHandle, State
 from .sampling import Sampling, choose
 from .scheduler import Scheduler, blocks_for
-from .tier import StoreTier
+from .tier import StoreTier, open_store
 
 log = logging.getLogger("kvcache.engine")
+from .probe import check_layers_run, check_packing
 from .step import PagedStep, Row
 
 
@@ -111,14 +113,14 @@ class Engine:
         self.model = model
         geometry = pool_shape(model)
         self.window = geometry.window
-        max_batch_tokens = _positive("max_batch_tokens", max_batch_tokens)
-        max_seqs = _positive("max_seqs", max_seqs)
-        block_size = _positive("block_size", block_size)
+        max_batch_tokens = positive("max_batch_tokens", max_batch_tokens)
+        max_seqs = positive("max_seqs", max_seqs)
+        block_size = positive("block_size", block_size)
         self.geometry = geometry
         self.pool = make_pool(self.spec, geometry, block_size, blocks, max_bytes, max_seqs)
         fingerprint = fingerprint_of(config_summary(text_config(model)))
         salt = key_salt(fingerprint, geometry.dtype, f"engine:{self.spec}", block_size)
-        self.store = _store(store, self.pool)
+        self.store = open_store(store, self.pool)
         tier = StoreTier(self.store, model, self.pool) if self.store is not None else None
         self._max_batch_tokens = max_batch_tokens
         self._compressions: dict[str, Compression | None] = {}
@@ -127,9 +129,10 @@ class Engine:
         self.stats = EngineStats()
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.linears = PackedLinears(model, rows_hint=min(max_seqs, 16)) if pack_linears else None
-        self._eos = _eos_ids(getattr(getattr(model, "generation_config", None), "eos_token_id", None))
+        self._eos = eos_ids(getattr(getattr(model, "generation_config", None), "eos_token_id", None))
         self._vocab = getattr(text_config(model), "vocab_size", None)
-        self._check_packing()
+        if self._vocab is None or self._vocab > 8:  # (a vocabulary of a few ids: a unit test's toy, nothing to probe)
+            check_packing(model, geometry, block_size, self._keeps_logits, self.linears)
         # The engine lock is held through a step; submits and cancels from other threads queue up
         # without it (a step drains the queues first), and handles wait on ``_changed``, a
         # condition of its own, so nobody waits for a whole step to hand over a request.
@@ -175,10 +178,10 @@ class Engine:
         log-probability with that many alternatives (0-20; ``handle.logprobs``,
         ``handle.prompt_logprobs``); a prompt scored so is computed whole, not reused."""
         logprobs, prompt_logprobs = check_top("logprobs", logprobs), check_top("prompt_logprobs", prompt_logprobs)
-        prompt = self._prompt(input_ids)
+        prompt = prompt_ids(input_ids, self._vocab)
         compression = self._compression if cache is None else self._request_compression(cache)
-        max_new_tokens = _positive("max_new_tokens", max_new_tokens)
-        eos = self._eos if eos_token_id is None else _eos_ids(eos_token_id)
+        max_new_tokens = positive("max_new_tokens", max_new_tokens)
+        eos = self._eos if eos_token_id is None else eos_ids(eos_token_id)
         sampling = Sampling(temperature, top_p, seed)
         longest = len(prompt) + max_new_tokens - 1  # the last token is never computed
         bs = self.pool.block_size
@@ -331,13 +334,13 @@ class Engine:
                 **{FORWARD_STEP: step},
                 **kwargs,
             )
-        self._check_layers_run(step)
+        check_layers_run(step, self.pool.layers)
         self.stats.shared_prefix_rows += step.shared_rows
         logits = out.logits[0] if self._keeps_logits else out.logits[0, keep]
         by_id = {request.rid: request for request, _ in rows}
         picked = [by_id[rid] for rid, _ in last]
         chosen = choose(logits[: len(last)], [r.sampling for r in picked], [r.generator for r in picked])
-        self._score(picked, logits[: len(last)], chosen, scoring, logits[len(last) :])
+        record(picked, logits[: len(last)], chosen, scoring, logits[len(last) :])
         caches = {}
         for i, reported in step.reported.items():
             request, n = rows[i]
@@ -346,23 +349,6 @@ class Engine:
                 past = [(k, v) for k, v, _ in reported]
                 caches[request.rid] = compress(self.model, request.compression.spec, past, request.observed)
         return {rid: token for (rid, _), token in zip(last, chosen)}, caches
-
-    @staticmethod
-    def _score(picked: list[Request], logits: torch.Tensor, chosen: list[int], scoring: list[tuple[Request, int, int]],
-               prompt_logits: torch.Tensor) -> None:  # fmt: skip
-        """Record the log-probabilities asked for: of each chosen token (``logits`` ``[len(picked), V]``)
-        and of the prompt tokens scored in this pass (``scoring``: per request, the row of its chunk's
-        first token and how many of its positions score the next prompt token; ``prompt_logits``
-        those rows' logits, in that order). Written before the tokens are committed."""
-        for i, request in enumerate(picked):
-            if request.logprobs is not None:
-                request.token_logprobs += scored(logits[i : i + 1], [chosen[i]], request.logprobs)
-        row = 0
-        for request, _, count in scoring:
-            first = request.computed + 1  # the first prompt token this chunk's logits score
-            found = scored(prompt_logits[row : row + count], request.prompt[first : first + count], request.prompt_logprobs)
-            request.prompt_scores[first : first + count] = found
-            row += count
 
     def _compression_for(self, spec: CacheSpec) -> Compression | None:
         key = str(spec)
@@ -384,60 +370,6 @@ class Engine:
                 + f", not {spec}"
             )
         return self._compression_for(engine_spec(spec))
-
-    def _check_packing(self) -> None:
-        """Refuse a model that does not compute a packed row as it computes the row alone: one that
-        numbers positions by the row's place in the batch instead of its ``position_ids`` (learned
-        absolute positions), mixes tokens across rows, or reads its past otherwise. Runs two short
-        rows as one prefill step, then one of them as a decode step, and compares each last token's
-        logits with the row run alone (short rows, so a model's sliding window never binds). The
-        probe runs in a small full-precision pool of its own, whatever the engine's block format."""
-        if self._vocab is not None and self._vocab <= 8:
-            return
-        first, second, extra = [3, 4], [5, 6, 7], 8
-        g, bs = self.geometry, self.pool.block_size
-        pool = BlockPool(g.layers, g.kv_heads, g.head_dim, bs, 2 * blocks_for(len(second) + 1, bs), g.dtype, g.device)
-        tables = (pool.allocate(blocks_for(len(first), bs)), pool.allocate(blocks_for(len(second) + 1, bs)))
-        prefill = [Row(0, len(first), 0, tuple(tables[0])), Row(len(first), len(second), 0, tuple(tables[1]))]
-        packed = self._probe(pool, first + second, [0, 1, 0, 1, 2], prefill)
-        decode = self._probe(pool, [extra], [len(second)], [Row(0, 1, len(second), tuple(tables[1]))])
-        device = self.pool.device
-        tolerance = 1e-3 if self.pool.dtype == torch.float32 else 3e-2
-        for got, row in ((packed, second), (decode, second + [extra])):
-            with torch.inference_mode():
-                alone = self.model(input_ids=torch.tensor([row], device=device), use_cache=False).logits[0, -1].float()
-            if not torch.allclose(got, alone, rtol=tolerance, atol=tolerance * float(alone.abs().max())):
-                raise UnsupportedOperation(
-                    "this model computes a row packed after another, or a decode step over its blocks, differently "
-                    "from the row alone (it numbers positions by place in the batch, not by position_ids, or mixes "
-                    "rows): the engine cannot serve it"
-                )
-
-    def _probe(self, pool: BlockPool, ids: list[int], positions: list[int], rows: list[Row]) -> torch.Tensor:
-        """The last token's logits of one forward pass of ``rows`` over ``pool`` (claiming their slots first)."""
-        bs = pool.block_size
-        for row in rows:
-            for t in range(row.past, row.length):
-                pool.claim(row.table[t // bs], t % bs, 1)
-        step = PagedStep(pool, rows)
-        device = pool.device
-        keep = {"logits_to_keep": torch.tensor([len(ids) - 1], device=device)} if self._keeps_logits else {}
-        linears = self.linears.active() if self.linears is not None else contextlib.nullcontext()
-        with torch.inference_mode(), use_kvcache_attention(self.model), linears:
-            out = self.model(
-                input_ids=torch.tensor([ids], device=device), position_ids=torch.tensor([positions], device=device),
-                use_cache=False, **{FORWARD_STEP: step}, **keep,
-            )
-        self._check_layers_run(step)
-        self.stats.shared_prefix_rows += step.shared_rows
-        return out.logits[0, -1].float()
-
-    def _check_layers_run(self, step: PagedStep) -> None:
-        if step.layers_run != self.pool.layers:
-            raise UnsupportedOperation(
-                f"the model ran {step.layers_run} attention calls through the engine's step for {self.pool.layers} "
-                "layers: its layers do not pass attention keywords down, so the engine cannot serve it"
-            )
 
     # ---- the background thread ---------------------------------------------------------------------
 
@@ -507,65 +439,6 @@ class Engine:
         _tell(failed)
         self._notify()
 
-    # ---- checks ------------------------------------------------------------------------------------
-
-    def _prompt(self, input_ids: object) -> list[int]:
-        if isinstance(input_ids, torch.Tensor):
-            if input_ids.dim() == 2 and input_ids.shape[0] == 1:
-                input_ids = input_ids[0]
-            if input_ids.dim() != 1 or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
-                raise ValueError(f"input_ids must be token ids [S] or [1, S], got a {input_ids.dtype} tensor of shape {list(input_ids.shape)}")
-            input_ids = input_ids.tolist()
-        try:
-            prompt = [int(t) for t in input_ids]  # type: ignore[union-attr]
-        except (TypeError, ValueError):
-            raise ValueError(f"input_ids must be a sequence of token ids, got {type(input_ids).__name__}") from None
-        if not prompt:
-            raise ValueError("input_ids is empty: a request needs at least one prompt token")
-        bad = next((t for t in prompt if t < 0 or (self._vocab is not None and t >= self._vocab)), None)
-        if bad is not None:
-            raise ValueError(f"token id {bad} is outside the model's vocabulary [0, {self._vocab})")
-        return prompt
-
-
-def pool_shape(model: Any) -> PoolShape:
-    """The pool's shape for ``model``, or ``UnsupportedOperation`` saying why the engine cannot serve it."""
-    if not hasattr(model, "config") or not hasattr(model, "set_attn_implementation"):
-        raise TypeError(f"Engine expects a transformers causal LM, got {type(model).__name__}")
-    if getattr(model.config, "is_encoder_decoder", False):
-        raise UnsupportedOperation("the engine serves decoder-only models; this one is an encoder-decoder")
-    if model.training:
-        raise UnsupportedOperation("the model is in training mode (dropout on): call model.eval() before serving it")
-    config = text_config(model)
-    if getattr(config, "kv_lora_rank", None) is not None:
-        raise UnsupportedOperation("the engine's blocks hold keys and values; this model caches latents (multi-head latent attention)")
-    if getattr(config, "attention_chunk_size", None) is not None:
-        raise UnsupportedOperation("this model attends in chunks (attention_chunk_size), which the engine does not apply")
-    kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
-    others = kinds - {"full_attention", "sliding_attention"}
-    if others:
-        raise UnsupportedOperation(
-            f"this model has {', '.join(sorted(others))} layers; the engine serves models whose layers all attend "
-            "over keys and values (full or sliding-window attention)"
-        )
-    window = getattr(config, "sliding_window", None)
-    if "sliding_attention" not in kinds and getattr(config, "layer_types", None) is not None:
-        window = None
-    try:
-        heads = getattr(config, "num_attention_heads", None)
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or (heads and config.hidden_size // heads)
-    except AmbiguousGlobalPerLayerAttributeError as e:  # a per-layer head_dim (Gemma 4)
-        raise UnsupportedOperation(f"the engine's pool has one shape for every layer; this model's differ ({e})") from None
-    if not heads:
-        raise UnsupportedOperation(f"this model ({config.model_type}) has no attention heads in its config; the engine serves attention models")
-    try:
-        parameter = next(model.parameters())
-    except StopIteration:
-        raise TypeError("the model has no parameters") from None
-    return PoolShape(config.num_hidden_layers, kv_heads, head_dim, parameter.dtype, parameter.device, window)
-
-
 def _tell(requests: Iterable[Request]) -> None:
     """Call each request's ``on_update``; a callback that raises is logged, not the engine's failure."""
     for request in requests:
@@ -574,38 +447,3 @@ def _tell(requests: Iterable[Request]) -> None:
                 request.on_update()
             except Exception:  # noqa: BLE001 - the caller's code: it must not stop the engine
                 log.exception("request %d: on_update raised", request.rid)
-
-
-def _store(store: object, pool: BlockPool) -> PromptStore | None:
-    if store is None:
-        return None
-    if isinstance(pool, CodedBlockPool):
-        raise UnsupportedOperation(
-            "the prompt store tier holds full-precision chunks; a coded pool's blocks hold what attention over coded "
-            "blocks computed, so a store cannot stand behind it: use spec 'growable' with a store"
-        )
-    if isinstance(store, str):
-        return PromptStore(store)
-    if not isinstance(store, PromptStore):
-        raise TypeError(f"store must be a kvcache.PromptStore or a backend name, got {type(store).__name__}")
-    return store
-
-
-def _eos_ids(eos: object) -> frozenset[int]:
-    if eos is None:
-        return frozenset()
-    if isinstance(eos, torch.Tensor):
-        eos = eos.flatten().tolist()
-    if isinstance(eos, int):
-        return frozenset([eos])
-    try:
-        return frozenset(int(t) for t in eos)  # type: ignore[union-attr]
-    except (TypeError, ValueError):
-        raise ValueError(f"eos_token_id must be a token id or a list of them, got {eos!r}") from None
-
-
-def _positive(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value
-

@@ -17,13 +17,16 @@ coded blocks, scales and the open blocks).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from ..errors import UnsupportedOperation
+from ..fingerprint import AmbiguousGlobalPerLayerAttributeError, text_config
 from ..spec import CacheSpec, parse_spec
 from .coded_pool import CodedBlockPool
 from .pool import BlockPool
+
 
 @dataclass(frozen=True)
 class PoolShape:
@@ -84,3 +87,41 @@ def _block_count(blocks: int | None, max_bytes: int | None, per_block: int, fixe
     if blocks is None:
         return max_seqs * -(-1024 // block_size)
     return blocks
+
+
+def pool_shape(model: Any) -> PoolShape:
+    """The pool's shape for ``model``, or ``UnsupportedOperation`` saying why the engine cannot serve it."""
+    if not hasattr(model, "config") or not hasattr(model, "set_attn_implementation"):
+        raise TypeError(f"Engine expects a transformers causal LM, got {type(model).__name__}")
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise UnsupportedOperation("the engine serves decoder-only models; this one is an encoder-decoder")
+    if model.training:
+        raise UnsupportedOperation("the model is in training mode (dropout on): call model.eval() before serving it")
+    config = text_config(model)
+    if getattr(config, "kv_lora_rank", None) is not None:
+        raise UnsupportedOperation("the engine's blocks hold keys and values; this model caches latents (multi-head latent attention)")
+    if getattr(config, "attention_chunk_size", None) is not None:
+        raise UnsupportedOperation("this model attends in chunks (attention_chunk_size), which the engine does not apply")
+    kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
+    others = kinds - {"full_attention", "sliding_attention"}
+    if others:
+        raise UnsupportedOperation(
+            f"this model has {', '.join(sorted(others))} layers; the engine serves models whose layers all attend "
+            "over keys and values (full or sliding-window attention)"
+        )
+    window = getattr(config, "sliding_window", None)
+    if "sliding_attention" not in kinds and getattr(config, "layer_types", None) is not None:
+        window = None
+    try:
+        heads = getattr(config, "num_attention_heads", None)
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or (heads and config.hidden_size // heads)
+    except AmbiguousGlobalPerLayerAttributeError as e:  # a per-layer head_dim (Gemma 4)
+        raise UnsupportedOperation(f"the engine's pool has one shape for every layer; this model's differ ({e})") from None
+    if not heads:
+        raise UnsupportedOperation(f"this model ({config.model_type}) has no attention heads in its config; the engine serves attention models")
+    try:
+        parameter = next(model.parameters())
+    except StopIteration:
+        raise TypeError("the model has no parameters") from None
+    return PoolShape(config.num_hidden_layers, kv_heads, head_dim, parameter.dtype, parameter.device, window)

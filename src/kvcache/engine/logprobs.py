@@ -10,8 +10,12 @@ position before it, kept in the pass that fills the cache with that position (no
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .request import Request
 
 #: The most alternatives a request may ask for per token.
 MAX_TOP = 20
@@ -49,3 +53,20 @@ def scored(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogpr
     else:
         alts = [()] * len(tokens)
     return [TokenLogprob(t, p, a) for t, p, a in zip(tokens, own, alts)]
+
+
+def record(picked: list[Request], logits: torch.Tensor, chosen: list[int], scoring: list[tuple[Request, int, int]],
+           prompt_logits: torch.Tensor) -> None:  # fmt: skip
+    """Record the log-probabilities asked for: of each chosen token (``logits`` ``[len(picked), V]``)
+    and of the prompt tokens scored in this pass (``scoring``: per request, the row of its chunk's
+    first token and how many of its positions score the next prompt token; ``prompt_logits``
+    those rows' logits, in that order). Written before the tokens are committed."""
+    for i, request in enumerate(picked):
+        if request.logprobs is not None:
+            request.token_logprobs += scored(logits[i : i + 1], [chosen[i]], request.logprobs)
+    row = 0
+    for request, _, count in scoring:
+        first = request.computed + 1  # the first prompt token this chunk's logits score
+        found = scored(prompt_logits[row : row + count], request.prompt[first : first + count], request.prompt_logprobs)
+        request.prompt_scores[first : first + count] = found
+        row += count

@@ -36,8 +36,6 @@ import time
 from collections import deque
 from typing import Any
 
-import torch
-
 from ..prompts.keys import chain
 from .coded_pool import CodedBlockPool
 from .pool import BlockPool, PoolError

@@ -21,7 +21,9 @@ from typing import Any
 import torch
 
 from ..build import make_cache
+from ..errors import UnsupportedOperation
 from ..prompts import PromptStore
+from .coded_pool import CodedBlockPool
 from .pool import BlockPool
 from .request import Request
 
@@ -79,3 +81,20 @@ class StoreTier:
         cache = make_cache(self.model, "growable")
         cache.extend(past)
         return self.store.put(cache, torch.tensor([request.tokens[:held]], device=pool.device))
+
+
+def open_store(store: object, pool: BlockPool) -> PromptStore | None:
+    """The engine's ``store`` argument as a ``PromptStore`` (a backend name opened), None for none;
+    refused in front of a coded pool."""
+    if store is None:
+        return None
+    if isinstance(pool, CodedBlockPool):
+        raise UnsupportedOperation(
+            "the prompt store tier holds full-precision chunks; a coded pool's blocks hold what attention over coded "
+            "blocks computed, so a store cannot stand behind it: use spec 'growable' with a store"
+        )
+    if isinstance(store, str):
+        return PromptStore(store)
+    if not isinstance(store, PromptStore):
+        raise TypeError(f"store must be a kvcache.PromptStore or a backend name, got {type(store).__name__}")
+    return store

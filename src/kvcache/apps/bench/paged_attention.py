@@ -7,7 +7,7 @@ block size (16, 32, 64, 256 tokens), alternating within each repeat, every call 
 ``evict_caches``:
 
 - ``paged``: ``native.paged_decode`` over float32 blocks (what ``PagedStep`` runs);
-- ``paged-int8``: ``fused.paged_decode_attention`` over int8 blocks with an exact open block per
+- ``paged-int8``: ``fused_paged.paged_decode_attention`` over int8 blocks with an exact open block per
   sequence (what ``CodedStep`` runs);
 - ``dense``: ``kvcache.attend`` over one padded contiguous batch ``[S, Hkv, longest, D]`` with a
   padding mask, the layout of a batched ``generate`` (a reference point: it reads the padding's
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ...attention import attend, fused, native
+from ...attention import attend, fused_paged, native
 from ...engine import BlockPool, CodedBlockPool
 from ..run_options import RunOptions
 from .common import clock_cold, markdown_table, median
@@ -147,7 +147,7 @@ def _coded(keys: torch.Tensor, values: torch.Tensor, tables: list[list[int]], le
     nbytes = int(sum(n // bs for n in lengths) * per_block + sum(lengths[s] % bs for s in range(seqs)) * KV_HEADS * HEAD_DIM * 8)
 
     def call(query: torch.Tensor, scale: float) -> torch.Tensor:
-        return fused.paged_decode_attention(
+        return fused_paged.paged_decode_attention(
             query, (pool.key_codes[0], pool.key_scale[0], pool.key_min[0]),
             (pool.value_codes[0], pool.value_scale[0], pool.value_min[0]), 8, HEAD_DIM, table, coded,
             pool.tail_keys[0], pool.tail_values[0], tails, open_, scale,

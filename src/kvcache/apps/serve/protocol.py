@@ -5,8 +5,8 @@ A body that is not a JSON object, a known field of the wrong type or out of rang
 required field is an ``ApiError`` (HTTP 400 unless said otherwise) that names the field; the
 server answers it in the OpenAI error shape (``ApiError.body``). A field this server does not
 honour, at a value that asks for something, is refused by name, never ignored (``fields.py``).
-Extension fields: ``cache`` (a cache spec: the server's own, or a ``snapkv``
-budget for this request when the server's pool is full precision).
+Extension fields: ``cache`` (a cache spec: the server's own, or ``growable`` or a bounded kind,
+``snapkv:budget=0.25``, for this request when the server's pool is full precision).
 """
 
 from __future__ import annotations
