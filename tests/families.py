@@ -189,7 +189,7 @@ def prompts(vocab: int = VOCAB) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def greedy(model, ids: torch.Tensor, mask: torch.Tensor, cache, new_tokens: int = 6) -> torch.Tensor:
     return model.generate(
-        input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new_tokens,
+        input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache), max_new_tokens=new_tokens,
         min_new_tokens=new_tokens, do_sample=False, pad_token_id=PAD,
     )
 

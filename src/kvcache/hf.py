@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from typing import Protocol
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
@@ -37,8 +38,8 @@ from transformers.masking_utils import causal_mask_function, eager_mask, sdpa_ma
 from .attention import attend, fastest_attention
 from .attention_kwargs import AttentionExtras
 from .errors import UnsupportedOperation
-from .support import NONCAUSAL_FLAG, noncausal_attention
 from .layers import KVLayer
+from .support import NONCAUSAL_FLAG, noncausal_attention
 
 ATTENTION_NAME = "kvcache"
 
@@ -46,6 +47,20 @@ ATTENTION_NAME = "kvcache"
 #: it the query, keys and values: the engine's (``engine.step.PagedStep``, over its block pool) and
 #: a training chunk's (``train.replay.ChunkStep``, over a cache state that gradients reach).
 FORWARD_STEP = "kvcache_forward_step"
+
+
+class ForwardStep(Protocol):
+    """What a forward pass carries under ``FORWARD_STEP``: it attends each of the model's attention
+    calls itself (writing the new keys and values where it keeps them)."""
+
+    def attend(
+        self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        scaling: float | None, kwargs: dict,
+    ) -> torch.Tensor:  # fmt: skip
+        """``query`` ``[B, Hq, S, D]``, ``key``/``value`` ``[B, Hkv, S, D|Dv]`` of ``module``'s call
+        (rotary positions applied), ``kwargs`` the model's other attention keywords; returns
+        ``[B, S, Hq, Dv]``."""
+        ...
 
 #: The one line that fixes a model running another attention, quoted by every error that needs it.
 SWITCH_HINT = "kvcache.use_kvcache_attention(model)"
@@ -340,7 +355,7 @@ def hf_attention_forward(
     dropped; a model's per-head masks (``[B, Hq, Sq, T]``) are taken as they come."""
     if dropout and module.training:
         raise UnsupportedOperation("kvcache attention does not apply attention dropout; set the model's attention_dropout to 0 or call model.eval()")
-    step = kwargs.pop(FORWARD_STEP, None)
+    step: ForwardStep | None = kwargs.pop(FORWARD_STEP, None)
     if step is not None:  # the engine's step (its pool) or a training chunk's (a cache state)
         return step.attend(module, query, key, value, scaling, kwargs), None
     extras = AttentionExtras.from_kwargs(kwargs)

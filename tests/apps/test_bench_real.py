@@ -14,6 +14,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from kvcache import cache_kwargs
 from kvcache.apps.bench import SUITES, real, real_decode
 from kvcache.apps.bench.floor import Machine, ModelShape, floor_seconds, model_shape, step_flops
 from kvcache.apps.bench.workload import make_prompts, prefill, prefill_stored, prompts_pinned, resolve_model
@@ -185,7 +186,7 @@ def test_prefill_is_a_plain_prefill(model_dir, tmp_path):
     for row in range(2):
         reference = DynamicCache(config=model.config)
         with torch.inference_mode():
-            model(prompts[row : row + 1, :24], past_key_values=reference)
+            model(prompts[row : row + 1, :24], **cache_kwargs(model, reference))
         for (keys, values), layer in zip(past, reference.layers):
             torch.testing.assert_close(keys[row : row + 1, :, :24], layer.keys)
             torch.testing.assert_close(values[row : row + 1, :, :24], layer.values)

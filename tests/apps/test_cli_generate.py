@@ -18,6 +18,7 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 import kvcache
+from kvcache import cache_kwargs
 from kvcache.apps import cli
 from kvcache.apps.cli import main
 from helpers import hf_attention
@@ -38,7 +39,7 @@ def reference(model, ids: list[int], new_tokens: int, **options) -> list[int]:
         out = model.generate(
             torch.tensor([ids]),
             attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            past_key_values=DynamicCache(config=model.config),
+            **cache_kwargs(model, DynamicCache(config=model.config)),
             max_new_tokens=new_tokens,
             pad_token_id=model.config.pad_token_id,
             **options,

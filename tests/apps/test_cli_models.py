@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from gguf_tiny import sha256_file, write_wheel
-from kvcache import models
+from kvcache import cache_kwargs, models
 from kvcache.apps import demo_real
 from kvcache.apps.cli import main
 from kvcache.apps.trained import MODEL_DIR
@@ -105,7 +105,7 @@ def reference_tokens(folder: Path, text: str, new_tokens: int) -> list[int]:
     out = model.generate(
         torch.tensor([ids]),
         attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-        past_key_values=DynamicCache(config=model.config),
+        **cache_kwargs(model, DynamicCache(config=model.config)),
         max_new_tokens=new_tokens,
         do_sample=False,
         pad_token_id=model.config.pad_token_id,

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import kvcache
+from kvcache import cache_kwargs
 from kvcache.apps import eval_frontier
 from kvcache.apps.bench.common import can_plot
 from kvcache.apps.cli import main
@@ -28,7 +29,7 @@ def test_each_point_allocates_within_its_byte_budget(mix, share):
     spec = eval_frontier.spec_for(mix, share, tokens, g)
     cache = kvcache.make_cache(model, spec)
     with torch.no_grad(), kvcache.use_kvcache_attention(model):
-        model.generate(prompt(tokens), past_key_values=cache, max_new_tokens=3, do_sample=False)
+        model.generate(prompt(tokens), **cache_kwargs(model, cache), max_new_tokens=3, do_sample=False)
     fp32 = eval_frontier.fp32_per_token(model, g)
     assert cache.nbytes <= share * fp32 * cache.kv_layers[0].seen, (spec, cache.nbytes / (fp32 * cache.kv_layers[0].seen))
 

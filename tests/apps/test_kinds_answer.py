@@ -29,6 +29,7 @@ import pytest
 import torch
 
 import kvcache
+from kvcache import cache_kwargs
 from kvcache.apps import eval_plain, tasks
 from kvcache.apps.trained import load_trained
 
@@ -57,7 +58,7 @@ def answers(prompts, spec: str) -> list[str]:
     model, tokenizer, insts, ids = prompts
     new = max(len(inst.answer) for inst in insts) + 1
     with torch.inference_mode(), kvcache.use_kvcache_attention(model):
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=kvcache.make_cache(model, spec),
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), **cache_kwargs(model, kvcache.make_cache(model, spec)),
                              max_new_tokens=new, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     return [tokenizer.decode(row[ids.shape[1]:], skip_special_tokens=True) for row in out]
 

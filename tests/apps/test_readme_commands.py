@@ -77,6 +77,7 @@ class NotInstalled(PathFinder):  # the path finder, blind to the extras: as if t
     def find_spec(cls, name, path=None, target=None):
         return None if name.split(".")[0] in blocked else super().find_spec(name, path, target)
 sys.meta_path[:] = [NotInstalled if f is PathFinder else f for f in sys.meta_path]
+from kvcache import cache_kwargs
 from kvcache.apps.cli import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -132,7 +133,7 @@ def test_the_first_python_example_runs_and_matches_dynamic_cache(tmp_path, monke
     model = model_for("qwen2")
     before = model.config._attn_implementation
     input_ids = prompt(16, seed=4)
-    ref = model.generate(input_ids, past_key_values=DynamicCache(config=model.config), max_new_tokens=8, do_sample=False)
+    ref = model.generate(input_ids, **cache_kwargs(model, DynamicCache(config=model.config)), max_new_tokens=8, do_sample=False)
     namespace = {"model": model, "input_ids": input_ids}
     monkeypatch.chdir(tmp_path)
     try:

@@ -12,7 +12,7 @@ import torch
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 import kvcache
-from kvcache import make_cache
+from kvcache import cache_kwargs, make_cache
 from kvcache.apps import tasks
 from kvcache.apps.trained import MODEL_DIR, load_trained
 
@@ -55,7 +55,7 @@ def _greedy_answers(model, tokenizer, task: str, spec: str) -> list[tuple[str, s
         out = model.generate(
             ids,
             attention_mask=torch.ones_like(ids),
-            past_key_values=make_cache(model, spec),
+            **cache_kwargs(model, make_cache(model, spec)),
             max_new_tokens=new,
             do_sample=False,
             pad_token_id=tokenizer.pad_token_id,

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import kvcache
 import kvcache.attention.kernel
-from kvcache import DTypeError, ShapeError, attend
+from kvcache import DTypeError, ShapeError, attend, cache_kwargs
 from kvcache.attention import attend_weighted
 
 from helpers import Recorder
@@ -397,11 +397,11 @@ def test_tiny_llama_decode_with_cache_matches_sdpa(monkeypatch):
         logits = []
         m = mask.clone()
         with torch.no_grad():
-            out = model(input_ids=ids, attention_mask=m, past_key_values=cache, use_cache=True)
+            out = model(input_ids=ids, attention_mask=m, **cache_kwargs(model, cache), use_cache=True)
             logits.append(out.logits[:, -1])
             for tok in steps:
                 m = torch.cat([m, torch.ones(3, 1, dtype=m.dtype)], dim=1)
-                out = model(input_ids=tok, attention_mask=m, past_key_values=cache, use_cache=True)
+                out = model(input_ids=tok, attention_mask=m, **cache_kwargs(model, cache), use_cache=True)
                 logits.append(out.logits[:, -1])
         return torch.stack(logits)
 
@@ -416,7 +416,7 @@ def test_tiny_llama_decode_with_cache_matches_sdpa(monkeypatch):
     m = torch.ones(3, cache.seen + 1, dtype=torch.long)
     m[:, : mask.shape[1]] = mask
     with torch.no_grad(), Recorder() as rec:
-        model(input_ids=steps[0], attention_mask=m, past_key_values=cache, use_cache=True)
+        model(input_ids=steps[0], attention_mask=m, **cache_kwargs(model, cache), use_cache=True)
     ran_sdpa = any("scaled_dot_product" in name for name, _, _ in rec.ops)
     assert ran_sdpa == (not kvcache.attention.native.available())
 
@@ -488,9 +488,9 @@ def test_gemma2_with_kvcache_attention_matches_eager_and_dynamic_cache():
     greedy = dict(attention_mask=mask, max_new_tokens=24, do_sample=False)
     try:
         model.set_attn_implementation("eager")
-        ref = model.generate(ids, past_key_values=DynamicCache(config=model.config), **greedy)
+        ref = model.generate(ids, **cache_kwargs(model, DynamicCache(config=model.config)), **greedy)
         model.set_attn_implementation("kvcache")
-        out = model.generate(ids, past_key_values=kvcache.make_cache(model), **greedy)
+        out = model.generate(ids, **cache_kwargs(model, kvcache.make_cache(model)), **greedy)
     finally:
         model.set_attn_implementation("eager")
     assert torch.equal(out, ref)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import kvcache
+from kvcache import cache_kwargs
 from kvcache.layers import AutoLayer, EvictingLayer
 from kvcache.layers.auto import CANDIDATES, mix_of, slot_bytes, slots_within
 from kvcache.layers.budget import slots_to_allocate
@@ -38,11 +39,11 @@ def test_nbytes_stays_within_the_share_through_decode(share):
     cache = kvcache.make_cache(model, f"auto:bytes={share}")
     ids = prompt(400)
     with torch.no_grad(), kvcache.use_kvcache_attention(model):
-        out = model(ids, past_key_values=cache, use_cache=True)
+        out = model(ids, **cache_kwargs(model, cache), use_cache=True)
         for _ in range(60):
             assert cache.nbytes <= share * fp32_cache_bytes(cache), (cache.nbytes, share * fp32_cache_bytes(cache))
             nxt = out.logits[:, -1:].argmax(-1)
-            out = model(nxt, past_key_values=cache, use_cache=True)
+            out = model(nxt, **cache_kwargs(model, cache), use_cache=True)
     assert cache.nbytes <= share * fp32_cache_bytes(cache)
     assert all(m is not None for m in mix_of(cache))
 
@@ -52,7 +53,7 @@ def test_an_absolute_budget_is_shared_by_the_layers_and_fixed():
     budget = 60_000
     cache = kvcache.make_cache(model, f"auto:bytes={budget}")
     with torch.no_grad(), kvcache.use_kvcache_attention(model):
-        model.generate(prompt(300), past_key_values=cache, max_new_tokens=20, do_sample=False)
+        model.generate(prompt(300), **cache_kwargs(model, cache), max_new_tokens=20, do_sample=False)
     assert cache.nbytes <= budget
     assert {layer.layer_count for layer in cache.kv_layers} == {len(cache.kv_layers)}
 
@@ -172,11 +173,11 @@ def test_layer_zero_of_a_model_equals_its_fixed_mix():
     ids = prompt(300, seed=5)
     auto = kvcache.make_cache(model, "auto:bytes=0.15")
     with torch.no_grad(), kvcache.use_kvcache_attention(model):
-        model(ids, past_key_values=auto, use_cache=True)
+        model(ids, **cache_kwargs(model, auto), use_cache=True)
     first = auto.kv_layers[0]  # its input does not depend on the cache
     fixed = kvcache.make_cache(model, f"snapkv:budget={first.choice.slots},storage={first.choice.storage}")
     with torch.no_grad(), kvcache.use_kvcache_attention(model):
-        model(ids, past_key_values=fixed, use_cache=True)
+        model(ids, **cache_kwargs(model, fixed), use_cache=True)
     assert torch.equal(first.positions(), fixed.kv_layers[0].positions())
     assert torch.equal(first.view()[0], fixed.kv_layers[0].view()[0])
 
@@ -185,8 +186,8 @@ def test_a_budget_that_affords_every_token_exactly_is_the_full_cache():
     model = model_for("llama")
     ids = prompt(120, seed=2)
     with torch.no_grad(), kvcache.use_kvcache_attention(model):
-        ours = model.generate(ids, past_key_values=kvcache.make_cache(model, "auto:bytes=100000000"), max_new_tokens=12, do_sample=False)
-    ref = model.generate(ids, past_key_values=kvcache.make_cache(model, "growable"), max_new_tokens=12, do_sample=False)
+        ours = model.generate(ids, **cache_kwargs(model, kvcache.make_cache(model, "auto:bytes=100000000")), max_new_tokens=12, do_sample=False)
+    ref = model.generate(ids, **cache_kwargs(model, kvcache.make_cache(model, "growable")), max_new_tokens=12, do_sample=False)
     assert torch.equal(ours, ref)
 
 
@@ -199,8 +200,8 @@ def test_compress_leaves_what_the_layers_own_pass_leaves():
     own = kvcache.make_cache(model, spec)
     rec = scoring.recording_cache(model, ["window:32"])
     with torch.no_grad(), kvcache.use_kvcache_attention(model):
-        model(ids, past_key_values=own, use_cache=True)
-        model(ids, past_key_values=rec, use_cache=True)
+        model(ids, **cache_kwargs(model, own), use_cache=True)
+        model(ids, **cache_kwargs(model, rec), use_cache=True)
     built = scoring.compress(model, spec, scoring.keys_values(rec), {"window:32": scoring.recorded(rec, "window:32")})
     for a, b in zip(own.kv_layers, built.kv_layers):
         assert a.storage.name == b.storage.name
@@ -212,7 +213,7 @@ def test_a_saved_auto_cache_loads_with_its_choices(tmp_path):
     ids = prompt(200, seed=6)
     cache = kvcache.make_cache(model, "auto:bytes=0.1")
     with torch.no_grad(), kvcache.use_kvcache_attention(model):
-        model(ids, past_key_values=cache, use_cache=True)
+        model(ids, **cache_kwargs(model, cache), use_cache=True)
     kvcache.save_cache(cache, tmp_path / "c.kv")
     loaded = kvcache.load_cache(tmp_path / "c.kv", model)
     for a, b in zip(cache.kv_layers, loaded.kv_layers):
@@ -221,8 +222,8 @@ def test_a_saved_auto_cache_loads_with_its_choices(tmp_path):
         assert torch.equal(a.view()[0], b.view()[0]) and torch.equal(a.view()[1], b.view()[1])
     nxt = torch.tensor([[7]])
     with torch.no_grad(), kvcache.use_kvcache_attention(model):
-        x = model(nxt, past_key_values=cache, use_cache=True).logits
-        y = model(nxt, past_key_values=loaded, use_cache=True).logits
+        x = model(nxt, **cache_kwargs(model, cache), use_cache=True).logits
+        y = model(nxt, **cache_kwargs(model, loaded), use_cache=True).logits
     assert torch.equal(x, y)
 
 

@@ -22,6 +22,7 @@ import torch
 import transformers
 
 import kvcache
+from kvcache import cache_kwargs
 from kvcache.spec import valid_specs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -112,7 +113,7 @@ def fresh_runs(tmp_path_factory) -> tuple[list[str], dict[str, tuple[str, dict |
         spec = spec_of(kind)
         cache = kvcache.make_cache(model, spec)
         with torch.no_grad(), kvcache.use_kvcache_attention(model):
-            model(torch.arange(12).view(1, 12) + 3, past_key_values=cache)
+            model(torch.arange(12).view(1, 12) + 3, **cache_kwargs(model, cache))
         path = folder / f"{kind}.kv"
         cache.save(path)
         jobs[kind] = (spec, str(path))

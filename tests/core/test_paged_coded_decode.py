@@ -163,7 +163,7 @@ def test_long_sequences_in_runs_and_tiles(monkeypatch, bits, task_tokens):
     """Sequences of 1-2K tokens split into many runs (merged at the end: a block a run, runs of 3
     blocks with a shorter last one), or into one run crossing several of the library's tiles (512
     tokens: the running maximum rises, what was summed is rescaled)."""
-    monkeypatch.setattr(fused, "_PAGED_TASK_TOKENS", task_tokens)
+    monkeypatch.setattr(fused_paged, "_PAGED_TASK_TOKENS", task_tokens)
     spec = [(70, 5), (0, 16), (33, 0), (100, 16)]
     step = Step(pool_for(spec, bits, 16, 64), spec, share=(3, 0, 50))
     query = queries(len(spec), 4, 64) * 3  # spread the scores, so the maximum moves between tiles

@@ -20,6 +20,7 @@ from safetensors.torch import save_file as st_save_file
 from transformers import DynamicCache
 
 import kvcache
+from kvcache import cache_kwargs
 from kvcache.layers import SlidingLayer, WindowLayer
 from helpers import LOGITS_TOL, attention_for, hf_attention, model_for, prompt
 from kvcache.apps.tiny import tiny_model
@@ -37,13 +38,13 @@ PROMPT_LEN = 40  # longer than the sliding window (16)
 def feed(model, cache, ids: torch.Tensor) -> torch.Tensor:
     """Run ``ids`` (the uncached tokens) through the model; last-position logits ``[B, V]``."""
     with torch.no_grad(), attention_for(model, cache):
-        return model(ids, past_key_values=cache, use_cache=True).logits[:, -1]
+        return model(ids, **cache_kwargs(model, cache), use_cache=True).logits[:, -1]
 
 
 def generate(model, ids: torch.Tensor, cache: kvcache.KVCache, n: int) -> torch.Tensor:
     """Greedy ``generate`` of ``n`` tokens into ``cache``, on the kvcache attention."""
     with attention_for(model, cache):
-        return model.generate(ids, past_key_values=cache, max_new_tokens=n, do_sample=False)
+        return model.generate(ids, **cache_kwargs(model, cache), max_new_tokens=n, do_sample=False)
 
 
 def greedy_loop(model, cache, first: torch.Tensor, n: int) -> torch.Tensor:
@@ -66,7 +67,7 @@ def reference_generate(model, ids: torch.Tensor, n: int) -> torch.Tensor:
     """Uninterrupted greedy generation with Hugging Face's DynamicCache: ids + n new tokens."""
     with hf_attention(model):
         return model.generate(
-            ids, past_key_values=DynamicCache(config=model.config), max_new_tokens=n, do_sample=False
+            ids, **cache_kwargs(model, DynamicCache(config=model.config)), max_new_tokens=n, do_sample=False
         )
 
 

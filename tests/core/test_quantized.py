@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 import kvcache
+from kvcache import cache_kwargs
 from helpers import attention_for, hf_attention, model_for, prompt
 from kvcache.layers import EvictingLayer, QuantizedLayer
 from kvcache.apps.tiny import FAMILIES, PAD_TOKEN_ID
@@ -131,7 +132,7 @@ def ragged_batch():
 def greedy(model, ids, cache, **kwargs):
     kwargs.setdefault("max_new_tokens", NEW_TOKENS)
     with attention_for(model, cache):
-        return model.generate(ids, past_key_values=cache, do_sample=False, **kwargs)
+        return model.generate(ids, **cache_kwargs(model, cache), do_sample=False, **kwargs)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

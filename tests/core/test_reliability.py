@@ -33,6 +33,7 @@ import pytest
 import torch
 
 import kvcache
+from kvcache import cache_kwargs
 from kvcache.apps.tiny import tiny_model
 from mutations import SPECS, Mutation, crafted_forgeries, mutations
 
@@ -74,7 +75,7 @@ def greedy(m, cache, first: torch.Tensor, n: int) -> list[int]:
     out, ids = [], first
     with kvcache.use_kvcache_attention(m), torch.no_grad():
         for _ in range(n):
-            ids = m(ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            ids = m(ids, **cache_kwargs(m, cache), use_cache=True).logits[:, -1:].argmax(-1)
             out.append(int(ids))
     return out
 
@@ -424,7 +425,7 @@ def _other_model_file(path: Path) -> None:
     other = tiny_model("llama", seed=5)
     cache = kvcache.make_cache(other)
     with torch.no_grad():
-        other(torch.tensor([[5, 6, 7, 8]]), past_key_values=cache, use_cache=True)
+        other(torch.tensor([[5, 6, 7, 8]]), **cache_kwargs(other, cache), use_cache=True)
     cache.save(path, token_ids=[5, 6, 7, 8, 9])
 
 

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 import kvcache
+from kvcache import cache_kwargs
 from helpers import attention_for, model_for, prompt
 from kvcache.attention import fused
 from kvcache.attention.fused import MAX_ROWS
@@ -285,7 +286,7 @@ def decode_logits(model, spec):
     ids = prompt(PROMPT_LEN, seed=5)
     with torch.no_grad(), attention_for(model, cache):
         out = model.generate(
-            ids, past_key_values=cache, max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
+            ids, **cache_kwargs(model, cache), max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
             return_dict_in_generate=True,
         )
     return out.sequences, torch.stack(out.logits)

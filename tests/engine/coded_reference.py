@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from kvcache import quant
+from kvcache import cache_kwargs, quant
 
 
 def coded_reference(
@@ -47,7 +47,7 @@ def _forward(model, cache, ids: list[int], start: int) -> torch.Tensor:
     out = model(
         input_ids=torch.tensor([ids]),
         position_ids=torch.arange(start, start + len(ids))[None],
-        past_key_values=cache,
+        **cache_kwargs(model, cache),
         use_cache=True,
     )
     return out.logits[0, -1]

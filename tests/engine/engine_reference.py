@@ -31,7 +31,7 @@ def reference(model, prompt: list[int], new_tokens: int, eos: list[int] | None =
         out = model.generate(
             torch.tensor([prompt]),
             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            past_key_values=DynamicCache(config=model.config),
+            **cache_kwargs(model, DynamicCache(config=model.config)),
             max_new_tokens=new_tokens,
             do_sample=False,
             eos_token_id=eos or None,

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engine_reference import ids, reference, same_or_near_tie
-from kvcache import Engine
+from kvcache import Engine, cache_kwargs
 from kvcache.engine import PoolError, RequestCancelled
 from kvcache.errors import UnsupportedOperation
 
@@ -378,10 +378,10 @@ def sampled_reference(model, prompt: list[int], new: int, temperature: float, to
     g = s.generator()
     cache, tokens = DynamicCache(config=model.config), list(prompt)
     with torch.inference_mode():
-        logits = model(torch.tensor([tokens]), past_key_values=cache).logits[0, -1:]
+        logits = model(torch.tensor([tokens]), **cache_kwargs(model, cache)).logits[0, -1:]
         for _ in range(new):
             tokens += choose(logits, [s], [g])
-            logits = model(torch.tensor([tokens[-1:]]), past_key_values=cache).logits[0, -1:]
+            logits = model(torch.tensor([tokens[-1:]]), **cache_kwargs(model, cache)).logits[0, -1:]
     return tokens[len(prompt) :]
 
 

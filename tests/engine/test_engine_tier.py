@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine_reference import ids, reference, same_or_near_tie
-from kvcache import Engine, PromptStore, make_cache
+from kvcache import Engine, PromptStore, cache_kwargs, make_cache
 from kvcache.errors import UnsupportedOperation
 from redis_server import RedisServer
 
@@ -69,7 +69,7 @@ def test_the_engine_and_generate_share_a_store_both_ways(model):
     prompt = PROMPTS[0]
     cache = make_cache(model)
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), past_key_values=cache, max_new_tokens=1, do_sample=False, pad_token_id=0)
+        out = model.generate(torch.tensor([prompt]), **cache_kwargs(model, cache), max_new_tokens=1, do_sample=False, pad_token_id=0)
     assert store.put(cache, out) == 3 * CHUNK
     _, handles = serve(model, store, [prompt])
     assert handles[0].stats.reused_store == 3 * CHUNK
@@ -80,7 +80,7 @@ def test_the_engine_and_generate_share_a_store_both_ways(model):
     cache, reused = other.cache_for(model, torch.tensor([PROMPTS[1]]))
     assert reused == 3 * CHUNK
     with torch.inference_mode():
-        got = model.generate(torch.tensor([PROMPTS[1]]), past_key_values=cache, max_new_tokens=NEW, do_sample=False,
+        got = model.generate(torch.tensor([PROMPTS[1]]), **cache_kwargs(model, cache), max_new_tokens=NEW, do_sample=False,
                              pad_token_id=0)
     same_or_near_tie(got[0, len(PROMPTS[1]) :].tolist(), reference(model, PROMPTS[1], NEW))
 

@@ -13,6 +13,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 import kvcache
+from kvcache import cache_kwargs
 from helpers import assert_same_tokens, attention_for, left_padded, model_for, prompt
 from kvcache.layers import AdaptiveLayer, EvictingLayer, WindowLayer
 from kvcache.policies import POLICIES
@@ -24,7 +25,7 @@ RECTANGULAR = "snapkv" if "snapkv" in POLICIES else "h2o"
 
 def greedy(model, ids, cache, max_new_tokens=16, **kwargs):
     with attention_for(model, cache):
-        return model.generate(ids, past_key_values=cache, max_new_tokens=max_new_tokens, do_sample=False, **kwargs)
+        return model.generate(ids, **cache_kwargs(model, cache), max_new_tokens=max_new_tokens, do_sample=False, **kwargs)
 
 
 def adaptive_bytes(heads: int, budget: int, batch: int = 1, storage_bytes: int = 2 * HEAD_DIM * 4) -> int:
@@ -78,7 +79,7 @@ def test_budget_at_least_the_sequence_gives_dynamic_cache_tokens(family):
     model = model_for(family)
     ids, mask = left_padded((40, 31), seed=3)
     with attention_for(model, DynamicCache()):
-        ref = model.generate(ids, attention_mask=mask, past_key_values=DynamicCache(config=model.config), max_new_tokens=16, do_sample=False)
+        ref = model.generate(ids, attention_mask=mask, **cache_kwargs(model, DynamicCache(config=model.config)), max_new_tokens=16, do_sample=False)
     cache = kvcache.make_cache(model, "adakv:budget=64,window=8")
     ours = greedy(model, ids, cache, attention_mask=mask)
     assert_same_tokens(ours, ref, f"{family} adakv:budget=64 ragged batch")
@@ -122,7 +123,7 @@ def test_snapshot_restore_and_fork_replay_bit_exactly():
 
     def feed(c):
         with torch.no_grad(), attention_for(model, c):
-            return torch.stack([model(xs[:, t : t + 1], past_key_values=c, use_cache=True).logits for t in range(6)])
+            return torch.stack([model(xs[:, t : t + 1], **cache_kwargs(model, c), use_cache=True).logits for t in range(6)])
 
     first = feed(cache)
     assert torch.equal(feed(fork), first)
@@ -137,7 +138,7 @@ def test_beam_search_and_batch_rows():
     ids = prompt(40, seed=8)
     kwargs = dict(max_new_tokens=8, num_beams=2, num_return_sequences=2)
     with attention_for(model, DynamicCache()):
-        ref = model.generate(ids, past_key_values=DynamicCache(config=model.config), do_sample=False, **kwargs)
+        ref = model.generate(ids, **cache_kwargs(model, DynamicCache(config=model.config)), do_sample=False, **kwargs)
     assert_same_tokens(greedy(model, ids, kvcache.make_cache(model, "adakv:budget=64"), **kwargs), ref, "adakv beams")
     cache = kvcache.make_cache(model, "adakv:budget=12,window=4")
     out = greedy(model, ids, cache, **kwargs)

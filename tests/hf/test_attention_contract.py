@@ -9,7 +9,7 @@ import torch
 from transformers import Gemma3nTextConfig
 
 import kvcache
-from kvcache import DTypeError, UnsupportedOperation
+from kvcache import DTypeError, UnsupportedOperation, cache_kwargs
 from kvcache.attention import BlockReader, attend, attend_weighted, position_rows
 from kvcache.cache import kv_owners, kv_attended_by
 from kvcache.hf import boolean_mask, hf_attention_forward
@@ -80,7 +80,7 @@ def test_the_kvcache_attention_finds_bounded_layers_through_the_cache(monkeypatc
     model = model_for("llama")
     cache = kvcache.make_cache(model, "h2o:budget=8")
     with kvcache.use_kvcache_attention(model), torch.no_grad():
-        model.generate(prompt(12), past_key_values=cache, max_new_tokens=4, do_sample=False)
+        model.generate(prompt(12), **cache_kwargs(model, cache), max_new_tokens=4, do_sample=False)
     layers = model.config.num_hidden_layers
     assert calls == ["evicting"] * (layers * 4)
     assert returned and not any(hasattr(k, "kvcache_layer") for k in returned)
@@ -98,7 +98,7 @@ def test_a_stale_cache_never_applies():
     model = model_for("llama")
     cache = kvcache.make_cache(model, "window:window=4")
     with kvcache.use_kvcache_attention(model), torch.no_grad():
-        model(prompt(6), past_key_values=cache, use_cache=True)
+        model(prompt(6), **cache_kwargs(model, cache), use_cache=True)
     store = cache.kv_layers[0]
     k, v = torch.randn(1, 2, 6, 16), torch.randn(1, 2, 6, 16)
     store.update(k[:, :, :1], v[:, :, :1])  # a record the next call must not read

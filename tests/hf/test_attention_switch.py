@@ -14,6 +14,7 @@ import torch
 from transformers import DynamicCache
 
 import kvcache
+from kvcache import cache_kwargs
 from helpers import assert_same_tokens, model_for, prompt
 from kvcache.apps.tiny import tiny_model
 
@@ -55,16 +56,16 @@ def test_bounded_cache_on_another_attention_raises_naming_the_fix_and_changes_no
     model = model_for("llama")
     cache = kvcache.make_cache(model, spec)
     with kvcache.use_kvcache_attention(model):  # some content first, so "unchanged" means something
-        model(prompt(20, seed=1), past_key_values=cache, use_cache=True)
+        model(prompt(20, seed=1), **cache_kwargs(model, cache), use_cache=True)
     before = fingerprint(cache)
     attention = model.config._attn_implementation
     with pytest.raises(kvcache.UnsupportedOperation, match=r"kvcache\.use_kvcache_attention\(model\)"):
-        model(prompt(3, seed=2), past_key_values=cache, use_cache=True)
+        model(prompt(3, seed=2), **cache_kwargs(model, cache), use_cache=True)
     assert same(fingerprint(cache), before)
     assert model.config._attn_implementation == attention
     # Switched, the same cache goes on as if nothing had happened.
     with kvcache.use_kvcache_attention(model):
-        model(prompt(3, seed=2), past_key_values=cache, use_cache=True)
+        model(prompt(3, seed=2), **cache_kwargs(model, cache), use_cache=True)
     assert cache.seen == 23
 
 
@@ -74,13 +75,13 @@ def test_a_sliding_window_model_needs_no_switch_with_the_default_cache_but_does_
     required (the first update raises, changing nothing)."""
     model = model_for("mistral")
     ids = prompt(30)
-    ref = model.generate(ids, past_key_values=DynamicCache(config=model.config), max_new_tokens=8, do_sample=False)
+    ref = model.generate(ids, **cache_kwargs(model, DynamicCache(config=model.config)), max_new_tokens=8, do_sample=False)
     assert model.config._attn_implementation != "kvcache"
-    ours = model.generate(ids, past_key_values=kvcache.make_cache(model), max_new_tokens=8, do_sample=False)
+    ours = model.generate(ids, **cache_kwargs(model, kvcache.make_cache(model)), max_new_tokens=8, do_sample=False)
     assert torch.equal(ours, ref)
     bounded = kvcache.make_cache(model, "h2o:budget=64")
     with pytest.raises(kvcache.UnsupportedOperation, match="use_kvcache_attention"):
-        model.generate(ids, past_key_values=bounded, max_new_tokens=2, do_sample=False)
+        model.generate(ids, **cache_kwargs(model, bounded), max_new_tokens=2, do_sample=False)
     assert bounded.seen == 0
 
 
@@ -100,10 +101,10 @@ def test_use_kvcache_attention_as_a_context_manager_restores_even_on_error():
 def test_use_kvcache_attention_as_a_plain_call_stays_and_generates_like_dynamic_cache():
     model = tiny_model("qwen2")  # a model of this test's own: the switch stays on it
     ids = prompt(24, seed=3)
-    ref = model.generate(ids, past_key_values=DynamicCache(config=model.config), max_new_tokens=8, do_sample=False)
+    ref = model.generate(ids, **cache_kwargs(model, DynamicCache(config=model.config)), max_new_tokens=8, do_sample=False)
     kvcache.use_kvcache_attention(model)
     assert model.config._attn_implementation == "kvcache"
-    out = model.generate(ids, past_key_values=kvcache.make_cache(model), max_new_tokens=8, do_sample=False)
+    out = model.generate(ids, **cache_kwargs(model, kvcache.make_cache(model)), max_new_tokens=8, do_sample=False)
     assert_same_tokens(out, ref, "qwen2 after use_kvcache_attention")
     assert model.config._attn_implementation == "kvcache"
 
@@ -117,7 +118,7 @@ def test_fork_keeps_the_attention_check():
     model = model_for("llama")
     cache = kvcache.make_cache(model, "h2o:budget=12")
     with pytest.raises(kvcache.UnsupportedOperation, match="use_kvcache_attention"):
-        model(prompt(4), past_key_values=cache.fork(), use_cache=True)
+        model(prompt(4), **cache_kwargs(model, cache.fork()), use_cache=True)
     assert cache.seen == 0 and torch.is_grad_enabled()
 
 
@@ -172,9 +173,9 @@ def test_bounded_kinds_are_refused_before_anything_is_written_where_they_cannot_
         cache = None
         with pytest.raises(kvcache.UnsupportedOperation, match=says):
             cache = kvcache.make_cache(model, "h2o:budget=64")
-            model(ids, past_key_values=cache)
+            model(ids, **cache_kwargs(model, cache))
         assert cache is None or cache.seen == 0
-        out = model.generate(ids, past_key_values=kvcache.make_cache(model), max_new_tokens=3, do_sample=False, pad_token_id=0)
+        out = model.generate(ids, **cache_kwargs(model, kvcache.make_cache(model)), max_new_tokens=3, do_sample=False, pad_token_id=0)
     assert out.shape == (1, 11)  # the default cache serves it
 
 

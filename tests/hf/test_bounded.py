@@ -21,6 +21,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 import kvcache
+from kvcache import cache_kwargs
 from helpers import assert_same_tokens, attention_for, hf_attention, layer_fingerprint, left_padded, model_for, prompt
 from kvcache.layers import EvictingLayer, WindowLayer
 from kvcache.apps.tiny import FAMILIES, tiny_model
@@ -73,7 +74,7 @@ def greedy(model, ids, cache, max_new_tokens=NEW_TOKENS, **kwargs):
     """Greedy ``generate``; a reference (DynamicCache) runs with Hugging Face's own attention."""
     context = attention_for(model, cache)
     with context:
-        return model.generate(ids, past_key_values=cache, max_new_tokens=max_new_tokens, do_sample=False, **kwargs)
+        return model.generate(ids, **cache_kwargs(model, cache), max_new_tokens=max_new_tokens, do_sample=False, **kwargs)
 
 
 def reference_cache(model) -> DynamicCache:
@@ -93,7 +94,7 @@ def forward_loop(model, ids, cache, feed, check=None) -> torch.Tensor:
     with torch.no_grad(), context:
         chunks = [ids] + [feed[:, t : t + 1] for t in range(feed.shape[1])]
         for chunk in chunks:
-            out.append(model(chunk, past_key_values=cache, use_cache=True).logits[:, -1])
+            out.append(model(chunk, **cache_kwargs(model, cache), use_cache=True).logits[:, -1])
             seen += chunk.shape[1]
             if check is not None:
                 check(seen)

@@ -10,6 +10,7 @@ from torch._dynamo.utils import counters
 from transformers import CompileConfig
 
 import kvcache
+from kvcache import cache_kwargs
 from kvcache.compiled import compiled_decode
 from kvcache.errors import UnsupportedOperation
 from tests.helpers import assert_same_tokens, left_padded, model_for, prompt
@@ -29,11 +30,11 @@ def _fresh_dynamo():
 def greedy(model, forward, cache, ids, steps=STEPS, after_first=None):
     """Prefill eagerly, then ``steps`` greedy decode steps through ``forward``; returns the tokens
     ``[B, steps + 1]``. ``after_first()`` runs after the first decode step (the warm-up)."""
-    out = model(ids, past_key_values=cache, use_cache=True)
+    out = model(ids, **cache_kwargs(model, cache), use_cache=True)
     token = out.logits[:, -1:].argmax(-1)
     tokens = [token]
     for step in range(steps):
-        out = forward(input_ids=token, past_key_values=cache, use_cache=True)
+        out = forward(input_ids=token, **cache_kwargs(model, cache), use_cache=True)
         token = out.logits[:, -1:].argmax(-1)
         tokens.append(token)
         if step == 0 and after_first is not None:
@@ -88,10 +89,10 @@ def test_generate_compiles_with_our_cache(spec):
     model, switch = model_running("llama", spec)
     try:
         ids = prompt(8, seed=3)
-        reference = model.generate(ids, past_key_values=kvcache.make_cache(model, spec), max_new_tokens=10, do_sample=False)
+        reference = model.generate(ids, **cache_kwargs(model, kvcache.make_cache(model, spec)), max_new_tokens=10, do_sample=False)
         cache = kvcache.make_cache(model, spec, compile=True)
         assert cache.is_compileable
-        got = model.generate(ids, past_key_values=cache, max_new_tokens=10, do_sample=False, compile_config=compile_config())
+        got = model.generate(ids, **cache_kwargs(model, cache), max_new_tokens=10, do_sample=False, compile_config=compile_config())
     finally:
         if switch is not None:
             switch.__exit__(None, None, None)
@@ -114,9 +115,9 @@ def test_compiled_generate_of_a_left_padded_batch(spec):
     model, switch = model_running("llama", spec)
     try:
         ids, mask = left_padded((5, 8))
-        reference = model.generate(ids, attention_mask=mask, past_key_values=kvcache.make_cache(model, spec), max_new_tokens=8, do_sample=False)
+        reference = model.generate(ids, attention_mask=mask, **cache_kwargs(model, kvcache.make_cache(model, spec)), max_new_tokens=8, do_sample=False)
         cache = kvcache.make_cache(model, spec, compile=TOKENS)
-        got = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=8, do_sample=False, compile_config=compile_config())
+        got = model.generate(ids, attention_mask=mask, **cache_kwargs(model, cache), max_new_tokens=8, do_sample=False, compile_config=compile_config())
     finally:
         if switch is not None:
             switch.__exit__(None, None, None)
@@ -130,7 +131,7 @@ def test_compiled_window_refuses_a_left_padded_batch():
         ids, mask = left_padded((5, 8))
         cache = kvcache.make_cache(model, "window:window=6,sinks=2", compile=True)
         with pytest.raises(UnsupportedOperation, match="padded differently"):
-            model(ids, attention_mask=mask, past_key_values=cache)
+            model(ids, attention_mask=mask, **cache_kwargs(model, cache))
 
 
 def test_inductor_decode_equals_eager():
@@ -200,10 +201,10 @@ def test_fixed_cache_refuses_overflow_eagerly_changing_nothing(spec):
     model, switch = model_running("llama", spec)
     try:
         cache = kvcache.make_cache(model, spec, compile=10)
-        model(prompt(8), past_key_values=cache, use_cache=True)
+        model(prompt(8), **cache_kwargs(model, cache), use_cache=True)
         before = [s.view() for s in cache.kv_layers]
         with pytest.raises(kvcache.CacheFullError):
-            model(prompt(5), past_key_values=cache, use_cache=True)  # 13 tokens: past 10 (12 for quantized: blocks of 4)
+            model(prompt(5), **cache_kwargs(model, cache), use_cache=True)  # 13 tokens: past 10 (12 for quantized: blocks of 4)
     finally:
         if switch is not None:
             switch.__exit__(None, None, None)

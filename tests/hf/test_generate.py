@@ -17,6 +17,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 import kvcache
+from kvcache import cache_kwargs
 from kvcache.layers import SlidingLayer, StaticLayer, WindowLayer
 from helpers import LOGITS_TOL, assert_same_tokens, attention_for, hf_attention, left_padded, model_for, prompt
 from kvcache.apps.tiny import DEFAULT_SLIDING_WINDOW, FAMILIES
@@ -45,7 +46,7 @@ def greedy(model, input_ids, cache, max_new_tokens=NEW_TOKENS, **kwargs):
     context = attention_for(model, cache)
     with context:
         return model.generate(
-            input_ids, past_key_values=cache, max_new_tokens=max_new_tokens, do_sample=False, **kwargs
+            input_ids, **cache_kwargs(model, cache), max_new_tokens=max_new_tokens, do_sample=False, **kwargs
         )
 
 
@@ -182,10 +183,10 @@ def forward_logits(model, ids: torch.Tensor, cache, feed: torch.Tensor, context=
     out = []
     context = attention_for(model, cache) if context is None else context
     with torch.no_grad(), context:
-        logits = model(ids, past_key_values=cache, use_cache=True).logits
+        logits = model(ids, **cache_kwargs(model, cache), use_cache=True).logits
         out.append(logits[:, -1])
         for t in range(feed.shape[1]):
-            logits = model(feed[:, t : t + 1], past_key_values=cache, use_cache=True).logits
+            logits = model(feed[:, t : t + 1], **cache_kwargs(model, cache), use_cache=True).logits
             out.append(logits[:, -1])
     return out
 

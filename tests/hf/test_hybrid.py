@@ -11,7 +11,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 import kvcache
-from kvcache import ModelMismatchError, UnsupportedOperation
+from kvcache import ModelMismatchError, UnsupportedOperation, cache_kwargs
 
 from families import build_model, greedy
 
@@ -60,7 +60,7 @@ def _prefilled(model, tokens=10):
     cache = kvcache.make_cache(model)
     ids = torch.randint(3, 128, (2, tokens), generator=torch.Generator().manual_seed(1))
     with kvcache.use_kvcache_attention(model), torch.no_grad():
-        model(ids, past_key_values=cache, use_cache=True)
+        model(ids, **cache_kwargs(model, cache), use_cache=True)
     return cache
 
 
@@ -103,7 +103,7 @@ def test_hybrid_snapshot_restore_and_fork_are_independent(jamba):
     i, linear = next(iter(cache.linear.items()))
     before = linear.recurrent_states[0].clone()
     with kvcache.use_kvcache_attention(jamba), torch.no_grad():
-        jamba(torch.tensor([[5], [6]]), past_key_values=cache, use_cache=True)
+        jamba(torch.tensor([[5], [6]]), **cache_kwargs(jamba, cache), use_cache=True)
     assert not torch.equal(cache.linear[i].recurrent_states[0], before)
     assert torch.equal(fork.linear[i].recurrent_states[0], before) and fork.get_seq_length() == 10
     cache.restore(snap)

@@ -13,6 +13,7 @@ import torch
 from transformers import DynamicCache
 
 import kvcache
+from kvcache import cache_kwargs
 from helpers import LOGITS_TOL, Recorder, assert_same_tokens, hf_attention, left_padded, model_for, prompt
 from kvcache.attention import kernel
 from kvcache.layers import EvictingLayer, WindowLayer
@@ -28,12 +29,12 @@ ROOMY = ["window:window=64", "quantized:bits=8,residual=64", *(f"{name}:budget=6
 
 def last_logits(model, ids, cache, **kwargs) -> torch.Tensor:
     with kvcache.use_kvcache_attention(model), torch.no_grad():
-        return model(ids, past_key_values=cache, use_cache=True, **kwargs).logits[:, -1]
+        return model(ids, **cache_kwargs(model, cache), use_cache=True, **kwargs).logits[:, -1]
 
 
 def greedy(model, ids, cache, **kwargs) -> torch.Tensor:
     with kvcache.use_kvcache_attention(model):
-        return model.generate(ids, past_key_values=cache, max_new_tokens=NEW, do_sample=False, **kwargs)
+        return model.generate(ids, **cache_kwargs(model, cache), max_new_tokens=NEW, do_sample=False, **kwargs)
 
 
 @pytest.mark.parametrize("spec", ["growable", *ROOMY])
@@ -46,7 +47,7 @@ def test_chunked_prefill_with_room_for_everything_equals_an_unchunked_one_token_
     assert cache.seen == PROMPT - 1
     assert_same_tokens(greedy(model, ids, cache), whole, f"{spec} chunked")
     with hf_attention(model):
-        reference = model.generate(ids, past_key_values=DynamicCache(config=model.config), max_new_tokens=NEW, do_sample=False)
+        reference = model.generate(ids, **cache_kwargs(model, DynamicCache(config=model.config)), max_new_tokens=NEW, do_sample=False)
     assert_same_tokens(whole, reference, spec)
 
 
@@ -120,7 +121,7 @@ def test_a_left_padded_batch_prefills_in_chunks_as_dynamic_cache_does_in_one_pas
     positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
     with hf_attention(model), torch.no_grad():
         past = DynamicCache(config=model.config)
-        want = model(ids, attention_mask=mask, position_ids=positions, past_key_values=past).logits[:, -1]
+        want = model(ids, attention_mask=mask, position_ids=positions, **cache_kwargs(model, past)).logits[:, -1]
     torch.testing.assert_close(got, want, **LOGITS_TOL)
 
 
@@ -131,8 +132,8 @@ def test_a_left_padded_prefill_then_generate_gives_generates_own_tokens():
     cache = kvcache.make_cache(model)
     kvcache.prefill(model, ids[:, :-1], cache, chunk=CHUNK, attention_mask=mask[:, :-1])
     with torch.no_grad():
-        got = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=6, do_sample=False)
-        want = model.generate(ids, attention_mask=mask, past_key_values=DynamicCache(config=model.config), max_new_tokens=6, do_sample=False)
+        got = model.generate(ids, attention_mask=mask, **cache_kwargs(model, cache), max_new_tokens=6, do_sample=False)
+        want = model.generate(ids, attention_mask=mask, **cache_kwargs(model, DynamicCache(config=model.config)), max_new_tokens=6, do_sample=False)
     assert_same_tokens(got, want, "left-padded prefill + generate")
 
 
@@ -171,7 +172,7 @@ def test_no_tensor_of_chunk_x_context_is_made_while_prefilling(spec, monkeypatch
         cache = DynamicCache(config=model.config)
         with hf_attention(model), torch.no_grad():
             for start in range(0, length, chunk):
-                model(ids[:, start : start + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1)
+                model(ids[:, start : start + chunk], **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
 
     assert biggest(sdpa_chunks)[0] >= limit  # the check can see one
 

@@ -11,6 +11,7 @@ import torch
 from transformers import DynamicCache
 
 import kvcache
+from kvcache import cache_kwargs
 from helpers import LOGITS_TOL, assert_same_tokens, attention_for, model_for, prompt
 from kvcache.layers import EvictingLayer
 
@@ -35,7 +36,7 @@ SLOT_BYTES = 2 * 16 * 4 + 8 + 4
 
 def greedy(model, ids, cache, max_new_tokens=NEW_TOKENS):
     with attention_for(model, cache):
-        return model.generate(ids, past_key_values=cache, max_new_tokens=max_new_tokens, do_sample=False)
+        return model.generate(ids, **cache_kwargs(model, cache), max_new_tokens=max_new_tokens, do_sample=False)
 
 
 def forward_loop(model, ids, cache, feed, check):
@@ -43,7 +44,7 @@ def forward_loop(model, ids, cache, feed, check):
     out, seen = [], 0
     with torch.no_grad(), attention_for(model, cache):
         for chunk in [ids] + [feed[:, t : t + 1] for t in range(feed.shape[1])]:
-            out.append(model(chunk, past_key_values=cache, use_cache=True).logits[:, -1])
+            out.append(model(chunk, **cache_kwargs(model, cache), use_cache=True).logits[:, -1])
             seen += chunk.shape[1]
             check(cache, seen)
     return torch.stack(out)

@@ -14,7 +14,7 @@ import torch
 from transformers import DynamicCache
 
 from helpers import assert_same_tokens
-from kvcache import make_cache, use_kvcache_attention
+from kvcache import cache_kwargs, make_cache, use_kvcache_attention
 from kvcache.models import load
 
 pytestmark = pytest.mark.real_model
@@ -38,7 +38,7 @@ def generate(model, tokenizer, batch, cache):
     with torch.inference_mode():
         return model.generate(
             **batch,
-            past_key_values=cache,
+            **cache_kwargs(model, cache),
             max_new_tokens=NEW_TOKENS,
             min_new_tokens=NEW_TOKENS,
             do_sample=False,

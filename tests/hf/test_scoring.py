@@ -13,7 +13,7 @@ import torch
 
 import kvcache
 from helpers import model_for, prompt
-from kvcache import scoring
+from kvcache import cache_kwargs, scoring
 
 PROMPT, NEW = 40, 8
 SPECS = (
@@ -41,7 +41,7 @@ def _greedy_from(model, cache, first: torch.Tensor, steps: int) -> torch.Tensor:
     out, token = [first], first
     with torch.inference_mode(), kvcache.use_kvcache_attention(model):
         for _ in range(steps):
-            logits = model(token, past_key_values=cache, use_cache=True).logits[:, -1]
+            logits = model(token, **cache_kwargs(model, cache), use_cache=True).logits[:, -1]
             token = logits.argmax(-1, keepdim=True)
             out.append(token)
     return torch.cat(out, dim=1)
@@ -56,8 +56,8 @@ def test_compress_from_one_recording_equals_each_specs_own_prefill(spec):
     rec = scoring.recording_cache(model, MODES)
     own = kvcache.make_cache(model, spec)
     with torch.inference_mode(), kvcache.use_kvcache_attention(model):
-        logits = model(ids, past_key_values=rec, use_cache=True).logits[:, -1]
-        own_logits = model(ids, past_key_values=own, use_cache=True).logits[:, -1]
+        logits = model(ids, **cache_kwargs(model, rec), use_cache=True).logits[:, -1]
+        own_logits = model(ids, **cache_kwargs(model, own), use_cache=True).logits[:, -1]
     torch.testing.assert_close(logits, own_logits, rtol=1e-4, atol=1e-4)  # the same pass: attention order only
     weights = {mode: scoring.recorded(rec, mode) for mode in MODES}
     ours = scoring.compress(model, spec, scoring.keys_values(rec), weights)
@@ -78,7 +78,7 @@ def test_compress_says_which_weights_are_missing():
     model = model_for("llama")
     rec = scoring.recording_cache(model, ("last",))
     with torch.inference_mode(), kvcache.use_kvcache_attention(model):
-        model(prompt(20), past_key_values=rec, use_cache=True)
+        model(prompt(20), **cache_kwargs(model, rec), use_cache=True)
     with pytest.raises(KeyError, match="'sum'"):
         scoring.compress(model, "h2o:budget=8", scoring.keys_values(rec), {"last": scoring.recorded(rec, "last")})
     with pytest.raises(ValueError, match="does not attend every earlier token"):
@@ -95,7 +95,7 @@ def test_repeat_scores_are_the_max_attention_of_the_repetition():
     context, repeat = prompt(24, seed=5), prompt(30, seed=6)
     rec = scoring.recording_cache(model, (scoring.KVZIP_MODE,))
     with torch.inference_mode(), kvcache.use_kvcache_attention(model):
-        model(context, past_key_values=rec, use_cache=True)
+        model(context, **cache_kwargs(model, rec), use_cache=True)
     before = [s.view()[0].clone() for s in _stores(rec)]
     scores = scoring.repeat_scores(model, rec, repeat, chunk=7)
     assert rec.seen == 24 and all(torch.equal(s.view()[0], b) for s, b in zip(_stores(rec), before))
@@ -122,6 +122,6 @@ def test_compress_context_keeps_the_budget_and_serves_several_questions():
     for seed in (1, 2):
         fork = cache.fork()
         with torch.inference_mode(), kvcache.use_kvcache_attention(model):
-            model(prompt(6, seed=seed), past_key_values=fork, use_cache=True)
+            model(prompt(6, seed=seed), **cache_kwargs(model, fork), use_cache=True)
         assert all(s.length == 12 and s.seen == 54 for s in _stores(fork))
     assert all(s.seen == 48 for s in _stores(cache))  # the compressed context is unchanged

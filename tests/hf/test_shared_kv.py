@@ -24,6 +24,7 @@ from transformers import (
 )
 
 import kvcache
+from kvcache import cache_kwargs
 from kvcache.cache import kv_attended_by
 from kvcache.errors import UnsupportedOperation
 from kvcache.layers import EvictingLayer, QuantizedLayer, WindowLayer
@@ -77,7 +78,7 @@ def generate(model, ids, cache, mask=None):
     out = model.generate(
         ids,
         attention_mask=torch.ones_like(ids) if mask is None else mask,
-        past_key_values=cache,
+        **cache_kwargs(model, cache),
         max_new_tokens=NEW_TOKENS,
         do_sample=False,
         output_scores=True,

@@ -13,6 +13,7 @@ import torch
 from transformers import DynamicCache
 
 import kvcache
+from kvcache import cache_kwargs
 from kvcache.cache import KVCache
 from kvcache.layers import SlidingLayer, WindowLayer
 
@@ -35,7 +36,7 @@ def inputs(batch: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 def run(model, cache, ids, mask, **kwargs):
     return model.generate(
-        input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=NEW, min_new_tokens=NEW,
+        input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache), max_new_tokens=NEW, min_new_tokens=NEW,
         do_sample=False, pad_token_id=0, **kwargs,
     )
 
@@ -73,11 +74,11 @@ def test_a_file_with_rings_for_sliding_layers_loads_in_order(model, tmp_path):
     stores = [WindowLayer(window=s.window) if isinstance(s, SlidingLayer) else s for s in made.kv_layers]
     old = KVCache(stores, made.spec, made.config_summary, made.attention_config, dict(made.others))
     with kvcache.use_kvcache_attention(model):  # rings need the kvcache attention
-        model(ids, past_key_values=old)
+        model(ids, **cache_kwargs(model, old))
     old.save(tmp_path / "old.kv")
     loaded = kvcache.load_cache(tmp_path / "old.kv", model)
     assert [type(s) for s in loaded.kv_layers] == [type(s) for s in made.kv_layers]
     nxt = ids[:, -1:] * 0 + 7
-    want = model(torch.cat([ids, nxt], 1), past_key_values=DynamicCache(config=model.config)).logits[:, -1]
-    got = model(nxt, past_key_values=loaded).logits[:, -1]
+    want = model(torch.cat([ids, nxt], 1), **cache_kwargs(model, DynamicCache(config=model.config))).logits[:, -1]
+    got = model(nxt, **cache_kwargs(model, loaded)).logits[:, -1]
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)  # our kernel for the prefix vs HF's whole pass, fp32

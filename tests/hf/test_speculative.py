@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from transformers import DynamicCache
 
 import kvcache
+from kvcache import cache_kwargs
 from kvcache.errors import UnsupportedOperation
 from kvcache.layers import SlidingLayer, WindowLayer
 from kvcache.apps.tiny import tiny_model
@@ -96,11 +97,11 @@ def test_speculative_decoding_matches_dynamic_cache(family, method, setup):
     target, assistant = target_and_assistant(family)
     ids = repetitive_prompt()
     kwargs = dict(max_new_tokens=NEW_TOKENS, do_sample=False, **METHODS[method](assistant))
-    ref = target.generate(ids, past_key_values=DynamicCache(config=target.config), **kwargs)
+    ref = target.generate(ids, **cache_kwargs(target, DynamicCache(config=target.config)), **kwargs)
     cache = kvcache.make_cache(target, spec)
     crops = record_crops(cache)
     with attention(target, switch):
-        ours = target.generate(ids, past_key_values=cache, **kwargs)
+        ours = target.generate(ids, **cache_kwargs(target, cache), **kwargs)
     assert_same_tokens(ours, ref, f"{family} {method} {setup}")
     # The test took back tokens past the window, and some rounds kept part of their candidates.
     assert any(n > 0 and seen > WINDOW + n for n, seen in crops), crops
@@ -121,7 +122,7 @@ def test_assisted_rounds_accept_part_of_their_candidates():
     cache = kvcache.make_cache(target)
     crops = record_crops(cache)
     with kvcache.use_kvcache_attention(target):
-        target.generate(repetitive_prompt(), past_key_values=cache, assistant_model=assistant, max_new_tokens=NEW_TOKENS, do_sample=False)
+        target.generate(repetitive_prompt(), **cache_kwargs(target, cache), assistant_model=assistant, max_new_tokens=NEW_TOKENS, do_sample=False)
     removed = [n for n, _ in crops]
     assert any(0 < n < 5 for n in removed), removed
 
@@ -136,17 +137,17 @@ def test_crop_within_the_log_continues_like_dynamic_cache_and_beyond_it_refuses(
     ids = prompt(20, seed=9)
     cand, nxt = prompt(3, seed=10), prompt(2, seed=11)
     ref = DynamicCache(config=target.config)
-    target(ids, past_key_values=ref)
+    target(ids, **cache_kwargs(target, ref))
     ref.activate_past_recording()
-    target(cand, past_key_values=ref)
+    target(cand, **cache_kwargs(target, ref))
     ref.crop(-2)
-    want = target(nxt, past_key_values=ref).logits
+    want = target(nxt, **cache_kwargs(target, ref)).logits
 
     cache = kvcache.make_cache(target, spec)
     with attention(target, switch):
-        target(ids, past_key_values=cache)
+        target(ids, **cache_kwargs(target, cache))
         cache.activate_past_recording()
-        target(cand, past_key_values=cache)
+        target(cand, **cache_kwargs(target, cache))
         before = [layer_fingerprint(s) for s in cache.kv_layers]
         limit = min(s.rollback_tokens for s in cache.kv_layers if isinstance(s, (WindowLayer, SlidingLayer)))
         assert limit == 3 if setup == "rings" else limit >= 3  # a ring's log; the buffer in order holds more
@@ -154,7 +155,7 @@ def test_crop_within_the_log_continues_like_dynamic_cache_and_beyond_it_refuses(
             cache.crop(-(limit + 1))
         assert [layer_fingerprint(s) for s in cache.kv_layers] == before
         cache.crop(-2)
-        got = target(nxt, past_key_values=cache).logits
+        got = target(nxt, **cache_kwargs(target, cache)).logits
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)  # fp32, our kernel vs HF's (~1e-6 apart)
 
 

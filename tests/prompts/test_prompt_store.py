@@ -9,7 +9,7 @@ from transformers import DynamicCache
 
 import kvcache
 from helpers import assert_same_tokens, left_padded, model_for, prompt
-from kvcache import UnsupportedOperation
+from kvcache import UnsupportedOperation, cache_kwargs
 
 CHUNK = 16
 NEW = 6
@@ -21,7 +21,7 @@ STATES = ["quantized:bits=4,group_size=8,residual=8", "window:window=24,sinks=2"
 def greedy(model, ids, cache=None, mask=None, new=NEW):
     cache = DynamicCache(config=model.config) if cache is None else cache
     with torch.no_grad():
-        return model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new, do_sample=False)
+        return model.generate(ids, attention_mask=mask, **cache_kwargs(model, cache), max_new_tokens=new, do_sample=False)
 
 
 @pytest.fixture(params=["memory", "folder", "redis"])
@@ -218,7 +218,7 @@ def test_padded_rows_of_a_model_that_takes_no_position_ids_are_refused():
 
     class NoPositionIds(type(llama)):
         def forward(self, input_ids=None, attention_mask=None, past_key_values=None, **kwargs):
-            return super().forward(input_ids=input_ids, attention_mask=attention_mask, past_key_values=past_key_values, **kwargs)
+            return super().forward(input_ids=input_ids, attention_mask=attention_mask, **cache_kwargs(llama, past_key_values), **kwargs)
 
     model = NoPositionIds(llama.config).eval()
     store = kvcache.PromptStore(chunk=CHUNK)

@@ -7,6 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvcache
+from kvcache import cache_kwargs
 from helpers import model_for
 
 CHUNK = 4
@@ -48,7 +49,7 @@ def test_lookups_reuse_exactly_the_longest_stored_prefix(ops):
             held = tokens[:-1]
         else:
             with torch.no_grad():
-                out = model.generate(ids, past_key_values=cache, max_new_tokens=3, do_sample=False)
+                out = model.generate(ids, **cache_kwargs(model, cache), max_new_tokens=3, do_sample=False)
             store.put(cache, out)
             held = out[0, : cache.seen].tolist()
         stored |= {tuple(held[: (j + 1) * CHUNK]) for j in range(len(held) // CHUNK)}

@@ -9,6 +9,7 @@ import torch
 from transformers import DynamicCache
 
 import kvcache
+from kvcache import cache_kwargs
 from helpers import assert_same_tokens
 from kvcache.apps.bench.workload import corpus
 from kvcache.models import load
@@ -34,7 +35,7 @@ def smollm2():
 def greedy(model, tokenizer, ids, mask, cache=None):
     cache = DynamicCache(config=model.config) if cache is None else cache
     with torch.inference_mode():
-        return model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=NEW, min_new_tokens=NEW,
+        return model.generate(ids, attention_mask=mask, **cache_kwargs(model, cache), max_new_tokens=NEW, min_new_tokens=NEW,
                               do_sample=False, pad_token_id=tokenizer.pad_token_id)
 
 

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from ..attention import attend, attend_weighted, native
 from ..attention_kwargs import AttentionExtras
 from ..errors import UnsupportedOperation
+from ..hf import ForwardStep
 from . import shared_prefix
 from .paged import paged_decode
 from .pool import BlockPool
@@ -59,7 +60,7 @@ class Row:
         return self.past + self.count
 
 
-class PagedStep:
+class PagedStep(ForwardStep):
     """The attention of one packed forward pass over ``pool`` (see the module docstring).
 
     ``rows`` lie one after the other from token 0 of the packed sequence. Every block a row writes

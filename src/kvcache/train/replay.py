@@ -22,6 +22,7 @@ import torch
 from ..attention import Visibility
 from ..attention_kwargs import AttentionExtras
 from ..errors import UnsupportedOperation
+from ..hf import ForwardStep
 
 
 @dataclass
@@ -76,7 +77,7 @@ def gather_index(candidates: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
     return torch.where(empty, 0, order.gather(-1, at))
 
 
-class ChunkStep:
+class ChunkStep(ForwardStep):
     """The attention of one chunk at positions ``[start, start + tokens)`` over per-layer states.
 
     ``states[l]``: layer ``l``'s ``ReplayState`` before the chunk (None: no slots yet). ``kept[l]``: the positions layer ``l``
