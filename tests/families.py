@@ -21,6 +21,8 @@ import transformers
 from transformers import CONFIG_MAPPING, DynamicCache
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from kvcache import cache_kwargs
+
 FAMILIES = tuple(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 VOCAB = 128
 PAD = 0

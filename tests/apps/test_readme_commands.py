@@ -24,6 +24,7 @@ import torch
 from transformers import DynamicCache
 
 from helpers import ROOT, model_for, prompt
+from kvcache import cache_kwargs
 
 README = (ROOT / "README.md").read_text()
 
@@ -77,7 +78,6 @@ class NotInstalled(PathFinder):  # the path finder, blind to the extras: as if t
     def find_spec(cls, name, path=None, target=None):
         return None if name.split(".")[0] in blocked else super().find_spec(name, path, target)
 sys.meta_path[:] = [NotInstalled if f is PathFinder else f for f in sys.meta_path]
-from kvcache import cache_kwargs
 from kvcache.apps.cli import main
 sys.exit(main(sys.argv[1:]))
 """

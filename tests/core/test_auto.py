@@ -186,7 +186,8 @@ def test_a_budget_that_affords_every_token_exactly_is_the_full_cache():
     model = model_for("llama")
     ids = prompt(120, seed=2)
     with torch.no_grad(), kvcache.use_kvcache_attention(model):
-        ours = model.generate(ids, **cache_kwargs(model, kvcache.make_cache(model, "auto:bytes=100000000")), max_new_tokens=12, do_sample=False)
+        ours = model.generate(ids, **cache_kwargs(model, kvcache.make_cache(model, "auto:bytes=100000000")), max_new_tokens=12,
+                              do_sample=False)  # fmt: skip
     ref = model.generate(ids, **cache_kwargs(model, kvcache.make_cache(model, "growable")), max_new_tokens=12, do_sample=False)
     assert torch.equal(ours, ref)
 

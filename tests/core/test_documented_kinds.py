@@ -89,7 +89,7 @@ FRESH = textwrap.dedent(
             loaded = kvcache.load_cache(path, model)
             cache = kvcache.make_cache(model, spec)
             with torch.no_grad(), kvcache.use_kvcache_attention(model):
-                model(torch.arange(10).view(1, 10) + 3, past_key_values=cache)
+                model(torch.arange(10).view(1, 10) + 3, **kvcache.cache_kwargs(model, cache))
             reports[kind] = {"loaded": [s.kind for s in loaded.kv_layers], "seen": loaded.seen,
                              "built": [s.kind for s in cache.kv_layers], "after": cache.seen}
         except Exception:

@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+from kvcache import cache_kwargs
+
 NEAR_TIE = 1e-4
 
 

@@ -63,6 +63,8 @@ KINDS = [
     "auto:bytes=0.3,window=4",
     "h2o:budget=0.5,storage=int8",
     "snapkv:budget=0.5,window=4,storage=int4",
+    "window:window=12,sinks=2",
+    "window:window=20",
 ]
 
 
@@ -144,7 +146,6 @@ def test_preempted_bounded_requests_are_recomputed_and_decode_their_tokens_again
 @pytest.mark.parametrize(
     "spec,kw,error,match",
     [
-        ("window:window=16", {}, UnsupportedOperation, "masks the tokens before its window"),
         ("kvzip:budget=0.25", {}, UnsupportedOperation, "second pass"),
         ("static:capacity=64", {}, UnsupportedOperation, "growable blocks or bounded kinds"),
         ("snapkv:budget=0.25,window=32", {"max_batch_tokens": 16}, ValueError, "observation window"),
@@ -179,6 +180,21 @@ def test_a_request_of_a_float_engine_may_ask_for_any_bounded_kind_or_growable(mo
     same_or_near_tie(handles[2].result(), bounded_reference(model, prompts[2], NEW, specs[2])[0])
     snap = Engine(model, SPEC, block_size=8, blocks=64, max_batch_tokens=512, max_seqs=4)
     assert not snap.submit(prompts[1], max_new_tokens=2, cache="growable")._request.compression
+
+
+def test_a_window_request_holds_no_prompt_block_and_shares_none(model):
+    shared = ids(32, 11)
+    prompts = [shared + ids(6, 20 + i) for i in range(2)]
+    spec = "window:window=12,sinks=2"
+    engine = Engine(model, spec, block_size=8, blocks=16, max_batch_tokens=16, max_seqs=2)
+    handles = [engine.submit(p, max_new_tokens=NEW, eos_token_id=[]) for p in prompts]
+    while engine.step():
+        for request in engine.scheduler.running:
+            assert request.table == [] and request.cache is not None
+            assert len(request.lease) == -(-request.cache.nbytes // engine.pool.block_nbytes)
+    assert [h.stats.reused_pool for h in handles] == [0, 0] and engine.pool.owned_count == 0
+    for p, h in zip(prompts, handles):
+        same_or_near_tie(h.result(), bounded_reference(model, p, NEW, spec)[0])
 
 
 def test_a_cache_larger_than_the_pool_fails_its_request_alone(model):

@@ -216,7 +216,7 @@ def test_max_bytes_counts_codes_scales_and_open_blocks(model):
     "spec,error,match",
     [
         ("quantized:bits=8,residual=4", UnsupportedOperation, "residual"),
-        ("window:window=64", UnsupportedOperation, "does not serve .window. caches"),
+        ("kvzip:budget=64", UnsupportedOperation, "does not serve .kvzip. caches"),
         ("quantized:bits=3", (SpecError, ValueError, PoolError), "bits"),
         ("quantized:bits=8,group_size=7", PoolError, "value_group"),
         ("nonsense", SpecError, "unknown cache kind"),

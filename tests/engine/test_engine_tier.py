@@ -69,7 +69,8 @@ def test_the_engine_and_generate_share_a_store_both_ways(model):
     prompt = PROMPTS[0]
     cache = make_cache(model)
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), **cache_kwargs(model, cache), max_new_tokens=1, do_sample=False, pad_token_id=0)
+        out = model.generate(torch.tensor([prompt]), **cache_kwargs(model, cache), max_new_tokens=1, do_sample=False,
+                             pad_token_id=0)  # fmt: skip
     assert store.put(cache, out) == 3 * CHUNK
     _, handles = serve(model, store, [prompt])
     assert handles[0].stats.reused_store == 3 * CHUNK

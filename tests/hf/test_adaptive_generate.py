@@ -79,7 +79,8 @@ def test_budget_at_least_the_sequence_gives_dynamic_cache_tokens(family):
     model = model_for(family)
     ids, mask = left_padded((40, 31), seed=3)
     with attention_for(model, DynamicCache()):
-        ref = model.generate(ids, attention_mask=mask, **cache_kwargs(model, DynamicCache(config=model.config)), max_new_tokens=16, do_sample=False)
+        ref = model.generate(ids, attention_mask=mask, **cache_kwargs(model, DynamicCache(config=model.config)),
+                             max_new_tokens=16, do_sample=False)  # fmt: skip
     cache = kvcache.make_cache(model, "adakv:budget=64,window=8")
     ours = greedy(model, ids, cache, attention_mask=mask)
     assert_same_tokens(ours, ref, f"{family} adakv:budget=64 ragged batch")

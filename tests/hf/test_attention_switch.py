@@ -175,7 +175,8 @@ def test_bounded_kinds_are_refused_before_anything_is_written_where_they_cannot_
             cache = kvcache.make_cache(model, "h2o:budget=64")
             model(ids, **cache_kwargs(model, cache))
         assert cache is None or cache.seen == 0
-        out = model.generate(ids, **cache_kwargs(model, kvcache.make_cache(model)), max_new_tokens=3, do_sample=False, pad_token_id=0)
+        out = model.generate(ids, **cache_kwargs(model, kvcache.make_cache(model)), max_new_tokens=3, do_sample=False,
+                             pad_token_id=0)  # fmt: skip
     assert out.shape == (1, 11)  # the default cache serves it
 
 

@@ -89,10 +89,12 @@ def test_generate_compiles_with_our_cache(spec):
     model, switch = model_running("llama", spec)
     try:
         ids = prompt(8, seed=3)
-        reference = model.generate(ids, **cache_kwargs(model, kvcache.make_cache(model, spec)), max_new_tokens=10, do_sample=False)
+        reference = model.generate(ids, **cache_kwargs(model, kvcache.make_cache(model, spec)), max_new_tokens=10,
+                                   do_sample=False)  # fmt: skip
         cache = kvcache.make_cache(model, spec, compile=True)
         assert cache.is_compileable
-        got = model.generate(ids, **cache_kwargs(model, cache), max_new_tokens=10, do_sample=False, compile_config=compile_config())
+        got = model.generate(ids, **cache_kwargs(model, cache), max_new_tokens=10, do_sample=False,
+                             compile_config=compile_config())  # fmt: skip
     finally:
         if switch is not None:
             switch.__exit__(None, None, None)
@@ -115,9 +117,11 @@ def test_compiled_generate_of_a_left_padded_batch(spec):
     model, switch = model_running("llama", spec)
     try:
         ids, mask = left_padded((5, 8))
-        reference = model.generate(ids, attention_mask=mask, **cache_kwargs(model, kvcache.make_cache(model, spec)), max_new_tokens=8, do_sample=False)
+        reference = model.generate(ids, attention_mask=mask, **cache_kwargs(model, kvcache.make_cache(model, spec)),
+                                   max_new_tokens=8, do_sample=False)  # fmt: skip
         cache = kvcache.make_cache(model, spec, compile=TOKENS)
-        got = model.generate(ids, attention_mask=mask, **cache_kwargs(model, cache), max_new_tokens=8, do_sample=False, compile_config=compile_config())
+        got = model.generate(ids, attention_mask=mask, **cache_kwargs(model, cache), max_new_tokens=8, do_sample=False,
+                             compile_config=compile_config())  # fmt: skip
     finally:
         if switch is not None:
             switch.__exit__(None, None, None)
@@ -141,7 +145,7 @@ def test_inductor_decode_equals_eager():
     spec = "static:capacity=32"
     reference = greedy(model, model.forward, kvcache.make_cache(model, spec), ids, steps=6)
     step = compiled_decode(model)
-    compiled = lambda input_ids, past_key_values, use_cache: step(input_ids, past_key_values)  # noqa: E731
+    compiled = lambda input_ids, use_cache, **kwargs: step(input_ids, kwargs[kvcache.cache_name(model)])  # noqa: E731
     got = greedy(model, compiled, kvcache.make_cache(model, spec, compile=True), ids, steps=6)
     assert_same_tokens(got, reference, "inductor")
     assert counters["stats"]["unique_graphs"] == 1

@@ -47,7 +47,8 @@ def test_chunked_prefill_with_room_for_everything_equals_an_unchunked_one_token_
     assert cache.seen == PROMPT - 1
     assert_same_tokens(greedy(model, ids, cache), whole, f"{spec} chunked")
     with hf_attention(model):
-        reference = model.generate(ids, **cache_kwargs(model, DynamicCache(config=model.config)), max_new_tokens=NEW, do_sample=False)
+        reference = model.generate(ids, **cache_kwargs(model, DynamicCache(config=model.config)), max_new_tokens=NEW,
+                                   do_sample=False)  # fmt: skip
     assert_same_tokens(whole, reference, spec)
 
 
@@ -133,7 +134,8 @@ def test_a_left_padded_prefill_then_generate_gives_generates_own_tokens():
     kvcache.prefill(model, ids[:, :-1], cache, chunk=CHUNK, attention_mask=mask[:, :-1])
     with torch.no_grad():
         got = model.generate(ids, attention_mask=mask, **cache_kwargs(model, cache), max_new_tokens=6, do_sample=False)
-        want = model.generate(ids, attention_mask=mask, **cache_kwargs(model, DynamicCache(config=model.config)), max_new_tokens=6, do_sample=False)
+        want = model.generate(ids, attention_mask=mask, **cache_kwargs(model, DynamicCache(config=model.config)),
+                              max_new_tokens=6, do_sample=False)  # fmt: skip
     assert_same_tokens(got, want, "left-padded prefill + generate")
 
 

@@ -122,7 +122,8 @@ def test_assisted_rounds_accept_part_of_their_candidates():
     cache = kvcache.make_cache(target)
     crops = record_crops(cache)
     with kvcache.use_kvcache_attention(target):
-        target.generate(repetitive_prompt(), **cache_kwargs(target, cache), assistant_model=assistant, max_new_tokens=NEW_TOKENS, do_sample=False)
+        target.generate(repetitive_prompt(), **cache_kwargs(target, cache), assistant_model=assistant, max_new_tokens=NEW_TOKENS,
+                        do_sample=False)  # fmt: skip
     removed = [n for n, _ in crops]
     assert any(0 < n < 5 for n in removed), removed
 

@@ -218,7 +218,8 @@ def test_padded_rows_of_a_model_that_takes_no_position_ids_are_refused():
 
     class NoPositionIds(type(llama)):
         def forward(self, input_ids=None, attention_mask=None, past_key_values=None, **kwargs):
-            return super().forward(input_ids=input_ids, attention_mask=attention_mask, **cache_kwargs(llama, past_key_values), **kwargs)
+            return super().forward(input_ids=input_ids, attention_mask=attention_mask, **cache_kwargs(llama, past_key_values),
+                                   **kwargs)  # fmt: skip
 
     model = NoPositionIds(llama.config).eval()
     store = kvcache.PromptStore(chunk=CHUNK)

@@ -14,6 +14,11 @@ The prompt's weights come from the queries each mode reduces (``attend_weighted`
 (SnapKV and its kin) the last ``N``, so the prompt's last chunk holds at least ``N`` tokens;
 ``last`` (TOVA) the last one; ``sum`` (H2O) every query, so every chunk of the prompt reports and
 adds its share, and no prompt block is reused (a reused block's queries were never run).
+
+A ``window`` cache (StreamingLLM's sinks and sliding window) masks its prompt's own attention, so
+its prompt is not computed in the pool: the request's own cache is made when it joins and takes
+every chunk of the prompt itself (``prefills``), which a sliding window computes exactly chunk by
+chunk; its blocks are never shared.
 """
 
 from __future__ import annotations
@@ -30,22 +35,21 @@ from ..layers.own_attention import OwnAttentionLayer
 from ..spec import CacheSpec
 
 #: Kinds the engine does not build this way, and why.
-REFUSED = {
-    "window": "a window's prompt pass masks the tokens before its window, which the pool's prompt attention does not",
-    "kvzip": "KVzip scores the prompt by a second pass that repeats it, which the engine does not run",
-}
+REFUSED = {"kvzip": "KVzip scores the prompt by a second pass that repeats it, which the engine does not run"}
 
 
 @dataclass(frozen=True)
 class Compression:
     """How a prompt becomes a bounded cache of kind ``spec``: the weights ``modes`` its layers'
-    prompt pass reports, the queries its last chunk must hold (``window``), and whether every
-    query of the prompt counts (``whole``: the ``sum`` mode)."""
+    prompt pass reports, the queries its last chunk must hold (``window``), whether every
+    query of the prompt counts (``whole``: the ``sum`` mode), or whether the cache takes the prompt
+    itself from the first chunk (``prefills``: a sliding window)."""
 
     spec: str
     modes: tuple[str, ...]
     window: int
     whole: bool
+    prefills: bool = False
 
     def first_observed(self, prompt: int) -> int:
         """The first prompt position whose query this compression reads: no earlier block may be
@@ -70,7 +74,9 @@ def compression_for(model: Any, spec: CacheSpec, max_batch_tokens: int) -> Compr
     layers = [layer for layer in make_cache(model, spec).kv_layers if layer is not None]
     if not layers or not all(isinstance(layer, OwnAttentionLayer) for layer in layers):
         raise UnsupportedOperation(f"the engine serves growable blocks or bounded kinds; {spec.kind!r} is neither")
-    if any(getattr(layer, "is_sliding", False) for layer in layers):
+    if spec.kind == "window":
+        return Compression(str(spec), (), 0, False, prefills=True)
+    if any(layer.is_sliding for layer in layers):
         raise UnsupportedOperation("the engine compresses prompts of models whose layers all attend every earlier token")
     modes: set[str] = set()
     for layer in layers:

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ..build import make_cache
 from ..errors import UnsupportedOperation
 from ..fingerprint import config_summary, fingerprint_of, text_config
 from ..hf import FORWARD_STEP, use_kvcache_attention
@@ -185,8 +186,8 @@ class Engine:
         sampling = Sampling(temperature, top_p, seed)
         longest = len(prompt) + max_new_tokens - 1  # the last token is never computed
         bs = self.pool.block_size
-        # A bounded request holds its prompt in blocks, then its cache's bytes (counted as it grows).
-        need = blocks_for(longest if compression is None else len(prompt), bs)
+        # A bounded request holds its prompt in blocks (a window's not even that), then its cache's bytes.
+        need = blocks_for(longest if compression is None else 0 if compression.prefills else len(prompt), bs)
         if need > self.pool.total:
             raise PoolError(
                 f"a request of {len(prompt)} prompt + {max_new_tokens} new tokens needs {need} blocks of {bs}; "
@@ -308,6 +309,8 @@ class Engine:
         and the own cache of each prompt compressed in this step (request id -> ``KVCache``)."""
         ids, positions, packed, last, scoring = [], [], [], [], []
         for request, n in rows:
+            if request.cache is None and request.own_context:  # a window's cache takes its prompt too
+                request.cache = make_cache(self.model, request.compression.spec)
             start = len(ids)
             ids.extend(request.tokens[request.computed : request.computed + n])
             positions.extend(range(request.computed, request.computed + n))

@@ -5,10 +5,10 @@
   value head dim if smaller): coded blocks with one full-precision open block per running request
   (``CodedBlockPool``). The kind's ``residual`` is not an option here: the open block is the
   engine's exact residual (between 1 and ``block_size`` recent tokens).
-- a bounded kind (``"h2o:budget=256"``, ``"snapkv:budget=0.25"``, ``"adakv:..."``,
-  ``"auto:bytes=0.125"``, ``storage=`` on any): full-precision blocks for prompts; each request's
-  context, once its prompt is computed, lives in a cache of that kind of its own
-  (``compression.py``), whose bytes it holds in the pool's blocks.
+- a bounded kind (``"window:window=1024,sinks=4"``, ``"h2o:budget=256"``, ``"snapkv:budget=0.25"``,
+  ``"adakv:..."``, ``"auto:bytes=0.125"``, ``storage=`` on any): full-precision blocks for prompts;
+  each request's context, once its prompt is computed (a window's from its first chunk), lives in
+  a cache of that kind of its own (``compression.py``), whose bytes it holds in the pool's blocks.
 
 ``make_pool`` sizes the pool from ``blocks`` or ``max_bytes`` (everything the pool allocates counts:
 coded blocks, scales and the open blocks).

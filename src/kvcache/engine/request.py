@@ -134,9 +134,14 @@ class Request:
         return self.tokens[len(self.prompt) :]
 
     @property
+    def own_context(self) -> bool:
+        """Whether its own cache holds its context (from its first chunk for a ``window``), not the pool."""
+        return self.cache is not None or (self.compression is not None and self.compression.prefills)
+
+    @property
     def slots(self) -> int:
         """Slots of its blocks in use: its computed tokens, or none once its own cache holds them."""
-        return 0 if self.cache is not None else self.computed
+        return 0 if self.own_context else self.computed
 
     @property
     def remaining(self) -> int:

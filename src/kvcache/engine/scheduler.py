@@ -103,7 +103,7 @@ class Scheduler:
     def _grow(self, request: Request, n: int, order: list[Request], scheduled: set[int]) -> bool:
         """Give ``request`` the blocks for ``n`` more tokens, preempting newer unscheduled requests as
         needed; False if ``request`` had to be preempted itself."""
-        if request.cache is not None:  # its cache holds them; its lease is counted after the step
+        if request.own_context:  # its cache holds them; its lease is counted after the step
             return True
         need = blocks_for(request.slots + n, self.pool.block_size) - len(request.table)
         while need > self.pool.available:
@@ -125,9 +125,11 @@ class Scheduler:
         c = request.compression
         if c is None:
             return n
-        if request.cache is not None:
-            return min(n, 1)
         left = len(request.prompt) - request.computed
+        if left <= 0 and request.own_context:
+            return min(n, 1)
+        if c.prefills:
+            return min(n, left)
         if left <= 0:
             return n
         if n >= left:
@@ -138,6 +140,11 @@ class Scheduler:
         """Start ``request``: its pool hits, then blocks for its first chunk; returns the chunk's
         tokens, 0 if the pool has no room now, None if it waits for a prefix being computed."""
         pool, bs = self.pool, self.pool.block_size
+        if request.own_context:  # a window's own cache takes its prompt: no block, nothing shared
+            n = self._chunk(request, min(len(request.tokens), budget))
+            if n:
+                self._start(request, 0, 0)
+            return n
         scored = request.scored_upto  # prompt tokens whose log-probabilities need no logits of this pass
         hits: list[int] = []
         if self.share_prefixes:
@@ -172,13 +179,18 @@ class Scheduler:
             self.store_tokens += loaded - start
         if isinstance(pool, CodedBlockPool):
             request.tail = pool.take_tail()
-        request.computed, request.registered = loaded, len(hits)
+        request.registered = len(hits)
+        self._start(request, start, loaded)
+        return n
+
+    def _start(self, request: Request, reused_pool: int, loaded: int) -> None:
+        """Move ``request`` to the running requests, ``loaded`` of its tokens already in its blocks."""
+        request.computed = loaded
         if request.stats.preemptions == 0:
-            request.stats.reused_pool, request.stats.reused_store = start, loaded - start
+            request.stats.reused_pool, request.stats.reused_store = reused_pool, loaded - reused_pool
         request.state = State.RUNNING
         self.waiting.remove(request)
         self.running.append(request)
-        return n
 
     def _loadable(self, request: Request) -> int:
         """How many of ``request``'s tokens a store may provide, plus one (``StoreTier.fetch`` leaves
@@ -196,7 +208,7 @@ class Scheduler:
         )
 
     def _claim(self, request: Request, n: int) -> None:
-        if request.cache is not None:  # its own cache takes the tokens
+        if request.own_context:  # its own cache takes the tokens
             return
         bs, t = self.pool.block_size, request.slots
         end = t + n
@@ -271,12 +283,12 @@ class Scheduler:
             self.finish(request, "eos")
         elif stats.generated >= request.max_new_tokens:
             self.finish(request, "length")
-        elif self.share_prefixes and request.cache is None and len(request.tokens) % self.pool.block_size == 0:
+        elif self.share_prefixes and not request.own_context and len(request.tokens) % self.pool.block_size == 0:
             request.keys = chain(self.salt, request.tokens, self.pool.block_size, request.keys)
 
     def _register(self, request: Request) -> None:
         """Register the request's newly full blocks (swapping any that duplicate a registered one)."""
-        if not self.share_prefixes or request.cache is not None or request.state is not State.RUNNING:
+        if not self.share_prefixes or request.own_context or request.state is not State.RUNNING:
             return
         pool, table = self.pool, request.table
         full = min(request.computed // pool.block_size, len(request.keys))
