@@ -251,7 +251,7 @@ class Scheduler:
         return got
 
     def _lease(self, request: Request) -> None:
-        """Hold as many blocks as ``request``'s own cache's bytes fill. While the pool has too few,
+        """Hold as many blocks as ``request``'s own cache's bytes fill, no more. While the pool has too few,
         the newest running request gives its blocks back (``request`` itself when it is the newest,
         so the oldest always goes on); a cache larger than the whole pool fails its request."""
         pool = self.pool
@@ -272,6 +272,9 @@ class Scheduler:
             self.preempt(victim)
         if need > 0:
             request.lease.extend(pool.allocate(need))
+        elif need < 0:  # the cache shrank (recoded coarser): its surplus blocks go back
+            _release(pool, request.lease[need:])
+            del request.lease[need:]
 
     def _append(self, request: Request, token: int, now: float) -> None:
         request.tokens.append(token)
