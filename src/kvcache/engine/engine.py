@@ -16,10 +16,9 @@ import collections
 import contextlib
 import inspect
 import itertools
-import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,14 +40,12 @@ from .formats import engine_spec, make_pool, pool_shape
 from .inputs import eos_ids, positive, prompt_ids
 from .logprobs import check_top, record
 from .pool import PoolError
-from .request import Request, RequestHandle, State
+from .probe import check_layers_run, check_packing
+from .request import Request, RequestHandle, State, tell
 from .sampling import Sampling, choose
 from .scheduler import Scheduler, blocks_for
-from .tier import StoreTier, open_store
-
-log = logging.getLogger("kvcache.engine")
-from .probe import check_layers_run, check_packing
 from .step import PagedStep, Row
+from .tier import StoreTier, open_store
 
 
 @dataclass
@@ -234,7 +231,7 @@ class Engine:
         with self._lock:
             self._take_queued()
             self.scheduler.finish(request, "cancelled")
-        _tell([request])
+        tell([request])
         self._notify()
 
     def _take_queued(self) -> None:
@@ -244,7 +241,7 @@ class Engine:
         while self._cancels:
             request = self._cancels.popleft()
             self.scheduler.finish(request, "cancelled")
-            _tell([request])
+            tell([request])
 
     def _notify(self) -> None:
         with self._changed:
@@ -285,7 +282,7 @@ class Engine:
                 return False
             chosen, kept = self._forward(rows)
             got = self.scheduler.commit(rows, chosen, kept)
-            _tell(got)
+            tell(got)
             stats = self.stats
             stats.steps += 1
             stats.forward_tokens += sum(n for _, n in rows)
@@ -439,14 +436,5 @@ class Engine:
             failed = list(self.scheduler.running)
             for request in failed:
                 self.scheduler.finish(request, "error", error)
-        _tell(failed)
+        tell(failed)
         self._notify()
-
-def _tell(requests: Iterable[Request]) -> None:
-    """Call each request's ``on_update``; a callback that raises is logged, not the engine's failure."""
-    for request in requests:
-        if request.on_update is not None:
-            try:
-                request.on_update()
-            except Exception:  # noqa: BLE001 - the caller's code: it must not stop the engine
-                log.exception("request %d: on_update raised", request.rid)

@@ -4,9 +4,10 @@ holds (``RequestHandle``: its tokens as they come, the result, cancel, the numbe
 from __future__ import annotations
 
 import enum
+import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +15,8 @@ import torch
 
 from ..errors import KVCacheError
 from .sampling import Sampling
+
+log = logging.getLogger("kvcache.engine")
 
 
 class State(enum.Enum):
@@ -248,3 +251,13 @@ class RequestHandle:
                     self._changed.wait_for(lambda: ready() or not self._background(), timeout=left)
             elif not self._step() and not ready():
                 raise KVCacheError(f"request {self.id} cannot progress: the engine has nothing to run")
+
+
+def tell(requests: Iterable[Request]) -> None:
+    """Call each request's ``on_update``; a callback that raises is logged, not the engine's failure."""
+    for request in requests:
+        if request.on_update is not None:
+            try:
+                request.on_update()
+            except Exception:  # noqa: BLE001 - the caller's code: it must not stop the engine
+                log.exception("request %d: on_update raised", request.rid)
