@@ -213,3 +213,18 @@ def test_a_request_cannot_ask_for_what_the_pool_does_not_hold(model, spec, cache
     with pytest.raises(UnsupportedOperation, match="a request may ask for"):
         engine.submit(ids(10, 1), cache=cache)
     assert engine.idle
+
+
+@pytest.mark.parametrize("spec", [SPEC, "h2o:budget=12,recent=3"])
+def test_a_bounded_request_loads_what_the_store_may_give_and_still_matches_generate(model, spec):
+    from kvcache import PromptStore
+
+    store = PromptStore("memory", chunk=8)
+    prompt = ids(43, 21)
+    first = Engine(model, "growable", block_size=8, blocks=32, max_batch_tokens=64, store=store)
+    serve(first, [prompt])  # the prompt's chunks go to the store
+    engine = Engine(model, spec, block_size=8, blocks=32, max_batch_tokens=64, store=store)
+    (handle,) = serve(engine, [prompt])
+    # what the compression reads is computed: all but the observation window's 4 (snapkv), all (h2o)
+    assert engine.stats.store_tokens == (0 if spec.startswith("h2o") else 43 - 4)
+    same_or_near_tie(handle.result(), bounded_reference(model, prompt, NEW, spec)[0])
