@@ -33,6 +33,9 @@ class CodedBlockPool(BlockPool):
     docstring); the other arguments as ``BlockPool``'s. ``dtype`` is the model's: what ``gather``
     return and what ``write`` takes."""
 
+    exact = False
+    open_blocks = True
+
     def __init__(
         self,
         layers: int,

@@ -33,10 +33,8 @@ from ..prompts import PromptStore
 from ..prompts.keys import salt as key_salt
 from ..scoring import compress
 from ..spec import CacheSpec, parse_spec
-from .coded_pool import CodedBlockPool
-from .coded_step import CodedStep
 from .compression import Compression, accumulate, compression_for
-from .formats import engine_spec, make_pool, pool_shape
+from .formats import engine_spec, make_pool, make_step, pool_shape
 from .inputs import eos_ids, positive, prompt_ids
 from .logprobs import check_top, record
 from .pool import PoolError
@@ -44,7 +42,7 @@ from .probe import check_layers_run, check_packing
 from .request import Request, RequestHandle, State, tell
 from .sampling import Sampling, choose
 from .scheduler import Scheduler, blocks_for
-from .step import PagedStep, Row
+from .step import Row
 from .tier import StoreTier, open_store
 
 
@@ -320,7 +318,7 @@ class Engine:
             packed.append(Row(start, n, request.slots, tuple(request.table), request.tail, weights, request.cache))
             if request.computed + n == len(request.tokens):
                 last.append((request.rid, start + n - 1))
-        step = CodedStep(self.pool, packed) if isinstance(self.pool, CodedBlockPool) else PagedStep(self.pool, packed)
+        step = make_step(self.pool, packed)
         device = self.pool.device
         rows_scored = [i for _, start, count in scoring for i in range(start, start + count)]
         keep = torch.tensor([i for _, i in last] + rows_scored, dtype=torch.long, device=device)
@@ -363,10 +361,10 @@ class Engine:
         spec = parse_spec(cache)
         if str(spec) == str(self.spec):
             return self._compression
-        if isinstance(self.pool, CodedBlockPool) or spec.kind == "quantized":
+        if not self.pool.exact or spec.kind == "quantized":
             raise UnsupportedOperation(
                 f"this engine's pool holds {self.spec} blocks; a request may ask for {self.spec}"
-                + ("" if isinstance(self.pool, CodedBlockPool) else ", growable or a bounded kind (h2o:budget=..., auto:bytes=...)")
+                + ("" if not self.pool.exact else ", growable or a bounded kind (h2o:budget=..., auto:bytes=...)")
                 + f", not {spec}"
             )
         return self._compression_for(engine_spec(spec))

@@ -25,7 +25,9 @@ from ..errors import UnsupportedOperation
 from ..fingerprint import AmbiguousGlobalPerLayerAttributeError, text_config
 from ..spec import CacheSpec, parse_spec
 from .coded_pool import CodedBlockPool
+from .coded_step import CodedStep
 from .pool import BlockPool
+from .step import PagedStep, Row
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,11 @@ def make_pool(
     if spec.kind == "quantized":
         return CodedBlockPool(g.layers, g.kv_heads, g.head_dim, block_size, blocks, bits, group, tails, g.dtype, g.device)
     return BlockPool(g.layers, g.kv_heads, g.head_dim, block_size, blocks, g.dtype, g.device)
+
+
+def make_step(pool: BlockPool, rows: list[Row]) -> PagedStep:
+    """The step over ``pool``'s blocks for ``rows``: ``CodedStep`` for a coded pool's, else ``PagedStep``."""
+    return CodedStep(pool, rows) if isinstance(pool, CodedBlockPool) else PagedStep(pool, rows)
 
 
 def _block_count(blocks: int | None, max_bytes: int | None, per_block: int, fixed: int, max_seqs: int, block_size: int) -> int:

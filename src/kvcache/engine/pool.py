@@ -66,6 +66,12 @@ class BlockPool:
     a block's slots hold whatever was last written until it is written again.
     """
 
+    #: Whether the blocks hold keys and values as computed (full precision), so a prompt store's
+    #: entries, a bounded request's prompt and a probe may stand in them; a coded pool's do not.
+    exact: bool = True
+    #: Whether each running request holds an open block of its own (``take_tail``).
+    open_blocks: bool = False
+
     def __init__(
         self,
         layers: int,

@@ -37,7 +37,6 @@ from collections import deque
 from typing import Any
 
 from ..prompts.keys import chain
-from .coded_pool import CodedBlockPool
 from .pool import BlockPool, PoolError
 from .request import Request, State
 from .tier import StoreTier
@@ -177,8 +176,8 @@ class Scheduler:
         if fetched is not None:
             self.tier.write(request.table, start, fetched[0], loaded)  # type: ignore[union-attr]
             self.store_tokens += loaded - start
-        if isinstance(pool, CodedBlockPool):
-            request.tail = pool.take_tail()
+        if pool.open_blocks:
+            request.tail = pool.take_tail()  # type: ignore[attr-defined]
         request.registered = len(hits)
         self._start(request, start, loaded)
         return n

@@ -23,7 +23,6 @@ import torch
 from ..build import make_cache
 from ..errors import UnsupportedOperation
 from ..prompts import PromptStore
-from .coded_pool import CodedBlockPool
 from .pool import BlockPool
 from .request import Request
 
@@ -88,7 +87,7 @@ def open_store(store: object, pool: BlockPool) -> PromptStore | None:
     refused in front of a coded pool."""
     if store is None:
         return None
-    if isinstance(pool, CodedBlockPool):
+    if not pool.exact:
         raise UnsupportedOperation(
             "the prompt store tier holds full-precision chunks; a coded pool's blocks hold what attention over coded "
             "blocks computed, so a store cannot stand behind it: use spec 'growable' with a store"
