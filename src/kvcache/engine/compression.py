@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from ..attention.weights import first_weighted_row
 from ..build import make_cache
 from ..errors import UnsupportedOperation
 from ..layers.own_attention import OwnAttentionLayer
@@ -54,7 +55,7 @@ class Compression:
     def first_observed(self, prompt: int) -> int:
         """The first prompt position whose query this compression reads: no earlier block may be
         taken from the pool or the store without being computed."""
-        return 0 if self.whole else max(0, prompt - self.window)
+        return first_weighted_row(self.modes, prompt)
 
     def chunk_modes(self, last: bool) -> tuple[str, ...] | None:
         """The weights a prompt chunk reports (None: nothing): every mode, and its keys and values,
@@ -65,9 +66,9 @@ class Compression:
 
 
 def compression_for(model: Any, spec: CacheSpec, max_batch_tokens: int) -> Compression | None:
-    """How ``spec``'s prompts are compressed (None: ``growable``, nothing is), or
-    ``UnsupportedOperation`` naming why the engine cannot hold it."""
-    if spec.kind == "growable":
+    """How ``spec``'s prompts are compressed (None: ``growable`` or ``quantized``, the pool's own
+    block formats), or ``UnsupportedOperation`` naming why the engine cannot hold it."""
+    if spec.kind in ("growable", "quantized"):
         return None
     if spec.kind in REFUSED:
         raise UnsupportedOperation(f"the engine does not serve {spec.kind!r} caches: {REFUSED[spec.kind]}")

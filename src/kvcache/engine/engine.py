@@ -170,9 +170,10 @@ class Engine:
         the engine, after each step that gave the request tokens and when it finishes; it must be
         quick and must not call the engine. ``cache``: this request's own spec where the pool allows
         one (a float pool: ``"growable"``, or a bounded kind, ``"h2o:budget=256"``, whose own cache
-        holds its context once its prompt is computed: ``compression.py``); default the engine's. ``logprobs`` / ``prompt_logprobs``: report each generated / prompt token's
-        log-probability with that many alternatives (0-20; ``handle.logprobs``,
-        ``handle.prompt_logprobs``); a prompt scored so is computed whole, not reused."""
+        holds its context once its prompt is computed: ``compression.py``); default the engine's.
+        ``logprobs`` / ``prompt_logprobs``: report each generated / prompt token's log-probability
+        with that many alternatives (0-20; ``handle.logprobs``, ``handle.prompt_logprobs``); a prompt
+        scored so is computed whole, not reused."""
         logprobs, prompt_logprobs = check_top("logprobs", logprobs), check_top("prompt_logprobs", prompt_logprobs)
         prompt = prompt_ids(input_ids, self._vocab)
         compression = self._compression if cache is None else self._request_compression(cache)
@@ -350,9 +351,8 @@ class Engine:
 
     def _compression_for(self, spec: CacheSpec) -> Compression | None:
         key = str(spec)
-        if key not in self._compressions:  # a quantized spec is the coded pool's format, not a cache of its own
-            own = spec.kind != "quantized"
-            self._compressions[key] = compression_for(self.model, spec, self._max_batch_tokens) if own else None
+        if key not in self._compressions:
+            self._compressions[key] = compression_for(self.model, spec, self._max_batch_tokens)
         return self._compressions[key]
 
     def _request_compression(self, cache: str | CacheSpec) -> Compression | None:
