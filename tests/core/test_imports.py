@@ -6,7 +6,7 @@
       |
     model    cache, build, cachefile, spec, hf, attention_kwargs, support, foreign, compiled, prefill, linears (the transformers-facing cache)
       |
-    storage  layers.*, attention.*, persist.*, quant, policies, options, registry, fingerprint, half_precision,
+    storage  formats.*, layers.*, attention.*, persist.*, quant, policies, options, registry, fingerprint, half_precision,
              models.* (real pretrained models: may import errors and transformers, nothing of the cache)
       |
     errors   errors
@@ -29,7 +29,7 @@ import kvcache
 PACKAGE = Path(kvcache.__file__).parent
 
 TIERS = ["errors", "storage", "model", "api", "apps"]
-STORAGE = ("layers", "attention", "persist", "quant", "quant_native", "policies", "options", "registry", "fingerprint", "half_precision", "models")
+STORAGE = ("formats", "layers", "attention", "persist", "quant", "quant_native", "policies", "options", "registry", "fingerprint", "half_precision", "models")
 MODEL = ("cache", "build", "cachefile", "spec", "hf", "attention_kwargs", "cache_arg", "support", "foreign", "compiled", "scoring", "prefill", "prompts", "engine", "train", "linears")
 
 

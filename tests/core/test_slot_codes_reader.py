@@ -32,7 +32,8 @@ from kvcache.attention.fused import MAX_ROWS
 from kvcache.attention.native_build import DISABLE_ENV
 from kvcache.layers import EvictingLayer
 from kvcache.layers.checks import Geometry
-from kvcache.layers.slots import QuantSlots, SlotCodesReader
+from kvcache.formats import Codes
+from kvcache.layers.slots import SlotCodesReader, Slots
 
 SCORES = {"rtol": 2e-5, "atol": 2e-5}
 FP32 = {"rtol": 1e-5, "atol": 1e-5}
@@ -51,13 +52,13 @@ def needs_library(monkeypatch):
 
 
 def coded_slots(bits, dim, group, tokens, *, batch=2, heads=3, value_dim=None, spare=7, dtype=torch.float32, seed=0):
-    """``QuantSlots`` tensors of ``tokens + spare`` slots (a store's whole buffers, more than are read)
+    """``Slots`` of ``Codes``: tensors of ``tokens + spare`` slots (a store's whole buffers, more than are read)
     and the geometry of their keys and values."""
     gen = torch.Generator().manual_seed(seed)
     value_dim = value_dim or dim
     keys = torch.randn(batch, heads, tokens + spare, dim, generator=gen).to(dtype)
     values = torch.randn(batch, heads, tokens + spare, value_dim, generator=gen).to(dtype)
-    codec = QuantSlots(bits, group)
+    codec = Slots(Codes(bits, group))
     g = Geometry(batch, heads, dim, value_dim, dtype, torch.device("cpu"))
     return codec, codec.encode(keys, values), g
 

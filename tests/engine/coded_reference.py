@@ -1,7 +1,7 @@
 """What the coded-block engine tests compare with: a request's greedy decode through Hugging Face's
 own ``DynamicCache`` and attention, with the engine's storage rule applied by hand.
 
-The rule (``kvcache/engine/coded_step.py``): a block of ``bs`` tokens is quantized once the step
+The rule (``kvcache/engine/block_io.py``, ``OpenBlockIO``): a block of ``bs`` tokens is quantized once the step
 that filled it is over (keys per channel over the block, values per token in groups of ``group``
 channels, as ``kvcache.quant`` defines them); until then its tokens are exact. Here, after each
 forward pass, every block that has filled since is replaced in every layer's ``DynamicCache``

@@ -1,5 +1,5 @@
 """``Engine(model, "quantized:bits=...")``: coded blocks with one exact open block per request
-(``CodedBlockPool``, ``CodedStep``), against ``coded_reference.py`` (Hugging Face's ``DynamicCache``
+(``BlockPool`` of ``formats.Codes`` blocks, ``PagedStep`` through ``block_io.OpenBlockIO``), against ``coded_reference.py`` (Hugging Face's ``DynamicCache``
 and attention, with the engine's storage rule applied by hand: a block is quantized with
 ``kvcache.quant`` once the step that filled it is over), run in the same prompt chunks.
 
@@ -18,8 +18,10 @@ from engine_reference import ids, reference, same_or_near_tie
 
 from kvcache import Engine, quant
 from kvcache.attention import fused_paged
-from kvcache.engine import CodedBlockPool, PoolError
+from kvcache.engine import BlockPool, PoolError
 from kvcache.errors import SpecError, UnsupportedOperation
+from kvcache.formats import Codes
+from kvcache.formats.blocks import block_bytes
 
 NEW = 10
 
@@ -140,9 +142,9 @@ def test_int8_blocks_mostly_give_the_full_precision_tokens(model):
 # ---- the pool -------------------------------------------------------------------------------------
 
 
-def coded_pool(**kw) -> CodedBlockPool:
-    geometry = dict(layers=2, kv_heads=2, head_dim=8, block_size=4, blocks=5, bits=4, value_group=4, tails=2)
-    return CodedBlockPool(**(geometry | kw))
+def coded_pool(bits=4, value_group=4, **kw) -> BlockPool:
+    geometry = dict(layers=2, kv_heads=2, head_dim=8, block_size=4, blocks=5, tails=2) | kw
+    return BlockPool(**geometry, format=Codes(bits, value_group, key_block=geometry["block_size"]))
 
 
 @pytest.mark.parametrize("bits", [8, 4, 2])
@@ -170,10 +172,10 @@ def test_a_written_block_reads_back_as_quant_dequantizes_it(bits):
 def test_a_partial_write_to_a_coded_block_is_refused_and_changes_nothing():
     pool = coded_pool()
     (block,) = pool.allocate(1)
-    before = [t.clone() for t in pool._parts()]
+    before = [t.clone() for t in pool.storage.tensors.values()]
     with pytest.raises(PoolError, match="written whole"):
         pool.write(0, block, 0, torch.zeros(2, 3, 8), torch.zeros(2, 3, 8))
-    assert all(torch.equal(a, b) for a, b in zip(before, pool._parts()))
+    assert all(torch.equal(a, b) for a, b in zip(before, pool.storage.tensors.values()))
     with pytest.raises(PoolError, match="only full blocks"):
         pool.register(block, "partial")
 
@@ -187,14 +189,16 @@ def test_open_blocks_are_handed_out_once_and_counted_in_the_bytes():
     pool.give_tail(a)
     with pytest.raises(PoolError, match="not taken"):
         pool.give_tail(a)
-    coded = CodedBlockPool.bytes_per_block(2, 2, 8, 4, 4, 4) * pool.total
-    assert pool.coded_nbytes == coded
+    per_head = 4 * (8 + 8) * 4 // 8 + 2 * 4 * 8 + 2 * 4 * 4 * 8 // 4  # codes, key scale/min per channel, value per group
+    assert block_bytes(pool.format, 2, 2, 4, 8, 8, torch.float32) == pool.block_nbytes == 2 * 2 * per_head
+    coded = pool.block_nbytes * pool.total
+    assert pool.storage.nbytes == coded
     assert pool.nbytes == coded + 2 * 2 * 2 * 2 * 4 * 8 * 4  # k and v, layers, tails, heads, bs, D, float32
 
 
 @pytest.mark.parametrize("bits,shape", [(3, {}), (4, {"head_dim": 7}), (4, {"value_group": 3}), (8, {"tails": 0})])
 def test_bad_coded_pools_are_refused(bits, shape):
-    with pytest.raises(PoolError):
+    with pytest.raises(ValueError):  # PoolError from the pool, ValueError from the format (bits)
         coded_pool(bits=bits, **shape)
 
 
@@ -218,7 +222,7 @@ def test_max_bytes_counts_codes_scales_and_open_blocks(model):
         ("quantized:bits=8,residual=4", UnsupportedOperation, "residual"),
         ("kvzip:budget=64", UnsupportedOperation, "does not serve .kvzip. caches"),
         ("quantized:bits=3", (SpecError, ValueError, PoolError), "bits"),
-        ("quantized:bits=8,group_size=7", PoolError, "value_group"),
+        ("quantized:bits=8,group_size=7", PoolError, "group_size 7"),
         ("nonsense", SpecError, "unknown cache kind"),
     ],
 )

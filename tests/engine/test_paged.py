@@ -72,7 +72,7 @@ def test_the_library_runs_and_the_fallback_agrees(monkeypatch):
     monkeypatch.setattr(native, "paged_decode", lambda *a, **k: calls.append(1) or real(*a, **k))
     fast = paged_decode(pool, 0, query, tables, lengths, scale=0.3)
     if native.available():
-        assert calls and real(query.reshape(3, 3, 3, 64), pool.key_blocks[0], pool.value_blocks[0],
+        assert calls and real(query.reshape(3, 3, 3, 64), pool.storage.layer(0)["keys"], pool.storage.layer(0)["values"],
                               torch.zeros(3, 13, dtype=torch.int32), torch.zeros(3, dtype=torch.int64), 0.3) is not None
     monkeypatch.setattr(native, "paged_decode", lambda *a, **k: None)
     slow = paged_decode(pool, 0, query, tables, lengths, scale=0.3)
@@ -119,6 +119,6 @@ def test_any_split_into_tasks_gives_the_same_result(per_task):
     table = torch.zeros(len(lengths), max(len(t) for t in tables), dtype=torch.int32)
     for s, t in enumerate(tables):
         table[s, : len(t)] = torch.tensor(t, dtype=torch.int32)
-    out = native.paged_decode(query.reshape(5, 2, 3, 64), pool.key_blocks[0], pool.value_blocks[0], table,
+    out = native.paged_decode(query.reshape(5, 2, 3, 64), pool.storage.layer(0)["keys"], pool.storage.layer(0)["values"], table,
                               torch.tensor(lengths), 0.125, blocks_per_task=per_task)
     torch.testing.assert_close(out.reshape(5, 6, 1, 64), reference(query, truth, 0, scale=0.125), rtol=1e-5, atol=1e-5)

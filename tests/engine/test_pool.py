@@ -41,13 +41,12 @@ def snapshot(pool: BlockPool):
         list(pool._lru),
         list(pool._free),
         [list(w) for w in pool._written],
-        pool._k.clone(),
-        pool._v.clone(),
+        [t.clone() for t in pool.storage.tensors.values()],
     )
 
 
 def same(a, b) -> bool:
-    return a[:-2] == b[:-2] and torch.equal(a[-2], b[-2]) and torch.equal(a[-1], b[-1])
+    return a[:-1] == b[:-1] and len(a[-1]) == len(b[-1]) and all(torch.equal(x, y) for x, y in zip(a[-1], b[-1]))
 
 
 def refused(pool: BlockPool, call, match: str):
@@ -78,8 +77,9 @@ def fill(pool: BlockPool, block: int, seed: int) -> list[tuple[torch.Tensor, tor
 
 def test_storage_shapes_and_bytes_are_known_up_front():
     pool = make()
-    assert len(pool.key_blocks) == len(pool.value_blocks) == LAYERS
-    for k, v in zip(pool.key_blocks, pool.value_blocks):
+    keys, values = pool.storage.tensors["keys"], pool.storage.tensors["values"]
+    assert len(keys) == len(values) == LAYERS and set(pool.storage.tensors) == {"keys", "values"}
+    for k, v in zip(keys, values):
         assert k.shape == (BLOCKS, HEADS, BS, D) and v.shape == (BLOCKS, HEADS, BS, DV)
         assert k.dtype == v.dtype == torch.float32 and k.device.type == "cpu"
         assert not k.any() and not v.any()  # zeroed: a masked slot read by a matmul is never NaN
@@ -90,8 +90,9 @@ def test_storage_shapes_and_bytes_are_known_up_front():
 
 def test_value_dim_defaults_to_head_dim_and_dtype_is_kept():
     pool = BlockPool(1, 1, 8, 2, 3, dtype=torch.float64)
-    assert pool.value_dim == 8 and pool.value_blocks[0].shape == (3, 1, 2, 8)
-    assert pool.value_blocks[0].dtype == torch.float64 and pool.nbytes == 2 * 3 * 2 * 8 * 8
+    values = pool.storage.layer(0)["values"]
+    assert pool.value_dim == 8 and values.shape == (3, 1, 2, 8)
+    assert values.dtype == torch.float64 and pool.nbytes == 2 * 3 * 2 * 8 * 8
 
 
 @pytest.mark.parametrize(
@@ -889,8 +890,8 @@ class PoolMachine(RuleBasedStateMachine):
     @invariant()
     def slots_hold_what_was_written(self):
         for (layer, block, s), value in self.slots.items():
-            k = self.pool.key_blocks[layer][block, :, s]
-            v = self.pool.value_blocks[layer][block, :, s]
+            k = self.pool.storage.layer(layer)["keys"][block, :, s]
+            v = self.pool.storage.layer(layer)["values"][block, :, s]
             assert bool((k == value).all()) and bool((v == -value).all()), (layer, block, s)
 
     def teardown(self):

@@ -5,13 +5,12 @@ import inspect
 
 import pytest
 
-from kvcache.engine.coded_step import CodedStep
 from kvcache.engine.step import PagedStep
 from kvcache.hf import ForwardStep
 from kvcache.train.replay import ChunkStep
 
 
-@pytest.mark.parametrize("step", [PagedStep, CodedStep, ChunkStep])
+@pytest.mark.parametrize("step", [PagedStep, ChunkStep])
 def test_every_forward_step_declares_the_protocol_and_its_attend(step):
     assert ForwardStep in step.__mro__
     declared = list(inspect.signature(ForwardStep.attend).parameters)

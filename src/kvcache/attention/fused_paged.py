@@ -1,6 +1,6 @@
 """The coded decode library's pass over a pool of coded blocks (``fused.py`` says how it reads codes):
 a decode step of many sequences, each read through its block table, each with an exact tail block.
-The engine's coded pool (``engine/coded_step.py``) calls it."""
+The engine's step over a coded pool (``engine/block_io.py``) calls it."""
 
 from __future__ import annotations
 

@@ -4,22 +4,22 @@ pool with prefix sharing.
 - ``engine``: ``Engine`` (submit, step, running, generate_batch); ``probe``: whether it can serve a
   model; ``inputs``: the checks of what callers hand it.
 - ``scheduler``: which requests compute which tokens each step; admission, prefix hits, preemption.
-- ``step``: one step as one forward pass of a packed sequence; its attention over the pool.
+- ``step``: one step as one forward pass of a packed sequence; its attention over the pool;
+  ``block_io``: what the step reads and writes, by the pool's format.
 - ``request``: ``RequestHandle`` (tokens as they come, result, cancel, stats) and ``RequestStats``.
-- ``pool``: ``BlockPool``, fixed-size KV blocks for every layer, reference counted, with prefix
-  caching by a hash chain over full blocks (``chain_keys``) and copy-on-write of shared blocks.
-- ``coded_pool``, ``coded_step``: ``CodedBlockPool`` (int8/int4/int2 blocks and one exact open
-  block per request) and its step; ``formats``: which spec gives which pool.
+- ``pool``: ``BlockPool``, the bookkeeping of fixed-size KV blocks for every layer: reference
+  counts, prefix caching by a hash chain over full blocks (``chain_keys``), copy-on-write of shared
+  blocks, open blocks; its tensors are a ``formats.BlockStorage`` (full precision, or int8/int4/int2
+  codes with one exact open block per request). ``pool_setup``: which spec gives which pool.
 - ``paged``: ``paged_decode``, decode attention of one token per sequence over its block table.
 """
 
-from .coded_pool import CodedBlockPool
 from .engine import Engine, EngineStats
 from .paged import paged_decode
 from .pool import BlockPool, PoolError, chain_keys
 from .request import RequestCancelled, RequestHandle, RequestStats
 
 __all__ = [
-    "BlockPool", "CodedBlockPool", "Engine", "EngineStats", "PoolError", "RequestCancelled", "RequestHandle", "RequestStats",
+    "BlockPool", "Engine", "EngineStats", "PoolError", "RequestCancelled", "RequestHandle", "RequestStats",
     "chain_keys", "paged_decode",
 ]

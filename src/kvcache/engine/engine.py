@@ -34,7 +34,7 @@ from ..prompts.keys import salt as key_salt
 from ..scoring import compress
 from ..spec import CacheSpec, parse_spec
 from .compression import Compression, accumulate, compression_for
-from .formats import engine_spec, make_pool, make_step, pool_shape
+from .pool_setup import engine_spec, make_pool, pool_shape
 from .inputs import eos_ids, positive, prompt_ids
 from .logprobs import check_top, record
 from .pool import PoolError
@@ -42,7 +42,7 @@ from .probe import check_layers_run, check_packing
 from .request import Request, RequestHandle, State, tell
 from .sampling import Sampling, choose
 from .scheduler import Scheduler, blocks_for
-from .step import Row
+from .step import PagedStep, Row
 from .tier import StoreTier, open_store
 
 
@@ -319,7 +319,7 @@ class Engine:
             packed.append(Row(start, n, request.slots, tuple(request.table), request.tail, weights, request.cache))
             if request.computed + n == len(request.tokens):
                 last.append((request.rid, start + n - 1))
-        step = make_step(self.pool, packed)
+        step = PagedStep(self.pool, packed)
         device = self.pool.device
         rows_scored = [i for _, start, count in scoring for i in range(start, start + count)]
         keep = torch.tensor([i for _, i in last] + rows_scored, dtype=torch.long, device=device)

@@ -33,7 +33,8 @@ def paged_decode(
     owned and cover them. ``scale`` defaults to ``1 / sqrt(D)``. Raises ``PoolError`` on a table or
     length that does not fit, changing nothing."""
     seqs, q_heads, q_len, dim = _check(pool, layer, query, tables, lengths)
-    keys, values = pool.key_blocks[layer], pool.value_blocks[layer]
+    blocks = pool.storage.layer(layer)
+    keys, values = blocks["keys"], blocks["values"]
     scale = 1.0 / math.sqrt(dim) if scale is None else float(scale)
     kv_heads = pool.kv_heads
     width = max((len(t) for t in tables), default=0) or 1
@@ -64,6 +65,8 @@ def _check(pool, layer, query, tables, lengths) -> tuple[int, int, int, int]:
     if not isinstance(query, torch.Tensor) or query.dim() != 4 or query.shape[2] != 1:
         raise PoolError(f"query must be [S, Hq, 1, D], got {getattr(query, 'shape', type(query).__name__)}")
     seqs, q_heads, q_len, dim = query.shape
+    if not pool.exact:
+        raise PoolError(f"paged_decode reads full-precision blocks; this pool's are {pool.format.name} (its step reads them)")
     if q_heads % pool.kv_heads or dim != pool.head_dim:
         raise PoolError(f"query has {q_heads} heads of {dim}; the pool has {pool.kv_heads} KV heads of {pool.head_dim}")
     if not 0 <= int(layer) < pool.layers:

@@ -1,10 +1,11 @@
 """The block pool of a paged KV cache: fixed-size blocks of slots, reference counted, with prefix
-caching by hash chain (the bookkeeping and storage of PagedAttention with automatic prefix caching).
+caching by hash chain (the bookkeeping of PagedAttention with automatic prefix caching).
 
-Storage: per layer a key tensor ``[blocks, Hkv, block_size, D]`` and a value tensor
-``[blocks, Hkv, block_size, Dv]``, allocated once (``nbytes``) and never grown. A sequence holds a
-block table (a list of block ids); its token ``t`` lies in block ``table[t // block_size]``, slot
-``t % block_size``.
+The tensors are the pool's ``storage``, a ``formats.BlockStorage`` in one format (full precision,
+or int8/int4/int2 codes with an open block per running sequence), allocated once (``nbytes``) and
+never grown; this module decides only which blocks are whose. A sequence holds a block table (a
+list of block ids); its token ``t`` lies in block ``table[t // block_size]``, slot
+``t % block_size`` (in a coded pool, the tokens of its unfilled last block lie in its open block).
 
 Every block is in exactly one of three sets:
 
@@ -27,7 +28,9 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from ..errors import KVCacheError
+from ..errors import KVCacheError, ShapeError
+from ..formats import BlockStorage, Format, FullPrecision
+from ..formats.blocks import flat
 from ..prompts.keys import chain
 
 #: A block's prefix key: what ``chain_keys`` returns (hex str), or any non-empty bytes or str.
@@ -59,18 +62,15 @@ def chain_keys(tokens: Sequence[int] | torch.Tensor, block_size: int, salt: byte
 
 
 class BlockPool:
-    """``blocks`` blocks of ``block_size`` slots for ``layers`` layers of ``kv_heads`` heads.
+    """``blocks`` blocks of ``block_size`` slots for ``layers`` layers of ``kv_heads`` heads: the
+    bookkeeping here, the tensors in ``storage`` (a ``formats.BlockStorage`` of ``format``).
 
-    Keys are ``head_dim`` wide, values ``value_dim`` (default ``head_dim``); both in ``dtype`` on
-    ``device``. The storage starts zeroed (a masked-out slot read by a matmul must not be NaN);
-    a block's slots hold whatever was last written until it is written again.
+    Keys are ``head_dim`` wide, values ``value_dim`` (default ``head_dim``). ``dtype`` is the
+    model's: what ``write`` takes and ``gather`` returns. ``format`` (default full precision in
+    ``dtype``) is how the blocks keep them; a format that codes keys over a whole block (``Codes``
+    with ``key_block=block_size``) needs ``tails`` open blocks, float32, one per running sequence
+    (``take_tail``): a sequence's unfilled last block lies there until it fills and is coded whole.
     """
-
-    #: Whether the blocks hold keys and values as computed (full precision), so a prompt store's
-    #: entries, a bounded request's prompt and a probe may stand in them; a coded pool's do not.
-    exact: bool = True
-    #: Whether each running request holds an open block of its own (``take_tail``).
-    open_blocks: bool = False
 
     def __init__(
         self,
@@ -82,6 +82,9 @@ class BlockPool:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         value_dim: int | None = None,
+        *,
+        format: Format | None = None,
+        tails: int = 0,
     ):
         self.layers = _count("layers", layers, least=1)
         self.kv_heads = _count("kv_heads", kv_heads, least=1)
@@ -96,7 +99,23 @@ class BlockPool:
         except (RuntimeError, TypeError) as e:
             raise PoolError(f"device must name a torch device, got {device!r}: {e}") from None
         self.dtype = dtype
-        self.device = self._allocate_storage(device)
+        format = FullPrecision(dtype) if format is None else format
+        whole = format.key_block > 1
+        self.tail_count = _count("tails", tails, least=1 if whole else 0)
+        if tails and not whole:
+            raise PoolError(f"open blocks are for formats that code a block whole; {format.name} blocks take single slots")
+        sides = (self.layers, self.total, self.kv_heads, self.block_size, self.head_dim, self.value_dim)
+        try:
+            #: Scales of coded blocks, and open blocks, are float32 whatever the model's dtype.
+            self.storage = BlockStorage(format, *sides[:2], *sides[2:], dtype if format.exact else torch.float32, device)
+            self.open = (
+                BlockStorage(FullPrecision(torch.float32), sides[0], self.tail_count, *sides[2:], torch.float32, device)
+                if whole else None
+            )
+        except (ShapeError, ValueError) as e:
+            raise PoolError(f"a pool of {format.name} blocks cannot hold these shapes: {e}") from None
+        self.device = self.storage.device
+        self._free_tails = list(range(self.tail_count - 1, -1, -1))
 
         self._refs = [0] * self.total
         self._free = list(range(self.total - 1, -1, -1))  # a stack: the lowest ids go out first
@@ -106,27 +125,54 @@ class BlockPool:
         # Per layer, per block: a bit mask of the slots written since the block was allocated.
         self._written = [[0] * self.total for _ in range(self.layers)]
 
-    def _allocate_storage(self, device: torch.device) -> torch.device:
-        """Allocate every block's storage (here full precision, ``dtype``); returns its device."""
-        # One allocation per side; each layer's tensor is a view of it.
-        shape = (self.layers, self.total, self.kv_heads, self.block_size)
-        self._k = torch.zeros(*shape, self.head_dim, dtype=self.dtype, device=device)
-        self._v = torch.zeros(*shape, self.value_dim, dtype=self.dtype, device=device)
-        self.key_blocks: tuple[torch.Tensor, ...] = tuple(self._k.unbind(0))
-        self.value_blocks: tuple[torch.Tensor, ...] = tuple(self._v.unbind(0))
-        return self._k.device
+    @property
+    def format(self) -> Format:
+        return self.storage.format
+
+    @property
+    def exact(self) -> bool:
+        """Whether the blocks hold keys and values as computed (full precision), so a prompt store's
+        entries, a bounded request's prompt and a probe may stand in them; a coded pool's do not."""
+        return self.storage.format.exact
+
+    @property
+    def open_blocks(self) -> bool:
+        """Whether each running sequence holds an open block of its own (``take_tail``)."""
+        return self.open is not None
 
     # ---- sizes and counts -----------------------------------------------------------------------
 
     @property
     def nbytes(self) -> int:
-        """Bytes of key and value storage, all allocated at construction."""
-        return self._k.nbytes + self._v.nbytes
+        """Bytes of the blocks and the open blocks, all allocated at construction."""
+        return self.storage.nbytes + (self.open.nbytes if self.open is not None else 0)
 
     @property
     def block_nbytes(self) -> int:
-        """Bytes of one block over every layer (keys and values)."""
-        return self.nbytes // self.total
+        """Bytes of one block over every layer (keys and values, codes with their scales)."""
+        return self.storage.block_nbytes
+
+    @property
+    def tail_nbytes(self) -> int:
+        """Bytes of one open block over every layer (0 without open blocks)."""
+        return self.open.block_nbytes if self.open is not None else 0
+
+    # ---- open blocks ----------------------------------------------------------------------------
+
+    @property
+    def free_tails(self) -> int:
+        return len(self._free_tails)
+
+    def take_tail(self) -> int:
+        """An open block for a sequence's unfilled last block (its content undefined until written)."""
+        if not self._free_tails:
+            raise PoolError(f"all {self.tail_count} open blocks are taken (one per running sequence)")
+        return self._free_tails.pop()
+
+    def give_tail(self, tail: int) -> None:
+        if isinstance(tail, bool) or not isinstance(tail, int) or not 0 <= tail < self.tail_count or tail in self._free_tails:
+            raise PoolError(f"open block {tail!r} is not taken")
+        self._free_tails.append(tail)
 
     @property
     def free_count(self) -> int:
@@ -239,8 +285,9 @@ class BlockPool:
     def write(self, layer: int, block: int, offset: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write ``n`` slots from ``offset`` of ``block`` in ``layer``: ``keys`` ``[Hkv, n, D]`` and
         ``values`` ``[Hkv, n, Dv]`` (a leading batch of one, ``[1, Hkv, n, D]``, is taken too), in the
-        pool's dtype and device. Refused for a free, cached, shared or registered block, and for
-        slots past the block's end."""
+        pool's dtype and device. Refused for a free, cached, shared or registered block, for slots
+        past the block's end, and, where the format codes a block whole, for anything but the
+        whole block."""
         layer = self._layer(layer)
         block = self._block(block)
         self._check_writable(block)
@@ -252,14 +299,23 @@ class BlockPool:
         offset = _count("offset", offset, least=0)
         if offset + n > self.block_size:
             raise PoolError(f"slots [{offset}, {offset + n}) overflow a block of {self.block_size} slots")
-        self._k[layer, block, :, offset : offset + n].copy_(keys)
-        self._v[layer, block, :, offset : offset + n].copy_(values)
+        index = torch.tensor([block], device=self.device)
+        if self.storage.format.key_block > 1:
+            if offset != 0 or n != self.block_size:
+                raise PoolError(
+                    f"a {self.format.name} block is written whole: offset 0 and {self.block_size} slots, got offset "
+                    f"{offset} and {n} slots"
+                )
+            self.storage.write_blocks(layer, index, keys[None], values[None])
+        else:
+            at = torch.arange(offset, offset + n, device=self.device)
+            self.storage.write_slots(layer, index.expand(n), at, keys.transpose(0, 1), values.transpose(0, 1))
         self._written[layer][block] |= ((1 << n) - 1) << offset
 
     def claim(self, block: int, offset: int, n: int) -> None:
         """Note slots ``[offset, offset + n)`` of ``block`` as written in every layer, checking that
-        ``block`` is writable, before a caller writes them itself through ``key_blocks`` /
-        ``value_blocks`` (the engine's forward pass writes all layers of a step that way)."""
+        ``block`` is writable, before a caller writes them itself through ``storage`` (the engine's forward pass writes all
+        layers of a step that way)."""
         block = self._block(block)
         self._check_writable(block)
         offset, n = _count("offset", offset, least=0), _count("n", n, least=0)
@@ -274,7 +330,7 @@ class BlockPool:
         copy-on-write of a shared or registered block. ``src`` must be owned."""
         src = self._owned(src, "copy")
         (dst,) = self.allocate(1)
-        self._copy_storage(dst, src)
+        self.storage.copy(dst, src)
         for written in self._written:
             written[dst] = written[src]
         return dst
@@ -285,14 +341,8 @@ class BlockPool:
         layer = self._layer(layer)
         ids = [self._owned(block, "read") for block in block_ids]
         index = torch.tensor(ids, dtype=torch.long, device=self.device)
-        return self._gather_layer(layer, index)
-
-    def _copy_storage(self, dst: int, src: int) -> None:
-        self._k[:, dst].copy_(self._k[:, src])
-        self._v[:, dst].copy_(self._v[:, src])
-
-    def _gather_layer(self, layer: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._gather(self._k[layer], index), self._gather(self._v[layer], index)
+        keys, values = self.storage.read_blocks(layer, index)
+        return flat(keys).to(self.dtype), flat(values).to(self.dtype)
 
     # ---- invariants -----------------------------------------------------------------------------
 
@@ -371,12 +421,6 @@ class BlockPool:
         if x.dtype != self.dtype or x.device != self.device:
             raise PoolError(f"{name} must be {self.dtype} on {self.device}, got {x.dtype} on {x.device}")
         return x
-
-    @staticmethod
-    def _gather(side: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """``side[index]`` ``[n, Hkv, S, D]`` laid out as ``[Hkv, n * S, D]``."""
-        picked = side.index_select(0, index).transpose(0, 1)
-        return picked.reshape(side.shape[1], index.numel() * side.shape[2], side.shape[3]).contiguous()
 
 
 def _broken(what: str) -> None:

@@ -11,7 +11,7 @@ import torch
 
 from ..errors import UnsupportedOperation
 from ..hf import FORWARD_STEP, use_kvcache_attention
-from .formats import PoolShape
+from .pool_setup import PoolShape
 from .pool import BlockPool
 from .scheduler import blocks_for
 from .step import PagedStep, Row

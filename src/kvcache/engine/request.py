@@ -88,7 +88,7 @@ class Request:
     table: list[int] = field(default_factory=list)
     computed: int = 0
     registered: int = 0
-    #: Its open block while running over a ``CodedBlockPool`` (the unfilled last block); else -1.
+    #: Its open block while running over a pool that codes blocks whole (the unfilled last block); else -1.
     tail: int = -1
     #: Its own bounded cache once its prompt is computed (``compression.py``; a ``KVCache``): its
     #: context lives there, not in the pool's blocks. None for a request of the pool's blocks.

@@ -177,7 +177,7 @@ class Scheduler:
             self.tier.write(request.table, start, fetched[0], loaded)  # type: ignore[union-attr]
             self.store_tokens += loaded - start
         if pool.open_blocks:
-            request.tail = pool.take_tail()  # type: ignore[attr-defined]
+            request.tail = pool.take_tail()
         request.registered = len(hits)
         self._start(request, start, loaded)
         return n
@@ -336,7 +336,7 @@ class Scheduler:
         _release(self.pool, request.table + request.lease)
         request.table, request.lease, request.cache, request.observed = [], [], None, {}
         if request.tail >= 0:
-            self.pool.give_tail(request.tail)  # type: ignore[attr-defined]
+            self.pool.give_tail(request.tail)
             request.tail = -1
 
 

@@ -59,8 +59,7 @@ class StoreTier:
                 take = min(bs - t % bs, end - t)
                 pool.claim(table[t // bs], t % bs, take)
         for layer, (k, v) in enumerate(fetched):
-            pool.key_blocks[layer][blocks, :, offsets] = k[:, start:end].transpose(0, 1).to(pool.dtype)
-            pool.value_blocks[layer][blocks, :, offsets] = v[:, start:end].transpose(0, 1).to(pool.dtype)
+            pool.storage.write_slots(layer, blocks, offsets, k[:, start:end].transpose(0, 1), v[:, start:end].transpose(0, 1))
 
     def save(self, request: Request) -> int:
         """Store the full chunks of ``request``'s computed tokens that the store lacks; the tokens

@@ -53,6 +53,11 @@ class KVLayer(DeclaredKind, ABC):
         cls.appends_in_order = cls._append is KVLayer._record_in_order
 
     @property
+    def exact(self) -> bool:
+        """Whether the layer reads keys and values back exactly as written (no codes)."""
+        return True
+
+    @property
     def recording_past(self) -> bool:
         """Whether the layer logs what its updates overwrite, so ``crop`` can take tokens back (a
         window's ring while speculative decoding runs). Layers that only append log nothing."""

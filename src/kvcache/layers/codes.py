@@ -7,8 +7,10 @@ minimum ``[B, Hkv, C/G, D]`` (quantized per channel); values a slot per token: c
 together. Beside them, the residual: the most recent keys ``[B, Hkv, residual + group_size, D]``
 and values ``[B, Hkv, max(residual, 1), Dv]`` in full precision.
 
-Which tokens leave the residual, and how attention reads the codes, is the layer's business
-(``quantized.py``); this module owns the tensors, their growth, their saved form and its check.
+The codes are the ``formats.Codes`` format with ``key_block = group_size`` (the engine's coded pool
+keeps the same format a block of ``block_size`` tokens). Which tokens leave the residual, and how
+attention reads the codes, is the layer's business (``quantized.py``); this module owns the
+tensors, their growth, their saved form and its check.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import math
 import torch
 
 from ..errors import ShapeError
-from ..quant import Quantized, dequantize_per_channel, dequantize_per_token
+from ..formats import Codes, FullPrecision
 from .checks import Geometry, check_kv
 from .store import Layout, SlotStore
 
@@ -33,11 +35,13 @@ class CodedStore:
 
     def __init__(self, bits: int, group_size: int, residual: int) -> None:
         self.bits, self.group_size, self.residual = bits, group_size, residual
+        self.format = Codes(bits, group_size, key_block=group_size)
         self.keys = SlotStore(layout=self._key_layout)
         self.values = SlotStore(layout=self._value_layout)
         #: Slots in use: ``seen - quantized_keys`` and ``seen - quantized_values``.
-        self.residual_keys = SlotStore(layout=_residual_key_layout)
-        self.residual_values = SlotStore(layout=_residual_value_layout)
+        exact = FullPrecision()
+        self.residual_keys = SlotStore(layout=lambda g: exact.key_layout(g.key_dim, g.dtype))
+        self.residual_values = SlotStore(layout=lambda g: exact.value_layout(g.value_dim, g.dtype))
         #: Bumped by every call that changes the content (drop, write, trim_exact, rebatch, load):
         #: equal versions, equal content (what a cached dequantized view is checked against).
         self.version = 0
@@ -52,19 +56,10 @@ class CodedStore:
             store.drop()
 
     def _key_layout(self, g: Geometry) -> Layout:
-        return {
-            "kcodes": ((self.group_size, g.key_dim * self.bits // 8), torch.uint8),
-            "kscale": ((g.key_dim,), g.dtype),
-            "kmin": ((g.key_dim,), g.dtype),
-        }
+        return self.format.key_layout(g.key_dim, g.dtype)
 
     def _value_layout(self, g: Geometry) -> Layout:
-        groups = g.value_dim // min(self.group_size, g.value_dim)
-        return {
-            "vcodes": ((g.value_dim * self.bits // 8,), torch.uint8),
-            "vscale": ((groups,), g.dtype),
-            "vmin": ((groups,), g.dtype),
-        }
+        return self.format.value_layout(g.value_dim, g.dtype)
 
     # ---- sizes ----------------------------------------------------------------------------
 
@@ -100,35 +95,23 @@ class CodedStore:
         return sum(store.nbytes for store in self.stores)
 
     def value_group(self, g: Geometry | None) -> int:
-        return min(self.group_size, g.value_dim) if g else self.group_size
+        return self.format.group_of(g.value_dim) if g else self.group_size
 
     def check_dims(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """Raise unless head dims ``D`` and ``Dv`` pack into bytes and ``Dv`` splits into groups."""
-        d, dv, G = key.shape[3], value.shape[3], self.group_size
-        per_byte = 8 // self.bits
-        if d % per_byte or dv % per_byte:
-            raise ShapeError(
-                f"{self.bits}-bit storage packs {per_byte} codes a byte: head dims must be multiples of "
-                f"{per_byte}, got {d} and {dv}"
-            )
-        if dv % min(G, dv):
-            raise ShapeError(f"value head dim {dv} is not a multiple of group_size {G}")
+        self.format.check_dims(key.shape[3], value.shape[3])
 
     # ---- reading --------------------------------------------------------------------------
 
     def keys_block(self, g: Geometry, start: int, stop: int) -> torch.Tensor:
         """Dequantized keys of positions ``start:stop`` (block-aligned), ``[B, Hkv, stop - start, D]``."""
         G = self.group_size
-        blocks = self.keys.runs(start // G, stop // G)
-        codes, scale, minimum = blocks["kcodes"], blocks["kscale"].unsqueeze(3), blocks["kmin"].unsqueeze(3)
-        out = dequantize_per_channel(Quantized(codes, scale, minimum, self.bits), g.dtype)
+        out = self.format.decode_keys(self.keys.runs(start // G, stop // G), g.dtype)
         return out.reshape(g.batch, g.heads, stop - start, g.key_dim)
 
     def values_block(self, g: Geometry, start: int, stop: int) -> torch.Tensor:
         """Dequantized values of positions ``start:stop``, ``[B, Hkv, stop - start, Dv]``."""
-        q = self.values.runs(start, stop)
-        part = Quantized(q["vcodes"], q["vscale"], q["vmin"], self.bits)
-        return dequantize_per_token(part, self.value_group(g), g.dtype)
+        return self.format.decode_values(self.values.runs(start, stop), g.dtype)
 
     def dequantized(self, g: Geometry, seen: int) -> tuple[torch.Tensor, torch.Tensor]:
         """All ``seen`` keys ``[B, Hkv, seen, D]`` and values ``[B, Hkv, seen, Dv]`` in full precision (a copy)."""
@@ -139,21 +122,22 @@ class CodedStore:
 
     # ---- writing --------------------------------------------------------------------------
 
-    def write(self, g: Geometry, keys: Quantized | None, values: Quantized | None, exact_keys, exact_values) -> None:
-        """Append quantized key blocks (``[B, Hkv, n/G, G, D']`` codes) and quantized values, then
-        make ``exact_keys``/``exact_values`` ``[B, Hkv, r, D]`` the whole residual."""
+    def write(self, g: Geometry, keys: dict | None, values: dict | None, exact_keys, exact_values) -> None:
+        """Append coded key blocks (``format.encode_keys`` of ``[B, Hkv, n/G, G, D]``) and coded
+        values (of ``[B, Hkv, m, Dv]``), then make ``exact_keys``/``exact_values`` ``[B, Hkv, r, D]``
+        the whole residual."""
         self.version += 1
         if not self.allocated:
             self._allocate(0, g)
             self.residual_keys.allocate(self.residual + self.group_size, g)
             self.residual_values.allocate(max(self.residual, 1), g)
-        qk = 0 if keys is None else keys.codes.shape[2] * self.group_size
-        qv = 0 if values is None else values.codes.shape[2]
+        qk = 0 if keys is None else keys["kcodes"].shape[2] * self.group_size
+        qv = 0 if values is None else values["vcodes"].shape[2]
         self._ensure(self.quantized_keys + qk, self.quantized_values + qv, g)
         if keys is not None:
-            self.keys.append({"kcodes": keys.codes, "kscale": keys.scale.squeeze(3), "kmin": keys.minimum.squeeze(3)})
+            self.keys.append(keys)
         if values is not None:
-            self.values.append({"vcodes": values.codes, "vscale": values.scale, "vmin": values.minimum})
+            self.values.append(values)
         self.residual_keys.write(0, {"keys": exact_keys})
         self.residual_values.write(0, {"values": exact_values})
         self.residual_keys.length, self.residual_values.length = exact_keys.shape[2], exact_values.shape[2]
@@ -236,14 +220,6 @@ class CodedStore:
         self.residual_keys.load({"keys": rk}, g, self.residual + G)
         self.residual_values.load({"values": rv}, g, max(self.residual, 1))
         return g
-
-
-def _residual_key_layout(g: Geometry) -> Layout:
-    return {"keys": ((g.key_dim,), g.dtype)}
-
-
-def _residual_value_layout(g: Geometry) -> Layout:
-    return {"values": ((g.value_dim,), g.dtype)}
 
 
 def _key_blocks(tensors: dict[str, torch.Tensor], group_size: int) -> dict[str, torch.Tensor]:

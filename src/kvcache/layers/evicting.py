@@ -153,7 +153,7 @@ class EvictingLayer(SelectingLayer):
 
     def _fitted_view(self, key, value):
         # Coded slots are attended through their reader (``_record``): nothing to dequantize here.
-        return self.view() if self.storage.name == "full" else (key, value)
+        return self.view() if self.storage.format.exact else (key, value)
 
     def _record(self, keys, values, held, seen, n):
         # The new tokens are the last slots, after every survivor: causal is end-aligned.

@@ -20,7 +20,6 @@ import torch
 
 from ..attention import Reads
 from ..errors import CacheFullError
-from ..quant import Quantized, dequantize_per_channel, dequantize_per_token, quantize_per_channel, quantize_per_token
 from .checks import Geometry
 from .fixed import Counter, CountedStore, FixedDecodeAttention
 from .quantized import QuantizedLayer
@@ -87,14 +86,12 @@ class FixedQuantizedLayer(FixedDecodeAttention, QuantizedLayer):
 
         rk.index_copy_(2, exact_keys.view(1), key)
         block_full = exact_keys + 1 == R + G  # a block of G keys leaves the residual
-        block = quantize_per_channel(rk[:, :, :G].unsqueeze(2), self.bits)
-        _put_where(codes.keys, blocks, block_full, kcodes=block.codes, kscale=block.scale.squeeze(3), kmin=block.minimum.squeeze(3))
+        _put_where(codes.keys, blocks, block_full, **codes.format.encode_keys(rk[:, :, :G].unsqueeze(2)))
         rk.copy_(torch.where(block_full, rk.roll(-G, dims=2), rk))
 
         value_leaves = exact_values + 1 > R  # the oldest exact value leaves the residual
         oldest = torch.where(exact_values > 0, rv[:, :, :1], value)
-        q = quantize_per_token(oldest, self.bits, self.value_group)
-        _put_where(codes.values, quantized_values, value_leaves, vcodes=q.codes, vscale=q.scale, vmin=q.minimum)
+        _put_where(codes.values, quantized_values, value_leaves, **codes.format.encode_values(oldest))
         placed = rv.index_copy(2, exact_values.clamp(max=rv.shape[2] - 1).view(1), value)
         rv.copy_(torch.where(value_leaves, torch.cat([rv[:, :, 1:], value], dim=2), placed))
 
@@ -112,12 +109,8 @@ class FixedQuantizedLayer(FixedDecodeAttention, QuantizedLayer):
         codes below the quantized counts, the residual above (garbage past ``seen``: masked)."""
         codes, g, G = self.codes, self.geometry, self.group_size
         position = torch.arange(self.token_capacity, device=g.device)
-        k = codes.keys.tensors
-        keys = dequantize_per_channel(
-            Quantized(k["kcodes"], k["kscale"].unsqueeze(3), k["kmin"].unsqueeze(3), self.bits), g.dtype
-        ).reshape(g.batch, g.heads, self.token_capacity, g.key_dim)
-        v = codes.values.tensors
-        values = dequantize_per_token(Quantized(v["vcodes"], v["vscale"], v["vmin"], self.bits), self.value_group, g.dtype)
+        keys = codes.format.decode_keys(codes.keys.tensors, g.dtype).reshape(g.batch, g.heads, self.token_capacity, g.key_dim)
+        values = codes.format.decode_values(codes.values.tensors, g.dtype)
         return (
             _overlay(keys, codes.exact_keys, position, codes.keys.count.value * G),
             _overlay(values, codes.exact_values, position, codes.values.count.value),

@@ -30,7 +30,7 @@ import torch
 
 from ..attention import BlockReader, Reads, fused
 from ..errors import UnsupportedOperation
-from ..quant import BITS, quantize_per_channel, quantize_per_token
+from ..quant import BITS
 from ..options import Option
 from .own_attention import OwnAttentionLayer
 from .checks import Geometry
@@ -43,6 +43,7 @@ class QuantizedLayer(OwnAttentionLayer):
     residual for the codes, and how attention reads them (``StoreReader``)."""
 
     kind = "quantized"
+    exact = False  # type: ignore[assignment]
     spec_options = {"bits": Option(int), "group_size": Option(int, least=1), "residual": Option(int, least=0)}
     keyword_options = {"block": Option(int, least=1)}
     spec_order = 3
@@ -143,9 +144,9 @@ class QuantizedLayer(OwnAttentionLayer):
         if qk:
             b, h, _, d = src_k.shape
             blocks = src_k[:, :, :qk].reshape(b, h, qk // G, G, d)
-            plan["k"] = quantize_per_channel(blocks, self.bits)
+            plan["k"] = self.codes.format.encode_keys(blocks)
         if qv:
-            plan["v"] = quantize_per_token(src_v[:, :, :qv], self.bits, min(G, value.shape[3]))
+            plan["v"] = self.codes.format.encode_values(src_v[:, :, :qv])
         return plan
 
     # ---- rollback and state ---------------------------------------------------------------

@@ -30,6 +30,7 @@ from ..options import Option, number
 from .own_attention import OwnAttentionLayer
 from .budget import holds_wrong_size, slots_to_allocate
 from .checks import Geometry
+from .slots import Slots
 
 
 #: The options every selecting kind takes: a budget (a count, or a share of the tokens seen, in
@@ -41,6 +42,12 @@ class SelectingLayer(OwnAttentionLayer):
     """A bounded layer that keeps a selection of slots (see the module docstring)."""
 
     _set: dict[str, torch.Tensor] | None = None
+    #: How the slots keep keys and values (set by each kind from its ``storage=`` option).
+    storage: Slots
+
+    @property
+    def exact(self) -> bool:
+        return self.storage.format.exact
 
     # ---- what a kind supplies -------------------------------------------------------------
 

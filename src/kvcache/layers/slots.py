@@ -1,12 +1,13 @@
 """How an evicting layer stores the keys and values of its slots: the "storage" half of
 storage x policy composition.
 
-A codec turns new keys/values into named tensors with the slot on dim 2 (``[B, Hkv, n, ...]``),
-so that the layer can move, gather and evict slots without knowing what is in them, and turns a
-run of slots back into full-precision keys and values for attention.
+``Slots`` lays a storage format (``kvcache.formats``, shared with the engine's pool) out a slot per
+token: named tensors with the slot on dim 2 (``[B, Hkv, n, ...]``), so that the layer can move,
+gather and evict slots without knowing what is in them, and turns a run of slots back into
+full-precision keys and values for attention.
 
 - ``full``: the keys and values themselves; reading them back is a view.
-- ``int8`` / ``int4`` / ``int2``: every slot quantized on its own, keys and values per token in groups of
+- ``int8`` / ``int4`` / ``int2``: every slot coded on its own, keys and values per token in groups of
   channels (a slot can then be overwritten alone, which per-channel key blocks would not allow);
   reading back (``decode``) dequantizes the slots (a temporary of the budget's size). Attention
   reads them through a ``SlotCodesReader`` instead (``reader``): a decode step straight from the
@@ -20,87 +21,63 @@ from collections.abc import Iterator
 import torch
 
 from ..attention import BlockReader, fused
-from ..quant import Quantized, dequantize_per_token, quantize_per_token
+from ..formats import STORAGES, Format, format_named
 from .checks import Geometry
 from .store import Layout
 
-STORAGES = ("full", "int8", "int4", "int2")
+__all__ = ["STORAGES", "SlotCodesReader", "Slots", "get_storage"]
 
 
-class FullSlots:
-    name = "full"
-    names = ("keys", "values")
+class Slots:
+    """``format`` a slot per token (its keys coded per token: ``format.key_block`` is 1)."""
+
+    def __init__(self, format: Format) -> None:
+        if format.key_block != 1:
+            raise ValueError(f"slots hold a token each; {format!r} codes keys over blocks of {format.key_block}")
+        self.format = format
+        self.name = format.name
+        self.names = tuple(self.layout(Geometry(1, 1, 64, 64, torch.float32, torch.device("cpu"))))
+
+    @property
+    def bits(self) -> int | None:
+        return getattr(self.format, "bits", None)
 
     def layout(self, g: Geometry) -> Layout:
         """Each tensor's shape after ``[B, Hkv, slots]`` and its dtype."""
-        return {"keys": ((g.key_dim,), g.dtype), "values": ((g.value_dim,), g.dtype)}
+        return {**self.format.key_layout(g.key_dim, g.dtype), **self.format.value_layout(g.value_dim, g.dtype)}
 
     def encode(self, key: torch.Tensor, value: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"keys": key, "values": value}
+        return {**self.format.encode_keys(key), **self.format.encode_values(value)}
 
     def decode(self, slots: dict[str, torch.Tensor], length: int, g: Geometry) -> tuple[torch.Tensor, torch.Tensor]:
-        return slots["keys"][:, :, :length], slots["values"][:, :, :length]
-
-    def reader(self, slots: dict[str, torch.Tensor], length: int, g: Geometry) -> None:
-        """None: attention reads full slots as the views ``decode`` gives, in place."""
-        return None
-
-    def geometry(self, tensors: dict[str, torch.Tensor]) -> Geometry:
-        """The geometry of stored slots (a saved state's)."""
-        return Geometry.of(tensors["keys"], tensors["values"])
-
-
-class QuantSlots:
-    names = ("kcodes", "kscale", "kmin", "vcodes", "vscale", "vmin")
-
-    def __init__(self, bits: int, group_size: int = 64) -> None:
-        self.bits = bits
-        self.group_size = group_size
-        self.name = f"int{bits}"
-
-    def group(self, dim: int) -> int:
-        """Channels per (scale, minimum) pair of a key or value of ``dim`` channels."""
-        return min(self.group_size, dim)
-
-    def layout(self, g: Geometry) -> Layout:
-        out: Layout = {}
-        for prefix, dim in (("k", g.key_dim), ("v", g.value_dim)):
-            groups = dim // self.group(dim)
-            out[prefix + "codes"] = ((dim * self.bits // 8,), torch.uint8)
-            out[prefix + "scale"] = ((groups,), g.dtype)
-            out[prefix + "min"] = ((groups,), g.dtype)
-        return out
-
-    def encode(self, key: torch.Tensor, value: torch.Tensor) -> dict[str, torch.Tensor]:
-        out = {}
-        for prefix, x in (("k", key), ("v", value)):
-            q = quantize_per_token(x, self.bits, self.group(x.shape[-1]))
-            out.update({prefix + "codes": q.codes, prefix + "scale": q.scale, prefix + "min": q.minimum})
-        return out
-
-    def decode(self, slots: dict[str, torch.Tensor], length: int, g: Geometry) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys ``[B, Hkv, length, D]`` and values of the first ``length`` slots in the geometry's
+        dtype: views for full precision, dequantized copies for codes."""
         return self.decode_run(slots, "k", 0, length, g), self.decode_run(slots, "v", 0, length, g)
 
     def decode_run(self, slots: dict[str, torch.Tensor], prefix: str, start: int, stop: int, g: Geometry) -> torch.Tensor:
-        """The keys (``prefix`` "k") or values ("v") of slots ``[start, stop)`` dequantized:
+        """The keys (``prefix`` "k") or values ("v") of slots ``[start, stop)``:
         ``[B, Hkv, stop - start, D or Dv]`` in the geometry's dtype."""
-        dim = g.key_dim if prefix == "k" else g.value_dim
-        q = Quantized(*(slots[prefix + part][:, :, start:stop] for part in ("codes", "scale", "min")), self.bits)
-        return dequantize_per_token(q, self.group(dim), g.dtype)
+        side = self.format.key_layout if prefix == "k" else self.format.value_layout
+        parts = {name: slots[name][:, :, start:stop] for name in side(1, g.dtype)}
+        decode = self.format.decode_keys if prefix == "k" else self.format.decode_values
+        return decode(parts, g.dtype)
 
-    def reader(self, slots: dict[str, torch.Tensor], length: int, g: Geometry) -> SlotCodesReader:
-        """The first ``length`` of ``slots`` (a store's whole tensors) as attention reads them."""
-        return SlotCodesReader(slots, length, g, self)
+    def reader(self, slots: dict[str, torch.Tensor], length: int, g: Geometry) -> SlotCodesReader | None:
+        """The first ``length`` of ``slots`` (a store's whole tensors) as attention reads them; None
+        for full precision: attention reads the views ``decode`` gives, in place."""
+        return None if self.format.exact else SlotCodesReader(slots, length, g, self)
 
     def geometry(self, tensors: dict[str, torch.Tensor]) -> Geometry:
-        k, v = tensors["kcodes"], tensors["vcodes"]
+        """The geometry of stored slots (a saved state's)."""
+        if self.format.exact:
+            return Geometry.of(tensors["keys"], tensors["values"])
+        k, v, bits = tensors["kcodes"], tensors["vcodes"], self.bits
         b, h = k.shape[:2]
-        dtype = tensors["kscale"].dtype
-        return Geometry(b, h, k.shape[-1] * 8 // self.bits, v.shape[-1] * 8 // self.bits, dtype, k.device)
+        return Geometry(b, h, k.shape[-1] * 8 // bits, v.shape[-1] * 8 // bits, tensors["kscale"].dtype, k.device)
 
 
 class SlotCodesReader(BlockReader):
-    """The first ``length`` coded slots of a store (``QuantSlots``'s tensors ``[B, Hkv, C, ...]``,
+    """The first ``length`` coded slots of a store (``Slots`` of ``Codes``: tensors ``[B, Hkv, C, ...]``,
     whole: no view of them is taken) as the attention kernel reads them: keys and values ``[B, Hkv,
     length, D / Dv]`` in the geometry's dtype.
 
@@ -111,7 +88,7 @@ class SlotCodesReader(BlockReader):
     Every slot is coded: unlike a quantized layer's store, there is no exact tail."""
 
     def __init__(
-        self, slots: dict[str, torch.Tensor], length: int, geometry: Geometry, codec: QuantSlots, block: int = 512
+        self, slots: dict[str, torch.Tensor], length: int, geometry: Geometry, codec: Slots, block: int = 512
     ) -> None:
         self.slots, self.length, self.geometry, self.codec, self.block = slots, length, geometry, codec, block
         batch, heads = slots["kcodes"].shape[:2]
@@ -138,7 +115,7 @@ class SlotCodesReader(BlockReader):
         return tuple(self.slots[prefix + part] for part in ("codes", "scale", "min"))
 
     def _group(self, prefix: str) -> int:
-        return self.codec.group(self.geometry.key_dim if prefix == "k" else self.geometry.value_dim)
+        return self.codec.format.group_of(self.geometry.key_dim if prefix == "k" else self.geometry.value_dim)
 
     def decode_scores(self, query: torch.Tensor) -> torch.Tensor | None:
         """Scores float32 ``[B, Hkv, R, length]`` of scaled query rows ``[B, Hkv, R, D]`` straight
@@ -162,9 +139,6 @@ class SlotCodesReader(BlockReader):
         return None if done is None else done[0].to(query.dtype)
 
 
-def get_storage(name: str) -> FullSlots | QuantSlots:
-    if name == "full":
-        return FullSlots()
-    if name in STORAGES[1:]:
-        return QuantSlots(int(name[3:]))
-    raise ValueError(f"unknown slot storage {name!r}; choose one of {STORAGES}")
+def get_storage(name: str) -> Slots:
+    """The slots a ``storage=`` option names (``full``, ``int8``, ``int4``, ``int2``)."""
+    return Slots(format_named(name))

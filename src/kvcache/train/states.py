@@ -18,9 +18,7 @@ from ..attention import Visibility
 from ..attention.masks import CAUSAL
 from ..errors import UnsupportedOperation
 from ..layers import KVLayer
-from ..layers.quantized import QuantizedLayer
 from ..layers.sliding import SlidingLayer
-from ..layers.slots import FullSlots
 from ..layers.window import WindowLayer
 from .replay import ReplayState
 
@@ -44,7 +42,7 @@ def check_replayable(layers: list[KVLayer | None]) -> None:
         why = UNREPLAYABLE.get(layer.kind)
         if why is not None:
             raise UnsupportedOperation(f"chunked training cannot replay a {layer.kind!r} cache: {why}; use another kind")
-        if isinstance(layer, QuantizedLayer) or not isinstance(getattr(layer, "storage", FullSlots()), FullSlots):
+        if not layer.exact:
             raise UnsupportedOperation(
                 f"chunked training does not replay coded storage yet (a {layer.kind!r} layer reads even a chunk's own "
                 "tokens through their codes, and no straight-through path is written); train with full storage "

@@ -8,7 +8,7 @@ block size (16, 32, 64, 256 tokens), alternating within each repeat, every call 
 
 - ``paged``: ``native.paged_decode`` over float32 blocks (what ``PagedStep`` runs);
 - ``paged-int8``: ``fused_paged.paged_decode_attention`` over int8 blocks with an exact open block per
-  sequence (what ``CodedStep`` runs);
+  sequence (what ``PagedStep`` runs over a coded pool);
 - ``dense``: ``kvcache.attend`` over one padded contiguous batch ``[S, Hkv, longest, D]`` with a
   padding mask, the layout of a batched ``generate`` (a reference point: it reads the padding's
   keys too, not its values).
@@ -27,7 +27,8 @@ from typing import Any
 import torch
 
 from ...attention import attend, fused_paged, native
-from ...engine import BlockPool, CodedBlockPool
+from ...engine import BlockPool
+from ...formats import Codes
 from ..run_options import RunOptions
 from .common import clock_cold, markdown_table, median
 from .harness import alternate
@@ -62,8 +63,8 @@ def _one(bs: int, lengths: list[int], gen: torch.Generator, bandwidth: float, re
     pool.allocate(total)
     keys = torch.randn(total, KV_HEADS, bs, HEAD_DIM, generator=gen)
     values = torch.randn(total, KV_HEADS, bs, HEAD_DIM, generator=gen)
-    pool.key_blocks[0].copy_(keys)
-    pool.value_blocks[0].copy_(values)
+    pool.storage.write_blocks(0, torch.arange(total), keys, values)
+    blocks = pool.storage.layer(0)
     coded = _coded(keys, values, tables, lengths, bs)
     query = torch.randn(seqs, KV_HEADS, Q_HEADS // KV_HEADS, HEAD_DIM, generator=gen)
     width = max(need)
@@ -77,7 +78,7 @@ def _one(bs: int, lengths: list[int], gen: torch.Generator, bandwidth: float, re
 
     def call(name: str) -> torch.Tensor:
         if name == "paged":
-            out = native.paged_decode(query, pool.key_blocks[0], pool.value_blocks[0], table, lens, scale)
+            out = native.paged_decode(query, blocks["keys"], blocks["values"], table, lens, scale)
         elif name == "paged-int8":
             out = coded["call"](query, scale)
         else:
@@ -128,17 +129,18 @@ def _coded(keys: torch.Tensor, values: torch.Tensor, tables: list[list[int]], le
     """An int8 pool of the same blocks: every full block coded, each sequence's last partial block
     in its open block; the call and the bytes it reads."""
     seqs = len(lengths)
-    pool = CodedBlockPool(1, KV_HEADS, HEAD_DIM, bs, keys.shape[0], 8, HEAD_DIM, seqs)
+    pool = BlockPool(1, KV_HEADS, HEAD_DIM, bs, keys.shape[0], format=Codes(8, HEAD_DIM, key_block=bs), tails=seqs)
     pool.allocate(keys.shape[0])
-    pool.code_blocks(0, torch.arange(keys.shape[0]), keys, values)
+    pool.storage.write_blocks(0, torch.arange(keys.shape[0]), keys, values)
+    tail = pool.open.layer(0)
     coded = torch.tensor([n // bs * bs for n in lengths], dtype=torch.int64)
     open_ = torch.tensor([n % bs for n in lengths], dtype=torch.int64)
     tails = torch.arange(seqs, dtype=torch.int32)
     for s, (t, n) in enumerate(zip(tables, lengths)):
         if n % bs:
             last = t[n // bs]
-            pool.tail_keys[0, s] = keys[last]
-            pool.tail_values[0, s] = values[last]
+            tail["keys"][s] = keys[last]
+            tail["values"][s] = values[last]
     width = max(len(t) for t in tables)
     table = torch.zeros(seqs, width, dtype=torch.int32)
     for s, t in enumerate(tables):
@@ -147,10 +149,10 @@ def _coded(keys: torch.Tensor, values: torch.Tensor, tables: list[list[int]], le
     nbytes = int(sum(n // bs for n in lengths) * per_block + sum(lengths[s] % bs for s in range(seqs)) * KV_HEADS * HEAD_DIM * 8)
 
     def call(query: torch.Tensor, scale: float) -> torch.Tensor:
+        c = pool.storage.layer(0)
         return fused_paged.paged_decode_attention(
-            query, (pool.key_codes[0], pool.key_scale[0], pool.key_min[0]),
-            (pool.value_codes[0], pool.value_scale[0], pool.value_min[0]), 8, HEAD_DIM, table, coded,
-            pool.tail_keys[0], pool.tail_values[0], tails, open_, scale,
+            query, (c["kcodes"], c["kscale"], c["kmin"]), (c["vcodes"], c["vscale"], c["vmin"]), 8, HEAD_DIM,
+            table, coded, tail["keys"], tail["values"], tails, open_, scale,
         )  # fmt: skip
 
     return {"call": call, "bytes": nbytes}

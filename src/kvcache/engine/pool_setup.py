@@ -1,9 +1,9 @@
 """The block formats the engine's pool holds, chosen by a cache spec (``kvcache.spec``):
 
-- ``"growable"``: full-precision blocks in the model's dtype (``BlockPool``);
+- ``"growable"``: full-precision blocks in the model's dtype (``formats.FullPrecision``);
 - ``"quantized:bits=8"`` (or 4, 2; ``group_size`` = channels per value group, default 64 or the
-  value head dim if smaller): coded blocks with one full-precision open block per running request
-  (``CodedBlockPool``). The kind's ``residual`` is not an option here: the open block is the
+  value head dim if smaller): coded blocks (``formats.Codes``, keys per channel over the block) with
+  one full-precision open block per running request. The kind's ``residual`` is not an option here: the open block is the
   engine's exact residual (between 1 and ``block_size`` recent tokens).
 - a bounded kind (``"window:window=1024,sinks=4"``, ``"h2o:budget=256"``, ``"snapkv:budget=0.25"``,
   ``"adakv:..."``, ``"auto:bytes=0.125"``, ``storage=`` on any): full-precision blocks for prompts;
@@ -24,10 +24,9 @@ import torch
 from ..errors import UnsupportedOperation
 from ..fingerprint import AmbiguousGlobalPerLayerAttributeError, text_config
 from ..spec import CacheSpec, parse_spec
-from .coded_pool import CodedBlockPool
-from .coded_step import CodedStep
+from ..formats import Codes, Format, FullPrecision
+from ..formats.blocks import block_bytes
 from .pool import BlockPool
-from .step import PagedStep, Row
 
 
 @dataclass(frozen=True)
@@ -58,24 +57,17 @@ def make_pool(
     """The pool for ``spec`` (from ``engine_spec``): ``blocks`` blocks, or as many as ``max_bytes``
     holds, or by default enough for ``max_seqs`` requests of 1,024 tokens."""
     g = geometry
+    shape = (g.layers, g.kv_heads, block_size, g.head_dim, g.head_dim)
+    tails = 0
+    format: Format = FullPrecision(g.dtype)
     if spec.kind == "quantized":
         bits = int(spec.options.get("bits", 4))
-        group = int(spec.options.get("group_size", min(64, g.head_dim)))
+        format = Codes(bits, int(spec.options.get("group_size", min(64, g.head_dim))), key_block=block_size)
         tails = max(max_seqs, 2)
-        per_block = CodedBlockPool.bytes_per_block(g.layers, g.kv_heads, g.head_dim, block_size, bits, group)
-        fixed = 2 * tails * g.layers * g.kv_heads * block_size * g.head_dim * 4
-    else:
-        per_block = 2 * g.layers * g.kv_heads * block_size * g.head_dim * g.dtype.itemsize
-        fixed = 0
+    per_block = block_bytes(format, *shape, g.dtype if format.exact else torch.float32)
+    fixed = tails * block_bytes(FullPrecision(torch.float32), *shape, torch.float32)
     blocks = _block_count(blocks, max_bytes, per_block, fixed, max_seqs, block_size)
-    if spec.kind == "quantized":
-        return CodedBlockPool(g.layers, g.kv_heads, g.head_dim, block_size, blocks, bits, group, tails, g.dtype, g.device)
-    return BlockPool(g.layers, g.kv_heads, g.head_dim, block_size, blocks, g.dtype, g.device)
-
-
-def make_step(pool: BlockPool, rows: list[Row]) -> PagedStep:
-    """The step over ``pool``'s blocks for ``rows``: ``CodedStep`` for a coded pool's, else ``PagedStep``."""
-    return CodedStep(pool, rows) if isinstance(pool, CodedBlockPool) else PagedStep(pool, rows)
+    return BlockPool(*shape[:2], g.head_dim, block_size, blocks, g.dtype, g.device, format=format, tails=tails)
 
 
 def _block_count(blocks: int | None, max_bytes: int | None, per_block: int, fixed: int, max_seqs: int, block_size: int) -> int:
