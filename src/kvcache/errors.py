@@ -70,3 +70,9 @@ class StoreEntryError(CacheFileError):
 class StoreUnavailable(KVCacheError, OSError):
     """The prompt store's backend cannot be reached or written: Redis down or timing out, a folder
     that cannot be written. PromptStore turns it into a miss with one warning."""
+
+
+class PoolError(KVCacheError, ValueError):
+    """A block pool call cannot be done: bad arguments, too few free blocks, a block in the wrong
+    state for the call (free, shared, registered), or, from ``check``, a broken invariant. Nothing
+    was changed."""

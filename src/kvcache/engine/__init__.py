@@ -14,9 +14,11 @@ pool with prefix sharing.
 - ``paged``: ``paged_decode``, decode attention of one token per sequence over its block table.
 """
 
+from ..errors import PoolError
+from .block_keys import chain_keys
 from .engine import Engine, EngineStats
 from .paged import paged_decode
-from .pool import BlockPool, PoolError, chain_keys
+from .pool import BlockPool
 from .request import RequestCancelled, RequestHandle, RequestStats
 
 __all__ = [

@@ -34,10 +34,10 @@ from ..prompts.keys import salt as key_salt
 from ..scoring import compress
 from ..spec import CacheSpec, parse_spec
 from .compression import Compression, accumulate, compression_for
-from .pool_setup import engine_spec, make_pool, pool_shape
 from .inputs import eos_ids, positive, prompt_ids
 from .logprobs import check_top, record
 from .pool import PoolError
+from .pool_setup import engine_spec, make_pool, pool_shape
 from .probe import check_layers_run, check_packing
 from .request import Request, RequestHandle, State, tell
 from .sampling import Sampling, choose

@@ -22,43 +22,15 @@ blocks. A call that raises changes nothing. Not thread-safe: one scheduler drive
 
 from __future__ import annotations
 
-import operator
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import torch
 
-from ..errors import KVCacheError, ShapeError
+from ..errors import PoolError, ShapeError
 from ..formats import BlockStorage, Format, FullPrecision
 from ..formats.blocks import flat
-from ..prompts.keys import chain
-
-#: A block's prefix key: what ``chain_keys`` returns (hex str), or any non-empty bytes or str.
-Key = bytes | str
-
-
-class PoolError(KVCacheError, ValueError):
-    """A block pool call cannot be done: bad arguments, too few free blocks, a block in the wrong
-    state for the call (free, shared, registered), or, from ``check``, a broken invariant. Nothing
-    was changed."""
-
-
-def chain_keys(tokens: Sequence[int] | torch.Tensor, block_size: int, salt: bytes | str) -> list[str]:
-    """The prefix key of each full block of ``tokens`` (a sequence of ids or a 1-D integer tensor):
-    ``key_i = SHA-256(key_{i-1} || int64 bytes of block i's tokens)``, ``key_{-1} = SHA-256(salt)``,
-    as hex strings; a last partial block gets no key.
-
-    This is the prompt store's chain (``kvcache.prompts.keys.chain``) with chunk = ``block_size``,
-    so a key names the whole prefix up to the end of its block under one salt. ``salt`` must name
-    everything the stored keys and values depend on besides the tokens (model, dtype, ...);
-    ``kvcache.prompts.keys.salt`` makes one. A ``str`` salt is taken as its UTF-8 bytes.
-    """
-    block_size = _count("block_size", block_size, least=1)
-    if isinstance(salt, str):
-        salt = salt.encode()
-    elif not isinstance(salt, bytes):
-        raise PoolError(f"salt must be bytes or str, got {type(salt).__name__}")
-    return chain(salt, _token_ids(tokens), block_size)
+from .block_keys import Key, check_key, integer
 
 
 class BlockPool:
@@ -247,7 +219,7 @@ class BlockPool:
         the one already registered under it (then nothing changes and no reference is taken: the
         caller may ``lookup(key)`` to share it and release its duplicate)."""
         block = self._owned(block, "register")
-        key = _key(key)
+        key = check_key(key)
         full = (1 << self.block_size) - 1
         unfilled = [layer for layer in range(self.layers) if self._written[layer][block] != full]
         if unfilled:
@@ -267,7 +239,7 @@ class BlockPool:
     def lookup(self, key: Key) -> int | None:
         """The block registered under ``key``, with one more reference (a cached block leaves the
         LRU), or None."""
-        block = self._block_of.get(_key(key))
+        block = self._block_of.get(check_key(key))
         if block is None:
             return None
         if self._refs[block] == 0:
@@ -384,13 +356,13 @@ class BlockPool:
     # ---- helpers --------------------------------------------------------------------------------
 
     def _block(self, block: object) -> int:
-        block = _integer("block", block)
+        block = integer("block", block)
         if not 0 <= block < self.total:
             raise PoolError(f"block {block} is not a block of this pool (0 to {self.total - 1})")
         return block
 
     def _layer(self, layer: object) -> int:
-        layer = _integer("layer", layer)
+        layer = integer("layer", layer)
         if not 0 <= layer < self.layers:
             raise PoolError(f"layer {layer} is not a layer of this pool (0 to {self.layers - 1})")
         return layer
@@ -427,38 +399,8 @@ def _broken(what: str) -> None:
     raise PoolError(f"block pool invariant broken: {what}")
 
 
-def _integer(name: str, value: object) -> int:
-    if isinstance(value, bool):
-        raise PoolError(f"{name} must be an integer, got {value!r}")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise PoolError(f"{name} must be an integer, got {type(value).__name__}") from None
-
-
 def _count(name: str, value: object, least: int) -> int:
-    value = _integer(name, value)
+    value = integer(name, value)
     if value < least:
         raise PoolError(f"{name} must be at least {least}, got {value}")
     return value
-
-
-def _key(key: object) -> Key:
-    if not isinstance(key, (bytes, str)) or not key:
-        raise PoolError(f"a block key must be non-empty bytes or str, got {key!r}")
-    return key
-
-
-def _token_ids(tokens: object) -> list[int]:
-    if isinstance(tokens, torch.Tensor):
-        if tokens.dim() != 1 or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
-            raise PoolError(f"tokens must be a 1-D integer tensor, got a {tokens.dim()}-D {tokens.dtype} tensor")
-        tokens = tokens.tolist()
-    try:
-        ids = [_integer("a token id", t) for t in tokens]
-    except TypeError:
-        raise PoolError(f"tokens must be a sequence of token ids, got {type(tokens).__name__}") from None
-    bad = next((t for t in ids if not 0 <= t < 2**63), None)
-    if bad is not None:
-        raise PoolError(f"token ids must be non-negative 64-bit integers, got {bad}")
-    return ids

@@ -23,9 +23,9 @@ import torch
 
 from ..errors import UnsupportedOperation
 from ..fingerprint import AmbiguousGlobalPerLayerAttributeError, text_config
-from ..spec import CacheSpec, parse_spec
 from ..formats import Codes, Format, FullPrecision
 from ..formats.blocks import block_bytes
+from ..spec import CacheSpec, parse_spec
 from .pool import BlockPool
 
 

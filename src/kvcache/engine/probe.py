@@ -11,8 +11,8 @@ import torch
 
 from ..errors import UnsupportedOperation
 from ..hf import FORWARD_STEP, use_kvcache_attention
-from .pool_setup import PoolShape
 from .pool import BlockPool
+from .pool_setup import PoolShape
 from .scheduler import blocks_for
 from .step import PagedStep, Row
 
