@@ -1,6 +1,6 @@
 import pytest
 
-from kvcache.half_precision import HalfPrecision, use_safe_isa
+from kvcache.attention.half_precision import HalfPrecision, use_safe_isa
 
 # Before any test runs a kernel: on CPUs whose oneDNN AMX kernels crash half-precision matmul, the
 # cap below AMX must be in place before oneDNN first dispatches (it reads it once). Children of

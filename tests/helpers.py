@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_flatten
 
 import kvcache
 from kvcache.apps.tiny import _DEFAULT_ATTN, PAD_TOKEN_ID, tiny_model
-from kvcache.half_precision import HalfPrecision, half_precision_support
+from kvcache.attention.half_precision import HalfPrecision, half_precision_support
 
 
 def dtypes_here(*dtypes: torch.dtype) -> tuple[torch.dtype, ...]:

@@ -10,10 +10,6 @@ Importing kvcache registers the ``"kvcache"`` attention implementation with ``tr
 """
 
 from .attention import attend
-from .build import make_cache
-from .cache import CacheSnapshot, KVCache
-from .cache_arg import cache_kwargs, cache_name
-from .cachefile import load_cache, save_cache
 from .engine import Engine
 from .errors import (
     CacheFileError,
@@ -31,10 +27,14 @@ from .errors import (
     TruncatedFileError,
     UnsupportedOperation,
 )
-from .hf import register_attention, use_kvcache_attention
-from .prefill import prefill
+from .hf.bridge import register_attention, use_kvcache_attention
+from .hf.build import make_cache
+from .hf.cache import CacheSnapshot, KVCache
+from .hf.cache_arg import cache_kwargs, cache_name
+from .hf.cachefile import load_cache, save_cache
+from .hf.prefill import prefill
+from .hf.spec import CacheSpec, parse_spec
 from .prompts import PromptStore
-from .spec import CacheSpec, parse_spec
 
 __version__ = "0.1.0"
 

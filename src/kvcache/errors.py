@@ -6,6 +6,25 @@ built-in types keep working. A call that raises leaves the cache exactly as it w
 
 from __future__ import annotations
 
+__all__ = [
+    "CacheFileError",
+    "CacheFullError",
+    "CacheSaveError",
+    "CorruptedFileError",
+    "DTypeError",
+    "ForeignFileError",
+    "KVCacheError",
+    "ModelMismatchError",
+    "ModelUnavailableError",
+    "PoolError",
+    "ShapeError",
+    "SpecError",
+    "StoreEntryError",
+    "StoreUnavailable",
+    "TruncatedFileError",
+    "UnsupportedOperation",
+]
+
 
 class KVCacheError(Exception):
     """Base class of every error kvcache raises on purpose."""

@@ -104,7 +104,7 @@ def test_every_documented_kind_answers_at_half_the_prompt(prompts, full, kind):
 
 def test_the_plain_table_covers_every_spec_kind():
     named = {eval_plain.PLAIN[k].split(":")[0] for k in eval_plain.PLAIN}
-    assert set(kvcache.registry.spec_kinds()) <= named
+    assert set(kvcache.layers.registry.spec_kinds()) <= named
 
 
 def test_the_kvzip_of_before_the_fix_is_caught(prompts, full):

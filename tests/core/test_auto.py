@@ -193,7 +193,7 @@ def test_a_budget_that_affords_every_token_exactly_is_the_full_cache():
 
 
 def test_compress_leaves_what_the_layers_own_pass_leaves():
-    from kvcache import scoring
+    from kvcache.hf import scoring
 
     model = model_for("llama")
     ids = prompt(256, seed=4)

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from kvcache.layers.budget import GROWTH_ROOM
-from kvcache.registry import spec_kind
-from kvcache.spec import parse_spec
+from kvcache.layers.registry import spec_kind
+from kvcache.hf.spec import parse_spec
 
 SPECS = [
     "snapkv:budget=0.5,window=8",

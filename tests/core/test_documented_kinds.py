@@ -23,7 +23,7 @@ import transformers
 
 import kvcache
 from kvcache import cache_kwargs
-from kvcache.spec import valid_specs
+from kvcache.hf.spec import valid_specs
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,7 +57,7 @@ def documented_kinds() -> set[str]:
 def spec_of(kind: str) -> str:
     if kind in OPTIONS:
         return f"{kind}:{OPTIONS[kind]}"
-    return f"{kind}:{BUDGETED}" if "budget" in kvcache.registry.spec_kind(kind).required else kind
+    return f"{kind}:{BUDGETED}" if "budget" in kvcache.layers.registry.spec_kind(kind).required else kind
 
 
 def tiny_llama() -> transformers.LlamaForCausalLM:
@@ -77,7 +77,7 @@ FRESH = textwrap.dedent(
     """
     import json, random, sys, traceback
     import kvcache
-    known = sorted(kvcache.registry.spec_kinds())
+    known = sorted(kvcache.layers.registry.spec_kinds())
     import torch, transformers
     jobs, config = json.loads(sys.argv[1]), json.loads(sys.argv[2])
     random.shuffle(jobs)
@@ -127,17 +127,17 @@ def fresh_runs(tmp_path_factory) -> tuple[list[str], dict[str, tuple[str, dict |
 
 def test_the_documented_kinds_include_every_spec_kind_and_kvzip():
     kinds = documented_kinds()
-    assert set(kvcache.registry.spec_kinds()) <= kinds and "kvzip" in kinds
-    assert kinds <= set(kvcache.registry.spec_kinds()), f"documented but unknown: {sorted(kinds - set(kvcache.registry.spec_kinds()))}"
+    assert set(kvcache.layers.registry.spec_kinds()) <= kinds and "kvzip" in kinds
+    assert kinds <= set(kvcache.layers.registry.spec_kinds()), f"documented but unknown: {sorted(kinds - set(kvcache.layers.registry.spec_kinds()))}"
 
 
-@pytest.mark.parametrize("kind", sorted(set(kvcache.registry.spec_kinds())))
+@pytest.mark.parametrize("kind", sorted(set(kvcache.layers.registry.spec_kinds())))
 def test_each_documented_kind_builds_and_loads_in_a_fresh_process(fresh_runs, kind):
     known, reports = fresh_runs
     assert kind in known, f"{kind} is not a spec kind in a process that imported only kvcache"
     spec, report = reports[kind]
     assert isinstance(report, dict), f"{spec} in a fresh process:\n{report}"
-    layer = kvcache.registry.spec_kind(kind).layer.kind
+    layer = kvcache.layers.registry.spec_kind(kind).layer.kind
     assert report["loaded"] == report["built"] == [layer, layer]
     assert report["seen"] == 12 and report["after"] == 10
 

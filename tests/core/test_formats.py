@@ -10,9 +10,8 @@ import math
 import pytest
 import torch
 
-from kvcache import quant
 from kvcache.errors import ShapeError
-from kvcache.formats import BlockStorage, Codes, FullPrecision, format_named
+from kvcache.formats import BlockStorage, Codes, FullPrecision, format_named, quant
 from kvcache.formats.base import layout_bytes
 from kvcache.formats.blocks import block_bytes
 

@@ -1,4 +1,4 @@
-"""The half-precision check (kvcache.half_precision), its use by the CLI and by this suite's conftest.
+"""The half-precision check (kvcache.attention.half_precision), its use by the CLI and by this suite's conftest.
 
 A CPU whose oneDNN AMX kernels kill bfloat16 matmul cannot be summoned here, so the probe's test
 hook (``KVCACHE_HALF_PROBE_FAULT``) stands in for one: ``uncapped`` kills the probe unless oneDNN is
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from kvcache.apps.cli import main
-from kvcache.half_precision import FAULT_ENV, ISA_ENV, SAFE_ISA, HalfPrecision, half_precision_support, use_safe_isa
+from kvcache.attention.half_precision import FAULT_ENV, ISA_ENV, SAFE_ISA, HalfPrecision, half_precision_support, use_safe_isa
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -4,22 +4,28 @@
       |
     api      kvcache (the package: the public names)
       |
-    model    cache, build, cachefile, spec, hf, attention_kwargs, support, foreign, compiled, prefill, linears (the transformers-facing cache)
-      |
-    storage  formats.*, layers.*, attention.*, persist.*, quant, policies, options, registry, fingerprint, half_precision,
-             models.* (real pretrained models: may import errors and transformers, nothing of the cache)
-      |
-    errors   errors
+    model    kvcache.hf.* (the transformers-facing cache: bridge, cache, build, cachefile, spec, ...),
+      |      kvcache.prompts.*, kvcache.engine.*, kvcache.train.*
+    storage  kvcache.formats.*, kvcache.layers.*, kvcache.attention.*, kvcache.persist.*,
+      |      kvcache.models.* (real pretrained models: may import errors and transformers, nothing of the cache)
+    errors   kvcache.errors
+
+A tier is a set of packages: the top level holds no loose modules (only ``__init__``, ``__main__``,
+``errors``, ``csrc/`` and the packages), so a module placed there has no tier and fails here.
 
 A module imports only from its own tier or one below; within the library (every tier but apps)
 the graph has no cycle. Every import counts: at module level and inside functions, relative ones
 resolved, since a lazy import that dodges a cycle at load time is still a cycle in the design.
 Imports under ``if TYPE_CHECKING:`` are left out: they never run, so they order nothing.
+
+The applications use the public API only: what they import of the library is ``kvcache`` or one of
+its public packages (``PUBLIC``), and only names in that package's ``__all__``.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib
 import subprocess
 import sys
 from pathlib import Path
@@ -29,8 +35,12 @@ import kvcache
 PACKAGE = Path(kvcache.__file__).parent
 
 TIERS = ["errors", "storage", "model", "api", "apps"]
-STORAGE = ("formats", "layers", "attention", "persist", "quant", "quant_native", "policies", "options", "registry", "fingerprint", "half_precision", "models")
-MODEL = ("cache", "build", "cachefile", "spec", "hf", "attention_kwargs", "cache_arg", "support", "foreign", "compiled", "scoring", "prefill", "prompts", "engine", "train", "linears")
+STORAGE = ("formats", "layers", "attention", "persist", "models")
+MODEL = ("hf", "prompts", "engine", "train")
+#: What the applications may import of the library: these packages, and of each the names in its ``__all__``.
+PUBLIC = ("kvcache", "kvcache.errors") + tuple(f"kvcache.{name}" for name in STORAGE + MODEL)
+#: Public though in no ``__all__`` (``from kvcache import __version__``).
+DUNDER = ("__version__",)
 
 
 def module_name(path: Path) -> str:
@@ -50,7 +60,10 @@ def tier_of(module: str) -> str:
         return "storage"
     if top in MODEL:
         return "model"
-    raise AssertionError(f"{module} has no tier: add it to STORAGE or MODEL in {Path(__file__).name}")
+    raise AssertionError(
+        f"{module} has no tier: the top level holds no loose modules; put it in a package of its tier "
+        f"(or add a new package to STORAGE or MODEL in {Path(__file__).name})"
+    )
 
 
 def is_type_checking_block(node: ast.AST) -> bool:
@@ -71,6 +84,16 @@ def import_nodes(tree: ast.AST):
             yield from import_nodes(node)
 
 
+def absolute_base(module: str, is_package: bool, node: ast.ImportFrom) -> str:
+    """The module a ``from ... import`` statement of ``module`` imports from, relative ones resolved."""
+    base = node.module or ""
+    if node.level:
+        package = module.split(".") if is_package else module.split(".")[:-1]
+        anchor = package[: len(package) - (node.level - 1)]
+        base = ".".join(anchor + ([base] if base else []))
+    return base
+
+
 def imported_modules(module: str, is_package: bool, tree: ast.AST, known: set[str]) -> set[str]:
     """The kvcache modules ``module`` imports: ``from pkg import sub`` names the submodule."""
 
@@ -84,11 +107,7 @@ def imported_modules(module: str, is_package: bool, tree: ast.AST, known: set[st
         if isinstance(node, ast.Import):
             found |= {deepest_known(alias.name) for alias in node.names}
             continue
-        base = node.module or ""
-        if node.level:
-            package = module.split(".") if is_package else module.split(".")[:-1]
-            anchor = package[: len(package) - (node.level - 1)]
-            base = ".".join(anchor + ([base] if base else []))
+        base = absolute_base(module, is_package, node)
         for alias in node.names:
             submodule = f"{base}.{alias.name}"
             found.add(submodule if submodule in known else deepest_known(base))
@@ -138,8 +157,9 @@ def library(graph: dict[str, set[str]]) -> dict[str, set[str]]:
 def test_the_graph_reads_relative_lazy_and_submodule_imports():
     graph = import_graph()
     assert "kvcache.attention.kernel" in graph["kvcache.attention.choice"]  # from .kernel import ...
-    assert "kvcache.foreign" in graph["kvcache.build"]  # from . import foreign
-    assert "kvcache.cachefile" in graph["kvcache.apps.cli"]  # inside a function: from ..cachefile import
+    assert "kvcache.hf.foreign" in graph["kvcache.hf.build"]  # from . import foreign
+    assert "kvcache.formats.quant_native" in graph["kvcache.formats.quant"]  # inside a function: from . import quant_native
+    assert "kvcache.attention" in graph["kvcache.apps.cli_options"]  # inside a function: from ..attention import
     assert "kvcache.apps.cli" in graph["kvcache.__main__"]
     assert "kvcache.layers.store" not in graph["kvcache.layers.base"]  # only under TYPE_CHECKING
 
@@ -155,6 +175,14 @@ def test_find_cycle_names_the_modules_of_a_cycle():
 def test_the_library_has_no_import_cycle():
     cycle = find_cycle(library(import_graph()))
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_top_level_holds_no_loose_modules():
+    """Every module sits in a package of its tier; at the top only ``__init__``, ``__main__`` and ``errors``."""
+    loose = sorted(path.name for path in PACKAGE.glob("*.py"))
+    assert loose == ["__init__.py", "__main__.py", "errors.py"], f"loose modules at the top level: {loose}"
+    for name in import_graph():
+        tier_of(name)  # raises, naming the module, for one without a tier
 
 
 def test_every_import_goes_to_the_same_tier_or_below():
@@ -192,11 +220,87 @@ def test_the_model_registry_imports_nothing_of_the_cache():
     assert not outside, "\n".join(outside)
 
 
+# ---- the applications on the public API -----------------------------------------------------------
+
+
+def public_names(package: str) -> set[str]:
+    names = set(importlib.import_module(package).__all__) | set(DUNDER)
+    if package == "kvcache":
+        names |= {name.removeprefix("kvcache.") for name in PUBLIC if name != "kvcache"}  # from kvcache import engine
+    return names
+
+
+def private_imports(module: str, is_package: bool, tree: ast.AST, path: str) -> list[str]:
+    """Each import of ``module`` that reaches the library other than by a public name, as
+    ``file:line: the import``: a module that is not ``kvcache`` or a ``PUBLIC`` package, or a name
+    not in that package's ``__all__``. The applications' own modules are theirs to import."""
+
+    def own(name: str) -> bool:
+        return name == "kvcache.apps" or name.startswith("kvcache.apps.")
+
+    found = []
+    for node in import_nodes(tree):
+        if isinstance(node, ast.Import):
+            wrong = [
+                alias.name for alias in node.names
+                if alias.name.split(".")[0] == "kvcache" and alias.name not in PUBLIC and not own(alias.name)
+            ]  # fmt: skip
+        else:
+            base = absolute_base(module, is_package, node)
+            if base.split(".")[0] != "kvcache" or own(base):
+                continue
+            if base not in PUBLIC:
+                wrong = [f"{base} (not a public package)"]
+            else:
+                public = public_names(base)
+                wrong = [f"{base}.{alias.name}" for alias in node.names if alias.name not in public and not own(f"{base}.{alias.name}")]
+        if wrong:
+            found.append(f"{path}:{node.lineno}: {ast.unparse(node)}  <- {', '.join(wrong)}")
+    return found
+
+
+def applications() -> list[tuple[str, Path]]:
+    paths = sorted((PACKAGE / "apps").rglob("*.py")) + [PACKAGE / "__main__.py"]
+    return [(module_name(path), path) for path in paths]
+
+
+def test_the_public_api_check_names_private_imports():
+    code = (
+        "from .. import make_cache, models, __version__\n"
+        "from ..engine import BlockPool\n"
+        "from .common import x\n"
+        "import kvcache.train\n"
+        "def f():\n"
+        "    from ..engine.pool import BlockPool\n"
+        "    from ..hf import note_writer\n"
+        "    import kvcache.hf.cache\n"
+        "    from kvcache.layers.auto import mix_of\n"
+        "if TYPE_CHECKING:\n"
+        "    from ..hf.cache import KVCache\n"
+    )
+    found = private_imports("kvcache.apps.probe", False, ast.parse(code), "probe.py")
+    assert [line.split(":")[1] for line in found] == ["6", "7", "8", "9"], "\n".join(found)
+    assert "kvcache.hf.note_writer" in found[1]
+
+
+def test_the_applications_use_the_public_api_only():
+    """Apps (and ``python -m kvcache``) import of the library only names that ``kvcache`` or a public
+    package (``PUBLIC``) lists in its ``__all__``: what a user of the library can import too."""
+    found = [
+        line
+        for name, path in applications()
+        for line in private_imports(
+            name, path.name == "__init__.py", ast.parse(path.read_text(), str(path)), str(path.relative_to(PACKAGE.parent))
+        )
+    ]
+    assert not found, "imports of library internals in the applications:\n" + "\n".join(found)
+
+
 def test_importing_kvcache_loads_no_application_module():
     code = "import sys, kvcache; print(' '.join(sorted(m for m in sys.modules if m.startswith('kvcache.'))))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     loaded = done.stdout.split()
-    assert "kvcache.cache" in loaded  # the probe saw the library load
+    assert "kvcache.hf.cache" in loaded  # the probe saw the library load
     assert [m for m in loaded if tier_of(m) == "apps"] == []
 
 

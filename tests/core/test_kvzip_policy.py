@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvcache.layers import EvictingLayer
-from kvcache.policies import RepeatScores, get_policy
+from kvcache.layers.policies import RepeatScores, get_policy
 from test_query_aware import KV_HEADS, Q_HEADS, crafted, probs
 
 PROMPT = 40

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvcache.linears import PackedLinears, can_pack
+from kvcache.hf.linears import PackedLinears, can_pack
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.zeros(2, 2)), reason="this torch build has no oneDNN linear packing")
 

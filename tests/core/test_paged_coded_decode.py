@@ -19,9 +19,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvcache import quant
 from kvcache.attention import fused, fused_paged
 from kvcache.attention.native_build import DISABLE_ENV
+from kvcache.formats import quant
 
 FP32 = {"rtol": 1e-5, "atol": 1e-5}
 KV_HEADS = 2

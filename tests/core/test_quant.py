@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcache.errors import DTypeError, ShapeError
-from kvcache.quant import (
+from kvcache.formats.quant import (
     BITS,
     Quantized,
     dequantize_per_channel,

@@ -1,4 +1,4 @@
-"""The native per-token quantizer (``kvcache.quant_native``, ``csrc/quantize.cpp``) gives the PyTorch
+"""The native per-token quantizer (``kvcache.formats.quant_native``, ``csrc/quantize.cpp``) gives the PyTorch
 path's codes, scales and minimums bit for bit, so ``quantize_per_token`` may take either: random
 float32 data over many magnitudes (subnormals to 1e30), constant groups, exact ties at halves
 (round half to even), every bit width and group size; and it declines what it does not take, so
@@ -11,8 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcache import quant, quant_native
 from kvcache.attention.native_build import DISABLE_ENV
+from kvcache.formats import quant, quant_native
 
 
 @pytest.fixture(autouse=True)

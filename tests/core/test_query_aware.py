@@ -21,7 +21,7 @@ from transformers import LlamaConfig
 import kvcache
 from kvcache.errors import SpecError
 from kvcache.layers import EvictingLayer
-from kvcache.spec import parse_spec, valid_specs
+from kvcache.hf.spec import parse_spec, valid_specs
 
 Q_HEADS, KV_HEADS, DIM = 4, 2, 16
 SCALE = 1.0 / math.sqrt(DIM)

@@ -222,7 +222,7 @@ def test_make_cache_static_buffers_keyword():
 
 
 def test_every_spec_kind_comes_from_the_registry_table():
-    from kvcache import registry
+    from kvcache.layers import registry
 
     kinds = registry.spec_kinds()
     assert list(kinds)[:4] == ["growable", "static", "window", "quantized"]
@@ -232,13 +232,13 @@ def test_every_spec_kind_comes_from_the_registry_table():
     assert "sliding" in registry.LAYERS and "sliding" not in kinds  # placed by make_cache, never named by a spec
     for name, kind in kinds.items():
         assert registry.layer_class(kind.layer.kind) is kind.layer
-        assert f"  {name}" in kvcache.spec.valid_specs()
+        assert f"  {name}" in kvcache.hf.spec.valid_specs()
 
 
 def test_defining_a_class_registers_nothing():
-    from kvcache import registry
+    from kvcache.layers import registry
     from kvcache.layers import ConcatLayer
-    from kvcache.policies import POLICIES, Policy
+    from kvcache.layers.policies import POLICIES, Policy
 
     type("Unlisted", (ConcatLayer,), {"kind": "unlisted-test"})
     type("UnlistedPolicy", (Policy,), {"name": "unlisted-policy-test", "initial": lambda self, positions: positions.float()})
@@ -248,9 +248,9 @@ def test_defining_a_class_registers_nothing():
 
 
 def test_a_new_policy_is_one_class_and_one_call():
-    from kvcache import registry
+    from kvcache.layers import registry
     from kvcache.layers import EvictingLayer
-    from kvcache.policies import Policy
+    from kvcache.layers.policies import Policy
 
     class Oldest(Policy):  # keeps the oldest tokens: the smallest score leaves first
         name = "oldest-test"
@@ -264,7 +264,7 @@ def test_a_new_policy_is_one_class_and_one_call():
         assert spec.options == {"budget": 8, "sinks": 1}
         cache = make_cache(tiny_config("llama"), spec)
         assert all(isinstance(s, EvictingLayer) and s.policy.name == "oldest-test" for s in cache.kv_layers)
-        assert "oldest-test (options: budget=<number>" in kvcache.spec.valid_specs()
+        assert "oldest-test (options: budget=<number>" in kvcache.hf.spec.valid_specs()
         impostor = type("Impostor", (Policy,), {"name": "oldest-test", "initial": Oldest.initial})
         with pytest.raises(TypeError, match="already registered"):
             registry.register_policy(impostor)
@@ -279,9 +279,9 @@ def test_a_new_policy_is_one_class_and_one_call():
 
 
 def test_a_new_layer_kind_is_one_class_and_one_call():
-    from kvcache import registry
+    from kvcache.layers import registry
     from kvcache.layers import ConcatLayer
-    from kvcache.options import Option
+    from kvcache.layers.options import Option
 
     class CappedConcat(ConcatLayer):
         kind = "capped-test"

@@ -3,7 +3,7 @@ own ``DynamicCache`` and attention, with the engine's storage rule applied by ha
 
 The rule (``kvcache/engine/block_io.py``, ``OpenBlockIO``): a block of ``bs`` tokens is quantized once the step
 that filled it is over (keys per channel over the block, values per token in groups of ``group``
-channels, as ``kvcache.quant`` defines them); until then its tokens are exact. Here, after each
+channels, as ``kvcache.formats.quant`` defines them); until then its tokens are exact. Here, after each
 forward pass, every block that has filled since is replaced in every layer's ``DynamicCache``
 tensors by its quantized-then-dequantized self. The prompt runs in the chunks the engine ran it in.
 
@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from kvcache import cache_kwargs, quant
+from kvcache import cache_kwargs
+from kvcache.formats import quant
 
 
 def coded_reference(

@@ -15,7 +15,7 @@ import torch
 from engine_reference import ids, reference, same_or_near_tie
 from kvcache import Engine, cache_kwargs, make_cache, use_kvcache_attention
 from kvcache.errors import UnsupportedOperation
-from kvcache.scoring import keys_values
+from kvcache.hf.scoring import keys_values
 
 NEW = 8
 

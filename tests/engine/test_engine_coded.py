@@ -1,7 +1,7 @@
 """``Engine(model, "quantized:bits=...")``: coded blocks with one exact open block per request
 (``BlockPool`` of ``formats.Codes`` blocks, ``PagedStep`` through ``block_io.OpenBlockIO``), against ``coded_reference.py`` (Hugging Face's ``DynamicCache``
 and attention, with the engine's storage rule applied by hand: a block is quantized with
-``kvcache.quant`` once the step that filled it is over), run in the same prompt chunks.
+``kvcache.formats.quant`` once the step that filled it is over), run in the same prompt chunks.
 
 Near ties as in ``engine_reference.py``: batched matmuls and the coded kernel round differently
 from the reference (~1e-6); a quantization code flips only where an element lies within that of a
@@ -16,11 +16,11 @@ import torch
 from coded_reference import coded_reference
 from engine_reference import ids, reference, same_or_near_tie
 
-from kvcache import Engine, quant
+from kvcache import Engine
 from kvcache.attention import fused_paged
 from kvcache.engine import BlockPool, PoolError
 from kvcache.errors import SpecError, UnsupportedOperation
-from kvcache.formats import Codes
+from kvcache.formats import Codes, quant
 from kvcache.formats.blocks import block_bytes
 
 NEW = 10

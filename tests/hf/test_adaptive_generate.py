@@ -16,7 +16,7 @@ import kvcache
 from kvcache import cache_kwargs
 from helpers import assert_same_tokens, attention_for, left_padded, model_for, prompt
 from kvcache.layers import AdaptiveLayer, EvictingLayer, WindowLayer
-from kvcache.policies import POLICIES
+from kvcache.layers.policies import POLICIES
 
 HEAD_DIM = 16
 #: The rectangular store to compare memory with: SnapKV's where it exists, else H2O's (same layout).

@@ -11,7 +11,7 @@ from transformers import Gemma3nTextConfig
 import kvcache
 from kvcache import DTypeError, UnsupportedOperation, cache_kwargs
 from kvcache.attention import BlockReader, attend, attend_weighted, position_rows
-from kvcache.cache import kv_owners, kv_attended_by
+from kvcache.hf.cache import kv_owners, kv_attended_by
 from kvcache.hf import boolean_mask, hf_attention_forward
 from kvcache.layers import EvictingLayer, GrowableLayer, QuantizedLayer, WindowLayer
 from kvcache.layers.own_attention import OwnAttentionLayer

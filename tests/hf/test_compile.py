@@ -11,7 +11,7 @@ from transformers import CompileConfig
 
 import kvcache
 from kvcache import cache_kwargs
-from kvcache.compiled import compiled_decode
+from kvcache.hf.compiled import compiled_decode
 from kvcache.errors import UnsupportedOperation
 from tests.helpers import assert_same_tokens, left_padded, model_for, prompt
 

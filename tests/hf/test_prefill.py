@@ -17,7 +17,7 @@ from kvcache import cache_kwargs
 from helpers import LOGITS_TOL, Recorder, assert_same_tokens, hf_attention, left_padded, model_for, prompt
 from kvcache.attention import kernel
 from kvcache.layers import EvictingLayer, WindowLayer
-from kvcache.policies import POLICIES
+from kvcache.layers.policies import POLICIES
 
 PROMPT = 45
 CHUNK = 8

@@ -1,4 +1,4 @@
-"""Score once, compress many ways (``kvcache.scoring``), and KVzip's repetition scores.
+"""Score once, compress many ways (``kvcache.hf.scoring``), and KVzip's repetition scores.
 
 References: each spec's own one-pass prefill through ``generate`` (what ``compress`` must
 reproduce: the same kept slots and the same greedy tokens after), and for KVzip the softmax
@@ -13,7 +13,8 @@ import torch
 
 import kvcache
 from helpers import model_for, prompt
-from kvcache import cache_kwargs, scoring
+from kvcache import cache_kwargs
+from kvcache.hf import scoring
 
 PROMPT, NEW = 40, 8
 SPECS = (

@@ -25,7 +25,7 @@ from transformers import (
 
 import kvcache
 from kvcache import cache_kwargs
-from kvcache.cache import kv_attended_by
+from kvcache.hf.cache import kv_attended_by
 from kvcache.errors import UnsupportedOperation
 from kvcache.layers import EvictingLayer, QuantizedLayer, WindowLayer
 

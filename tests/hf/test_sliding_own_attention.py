@@ -14,7 +14,7 @@ from transformers import DynamicCache
 
 import kvcache
 from kvcache import cache_kwargs
-from kvcache.cache import KVCache
+from kvcache.hf.cache import KVCache
 from kvcache.layers import SlidingLayer, WindowLayer
 
 from families import build_model

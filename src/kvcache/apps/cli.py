@@ -23,9 +23,9 @@ from typing import Any
 
 from kvcache import cache_kwargs
 
-from .. import __version__
+from .. import __version__, parse_spec
 from ..errors import KVCacheError
-from ..spec import parse_spec, valid_specs
+from ..hf import valid_specs
 from .cli_demo import add_demo
 from .cli_load import TINY, load_model
 from .cli_models import add_models
@@ -63,7 +63,7 @@ def save_conversation(cache: Any, path: str, ids: list[int]) -> None:
 
 def load_conversation(path: str, model: Any) -> tuple[Any, list[int]]:
     """The cache saved at ``path`` for ``model`` and the token ids saved with it."""
-    from ..cachefile import load_cache
+    from .. import load_cache
 
     if os.path.isdir(path):
         raise KVCacheError(f"--load-cache: {path} is a directory, not a cache file")
@@ -150,8 +150,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     """
     import torch
 
-    from ..build import make_cache
-    from ..hf import use_kvcache_attention
+    from .. import make_cache, use_kvcache_attention
     from .bench.common import human_bytes
     from .tokenizer import TokenStreamer
 

@@ -11,8 +11,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from .. import CacheSpec, parse_spec
 from ..errors import KVCacheError, SpecError
-from ..spec import CacheSpec, parse_spec
 from .run_options import RunOptions
 
 PROG = "kvcache"
@@ -104,8 +104,8 @@ def weights_dtype(folder: str, dtype: str) -> str:
 
 def check_half_precision(what: str) -> None:
     """Before a model runs in half precision on the CPU: where this CPU's oneDNN AMX kernels kill the
-    process (see :mod:`kvcache.half_precision`), cap oneDNN for this run and say so, or refuse."""
-    from ..half_precision import HalfPrecision, use_safe_isa
+    process (see :mod:`kvcache.attention.half_precision`), cap oneDNN for this run and say so, or refuse."""
+    from ..attention import HalfPrecision, use_safe_isa
 
     found = use_safe_isa()
     if found.status is HalfPrecision.NEEDS_ISA_CAP:

@@ -322,7 +322,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     held-out text, and bytes per token, for each cache kind and budget. Writes eval.json, eval.md
     and eval.png into --out.
     """
-    from ..models.catalog import find_entry
+    from ..models import find_entry
     from .eval import DEFAULT_KINDS, KINDS, run, table
 
     if args.model is not None and find_entry(args.model) is not None:

@@ -14,7 +14,7 @@ from typing import Any
 
 from transformers import DynamicCache, QuantizedCache, StaticCache
 
-from ..build import make_cache
+from .. import make_cache
 
 #: Sinks a window keeps inside its budget.
 SINKS = 4

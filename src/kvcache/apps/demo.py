@@ -54,8 +54,7 @@ from transformers import PreTrainedModel
 import kvcache
 
 from . import tasks
-from ..build import make_cache
-from ..hf import use_kvcache_attention
+from .. import make_cache, use_kvcache_attention
 from .bench.harness import alternate
 from .contenders import make_contender, spec_for
 from .demo_measure import measured_generate

@@ -34,8 +34,7 @@ import torch
 
 from kvcache import cache_kwargs
 
-from ..build import make_cache
-from ..hf import use_kvcache_attention
+from .. import make_cache, use_kvcache_attention
 from . import tasks
 from .contenders import SINKS, spec_for
 from .run_options import RunOptions

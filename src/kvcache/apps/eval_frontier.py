@@ -44,7 +44,7 @@ def geometry_of(model: Any):
     """The geometry of one row of the model's attention layers (for slot sizes)."""
     import torch
 
-    from ..layers.checks import Geometry
+    from ..layers import Geometry
 
     c = model.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -57,7 +57,7 @@ def spec_for(name: str, share: float | None, tokens: int, geometry: Any, room: i
     share; a fixed mix keeping the most tokens whose slots (and one spare) fit ``share`` of the fp32
     bytes of ``tokens`` (all of them if they fit); the unbounded kinds as they are (the full cache
     a static one of ``tokens + room``, the tokens to be decoded after the prompt)."""
-    from ..layers.auto import fp32_bytes, slot_bytes
+    from ..layers import fp32_bytes, slot_bytes
 
     if name == "auto":
         return f"auto:bytes={share}"
@@ -135,7 +135,7 @@ def run(
 
 def fp32_per_token(model: Any, g: Any) -> int:
     """Bytes per token of an fp32 cache of every attention layer of ``model``."""
-    from ..layers.auto import fp32_bytes
+    from ..layers import fp32_bytes
 
     from .. import make_cache
 

@@ -125,8 +125,7 @@ def run(
     import torch
     from tqdm.auto import tqdm
 
-    from ..build import make_cache
-    from ..hf import use_kvcache_attention
+    from .. import make_cache, use_kvcache_attention
     from ..models import load
 
     budgets = options.pick(tiny=(0.5,), quick=BUDGETS, full=BUDGETS) if budgets is None else tuple(budgets)

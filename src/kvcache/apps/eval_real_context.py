@@ -18,10 +18,9 @@ import torch
 
 from kvcache import cache_kwargs
 
-from .. import scoring
-from ..build import make_cache
-from ..hf import use_kvcache_attention
-from ..layers.auto import mix_of
+from ..hf import scoring
+from .. import make_cache, use_kvcache_attention
+from ..layers import mix_of
 from . import needles
 from .eval_real_plan import ANSWER_TOKENS, KINDS, SINKS, Setting, spec_of
 from .eval_real_weights import attention_profile, modes_for, needle_kept, needle_span, prompt_weights, recorded_weights

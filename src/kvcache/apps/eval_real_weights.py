@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import scoring
-from ..build import make_cache
+from .. import make_cache
+from ..hf import scoring
 
 
 def modes_for(model, specs: list[str], question_lengths: list[int]) -> tuple[tuple[str, ...], tuple[str, ...]]:

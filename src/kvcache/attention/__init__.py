@@ -3,11 +3,13 @@
 reports (``weights``), masks from absolute positions (``masks``), the read record a layer's update keeps
 and the function that attends it (``reads``), and the SDPA-or-``attend`` choice (``choice``, whose thresholds live there)."""
 
-from . import fused
+from . import fused, fused_paged, native
 from .choice import fastest_attention, prefer_attend
+from .half_precision import HalfPrecision, ProbeResult, half_precision_support, use_safe_isa
 from .heads import group_heads, group_sinks, softmax
 from .kernel import DECODE_ROWS, attend, attend_weighted
 from .masks import CAUSAL, Visibility, VisibilityRule, position_rows
+from .native_build import DISABLE_ENV, cpu_flags, isa
 from .readers import BlockReader
 from .reads import Reads, attend_reads
 from .weights import WEIGHTS
@@ -15,19 +17,28 @@ from .weights import WEIGHTS
 __all__ = [
     "CAUSAL",
     "DECODE_ROWS",
+    "DISABLE_ENV",
     "WEIGHTS",
     "BlockReader",
+    "HalfPrecision",
+    "ProbeResult",
     "Reads",
     "Visibility",
     "VisibilityRule",
     "attend",
     "attend_reads",
     "attend_weighted",
+    "cpu_flags",
     "fastest_attention",
     "fused",
+    "fused_paged",
     "group_heads",
     "group_sinks",
+    "half_precision_support",
+    "isa",
+    "native",
     "position_rows",
     "prefer_attend",
     "softmax",
+    "use_safe_isa",
 ]

@@ -1,6 +1,6 @@
-// Per-token quantization of float32 keys and values (kvcache.quant.quantize_per_token), in one call.
+// Per-token quantization of float32 keys and values (kvcache.formats.quant.quantize_per_token), in one call.
 //
-// A plain C entry point called through ctypes (kvcache.quant_native). It computes exactly what the
+// A plain C entry point called through ctypes (kvcache.formats.quant_native). It computes exactly what the
 // PyTorch path computes, bit for bit, so either may run: per group of `group` consecutive channels
 // of a token, the minimum m and maximum M; the scale
 //   s = (M - m) / levels * (1 + 2**-40)   in float64, rounded up to the next float32 (levels = 2**bits - 1),

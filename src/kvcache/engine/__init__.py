@@ -17,11 +17,13 @@ pool with prefix sharing.
 from ..errors import PoolError
 from .block_keys import chain_keys
 from .engine import Engine, EngineStats
+from .logprobs import check_top
 from .paged import paged_decode
 from .pool import BlockPool
+from .pool_setup import PoolShape, pool_shape
 from .request import RequestCancelled, RequestHandle, RequestStats
 
 __all__ = [
-    "BlockPool", "Engine", "EngineStats", "PoolError", "RequestCancelled", "RequestHandle", "RequestStats",
-    "chain_keys", "paged_decode",
+    "BlockPool", "Engine", "EngineStats", "PoolError", "PoolShape", "RequestCancelled", "RequestHandle", "RequestStats",
+    "chain_keys", "check_top", "paged_decode", "pool_shape",
 ]

@@ -30,10 +30,10 @@ from typing import Any
 import torch
 
 from ..attention.weights import first_weighted_row
-from ..build import make_cache
 from ..errors import UnsupportedOperation
+from ..hf.build import make_cache
+from ..hf.spec import CacheSpec
 from ..layers.own_attention import OwnAttentionLayer
-from ..spec import CacheSpec
 
 #: Kinds the engine does not build this way, and why.
 REFUSED = {"kvzip": "KVzip scores the prompt by a second pass that repeats it, which the engine does not run"}

@@ -24,15 +24,15 @@ from typing import Any
 
 import torch
 
-from ..build import make_cache
 from ..errors import UnsupportedOperation
-from ..fingerprint import config_summary, fingerprint_of, text_config
-from ..hf import FORWARD_STEP, use_kvcache_attention
-from ..linears import PackedLinears
+from ..hf.bridge import FORWARD_STEP, use_kvcache_attention
+from ..hf.build import make_cache
+from ..hf.linears import PackedLinears
+from ..hf.scoring import compress
+from ..hf.spec import CacheSpec, parse_spec
+from ..persist.fingerprint import config_summary, fingerprint_of, text_config
 from ..prompts import PromptStore
 from ..prompts.keys import salt as key_salt
-from ..scoring import compress
-from ..spec import CacheSpec, parse_spec
 from .compression import Compression, accumulate, compression_for
 from .inputs import eos_ids, positive, prompt_ids
 from .logprobs import check_top, record

@@ -1,4 +1,4 @@
-"""The block formats the engine's pool holds, chosen by a cache spec (``kvcache.spec``):
+"""The block formats the engine's pool holds, chosen by a cache spec (``kvcache.hf.spec``):
 
 - ``"growable"``: full-precision blocks in the model's dtype (``formats.FullPrecision``);
 - ``"quantized:bits=8"`` (or 4, 2; ``group_size`` = channels per value group, default 64 or the
@@ -22,10 +22,10 @@ from typing import Any
 import torch
 
 from ..errors import UnsupportedOperation
-from ..fingerprint import AmbiguousGlobalPerLayerAttributeError, text_config
 from ..formats import Codes, Format, FullPrecision
 from ..formats.blocks import block_bytes
-from ..spec import CacheSpec, parse_spec
+from ..hf.spec import CacheSpec, parse_spec
+from ..persist.fingerprint import AmbiguousGlobalPerLayerAttributeError, text_config
 from .pool import BlockPool
 
 

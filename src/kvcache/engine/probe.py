@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ..errors import UnsupportedOperation
-from ..hf import FORWARD_STEP, use_kvcache_attention
+from ..hf.bridge import FORWARD_STEP, use_kvcache_attention
 from .pool import BlockPool
 from .pool_setup import PoolShape
 from .scheduler import blocks_for

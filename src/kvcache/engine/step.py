@@ -30,9 +30,9 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import attend, attend_weighted
-from ..attention_kwargs import AttentionExtras
 from ..errors import UnsupportedOperation
-from ..hf import ForwardStep
+from ..hf.attention_kwargs import AttentionExtras
+from ..hf.bridge import ForwardStep
 from .block_io import block_io
 from .pool import BlockPool
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from ..build import make_cache
 from ..errors import UnsupportedOperation
+from ..hf.build import make_cache
 from ..prompts import PromptStore
 from .pool import BlockPool
 from .request import Request

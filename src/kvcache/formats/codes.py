@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import ShapeError
-from ..quant import BITS, Quantized, dequantize_per_channel, dequantize_per_token, quantize_per_channel, quantize_per_token
+from .quant import BITS, Quantized, dequantize_per_channel, dequantize_per_token, quantize_per_channel, quantize_per_token
 from .base import Layout
 
 

@@ -4,14 +4,14 @@ Which kinds exist is the table in ``registry.py``; importing this package regist
 """
 
 from .adaptive import AdaptiveLayer
-from .auto import AutoLayer
+from .auto import AutoLayer, fp32_bytes, mix_of, slot_bytes
 from .base import KVLayer
 from .checks import Geometry
 from .state import LayerState
 from .concat import ConcatLayer
 from .evicting import EvictingLayer
 from .growable import GrowableLayer
-from .quantized import QuantizedLayer
+from .quantized import QuantizedLayer, StoreReader
 from .sliding import SlidingLayer
 from .static import StaticLayer
 from .store import SlotStore
@@ -30,5 +30,9 @@ __all__ = [
     "SlidingLayer",
     "SlotStore",
     "StaticLayer",
+    "StoreReader",
     "WindowLayer",
+    "fp32_bytes",
+    "mix_of",
+    "slot_bytes",
 ]

@@ -41,7 +41,7 @@ import torch
 
 from ..attention import Reads
 from ..errors import UnsupportedOperation
-from ..options import Option
+from .options import Option
 from .budget import check_budget
 from .by_head import ByHead
 from .selecting import SELECTION_OPTIONS, SelectingLayer

@@ -42,10 +42,10 @@ from typing import Any
 
 import torch
 
-from ..options import Option, number
 from .budget import GROWTH_ROOM, MIN_ROOM, slots_to_allocate
 from .checks import Geometry
 from .evicting import EvictingLayer
+from .options import Option, number
 from .slots import STORAGES, get_storage
 from .state import LayerState
 
@@ -133,7 +133,7 @@ class AutoLayer(EvictingLayer):
 
     @classmethod
     def kind_options(cls, fixed: Mapping[str, Any]) -> dict[str, Option]:
-        from ..policies import POLICIES
+        from .policies import POLICIES
 
         return {**cls.spec_options, **POLICIES["snapkv"].spec_options}
 

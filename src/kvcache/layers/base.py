@@ -22,8 +22,8 @@ import torch
 
 from ..attention import Reads
 from ..errors import ShapeError, UnsupportedOperation
-from ..options import DeclaredKind
 from .checks import Geometry, as_index, check_kv
+from .options import DeclaredKind
 from .state import LayerState
 
 if TYPE_CHECKING:
@@ -37,7 +37,7 @@ class KVLayer(DeclaredKind, ABC):
     slots ``[0, length)``; a kind that stores something else overrides them."""
 
     kind: ClassVar[str]
-    #: True for layers that keep only a recent window (mask sizes differ, see ``hf.py``).
+    #: True for layers that keep only a recent window (mask sizes differ, see ``hf/bridge.py``).
     is_sliding: ClassVar[bool] = False
     #: True for kinds whose attention must read their update's record (``own_attention.py``).
     needs_own_attention: ClassVar[bool] = False
@@ -190,7 +190,7 @@ class KVLayer(DeclaredKind, ABC):
     def mask_sizes(self, query_length: int) -> tuple[int, int]:
         """``(kv_length, kv_offset)`` of the mask ``transformers`` builds for the next
         ``query_length`` queries: every position from 0. Unbounded kinds hold the past in order;
-        bounded kinds pick the mask's columns at their slots' positions (``hf.py``)."""
+        bounded kinds pick the mask's columns at their slots' positions (``hf/bridge.py``)."""
         return self.seen + query_length, 0
 
     @property

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..policies import Policy
+from .policies import Policy
 
 
 def check_budget(size: int | float, unit: str = "token") -> int | float:

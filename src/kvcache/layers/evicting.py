@@ -29,8 +29,8 @@ from typing import Any
 import torch
 
 from ..errors import DTypeError, ShapeError, UnsupportedOperation
-from ..policies import POLICIES, Policy, get_policy
-from ..options import Option
+from .policies import POLICIES, Policy, get_policy
+from .options import Option
 from ..attention import Reads
 from .checks import Geometry
 from .state import LayerState

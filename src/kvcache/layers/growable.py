@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..options import Option
 from .base import KVLayer
+from .options import Option
 from .store import Geometric, SlotStore
 
 

@@ -12,7 +12,7 @@ evicts there).
 
 Nothing waits for a call a caller could forget: an update that comes before the last one was
 attended settles it first without weights, and ``settle()`` does that on demand. Through
-``transformers``, the ``"kvcache"`` attention finds the layer through the cache (``hf.py``).
+``transformers``, the ``"kvcache"`` attention finds the layer through the cache (``hf/bridge.py``).
 
 Design: docs/architecture.md, "Kinds that run their own attention".
 """

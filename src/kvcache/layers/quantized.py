@@ -30,8 +30,8 @@ import torch
 
 from ..attention import BlockReader, Reads, fused
 from ..errors import UnsupportedOperation
-from ..quant import BITS
-from ..options import Option
+from ..formats.quant import BITS
+from .options import Option
 from .own_attention import OwnAttentionLayer
 from .checks import Geometry
 from .codes import CodedStore

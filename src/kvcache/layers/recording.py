@@ -5,9 +5,9 @@ reports, per layer, the attention weights in every mode asked for (``"sum"``, ``
 ``"max"``, ``"window:N"``; ``attention.attend_weighted``), over all the tokens. A bounded layer
 given the same keys and values and those weights (``OwnAttentionLayer.settle(weights)``) then keeps
 exactly what it would have kept had it run the pass itself: so a harness, or KVzip's repetition
-pass (``kvcache.scoring``), runs the model once and compresses with many policies and budgets.
+pass (``kvcache.hf.scoring``), runs the model once and compresses with many policies and budgets.
 
-Not a spec kind: built by ``kvcache.scoring.recording_cache``, never saved.
+Not a spec kind: built by ``kvcache.hf.scoring.recording_cache``, never saved.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ import torch
 
 from ..attention import Reads
 from ..errors import UnsupportedOperation
-from ..options import Option, number
+from .options import Option, number
 from .own_attention import OwnAttentionLayer
 from .budget import holds_wrong_size, slots_to_allocate
 from .checks import Geometry

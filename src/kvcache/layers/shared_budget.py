@@ -21,7 +21,7 @@ import torch
 
 from ..attention import CAUSAL
 from ..errors import DTypeError, ShapeError, UnsupportedOperation
-from ..policies import pooled
+from .policies import pooled
 
 
 def flatten_heads(t: torch.Tensor) -> torch.Tensor:

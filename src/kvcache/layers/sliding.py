@@ -33,9 +33,9 @@ import torch
 
 from ..attention import Reads
 from ..errors import UnsupportedOperation
-from ..options import Option
 from .base import KVLayer
 from .checks import Geometry
+from .options import Option
 from .state import LayerState
 from .store import SlotStore
 

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from ..errors import CacheFullError, DTypeError, ShapeError
-from ..options import Option
 from .base import Geometry, KVLayer
+from .options import Option
 from .store import Fixed, SlotStore
 
 

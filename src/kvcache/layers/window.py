@@ -27,7 +27,7 @@ import torch
 
 from ..errors import UnsupportedOperation
 from ..attention import Reads, Visibility
-from ..options import Option
+from .options import Option
 from .checks import Geometry
 from .state import LayerState
 from .own_attention import OwnAttentionLayer

@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from safetensors.torch import save as safetensors_bytes
 
 from ..errors import CorruptedFileError, ForeignFileError
-from ..fingerprint import fingerprint_of
+from .fingerprint import fingerprint_of
 from ..layers.base import LayerState
 from .atomic import atomic_write
 from .header import FORMAT, FORMAT_VERSION, head_bytes, metadata_checksum, one_line, parse_json, read_header, short

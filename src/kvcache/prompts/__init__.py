@@ -11,5 +11,6 @@
 
 from .backends import Backend, open_backend
 from .prompt_store import CHUNKED_KINDS, PromptStore, StoreStats
+from .redis_reader import BulkReader
 
-__all__ = ["Backend", "CHUNKED_KINDS", "PromptStore", "StoreStats", "open_backend"]
+__all__ = ["Backend", "BulkReader", "CHUNKED_KINDS", "PromptStore", "StoreStats", "open_backend"]

@@ -22,11 +22,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..build import make_cache
-from ..cache import KVCache
-from ..cachefile import kv_dims
 from ..errors import StoreEntryError
-from ..fingerprint import fingerprint_of
+from ..hf.build import make_cache
+from ..hf.cache import KVCache
+from ..hf.cachefile import kv_dims
+from ..persist.fingerprint import fingerprint_of
 from ..persist.header import one_line, parse_json, read_header, short
 from .chunks import CHUNK_SPEC
 from .entry import split

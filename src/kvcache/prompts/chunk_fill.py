@@ -18,8 +18,8 @@ import warnings
 import numpy as np
 import torch
 
-from ..cache import KVCache
 from ..errors import StoreEntryError
+from ..hf.cache import KVCache
 from ..layers.checks import Geometry
 from .chunk_entry import ChunkLayout, OpenedChunk
 from .chunks import Place

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..build import make_cache
-from ..cache import KVCache
+from ..hf.build import make_cache
+from ..hf.cache import KVCache
 from .keys import PromptRow
 
 #: What a chunk entry is saved as.

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..prefill import check_token_ids
+from ..hf.prefill import check_token_ids
 
 #: Version of the key scheme and entry format: a change makes every old entry a miss.
 SCHEME = "kvcache-prompt/2"

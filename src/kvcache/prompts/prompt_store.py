@@ -43,13 +43,13 @@ from typing import Any, TypeVar
 
 import torch
 
-from ..build import make_cache
-from ..cache import KVCache
-from ..cachefile import cache_from_bytes, model_dtype
+from ..hf.build import make_cache
+from ..hf.cache import KVCache
+from ..hf.cachefile import cache_from_bytes, model_dtype
 from ..errors import CacheFileError, StoreEntryError, StoreUnavailable, UnsupportedOperation
-from ..prefill import check_chunk
-from ..prefill import prefill as run_prefill
-from ..spec import CacheSpec, parse_spec
+from ..hf.prefill import check_chunk
+from ..hf.prefill import prefill as run_prefill
+from ..hf.spec import CacheSpec, parse_spec
 from .backends import Backend, open_backend
 from .chunk_entry import ChunkLayout, open_chunk
 from .chunk_fill import ChunkFiller

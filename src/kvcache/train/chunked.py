@@ -27,10 +27,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..build import make_cache
 from ..errors import UnsupportedOperation
-from ..hf import FORWARD_STEP, use_kvcache_attention
-from ..prefill import prefill
+from ..hf.bridge import FORWARD_STEP, use_kvcache_attention
+from ..hf.build import make_cache
+from ..hf.prefill import prefill
 from .replay import ChunkStep, ReplayState
 from .states import Archive, check_replayable, read_states, rule_of
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from ..build import make_cache
-from ..cache_arg import cache_kwargs
-from ..hf import use_kvcache_attention
+from ..hf.bridge import use_kvcache_attention
+from ..hf.build import make_cache
+from ..hf.cache_arg import cache_kwargs
 from .chunked import check_arguments, labelled_targets, summed_loss
 
 

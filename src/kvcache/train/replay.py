@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import torch
 
 from ..attention import Visibility
-from ..attention_kwargs import AttentionExtras
 from ..errors import UnsupportedOperation
-from ..hf import ForwardStep
+from ..hf.attention_kwargs import AttentionExtras
+from ..hf.bridge import ForwardStep
 
 
 @dataclass

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from ...attention import attend
-from ...build import make_cache
+from ... import make_cache
 from ...hf import register_attention
 from ...layers import GrowableLayer, QuantizedLayer
 from .. import contenders

@@ -30,8 +30,7 @@ import torch
 
 from kvcache import cache_kwargs
 
-from ...build import make_cache
-from ...hf import use_kvcache_attention
+from ... import make_cache, use_kvcache_attention
 from ..run_options import RunOptions
 from .common import clock, figure, human_bytes, markdown_table
 from .harness import report

@@ -86,7 +86,7 @@ def load(options: RunOptions) -> tuple[Any, Any, str]:
 
 def fp32_session_bytes(model: Any, tokens: int) -> int:
     """Bytes of one session's keys and values at full precision (the model's dtype)."""
-    from ...engine.pool_setup import pool_shape
+    from ...engine import pool_shape
 
     g = pool_shape(model)
     return 2 * g.layers * g.kv_heads * g.head_dim * g.dtype.itemsize * tokens

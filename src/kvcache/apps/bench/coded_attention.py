@@ -18,10 +18,8 @@ from typing import Any
 
 import torch
 
-from ...attention import attend, attend_weighted
-from ...attention.fused import library
-from ...attention.native_build import DISABLE_ENV
-from ...layers.quantized import QuantizedLayer, StoreReader
+from ...attention import DISABLE_ENV, attend, attend_weighted, fused
+from ...layers import QuantizedLayer, StoreReader
 from ..run_options import RunOptions
 from .common import clock_cold, markdown_table, median
 from .harness import alternate
@@ -38,7 +36,7 @@ def run(options: RunOptions, bandwidth: float, repeats: int) -> list[dict[str, A
     """Rows (one per batch, length and contender) of the quantized decode attention."""
     batches = options.pick([1, 2], [1, 8], [1, 8])
     lengths = options.pick([300, 600], [4096, 16384], [4096, 16384])
-    library()  # build it before timing anything
+    fused.library()  # build it before timing anything
     gen = torch.Generator().manual_seed(0)
     rows = []
     for batch in batches:

@@ -46,7 +46,7 @@ def machine_info(device: str = "cpu") -> dict[str, Any]:
 
     import kvcache
 
-    from ...attention.native_build import cpu_flags, isa
+    from ...attention import cpu_flags, isa
 
     flags = cpu_flags().split()
     info = {

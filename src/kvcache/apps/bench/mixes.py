@@ -25,8 +25,7 @@ import torch
 
 from kvcache import cache_kwargs
 
-from ...build import make_cache
-from ...hf import use_kvcache_attention
+from ... import make_cache, use_kvcache_attention
 from ..run_options import RunOptions
 from .common import clock, figure, human_bytes, markdown_table
 from .harness import report
@@ -57,7 +56,7 @@ def spec_of(contender: str, tokens: int, model: Any) -> str:
 
 def fp32_bytes(cache) -> int:
     """Bytes an fp32 cache of every token seen would take."""
-    from ...layers.auto import fp32_bytes as per_token
+    from ...layers import fp32_bytes as per_token
 
     return sum(per_token(l.geometry) * l.geometry.batch * l.geometry.heads * l.seen
                for l in cache.kv_layers if l is not None and l.geometry is not None)  # fmt: skip

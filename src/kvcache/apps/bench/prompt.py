@@ -36,9 +36,8 @@ from typing import Any
 
 import torch
 
-from ...build import make_cache
+from ... import make_cache, prefill
 from ...errors import KVCacheError
-from ...prefill import prefill
 from ...prompts import PromptStore
 from ..run_options import RunOptions
 from .common import read_bandwidth

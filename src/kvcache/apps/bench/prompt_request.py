@@ -27,8 +27,8 @@ from urllib.parse import urlsplit
 
 import torch
 
-from ...build import make_cache
-from ...prompts.redis_reader import BulkReader
+from ... import make_cache
+from ...prompts import BulkReader
 from .common import clock, median
 from .harness import greedy_generate
 

@@ -28,8 +28,8 @@ import torch
 
 from kvcache import cache_name
 
-from ...cache import KVCache
-from ...hf import ATTENTION_NAME, use_kvcache_attention
+from ... import KVCache, use_kvcache_attention
+from ...hf import ATTENTION_NAME
 from ..contenders import HF_QUANTIZED, make_contender
 from .common import clock
 from .workload import Past

@@ -36,8 +36,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from ...build import make_cache
-from ...cachefile import load_cache
+from ... import load_cache, make_cache
 from ...persist import checksum
 from .common import cache_config, clock, figure, finish_axes, human_bytes, markdown_table, median
 from .harness import alternate, report

@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...engine.logprobs import check_top
+from ...engine import check_top
 from .fields import CHAT, COMPLETIONS, refusal
 
 

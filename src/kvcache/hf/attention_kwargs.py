@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .errors import UnsupportedOperation
+from ..errors import UnsupportedOperation
 
 #: Keywords that do not change what the ``"kvcache"`` attention computes: the mask transformers
 #: builds already carries the sliding window and the packing of packed sequences (which flash

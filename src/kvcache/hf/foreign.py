@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, LinearAttentionCacheLayerMixin, LinearAttentionLayer
 
-from .errors import ShapeError, UnsupportedOperation
+from ..errors import ShapeError, UnsupportedOperation
 
 ATTENTION_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 #: Layer types that hold a kvcache attention store and, beside it, a linear-attention state.

@@ -18,16 +18,16 @@ from typing import Any
 
 from transformers.cache_utils import get_layer_types_and_kwargs
 
+from ..errors import SpecError, UnsupportedOperation
+from ..layers import KVLayer, QuantizedLayer, SlidingLayer, StaticLayer, WindowLayer
+from ..layers.fixed import FixedStaticLayer
+from ..layers.fixed_quantized import FixedQuantizedLayer
+from ..layers.fixed_window import FixedWindowLayer
+from ..layers.registry import spec_kind
+from ..persist.fingerprint import config_summary, text_config
 from . import foreign
 from .cache import KVCache
-from .errors import SpecError, UnsupportedOperation
-from .fingerprint import config_summary, text_config
 from .foreign import HYBRID_TYPES
-from .layers import KVLayer, QuantizedLayer, SlidingLayer, StaticLayer, WindowLayer
-from .layers.fixed import FixedStaticLayer
-from .layers.fixed_quantized import FixedQuantizedLayer
-from .layers.fixed_window import FixedWindowLayer
-from .registry import spec_kind
 from .spec import CacheSpec, parse_spec
 from .support import bounded_refusal
 
@@ -49,7 +49,7 @@ def make_cache(model: Any, spec: str | CacheSpec = "growable", *, compile: bool 
       window=32,pool=7"``, ``"pyramidkv:...,beta=20"`` (budgets shrinking with depth, the same
       total) and ``"tova-layer:..."`` (one kept set per layer); ``"quantized:bits=4,group_size=64,residual=32"`` (bits 8, 4 or 2).
 
-    Every kind is in the registry's table (``registry.py``; listed by ``kvcache.spec.valid_specs()``),
+    Every kind is in the registry's table (``registry.py``; listed by ``kvcache.hf.valid_specs()``),
     its options what its layer class declares.
 
     The model's own sliding-window layers get a layer of its window (see the module docstring):
@@ -60,7 +60,7 @@ def make_cache(model: Any, spec: str | CacheSpec = "growable", *, compile: bool 
 
     ``compile=True`` builds the fixed-shape layers of ``layers/fixed*.py`` (kinds ``static``,
     ``window``, ``quantized``; refused for the others): the cache then decodes under
-    ``torch.compile(model.forward, fullgraph=True)`` in one graph (``kvcache.compiled``), and
+    ``torch.compile(model.forward, fullgraph=True)`` in one graph (``kvcache.hf.compiled``), and
     ``generate`` compiles with it when given a ``compile_config``. Quantized layers then hold at
     most ``compile`` tokens when it is a number, else the model's ``max_position_embeddings``.
     """

@@ -1,6 +1,6 @@
 """Per-token quantization of float32 tensors in one native call (``csrc/quantize.cpp``).
 
-The same codes, scales and minimums as the PyTorch path of :func:`kvcache.quant.quantize_per_token`,
+The same codes, scales and minimums as the PyTorch path of :func:`kvcache.formats.quant.quantize_per_token`,
 bit for bit (the source says how), in one library call instead of some thirty tensor operations: a
 decode step codes one token per layer and KV head, where those operations' fixed cost is the whole
 cost. None where the library does not run (off, unbuilt, another device or dtype) or the values are
@@ -13,7 +13,7 @@ import ctypes
 
 import torch
 
-from .attention import native_build
+from ..attention import native_build
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:

@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 
+from ..layers import KVLayer
+from .bridge import HFLayer
 from .cache_arg import cache_name
-from .hf import HFLayer
-from .layers import KVLayer
 
 
 class FixedHFLayer(HFLayer):

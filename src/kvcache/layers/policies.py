@@ -11,7 +11,7 @@ nothing. A policy may declare options of its own (``spec_options``: SnapKV's ``w
 
 ``POLICIES`` at the bottom lists every policy: each is an eviction spec kind (``registry.py``).
 Adding a scorer is one new class here and one entry in that table (or, from outside the package,
-``kvcache.registry.register_policy``).
+``kvcache.layers.registry.register_policy``).
 """
 
 from __future__ import annotations
@@ -222,7 +222,7 @@ class RepeatScores(Policy):
     """KVzip (Kim et al., 2025, "KVzip: Query-Agnostic KV Cache Compression with Context
     Reconstruction"): the largest attention weight each slot received from any query, summed over
     the query heads of its KV head, kept as a running maximum over passes. Given the weights of a
-    pass that repeats the context (``kvcache.scoring.compress_context``), this is KVzip's
+    pass that repeats the context (``kvcache.hf.scoring.compress_context``), this is KVzip's
     query-agnostic score; in an ordinary forward pass it scores by the prompt's own queries.
 
     The most recent ``RECENT`` tokens (at most half the budget) are protected, as SnapKV protects

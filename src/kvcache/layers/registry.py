@@ -19,7 +19,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .layers import AdaptiveLayer, AutoLayer, ConcatLayer, EvictingLayer, GrowableLayer, QuantizedLayer, SlidingLayer, StaticLayer, WindowLayer
+from .adaptive import AdaptiveLayer
+from .auto import AutoLayer
+from .concat import ConcatLayer
+from .evicting import EvictingLayer
+from .growable import GrowableLayer
+from .quantized import QuantizedLayer
+from .sliding import SlidingLayer
+from .static import StaticLayer
+from .window import WindowLayer
 from .options import Option
 from .policies import POLICIES, Policy
 

@@ -20,11 +20,11 @@ import torch
 
 from .build import make_cache
 from .cache import KVCache, token_ids_problem
-from .errors import CacheFileError, CorruptedFileError, ModelMismatchError, SpecError, UnsupportedOperation
-from .fingerprint import config_summary, fingerprint_of, text_config
-from .layers import KVLayer, SlidingLayer, WindowLayer
-from .persist import SavedCache, decode_cache, one_line, read_cache_file, short
-from .registry import layer_class
+from ..errors import CacheFileError, CorruptedFileError, ModelMismatchError, SpecError, UnsupportedOperation
+from ..persist.fingerprint import config_summary, fingerprint_of, text_config
+from ..layers import KVLayer, SlidingLayer, WindowLayer
+from ..persist import SavedCache, decode_cache, one_line, read_cache_file, short
+from ..layers.registry import layer_class
 from .spec import CacheSpec, parse_spec
 
 #: Smallest bound on a spec's sizes (capacity, budget, window, ...): above it, they must not pass

@@ -27,9 +27,9 @@ from collections.abc import Callable
 
 import torch
 
+from .bridge import use_kvcache_attention
 from .cache import KVCache
 from .cache_arg import cache_kwargs
-from .hf import use_kvcache_attention
 
 
 def prefill(

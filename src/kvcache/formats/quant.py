@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import DTypeError, ShapeError
+from ..errors import DTypeError, ShapeError
 
 BITS = (8, 4, 2)
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

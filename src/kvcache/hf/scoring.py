@@ -25,13 +25,13 @@ from typing import Any
 
 import torch
 
+from ..layers.own_attention import OwnAttentionLayer
+from ..layers.policies import RepeatScores
+from ..layers.recording import RecordingLayer
+from .bridge import use_kvcache_attention
 from .build import make_cache
 from .cache import KVCache
 from .cache_arg import cache_kwargs
-from .hf import use_kvcache_attention
-from .layers.own_attention import OwnAttentionLayer
-from .layers.recording import RecordingLayer
-from .policies import RepeatScores
 
 #: The weights mode KVzip scores by: the most any query of the repetition paid each slot.
 KVZIP_MODE = RepeatScores.weights

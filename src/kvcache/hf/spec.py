@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import SpecError
-from .registry import SpecKind, spec_kind, spec_kinds
+from ..errors import SpecError
+from ..layers.registry import SpecKind, spec_kind, spec_kinds
 
 
 @dataclass(frozen=True)

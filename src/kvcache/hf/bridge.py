@@ -35,10 +35,10 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 from transformers.masking_utils import causal_mask_function, eager_mask, sdpa_mask
 
-from .attention import attend, fastest_attention
+from ..attention import attend, fastest_attention
+from ..errors import UnsupportedOperation
+from ..layers import KVLayer
 from .attention_kwargs import AttentionExtras
-from .errors import UnsupportedOperation
-from .layers import KVLayer
 from .support import NONCAUSAL_FLAG, noncausal_attention
 
 ATTENTION_NAME = "kvcache"

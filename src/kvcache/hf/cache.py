@@ -19,14 +19,14 @@ from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, DummyLayer
 
 from . import foreign
-from .errors import ShapeError, UnsupportedOperation
-from .fingerprint import fingerprint_of
+from ..errors import ShapeError, UnsupportedOperation
+from ..persist.fingerprint import fingerprint_of
 from .foreign import ForeignLayers
 from .compiled import hf_layer
-from .hf import SWITCH_HINT, crop_count, note_writer, runs_kvcache_attention
-from .layers.base import check_kv
-from .layers import KVLayer, LayerState
-from .persist import SavedCache, encode_cache, write_cache_file
+from .bridge import SWITCH_HINT, crop_count, note_writer, runs_kvcache_attention
+from ..layers.base import check_kv
+from ..layers import KVLayer, LayerState
+from ..persist import SavedCache, encode_cache, write_cache_file
 from .spec import CacheSpec
 from .support import switched_refusal
 
@@ -103,7 +103,7 @@ class KVCache(ForeignLayers, Cache):
             self._check_attended()
             for layer in self._can_refuse:
                 layer.check_append(key_states.shape[-2])
-        note_writer(self)  # the attention that follows finds its layer's read record here (hf.py)
+        note_writer(self)  # the attention that follows finds its layer's read record here (bridge.py)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def pending_layer(self, layer_idx: object, key: torch.Tensor) -> KVLayer | None:
