@@ -1,4 +1,11 @@
-import pytest
+import os
+
+# Triton (the `triton` extra) reads this when it is first imported: its kernels then run in its
+# interpreter on CPU tensors, how the Triton decode kernels are tested without a GPU. Nothing routes
+# CPU tensors to Triton by itself (attention/backends.py), so no other test changes path.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 from kvcache.attention.half_precision import HalfPrecision, use_safe_isa
 

@@ -27,18 +27,18 @@ class FullPrecision:
         return {"values": ((dim,), self.dtype or dtype)}
 
     def encode_keys(self, keys: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"keys": keys if self.dtype is None else keys.to(self.dtype)}
+        return {"keys": keys if self.dtype in (None, keys.dtype) else keys.to(self.dtype)}
 
     def encode_values(self, values: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"values": values if self.dtype is None else values.to(self.dtype)}
+        return {"values": values if self.dtype in (None, values.dtype) else values.to(self.dtype)}
 
     def decode_keys(self, parts: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
         keys = parts["keys"]
-        return keys if dtype is None else keys.to(dtype)
+        return keys if dtype is None or keys.dtype == dtype else keys.to(dtype)
 
     def decode_values(self, parts: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
         values = parts["values"]
-        return values if dtype is None else values.to(dtype)
+        return values if dtype is None or values.dtype == dtype else values.to(dtype)
 
     def bytes_per_token(self, key_dim: int, value_dim: int, dtype: torch.dtype) -> float:
         return (key_dim + value_dim) * (self.dtype or dtype).itemsize

@@ -36,7 +36,10 @@ class Slots:
             raise ValueError(f"slots hold a token each; {format!r} codes keys over blocks of {format.key_block}")
         self.format = format
         self.name = format.name
-        self.names = tuple(self.layout(Geometry(1, 1, 64, 64, torch.float32, torch.device("cpu"))))
+        probe = torch.float32  # names do not depend on dims or dtype
+        self.key_names = tuple(format.key_layout(8, probe))
+        self.value_names = tuple(format.value_layout(8, probe))
+        self.names = self.key_names + self.value_names
 
     @property
     def bits(self) -> int | None:
@@ -57,10 +60,9 @@ class Slots:
     def decode_run(self, slots: dict[str, torch.Tensor], prefix: str, start: int, stop: int, g: Geometry) -> torch.Tensor:
         """The keys (``prefix`` "k") or values ("v") of slots ``[start, stop)``:
         ``[B, Hkv, stop - start, D or Dv]`` in the geometry's dtype."""
-        side = self.format.key_layout if prefix == "k" else self.format.value_layout
-        parts = {name: slots[name][:, :, start:stop] for name in side(1, g.dtype)}
-        decode = self.format.decode_keys if prefix == "k" else self.format.decode_values
-        return decode(parts, g.dtype)
+        if prefix == "k":
+            return self.format.decode_keys({name: slots[name][:, :, start:stop] for name in self.key_names}, g.dtype)
+        return self.format.decode_values({name: slots[name][:, :, start:stop] for name in self.value_names}, g.dtype)
 
     def reader(self, slots: dict[str, torch.Tensor], length: int, g: Geometry) -> SlotCodesReader | None:
         """The first ``length`` of ``slots`` (a store's whole tensors) as attention reads them; None

@@ -1,0 +1,336 @@
+"""Decode attention in Triton, for CUDA tensors: one kernel for every decode path of the library.
+
+A decode step attends a few query rows per KV head (the query heads of a group packed, times the
+new tokens: ``R <= 16``) over a run of tokens. The run is read one of four ways, chosen by
+compile-time flags of the one kernel (``_decode``):
+
+- ``decode_views``: keys and values as a cache's views ``[B, Hkv, T, D]`` (any strides but the
+  last), with an optional key mask per batch row and a soft-cap;
+- ``paged_decode``: float blocks ``[NB, Hkv, bs, D]`` read through each sequence's block table,
+  ragged lengths;
+- ``paged_coded_decode``: int8/int4/int2 blocks (keys per channel over the block, values per token
+  in groups) through block tables, then each sequence's exact open block (float32);
+- ``token_coded_decode``: a store's per-token codes (an evicting layer's coded slots).
+
+Codes are read straight from their bytes and dequantized in registers as ``quant.py`` does
+(``code * scale + minimum`` in float32), so no step dequantizes a store. Every program takes one
+(sequence, KV head) pair and one split of its tokens (split-K, so a long context of one sequence
+still fills the GPU); it keeps an online softmax over tiles of ``BLOCK_T`` tokens and writes its
+unnormalised output with its running maximum and sum, which ``_combine`` merges by log-sum-exp.
+
+With ``TRITON_INTERPRET=1`` in the environment before Triton is first imported, the kernel runs in
+Triton's interpreter on CPU tensors: how CI tests it here (``tests/conftest.py`` sets it).
+Which calls come here is ``backends.py``'s choice (CUDA tensors, where Triton is installed).
+"""
+
+from __future__ import annotations
+
+import os
+from functools import cache
+
+import torch
+
+try:  # the `triton` extra
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised where triton is absent
+    triton = None
+    tl = None
+
+#: Query rows per KV head the kernel takes (a decode step's group times its new tokens).
+MAX_ROWS = 16
+#: Tokens a program reads per tile.
+BLOCK_T = 64
+
+
+def available() -> bool:
+    """Whether Triton is installed (the ``triton`` extra)."""
+    return triton is not None
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``: CPU tensors)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _decode(
+    Q, sq_s, sq_h, sq_r,
+    K, sk_s, sk_h, sk_t,
+    KS, KM, sks_s, sks_h, sks_t,
+    V, sv_s, sv_h, sv_t,
+    VS, VM, svs_s, svs_h, svs_t,
+    TK, TV, stk_n, stk_h, stk_t, stv_n, stv_h, stv_t,
+    TAIL_BLOCK, CODED, TABLE, stab_s, LENGTHS, KEEP, skeep_s,
+    O, M, L,
+    heads, rows, dim, vdim, split_tokens, scale, softcap,
+    BS: tl.constexpr, PAGED: tl.constexpr, KEY_CODES: tl.constexpr, VALUE_CODES: tl.constexpr,
+    BITS: tl.constexpr, KG: tl.constexpr, VG: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_KEEP: tl.constexpr,
+    HAS_CAP: tl.constexpr, R_PAD: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """One (sequence, KV head) pair, one split of its tokens: see the module docstring.
+
+    ``KEY_CODES``: 0 float keys, 1 codes with a scale per channel over each block, 2 codes with a
+    scale per token and group of ``KG`` channels; ``VALUE_CODES``: 0 float, 2 per token in groups
+    of ``VG``. Codes pack ``8 // BITS`` a byte, lowest bits first."""
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    n_splits = tl.num_programs(1)
+    s = pid // heads
+    h = pid % heads
+    length = tl.load(LENGTHS + s)
+    start = split * split_tokens
+    stop = tl.minimum(start + split_tokens, length)
+    r = tl.arange(0, R_PAD)
+    d = tl.arange(0, D_PAD)
+    dv = tl.arange(0, DV_PAD)
+    q = tl.load(Q + s * sq_s + h * sq_h + r[:, None] * sq_r + d[None, :], mask=(r[:, None] < rows) & (d[None, :] < dim), other=0.0)
+    q = q.to(tl.float32)
+    m_i = tl.full([R_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([R_PAD], tl.float32)
+    acc = tl.zeros([R_PAD, DV_PAD], tl.float32)
+    PER: tl.constexpr = 8 // BITS
+    LEVELS: tl.constexpr = (1 << BITS) - 1
+    coded = length
+    tail = 0
+    if HAS_TAIL:
+        coded = tl.load(CODED + s)
+        tail = tl.load(TAIL_BLOCK + s)
+    for t0 in range(start, stop, BLOCK):
+        t = t0 + tl.arange(0, BLOCK)
+        live = t < stop
+        stored = live & (t < coded)
+        if PAGED:
+            block = tl.load(TABLE + s * stab_s + t // BS, mask=stored, other=0).to(tl.int64)
+            slot = t % BS
+            k_at = block * sk_s + h * sk_h + slot * sk_t
+            v_at = block * sv_s + h * sv_h + slot * sv_t
+            ks_at = block * sks_s + h * sks_h + slot * sks_t
+            vs_at = block * svs_s + h * svs_h + slot * svs_t
+        else:
+            k_at = s * sk_s + h * sk_h + t * sk_t
+            v_at = s * sv_s + h * sv_h + t * sv_t
+            ks_at = s * sks_s + h * sks_h + t * sks_t
+            vs_at = s * svs_s + h * svs_h + t * svs_t
+            block = t  # unused
+        kmask = stored[:, None] & (d[None, :] < dim)
+        if KEY_CODES == 0:
+            k = tl.load(K + k_at[:, None] + d[None, :], mask=kmask, other=0.0).to(tl.float32)
+        else:
+            byte = tl.load(K + k_at[:, None] + (d // PER)[None, :], mask=kmask, other=0).to(tl.int32)
+            code = ((byte >> ((d % PER) * BITS)[None, :]) & LEVELS).to(tl.float32)
+            if KEY_CODES == 1:  # per channel over the block: sks_t is 0
+                sc_at = ks_at[:, None] + d[None, :]
+            else:
+                sc_at = ks_at[:, None] + (d // KG)[None, :]
+            k_scale = tl.load(KS + sc_at, mask=kmask, other=0.0).to(tl.float32)
+            k_min = tl.load(KM + sc_at, mask=kmask, other=0.0).to(tl.float32)
+            k = code * k_scale + k_min
+        vmask = stored[:, None] & (dv[None, :] < vdim)
+        if VALUE_CODES == 0:
+            v = tl.load(V + v_at[:, None] + dv[None, :], mask=vmask, other=0.0).to(tl.float32)
+        else:
+            vbyte = tl.load(V + v_at[:, None] + (dv // PER)[None, :], mask=vmask, other=0).to(tl.int32)
+            vcode = ((vbyte >> ((dv % PER) * BITS)[None, :]) & LEVELS).to(tl.float32)
+            vsc_at = vs_at[:, None] + (dv // VG)[None, :]
+            v = vcode * tl.load(VS + vsc_at, mask=vmask, other=0.0).to(tl.float32) + tl.load(VM + vsc_at, mask=vmask, other=0.0).to(tl.float32)
+        if HAS_TAIL:  # the open block's exact tokens after the coded ones
+            open_ = live & (t >= coded)
+            o = t - coded
+            tk = tl.load(TK + tail * stk_n + h * stk_h + o[:, None] * stk_t + d[None, :], mask=open_[:, None] & (d[None, :] < dim), other=0.0)
+            tv = tl.load(TV + tail * stv_n + h * stv_h + o[:, None] * stv_t + dv[None, :], mask=open_[:, None] & (dv[None, :] < vdim), other=0.0)
+            k = tl.where(open_[:, None], tk.to(tl.float32), k)
+            v = tl.where(open_[:, None], tv.to(tl.float32), v)
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [R_PAD, BLOCK]
+        if HAS_CAP:  # softcap * tanh(score / softcap), tanh through exp (no libdevice in the interpreter)
+            x = scores / softcap
+            scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0))
+        valid = live
+        if HAS_KEEP:
+            valid = valid & (tl.load(KEEP + s * skeep_s + t, mask=live, other=0) != 0)
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(scores - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        m_i = m_new
+    part = pid * n_splits + split
+    tl.store(O + part * R_PAD * DV_PAD + r[:, None] * DV_PAD + dv[None, :], acc)
+    tl.store(M + part * R_PAD + r, m_i)
+    tl.store(L + part * R_PAD + r, l_i)
+
+
+@cache
+def _kernel(interpret: bool):
+    """``_decode`` compiled by ``triton.jit`` (per interpreter setting: the decorator reads it)."""
+    return triton.jit(_decode)
+
+
+def _pad(n: int) -> int:
+    return max(16, triton.next_power_of_2(int(n)))
+
+
+def _splits(pairs: int, longest: int, device: torch.device) -> tuple[int, int]:
+    """``(splits, tokens a split)``: enough programs to fill the device (two waves of its
+    multiprocessors), no split under 256 tokens; tokens a split a multiple of ``BLOCK_T``."""
+    if longest <= 0:
+        return 1, BLOCK_T
+    units = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    splits = max(1, min(-(-2 * units // max(pairs, 1)), -(-longest // 256)))
+    per = -(-longest // splits)
+    per = -(-per // BLOCK_T) * BLOCK_T
+    return -(-longest // per), per
+
+
+def _run(q, rows, vdim, lengths, *, keys, values, key_codes=0, value_codes=0, bits=8, key_group=1,
+         value_group=1, key_scale=None, value_scale=None, paged=None, tail=None, keep=None, scale, softcap):  # fmt: skip
+    """Launch ``_decode`` over ``q`` ``[S, Hkv, R, D]`` and merge the splits: ``(out, lse)``, float32
+    ``[S, Hkv, R, Dv]`` and ``[S, Hkv, R]``. ``keys``/``values``: ``(tensor, stride_seq, stride_head,
+    stride_token)`` (for paged, stride_seq is per block); ``key_scale``/``value_scale``: ``(scale,
+    minimum, stride_seq, stride_head, stride_token)``; ``paged``: ``(table int32 [S, W], block_size)``;
+    ``tail``: ``(keys, values, blocks int32 [S], coded int64 [S])`` with lengths counting the tail."""
+    seqs, heads, _, dim = q.shape
+    device = q.device
+    R_PAD, D_PAD, DV_PAD = _pad(rows), _pad(dim), _pad(vdim)
+    longest = int(lengths.max()) if seqs else 0
+    splits, per = _splits(seqs * heads, longest, device)
+    o = torch.empty(seqs * heads * splits, R_PAD, DV_PAD, dtype=torch.float32, device=device)
+    m = torch.empty(seqs * heads * splits, R_PAD, dtype=torch.float32, device=device)
+    l_sum = torch.empty_like(m)
+    if seqs:
+        dummy = torch.zeros(1, dtype=torch.float32, device=device)
+        ks = key_scale or (dummy, dummy, 0, 0, 0)
+        vs = value_scale or (dummy, dummy, 0, 0, 0)
+        table, bs = paged if paged is not None else (torch.zeros(1, 1, dtype=torch.int32, device=device), 1)
+        tk, tv, tail_blocks, coded = tail if tail is not None else (dummy.view(1, 1, 1, 1), dummy.view(1, 1, 1, 1), lengths, lengths)
+        keep_t = keep if keep is not None else torch.zeros(1, 1, dtype=torch.uint8, device=device)
+        _kernel(interpreting())[(seqs * heads, splits)](
+            q, q.stride(0), q.stride(1), q.stride(2),
+            keys[0], *keys[1:], ks[0], ks[1], *ks[2:],
+            values[0], *values[1:], vs[0], vs[1], *vs[2:],
+            tk, tv, tk.stride(0), tk.stride(1), tk.stride(2), tv.stride(0), tv.stride(1), tv.stride(2),
+            tail_blocks, coded, table, table.stride(0), lengths, keep_t, keep_t.stride(0),
+            o, m, l_sum,
+            heads, rows, dim, vdim, per, float(scale), float(softcap or 1.0),
+            BS=bs, PAGED=paged is not None, KEY_CODES=key_codes, VALUE_CODES=value_codes, BITS=bits,
+            KG=key_group, VG=value_group, HAS_TAIL=tail is not None, HAS_KEEP=keep is not None,
+            HAS_CAP=softcap is not None, R_PAD=R_PAD, D_PAD=D_PAD, DV_PAD=DV_PAD, BLOCK=BLOCK_T,
+        )  # fmt: skip
+    out, lse = _combine(o.view(seqs, heads, splits, R_PAD, DV_PAD), m.view(seqs, heads, splits, R_PAD), l_sum.view(seqs, heads, splits, R_PAD))
+    return out[:, :, :rows, :vdim], lse[:, :, :rows]
+
+
+def _combine(o: torch.Tensor, m: torch.Tensor, l_sum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge the splits (dim 2) by log-sum-exp; a row that saw no key gets zeros (and lse -inf)."""
+    top = m.amax(dim=2, keepdim=True)
+    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
+    w = torch.exp(m - top)
+    total = (l_sum * w).sum(dim=2)
+    out = (o * w[..., None]).sum(dim=2)
+    out = torch.where(total[..., None] > 0, out / total.clamp_min(1e-38)[..., None], torch.zeros_like(out))
+    return out, top.squeeze(2) + torch.log(total)
+
+
+def _tensors_ok(*tensors: torch.Tensor) -> bool:
+    """Whether the kernel can read these: one device (CUDA, or the CPU under the interpreter), the
+    last dim contiguous."""
+    device = tensors[0].device
+    if device.type != "cuda" and not (device.type == "cpu" and interpreting()):
+        return False
+    return all(t.device == device and (t.dim() == 0 or t.stride(-1) == 1 or t.shape[-1] == 1) for t in tensors)
+
+
+# ---- the four ways in ---------------------------------------------------------------------------
+
+
+def decode_views(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, keep: torch.Tensor | None, softcap: float | None,
+    scale: float,
+) -> torch.Tensor | None:
+    """Query rows ``[B, Hkv, R, D]`` over keys ``[B, Hkv, T, D]`` and values ``[B, Hkv, T, Dv]``
+    (views read in place; float32, bfloat16 or float16), keys where ``keep`` (bool ``[B, T]``) holds:
+    the output float32 ``[B, Hkv, R, Dv]``, or None where the kernel cannot run."""
+    batch, heads, rows, dim = query.shape
+    if not available() or rows > MAX_ROWS or key.dim() != 4 or key.shape[:2] != (batch, heads):
+        return None
+    if not _tensors_ok(query, key, value) or (torch.is_grad_enabled() and query.requires_grad):
+        return None
+    length = key.shape[2]
+    lengths = torch.full((batch,), length, dtype=torch.int64, device=query.device)
+    keep_u8 = None if keep is None else keep.to(torch.uint8).expand(batch, length).contiguous()
+    out, _ = _run(
+        query, rows, value.shape[3], lengths, keys=(key, *key.stride()[:3]), values=(value, *value.stride()[:3]),
+        keep=keep_u8, scale=scale, softcap=softcap,
+    )
+    return out
+
+
+def paged_decode(
+    query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,
+    scale: float,
+) -> torch.Tensor | None:
+    """Query rows ``[S, Hkv, R, D]`` over float blocks ``[NB, Hkv, bs, D]`` / ``[NB, Hkv, bs, Dv]``:
+    sequence ``s`` reads its first ``lengths[s]`` tokens from blocks ``tables[s]`` (int32 ``[S, W]``).
+    The output float32 ``[S, Hkv, R, Dv]`` (zeros for no tokens), or None."""
+    seqs, heads, rows, dim = query.shape
+    if not available() or rows > MAX_ROWS or not _tensors_ok(query, key_pool, value_pool):
+        return None
+    tables = tables.to(device=query.device, dtype=torch.int32).contiguous()
+    lengths = lengths.to(device=query.device, dtype=torch.int64).contiguous()
+    out, _ = _run(
+        query, rows, value_pool.shape[3], lengths, keys=(key_pool, key_pool.stride(0), key_pool.stride(1), key_pool.stride(2)),
+        values=(value_pool, *value_pool.stride()[:3]), paged=(tables, key_pool.shape[2]), scale=scale, softcap=None,
+    )
+    return out
+
+
+def paged_coded_decode(
+    query: torch.Tensor, keys: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    values: tuple[torch.Tensor, torch.Tensor, torch.Tensor], bits: int, value_group: int, tables: torch.Tensor,
+    coded: torch.Tensor, tail_keys: torch.Tensor, tail_values: torch.Tensor, tail_blocks: torch.Tensor,
+    tail_lengths: torch.Tensor, scale: float, softcap: float | None = None,
+) -> torch.Tensor | None:
+    """``fused_paged.paged_decode_attention``'s step (same arguments and result) in Triton."""
+    kcodes, kscale, kmin = keys
+    vcodes, vscale, vmin = values
+    seqs, heads, rows, dim = query.shape
+    if not available() or rows > MAX_ROWS or not _tensors_ok(query, kcodes, vcodes, tail_keys, tail_values):
+        return None
+    if kscale.stride() != kmin.stride() or vscale.stride() != vmin.stride() or kscale.stride(-1) != 1 or vscale.stride(-1) != 1:
+        return None
+    device = query.device
+    coded = coded.to(device=device, dtype=torch.int64)
+    lengths = (coded + tail_lengths.to(device=device, dtype=torch.int64)).contiguous()
+    tables = tables.to(device=device, dtype=torch.int32).contiguous()
+    tail = (tail_keys, tail_values, tail_blocks.to(device=device, dtype=torch.int32).contiguous(), coded.contiguous())
+    out, _ = _run(
+        query, rows, vcodes.shape[3] * 8 // bits, lengths,
+        keys=(kcodes, *kcodes.stride()[:3]), values=(vcodes, *vcodes.stride()[:3]), key_codes=1, value_codes=2,
+        bits=bits, value_group=value_group, key_scale=(kscale, kmin, kscale.stride(0), kscale.stride(1), 0),
+        value_scale=(vscale, vmin, *vscale.stride()[:3]), paged=(tables, kcodes.shape[2]), tail=tail,
+        scale=scale, softcap=softcap,
+    )  # fmt: skip
+    return out
+
+
+def token_coded_decode(
+    query: torch.Tensor, keys: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    values: tuple[torch.Tensor, torch.Tensor, torch.Tensor], bits: int, tokens: int, key_group: int, value_group: int,
+    scale: float, softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``fused.token_decode_attention``'s step (same arguments and result: ``(out, lse)``) in Triton."""
+    kcodes, kscale, kmin = keys
+    vcodes, vscale, vmin = values
+    batch, heads, rows, dim = query.shape
+    if not available() or rows > MAX_ROWS or tokens < 1 or not _tensors_ok(query, kcodes, vcodes, kscale, vscale):
+        return None
+    if kscale.stride() != kmin.stride() or vscale.stride() != vmin.stride():
+        return None
+    lengths = torch.full((batch,), int(tokens), dtype=torch.int64, device=query.device)
+    return _run(
+        query, rows, vcodes.shape[3] * 8 // bits, lengths,
+        keys=(kcodes, *kcodes.stride()[:3]), values=(vcodes, *vcodes.stride()[:3]), key_codes=2, value_codes=2,
+        bits=bits, key_group=key_group, value_group=value_group, key_scale=(kscale, kmin, *kscale.stride()[:3]),
+        value_scale=(vscale, vmin, *vscale.stride()[:3]), scale=scale, softcap=softcap,
+    )  # fmt: skip
