@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import DTypeError
-from . import native
+from . import device_kernels, native
 from .causal import can_split, causal_attention
 from .heads import check_inputs, group_mask, group_sinks, sink_rows, softmax
 from .readers import BlockReader, TensorLike, TensorReader
@@ -337,12 +337,13 @@ def _visible_columns(allowed: torch.Tensor) -> tuple[int, int]:
 
 
 def _native_decode(q5, key: torch.Tensor, value: torch.Tensor, settings: Settings) -> torch.Tensor | None:
-    """The one-pass decode library's result ``[B, Hkv, group * Sq, Dv]`` (``native.py``) over plain
-    keys and values, or None where it declines (``route`` has checked everything else)."""
+    """The one-pass decode kernel's result ``[B, Hkv, group * Sq, Dv]`` over plain keys and values
+    (``device_kernels``: the C++ library on CPU, Triton on CUDA), or None where it declines (``route``
+    has checked everything else)."""
     keep = None if settings.mask is None else settings.mask[:, 0, 0, 0, :]
     batch, kv_heads, group, q_len, head_dim = q5.shape
     q = q5.reshape(batch, kv_heads, group * q_len, head_dim)
-    return native.decode_attention(q, key, value, keep, settings.softcap, settings.scale)
+    return device_kernels.decode_views(q, key, value, keep, settings.softcap, settings.scale)
 
 
 def _reader_decode(q5, reader: BlockReader, settings: Settings) -> torch.Tensor | None:

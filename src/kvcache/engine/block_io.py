@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from ..attention import fused_paged, native
+from ..attention import device_kernels
 from ..formats.blocks import as_blocks, flat
 from . import shared_prefix
 from .paged import paged_decode
@@ -80,7 +80,7 @@ class SlotIO:
             if got is not None:
                 step.shared_rows = sum(len(p.rows) for p in self._sharing.passes)
                 return got.reshape(seqs, q_heads, -1)
-        got = native.paged_decode(packed, blocks["keys"], blocks["values"], step.decode_tables, self.decode_lengths, scale)
+        got = device_kernels.paged_decode(packed, blocks["keys"], blocks["values"], step.decode_tables, self.decode_lengths, scale)
         if got is not None:
             return got.reshape(seqs, q_heads, -1)
         tables, lengths = [r.table for r in step.decode_rows], [r.length for r in step.decode_rows]
@@ -124,7 +124,7 @@ class OpenBlockIO:
         seqs, q_heads, dim = q.shape
         packed = q.reshape(seqs, pool.kv_heads, q_heads // pool.kv_heads, dim)
         coded, tail = pool.storage.layer(layer), pool.open.layer(layer)
-        got = fused_paged.paged_decode_attention(
+        got = device_kernels.paged_coded_decode(
             packed,
             (coded["kcodes"], coded["kscale"], coded["kmin"]),
             (coded["vcodes"], coded["vscale"], coded["vmin"]),

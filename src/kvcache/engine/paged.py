@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from ..attention import native
+from ..attention import device_kernels
 from .pool import BlockPool, PoolError
 
 
@@ -42,7 +42,7 @@ def paged_decode(
     for s, t in enumerate(tables):
         table[s, : len(t)] = torch.tensor(list(t), dtype=torch.int32)
     packed = query.reshape(seqs, kv_heads, q_heads // kv_heads, dim)
-    out = native.paged_decode(packed, keys, values, table, torch.tensor(list(lengths), dtype=torch.int64), scale)
+    out = device_kernels.paged_decode(packed, keys, values, table, torch.tensor(list(lengths), dtype=torch.int64), scale)
     if out is not None:
         return out.reshape(seqs, q_heads, 1, -1).to(query.dtype)
     return _gathered(pool, layer, query, tables, lengths, scale)

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 import torch
 
-from ..attention import BlockReader, fused
+from ..attention import BlockReader, device_kernels, fused
 from ..formats import STORAGES, Format, format_named
 from .checks import Geometry
 from .store import Layout
@@ -137,7 +137,7 @@ class SlotCodesReader(BlockReader):
         ``[B, Hkv, R, D]`` in one pass over the codes: ``[B, Hkv, R, Dv]`` in the query's dtype, or None
         to decline (the library cannot run, or no slots)."""
         keys, values, groups = self._codes("k"), self._codes("v"), (self._group("k"), self._group("v"))
-        done = fused.token_decode_attention(query, keys, values, self.codec.bits, self.length, *groups, scale, softcap)
+        done = device_kernels.token_coded_decode(query, keys, values, self.codec.bits, self.length, *groups, scale, softcap)
         return None if done is None else done[0].to(query.dtype)
 
 
