@@ -13,10 +13,9 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from kvcache.formats import quant
 from kvcache.attention import triton_decode as td
+from kvcache.formats import quant
 
 pytestmark = [
     pytest.mark.skipif(not td.available(), reason="triton is not installed (pip install kvcache[triton])"),
