@@ -17,11 +17,31 @@ import torch
 from kvcache.attention import triton_decode as td
 from kvcache.formats import quant
 
-pytestmark = [
-    pytest.mark.skipif(not td.available(), reason="triton is not installed (pip install kvcache[triton])"),
-    pytest.mark.skipif(not td.interpreting(), reason="TRITON_INTERPRET is not 1 (conftest.py sets it unless the environment says otherwise)"),
-]
+pytestmark = pytest.mark.skipif(not td.available(), reason="triton is not installed (pip install kvcache[triton])")
 TOL = {"rtol": 1e-5, "atol": 1e-5}
+
+
+@pytest.fixture(
+    params=[
+        pytest.param("cpu", id="interpreter"),
+        pytest.param("cuda", id="cuda", marks=pytest.mark.cuda),
+    ]
+)
+def device(request):
+    """Where the kernels run: CPU tensors in Triton's interpreter (CI), or a CUDA device compiled."""
+    if request.param == "cpu" and not td.interpreting():
+        pytest.skip("TRITON_INTERPRET is not 1 (conftest.py sets it unless the environment says otherwise)")
+    if request.param == "cuda" and (not torch.cuda.is_available() or td.interpreting()):
+        pytest.skip("no CUDA device (or Triton's interpreter is on): tools/gpu_check.sh runs these on a lent GPU")
+    return torch.device(request.param)
+
+
+def on(device, *tensors):
+    return tuple(t.to(device) for t in tensors)
+
+
+def back(x):
+    return x.cpu() if isinstance(x, torch.Tensor) else tuple(t.cpu() for t in x)
 
 
 def gen(seed):
@@ -41,35 +61,38 @@ def sdpa(q, k, v, scale, keep=None, softcap=None):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("batch", "heads", "rows", "tokens", "dim"), [(1, 1, 1, 1, 16), (2, 2, 3, 700, 32), (1, 3, 16, 129, 64), (2, 1, 5, 64, 80)])
-def test_decode_over_views_equals_sdpa(dtype, batch, heads, rows, tokens, dim):
+def test_decode_over_views_equals_sdpa(device, dtype, batch, heads, rows, tokens, dim):
     g = gen(tokens)
     q = torch.randn(batch, heads, rows, dim, generator=g).to(dtype)
     buffer_k = torch.randn(batch, heads, tokens + 9, dim, generator=g).to(dtype)  # a cache's buffer, read as a view
     buffer_v = torch.randn(batch, heads, tokens + 9, dim + 16, generator=g).to(dtype)
     k, v = buffer_k[:, :, :tokens], buffer_v[:, :, :tokens]
     scale = 1 / math.sqrt(dim)
-    out = td.decode_views(q, k, v, None, None, scale)
+    qd, kd, vd = on(device, q, buffer_k, buffer_v)
+    out = back(td.decode_views(qd, kd[:, :, :tokens], vd[:, :, :tokens], None, None, scale))
     tol = TOL if dtype == torch.float32 else {"rtol": 1e-5, "atol": 1e-5}  # float32 inside either way
     torch.testing.assert_close(out, sdpa(q, k, v, scale), **tol)
 
 
-def test_decode_with_a_key_mask_and_a_softcap_and_a_fully_masked_row():
+def test_decode_with_a_key_mask_and_a_softcap_and_a_fully_masked_row(device):
     g = gen(3)
     q, k, v = torch.randn(3, 2, 4, 32, generator=g), torch.randn(3, 2, 300, 32, generator=g), torch.randn(3, 2, 300, 16, generator=g)
     keep = torch.rand(3, 300, generator=g) > 0.3
     keep[2] = False  # a row that sees no key: zeros, as attend says
-    out = td.decode_views(q, k, v, keep, 5.0, 0.2)
+    out = back(td.decode_views(*on(device, q, k, v, keep), 5.0, 0.2))
     torch.testing.assert_close(out, sdpa(q, k, v, 0.2, keep, 5.0), **TOL)
     assert not out[2].any()
 
 
-def test_transposed_cache_layouts_are_read_in_place():
+def test_transposed_cache_layouts_are_read_in_place(device):
     g = gen(4)
     storage = torch.randn(2, 90, 3, 32, generator=g)  # [B, C, Hkv, D]: a transposed buffer
     k = storage.transpose(1, 2)
     v = torch.randn(2, 90, 3, 32, generator=g).transpose(1, 2)
     q = torch.randn(2, 3, 2, 32, generator=g)
-    torch.testing.assert_close(td.decode_views(q, k, v, None, None, 0.3), sdpa(q, k, v, 0.3), **TOL)
+    qd, sd, vd = on(device, q, storage, v.transpose(1, 2))
+    got = back(td.decode_views(qd, sd.transpose(1, 2), vd.transpose(1, 2), None, None, 0.3))
+    torch.testing.assert_close(got, sdpa(q, k, v, 0.3), **TOL)
 
 
 def pool_of(blocks, heads, bs, dim, seed):
@@ -84,7 +107,7 @@ def gathered(pool, table, length):
 
 
 @pytest.mark.parametrize("bs", [16, 24, 64])
-def test_paged_decode_over_ragged_tables_equals_sdpa_per_sequence(bs):
+def test_paged_decode_over_ragged_tables_equals_sdpa_per_sequence(device, bs):
     kp, vp = pool_of(40, 2, bs, 32, bs)
     order = torch.randperm(40, generator=gen(1)).tolist()
     lengths = [1, bs, bs + 1, 5 * bs - 3, 0, 17 * bs // 2]
@@ -96,7 +119,7 @@ def test_paged_decode_over_ragged_tables_equals_sdpa_per_sequence(bs):
     width = max(map(len, tables))
     table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     q = torch.randn(len(lengths), 2, 3, 32, generator=gen(2))
-    out = td.paged_decode(q, kp, vp, table, torch.tensor(lengths), 0.25)
+    out = back(td.paged_decode(*on(device, q, kp, vp, table, torch.tensor(lengths)), 0.25))
     for s, n in enumerate(lengths):
         if n == 0:
             assert not out[s].any()
@@ -118,7 +141,7 @@ def coded_pool(bits, blocks, heads, bs, dim, vdim, group, seed):
 
 @pytest.mark.parametrize("bits", [8, 4, 2])
 @pytest.mark.parametrize("softcap", [None, 4.0])
-def test_paged_coded_decode_equals_sdpa_over_dequantized_blocks_and_the_open_block(bits, softcap):
+def test_paged_coded_decode_equals_sdpa_over_dequantized_blocks_and_the_open_block(device, bits, softcap):
     bs, heads, dim, vdim, group = 16, 2, 32, 64, 16
     keys, values, ref_k, ref_v = coded_pool(bits, 30, heads, bs, dim, vdim, group, bits)
     g = gen(7)
@@ -134,10 +157,10 @@ def test_paged_coded_decode_equals_sdpa_over_dequantized_blocks_and_the_open_blo
     width = max(map(len, tables))
     table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     q = torch.randn(4, heads, 3, dim, generator=g)
-    out = td.paged_coded_decode(
-        q, keys, values, bits, group, table, torch.tensor(coded), tails_k, tails_v,
-        torch.tensor(tail_blk, dtype=torch.int32), torch.tensor(tail_len), 0.3, softcap,
-    )  # fmt: skip
+    out = back(td.paged_coded_decode(
+        *on(device, q), on(device, *keys), on(device, *values), bits, group, *on(device, table, torch.tensor(coded), tails_k, tails_v,
+        torch.tensor(tail_blk, dtype=torch.int32), torch.tensor(tail_len)), 0.3, softcap,
+    ))  # fmt: skip
     for s in range(4):
         k = torch.cat([gathered(ref_k, tables[s], coded[s]), tails_k[tail_blk[s], :, : tail_len[s]]], dim=1)
         v = torch.cat([gathered(ref_v, tables[s], coded[s]), tails_v[tail_blk[s], :, : tail_len[s]]], dim=1)
@@ -145,28 +168,29 @@ def test_paged_coded_decode_equals_sdpa_over_dequantized_blocks_and_the_open_blo
 
 
 @pytest.mark.parametrize("bits", [8, 4, 2])
-def test_token_coded_decode_equals_sdpa_over_dequantized_slots_and_gives_the_lse(bits):
+def test_token_coded_decode_equals_sdpa_over_dequantized_slots_and_gives_the_lse(device, bits):
     g = gen(bits + 10)
     batch, heads, slots, tokens, dim, vdim = 2, 3, 333, 300, 64, 32
     k = torch.randn(batch, heads, slots, dim, generator=g)
     v = torch.randn(batch, heads, slots, vdim, generator=g)
     qk, qv = quant.quantize_per_token(k, bits, 32), quant.quantize_per_token(v, bits, 16)
     q = torch.randn(batch, heads, 4, dim, generator=g)
-    out, lse = td.token_coded_decode(q, (qk.codes, qk.scale, qk.minimum), (qv.codes, qv.scale, qv.minimum), bits, tokens, 32, 16, 0.125)
+    keys, values = on(device, qk.codes, qk.scale, qk.minimum), on(device, qv.codes, qv.scale, qv.minimum)
+    out, lse = back(td.token_coded_decode(*on(device, q), keys, values, bits, tokens, 32, 16, 0.125))
     rk = quant.dequantize_per_token(qk, 32)[:, :, :tokens]
     rv = quant.dequantize_per_token(qv, 16)[:, :, :tokens]
     torch.testing.assert_close(out, sdpa(q, rk, rv, 0.125), **TOL)
     torch.testing.assert_close(lse, torch.logsumexp(torch.einsum("bhrd,bhtd->bhrt", q, rk) * 0.125, dim=-1), **TOL)
 
 
-def test_calls_the_kernel_cannot_take_are_declined():
-    q, k = torch.randn(1, 1, 17, 16), torch.randn(1, 1, 8, 16)
+def test_calls_the_kernel_cannot_take_are_declined(device):
+    q, k = on(device, torch.randn(1, 1, 17, 16), torch.randn(1, 1, 8, 16))
     assert td.decode_views(q, k, k, None, None, 1.0) is None  # more rows than a decode step has
     assert td.decode_views(q[:, :, :2].requires_grad_(), k, k, None, None, 1.0) is None  # gradients asked for
     assert td.decode_views(q[:, :, :2], k[..., ::2].expand(1, 1, 8, 8), k[..., :8], None, None, 1.0) is None  # last dim strided
 
 
-def test_cpu_tensors_are_declined_outside_the_interpreter(monkeypatch):
+def test_cpu_tensors_are_declined_outside_the_interpreter(monkeypatch):  # (no device: CPU tensors by definition)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     q, k = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 8, 16)
     assert td.decode_views(q, k, k, None, None, 1.0) is None

@@ -73,3 +73,40 @@ def test_the_engine_through_triton_gives_the_native_tokens(through_triton, spec,
         expected = run()
     assert run() == expected
     assert through_triton.get(way, 0) > 0, f"{way} never ran: {through_triton}"
+
+
+# ---- on a CUDA device (tools/gpu_check.sh) -----------------------------------------------------------
+
+
+def on_cuda(model):
+    if not torch.cuda.is_available() or triton_decode.interpreting():
+        pytest.skip("no CUDA device (or Triton's interpreter is on): tools/gpu_check.sh runs these on a lent GPU")
+    import copy
+
+    return copy.deepcopy(model).cuda()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("spec", ["growable", "window:window=16,sinks=2", "lastrec:budget=24,storage=int8", "quantized:bits=8"])
+def test_generate_on_cuda_gives_the_cpu_tokens(spec):
+    model = model_for("llama")
+    gpu = on_cuda(model)
+    ids = prompt(40, seed=5)
+    assert generated(gpu, spec, ids.cuda()) == generated(model, spec, ids)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("spec", ["growable", "quantized:bits=8"])
+def test_the_engine_on_cuda_gives_the_cpu_tokens(spec):
+    model = model_for("llama")
+    gpu = on_cuda(model)
+    prompts = [prompt(n, seed=n).tolist()[0] for n in (19, 33, 8)]
+
+    def run(m) -> list[list[int]]:
+        engine = Engine(m, spec, block_size=8, blocks=64, max_seqs=4)
+        handles = [engine.submit(p, max_new_tokens=NEW) for p in prompts]
+        while engine.step():
+            pass
+        return [h.result() for h in handles]
+
+    assert run(gpu) == run(model)

@@ -3,7 +3,7 @@
 reports (``weights``), masks from absolute positions (``masks``), the read record a layer's update keeps
 and the function that attends it (``reads``), and the SDPA-or-``attend`` choice (``choice``, whose thresholds live there)."""
 
-from . import fused, fused_paged, native
+from . import device_kernels, fused, fused_paged, native, triton_decode
 from .choice import fastest_attention, prefer_attend
 from .half_precision import HalfPrecision, ProbeResult, half_precision_support, use_safe_isa
 from .heads import group_heads, group_sinks, softmax
@@ -29,6 +29,7 @@ __all__ = [
     "attend_reads",
     "attend_weighted",
     "cpu_flags",
+    "device_kernels",
     "fastest_attention",
     "fused",
     "fused_paged",
@@ -40,5 +41,6 @@ __all__ = [
     "position_rows",
     "prefer_attend",
     "softmax",
+    "triton_decode",
     "use_safe_isa",
 ]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-SUITES: tuple[str, ...] = ("update", "decode", "attention", "memory", "resume", "bounded", "budget", "real", "prefill", "prompt", "engine", "capacity", "serve", "train", "finetune", "mixes")
+SUITES: tuple[str, ...] = ("update", "decode", "attention", "memory", "resume", "bounded", "budget", "real", "prefill", "prompt", "engine", "capacity", "serve", "train", "finetune", "mixes", "gpu")
 
 
 def get_suite(name: str) -> ModuleType:

@@ -1,0 +1,369 @@
+"""Suite ``gpu``: kvcache's decode paths on a CUDA device, against the device's copy bandwidth and
+against Hugging Face's caches and continuous batching.
+
+Models are random-init in a real model's shape (weights do not change speed, and a lent GPU
+machine has no network for a checkpoint): Llama-3.1-8B (32 query heads on 8 KV heads x 128, 32
+layers, hidden 4096) in bfloat16 for the kernels and the decode step, SmolLM2-135M's shape for the
+engine. Three parts, each a list of rows:
+
+- ``kernel``: one decode call of the 8B shape's attention (one layer) at batch x tokens: over views
+  (``views-bf16``), over paged blocks of 16 tokens in bfloat16 (``paged-bf16``) and coded int8 /
+  int4 (``paged-int8``, ``paged-int4``; an open block per sequence), and torch's SDPA over the same
+  views (``sdpa``, HF's path). Each row: the bytes the call must read, its median time (CUDA
+  events through ``clock``), and that as a share of the copy bandwidth measured in the same run
+  (bytes read + written by a device copy of 1 GiB, per second).
+- ``step``: a whole decode step of the 8B shape (batch x context): ``kvcache`` (``make_cache``
+  growable with the ``kvcache`` attention), HF ``DynamicCache`` (sdpa), HF ``StaticCache`` eager and
+  compiled (``torch.compile(mode="reduce-overhead")``, CUDA graphs); tokens per second and whether
+  the greedy tokens equal DynamicCache's.
+- ``engine``: 64 sessions sharing a 1,024-token prefix (each with its own 64 tokens, 64 new) on the
+  SmolLM2 shape: ``kvcache.Engine`` against ``transformers``' continuous batching
+  (``generate_batch``'s manager), tokens per second and whether their tokens agree.
+
+``--tiny`` runs every part at toy sizes on the CPU (the C++ kernels stand in), so CI runs the code;
+its numbers mean nothing. A contender that cannot run is a row with its reason.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ...attention import device_kernels
+from ...errors import KVCacheError
+from ..run_options import RunOptions
+from .common import clock, markdown_table, median
+from .harness import report
+
+#: Llama-3.1-8B's attention and model shape.
+Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+BLOCK = 16  # tokens a block (vLLM's default)
+
+
+def run(options: RunOptions = RunOptions()) -> dict[str, Any]:
+    """Run the suite on ``options.device`` (a CUDA device; the CPU only with ``tiny``)."""
+    device = _device(options)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    bandwidth = copy_bandwidth(device, mib=options.pick(16, 1024, 1024))
+    repeats = options.pick(2, 10, 20)
+    batches = options.pick([1, 2], [1, 16, 64], [1, 4, 16, 64])
+    lengths = options.pick([256], [1024, 4096, 32768], [1024, 4096, 8192, 32768])
+    rows = kernel_rows(device, dtype, batches, lengths, bandwidth, repeats)
+    rows += step_rows(device, dtype, options)
+    rows += engine_rows(device, dtype, options)
+    config = {
+        "kernel": {"shape": f"{Q_HEADS}/{KV_HEADS}x{HEAD_DIM}", "batches": batches, "lengths": lengths, "block": BLOCK, "dtype": str(dtype)},
+        "repeats": repeats, "tiny": options.tiny, "quick": options.quick,
+    }  # fmt: skip
+    return report("gpu", options, config, rows, table, _no_plot, copy_bandwidth_bytes_per_s=bandwidth)
+
+
+def _device(options: RunOptions) -> torch.device:
+    if options.tiny:
+        return torch.device(options.device)
+    device = torch.device("cuda" if options.device == "cpu" else options.device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise KVCacheError("suite gpu measures a CUDA device and there is none here (--tiny runs its code on the CPU, numbers meaning nothing)")
+    return device
+
+
+def copy_bandwidth(device: torch.device, mib: int = 1024, repeats: int = 5) -> float:
+    """Bytes read plus written per second by a device copy of ``mib`` MiB (median of ``repeats``)."""
+    src = torch.ones(mib * 2**20 // 4, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    seconds = median([clock(lambda: dst.copy_(src), device) for _ in range(repeats)])
+    return 2 * src.nbytes / seconds
+
+
+# ---- kernels --------------------------------------------------------------------------------------
+
+
+def kernel_rows(device, dtype, batches, lengths, bandwidth, repeats) -> list[dict[str, Any]]:
+    rows = []
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 2**31
+    for batch in batches:
+        for tokens in lengths:
+            kv_bytes = 2 * batch * KV_HEADS * tokens * HEAD_DIM * dtype.itemsize
+            if 3 * kv_bytes > free:  # views, the pool and the coded pools side by side
+                rows.append({"part": "kernel", "batch": batch, "tokens": tokens, "contender": "all", "reason": "does not fit"})
+                continue
+            calls = _kernel_calls(device, dtype, batch, tokens, gen)
+            for name, (call, nbytes) in calls.items():
+                try:
+                    seconds = median([clock(call, device) for _ in range(repeats + 1)][1:])
+                except Exception as e:  # noqa: BLE001 (a row says why a contender could not run)
+                    rows.append({"part": "kernel", "batch": batch, "tokens": tokens, "contender": name, "reason": repr(e)[:200]})
+                    _free(device)
+                    continue
+                rows.append({
+                    "part": "kernel", "batch": batch, "tokens": tokens, "contender": name, "ms": seconds * 1e3,
+                    "bytes_read": nbytes, "bandwidth_fraction": nbytes / seconds / bandwidth,
+                })  # fmt: skip
+            del calls
+            _free(device)
+    return rows
+
+
+def _free(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _kernel_calls(device, dtype, batch, tokens, gen) -> dict[str, tuple[Any, int]]:
+    """Each contender's call over the same keys and values, and the bytes it must read."""
+    group = Q_HEADS // KV_HEADS
+    scale = 1 / math.sqrt(HEAD_DIM)
+    k = torch.randn(batch, KV_HEADS, tokens, HEAD_DIM, generator=gen).to(device, dtype)
+    v = torch.randn(batch, KV_HEADS, tokens, HEAD_DIM, generator=gen).to(device, dtype)
+    q = torch.randn(batch, KV_HEADS, group, HEAD_DIM, generator=gen).to(device, dtype)
+    q4 = q.reshape(batch, Q_HEADS, 1, HEAD_DIM)
+    calls: dict[str, tuple[Any, int]] = {
+        "sdpa": (lambda: F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True), k.nbytes + v.nbytes),
+        "views": (lambda: _need(device_kernels.decode_views(q, k, v, None, None, scale)), k.nbytes + v.nbytes),
+    }
+    per_seq = -(-tokens // BLOCK)
+    order = torch.randperm(batch * per_seq, generator=gen)
+    table = order.view(batch, per_seq).to(device, torch.int32)
+    kb = _as_blocks(k, batch, per_seq)[order.argsort()].contiguous()
+    vb = _as_blocks(v, batch, per_seq)[order.argsort()].contiguous()
+    lengths = torch.full((batch,), tokens, dtype=torch.int64, device=device)
+    calls["paged"] = (lambda: _need(device_kernels.paged_decode(q, kb, vb, table, lengths, scale)), k.nbytes + v.nbytes)
+    for bits in (8, 4):
+        calls[f"paged-int{bits}"] = _coded_call(q, kb, vb, table, tokens, bits, scale)
+    return calls
+
+
+def _as_blocks(x: torch.Tensor, batch: int, per_seq: int) -> torch.Tensor:
+    """``[B, Hkv, T, D]`` as blocks ``[B * per_seq, Hkv, BLOCK, D]`` (the last padded with zeros)."""
+    pad = per_seq * BLOCK - x.shape[2]
+    x = F.pad(x, (0, 0, 0, pad))
+    return x.view(batch, KV_HEADS, per_seq, BLOCK, HEAD_DIM).permute(0, 2, 1, 3, 4).reshape(batch * per_seq, KV_HEADS, BLOCK, HEAD_DIM)
+
+
+def _coded_call(q, kb, vb, table, tokens, bits, scale) -> tuple[Any, int]:
+    """An int ``bits`` pool of the same blocks (full blocks coded, each sequence's last partial one
+    in its open block) and the bytes a step reads: codes, scales and minimums, and the open tokens."""
+    from ...formats import BlockStorage, Codes
+
+    device, batch = q.device, q.shape[0]
+    fmt = Codes(bits, 64, key_block=BLOCK)
+    storage = BlockStorage(fmt, 1, kb.shape[0], KV_HEADS, BLOCK, HEAD_DIM, HEAD_DIM, torch.float32, device)
+    for start in range(0, kb.shape[0], 4096):  # a float32 copy of 4,096 blocks at a time, not of all
+        index = torch.arange(start, min(start + 4096, kb.shape[0]), device=device)
+        storage.write_blocks(0, index, kb[index], vb[index])
+    c = storage.layer(0)
+    full, rest = divmod(tokens, BLOCK)
+    tails_k = torch.zeros(batch, KV_HEADS, BLOCK, HEAD_DIM, device=device)
+    tails_v = torch.zeros_like(tails_k)
+    if rest:
+        last = table[:, full].long()
+        tails_k.copy_(kb[last].float())
+        tails_v.copy_(vb[last].float())
+    coded = torch.full((batch,), full * BLOCK, dtype=torch.int64, device=device)
+    open_ = torch.full((batch,), rest, dtype=torch.int64, device=device)
+    tails = torch.arange(batch, dtype=torch.int32, device=device)
+    nbytes = int(batch * full * storage.block_nbytes + batch * rest * KV_HEADS * HEAD_DIM * 8)
+
+    def call():
+        return _need(device_kernels.paged_coded_decode(
+            q, (c["kcodes"], c["kscale"], c["kmin"]), (c["vcodes"], c["vscale"], c["vmin"]), bits, 64, table, coded,
+            tails_k, tails_v, tails, open_, scale,
+        ))  # fmt: skip
+
+    return call, nbytes
+
+
+def _need(out):
+    if out is None:
+        raise KVCacheError("the device's kernel declined the call (see attention.device_kernels)")
+    return out
+
+
+# ---- a whole decode step --------------------------------------------------------------------------
+
+
+def step_rows(device, dtype, options: RunOptions) -> list[dict[str, Any]]:
+    import kvcache
+
+    model = _model(device, dtype, options.pick("tiny", "8b", "8b"))
+    batches = options.pick([1], [1, 16], [1, 4, 16])
+    contexts = options.pick([64], [1024, 8192], [1024, 4096, 8192])
+    steps = options.pick(4, 32, 64)
+    #: Compiling with CUDA graphs takes about a minute a shape: the quick run compiles at the first context only.
+    compiled = options.pick(contexts, contexts[:1], contexts)
+    rows = []
+    for batch in batches:
+        for context in contexts:
+            ids = torch.randint(0, model.config.vocab_size, (batch, context), device=device)
+            reference = None
+            for name in ("dynamic", "kvcache", "static", "static-compiled"):
+                if name == "static-compiled" and (device.type != "cuda" or context not in compiled):
+                    continue
+                try:
+                    seconds, tokens = _decode(model, name, ids, steps, kvcache)
+                except Exception as e:  # noqa: BLE001 (a row says why a contender could not run)
+                    rows.append({"part": "step", "batch": batch, "context": context, "contender": name, "reason": repr(e)[:200]})
+                    _free(device)
+                    continue
+                _free(device)
+                reference = tokens if name == "dynamic" else reference
+                rows.append({
+                    "part": "step", "batch": batch, "context": context, "contender": name,
+                    "tokens_per_s": batch * steps / seconds, "ms_per_step": seconds / steps * 1e3,
+                    "same_tokens_as_dynamic": reference is not None and tokens == reference,
+                })  # fmt: skip
+    del model
+    return rows
+
+
+def _model(device, dtype, shape: str):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if shape == "8b":
+        config = LlamaConfig(
+            hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=Q_HEADS,
+            num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
+        )  # fmt: skip
+    elif shape == "smollm2":
+        config = LlamaConfig(
+            hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+            head_dim=64, vocab_size=49152, max_position_embeddings=8192, tie_word_embeddings=True,
+        )  # fmt: skip
+    else:
+        config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype)
+    return model.eval()
+
+
+def _decode(model, name: str, ids: torch.Tensor, steps: int, kvcache) -> tuple[float, list[list[int]]]:
+    """Seconds of ``steps`` greedy decode steps after a prefill of ``ids`` with contender ``name``'s
+    cache, and the tokens chosen."""
+    from transformers import DynamicCache, StaticCache
+
+    device = ids.device
+    batch, context = ids.shape
+    forward = model
+    if name == "kvcache":
+        cache = kvcache.make_cache(model, "growable")
+        kvcache.use_kvcache_attention(model)
+    else:
+        model.set_attn_implementation("sdpa")
+        if name == "dynamic":
+            cache = DynamicCache(config=model.config)
+        else:
+            cache = StaticCache(config=model.config, max_cache_len=context + steps + 1)
+            if name == "static-compiled":
+                forward = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    kwargs = kvcache.cache_kwargs(model, cache)
+    static = name.startswith("static")
+
+    def at(start: int, n: int) -> dict[str, torch.Tensor]:  # static caches are told where they write
+        return {"cache_position": torch.arange(start, start + n, device=device)} if static else {}
+
+    chosen = []
+    with torch.inference_mode():
+        out = model(ids, **kwargs, use_cache=True, **at(0, context))
+        token = out.logits[:, -1:].argmax(-1)
+        for warm in range(2 if name == "static-compiled" else 0):  # compile and record the graphs first
+            forward(token, **kwargs, use_cache=True, **at(context + warm, 1))
+        if name == "static-compiled":  # the warm-up wrote two tokens: start again from the prefill
+            cache.reset()
+            out = model(ids, **kwargs, use_cache=True, **at(0, context))
+            token = out.logits[:, -1:].argmax(-1)
+
+        def run():
+            nonlocal token
+            for i in range(steps):
+                chosen.append(token[:, 0].tolist())
+                logits = forward(token, **kwargs, use_cache=True, **at(context + i, 1)).logits
+                token = logits[:, -1:].argmax(-1)
+
+        seconds = clock(run, device)
+    if name == "kvcache":
+        model.set_attn_implementation("sdpa")
+    return seconds, chosen
+
+
+# ---- the engine against transformers' continuous batching ----------------------------------------
+
+
+def engine_rows(device, dtype, options: RunOptions) -> list[dict[str, Any]]:
+    from .engine_workload import Workload, engine_settings, hf_settings, serve_engine, serve_hf
+
+    model = _model(device, dtype, options.pick("tiny", "smollm2", "smollm2"))
+    sessions, shared, user, new = options.pick((4, 32, 8, 4), (64, 1024, 64, 64), (64, 1024, 64, 64))
+    gen = torch.Generator().manual_seed(1)
+    vocab = model.config.vocab_size
+    system = torch.randint(3, vocab, (shared,), generator=gen).tolist()
+    prompts = tuple(tuple(system + torch.randint(3, vocab, (user,), generator=gen).tolist()) for _ in range(sessions))
+    w = Workload(prompts, shared, new, vocab, 0)  # eos outside the vocabulary: every request runs to its length
+    arrivals = [0.0] * sessions
+    runs = {
+        "kvcache-engine": lambda: serve_engine(model, w, arrivals, "growable", True, engine_settings(w, BLOCK, 2048)),
+        "transformers-generate_batch": lambda: serve_hf(model, w, arrivals, hf_settings(w, BLOCK, 2048)),
+    }
+    rows, tokens = [], {}
+    for name, serve in runs.items():
+        try:
+            result = serve()
+        except Exception as e:  # noqa: BLE001 (a row says why a contender could not run)
+            rows.append({"part": "engine", "contender": name, "sessions": sessions, "reason": repr(e)[:200]})
+            continue
+        if result.reason:
+            rows.append({"part": "engine", "contender": name, "sessions": sessions, "reason": result.reason})
+            continue
+        finish = max(r.finish for r in result.requests)
+        tokens[name] = [r.tokens for r in result.requests]
+        rows.append({
+            "part": "engine", "contender": name, "sessions": sessions, "shared": shared, "user": user, "new_tokens": new,
+            "tokens_per_s": sum(len(r.tokens) for r in result.requests) / finish, "seconds": finish,
+        })  # fmt: skip
+    if len(tokens) == 2:
+        same = sum(a == b for a, b in zip(*tokens.values()))
+        for row in rows:
+            if row["part"] == "engine" and "reason" not in row:
+                row["same_tokens_requests"] = f"{same}/{sessions}"
+    return rows
+
+
+# ---- the report -------------------------------------------------------------------------------------
+
+
+def table(result: dict[str, Any]) -> str:
+    machine = result["machine"]
+    lines = [
+        f"GPU suite on {machine.get('gpu', machine['device'])} ({machine['date']}); copy bandwidth "
+        f"{result['copy_bandwidth_bytes_per_s'] / 1e9:.0f} GB/s (read + written)",
+    ]
+    rows = result["rows"]
+    kernels = [r for r in rows if r["part"] == "kernel"]
+    lines.append(markdown_table(
+        ["batch", "tokens", "contender", "ms", "MB read", "share of copy bandwidth"],
+        [[r["batch"], r["tokens"], r["contender"], f"{r['ms']:.3f}" if "ms" in r else r["reason"],
+          f"{r['bytes_read'] / 1e6:.1f}" if "bytes_read" in r else "", f"{r['bandwidth_fraction']:.0%}" if "ms" in r else ""]
+         for r in kernels],
+    ))  # fmt: skip
+    steps = [r for r in rows if r["part"] == "step"]
+    lines.append(markdown_table(
+        ["batch", "context", "contender", "tokens/s", "ms/step", "tokens = DynamicCache's"],
+        [[r["batch"], r["context"], r["contender"], f"{r['tokens_per_s']:.1f}" if "tokens_per_s" in r else r["reason"],
+          f"{r['ms_per_step']:.2f}" if "ms_per_step" in r else "", r.get("same_tokens_as_dynamic", "")] for r in steps],
+    ))  # fmt: skip
+    engine = [r for r in rows if r["part"] == "engine"]
+    lines.append(markdown_table(
+        ["contender", "sessions", "tokens/s", "seconds", "same tokens"],
+        [[r["contender"], r["sessions"], f"{r['tokens_per_s']:.1f}" if "tokens_per_s" in r else r["reason"],
+          f"{r['seconds']:.2f}" if "seconds" in r else "", r.get("same_tokens_requests", "")] for r in engine],
+    ))  # fmt: skip
+    return "\n\n".join(lines) + "\n"
+
+
+def _no_plot(result: dict[str, Any], path) -> None:
+    """No plot: the tables say it."""

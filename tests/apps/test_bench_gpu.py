@@ -1,0 +1,45 @@
+"""``kvcache bench gpu``: its code runs at toy sizes on the CPU (``--tiny``; the C++ kernels stand in
+for Triton), every contender of every part gives a row with numbers, the kernels agree with SDPA's
+answer, and without a CUDA device a real run refuses, saying so."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcache.apps.bench import gpu
+from kvcache.apps.run_options import RunOptions
+from kvcache.errors import KVCacheError
+
+
+def test_a_tiny_run_gives_every_row_with_numbers_and_the_same_tokens(tmp_path):
+    result = gpu.run(RunOptions(tiny=True, progress=False, out=tmp_path))
+    rows = result["rows"]
+    failed = [r for r in rows if "reason" in r]
+    assert not failed, failed
+    kernels = {r["contender"] for r in rows if r["part"] == "kernel"}
+    assert kernels == {"sdpa", "views", "paged", "paged-int8", "paged-int4"}
+    steps = [r for r in rows if r["part"] == "step"]
+    assert {r["contender"] for r in steps} == {"dynamic", "kvcache", "static"}
+    assert all(r["same_tokens_as_dynamic"] for r in steps)
+    engine = [r for r in rows if r["part"] == "engine"]
+    assert {r["contender"] for r in engine} == {"kvcache-engine", "transformers-generate_batch"}
+    assert all(r["tokens_per_s"] > 0 for r in engine)
+    assert (tmp_path / "gpu.md").read_text().startswith("GPU suite on cpu")
+
+
+def test_the_kernel_calls_agree_with_sdpa():
+    gen = torch.Generator().manual_seed(0)
+    calls = gpu._kernel_calls(torch.device("cpu"), torch.float32, 2, 100, gen)
+    reference = calls["sdpa"][0]().reshape(2, gpu.KV_HEADS, -1, gpu.HEAD_DIM)
+    for name in ("views", "paged"):
+        torch.testing.assert_close(calls[name][0]().reshape(reference.shape), reference, rtol=1e-5, atol=1e-5)
+    for name in ("paged-int8", "paged-int4"):  # codes: near, not equal
+        err = (calls[name][0]().reshape(reference.shape) - reference).abs().max().item()
+        assert 0 < err < (0.05 if name == "paged-int8" else 0.5), (name, err)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_a_real_run_needs_a_cuda_device():
+    with pytest.raises(KVCacheError, match="CUDA device"):
+        gpu.run(RunOptions(progress=False))
