@@ -194,3 +194,27 @@ def test_cpu_tensors_are_declined_outside_the_interpreter(monkeypatch):  # (no d
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     q, k = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 8, 16)
     assert td.decode_views(q, k, k, None, None, 1.0) is None
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize(("seen", "residual"), [(5, 8), (100, 8), (333, 0), (64, 3)])
+def test_a_quantized_layers_step_equals_sdpa_over_its_dequantized_view(device, bits, seen, residual):
+    """Key blocks, value codes and the residual after each (their boundaries differ) in one call."""
+    from kvcache.layers import QuantizedLayer
+
+    g = gen(seen + bits)
+    layer = QuantizedLayer(bits=bits, group_size=16, residual=residual)
+    k, v = torch.randn(2, 2, seen, 32, generator=g) * 2, torch.randn(2, 2, seen, 32, generator=g)
+    for start in range(0, seen, 37):  # appends of several sizes: prefill-like and decode-like
+        layer.update(k[:, :, start : start + 37], v[:, :, start : start + 37])
+    codes = layer.codes
+    assert codes.keys.tensors  # allocated on the first append, whether or not a block is coded yet
+    keys, values = codes.keys.tensors, codes.values.tensors
+    q = torch.randn(2, 2, 3, 32, generator=g)
+    out = back(td.quantized_decode(
+        *on(device, q), on(device, keys["kcodes"], keys["kscale"], keys["kmin"]),
+        on(device, values["vcodes"], values["vscale"], values["vmin"]), bits, layer.value_group,
+        codes.quantized_keys, codes.quantized_values, *on(device, codes.exact_keys, codes.exact_values), seen, 0.2,
+    ))  # fmt: skip
+    rk, rv = layer.view()
+    torch.testing.assert_close(out, sdpa(q, rk, rv, 0.2), **TOL)

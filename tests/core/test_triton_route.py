@@ -27,7 +27,7 @@ def through_triton(monkeypatch):
     """Route CPU tensors to Triton, counting the calls of each way in."""
     calls: dict[str, int] = {}
     monkeypatch.setattr(device_kernels, "kernels_for", lambda device: "triton")
-    for name in ("decode_views", "paged_decode", "paged_coded_decode", "token_coded_decode"):
+    for name in ("decode_views", "paged_decode", "paged_coded_decode", "token_coded_decode", "quantized_decode"):
         real = getattr(triton_decode, name)
 
         def counted(*args, _real=real, _name=name, **kwargs):
@@ -46,7 +46,14 @@ def generated(model, spec: str, ids: torch.Tensor) -> list[int]:
     return out[0, ids.shape[1] :].tolist()
 
 
-@pytest.mark.parametrize(("spec", "way"), [("lastrec:budget=24,storage=int8", "token_coded_decode"), ("window:window=16,sinks=2", "decode_views")])
+@pytest.mark.parametrize(
+    ("spec", "way"),
+    [
+        ("lastrec:budget=24,storage=int8", "token_coded_decode"),
+        ("window:window=16,sinks=2", "decode_views"),
+        ("quantized:bits=4,group_size=8,residual=4", "quantized_decode"),
+    ],
+)
 def test_generate_through_triton_gives_the_native_tokens(through_triton, spec, way):
     model, ids = model_for("llama"), prompt(40, seed=3)
     with pytest.MonkeyPatch.context() as native_route:

@@ -60,18 +60,20 @@ def _decode(
     V, sv_s, sv_h, sv_t,
     VS, VM, svs_s, svs_h, svs_t,
     TK, TV, stk_n, stk_h, stk_t, stv_n, stv_h, stv_t,
-    TAIL_BLOCK, CODED, TABLE, stab_s, LENGTHS, KEEP, skeep_s,
+    TAIL_BLOCK, CODED, CODED_V, TABLE, stab_s, LENGTHS, KEEP, skeep_s,
     O, M, L,
     heads, rows, dim, vdim, split_tokens, scale, softcap,
     BS: tl.constexpr, PAGED: tl.constexpr, KEY_CODES: tl.constexpr, VALUE_CODES: tl.constexpr,
-    BITS: tl.constexpr, KG: tl.constexpr, VG: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_KEEP: tl.constexpr,
+    BITS: tl.constexpr, KG: tl.constexpr, KB: tl.constexpr, VG: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_KEEP: tl.constexpr,
     HAS_CAP: tl.constexpr, R_PAD: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """One (sequence, KV head) pair, one split of its tokens: see the module docstring.
 
-    ``KEY_CODES``: 0 float keys, 1 codes with a scale per channel over each block, 2 codes with a
-    scale per token and group of ``KG`` channels; ``VALUE_CODES``: 0 float, 2 per token in groups
-    of ``VG``. Codes pack ``8 // BITS`` a byte, lowest bits first."""
+    ``KEY_CODES``: 0 float keys, 1 codes with a scale per channel over each block of ``KB`` tokens
+    (paged: the pool's block), 2 codes with a scale per token and group of ``KG`` channels;
+    ``VALUE_CODES``: 0 float, 2 per token in groups of ``VG``. Codes pack ``8 // BITS`` a byte,
+    lowest bits first. ``HAS_TAIL``: keys from token ``CODED[s]`` and values from ``CODED_V[s]`` on
+    are exact, in tail block ``TAIL_BLOCK[s]`` of ``TK``/``TV`` from its slot 0."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     n_splits = tl.num_programs(1)
@@ -91,14 +93,17 @@ def _decode(
     PER: tl.constexpr = 8 // BITS
     LEVELS: tl.constexpr = (1 << BITS) - 1
     coded = length
+    coded_v = length
     tail = 0
     if HAS_TAIL:
         coded = tl.load(CODED + s)
+        coded_v = tl.load(CODED_V + s)
         tail = tl.load(TAIL_BLOCK + s)
     for t0 in range(start, stop, BLOCK):
         t = t0 + tl.arange(0, BLOCK)
         live = t < stop
         stored = live & (t < coded)
+        stored_v = live & (t < coded_v)
         if PAGED:
             block = tl.load(TABLE + s * stab_s + t // BS, mask=stored, other=0).to(tl.int64)
             slot = t % BS
@@ -118,14 +123,17 @@ def _decode(
         else:
             byte = tl.load(K + k_at[:, None] + (d // PER)[None, :], mask=kmask, other=0).to(tl.int32)
             code = ((byte >> ((d % PER) * BITS)[None, :]) & LEVELS).to(tl.float32)
-            if KEY_CODES == 1:  # per channel over the block: sks_t is 0
-                sc_at = ks_at[:, None] + d[None, :]
+            if KEY_CODES == 1:  # per channel over a block: one scale row a block
+                if PAGED:
+                    sc_at = (block * sks_s + h * sks_h)[:, None] + d[None, :]
+                else:
+                    sc_at = (s * sks_s + h * sks_h + (t // KB) * sks_t)[:, None] + d[None, :]
             else:
                 sc_at = ks_at[:, None] + (d // KG)[None, :]
             k_scale = tl.load(KS + sc_at, mask=kmask, other=0.0).to(tl.float32)
             k_min = tl.load(KM + sc_at, mask=kmask, other=0.0).to(tl.float32)
             k = code * k_scale + k_min
-        vmask = stored[:, None] & (dv[None, :] < vdim)
+        vmask = stored_v[:, None] & (dv[None, :] < vdim)
         if VALUE_CODES == 0:
             v = tl.load(V + v_at[:, None] + dv[None, :], mask=vmask, other=0.0).to(tl.float32)
         else:
@@ -133,13 +141,15 @@ def _decode(
             vcode = ((vbyte >> ((dv % PER) * BITS)[None, :]) & LEVELS).to(tl.float32)
             vsc_at = vs_at[:, None] + (dv // VG)[None, :]
             v = vcode * tl.load(VS + vsc_at, mask=vmask, other=0.0).to(tl.float32) + tl.load(VM + vsc_at, mask=vmask, other=0.0).to(tl.float32)
-        if HAS_TAIL:  # the open block's exact tokens after the coded ones
-            open_ = live & (t >= coded)
-            o = t - coded
-            tk = tl.load(TK + tail * stk_n + h * stk_h + o[:, None] * stk_t + d[None, :], mask=open_[:, None] & (d[None, :] < dim), other=0.0)
-            tv = tl.load(TV + tail * stv_n + h * stv_h + o[:, None] * stv_t + dv[None, :], mask=open_[:, None] & (dv[None, :] < vdim), other=0.0)
-            k = tl.where(open_[:, None], tk.to(tl.float32), k)
-            v = tl.where(open_[:, None], tv.to(tl.float32), v)
+        if HAS_TAIL:  # the exact tokens after the coded ones (an open block, a layer's residual)
+            open_k = live & (t >= coded)
+            open_v = live & (t >= coded_v)
+            ok = t - coded
+            ov = t - coded_v
+            tk = tl.load(TK + tail * stk_n + h * stk_h + ok[:, None] * stk_t + d[None, :], mask=open_k[:, None] & (d[None, :] < dim), other=0.0)
+            tv = tl.load(TV + tail * stv_n + h * stv_h + ov[:, None] * stv_t + dv[None, :], mask=open_v[:, None] & (dv[None, :] < vdim), other=0.0)
+            k = tl.where(open_k[:, None], tk.to(tl.float32), k)
+            v = tl.where(open_v[:, None], tv.to(tl.float32), v)
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [R_PAD, BLOCK]
         if HAS_CAP:  # softcap * tanh(score / softcap), tanh through exp (no libdevice in the interpreter)
             x = scores / softcap
@@ -184,12 +194,13 @@ def _splits(pairs: int, longest: int, device: torch.device) -> tuple[int, int]:
 
 
 def _run(q, rows, vdim, lengths, *, keys, values, key_codes=0, value_codes=0, bits=8, key_group=1,
-         value_group=1, key_scale=None, value_scale=None, paged=None, tail=None, keep=None, scale, softcap):  # fmt: skip
+         value_group=1, key_block=1, key_scale=None, value_scale=None, paged=None, tail=None, keep=None, scale, softcap):  # fmt: skip
     """Launch ``_decode`` over ``q`` ``[S, Hkv, R, D]`` and merge the splits: ``(out, lse)``, float32
     ``[S, Hkv, R, Dv]`` and ``[S, Hkv, R]``. ``keys``/``values``: ``(tensor, stride_seq, stride_head,
     stride_token)`` (for paged, stride_seq is per block); ``key_scale``/``value_scale``: ``(scale,
     minimum, stride_seq, stride_head, stride_token)``; ``paged``: ``(table int32 [S, W], block_size)``;
-    ``tail``: ``(keys, values, blocks int32 [S], coded int64 [S])`` with lengths counting the tail."""
+    ``tail``: ``(keys, values, blocks int32 [S], coded keys int64 [S], coded values int64 [S])``,
+    lengths counting the tail; ``key_block``: tokens a key scale row spans (``key_codes`` 1)."""
     seqs, heads, _, dim = q.shape
     device = q.device
     R_PAD, D_PAD, DV_PAD = _pad(rows), _pad(dim), _pad(vdim)
@@ -203,18 +214,19 @@ def _run(q, rows, vdim, lengths, *, keys, values, key_codes=0, value_codes=0, bi
         ks = key_scale or (dummy, dummy, 0, 0, 0)
         vs = value_scale or (dummy, dummy, 0, 0, 0)
         table, bs = paged if paged is not None else (torch.zeros(1, 1, dtype=torch.int32, device=device), 1)
-        tk, tv, tail_blocks, coded = tail if tail is not None else (dummy.view(1, 1, 1, 1), dummy.view(1, 1, 1, 1), lengths, lengths)
+        flat4 = dummy.view(1, 1, 1, 1)
+        tk, tv, tail_blocks, coded, coded_v = tail if tail is not None else (flat4, flat4, lengths, lengths, lengths)
         keep_t = keep if keep is not None else torch.zeros(1, 1, dtype=torch.uint8, device=device)
         _kernel(interpreting())[(seqs * heads, splits)](
             q, q.stride(0), q.stride(1), q.stride(2),
             keys[0], *keys[1:], ks[0], ks[1], *ks[2:],
             values[0], *values[1:], vs[0], vs[1], *vs[2:],
             tk, tv, tk.stride(0), tk.stride(1), tk.stride(2), tv.stride(0), tv.stride(1), tv.stride(2),
-            tail_blocks, coded, table, table.stride(0), lengths, keep_t, keep_t.stride(0),
+            tail_blocks, coded, coded_v, table, table.stride(0), lengths, keep_t, keep_t.stride(0),
             o, m, l_sum,
             heads, rows, dim, vdim, per, float(scale), float(softcap or 1.0),
             BS=bs, PAGED=paged is not None, KEY_CODES=key_codes, VALUE_CODES=value_codes, BITS=bits,
-            KG=key_group, VG=value_group, HAS_TAIL=tail is not None, HAS_KEEP=keep is not None,
+            KG=key_group, KB=key_block, VG=value_group, HAS_TAIL=tail is not None, HAS_KEEP=keep is not None,
             HAS_CAP=softcap is not None, R_PAD=R_PAD, D_PAD=D_PAD, DV_PAD=DV_PAD, BLOCK=BLOCK_T,
         )  # fmt: skip
     out, lse = _combine(o.view(seqs, heads, splits, R_PAD, DV_PAD), m.view(seqs, heads, splits, R_PAD), l_sum.view(seqs, heads, splits, R_PAD))
@@ -303,7 +315,8 @@ def paged_coded_decode(
     coded = coded.to(device=device, dtype=torch.int64)
     lengths = (coded + tail_lengths.to(device=device, dtype=torch.int64)).contiguous()
     tables = tables.to(device=device, dtype=torch.int32).contiguous()
-    tail = (tail_keys, tail_values, tail_blocks.to(device=device, dtype=torch.int32).contiguous(), coded.contiguous())
+    coded = coded.contiguous()
+    tail = (tail_keys, tail_values, tail_blocks.to(device=device, dtype=torch.int32).contiguous(), coded, coded)
     out, _ = _run(
         query, rows, vcodes.shape[3] * 8 // bits, lengths,
         keys=(kcodes, *kcodes.stride()[:3]), values=(vcodes, *vcodes.stride()[:3]), key_codes=1, value_codes=2,
@@ -334,3 +347,37 @@ def token_coded_decode(
         bits=bits, key_group=key_group, value_group=value_group, key_scale=(kscale, kmin, *kscale.stride()[:3]),
         value_scale=(vscale, vmin, *vscale.stride()[:3]), scale=scale, softcap=softcap,
     )  # fmt: skip
+
+
+def quantized_decode(
+    query: torch.Tensor, keys: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    values: tuple[torch.Tensor, torch.Tensor, torch.Tensor], bits: int, value_group: int, coded_keys: int,
+    coded_values: int, exact_keys: torch.Tensor, exact_values: torch.Tensor, seen: int, scale: float,
+    softcap: float | None = None,
+) -> torch.Tensor | None:
+    """A quantized layer's decode step over all ``seen`` tokens in one call: its key blocks
+    (codes ``[B, Hkv, n, G, D']``, scale and minimum ``[B, Hkv, n, D]``) up to ``coded_keys``, its
+    value codes (``[B, Hkv, C, Dv']``, groups of ``value_group``) up to ``coded_values``, and the
+    exact residual after each (``exact_keys`` ``[B, Hkv, r, D]`` from ``coded_keys``,
+    ``exact_values`` from ``coded_values``). The output float32 ``[B, Hkv, R, Dv]``, or None."""
+    kcodes, kscale, kmin = keys
+    vcodes, vscale, vmin = values
+    batch, heads, rows, dim = query.shape
+    if not available() or rows > MAX_ROWS or seen < 1 or kcodes.dim() != 5:
+        return None
+    if not _tensors_ok(query, kcodes, vcodes, kscale, vscale, exact_keys, exact_values):
+        return None
+    if kscale.stride() != kmin.stride() or vscale.stride() != vmin.stride() or kcodes.stride(2) != kcodes.shape[3] * kcodes.stride(3):
+        return None
+    device, group = query.device, kcodes.shape[3]
+    flat_codes = kcodes.flatten(2, 3)  # [B, Hkv, n * G, D']: a view (checked above)
+    lengths = torch.full((batch,), int(seen), dtype=torch.int64, device=device)
+    rows_of = torch.arange(batch, dtype=torch.int32, device=device)
+    tail = (exact_keys, exact_values, rows_of, torch.full_like(lengths, int(coded_keys)), torch.full_like(lengths, int(coded_values)))
+    out, _ = _run(
+        query, rows, vcodes.shape[3] * 8 // bits, lengths,
+        keys=(flat_codes, *flat_codes.stride()[:3]), values=(vcodes, *vcodes.stride()[:3]), key_codes=1, value_codes=2,
+        bits=bits, key_block=group, value_group=value_group, key_scale=(kscale, kmin, *kscale.stride()[:3]),
+        value_scale=(vscale, vmin, *vscale.stride()[:3]), tail=tail, scale=scale, softcap=softcap,
+    )  # fmt: skip
+    return out
