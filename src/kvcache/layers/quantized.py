@@ -31,10 +31,10 @@ import torch
 from ..attention import BlockReader, Reads, device_kernels, fused, triton_decode
 from ..errors import UnsupportedOperation
 from ..formats.quant import BITS
-from .options import Option
-from .own_attention import OwnAttentionLayer
 from .checks import Geometry
 from .codes import CodedStore
+from .options import Option
+from .own_attention import OwnAttentionLayer
 from .state import LayerState
 
 
