@@ -53,7 +53,7 @@ class SlotIO:
             torch.tensor([t for r in rows for t in range(r.start, r.start + r.count)], dtype=torch.long, device=device)
             if step.own_rows else None
         )
-        self.decode_lengths = torch.tensor([r.length for r in step.decode_rows], dtype=torch.int64)
+        self.decode_lengths = torch.tensor([r.length for r in step.decode_rows], dtype=torch.int64, device=device)
         #: How the decode rows read shared prefixes (``shared_prefix.plan``), made at the first
         #: layer (it needs the query heads per KV head); False until then, None for none.
         self._sharing: shared_prefix.Plan | None | bool = False
@@ -97,18 +97,18 @@ class SlotIO:
 class OpenBlockIO:
     def __init__(self, pool: BlockPool, step: PagedStep) -> None:
         self.pool, self.step = pool, step
-        bs = pool.block_size
+        bs, device = pool.block_size, pool.device
         missing = next((r for r in step.rows if r.cache is None and not 0 <= r.tail < pool.tail_count), None)
         if missing is not None:
             raise ValueError(f"a row of a coded pool needs an open block, got tail {missing.tail}")
         dec = step.decode_rows
-        self.decode_tails = torch.tensor([r.tail for r in dec], dtype=torch.long)
-        self.decode_offsets = torch.tensor([r.past % bs for r in dec], dtype=torch.long)
-        self.decode_coded = torch.tensor([r.past // bs * bs for r in dec], dtype=torch.int64)
-        self.decode_open = torch.tensor([r.past % bs + 1 for r in dec], dtype=torch.int64)
+        self.decode_tails = torch.tensor([r.tail for r in dec], dtype=torch.long, device=device)
+        self.decode_offsets = torch.tensor([r.past % bs for r in dec], dtype=torch.long, device=device)
+        self.decode_coded = torch.tensor([r.past // bs * bs for r in dec], dtype=torch.int64, device=device)
+        self.decode_open = torch.tensor([r.past % bs + 1 for r in dec], dtype=torch.int64, device=device)
         filled = [r for r in dec if r.length % bs == 0]
-        self.filled_tails = torch.tensor([r.tail for r in filled], dtype=torch.long)
-        self.filled_blocks = torch.tensor([r.table[r.past // bs] for r in filled], dtype=torch.long)
+        self.filled_tails = torch.tensor([r.tail for r in filled], dtype=torch.long, device=device)
+        self.filled_blocks = torch.tensor([r.table[r.past // bs] for r in filled], dtype=torch.long, device=device)
 
     def before(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         if not self.step.decode_rows:
@@ -146,7 +146,7 @@ class OpenBlockIO:
     def _read(self, layer: int, row: Row, full: int, open_: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``[Hkv, full * bs + open_, D]`` keys and values (float32) of ``row``: its first ``full``
         coded blocks dequantized, then the first ``open_`` tokens of its open block."""
-        k, v = self.pool.storage.read_blocks(layer, torch.tensor(row.table[:full], dtype=torch.long))
+        k, v = self.pool.storage.read_blocks(layer, torch.tensor(row.table[:full], dtype=torch.long, device=self.pool.device))
         tail = self.pool.open.layer(layer)
         tk, tv = tail["keys"][row.tail, :, :open_], tail["values"][row.tail, :, :open_]
         return torch.cat([flat(k), tk], dim=1), torch.cat([flat(v), tv], dim=1)
@@ -173,7 +173,7 @@ class OpenBlockIO:
         v = torch.cat([tail_v[:, :open_], value.float()], dim=1)
         full = k.shape[1] // bs
         if full:
-            blocks = torch.tensor(row.table[first : first + full], dtype=torch.long)
+            blocks = torch.tensor(row.table[first : first + full], dtype=torch.long, device=pool.device)
             pool.storage.write_blocks(layer, blocks, as_blocks(k[:, : full * bs], bs), as_blocks(v[:, : full * bs], bs))
         rest = k.shape[1] - full * bs
         tail_k[:, :rest] = k[:, full * bs :]

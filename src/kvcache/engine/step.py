@@ -77,11 +77,12 @@ class PagedStep(ForwardStep):
         # chunk of one token, to be compressed): that goes the way of a chunk.
         self.decode_rows = [r for r in rows if r.count == 1 and r.past > 0 and r.weights is None]
         self.chunk_rows = [r for r in rows if not (r.count == 1 and r.past > 0 and r.weights is None)]
-        self.decode_tokens = torch.tensor([r.start for r in self.decode_rows], dtype=torch.long)
+        self.decode_tokens = torch.tensor([r.start for r in self.decode_rows], dtype=torch.long, device=pool.device)
         width = max((len(r.table) for r in self.decode_rows), default=1)
-        self.decode_tables = torch.zeros(len(self.decode_rows), width, dtype=torch.int32)
+        tables = torch.zeros(len(self.decode_rows), width, dtype=torch.int32)
         for i, r in enumerate(self.decode_rows):
-            self.decode_tables[i, : len(r.table)] = torch.tensor(r.table, dtype=torch.int32)
+            tables[i, : len(r.table)] = torch.tensor(r.table, dtype=torch.int32)
+        self.decode_tables = tables.to(pool.device)  # one copy to a GPU, not one a row
         #: Decode rows that read a shared prefix in one pass with other rows, in this step.
         self.shared_rows = 0
         self.layers_run = 0
