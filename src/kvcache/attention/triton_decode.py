@@ -25,17 +25,17 @@ Which calls come here is ``backends.py``'s choice (CUDA tensors, where Triton is
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from functools import cache
 
 import torch
 
-try:  # the `triton` extra
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised where triton is absent
-    triton = None
-    tl = None
+# Triton (the `triton` extra) is imported when the kernel is first compiled (``_kernel``), not with
+# kvcache: importing it costs a few tenths of a second that a CPU user should not pay. The kernel's
+# body reads ``tl`` from these globals when Triton compiles it.
+triton = None
+tl = None
 
 #: Query rows per KV head the kernel takes (a decode step's group times its new tokens).
 MAX_ROWS = 16
@@ -43,9 +43,10 @@ MAX_ROWS = 16
 BLOCK_T = 64
 
 
+@cache
 def available() -> bool:
     """Whether Triton is installed (the ``triton`` extra)."""
-    return triton is not None
+    return importlib.util.find_spec("triton") is not None
 
 
 def interpreting() -> bool:
@@ -173,12 +174,18 @@ def _decode(
 
 @cache
 def _kernel(interpret: bool):
-    """``_decode`` compiled by ``triton.jit`` (per interpreter setting: the decorator reads it)."""
+    """``_decode`` compiled by ``triton.jit`` (per interpreter setting: the decorator reads it),
+    Triton imported here the first time."""
+    global triton, tl
+    import triton
+    import triton.language as tl
+
     return triton.jit(_decode)
 
 
 def _pad(n: int) -> int:
-    return max(16, triton.next_power_of_2(int(n)))
+    """``n`` rounded up to a power of two, at least 16 (``tl.dot``'s smallest side)."""
+    return max(16, 1 << (max(int(n), 1) - 1).bit_length())
 
 
 def _splits(pairs: int, longest: int, device: torch.device) -> tuple[int, int]:
