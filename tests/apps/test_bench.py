@@ -32,6 +32,7 @@ FIELDS = {
         "final_bytes": positive_int,
     },
     "bounded": {"part": text, "contender": text, "spec": text},  # per-part checks: test_bench_bounded.py
+    "gpu": {"part": text, "contender": text},  # per-part checks: test_bench_gpu.py
     "budget": {
         "kind": text,
         "budget_type": text,

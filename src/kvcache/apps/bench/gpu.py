@@ -41,6 +41,12 @@ from .harness import report
 #: Llama-3.1-8B's attention and model shape.
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 BLOCK = 16  # tokens a block (vLLM's default)
+#: Every contender of the three parts (a run reports each, with its numbers or why it could not run).
+CONTENDERS = (
+    "sdpa", "views", "paged", "paged-int8", "paged-int4",
+    "dynamic", "kvcache", "static", "static-compiled",
+    "kvcache-engine", "transformers-generate_batch",
+)  # fmt: skip
 
 
 def run(options: RunOptions = RunOptions()) -> dict[str, Any]:
@@ -58,7 +64,7 @@ def run(options: RunOptions = RunOptions()) -> dict[str, Any]:
         "kernel": {"shape": f"{Q_HEADS}/{KV_HEADS}x{HEAD_DIM}", "batches": batches, "lengths": lengths, "block": BLOCK, "dtype": str(dtype)},
         "repeats": repeats, "tiny": options.tiny, "quick": options.quick,
     }  # fmt: skip
-    return report("gpu", options, config, rows, table, _no_plot, copy_bandwidth_bytes_per_s=bandwidth)
+    return report("gpu", options, config, rows, table, plot, copy_bandwidth_bytes_per_s=bandwidth)
 
 
 def _device(options: RunOptions) -> torch.device:
@@ -203,6 +209,8 @@ def step_rows(device, dtype, options: RunOptions) -> list[dict[str, Any]]:
             reference = None
             for name in ("dynamic", "kvcache", "static", "static-compiled"):
                 if name == "static-compiled" and (device.type != "cuda" or context not in compiled):
+                    why = "CUDA graphs need a CUDA device" if device.type != "cuda" else "compiled at the first context only (--quick)"
+                    rows.append({"part": "step", "batch": batch, "context": context, "contender": name, "reason": why})
                     continue
                 try:
                     seconds, tokens = _decode(model, name, ids, steps, kvcache)
@@ -365,5 +373,26 @@ def table(result: dict[str, Any]) -> str:
     return "\n\n".join(lines) + "\n"
 
 
-def _no_plot(result: dict[str, Any], path) -> None:
-    """No plot: the tables say it."""
+def plot(result: dict[str, Any], path) -> None:
+    """Left: each kernel's share of the copy bandwidth against tokens, at the largest batch measured;
+    right: decode-step tokens/s against context, per contender, at the largest batch."""
+    from .common import figure, finish_axes
+
+    rows = [r for r in result["rows"] if "reason" not in r]
+    with figure(path, panels=2) as (left, right):
+        kernels = [r for r in rows if r["part"] == "kernel"]
+        if kernels:
+            batch = max(r["batch"] for r in kernels)
+            for name in CONTENDERS[:5]:
+                points = sorted((r["tokens"], 100 * r["bandwidth_fraction"]) for r in kernels if r["contender"] == name and r["batch"] == batch)
+                if points:
+                    left.plot(*zip(*points), marker="o", label=name)
+        finish_axes(left, "tokens", "% of copy bandwidth", f"decode attention, {Q_HEADS}/{KV_HEADS}x{HEAD_DIM}")
+        steps = [r for r in rows if r["part"] == "step"]
+        if steps:
+            batch = max(r["batch"] for r in steps)
+            for name in CONTENDERS[5:9]:
+                points = sorted((r["context"], r["tokens_per_s"]) for r in steps if r["contender"] == name and r["batch"] == batch)
+                if points:
+                    right.plot(*zip(*points), marker="o", label=name)
+        finish_axes(right, "context", "tokens/s", "a whole decode step")
