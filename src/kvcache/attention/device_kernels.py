@@ -24,45 +24,43 @@ def kernels_for(device: torch.device) -> str:
     return "torch"
 
 
+def _choose(device: torch.device, native_kernel, triton_kernel):
+    """The kernel ``kernels_for(device)`` picks of the two given, or None (the PyTorch path)."""
+    kind = kernels_for(device)
+    return native_kernel if kind == "native" else triton_kernel if kind == "triton" else None
+
+
 def decode_views(q, key, value, keep, softcap, scale) -> torch.Tensor | None:
     """``native.decode_attention``: query rows ``[B, Hkv, R, D]`` over views ``[B, Hkv, T, D]``;
     float32 ``[B, Hkv, R, Dv]`` or None."""
-    kind = kernels_for(q.device)
-    if kind == "native":
-        return native.decode_attention(q, key, value, keep, softcap, scale)
-    if kind == "triton":
-        return triton_decode.decode_views(q, key, value, keep, softcap, scale)
-    return None
+    kernel = _choose(q.device, native.decode_attention, triton_decode.decode_views)
+    return None if kernel is None else kernel(q, key, value, keep, softcap, scale)
 
 
 def paged_decode(q, key_pool, value_pool, tables, lengths, scale) -> torch.Tensor | None:
     """``native.paged_decode`` over float blocks; float32 ``[S, Hkv, R, Dv]`` or None."""
-    kind = kernels_for(q.device)
-    if kind == "native":
-        return native.paged_decode(q, key_pool, value_pool, tables, lengths, scale)
-    if kind == "triton":
-        return triton_decode.paged_decode(q, key_pool, value_pool, tables, lengths, scale)
-    return None
+    kernel = _choose(q.device, native.paged_decode, triton_decode.paged_decode)
+    return None if kernel is None else kernel(q, key_pool, value_pool, tables, lengths, scale)
 
 
 def paged_coded_decode(q, keys, values, bits, value_group, tables, coded, tail_keys, tail_values, tail_blocks, tail_lengths,
                        scale, softcap=None) -> torch.Tensor | None:  # fmt: skip
     """``fused_paged.paged_decode_attention`` over coded blocks and open blocks; float32 or None."""
+    kernel = _choose(q.device, fused_paged.paged_decode_attention, triton_decode.paged_coded_decode)
     args = (q, keys, values, bits, value_group, tables, coded, tail_keys, tail_values, tail_blocks, tail_lengths, scale, softcap)
-    kind = kernels_for(q.device)
-    if kind == "native":
-        return fused_paged.paged_decode_attention(*args)
-    if kind == "triton":
-        return triton_decode.paged_coded_decode(*args)
-    return None
+    return None if kernel is None else kernel(*args)
 
 
 def token_coded_decode(q, keys, values, bits, tokens, key_group, value_group, scale, softcap=None):
     """``fused.token_decode_attention`` over per-token codes: ``(out, lse)`` float32, or None."""
-    args = (q, keys, values, bits, tokens, key_group, value_group, scale, softcap)
-    kind = kernels_for(q.device)
-    if kind == "native":
-        return fused.token_decode_attention(*args)
-    if kind == "triton":
-        return triton_decode.token_coded_decode(*args)
-    return None
+    kernel = _choose(q.device, fused.token_decode_attention, triton_decode.token_coded_decode)
+    return None if kernel is None else kernel(q, keys, values, bits, tokens, key_group, value_group, scale, softcap)
+
+
+def quantized_decode(q, keys, values, bits, value_group, coded_keys, coded_values, exact_keys, exact_values, seen, scale,
+                     softcap=None) -> torch.Tensor | None:  # fmt: skip
+    """A quantized layer's whole decode step in one call (``triton_decode.quantized_decode``), or
+    None: on the CPU the layer's reader splits the step itself over the C++ library."""
+    kernel = _choose(q.device, None, triton_decode.quantized_decode)
+    args = (q, keys, values, bits, value_group, coded_keys, coded_values, exact_keys, exact_values, seen, scale, softcap)
+    return None if kernel is None else kernel(*args)

@@ -76,12 +76,12 @@ class BlockPool:
         self.tail_count = _count("tails", tails, least=1 if whole else 0)
         if tails and not whole:
             raise PoolError(f"open blocks are for formats that code a block whole; {format.name} blocks take single slots")
-        sides = (self.layers, self.total, self.kv_heads, self.block_size, self.head_dim, self.value_dim)
+        block = (self.kv_heads, self.block_size, self.head_dim, self.value_dim)
         try:
             #: Scales of coded blocks, and open blocks, are float32 whatever the model's dtype.
-            self.storage = BlockStorage(format, *sides[:2], *sides[2:], dtype if format.exact else torch.float32, device)
+            self.storage = BlockStorage(format, self.layers, self.total, *block, dtype if format.exact else torch.float32, device)
             self.open = (
-                BlockStorage(FullPrecision(torch.float32), sides[0], self.tail_count, *sides[2:], torch.float32, device)
+                BlockStorage(FullPrecision(torch.float32), self.layers, self.tail_count, *block, torch.float32, device)
                 if whole else None
             )
         except (ShapeError, ValueError) as e:
@@ -105,7 +105,7 @@ class BlockPool:
     def exact(self) -> bool:
         """Whether the blocks hold keys and values as computed (full precision), so a prompt store's
         entries, a bounded request's prompt and a probe may stand in them; a coded pool's do not."""
-        return self.storage.format.exact
+        return self.format.exact
 
     @property
     def open_blocks(self) -> bool:

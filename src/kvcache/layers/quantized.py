@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ..attention import BlockReader, Reads, device_kernels, fused, triton_decode
+from ..attention import BlockReader, Reads, device_kernels, fused
 from ..errors import UnsupportedOperation
 from ..formats.quant import BITS
 from .checks import Geometry
@@ -273,15 +273,14 @@ class StoreReader(BlockReader):
         state, coded keys beside exact values), the two merged by log-sum-exp."""
         layer, codes = self.layer, self.layer.codes
         k, v = codes.keys.tensors, codes.values.tensors
-        if device_kernels.kernels_for(query.device) == "triton":  # every token in one call, residual included
-            if not k:
-                return None
-            got = triton_decode.quantized_decode(
+        if k:  # a device that takes the whole step in one call (CUDA), residual included
+            whole = device_kernels.quantized_decode(
                 query, (k["kcodes"], k["kscale"], k["kmin"]), (v["vcodes"], v["vscale"], v["vmin"]), layer.bits,
                 layer.value_group, codes.quantized_keys, codes.quantized_values, codes.exact_keys, codes.exact_values,
                 layer.seen, scale, softcap,
             )  # fmt: skip
-            return None if got is None else got.to(query.dtype)
+            if whole is not None:
+                return whole.to(query.dtype)
         coded = self._both_coded()
         if coded == 0:
             return None

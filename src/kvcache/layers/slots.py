@@ -41,10 +41,6 @@ class Slots:
         self.value_names = tuple(format.value_layout(8, probe))
         self.names = self.key_names + self.value_names
 
-    @property
-    def bits(self) -> int | None:
-        return getattr(self.format, "bits", None)
-
     def layout(self, g: Geometry) -> Layout:
         """Each tensor's shape after ``[B, Hkv, slots]`` and its dtype."""
         return {**self.format.key_layout(g.key_dim, g.dtype), **self.format.value_layout(g.value_dim, g.dtype)}
@@ -73,7 +69,7 @@ class Slots:
         """The geometry of stored slots (a saved state's)."""
         if self.format.exact:
             return Geometry.of(tensors["keys"], tensors["values"])
-        k, v, bits = tensors["kcodes"], tensors["vcodes"], self.bits
+        k, v, bits = tensors["kcodes"], tensors["vcodes"], self.format.bits
         b, h = k.shape[:2]
         return Geometry(b, h, k.shape[-1] * 8 // bits, v.shape[-1] * 8 // bits, tensors["kscale"].dtype, k.device)
 
@@ -122,14 +118,14 @@ class SlotCodesReader(BlockReader):
     def decode_scores(self, query: torch.Tensor) -> torch.Tensor | None:
         """Scores float32 ``[B, Hkv, R, length]`` of scaled query rows ``[B, Hkv, R, D]`` straight
         from the key codes, or None when the library cannot run."""
-        return fused.token_key_scores(query, *self._codes("k"), self.codec.bits, self._group("k"), self.length)
+        return fused.token_key_scores(query, *self._codes("k"), self.codec.format.bits, self._group("k"), self.length)
 
     def decode_values(self, weights: torch.Tensor) -> torch.Tensor | None:
         """``weights @ values`` ``[B, Hkv, R, Dv]`` in the weights' dtype for weights ``[B, Hkv, R,
         length]`` straight from the value codes, or None when the library cannot run."""
         if torch.is_grad_enabled() and weights.requires_grad:  # the library computes no gradients
             return None
-        out = fused.weighted_values(weights, *self._codes("v"), self.codec.bits, self._group("v"))
+        out = fused.weighted_values(weights, *self._codes("v"), self.codec.format.bits, self._group("v"))
         return None if out is None else out.to(weights.dtype)
 
     def decode_attention(self, query: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor | None:
@@ -137,7 +133,7 @@ class SlotCodesReader(BlockReader):
         ``[B, Hkv, R, D]`` in one pass over the codes: ``[B, Hkv, R, Dv]`` in the query's dtype, or None
         to decline (the library cannot run, or no slots)."""
         keys, values, groups = self._codes("k"), self._codes("v"), (self._group("k"), self._group("v"))
-        done = device_kernels.token_coded_decode(query, keys, values, self.codec.bits, self.length, *groups, scale, softcap)
+        done = device_kernels.token_coded_decode(query, keys, values, self.codec.format.bits, self.length, *groups, scale, softcap)
         return None if done is None else done[0].to(query.dtype)
 
 
