@@ -74,7 +74,10 @@ def test_the_report_counts_answers_bytes_and_the_best_fixed_mix():
 
 @pytest.mark.parametrize("argv,message", [(["eval", "--frontier"], "applies to a real model"),
                                           (["eval", "--model", "smollm2", "--frontier", "--reuse", "h2o"], "--reuse does not apply"),
-                                          (["eval", "--model", "smollm2", "--frontier", "--caches", "window"], "unknown kind")])  # fmt: skip
+                                          (["eval", "--model", "smollm2", "--frontier", "--caches", "window"], "unknown kind"),
+                                          (["eval", "--model", "smollm2", "--frontier", "--tasks", "needles"], "unknown task family(ies) needles"),
+                                          (["eval", "--model", "smollm2", "--frontier", "--split", "tuned"], "--split applies to --tasks"),
+                                          (["eval", "--model", "smollm2", "--tasks", "turn"], "--tasks applies to --frontier")])  # fmt: skip
 def test_the_cli_refuses_what_the_frontier_does_not_take(argv, message, capsys):
     assert main(argv) == 2
     assert message in capsys.readouterr().err
@@ -128,7 +131,9 @@ def test_the_length_table_reports_auto_against_the_full_cache_at_each_length():
     runs += [answer("auto", 0.25, c, "red", True, length=2048, per_token=250) for c in range(4)]
     runs += [answer("snapkv/full", 0.25, c, "red", c < 2, length=L, per_token=240) for c in range(4) for L in (1024, 2048)]
     table = eval_frontier.length_table(result_of(runs, range(4), lengths=(1024, 2048)))
-    assert "| 1024 | 0.25 | 75% | -25.0 ± 49.0 pts | 75% (depth 0.1) | 0.202 / 0.203 | snapkv/full (0.240) | 50% | 50% | 100% | 4 |" in table
+    # auto - snapkv/full at 1024: d = -1, 0, 1, 1 (mean 0.25, sample sd 0.957)
+    assert ("| 1024 | 0.25 | 75% | -25.0 ± 49.0 pts | 75% (depth 0.1) | 0.202 / 0.203 | snapkv/full (0.240) | 50% "
+            "| +25.0 ± 93.8 pts | 50% | - | 100% | 4 |") in table
     assert "| 2048 | 0.25 | 100% | +0.0 ± 0.0 pts |" in table
 
 
@@ -155,3 +160,42 @@ def test_merge_and_first_context_apply_only_to_the_frontier(capsys):
     assert "--merge applies to --frontier" in capsys.readouterr().err
     assert main(["eval", "--first-context", "3"]) == 2
     assert "--first-context applies to --frontier" in capsys.readouterr().err
+
+
+def test_a_family_table_per_task_family(tmp_path):
+    runs = [{**answer("full", None, c, f, True), "family": f} for c in range(2) for f in ("turn", "kv-lookup")]
+    runs += [{**answer("auto", 0.25, c, f, f == "turn", per_token=200), "family": f} for c in range(2) for f in ("turn", "kv-lookup")]
+    result = result_of(runs, range(2))
+    result["config"].update(tasks=["turn", "kv-lookup"], split="held-out")
+    eval_frontier.write(result, tmp_path)
+    report = (tmp_path / "frontier.md").read_text()
+    turn, lookup = report.split("## turn")[1].split("## kv-lookup")
+    assert "| 1024 | 0.25 | 100% | +0.0 ± 0.0 pts |" in turn
+    assert "| 1024 | 0.25 | 0% | -100.0 ± 0.0 pts |" in lookup.split("## All")[0]
+    assert "| 1024 | 0.25 | 50% | -50.0 ± " in report.split("## All families together")[1]
+    assert [title for title, _ in eval_frontier.panels_of(result)] == ["turn, 1024 tokens", "kv-lookup, 1024 tokens"]
+
+
+@pytest.mark.real_model
+def test_the_family_frontier_answers_as_generate_does(tmp_path):
+    """A family item through the frontier's recorded pass and compression: the full cache's answer is
+    ``generate``'s with Hugging Face's own cache, and every row is scored by the family's rule."""
+    from kvcache.apps import families
+    from kvcache.apps.run_options import RunOptions
+    from kvcache.models import load
+
+    result = eval_frontier.run(RunOptions(tiny=True, progress=False, out=tmp_path), tasks=("needle-digits", "turn"),
+                               kinds=("snapkv",), budgets=(0.25,), split="tuned")  # fmt: skip
+    assert {(r["family"], r["split"]) for r in result["runs"]} == {("needle-digits", "tuned"), ("turn", "tuned")}
+    model, tokenizer = load("smollm2", progress=False)
+    for family in ("needle-digits", "turn"):
+        item = families.make_item(tokenizer, family, 384, 0, "tuned")
+        with torch.no_grad():
+            out = model.generate(torch.tensor([item.prompt_ids]), max_new_tokens=eval_frontier.FAMILY_ANSWER_TOKENS, do_sample=False)
+        expected = tokenizer.decode(out[0, len(item.prompt_ids) :], skip_special_tokens=True)
+        (full,) = [r for r in result["runs"] if r["family"] == family and r["cache"] == "full"]
+        assert expected.strip() and full["answer"].startswith(expected.strip())  # (generate stops at the end of the turn)
+        for r in result["runs"]:
+            if r["family"] == family:
+                assert r["correct"] == families.score(item, r["answer"])
+    assert "## needle-digits" in (tmp_path / "frontier.md").read_text()

@@ -17,7 +17,7 @@ def test_the_splits_share_no_phrasing():
 
 
 def item(family="needle-digits", answer="12345"):
-    return families.Item(family, "tuned", 0, 1024, [], answer, 0.5)
+    return families.Item(family, "tuned", 0, 1024, [], 0, answer, 0.5)
 
 
 def test_score_takes_the_answer_and_nothing_else():
@@ -53,5 +53,10 @@ def test_items_hold_their_answer_within_their_length(family, split):
     at = text.index(a.answer.split()[0]) / len(text)
     if family not in ("multi-key",):
         assert abs(at - a.depth) < 0.25, (at, a.depth)
+    ctx = families.as_context(a)
+    (question,) = ctx.questions
+    assert ctx.prefix_ids + question.ids == a.prompt_ids
+    assert "Answer with the value only." in tokenizer.decode(question.ids)
+    assert "Answer with" not in tokenizer.decode(ctx.prefix_ids) and len(question.ids) < 80
     other = families.make_item(tokenizer, family, 1024, 3, families.SPLITS[split == "tuned"])
     assert other.seed != a.seed and other.prompt_ids != a.prompt_ids

@@ -158,6 +158,19 @@ def add_eval(subparsers: argparse._SubParsersAction) -> None:
         "with each slot storage, and auto:bytes=; writes frontier.json, frontier.md and frontier.png",
     )
     p.add_argument(
+        "--tasks",
+        default=None,
+        metavar="FAMILY,...",
+        help="with --frontier: task families instead of the needles (needle-digits, needle-words, needle-mixed, multi-key, "
+        "kv-lookup, turn; or all), one item per family and context seed; the caches default to snapkv,adakv",
+    )
+    p.add_argument(
+        "--split",
+        default=None,
+        choices=("tuned", "held-out"),
+        help="with --tasks: which split's items (other prose, phrasings and seeds; default held-out)",
+    )
+    p.add_argument(
         "--plain",
         action="store_true",
         help="real model: every documented kind used plainly (make_cache in generate, the question in the prompt) at "
@@ -199,11 +212,11 @@ def _budgets(args: argparse.Namespace) -> tuple[float, ...] | None:
     return budgets
 
 
-def _names(value: str, valid, what: str) -> tuple[str, ...]:
+def _names(value: str, valid, what: str, noun: str = "kind(s)") -> tuple[str, ...]:
     names = tuple(k.strip() for k in value.split(",") if k.strip())
     unknown = [k for k in names if k not in valid]
     if unknown or not names:
-        raise KVCacheError(f"{what}: unknown kind(s) {', '.join(unknown) or '(none given)'}; valid: {', '.join(valid)}")
+        raise KVCacheError(f"{what}: unknown {noun} {', '.join(unknown) or '(none given)'}; valid: {', '.join(valid)}")
     return names
 
 
@@ -253,7 +266,14 @@ def _eval_frontier(args: argparse.Namespace, lengths: tuple[int, ...] | None) ->
         raise KVCacheError("--reuse does not apply to --frontier (every point compresses with the question in the prompt)")
     if args.first_context < 0:
         raise KVCacheError(f"--first-context must be 0 or more, got {args.first_context}")
-    kinds = eval_frontier.EVICTION if args.caches is None else tuple(k.strip() for k in args.caches.split(",") if k.strip())
+    kinds = None if args.caches is None else tuple(k.strip() for k in args.caches.split(",") if k.strip())
+    tasks = None
+    if args.tasks is not None:
+        from .families import FAMILIES
+
+        tasks = FAMILIES if args.tasks.strip() == "all" else _names(args.tasks, FAMILIES, "--tasks", "task family(ies)")
+    elif args.split is not None:
+        raise KVCacheError("--split applies to --tasks")
     options = run_options(args)
     plots = say_if_no_plots()
     try:
@@ -263,7 +283,8 @@ def _eval_frontier(args: argparse.Namespace, lengths: tuple[int, ...] | None) ->
                 eval_frontier.write(result, Path(options.out))
         else:
             result = eval_frontier.run(options, model_name=args.model, kinds=kinds, lengths=lengths, contexts=args.contexts,
-                                       needles_per_context=args.needles, budgets=_budgets(args), first_context=args.first_context)  # fmt: skip
+                                       needles_per_context=args.needles, budgets=_budgets(args), first_context=args.first_context,
+                                       tasks=tasks, split=args.split or "held-out")  # fmt: skip
     except ValueError as e:
         raise KVCacheError(str(e)) from e
     lines = eval_frontier.points_of(result)
@@ -297,7 +318,7 @@ def _eval_plain(args: argparse.Namespace, lengths: tuple[int, ...] | None) -> in
 
 def _refuse_frontier_options(args: argparse.Namespace) -> None:
     """Options that only ``--frontier`` takes, refused elsewhere."""
-    for name in ("merge",) + (("first_context",) if args.first_context else ()):
+    for name in ("merge", "tasks", "split") + (("first_context",) if args.first_context else ()):
         if getattr(args, name) is not None:
             raise KVCacheError(f"--{name.replace('_', '-')} applies to --frontier")
 

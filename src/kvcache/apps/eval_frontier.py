@@ -23,7 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from . import needles
+from . import families, needles
 from .eval_real_context import run_context, text_runs
 from .eval_real_plan import ANSWER_TOKENS, SINKS, Setting
 from .eval_real_weights import modes_for
@@ -32,6 +32,10 @@ from .run_options import RunOptions
 BYTE_BUDGETS = (0.5, 0.25, 0.125, 0.0625)
 EVICTION = ("snapkv", "pyramidkv", "adakv", "h2o")
 STORAGES = ("full", "int8", "int4", "int2")
+#: The kinds a task-family frontier compares by default: SnapKV and Ada-KV, as kvpress users run them.
+FAMILY_KINDS = ("snapkv", "adakv")
+#: Tokens decoded per answer on the task families (a word pair or a mixed code is longer than five digits).
+FAMILY_ANSWER_TOKENS = 12
 UNBOUNDED = {"full": None, "quantized-int8": "quantized:bits=8", "quantized-int4": "quantized:bits=4", "quantized-int2": "quantized:bits=2"}
 
 
@@ -80,50 +84,66 @@ def run(
     options: RunOptions = RunOptions(),
     *,
     model_name: str = "smollm2",
-    kinds: tuple[str, ...] = EVICTION,
+    kinds: tuple[str, ...] | None = None,
     lengths: tuple[int, ...] | None = None,
     contexts: int | None = None,
     needles_per_context: int = 1,
     budgets: tuple[float, ...] | None = None,
     first_context: int = 0,
+    tasks: tuple[str, ...] | None = None,
+    split: str = "held-out",
 ) -> dict[str, Any]:
     """The frontier (see the module docstring); ``budgets``: byte budgets, shares of the fp32 cache;
     the contexts are those of seeds ``first_context ..`` (so that runs of more contexts can be
-    merged by :func:`merge`)."""
+    merged by :func:`merge`). ``tasks``: task families (``families.FAMILIES``) instead of the
+    needles, items of ``split``, one item per family and seed; their kinds default to
+    :data:`FAMILY_KINDS` and the only unbounded point is the full cache."""
     from tqdm.auto import tqdm
 
     from ..models import load
 
+    if tasks is not None:
+        unknown = [t for t in tasks if t not in families.FAMILIES]
+        if unknown or not tasks:
+            raise ValueError(f"unknown task famil{'y' if len(unknown) == 1 else 'ies'} {unknown}; choose from {families.FAMILIES}")
+        if split not in families.SPLITS:
+            raise ValueError(f"unknown split {split!r}; choose one of {families.SPLITS}")
+    kinds = (EVICTION if tasks is None else FAMILY_KINDS) if kinds is None else tuple(kinds)
     s = setting(options)
     if budgets is not None:
         s = replace(s, budgets=tuple(budgets))
     lengths = s.lengths if lengths is None else tuple(lengths)
     contexts = s.contexts if contexts is None else contexts
+    answer_tokens = ANSWER_TOKENS if tasks is None else FAMILY_ANSWER_TOKENS
     model, tokenizer = load(model_name, device=options.device, progress=options.progress)
     g = geometry_of(model)
+    unbounded = list(UNBOUNDED) if tasks is None else ["full"]
     # The full cache first: the held-out text's KL and top-1 are taken against the first run.
-    points = [(u, None) for u in UNBOUNDED] + [("auto", b) for b in s.budgets] + [(m, b) for m in mixes(kinds) for b in s.budgets]
+    points = [(u, None) for u in unbounded] + [("auto", b) for b in s.budgets] + [(m, b) for m in mixes(kinds) for b in s.budgets]
     plan = [(name, "question", b) for name, b in points]
-    bar = tqdm(total=len(lengths) * contexts * needles_per_context * len(plan), desc="frontier", disable=not options.progress)
+    per_seed = needles_per_context if tasks is None else len(tasks)
+    bar = tqdm(total=len(lengths) * contexts * per_seed * len(plan), desc="frontier", disable=not options.progress)
     rows: list[dict[str, Any]] = []
     for length in lengths:
         for c in range(first_context, first_context + contexts):
-            ctx = needles.make_context(tokenizer, length, seed=c, count=needles_per_context)
-            T = len(ctx.prefix_ids) + max(len(q.ids) for q in ctx.questions)
-            specs = {(name, b): spec_for(name, b, T, g) for name, b in points}
-            doc_modes, q_modes = modes_for(model, list(specs.values()), [len(q.ids) for q in ctx.questions])
-            bar.set_postfix_str(f"{length} tokens, context {c + 1 - first_context}/{contexts}")
-            got, _ = run_context(model, tokenizer, ctx, plan, specs, doc_modes, q_modes, bar)
-            rows += got
+            for family, ctx, judge in _contexts(tokenizer, length, c, needles_per_context, tasks, split):
+                T = len(ctx.prefix_ids) + max(len(q.ids) for q in ctx.questions)
+                specs = {(name, b): spec_for(name, b, T, g, room=answer_tokens) for name, b in points}
+                doc_modes, q_modes = modes_for(model, list(specs.values()), [len(q.ids) for q in ctx.questions])
+                bar.set_postfix_str(f"{length} tokens, {family or 'context'} {c + 1 - first_context}/{contexts}")
+                got, _ = run_context(model, tokenizer, ctx, plan, specs, doc_modes, q_modes, bar, judge, answer_tokens)
+                rows += [{**r, "family": family, "split": split} for r in got] if family else got
     text = text_runs(model, tokenizer, plan, s, seed=0, spec_for=lambda name, b, n: spec_for(name, b, n, g, room=s.text_steps + 1))
     bar.close()
     fp32 = fp32_per_token(model, g)
     result = {
         "suite": "frontier",
         "config": {"model": model_name, "lengths": list(lengths), "contexts": {str(L): list(range(first_context, first_context + contexts)) for L in lengths},
-                   "questions_per_context": needles_per_context,
-                   "depths": list(needles.DEPTHS), "budgets": list(s.budgets), "kinds": list(kinds), "storages": list(STORAGES),
-                   "fp32_bytes_per_token": fp32, "answer_tokens": ANSWER_TOKENS, "text_steps": s.text_steps,
+                   "questions_per_context": needles_per_context if tasks is None else 1,
+                   "depths": list(needles.DEPTHS if tasks is None else families.DEPTHS), "budgets": list(s.budgets),
+                   "kinds": list(kinds), "storages": list(STORAGES),
+                   "fp32_bytes_per_token": fp32, "answer_tokens": answer_tokens, "text_steps": s.text_steps,
+                   "tasks": None if tasks is None else list(tasks), "split": None if tasks is None else split,
                    "quick": options.quick, "tiny": options.tiny},  # fmt: skip
         "runs": rows,
         "text": text,
@@ -133,11 +153,21 @@ def run(
     return result
 
 
+def _contexts(tokenizer, length: int, seed: int, count: int, tasks: tuple[str, ...] | None, split: str):
+    """``(family, context, judge)`` for one seed: the needles' context (family None, the default
+    judge), or one item per task family with its own scoring."""
+    if tasks is None:
+        yield None, needles.make_context(tokenizer, length, seed=seed, count=count), None
+        return
+    for family in tasks:
+        item = families.make_item(tokenizer, family, length, seed, split)
+        yield family, families.as_context(item), lambda q, text, item=item: families.score(item, text)
+
+
 def fp32_per_token(model: Any, g: Any) -> int:
     """Bytes per token of an fp32 cache of every attention layer of ``model``."""
-    from ..layers import fp32_bytes
-
     from .. import make_cache
+    from ..layers import fp32_bytes
 
     layers = sum(1 for layer in make_cache(model, "growable").kv_layers if layer is not None)
     return layers * g.heads * fp32_bytes(g)
@@ -151,7 +181,8 @@ def context_seeds(config: dict[str, Any]) -> dict[int, list[int]]:
     return {int(L): list(seeds) for L, seeds in c.items()}
 
 
-MERGED_ALIKE = ("model", "questions_per_context", "depths", "budgets", "kinds", "storages", "fp32_bytes_per_token", "answer_tokens", "text_steps")
+MERGED_ALIKE = ("model", "questions_per_context", "depths", "budgets", "kinds", "storages", "fp32_bytes_per_token", "answer_tokens",
+                "text_steps", "tasks", "split")  # fmt: skip
 
 
 def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -211,34 +242,49 @@ def best_fixed(lines: list[dict[str, Any]], budget: float) -> dict[str, Any] | N
     return max(fixed, key=lambda l: (l["accuracy"], -l["bytes"]), default=None)
 
 
+def of_family(result: dict[str, Any], family: str) -> dict[str, Any]:
+    """``result`` with the runs of task family ``family`` only."""
+    return {**result, "runs": [r for r in result["runs"] if r.get("family") == family]}
+
+
 def length_table(result: dict[str, Any]) -> str:
-    """Per length and budget: ``auto`` (found, its difference from the full cache on the same
-    questions, its lowest depth, mean and largest bytes), the best fixed mix within the budget at
-    that length, ``snapkv/full`` and the full cache."""
+    """Per length and budget: ``auto`` (found, its difference from the full cache and from the best
+    fixed mix on the same questions, its lowest depth, mean and largest bytes), the best fixed mix
+    within the budget at that length, ``snapkv/full``, ``adakv/full`` and the full cache."""
     c = result["config"]
     out = ["| tokens | budget | auto: found | auto - full cache (95%) | auto: lowest depth | auto: bytes (mean / max) "
-           "| best fixed mix | found | snapkv/full: found | full cache: found | answers |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+           "| best fixed mix | found | auto - best fixed (95%) | snapkv/full | adakv/full | full cache | answers |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     fp32 = c["fp32_bytes_per_token"]
     for L in c["lengths"]:
         at_length = at(result, L)
         runs = at_length["runs"]
+        if not runs:
+            continue
         lines = points_of(at_length)
         full = line_of(lines, "full", None)
         for b in c["budgets"]:
-            auto, best, snap = line_of(lines, "auto", b), best_fixed(lines, b), line_of(lines, "snapkv/full", b)
-            diff, half, _ = paired_difference(runs, ("auto", b), ("full", None))
+            auto, best = line_of(lines, "auto", b), best_fixed(lines, b)
+            snap, ada = line_of(lines, "snapkv/full", b), line_of(lines, "adakv/full", b)
             worst = min(auto["by_depth"].items(), key=lambda kv: kv[1]) if auto else None
             top = max((r["bytes_per_token"] / fp32 for r in runs if (r["cache"], r["budget"]) == ("auto", b)), default=math.nan)
             out.append("| " + " | ".join([
-                str(L), f"{b:g}", _pct(auto["accuracy"]) if auto else "-",
-                "-" if math.isnan(diff) else f"{diff * 100:+.1f} ± {half * 100:.1f} pts",
+                str(L), f"{b:g}", _pct(auto["accuracy"]) if auto else "-", _difference(runs, ("auto", b), ("full", None)),
                 f"{_pct(worst[1])} (depth {worst[0]})" if worst else "-",
                 f"{auto['bytes']:.3f} / {top:.3f}" if auto else "-",
                 f"{best['point']} ({best['bytes']:.3f})" if best else "-", _pct(best["accuracy"]) if best else "-",
-                _pct(snap["accuracy"]) if snap else "-", _pct(full["accuracy"]) if full else "-", str(auto["answers"]) if auto else "-",
+                _difference(runs, ("auto", b), (best["point"], b)) if best else "-",
+                _pct(snap["accuracy"]) if snap else "-", _pct(ada["accuracy"]) if ada else "-",
+                _pct(full["accuracy"]) if full else "-", str(auto["answers"]) if auto else "-",
             ]) + " |")  # fmt: skip
     return "\n".join(out)
+
+
+def _difference(runs: list[dict[str, Any]], a: tuple, b: tuple) -> str:
+    diff, half, _ = paired_difference(runs, a, b)
+    if math.isnan(diff):
+        return "-"
+    return f"{diff * 100:+.1f} ± {half * 100:.1f} pts" if not math.isnan(half) else f"{diff * 100:+.1f} pts"
 
 
 # ---- the report ------------------------------------------------------------------------------------
@@ -320,15 +366,28 @@ def points_table(lines: list[dict[str, Any]], lengths: list[int], depths: list[f
     return "\n".join(out)
 
 
+def panels_of(result: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """The plot's panels: per length (and per task family, on task families) a title and its runs."""
+    c = result["config"]
+    out = []
+    for family in c.get("tasks") or [None]:
+        part = result if family is None else of_family(result, family)
+        for length in c["lengths"]:
+            sub = at(part, length)
+            if sub["runs"]:
+                out.append((f"{family + ', ' if family else ''}{length} tokens", sub))
+    return out
+
+
 def plot(result: dict[str, Any], path: Path) -> None:
-    """Accuracy against measured bytes, one panel per length: every fixed mix by storage, the
-    unbounded kinds, ``auto`` joined across budgets, and the Pareto front."""
+    """Accuracy against measured bytes, one panel per length (and task family): every fixed mix by
+    storage, the unbounded kinds, ``auto`` joined across budgets, and the Pareto front."""
     from .bench.common import figure
 
-    lengths = result["config"]["lengths"]
-    with figure(path, panels=len(lengths), size=(6.5, 4.8)) as axes:
-        for ax, length in zip(axes, lengths):
-            lines = points_of(at(result, length))
+    panels = panels_of(result)
+    with figure(path, panels=len(panels), size=(6.5, 4.8)) as axes:
+        for ax, (title, sub) in zip(axes, panels):
+            lines = points_of(sub)
             for storage, marker in zip(STORAGES, "osD^"):
                 pts = [(l["bytes"], l["accuracy"]) for l in lines if l["point"].endswith("/" + storage)]
                 if pts:
@@ -345,9 +404,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
             ax.set_xscale("log", base=2)
             ax.set_ylim(-0.03, 1.05)
             ax.set_xlabel("bytes after the answer, share of fp32 (measured)")
-            ax.set_ylabel("needles found")
+            ax.set_ylabel("answers found")
             answers = max((l["answers"] for l in lines), default=0)
-            ax.set_title(f"{result['config']['model']}: {length} tokens, {answers} answers a point")
+            ax.set_title(f"{result['config']['model']}: {title}, {answers} answers a point")
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=7, loc="lower right")
 
@@ -360,16 +419,28 @@ def write(result: dict[str, Any], out: Path) -> None:
     c = result["config"]
     lines = points_of(result)
     counts = ", ".join(f"{len(v)} at {L}" for L, v in context_seeds(c).items())
-    head = (
-        f"# Quality per byte on {c['model']}\n\nNeedles in prose at {', '.join(map(str, c['lengths']))} tokens, contexts per length: {counts}; "
-        f"{c['questions_per_context']} question(s) each (depths {', '.join(map(str, c['depths']))}, turning "
-        f"with the context), the question in the prompt; KL / top-1 against the full cache over {c['text_steps']} held-out tokens. "
+    common = (
         "Bytes: each cache's allocated bytes after its answer per token, as a share of an fp32 cache "
         f"({c['fp32_bytes_per_token']:,} bytes per token). Fixed mixes: `kind/storage`, keeping the tokens the budget affords "
-        "in that storage; `auto`: `auto:bytes=<budget>`.\n\n"
+        "in that storage; `auto`: `auto:bytes=<budget>`. Differences are paired (the same questions), with 95% intervals.\n\n"
     )
-    (out / "frontier.md").write_text(head + "By length:\n\n" + length_table(result) + "\n\nAll lengths together:\n\n"
-                                     + budget_table(lines, c["budgets"]) + "\n\nEvery point:\n\n"
-                                     + points_table(lines, c["lengths"], c["depths"]) + "\n")  # fmt: skip
+    if c.get("tasks"):
+        head = (
+            f"# Quality per byte on {c['model']}: task families\n\nFamilies {', '.join(c['tasks'])} "
+            f"(`kvcache.apps.families`), split `{c['split']}`, at {', '.join(map(str, c['lengths']))} tokens, items per family "
+            f"and length: {counts}; the question in the prompt, {c['answer_tokens']} tokens decoded. " + common
+        )
+        body = "".join(f"## {f}\n\n" + length_table(of_family(result, f)) + "\n\n" for f in c["tasks"])
+        body += "## All families together\n\n" + length_table(result) + "\n\n"
+    else:
+        head = (
+            f"# Quality per byte on {c['model']}\n\nNeedles in prose at {', '.join(map(str, c['lengths']))} tokens, contexts per length: {counts}; "
+            f"{c['questions_per_context']} question(s) each (depths {', '.join(map(str, c['depths']))}, turning "
+            f"with the context), the question in the prompt; KL / top-1 against the full cache over {c['text_steps']} held-out tokens. "
+            + common
+        )
+        body = "By length:\n\n" + length_table(result) + "\n\n"
+    (out / "frontier.md").write_text(head + body + "All lengths together:\n\n" + budget_table(lines, c["budgets"])
+                                     + "\n\nEvery point:\n\n" + points_table(lines, c["lengths"], c["depths"]) + "\n")  # fmt: skip
     if can_plot():
         plot(result, out / "frontier.png")

@@ -18,11 +18,11 @@ import torch
 
 from kvcache import cache_kwargs
 
-from ..hf import scoring
 from .. import make_cache, use_kvcache_attention
+from ..hf import scoring
 from ..layers import mix_of
 from . import needles
-from .eval_real_plan import ANSWER_TOKENS, KINDS, SINKS, Setting, spec_of
+from .eval_real_plan import ANSWER_TOKENS, SINKS, Setting, spec_of
 from .eval_real_weights import attention_profile, modes_for, needle_kept, needle_span, prompt_weights, recorded_weights
 
 
@@ -54,8 +54,14 @@ def _answer_after(model, cache, ids: list[int], steps: int) -> list[int]:
 
 
 @torch.inference_mode()
-def run_context(model, tokenizer, ctx: needles.Context, plan, specs, doc_modes, q_modes, bar=None) -> tuple[list[dict], dict]:
-    """Every run's answers for one context; and the measured costs and attention profiles."""
+def run_context(
+    model, tokenizer, ctx: needles.Context, plan, specs, doc_modes, q_modes, bar=None, judge=None, answer_tokens: int = ANSWER_TOKENS
+) -> tuple[list[dict], dict]:
+    """Every run's answers for one context; and the measured costs and attention profiles.
+    ``judge(question, text)``: whether a generated text answers a question (default: its first
+    whole number is the key); ``answer_tokens``: tokens decoded per answer."""
+    if judge is None:
+        judge = lambda q, text: needles.answer_of(text) == q.key  # noqa: E731
     device = model.device
     rows: list[dict[str, Any]] = []
     prefix = torch.tensor([ctx.prefix_ids], device=device)
@@ -78,7 +84,7 @@ def run_context(model, tokenizer, ctx: needles.Context, plan, specs, doc_modes, 
             rows.append({
                 "length": ctx.length, "context": ctx.seed, "tokens": T + len(q.ids), "cache": kind, "mode": mode,
                 "budget": budget, "spec": spec, "depth": q.depth, "door": q.door,
-                "correct": needles.answer_of(text) == q.key, "answer": text.strip(),
+                "correct": bool(judge(q, text)), "answer": text.strip(),
                 "bytes_per_token": cache.nbytes / cache.seen, "needle_kept": kept, "storages": chosen_storages(cache),
             })
             if bar is not None:
@@ -92,7 +98,7 @@ def run_context(model, tokenizer, ctx: needles.Context, plan, specs, doc_modes, 
             shared = _document_cache(model, kind, spec, prefix, doc_kv, doc_weights, kvzip)
             for q in ctx.questions:
                 cache = shared.fork()
-                tokens = _answer_after(model, cache, q.ids, ANSWER_TOKENS)
+                tokens = _answer_after(model, cache, q.ids, answer_tokens)
                 emit(kind, mode, budget, spec, q, tokens, cache, needle_kept(shared, spans[q.key]))
 
         # The question in the prompt: one recorded question pass, then every kind compressed from it.
@@ -116,11 +122,11 @@ def run_context(model, tokenizer, ctx: needles.Context, plan, specs, doc_modes, 
                     if spec not in windows:  # the document prefilled once, a fork per question
                         windows[spec] = _document_cache(model, kind, spec, prefix)
                     cache = windows[spec].fork()
-                    tokens, kept = _answer_after(model, cache, q.ids, ANSWER_TOKENS), None
+                    tokens, kept = _answer_after(model, cache, q.ids, answer_tokens), None
                 else:
                     cache = scoring.compress(model, spec, kv, weights)
                     kept = needle_kept(cache, span)
-                    tokens = _decode(model, cache, first, ANSWER_TOKENS)
+                    tokens = _decode(model, cache, first, answer_tokens)
                 emit(kind, mode, budget, spec, q, tokens, cache, kept)
             del fork, kv
     return rows, info

@@ -16,7 +16,8 @@ on ``held-out``.
 
 ``make_item(tokenizer, family, length, seed, split)`` returns the prompt's token ids (the chat
 template with the generation prompt and the answer's opening), the expected answer, and the depth.
-``score(item, generated)`` says whether a generated text holds the answer.
+``score(item, generated)`` says whether a generated text holds the answer; ``as_context(item)`` puts
+an item in the needle eval's terms (``needles.Context``), for ``kvcache eval --frontier --tasks``.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class Item:
     seed: int
     length: int
     prompt_ids: list[int]  # the whole prompt, ending with the assistant's opening
+    question_start: int  # index in prompt_ids where the question's turn text begins
     answer: str  # what the generated text must hold (both halves for multi-key, space-separated)
     depth: float
 
@@ -114,7 +116,16 @@ def make_item(tokenizer, family: str, length: int, seed: int, split: str) -> Ite
         messages = [{"role": "user", "content": f"{INTRO}\n\n{document}\n\n{question}"}]
     rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     ids = tokenizer(rendered + opening, add_special_tokens=False)["input_ids"]
-    return Item(family, split, seed, length, ids, answer, depth)
+    before = tokenizer(rendered[: rendered.rindex(question)], add_special_tokens=False)["input_ids"]
+    start = next((i for i, (a, b) in enumerate(zip(before, ids)) if a != b), len(before))
+    return Item(family, split, seed, length, ids, start, answer, depth)
+
+
+def as_context(item: Item) -> needles.Context:
+    """``item`` as the needle eval's context: the prompt up to its question as the prefix, the rest
+    (the question and the answer's opening) as its one question, ``door`` the family's name."""
+    question = needles.Question(item.family, item.answer, item.depth, item.prompt_ids[item.question_start :])
+    return needles.Context(item.length, item.seed, item.prompt_ids[: item.question_start], 0, (question,), [])
 
 
 def _key(rng: random.Random, kind: str) -> str:
