@@ -21,7 +21,7 @@ from helpers import model_for, prompt
 
 
 @pytest.mark.parametrize("share", [0.5, 0.125, 0.0625])
-@pytest.mark.parametrize("mix", eval_frontier.mixes(eval_frontier.EVICTION) + ["auto"])
+@pytest.mark.parametrize("mix", eval_frontier.mixes(eval_frontier.EVICTION) + list(eval_frontier.AUTO))
 def test_each_point_allocates_within_its_byte_budget(mix, share):
     model = model_for("llama")
     g = eval_frontier.geometry_of(model)
@@ -39,6 +39,7 @@ def test_a_mix_that_affords_every_token_keeps_every_token():
     assert eval_frontier.spec_for("snapkv/int4", 0.5, 300, g) == "snapkv:budget=300,storage=int4"
     assert eval_frontier.spec_for("full", None, 300, g, room=5) == "static:capacity=305"
     assert eval_frontier.spec_for("auto", 0.125, 300, g) == "auto:bytes=0.125"
+    assert eval_frontier.spec_for("auto-heads", 0.125, 300, g) == "auto-heads:bytes=0.125"
 
 
 def line(point, budget, b, acc):
@@ -133,7 +134,7 @@ def test_the_length_table_reports_auto_against_the_full_cache_at_each_length():
     table = eval_frontier.length_table(result_of(runs, range(4), lengths=(1024, 2048)))
     # auto - snapkv/full at 1024: d = -1, 0, 1, 1 (mean 0.25, sample sd 0.957)
     assert ("| 1024 | 0.25 | 75% | -25.0 ± 49.0 pts | 75% (depth 0.1) | 0.202 / 0.203 | snapkv/full (0.240) | 50% "
-            "| +25.0 ± 93.8 pts | 50% | - | 100% | 4 |") in table
+            "| +25.0 ± 93.8 pts | - | - | 50% | - | 100% | 4 |") in table
     assert "| 2048 | 0.25 | 100% | +0.0 ± 0.0 pts |" in table
 
 

@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 OPTIONS = {
     "static": "capacity=64", "window": "window=8", "quantized": "bits=4,group_size=4,residual=4",
     "adakv": "budget=6,window=2", "snapkv": "budget=6,window=2", "pyramidkv": "budget=6,window=2", "auto": "bytes=0.25,window=2",
+    "auto-heads": "bytes=0.25,window=2",
 }
 BUDGETED = "budget=6"
 

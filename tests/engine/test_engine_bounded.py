@@ -61,6 +61,7 @@ KINDS = [
     "pyramidkv:budget=0.5,window=4",
     "adakv:budget=0.4,window=4",
     "auto:bytes=0.3,window=4",
+    "auto-heads:bytes=0.3,window=4",
     "h2o:budget=0.5,storage=int8",
     "snapkv:budget=0.5,window=4,storage=int4",
     "window:window=12,sinks=2",

@@ -32,6 +32,8 @@ from .run_options import RunOptions
 BYTE_BUDGETS = (0.5, 0.25, 0.125, 0.0625)
 EVICTION = ("snapkv", "pyramidkv", "adakv", "h2o")
 STORAGES = ("full", "int8", "int4", "int2")
+#: The kinds that choose their own mix from a byte budget: per layer, and across a layer's KV heads.
+AUTO = ("auto", "auto-heads")
 #: The kinds a task-family frontier compares by default: SnapKV and Ada-KV, as kvpress users run them.
 FAMILY_KINDS = ("snapkv", "adakv")
 #: Tokens decoded per answer on the task families (a word pair or a mixed code is longer than five digits).
@@ -63,8 +65,8 @@ def spec_for(name: str, share: float | None, tokens: int, geometry: Any, room: i
     a static one of ``tokens + room``, the tokens to be decoded after the prompt)."""
     from ..layers import fp32_bytes, slot_bytes
 
-    if name == "auto":
-        return f"auto:bytes={share}"
+    if name in AUTO:
+        return f"{name}:bytes={share}"
     if name in UNBOUNDED:
         return UNBOUNDED[name] or f"static:capacity={tokens + room}"
     kind, storage = name.split("/")
@@ -119,7 +121,7 @@ def run(
     g = geometry_of(model)
     unbounded = list(UNBOUNDED) if tasks is None else ["full"]
     # The full cache first: the held-out text's KL and top-1 are taken against the first run.
-    points = [(u, None) for u in unbounded] + [("auto", b) for b in s.budgets] + [(m, b) for m in mixes(kinds) for b in s.budgets]
+    points = [(u, None) for u in unbounded] + [(a, b) for a in AUTO for b in s.budgets] + [(m, b) for m in mixes(kinds) for b in s.budgets]
     plan = [(name, "question", b) for name, b in points]
     per_seed = needles_per_context if tasks is None else len(tasks)
     bar = tqdm(total=len(lengths) * contexts * per_seed * len(plan), desc="frontier", disable=not options.progress)
@@ -253,8 +255,9 @@ def length_table(result: dict[str, Any]) -> str:
     within the budget at that length, ``snapkv/full``, ``adakv/full`` and the full cache."""
     c = result["config"]
     out = ["| tokens | budget | auto: found | auto - full cache (95%) | auto: lowest depth | auto: bytes (mean / max) "
-           "| best fixed mix | found | auto - best fixed (95%) | snapkv/full | adakv/full | full cache | answers |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+           "| best fixed mix | found | auto - best fixed (95%) | auto-heads: found | auto-heads - full cache (95%) | snapkv/full "
+           "| adakv/full | full cache | answers |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     fp32 = c["fp32_bytes_per_token"]
     for L in c["lengths"]:
         at_length = at(result, L)
@@ -264,7 +267,7 @@ def length_table(result: dict[str, Any]) -> str:
         lines = points_of(at_length)
         full = line_of(lines, "full", None)
         for b in c["budgets"]:
-            auto, best = line_of(lines, "auto", b), best_fixed(lines, b)
+            auto, best, heads = line_of(lines, "auto", b), best_fixed(lines, b), line_of(lines, "auto-heads", b)
             snap, ada = line_of(lines, "snapkv/full", b), line_of(lines, "adakv/full", b)
             worst = min(auto["by_depth"].items(), key=lambda kv: kv[1]) if auto else None
             top = max((r["bytes_per_token"] / fp32 for r in runs if (r["cache"], r["budget"]) == ("auto", b)), default=math.nan)
@@ -274,6 +277,7 @@ def length_table(result: dict[str, Any]) -> str:
                 f"{auto['bytes']:.3f} / {top:.3f}" if auto else "-",
                 f"{best['point']} ({best['bytes']:.3f})" if best else "-", _pct(best["accuracy"]) if best else "-",
                 _difference(runs, ("auto", b), (best["point"], b)) if best else "-",
+                _pct(heads["accuracy"]) if heads else "-", _difference(runs, ("auto-heads", b), ("full", None)) if heads else "-",
                 _pct(snap["accuracy"]) if snap else "-", _pct(ada["accuracy"]) if ada else "-",
                 _pct(full["accuracy"]) if full else "-", str(auto["answers"]) if auto else "-",
             ]) + " |")  # fmt: skip
@@ -396,9 +400,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
                 if l["point"] in UNBOUNDED:
                     ax.scatter([l["bytes"]], [l["accuracy"]], marker="x", color="k")
                     ax.annotate(l["point"], (l["bytes"], l["accuracy"]), fontsize=7)
-            auto = sorted((l["bytes"], l["accuracy"]) for l in lines if l["point"] == "auto")
-            if auto:
-                ax.plot(*zip(*auto), color="C3", marker="*", markersize=10, label="auto")
+            for name, color in zip(AUTO, ("C3", "C5")):
+                auto = sorted((l["bytes"], l["accuracy"]) for l in lines if l["point"] == name)
+                if auto:
+                    ax.plot(*zip(*auto), color=color, marker="*", markersize=10, label=name)
             front = sorted((l["bytes"], l["accuracy"]) for l in lines if l["pareto"])
             ax.step(*zip(*front), where="post", color="k", alpha=0.4, label="Pareto front")
             ax.set_xscale("log", base=2)

@@ -63,6 +63,7 @@ PLAIN: dict[str, str] = {
     "quantized-int4": "quantized:bits=4",
     "quantized-int2": "quantized:bits=2",
     "auto": "auto:bytes={share}",
+    "auto-heads": "auto-heads:bytes={share}",
 }
 #: The reference every kind is held against.
 REFERENCE = "growable"

@@ -88,7 +88,7 @@ def needle_kept(cache, span: tuple[int, int] | None) -> float | None:
         kind = getattr(store, "kind", None)
         if kind == "evicting":
             per_head = list(store.positions()[0])  # Hkv x [N]
-        elif kind == "adakv":  # a flat store: each slot names its head
+        elif kind in ("adakv", "auto-heads"):  # a flat store: each slot names its head
             pos, head = store.positions()[0, 0], store.heads()[0, 0]
             per_head = [pos[head == h] for h in range(int(store.head_lengths().shape[-1]))]
         else:

@@ -5,6 +5,7 @@ Which kinds exist is the table in ``registry.py``; importing this package regist
 
 from .adaptive import AdaptiveLayer
 from .auto import AutoLayer, fp32_bytes, mix_of, slot_bytes
+from .auto_heads import AutoHeadsLayer
 from .base import KVLayer
 from .checks import Geometry
 from .state import LayerState
@@ -19,6 +20,7 @@ from .window import WindowLayer
 
 __all__ = [
     "AdaptiveLayer",
+    "AutoHeadsLayer",
     "AutoLayer",
     "ConcatLayer",
     "EvictingLayer",

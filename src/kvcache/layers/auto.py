@@ -112,6 +112,24 @@ def relative_error(x: torch.Tensor, coded: torch.Tensor) -> torch.Tensor:
     return (x - coded).norm(dim=-1) / x.norm(dim=-1).clamp_min(torch.finfo(torch.float32).tiny)
 
 
+def weigh(storage: str, count: int, kept: torch.Tensor, mass: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+          heads: int, g: Geometry) -> Estimate:  # fmt: skip
+    """The case of keeping candidates ``kept`` (an index ``[B, H', K]`` into dim 2) in ``storage``:
+    ``mass`` ``[B, H', N]`` is each candidate's share of its KV head's window weights (each head's
+    shares sum to 1), ``keys``/``values`` ``[B, H', N, D]`` the candidates in the geometry ``g``
+    they are laid out in (``H'``: the KV heads, or 1 for a flat store of ``heads`` heads). Both
+    parts are means over rows and KV heads."""
+    kept_mass = mass.gather(2, kept)
+    dropped = float((1 - kept_mass.sum(dim=(1, 2)) / heads).clamp_min(0).mean())
+    coding = 0.0
+    if storage != "full":
+        codec = get_storage(storage)
+        k2, v2 = codec.decode(codec.encode(keys, values), keys.shape[2], g)
+        error = (relative_error(keys, k2) + relative_error(values, v2)) / 2  # [B, H', N]
+        coding = float(((kept_mass * error.gather(2, kept)).sum(dim=(1, 2)) / heads).mean())
+    return Estimate(storage, count, dropped, coding)
+
+
 class AutoLayer(EvictingLayer):
     """See the module docstring."""
 
@@ -213,15 +231,7 @@ class AutoLayer(EvictingLayer):
             recent = self.recent if self.recent is not None else self.policy.recent_for(count)
             protected = (slots["positions"] < self.sinks) | (slots["positions"] >= self.seen - recent)
             kept = slots["scores"].masked_fill(protected, math.inf).topk(count, dim=-1).indices  # [B, H, count]
-            kept_mass = mass.gather(2, kept)
-            dropped = float((1 - kept_mass.sum(dim=-1)).clamp_min(0).mean())
-            coding = 0.0
-            if name != "full":
-                codec = get_storage(name)
-                k2, v2 = codec.decode(codec.encode(keys, values), n, g)
-                error = (relative_error(keys, k2) + relative_error(values, v2)) / 2  # [B, H, N]
-                coding = float((kept_mass * error.gather(2, kept)).sum(dim=-1).mean())
-            estimates.append(Estimate(name, count, dropped, coding))
+            estimates.append(weigh(name, count, kept, mass, keys, values, g.heads, g))
         if not estimates:  # not even one slot is affordable: the coarsest storage, one slot
             estimates.append(Estimate(CANDIDATES[-1], 1, 1.0, 0.0))
         best = min(estimates, key=lambda e: e.total)  # min keeps the first (finer) of equals
@@ -279,11 +289,13 @@ class AutoLayer(EvictingLayer):
 
 
 def mix_of(cache: Any) -> list[dict[str, Any] | None]:
-    """Per layer of ``cache`` the auto layer's choice (storage, slots, tokens seen then, and the
+    """Per layer of ``cache`` the auto (or auto-heads) layer's choice (storage, slots, tokens seen then, and the
     estimate of each storage weighed), None for other layers or one that has not chosen."""
+    from .auto_heads import AutoHeadsLayer  # (it builds on this module)
+
     out: list[dict[str, Any] | None] = []
     for layer in cache.kv_layers:
-        c = layer.choice if isinstance(layer, AutoLayer) else None
+        c = layer.choice if isinstance(layer, (AutoLayer, AutoHeadsLayer)) else None
         if c is None:
             out.append(None)
             continue

@@ -21,6 +21,7 @@ from typing import Any
 
 from .adaptive import AdaptiveLayer
 from .auto import AutoLayer
+from .auto_heads import AutoHeadsLayer
 from .concat import ConcatLayer
 from .evicting import EvictingLayer
 from .growable import GrowableLayer
@@ -35,7 +36,8 @@ from .policies import POLICIES, Policy
 #: places it on a model's own sliding-window layers.
 LAYERS: dict[str, type] = {
     cls.kind: cls
-    for cls in (GrowableLayer, StaticLayer, WindowLayer, QuantizedLayer, EvictingLayer, AdaptiveLayer, AutoLayer, ConcatLayer, SlidingLayer)
+    for cls in (GrowableLayer, StaticLayer, WindowLayer, QuantizedLayer, EvictingLayer, AdaptiveLayer, AutoLayer, AutoHeadsLayer, ConcatLayer,
+                SlidingLayer)
 }
 
 

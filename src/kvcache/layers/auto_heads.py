@@ -1,0 +1,226 @@
+"""``auto-heads:bytes=...``: ``auto``'s byte budget and choice of storage over Ada-KV's budget
+shared by a layer's KV heads.
+
+``auto`` (``auto.py``) keeps the same number of slots in every KV head of a layer. This kind keeps
+the slots as Ada-KV does (``adaptive.py``: one flat store per batch row, the row keeping its best
+``Hkv * budget`` slots whatever their head, each head at least ``floor`` of its share and the
+observation window), and sizes and codes them as ``auto`` does:
+
+- ``bytes``: below 1 a share of an fp32 cache of every token seen, 1 or more bytes for the whole
+  cache, shared equally by its attention layers.
+- The slots a layer keeps are the most whose flat store (each slot's codes, position int32, head
+  int16, score float32; room to grow and a decode step's spare per head) fits the budget in the
+  storage chosen.
+- The rule is ``auto``'s (``auto.weigh``), applied whenever a pass overflows the layer: for each
+  storage no finer than the present one, the slots it affords, the ones Ada-KV would keep in that
+  many, and ``estimate = dropped + coding`` from each candidate's share of its own head's window
+  weights; the lowest wins (a tie goes to the finer storage). Here the kept set is chosen across
+  heads, so a head whose attention is spread keeps more slots and drops less mass.
+
+Every slot of a layer is in the same storage (the flat store is one run).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from .adaptive import AdaptiveLayer
+from .auto import CANDIDATES, Choice, Estimate, fp32_bytes, weigh
+from .budget import slots_to_allocate
+from .checks import Geometry
+from .options import Option, number
+from .shared_budget import check_flat_state, keep_across_heads
+from .slots import get_storage
+from .state import LayerState
+
+#: Bytes of a flat slot's tags: position (int32), head (int16), score (float32).
+_TAGS = 4 + 2 + 4
+
+
+def flat_slot_bytes(storage: str, g: Geometry) -> int:
+    """Bytes of one slot of a flat store in ``storage``: its coded key and value and its tags."""
+    layout = get_storage(storage).layout(g)
+    return _TAGS + sum(int(torch.Size(shape).numel()) * torch.empty(0, dtype=dtype).element_size() for shape, dtype in layout.values())
+
+
+def flat_slots_within(allowed: float, per_slot: int, heads: int, growing: bool) -> int:
+    """The most slots per head ``n`` a flat store of ``heads`` heads can keep (allocating
+    ``slots_to_allocate(heads * (n + 1))``) within ``allowed`` bytes per head; 0 if none."""
+
+    def fits(n: int) -> bool:
+        return slots_to_allocate(heads * (n + 1), growing, heads) * per_slot <= allowed * heads
+
+    lo, hi = 0, max(1, int(allowed / per_slot))
+    while lo < hi:  # the largest n that fits (fits is monotone)
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
+
+
+class AutoHeadsLayer(AdaptiveLayer):
+    """See the module docstring."""
+
+    kind = "auto-heads"
+    spec_order = 6
+    spec_options = {
+        "bytes": Option(number, least=0, inclusive=False),
+        "window": Option(int, least=1),
+        "pool": Option(int, least=1),
+        "floor": Option(float, least=0.0),
+        "storage": Option(str),
+    }
+    #: ``budget``: the adaptive layer's own argument, which this kind sets itself from ``bytes``.
+    keyword_options = {"layer": Option(int, least=0), "layers": Option(int, least=1), "budget": AdaptiveLayer.spec_options["budget"]}
+    required_options = ("bytes",)
+
+    def __init__(
+        self,
+        bytes: int | float,  # noqa: A002 - the spec's word
+        window: int = 32,
+        pool: int = 7,
+        floor: float = 0.2,
+        storage: str = "full",
+        layer: int | None = None,
+        layers: int | None = None,
+    ) -> None:
+        size = self.check_options(bytes=bytes)["bytes"]
+        if storage not in CANDIDATES:
+            raise ValueError(f"storage must be one of {CANDIDATES}, got {storage!r}")
+        super().__init__(1, window, pool, floor, storage)
+        self.byte_budget = size
+        self.layer_count = 1
+        self.choice: Choice | None = None
+        if layers is not None:
+            self.at_depth(layer, layers)
+
+    def at_depth(self, index: int | None, count: int | None) -> None:
+        """Record the layer's place: a budget in bytes is shared equally by ``count`` layers."""
+        if count is not None:
+            self.layer_count = self.check_options(layers=count)["layers"]
+
+    @property
+    def _growing(self) -> bool:
+        return isinstance(self.byte_budget, float)
+
+    def allowed_bytes(self, seen: int, g: Geometry | None = None) -> float:
+        """Bytes one (row, KV head) of this layer may take after ``seen`` tokens."""
+        g = g or self.geometry
+        if isinstance(self.byte_budget, float):
+            return self.byte_budget * seen * fp32_bytes(g)
+        return self.byte_budget / self.layer_count / (g.batch * g.heads)
+
+    def budget_now(self, seen: int | None = None) -> int:
+        """Slots per head, on average, after ``seen`` tokens in the present storage; at least one."""
+        if self.geometry is None:
+            return 1
+        seen = self.seen if seen is None else seen
+        return self._budget_in(self.storage.name, seen, self.geometry)
+
+    def _budget_in(self, storage: str, seen: int, g: Geometry) -> int:
+        per_slot = flat_slot_bytes(storage, g)
+        return max(1, flat_slots_within(self.allowed_bytes(seen, g), per_slot, g.heads, self._growing))
+
+    # ---- the decision ---------------------------------------------------------------------------
+
+    def _settle(self, weights: torch.Tensor | None) -> None:
+        layout, self._by_head = self._by_head, None
+        if weights is not None and layout is not None:
+            weights = layout.flat(weights)  # [B, Hkv, W] per cell -> [B, 1, N] per flat slot
+        if self._set is not None and weights is not None:
+            s, self._set = self._set, None
+            s["scores"] = self._scored(weights, s)
+            choice = self.choose(s, weights)
+            if choice.storage != self.storage.name:
+                self._recode(s, choice.storage)
+            self.choice = choice
+            self._keep_best(s, self._keep_now())
+            return
+        super(AdaptiveLayer, self)._settle(weights)
+
+    def choose(self, slots: dict[str, torch.Tensor], weights: torch.Tensor) -> Choice:
+        """The storage for candidate ``slots`` (flat, ``[B, 1, N]``) scored by a pass's ``weights``
+        ``[B, 1, N]`` (the module docstring's rule)."""
+        g, flat = self.geometry, self._flat_geometry()
+        n = slots["positions"].shape[2]
+        keys, values = self.storage.decode(slots, n, flat)
+        heads = slots["heads"].long()  # [B, 1, N]
+        mass = weights.float().clamp_min(0)
+        per_head = torch.zeros(mass.shape[0], 1, g.heads, device=mass.device).scatter_add_(2, heads, mass)
+        mass = mass / per_head.gather(2, heads).clamp_min(torch.finfo(torch.float32).tiny)
+        estimates = []
+        for name in CANDIDATES[CANDIDATES.index(self.storage.name) :]:
+            count = self._budget_in(name, self.seen, g)
+            keep = min(n, g.heads * count)
+            recent = min(self.window, count // 2)
+            floor = max(1, int(self.floor * (count - recent)))
+            kept = keep_across_heads(slots["scores"], slots["heads"], slots["positions"], keep, g.heads, floor, self.seen - recent)
+            estimates.append(weigh(name, count, kept, mass, keys, values, g.heads, flat))
+        best = min(estimates, key=lambda e: e.total) if estimates else Estimate(CANDIDATES[-1], 1, 1.0, 0.0)
+        return Choice(best.storage, best.slots, self.seen, tuple(estimates))
+
+    def _recode(self, slots: dict[str, torch.Tensor], storage: str) -> None:
+        """Rewrite candidate ``slots`` in place into ``storage``, which the layer then stores."""
+        n = slots["positions"].shape[2]
+        keys, values = self.storage.decode(slots, n, self._flat_geometry())
+        for name in self.storage.names:
+            del slots[name]
+        self.storage = get_storage(storage)
+        slots.update(self.storage.encode(keys, values))
+        self.store.drop()  # the next allocation takes the new storage's layout
+
+    # ---- state ----------------------------------------------------------------------------
+
+    def options(self) -> dict[str, Any]:
+        """The spec's options and the storage chosen (``storage``); a file's loader compares the
+        spec's options only (``spec_options_of``)."""
+        return {"bytes": self.byte_budget, "window": self.window, "pool": self.pool, "floor": self.floor,
+                "storage": self.storage.name, "layers": self.layer_count}  # fmt: skip
+
+    @staticmethod
+    def spec_options_of(options: Any) -> Any:
+        """What of a layer's ``options()`` its spec fixes: all but the storage, the layer's own choice."""
+        return {k: v for k, v in options.items() if k != "storage"} if isinstance(options, Mapping) else options
+
+    def check_state(self, state: LayerState) -> None:
+        """The flat store's checks, read in the state's storage (its slots counted against the
+        budget that storage affords in the state's geometry)."""
+        if state.kind != self.kind:
+            raise ValueError(f"state of kind {state.kind!r} cannot load into a {self.kind!r} layer")
+        seen = int(state.seen)
+        if seen < 0:
+            raise ValueError(f"auto-heads layer state: seen must be >= 0, got {seen}")
+        storage = state.options.get("storage", self.storage.name) if isinstance(state.options, Mapping) else self.storage.name
+        if storage not in CANDIDATES:
+            raise ValueError(f"auto-heads layer state: unknown storage {storage!r}; one of {CANDIDATES}")
+        if not state.tensors:
+            return
+        codec = get_storage(storage)
+        t = state.tensors
+        if "head_lengths" not in t or "positions" not in t or any(name not in t for name in codec.names):
+            check_flat_state(t, codec, self.store, seen, 0)  # raises, naming what is missing
+        lengths = t["head_lengths"]
+        if lengths.dim() != 2:
+            check_flat_state(t, codec, self.store, seen, 0)
+        g = replace(codec.geometry(dict(t)), batch=t["positions"].shape[0], heads=lengths.shape[1])
+        previous = self.storage
+        self.storage = codec
+        try:
+            check_flat_state(t, codec, self.store, seen, self._budget_in(storage, seen, g))
+        finally:
+            self.storage = previous
+
+    def load_state(self, state: LayerState) -> None:
+        self.check_state(state)
+        storage = state.options.get("storage", "full") if isinstance(state.options, Mapping) else "full"
+        previous = self.storage
+        self.storage = get_storage(storage)
+        try:
+            super().load_state(state)
+        except Exception:
+            self.storage = previous
+            raise
+        self.choice = None
