@@ -380,6 +380,8 @@ def test_unreplayable_kinds_and_dropout_are_refused():
         chunked_loss(model, ids_of(1, 12), "adakv:budget=8")
     with pytest.raises(UnsupportedOperation, match="cannot replay a 'auto' cache: it may recode"):
         chunked_loss(model, ids_of(1, 12), "auto:bytes=0.25")
+    with pytest.raises(UnsupportedOperation, match="cannot replay a 'auto-heads' cache: it keeps every head's slots in one flat"):
+        chunked_loss(model, ids_of(1, 12), "auto-heads:bytes=0.25")
     for coded in ("quantized:bits=4", "h2o:budget=8,storage=int8"):
         with pytest.raises(UnsupportedOperation, match="does not replay coded storage yet"):
             chunked_loss(model, ids_of(1, 12), coded)

@@ -2,12 +2,18 @@
 
 At each byte budget (a share of the fp32 cache: :data:`BYTE_BUDGETS`), every fixed mix (an
 eviction kind of :data:`EVICTION` x a slot storage of :data:`STORAGES`, keeping as many tokens as
-the budget affords in that storage: :func:`spec_for`) and the ``auto`` spec at that budget; the
-``quantized`` kinds (every token coded) and the full cache at their own bytes. Each is scored as
+the budget affords in that storage: :func:`spec_for`) and the ``auto`` and ``auto-heads`` specs at
+that budget; the ``quantized`` kinds (every token coded) and the full cache at their own bytes. Each is scored as
 ``kvcache eval`` scores a kind with the question in the prompt (``eval_real_context.run_context``:
 needles in prose, the bounded cache compressed from one recorded pass), and on held-out prose (KL,
 top-1). The bytes plotted are measured: each cache's ``nbytes`` after its answer, per token, as a
 share of an fp32 cache of the same tokens.
+
+With ``tasks`` (``kvcache eval --frontier --tasks needle-digits,turn --split held-out``) the
+questions are the task families' items (``families.py``) instead of the needles, one per family
+and seed, each scored by its family's rule; the points are the full cache, ``auto`` and
+``auto-heads``, and ``snapkv``/``adakv`` over every storage (kvpress's full-precision eviction among
+them), and the report has a table per family.
 
 Output (``frontier.json``, ``frontier.md``, ``frontier.png``): per budget the ``auto`` spec, the best
 fixed mix and ``snapkv/full`` (kvpress-style eviction in full precision); every point's accuracy by

@@ -27,6 +27,7 @@ from .replay import ReplayState
 UNREPLAYABLE = {
     "adakv": "it keeps every head's slots in one flat run, not per (row, KV head)",
     "auto": "it may recode its slots (int8, int4, int2) at any pass, and coded storage is not replayed",
+    "auto-heads": "it keeps every head's slots in one flat run and may recode them at any pass",
 }
 
 
