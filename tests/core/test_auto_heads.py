@@ -176,3 +176,70 @@ def test_a_state_with_more_slots_than_its_budget_is_refused():
 def test_bad_specs_are_refused_by_name(spec, match):
     with pytest.raises(SpecError, match=match):
         kvcache.make_cache(model_for("llama"), spec)
+
+
+def output_reference(keys, values, weights, kept_per_head, storage):
+    """The ``output`` rule written plainly for one row: per head, the window's mean output over
+    every candidate, the kept ones' renormalised (exact, then with coded values), and the keys'
+    mass-weighted relative error; (dropped, coding) averaged over heads."""
+    from kvcache.layers.slots import get_storage
+
+    g = Geometry.of(keys, values)
+    k2, v2 = keys, values
+    if storage != "full":
+        codec = get_storage(storage)
+        k2, v2 = codec.decode(codec.encode(keys, values), keys.shape[2], g)
+    dropped, coding = [], []
+    for h, kept in enumerate(kept_per_head):
+        p = weights[0, h] / weights[0, h].sum()
+        v = values[0, h]
+        scale = float(sum(p[t] * v[t].norm() for t in range(len(p))))
+        whole = sum(p[t] * v[t] for t in range(len(p)))
+        share = sum(p[t] for t in kept)
+        keep = sum(p[t] * v[t] for t in kept) / share
+        code = sum(p[t] * v2[0, h, t] for t in kept) / share
+        key = sum(float(p[t] * (keys[0, h, t] - k2[0, h, t]).norm() / keys[0, h, t].norm()) for t in kept)
+        dropped.append(float((keep - whole).norm()) / scale)
+        coding.append((float((code - keep).norm()) / scale + key) / 2)
+    return sum(dropped) / len(dropped), sum(coding) / len(coding)
+
+
+@pytest.mark.parametrize("kind", ["auto", "auto-heads"])
+def test_the_output_rule_measures_the_windows_mean_output(kind):
+    from kvcache.layers import AutoLayer, EvictingLayer
+
+    keys, values, weights = pass_of(n=120, seed=5)
+    layer = (AutoLayer if kind == "auto" else AutoHeadsLayer)(bytes=0.12, window=4, pool=3, rule="output")
+    layer.append(keys, values)
+    layer.settle(weights)
+    assert len(layer.choice.estimates) >= 2
+    for e in layer.choice.estimates:
+        if kind == "auto":
+            fixed = EvictingLayer(budget=e.slots, policy="snapkv", window=4, pool=3)
+            fixed.append(keys, values)
+            fixed.settle(weights)
+            kept = [fixed.positions()[0, h].tolist() for h in range(2)]
+        else:
+            fixed = AdaptiveLayer(budget=e.slots, window=4, pool=3)
+            fixed.append(keys, values)
+            fixed.settle(weights)
+            pos, head = fixed.positions()[0, 0], fixed.heads()[0, 0]
+            kept = [pos[head == h].tolist() for h in range(2)]
+        dropped, coding = output_reference(keys, values, weights, kept, e.storage)
+        assert (e.dropped, e.coding) == pytest.approx((dropped, coding), rel=1e-4, abs=1e-6)
+    assert layer.choice.storage == min(layer.choice.estimates, key=lambda e: e.total).storage
+
+
+def test_a_rule_is_named_and_kept_in_a_saved_file(tmp_path):
+    model = model_for("llama")
+    cache = kvcache.make_cache(model, "auto-heads:bytes=0.1,rule=output")
+    with torch.no_grad(), kvcache.use_kvcache_attention(model):
+        model(prompt(100, seed=1), **cache_kwargs(model, cache), use_cache=True)
+    kvcache.save_cache(cache, tmp_path / "c.kv")
+    assert kvcache.load_cache(tmp_path / "c.kv", model).kv_layers[0].rule == "output"
+    layer = cache.kv_layers[0]
+    assert layer.spec_options_of(layer.options()) != layer.spec_options_of({**layer.options(), "rule": "mass"})
+    older = {k: v for k, v in layer.options().items() if k != "rule"}  # a file from before rules: scored by mass
+    assert layer.spec_options_of(older) == layer.spec_options_of({**layer.options(), "rule": "mass"})
+    with pytest.raises(SpecError, match="rule must be one of"):
+        kvcache.make_cache(model, "auto:bytes=0.1,rule=exact")

@@ -71,8 +71,9 @@ def spec_for(name: str, share: float | None, tokens: int, geometry: Any, room: i
     a static one of ``tokens + room``, the tokens to be decoded after the prompt)."""
     from ..layers import fp32_bytes, slot_bytes
 
-    if name in AUTO:
-        return f"{name}:bytes={share}"
+    kind, *extra = name.split(",")
+    if kind in AUTO:  # "auto-heads,rule=output": an auto kind with options of its own
+        return f"{kind}:bytes={share}" + "".join("," + o for o in extra)
     if name in UNBOUNDED:
         return UNBOUNDED[name] or f"static:capacity={tokens + room}"
     kind, storage = name.split("/")
@@ -100,12 +101,14 @@ def run(
     first_context: int = 0,
     tasks: tuple[str, ...] | None = None,
     split: str = "held-out",
+    autos: tuple[str, ...] = AUTO,
 ) -> dict[str, Any]:
     """The frontier (see the module docstring); ``budgets``: byte budgets, shares of the fp32 cache;
     the contexts are those of seeds ``first_context ..`` (so that runs of more contexts can be
     merged by :func:`merge`). ``tasks``: task families (``families.FAMILIES``) instead of the
     needles, items of ``split``, one item per family and seed; their kinds default to
-    :data:`FAMILY_KINDS` and the only unbounded point is the full cache."""
+    :data:`FAMILY_KINDS` and the only unbounded point is the full cache. ``autos``: the points that
+    choose their own mix (``"auto-heads,rule=output"``: with options); ``kinds=()`` runs no fixed mix."""
     from tqdm.auto import tqdm
 
     from ..models import load
@@ -127,7 +130,7 @@ def run(
     g = geometry_of(model)
     unbounded = list(UNBOUNDED) if tasks is None else ["full"]
     # The full cache first: the held-out text's KL and top-1 are taken against the first run.
-    points = [(u, None) for u in unbounded] + [(a, b) for a in AUTO for b in s.budgets] + [(m, b) for m in mixes(kinds) for b in s.budgets]
+    points = [(u, None) for u in unbounded] + [(a, b) for a in autos for b in s.budgets] + [(m, b) for m in mixes(kinds) for b in s.budgets]
     plan = [(name, "question", b) for name, b in points]
     per_seed = needles_per_context if tasks is None else len(tasks)
     bar = tqdm(total=len(lengths) * contexts * per_seed * len(plan), desc="frontier", disable=not options.progress)

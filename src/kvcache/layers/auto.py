@@ -112,22 +112,71 @@ def relative_error(x: torch.Tensor, coded: torch.Tensor) -> torch.Tensor:
     return (x - coded).norm(dim=-1) / x.norm(dim=-1).clamp_min(torch.finfo(torch.float32).tiny)
 
 
+#: How a case's error is scored: ``mass``, the first-order estimate (dropped mass plus the
+#: mass-weighted relative coding error); ``output``, the change of the window's mean attention output
+#: measured for dropping and for coding the values (keys still first-order).
+RULES = ("mass", "output")
+
+
 def weigh(storage: str, count: int, kept: torch.Tensor, mass: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-          heads: int, g: Geometry) -> Estimate:  # fmt: skip
+          heads: int, g: Geometry, rule: str = "mass", head_of: torch.Tensor | None = None) -> Estimate:  # fmt: skip
     """The case of keeping candidates ``kept`` (an index ``[B, H', K]`` into dim 2) in ``storage``:
     ``mass`` ``[B, H', N]`` is each candidate's share of its KV head's window weights (each head's
     shares sum to 1), ``keys``/``values`` ``[B, H', N, D]`` the candidates in the geometry ``g``
-    they are laid out in (``H'``: the KV heads, or 1 for a flat store of ``heads`` heads). Both
-    parts are means over rows and KV heads."""
+    they are laid out in (``H'``: the KV heads, or 1 for a flat store of ``heads`` heads whose
+    candidates' heads are ``head_of`` ``[B, 1, N]``). Both parts are means over rows and KV heads.
+
+    ``rule`` ``"mass"``: ``dropped`` is the mass left out, ``coding`` the kept mass times the mean of
+    the keys' and values' relative coding errors. ``"output"``: the window's mean output ``o = sum p
+    v`` per head (the mean of its queries' outputs: ``mass`` is their mean weight) against ``o_keep``,
+    the kept candidates' renormalised, ``dropped = |o_keep - o| / sum p |v|``; ``coding`` the mean of
+    ``|o_code - o_keep| / sum p |v|`` (the kept values coded: independent rounding errors partly
+    cancel, which the first-order sum ignores) and the keys' first-order error (keys move the
+    weights, which cannot be measured without the queries)."""
+    if rule not in RULES:
+        raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
     kept_mass = mass.gather(2, kept)
-    dropped = float((1 - kept_mass.sum(dim=(1, 2)) / heads).clamp_min(0).mean())
-    coding = 0.0
+    coded = None
     if storage != "full":
         codec = get_storage(storage)
-        k2, v2 = codec.decode(codec.encode(keys, values), keys.shape[2], g)
-        error = (relative_error(keys, k2) + relative_error(values, v2)) / 2  # [B, H', N]
-        coding = float(((kept_mass * error.gather(2, kept)).sum(dim=(1, 2)) / heads).mean())
+        coded = codec.decode(codec.encode(keys, values), keys.shape[2], g)
+    if rule == "mass":
+        dropped = float((1 - kept_mass.sum(dim=(1, 2)) / heads).clamp_min(0).mean())
+        coding = 0.0
+        if coded is not None:
+            error = (relative_error(keys, coded[0]) + relative_error(values, coded[1])) / 2  # [B, H', N]
+            coding = float(((kept_mass * error.gather(2, kept)).sum(dim=(1, 2)) / heads).mean())
+        return Estimate(storage, count, dropped, coding)
+    per_head = _per_head(head_of, heads)
+    p = mass.float()
+    v = values.float()
+    scale = per_head(p * v.norm(dim=-1)).clamp_min(torch.finfo(torch.float32).tiny)  # [B, heads]
+    whole = per_head(p.unsqueeze(-1) * v)  # [B, heads, D]
+    p_kept = torch.zeros_like(p).scatter_(2, kept, kept_mass)
+    share = per_head(p_kept).clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
+    o_keep = per_head(p_kept.unsqueeze(-1) * v) / share
+    dropped = float(((o_keep - whole).norm(dim=-1) / scale).mean())
+    coding = 0.0
+    if coded is not None:
+        o_code = per_head(p_kept.unsqueeze(-1) * coded[1].float()) / share
+        value_part = (o_code - o_keep).norm(dim=-1) / scale
+        key_part = per_head(p_kept * relative_error(keys, coded[0]))
+        coding = float(((value_part + key_part) / 2).mean())
     return Estimate(storage, count, dropped, coding)
+
+
+def _per_head(head_of: torch.Tensor | None, heads: int):
+    """Sum over each KV head's candidates: ``[B, H, N, ...]`` -> ``[B, H, ...]`` laid out per head,
+    or ``[B, 1, N, ...]`` -> ``[B, heads, ...]`` by ``head_of`` for a flat store."""
+
+    def total(x: torch.Tensor) -> torch.Tensor:
+        if head_of is None:
+            return x.sum(dim=2)
+        index = head_of[:, 0].long()  # [B, N]
+        index = index.view(*index.shape, *([1] * (x.dim() - 3))).expand(*x[:, 0].shape)
+        return torch.zeros(x.shape[0], heads, *x.shape[3:], dtype=x.dtype, device=x.device).scatter_add_(1, index, x[:, 0])
+
+    return total
 
 
 class AutoLayer(EvictingLayer):
@@ -140,6 +189,7 @@ class AutoLayer(EvictingLayer):
         "recent": Option(int, least=0),
         "sinks": Option(int, least=0),
         "storage": Option(str),
+        "rule": Option(str),
     }
     #: ``budget``: the eviction layer's own argument, which this kind sets itself from ``bytes``.
     keyword_options = {**EvictingLayer.keyword_options, "budget": Option(number, least=0, inclusive=False)}
@@ -163,11 +213,16 @@ class AutoLayer(EvictingLayer):
         storage: str = "full",
         layer: int | None = None,
         layers: int | None = None,
+        rule: str = "mass",
         **policy_options: Any,
     ) -> None:
         """``bytes``: a share (below 1) or bytes of the whole cache; ``storage``: where the layer
-        starts (a saved layer's choice; a new one starts in full precision and chooses)."""
+        starts (a saved layer's choice; a new one starts in full precision and chooses); ``rule``:
+        how a case is scored (:data:`RULES`, :func:`weigh`)."""
         size = self.check_options(bytes=bytes)["bytes"]
+        if rule not in RULES:
+            raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+        self.rule = rule
         self.layer_count = 1
         super().__init__(size if isinstance(size, float) else 1 << 62, "snapkv", recent, sinks, storage, layer, layers, **policy_options)
         self.byte_budget = size
@@ -231,7 +286,7 @@ class AutoLayer(EvictingLayer):
             recent = self.recent if self.recent is not None else self.policy.recent_for(count)
             protected = (slots["positions"] < self.sinks) | (slots["positions"] >= self.seen - recent)
             kept = slots["scores"].masked_fill(protected, math.inf).topk(count, dim=-1).indices  # [B, H, count]
-            estimates.append(weigh(name, count, kept, mass, keys, values, g.heads, g))
+            estimates.append(weigh(name, count, kept, mass, keys, values, g.heads, g, self.rule))
         if not estimates:  # not even one slot is affordable: the coarsest storage, one slot
             estimates.append(Estimate(CANDIDATES[-1], 1, 1.0, 0.0))
         best = min(estimates, key=lambda e: e.total)  # min keeps the first (finer) of equals
@@ -253,12 +308,13 @@ class AutoLayer(EvictingLayer):
         """The spec's options and the storage chosen (``storage``); a file's loader compares the
         spec's options only (``spec_options_of``)."""
         return {"bytes": self.byte_budget, "recent": self.recent, "sinks": self.sinks, "storage": self.storage.name,
-                **self.policy.options(), "layers": self.layer_count}  # fmt: skip
+                **self.policy.options(), "layers": self.layer_count, "rule": self.rule}  # fmt: skip
 
     @staticmethod
     def spec_options_of(options: Any) -> Any:
-        """What of a layer's ``options()`` its spec fixes: all but the storage, the layer's own choice."""
-        return {k: v for k, v in options.items() if k != "storage"} if isinstance(options, Mapping) else options
+        """What of a layer's ``options()`` its spec fixes: all but the storage, the layer's own choice
+        (a file saved before ``rule`` existed scored by ``mass``)."""
+        return {"rule": "mass", **{k: v for k, v in options.items() if k != "storage"}} if isinstance(options, Mapping) else options
 
     def load_state(self, state: LayerState) -> None:
         storage = state.options.get("storage", "full") if isinstance(state.options, Mapping) else "full"

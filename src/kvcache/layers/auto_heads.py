@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from .adaptive import AdaptiveLayer
-from .auto import CANDIDATES, Choice, Estimate, fp32_bytes, weigh
+from .auto import CANDIDATES, RULES, Choice, Estimate, fp32_bytes, weigh
 from .budget import slots_to_allocate
 from .checks import Geometry
 from .options import Option, number
@@ -72,6 +72,7 @@ class AutoHeadsLayer(AdaptiveLayer):
         "pool": Option(int, least=1),
         "floor": Option(float, least=0.0),
         "storage": Option(str),
+        "rule": Option(str),
     }
     #: ``budget``: the adaptive layer's own argument, which this kind sets itself from ``bytes``.
     keyword_options = {"layer": Option(int, least=0), "layers": Option(int, least=1), "budget": AdaptiveLayer.spec_options["budget"]}
@@ -86,8 +87,12 @@ class AutoHeadsLayer(AdaptiveLayer):
         storage: str = "full",
         layer: int | None = None,
         layers: int | None = None,
+        rule: str = "mass",
     ) -> None:
         size = self.check_options(bytes=bytes)["bytes"]
+        if rule not in RULES:
+            raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+        self.rule = rule
         if storage not in CANDIDATES:
             raise ValueError(f"storage must be one of {CANDIDATES}, got {storage!r}")
         super().__init__(1, window, pool, floor, storage)
@@ -158,7 +163,7 @@ class AutoHeadsLayer(AdaptiveLayer):
             recent = min(self.window, count // 2)
             floor = max(1, int(self.floor * (count - recent)))
             kept = keep_across_heads(slots["scores"], slots["heads"], slots["positions"], keep, g.heads, floor, self.seen - recent)
-            estimates.append(weigh(name, count, kept, mass, keys, values, g.heads, flat))
+            estimates.append(weigh(name, count, kept, mass, keys, values, g.heads, flat, self.rule, slots["heads"]))
         best = min(estimates, key=lambda e: e.total) if estimates else Estimate(CANDIDATES[-1], 1, 1.0, 0.0)
         return Choice(best.storage, best.slots, self.seen, tuple(estimates))
 
@@ -178,12 +183,12 @@ class AutoHeadsLayer(AdaptiveLayer):
         """The spec's options and the storage chosen (``storage``); a file's loader compares the
         spec's options only (``spec_options_of``)."""
         return {"bytes": self.byte_budget, "window": self.window, "pool": self.pool, "floor": self.floor,
-                "storage": self.storage.name, "layers": self.layer_count}  # fmt: skip
+                "storage": self.storage.name, "layers": self.layer_count, "rule": self.rule}  # fmt: skip
 
     @staticmethod
     def spec_options_of(options: Any) -> Any:
         """What of a layer's ``options()`` its spec fixes: all but the storage, the layer's own choice."""
-        return {k: v for k, v in options.items() if k != "storage"} if isinstance(options, Mapping) else options
+        return {"rule": "mass", **{k: v for k, v in options.items() if k != "storage"}} if isinstance(options, Mapping) else options
 
     def check_state(self, state: LayerState) -> None:
         """The flat store's checks, read in the state's storage (its slots counted against the

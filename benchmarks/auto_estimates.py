@@ -1,0 +1,40 @@
+"""What `auto` weighs on the task families (issue 43): per layer and storage, the attention mass
+dropped and the coding error of what is kept (``Choice.estimates``), after one prompt at each byte
+budget; mean over layers and items. Shows whether coding error or dropped mass dominates: mixed
+precision inside a layer can only win back coding error.
+
+    python benchmarks/auto_estimates.py LENGTH ITEMS SPLIT FAMILY,... BUDGET,...
+"""
+
+import sys
+from collections import defaultdict
+
+import torch
+
+import kvcache
+from kvcache.apps import families
+from kvcache.layers import mix_of
+from kvcache.models import load
+
+torch.set_num_threads(2)
+model, tok = load("smollm2", progress=False)
+length, n, split = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+fams, budgets = sys.argv[4].split(","), [float(b) for b in sys.argv[5].split(",")]
+for kind in ("auto", "auto-heads"):
+    for b in budgets:
+        sums = defaultdict(lambda: [0.0, 0.0, 0.0, 0])  # storage -> dropped, coding, slots share, count
+        chosen = defaultdict(int)
+        for fam in fams:
+            for seed in range(n):
+                it = families.make_item(tok, fam, length, seed, split)
+                cache = kvcache.make_cache(model, f"{kind}:bytes={b}")
+                with torch.inference_mode(), kvcache.use_kvcache_attention(model):
+                    model(torch.tensor([it.prompt_ids]), **kvcache.cache_kwargs(model, cache), use_cache=True)
+                for m in mix_of(cache):
+                    chosen[m["storage"]] += 1
+                    for storage, e in m["estimates"].items():
+                        s = sums[storage]
+                        s[0] += e["dropped"]; s[1] += e["coding"]; s[2] += e["slots"] / m["seen"]; s[3] += 1
+        print(f"{kind} bytes={b}: chose {dict(chosen)}")
+        for storage, (d, c, share, k) in sums.items():
+            print(f"  {storage:5s} slots/seen {share / k:.3f}  dropped {d / k:.4f}  coding {c / k:.4f}  total {(d + c) / k:.4f}")
