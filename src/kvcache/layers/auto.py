@@ -25,6 +25,9 @@ reported (the last ``window`` queries' attention, as SnapKV scores by):
    (``(|k - k'| / |k| + |v - v'| / |v|) / 2``; 0 for full storage), averaged over rows and heads.
    Both are first-order estimates of the relative change of the window's attention output:
    dropping a slot of mass ``p`` moves it by about ``p``, coding one with error ``e`` by ``p e``.
+   With ``rule=output`` (:func:`weigh`) the two parts are measured on the window's mean attention
+   output instead (``o = sum p v`` per head, against the kept candidates' renormalised, then with
+   their values coded); keys, which move the weights, keep the first-order term.
 3. The storage with the lowest estimate wins (a tie goes to the finer one); the layer recodes its
    kept slots into it and keeps ``Choice`` (``layer.choice``: the storage, the slots, every
    candidate's estimate) for reports (``mix_of(cache)``).
