@@ -13,7 +13,8 @@ import torch
 import kvcache
 from kvcache import cache_kwargs
 from kvcache.layers import AutoLayer, EvictingLayer
-from kvcache.layers.auto import CANDIDATES, mix_of, slot_bytes, slots_within
+from kvcache.layers import mix_of
+from kvcache.layers.auto import CANDIDATES, slot_bytes, slots_within
 from kvcache.layers.budget import slots_to_allocate
 from kvcache.layers.checks import Geometry
 from kvcache.layers.slots import get_storage

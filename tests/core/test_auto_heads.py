@@ -12,7 +12,7 @@ import kvcache
 from kvcache import cache_kwargs
 from kvcache.errors import SpecError
 from kvcache.layers import AdaptiveLayer, AutoHeadsLayer
-from kvcache.layers.auto import mix_of
+from kvcache.layers import mix_of
 from kvcache.layers.auto_heads import flat_slot_bytes, flat_slots_within
 from kvcache.layers.budget import slots_to_allocate
 from kvcache.layers.checks import Geometry

@@ -4,7 +4,7 @@ Which kinds exist is the table in ``registry.py``; importing this package regist
 """
 
 from .adaptive import AdaptiveLayer
-from .auto import AutoLayer, fp32_bytes, mix_of, slot_bytes
+from .auto import AutoLayer, fp32_bytes, slot_bytes
 from .auto_heads import AutoHeadsLayer
 from .base import KVLayer
 from .checks import Geometry
@@ -12,6 +12,7 @@ from .state import LayerState
 from .concat import ConcatLayer
 from .evicting import EvictingLayer
 from .growable import GrowableLayer
+from .mix import mix_of
 from .quantized import QuantizedLayer, StoreReader
 from .sliding import SlidingLayer
 from .static import StaticLayer
