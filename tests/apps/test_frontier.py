@@ -174,7 +174,7 @@ def test_a_family_table_per_task_family(tmp_path):
     assert "| 1024 | 0.25 | 100% | +0.0 ± 0.0 pts |" in turn
     assert "| 1024 | 0.25 | 0% | -100.0 ± 0.0 pts |" in lookup.split("## All")[0]
     assert "| 1024 | 0.25 | 50% | -50.0 ± " in report.split("## All families together")[1]
-    assert [title for title, _ in eval_frontier.panels_of(result)] == ["turn, 1024 tokens", "kv-lookup, 1024 tokens"]
+    assert [title for title, _ in eval_frontier.panels_of(result)] == ["all families, 1024 tokens", "turn, 1024 tokens", "kv-lookup, 1024 tokens"]
 
 
 @pytest.mark.real_model

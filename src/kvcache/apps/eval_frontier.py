@@ -380,9 +380,12 @@ def points_table(lines: list[dict[str, Any]], lengths: list[int], depths: list[f
 
 
 def panels_of(result: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    """The plot's panels: per length (and per task family, on task families) a title and its runs."""
+    """The plot's panels: per length (on task families: all families together, then each) a title
+    and its runs."""
     c = result["config"]
     out = []
+    if c.get("tasks"):
+        out += [(f"all families, {L} tokens", at(result, L)) for L in c["lengths"] if at(result, L)["runs"]]
     for family in c.get("tasks") or [None]:
         part = result if family is None else of_family(result, family)
         for length in c["lengths"]:
