@@ -203,20 +203,17 @@ class AutoHeadsLayer(AdaptiveLayer):
             raise ValueError(f"auto-heads layer state: unknown storage {storage!r}; one of {CANDIDATES}")
         if not state.tensors:
             return
-        codec = get_storage(storage)
-        t = state.tensors
-        if "head_lengths" not in t or "positions" not in t or any(name not in t for name in codec.names):
-            check_flat_state(t, codec, self.store, seen, 0)  # raises, naming what is missing
-        lengths = t["head_lengths"]
-        if lengths.dim() != 2:
-            check_flat_state(t, codec, self.store, seen, 0)
-        g = replace(codec.geometry(dict(t)), batch=t["positions"].shape[0], heads=lengths.shape[1])
-        previous = self.storage
-        self.storage = codec
+        codec, t = get_storage(storage), state.tensors
+        previous, self.storage = self.storage, codec  # the store's layout is the state's storage's
         try:
-            check_flat_state(t, codec, self.store, seen, self._budget_in(storage, seen, g))
+            check_flat_state(t, codec, self.store, seen, seen)  # every check but the budget's
         finally:
             self.storage = previous
+        n, kv_heads = t["positions"].shape[2], t["head_lengths"].shape[1]
+        g = replace(codec.geometry(dict(t)), batch=t["positions"].shape[0], heads=kv_heads)
+        budget = self._budget_in(storage, seen, g)
+        if n > kv_heads * min(seen, budget + 1):
+            raise ValueError(f"auto-heads layer state holds {n} slots for {kv_heads} heads after {seen} tokens, budget {budget} per head")
 
     def load_state(self, state: LayerState) -> None:
         self.check_state(state)
