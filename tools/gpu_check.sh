@@ -15,6 +15,9 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" TRITON_INTERPRET=0 PYTHO
 if ! python -c "import pytest" 2>/dev/null && [ -d tools/wheels ]; then
   pip install -q --no-index --find-links tools/wheels pytest >"$OUT/pip.txt" 2>&1
 fi
+if ! python -c "from transformers.cache_utils import DummyLayer" 2>/dev/null && ls tools/wheels/transformers-*.whl >/dev/null 2>&1; then
+  python -m pip install -q --no-deps tools/wheels/{transformers,huggingface_hub,httpx2,httpcore2,truststore}-*.whl >>"$OUT/pip.txt" 2>&1
+fi
 {
   date -u
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1
