@@ -218,3 +218,27 @@ def test_a_quantized_layers_step_equals_sdpa_over_its_dequantized_view(device, b
     ))  # fmt: skip
     rk, rv = layer.view()
     torch.testing.assert_close(out, sdpa(q, rk, rv, 0.2), **TOL)
+
+
+@pytest.mark.parametrize("launch", [td.Launch(block=32), td.Launch(block=128, warps=8, stages=1), td.Launch(dot="tf32")])
+def test_every_launch_of_the_sweep_reads_the_same_tokens(device, launch):
+    """Tiles of another size move the splits' bounds (``tools/gpu_sweep.py`` tries them); on a
+    device ``tf32`` products round, so only there its tolerance is TF32's."""
+    g = gen(3)
+    q, k, v = torch.randn(2, 2, 4, 32, generator=g), torch.randn(2, 2, 777, 32, generator=g), torch.randn(2, 2, 777, 16, generator=g)
+    out = back(td.decode_views(*on(device, q, k, v), None, None, 0.2, launch=launch))
+    tol = {"rtol": 2e-3, "atol": 2e-3} if launch.dot == "tf32" and device.type == "cuda" else TOL
+    torch.testing.assert_close(out, sdpa(q, k, v, 0.2), **tol)
+    keys, values, ref_k, ref_v = coded_pool(8, 12, 2, 16, 32, 32, 16, 8)
+    table = torch.tensor([[3, 1, 4, 0], [2, 5, 6, 7]], dtype=torch.int32)
+    tails_k, tails_v = torch.randn(2, 2, 16, 32, generator=g), torch.randn(2, 2, 16, 32, generator=g)
+    coded, tail_len = torch.tensor([64, 48]), torch.tensor([7, 0])
+    out = back(td.paged_coded_decode(
+        *on(device, q), on(device, *keys), on(device, *values), 8, 16, *on(device, table, coded, tails_k, tails_v,
+        torch.tensor([1, 0], dtype=torch.int32), tail_len), 0.2, launch=launch,
+    ))  # fmt: skip
+    for s in range(2):
+        blocks = table[s].tolist()
+        kk = torch.cat([gathered(ref_k, blocks, int(coded[s])), tails_k[1 - s, :, : int(tail_len[s])]], dim=1)
+        vv = torch.cat([gathered(ref_v, blocks, int(coded[s])), tails_v[1 - s, :, : int(tail_len[s])]], dim=1)
+        torch.testing.assert_close(out[s : s + 1], sdpa(q[s : s + 1], kk[None], vv[None], 0.2), **tol)

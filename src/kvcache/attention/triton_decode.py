@@ -15,8 +15,10 @@ compile-time flags of the one kernel (``_decode``):
 Codes are read straight from their bytes and dequantized in registers as ``quant.py`` does
 (``code * scale + minimum`` in float32), so no step dequantizes a store. Every program takes one
 (sequence, KV head) pair and one split of its tokens (split-K, so a long context of one sequence
-still fills the GPU); it keeps an online softmax over tiles of ``BLOCK_T`` tokens and writes its
-unnormalised output with its running maximum and sum, which ``_combine`` merges by log-sum-exp.
+still fills the GPU); it keeps an online softmax over tiles of ``Launch.block`` tokens and writes
+its unnormalised output with its running maximum and sum, which a second kernel (``_merge``) merges
+by log-sum-exp. A call is these two launches and no wait for the device: the callers bound the
+longest run from shapes they know.
 
 With ``TRITON_INTERPRET=1`` in the environment before Triton is first imported, the kernel runs in
 Triton's interpreter on CPU tensors: how CI tests it here (``tests/conftest.py`` sets it).
@@ -28,6 +30,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from functools import cache
+from typing import NamedTuple
 
 import torch
 
@@ -39,8 +42,24 @@ tl = None
 
 #: Query rows per KV head the kernel takes (a decode step's group times its new tokens).
 MAX_ROWS = 16
-#: Tokens a program reads per tile.
-BLOCK_T = 64
+
+
+class Launch(NamedTuple):
+    """How ``_decode`` is compiled and launched: tokens a tile (``block``), warps a program, software
+    pipeline stages, and the precision of its two products (``tl.dot``'s ``input_precision``:
+    ``"tf32x3"`` is three TF32 tensor-core products, about float32's accuracy; ``"ieee"`` float32
+    on the CUDA cores, what the interpreter takes)."""
+
+    block: int = 64
+    warps: int = 4
+    stages: int = 2
+    dot: str = "tf32x3"
+
+
+#: The launch each way in gets on a CUDA device: float tiles (views, float blocks) and coded tiles
+#: (their scales and minimums take shared memory per pipeline stage: 3 stages of 64 tokens
+#: overflow an H100's 227 KiB). ``tools/gpu_sweep.py`` measures the alternatives.
+LAUNCH = {"float": Launch(), "coded": Launch(stages=1)}
 
 
 @cache
@@ -67,6 +86,7 @@ def _decode(
     BS: tl.constexpr, PAGED: tl.constexpr, KEY_CODES: tl.constexpr, VALUE_CODES: tl.constexpr,
     BITS: tl.constexpr, KG: tl.constexpr, KB: tl.constexpr, VG: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_KEEP: tl.constexpr,
     HAS_CAP: tl.constexpr, R_PAD: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK: tl.constexpr,
+    EVEN: tl.constexpr, DOT: tl.constexpr,
 ):  # fmt: skip
     """One (sequence, KV head) pair, one split of its tokens: see the module docstring.
 
@@ -74,7 +94,8 @@ def _decode(
     (paged: the pool's block), 2 codes with a scale per token and group of ``KG`` channels;
     ``VALUE_CODES``: 0 float, 2 per token in groups of ``VG``. Codes pack ``8 // BITS`` a byte,
     lowest bits first. ``HAS_TAIL``: keys from token ``CODED[s]`` and values from ``CODED_V[s]`` on
-    are exact, in tail block ``TAIL_BLOCK[s]`` of ``TK``/``TV`` from its slot 0."""
+    are exact, in tail block ``TAIL_BLOCK[s]`` of ``TK``/``TV`` from its slot 0. ``EVEN``: the dims
+    are their padded sizes, so loads are masked by token only (and vectorise along the dim)."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     n_splits = tl.num_programs(1)
@@ -118,7 +139,12 @@ def _decode(
             ks_at = s * sks_s + h * sks_h + t * sks_t
             vs_at = s * svs_s + h * svs_h + t * svs_t
             block = t  # unused
-        kmask = stored[:, None] & (d[None, :] < dim)
+        if EVEN:
+            kmask = stored[:, None]
+            vmask = stored_v[:, None]
+        else:
+            kmask = stored[:, None] & (d[None, :] < dim)
+            vmask = stored_v[:, None] & (dv[None, :] < vdim)
         if KEY_CODES == 0:
             k = tl.load(K + k_at[:, None] + d[None, :], mask=kmask, other=0.0).to(tl.float32)
         else:
@@ -134,7 +160,6 @@ def _decode(
             k_scale = tl.load(KS + sc_at, mask=kmask, other=0.0).to(tl.float32)
             k_min = tl.load(KM + sc_at, mask=kmask, other=0.0).to(tl.float32)
             k = code * k_scale + k_min
-        vmask = stored_v[:, None] & (dv[None, :] < vdim)
         if VALUE_CODES == 0:
             v = tl.load(V + v_at[:, None] + dv[None, :], mask=vmask, other=0.0).to(tl.float32)
         else:
@@ -147,11 +172,17 @@ def _decode(
             open_v = live & (t >= coded_v)
             ok = t - coded
             ov = t - coded_v
-            tk = tl.load(TK + tail * stk_n + h * stk_h + ok[:, None] * stk_t + d[None, :], mask=open_k[:, None] & (d[None, :] < dim), other=0.0)
-            tv = tl.load(TV + tail * stv_n + h * stv_h + ov[:, None] * stv_t + dv[None, :], mask=open_v[:, None] & (dv[None, :] < vdim), other=0.0)
+            if EVEN:
+                tkmask = open_k[:, None]
+                tvmask = open_v[:, None]
+            else:
+                tkmask = open_k[:, None] & (d[None, :] < dim)
+                tvmask = open_v[:, None] & (dv[None, :] < vdim)
+            tk = tl.load(TK + tail * stk_n + h * stk_h + ok[:, None] * stk_t + d[None, :], mask=tkmask, other=0.0)
+            tv = tl.load(TV + tail * stv_n + h * stv_h + ov[:, None] * stv_t + dv[None, :], mask=tvmask, other=0.0)
             k = tl.where(open_k[:, None], tk.to(tl.float32), k)
             v = tl.where(open_v[:, None], tv.to(tl.float32), v)
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [R_PAD, BLOCK]
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT) * scale  # [R_PAD, BLOCK]
         if HAS_CAP:  # softcap * tanh(score / softcap), tanh through exp (no libdevice in the interpreter)
             x = scores / softcap
             scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0))
@@ -164,7 +195,7 @@ def _decode(
         p = tl.exp(scores - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT)
         m_i = m_new
     part = pid * n_splits + split
     tl.store(O + part * R_PAD * DV_PAD + r[:, None] * DV_PAD + dv[None, :], acc)
@@ -172,15 +203,40 @@ def _decode(
     tl.store(L + part * R_PAD + r, l_i)
 
 
+def _merge(O, M, L, OUT, LSE, n_splits, R_PAD: tl.constexpr, DV_PAD: tl.constexpr):
+    """One (sequence, KV head) pair: its splits' partial outputs merged by log-sum-exp into
+    ``OUT`` ``[R_PAD, DV_PAD]`` and ``LSE`` ``[R_PAD]``; a row that saw no key gets zeros and -inf."""
+    pid = tl.program_id(0)
+    r = tl.arange(0, R_PAD)
+    dv = tl.arange(0, DV_PAD)
+    top = tl.full([R_PAD], float("-inf"), tl.float32)
+    total = tl.zeros([R_PAD], tl.float32)
+    acc = tl.zeros([R_PAD, DV_PAD], tl.float32)
+    for i in range(n_splits):
+        part = pid * n_splits + i
+        m = tl.load(M + part * R_PAD + r)
+        top_new = tl.maximum(top, m)
+        safe = tl.where(top_new == float("-inf"), 0.0, top_new)
+        old = tl.exp(top - safe)
+        new = tl.exp(m - safe)
+        total = total * old + tl.load(L + part * R_PAD + r) * new
+        acc = acc * old[:, None] + tl.load(O + part * R_PAD * DV_PAD + r[:, None] * DV_PAD + dv[None, :]) * new[:, None]
+        top = top_new
+    seen = total > 0
+    out = tl.where(seen[:, None], acc / tl.where(seen, total, 1.0)[:, None], 0.0)
+    tl.store(OUT + pid * R_PAD * DV_PAD + r[:, None] * DV_PAD + dv[None, :], out)
+    tl.store(LSE + pid * R_PAD + r, tl.where(seen, top + tl.log(tl.where(seen, total, 1.0)), float("-inf")))
+
+
 @cache
-def _kernel(interpret: bool):
-    """``_decode`` compiled by ``triton.jit`` (per interpreter setting: the decorator reads it),
-    Triton imported here the first time."""
+def _kernels(interpret: bool):
+    """``(_decode, _merge)`` compiled by ``triton.jit`` (per interpreter setting: the decorator reads
+    it), Triton imported here the first time."""
     global triton, tl
     import triton
     import triton.language as tl
 
-    return triton.jit(_decode)
+    return triton.jit(_decode), triton.jit(_merge)
 
 
 def _pad(n: int) -> int:
@@ -188,43 +244,56 @@ def _pad(n: int) -> int:
     return max(16, 1 << (max(int(n), 1) - 1).bit_length())
 
 
-def _splits(pairs: int, longest: int, device: torch.device) -> tuple[int, int]:
+@cache
+def _units(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (4 for the interpreter's CPU)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def _splits(pairs: int, longest: int, device: torch.device, block: int) -> tuple[int, int]:
     """``(splits, tokens a split)``: enough programs to fill the device (two waves of its
-    multiprocessors), no split under 256 tokens; tokens a split a multiple of ``BLOCK_T``."""
+    multiprocessors), no split under 256 tokens; tokens a split a multiple of ``block``."""
     if longest <= 0:
-        return 1, BLOCK_T
-    units = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    splits = max(1, min(-(-2 * units // max(pairs, 1)), -(-longest // 256)))
+        return 1, block
+    splits = max(1, min(-(-2 * _units(device) // max(pairs, 1)), -(-longest // 256)))
     per = -(-longest // splits)
-    per = -(-per // BLOCK_T) * BLOCK_T
+    per = -(-per // block) * block
     return -(-longest // per), per
 
 
-def _run(q, rows, vdim, lengths, *, keys, values, key_codes=0, value_codes=0, bits=8, key_group=1,
-         value_group=1, key_block=1, key_scale=None, value_scale=None, paged=None, tail=None, keep=None, scale, softcap):  # fmt: skip
+def _run(q, rows, vdim, lengths, longest, *, keys, values, key_codes=0, value_codes=0, bits=8, key_group=1,
+         value_group=1, key_block=1, key_scale=None, value_scale=None, paged=None, tail=None, keep=None, scale, softcap,
+         launch=None):  # fmt: skip
     """Launch ``_decode`` over ``q`` ``[S, Hkv, R, D]`` and merge the splits: ``(out, lse)``, float32
-    ``[S, Hkv, R, Dv]`` and ``[S, Hkv, R]``. ``keys``/``values``: ``(tensor, stride_seq, stride_head,
-    stride_token)`` (for paged, stride_seq is per block); ``key_scale``/``value_scale``: ``(scale,
-    minimum, stride_seq, stride_head, stride_token)``; ``paged``: ``(table int32 [S, W], block_size)``;
-    ``tail``: ``(keys, values, blocks int32 [S], coded keys int64 [S], coded values int64 [S])``,
-    lengths counting the tail; ``key_block``: tokens a key scale row spans (``key_codes`` 1)."""
+    ``[S, Hkv, R, Dv]`` and ``[S, Hkv, R]``. ``longest``: a bound on ``lengths`` (int64 ``[S]``),
+    known to the caller, so nothing waits for the device; ``keys``/``values``: ``(tensor,
+    stride_seq, stride_head, stride_token)`` (for paged, stride_seq is per block);
+    ``key_scale``/``value_scale``: ``(scale, minimum, stride_seq, stride_head, stride_token)``;
+    ``paged``: ``(table int32 [S, W], block_size)``; ``tail``: ``(keys, values, blocks int32 [S],
+    coded keys int64 [S], coded values int64 [S])``, lengths counting the tail; ``key_block``:
+    tokens a key scale row spans (``key_codes`` 1); ``launch``: a ``Launch`` (default ``LAUNCH``'s)."""
     seqs, heads, _, dim = q.shape
     device = q.device
+    if launch is None:
+        launch = LAUNCH["coded" if key_codes or value_codes else "float"]
+    dot = "ieee" if interpreting() else launch.dot
     R_PAD, D_PAD, DV_PAD = _pad(rows), _pad(dim), _pad(vdim)
-    longest = int(lengths.max()) if seqs else 0
-    splits, per = _splits(seqs * heads, longest, device)
+    splits, per = _splits(seqs * heads, longest, device, launch.block)
     o = torch.empty(seqs * heads * splits, R_PAD, DV_PAD, dtype=torch.float32, device=device)
     m = torch.empty(seqs * heads * splits, R_PAD, dtype=torch.float32, device=device)
     l_sum = torch.empty_like(m)
+    out = torch.empty(seqs, heads, R_PAD, DV_PAD, dtype=torch.float32, device=device)
+    lse = torch.empty(seqs, heads, R_PAD, dtype=torch.float32, device=device)
     if seqs:
-        dummy = torch.zeros(1, dtype=torch.float32, device=device)
+        dummy = torch.empty(1, dtype=torch.float32, device=device)
         ks = key_scale or (dummy, dummy, 0, 0, 0)
         vs = value_scale or (dummy, dummy, 0, 0, 0)
-        table, bs = paged if paged is not None else (torch.zeros(1, 1, dtype=torch.int32, device=device), 1)
+        table, bs = paged if paged is not None else (torch.empty(1, 1, dtype=torch.int32, device=device), 1)
         flat4 = dummy.view(1, 1, 1, 1)
         tk, tv, tail_blocks, coded, coded_v = tail if tail is not None else (flat4, flat4, lengths, lengths, lengths)
-        keep_t = keep if keep is not None else torch.zeros(1, 1, dtype=torch.uint8, device=device)
-        _kernel(interpreting())[(seqs * heads, splits)](
+        keep_t = keep if keep is not None else torch.empty(1, 1, dtype=torch.uint8, device=device)
+        decode, merge = _kernels(interpreting())
+        decode[(seqs * heads, splits)](
             q, q.stride(0), q.stride(1), q.stride(2),
             keys[0], *keys[1:], ks[0], ks[1], *ks[2:],
             values[0], *values[1:], vs[0], vs[1], *vs[2:],
@@ -234,21 +303,11 @@ def _run(q, rows, vdim, lengths, *, keys, values, key_codes=0, value_codes=0, bi
             heads, rows, dim, vdim, per, float(scale), float(softcap or 1.0),
             BS=bs, PAGED=paged is not None, KEY_CODES=key_codes, VALUE_CODES=value_codes, BITS=bits,
             KG=key_group, KB=key_block, VG=value_group, HAS_TAIL=tail is not None, HAS_KEEP=keep is not None,
-            HAS_CAP=softcap is not None, R_PAD=R_PAD, D_PAD=D_PAD, DV_PAD=DV_PAD, BLOCK=BLOCK_T,
+            HAS_CAP=softcap is not None, R_PAD=R_PAD, D_PAD=D_PAD, DV_PAD=DV_PAD, BLOCK=launch.block,
+            EVEN=dim == D_PAD and vdim == DV_PAD, DOT=dot, num_warps=launch.warps, num_stages=launch.stages,
         )  # fmt: skip
-    out, lse = _combine(o.view(seqs, heads, splits, R_PAD, DV_PAD), m.view(seqs, heads, splits, R_PAD), l_sum.view(seqs, heads, splits, R_PAD))
+        merge[(seqs * heads,)](o, m, l_sum, out, lse, splits, R_PAD=R_PAD, DV_PAD=DV_PAD)
     return out[:, :, :rows, :vdim], lse[:, :, :rows]
-
-
-def _combine(o: torch.Tensor, m: torch.Tensor, l_sum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge the splits (dim 2) by log-sum-exp; a row that saw no key gets zeros (and lse -inf)."""
-    top = m.amax(dim=2, keepdim=True)
-    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
-    w = torch.exp(m - top)
-    total = (l_sum * w).sum(dim=2)
-    out = (o * w[..., None]).sum(dim=2)
-    out = torch.where(total[..., None] > 0, out / total.clamp_min(1e-38)[..., None], torch.zeros_like(out))
-    return out, top.squeeze(2) + torch.log(total)
 
 
 def _tensors_ok(*tensors: torch.Tensor) -> bool:
@@ -265,7 +324,7 @@ def _tensors_ok(*tensors: torch.Tensor) -> bool:
 
 def decode_views(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, keep: torch.Tensor | None, softcap: float | None,
-    scale: float,
+    scale: float, launch: Launch | None = None,
 ) -> torch.Tensor | None:
     """Query rows ``[B, Hkv, R, D]`` over keys ``[B, Hkv, T, D]`` and values ``[B, Hkv, T, Dv]``
     (views read in place; float32, bfloat16 or float16), keys where ``keep`` (bool ``[B, T]``) holds:
@@ -279,15 +338,15 @@ def decode_views(
     lengths = torch.full((batch,), length, dtype=torch.int64, device=query.device)
     keep_u8 = None if keep is None else keep.to(torch.uint8).expand(batch, length).contiguous()
     out, _ = _run(
-        query, rows, value.shape[3], lengths, keys=(key, *key.stride()[:3]), values=(value, *value.stride()[:3]),
-        keep=keep_u8, scale=scale, softcap=softcap,
+        query, rows, value.shape[3], lengths, length, keys=(key, *key.stride()[:3]), values=(value, *value.stride()[:3]),
+        keep=keep_u8, scale=scale, softcap=softcap, launch=launch,
     )
     return out
 
 
 def paged_decode(
     query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,
-    scale: float,
+    scale: float, launch: Launch | None = None,
 ) -> torch.Tensor | None:
     """Query rows ``[S, Hkv, R, D]`` over float blocks ``[NB, Hkv, bs, D]`` / ``[NB, Hkv, bs, Dv]``:
     sequence ``s`` reads its first ``lengths[s]`` tokens from blocks ``tables[s]`` (int32 ``[S, W]``).
@@ -298,8 +357,8 @@ def paged_decode(
     tables = tables.to(device=query.device, dtype=torch.int32).contiguous()
     lengths = lengths.to(device=query.device, dtype=torch.int64).contiguous()
     out, _ = _run(
-        query, rows, value_pool.shape[3], lengths, keys=(key_pool, key_pool.stride(0), key_pool.stride(1), key_pool.stride(2)),
-        values=(value_pool, *value_pool.stride()[:3]), paged=(tables, key_pool.shape[2]), scale=scale, softcap=None,
+        query, rows, value_pool.shape[3], lengths, tables.shape[1] * key_pool.shape[2], keys=(key_pool, key_pool.stride(0), key_pool.stride(1), key_pool.stride(2)),
+        values=(value_pool, *value_pool.stride()[:3]), paged=(tables, key_pool.shape[2]), scale=scale, softcap=None, launch=launch,
     )
     return out
 
@@ -308,7 +367,7 @@ def paged_coded_decode(
     query: torch.Tensor, keys: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     values: tuple[torch.Tensor, torch.Tensor, torch.Tensor], bits: int, value_group: int, tables: torch.Tensor,
     coded: torch.Tensor, tail_keys: torch.Tensor, tail_values: torch.Tensor, tail_blocks: torch.Tensor,
-    tail_lengths: torch.Tensor, scale: float, softcap: float | None = None,
+    tail_lengths: torch.Tensor, scale: float, softcap: float | None = None, launch: Launch | None = None,
 ) -> torch.Tensor | None:
     """``fused_paged.paged_decode_attention``'s step (same arguments and result) in Triton."""
     kcodes, kscale, kmin = keys
@@ -324,12 +383,13 @@ def paged_coded_decode(
     tables = tables.to(device=device, dtype=torch.int32).contiguous()
     coded = coded.contiguous()
     tail = (tail_keys, tail_values, tail_blocks.to(device=device, dtype=torch.int32).contiguous(), coded, coded)
+    longest = tables.shape[1] * kcodes.shape[2] + tail_keys.shape[2]
     out, _ = _run(
-        query, rows, vcodes.shape[3] * 8 // bits, lengths,
+        query, rows, vcodes.shape[3] * 8 // bits, lengths, longest,
         keys=(kcodes, *kcodes.stride()[:3]), values=(vcodes, *vcodes.stride()[:3]), key_codes=1, value_codes=2,
         bits=bits, value_group=value_group, key_scale=(kscale, kmin, kscale.stride(0), kscale.stride(1), 0),
         value_scale=(vscale, vmin, *vscale.stride()[:3]), paged=(tables, kcodes.shape[2]), tail=tail,
-        scale=scale, softcap=softcap,
+        scale=scale, softcap=softcap, launch=launch,
     )  # fmt: skip
     return out
 
@@ -337,7 +397,7 @@ def paged_coded_decode(
 def token_coded_decode(
     query: torch.Tensor, keys: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     values: tuple[torch.Tensor, torch.Tensor, torch.Tensor], bits: int, tokens: int, key_group: int, value_group: int,
-    scale: float, softcap: float | None = None,
+    scale: float, softcap: float | None = None, launch: Launch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``fused.token_decode_attention``'s step (same arguments and result: ``(out, lse)``) in Triton."""
     kcodes, kscale, kmin = keys
@@ -349,10 +409,10 @@ def token_coded_decode(
         return None
     lengths = torch.full((batch,), int(tokens), dtype=torch.int64, device=query.device)
     return _run(
-        query, rows, vcodes.shape[3] * 8 // bits, lengths,
+        query, rows, vcodes.shape[3] * 8 // bits, lengths, int(tokens),
         keys=(kcodes, *kcodes.stride()[:3]), values=(vcodes, *vcodes.stride()[:3]), key_codes=2, value_codes=2,
         bits=bits, key_group=key_group, value_group=value_group, key_scale=(kscale, kmin, *kscale.stride()[:3]),
-        value_scale=(vscale, vmin, *vscale.stride()[:3]), scale=scale, softcap=softcap,
+        value_scale=(vscale, vmin, *vscale.stride()[:3]), scale=scale, softcap=softcap, launch=launch,
     )  # fmt: skip
 
 
@@ -360,7 +420,7 @@ def quantized_decode(
     query: torch.Tensor, keys: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     values: tuple[torch.Tensor, torch.Tensor, torch.Tensor], bits: int, value_group: int, coded_keys: int,
     coded_values: int, exact_keys: torch.Tensor, exact_values: torch.Tensor, seen: int, scale: float,
-    softcap: float | None = None,
+    softcap: float | None = None, launch: Launch | None = None,
 ) -> torch.Tensor | None:
     """A quantized layer's decode step over all ``seen`` tokens in one call: its key blocks
     (codes ``[B, Hkv, n, G, D']``, scale and minimum ``[B, Hkv, n, D]``) up to ``coded_keys``, its
@@ -382,9 +442,9 @@ def quantized_decode(
     rows_of = torch.arange(batch, dtype=torch.int32, device=device)
     tail = (exact_keys, exact_values, rows_of, torch.full_like(lengths, int(coded_keys)), torch.full_like(lengths, int(coded_values)))
     out, _ = _run(
-        query, rows, vcodes.shape[3] * 8 // bits, lengths,
+        query, rows, vcodes.shape[3] * 8 // bits, lengths, int(seen),
         keys=(flat_codes, *flat_codes.stride()[:3]), values=(vcodes, *vcodes.stride()[:3]), key_codes=1, value_codes=2,
         bits=bits, key_block=group, value_group=value_group, key_scale=(kscale, kmin, *kscale.stride()[:3]),
-        value_scale=(vscale, vmin, *vscale.stride()[:3]), tail=tail, scale=scale, softcap=softcap,
+        value_scale=(vscale, vmin, *vscale.stride()[:3]), tail=tail, scale=scale, softcap=softcap, launch=launch,
     )  # fmt: skip
     return out

@@ -64,7 +64,8 @@ def run(options: RunOptions = RunOptions()) -> dict[str, Any]:
         "kernel": {"shape": f"{Q_HEADS}/{KV_HEADS}x{HEAD_DIM}", "batches": batches, "lengths": lengths, "block": BLOCK, "dtype": str(dtype)},
         "repeats": repeats, "tiny": options.tiny, "quick": options.quick,
     }  # fmt: skip
-    return report("gpu", options, config, rows, table, plot, copy_bandwidth_bytes_per_s=bandwidth)
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{device} (--tiny)"
+    return report("gpu", options, config, rows, table, plot, gpu=gpu, copy_bandwidth_bytes_per_s=bandwidth)
 
 
 def _device(options: RunOptions) -> torch.device:
@@ -121,7 +122,9 @@ def _free(device: torch.device) -> None:
 
 
 def _kernel_calls(device, dtype, batch, tokens, gen) -> dict[str, tuple[Any, int]]:
-    """Each contender's call over the same keys and values, and the bytes it must read."""
+    """Each contender's call over the same keys and values, and the bytes it must read. A kvcache
+    call given a ``triton_decode.Launch`` calls the Triton kernel with it instead of going through
+    ``device_kernels`` (``tools/gpu_sweep.py``)."""
     group = Q_HEADS // KV_HEADS
     scale = 1 / math.sqrt(HEAD_DIM)
     k = torch.randn(batch, KV_HEADS, tokens, HEAD_DIM, generator=gen).to(device, dtype)
@@ -130,7 +133,7 @@ def _kernel_calls(device, dtype, batch, tokens, gen) -> dict[str, tuple[Any, int
     q4 = q.reshape(batch, Q_HEADS, 1, HEAD_DIM)
     calls: dict[str, tuple[Any, int]] = {
         "sdpa": (lambda: F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True), k.nbytes + v.nbytes),
-        "views": (lambda: _need(device_kernels.decode_views(q, k, v, None, None, scale)), k.nbytes + v.nbytes),
+        "views": (lambda launch=None: _need(_kernels(launch).decode_views(q, k, v, None, None, scale, **_how(launch))), k.nbytes + v.nbytes),
     }
     per_seq = -(-tokens // BLOCK)
     order = torch.randperm(batch * per_seq, generator=gen)
@@ -138,10 +141,23 @@ def _kernel_calls(device, dtype, batch, tokens, gen) -> dict[str, tuple[Any, int
     kb = _as_blocks(k, batch, per_seq)[order.argsort()].contiguous()
     vb = _as_blocks(v, batch, per_seq)[order.argsort()].contiguous()
     lengths = torch.full((batch,), tokens, dtype=torch.int64, device=device)
-    calls["paged"] = (lambda: _need(device_kernels.paged_decode(q, kb, vb, table, lengths, scale)), k.nbytes + v.nbytes)
+    calls["paged"] = (lambda launch=None: _need(_kernels(launch).paged_decode(q, kb, vb, table, lengths, scale, **_how(launch))), k.nbytes + v.nbytes)
     for bits in (8, 4):
         calls[f"paged-int{bits}"] = _coded_call(q, kb, vb, table, tokens, bits, scale)
     return calls
+
+
+def _kernels(launch):
+    """The module whose decode call is measured: the library's choice, or Triton's with ``launch``."""
+    if launch is None:
+        return device_kernels
+    from ...attention import triton_decode
+
+    return triton_decode
+
+
+def _how(launch) -> dict[str, Any]:
+    return {} if launch is None else {"launch": launch}
 
 
 def _as_blocks(x: torch.Tensor, batch: int, per_seq: int) -> torch.Tensor:
@@ -175,10 +191,10 @@ def _coded_call(q, kb, vb, table, tokens, bits, scale) -> tuple[Any, int]:
     tails = torch.arange(batch, dtype=torch.int32, device=device)
     nbytes = int(batch * full * storage.block_nbytes + batch * rest * KV_HEADS * HEAD_DIM * 8)
 
-    def call():
-        return _need(device_kernels.paged_coded_decode(
+    def call(launch=None):
+        return _need(_kernels(launch).paged_coded_decode(
             q, (c["kcodes"], c["kscale"], c["kmin"]), (c["vcodes"], c["vscale"], c["vmin"]), bits, 64, table, coded,
-            tails_k, tails_v, tails, open_, scale,
+            tails_k, tails_v, tails, open_, scale, **_how(launch),
         ))  # fmt: skip
 
     return call, nbytes
@@ -277,13 +293,13 @@ def _decode(model, name: str, ids: torch.Tensor, steps: int, kvcache) -> tuple[f
 
     chosen = []
     with torch.inference_mode():
-        out = model(ids, **kwargs, use_cache=True, **at(0, context))
+        out = model(ids, **kwargs, use_cache=True, logits_to_keep=1, **at(0, context))
         token = out.logits[:, -1:].argmax(-1)
         for warm in range(2 if name == "static-compiled" else 0):  # compile and record the graphs first
             forward(token, **kwargs, use_cache=True, **at(context + warm, 1))
         if name == "static-compiled":  # the warm-up wrote two tokens: start again from the prefill
             cache.reset()
-            out = model(ids, **kwargs, use_cache=True, **at(0, context))
+            out = model(ids, **kwargs, use_cache=True, logits_to_keep=1, **at(0, context))
             token = out.logits[:, -1:].argmax(-1)
 
         def run():
@@ -347,7 +363,7 @@ def engine_rows(device, dtype, options: RunOptions) -> list[dict[str, Any]]:
 def table(result: dict[str, Any]) -> str:
     machine = result["machine"]
     lines = [
-        f"GPU suite on {machine.get('gpu', machine['device'])} ({machine['date']}); copy bandwidth "
+        f"GPU suite on {result.get('gpu', machine['device'])} ({machine['date']}); copy bandwidth "
         f"{result['copy_bandwidth_bytes_per_s'] / 1e9:.0f} GB/s (read + written)",
     ]
     rows = result["rows"]

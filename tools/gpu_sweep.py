@@ -1,0 +1,89 @@
+"""Sweep the Triton decode kernel's launch (tokens a tile, warps, pipeline stages, product precision)
+on a CUDA device, for each way in that ``kvcache bench gpu`` measures, against torch's SDPA over the
+same views. Writes ``OUT/sweep.json`` and ``OUT/sweep.md`` after every shape, so a run cut short
+still leaves what it measured. Each row: the median time, the share of the device's copy bandwidth,
+and the largest difference from a reference output (SDPA for the float ways, the default launch for
+the coded ones, whose codes SDPA does not read).
+
+    OUT=benchmarks/results/gpu python tools/gpu_sweep.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from kvcache.apps.bench import gpu
+from kvcache.apps.bench.common import clock, markdown_table, median
+from kvcache.attention.triton_decode import LAUNCH, Launch
+
+SHAPES = [(1, 1024), (1, 32768), (16, 4096), (64, 4096), (16, 32768)]
+
+
+def launches(kind: str) -> list[Launch]:
+    """The float ways also try 3 stages; the coded ones 1 (their scales fill shared memory)."""
+    stages = (2, 3) if kind == "float" else (1, 2)
+    grid = [Launch(b, w, st) for b in (32, 64, 128) for w in (4, 8) for st in stages]
+    return grid + [Launch(64, 4, stages[0], "ieee"), Launch(64, 4, stages[0], "tf32")]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="two shapes only")
+    args = parser.parse_args()
+    out = Path(os.environ.get("OUT", "benchmarks/results/gpu"))
+    out.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cuda")
+    dtype = torch.bfloat16
+    bandwidth = gpu.copy_bandwidth(device)
+    rows: list[dict] = []
+    shapes = SHAPES[:2] if args.quick else SHAPES
+    for batch, tokens in shapes:
+        gen = torch.Generator().manual_seed(0)
+        calls = gpu._kernel_calls(device, dtype, batch, tokens, gen)
+        reference = {"float": calls["sdpa"][0]().float().reshape(batch, gpu.KV_HEADS, -1, gpu.HEAD_DIM)}
+        sdpa_s = median([clock(calls["sdpa"][0], device) for _ in range(6)][1:])
+        rows.append({"batch": batch, "tokens": tokens, "way": "sdpa", "launch": "-", "ms": sdpa_s * 1e3,
+                     "share": calls["sdpa"][1] / sdpa_s / bandwidth, "error": 0.0})  # fmt: skip
+        for way in ("views", "paged", "paged-int8", "paged-int4"):
+            kind = "float" if way in ("views", "paged") else "coded"
+            for launch in launches(kind):
+                kernel, nbytes = calls[way]
+                call = lambda kernel=kernel, launch=launch: kernel(launch)  # noqa: E731
+                row = {"batch": batch, "tokens": tokens, "way": way, "launch": "/".join(map(str, launch))}
+                try:
+                    started = time.perf_counter()
+                    result = call()
+                    torch.cuda.synchronize(device)
+                    row["first_s"] = time.perf_counter() - started
+                    ref = reference["float"] if kind == "float" else reference.setdefault(way, result)
+                    row["error"] = float((result - ref).abs().max())
+                    seconds = median([clock(call, device) for _ in range(6)][1:])
+                    row.update(ms=seconds * 1e3, share=nbytes / seconds / bandwidth, default=launch == LAUNCH[kind])
+                except Exception as e:  # noqa: BLE001 (a row says why a launch could not run)
+                    row["reason"] = repr(e)[:160]
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            gpu._free(device)
+        del calls
+        gpu._free(device)
+        write(out, rows, bandwidth)
+    return 0
+
+
+def write(out: Path, rows: list[dict], bandwidth: float) -> None:
+    (out / "sweep.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "copy_bandwidth": bandwidth, "rows": rows}, indent=1))
+    body = [[r["batch"], r["tokens"], r["way"], r["launch"], f"{r['ms']:.3f}" if "ms" in r else r.get("reason", ""),
+             f"{r['share']:.0%}" if "share" in r else "", f"{r['error']:.1e}" if "error" in r else ""] for r in rows]  # fmt: skip
+    title = f"Triton decode launches on {torch.cuda.get_device_name()}; copy bandwidth {bandwidth / 1e9:.0f} GB/s\n\n"
+    (out / "sweep.md").write_text(title + markdown_table(["batch", "tokens", "way", "block/warps/stages/dot", "ms", "share of copy bandwidth", "max error"], body))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
