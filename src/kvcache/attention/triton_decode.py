@@ -86,7 +86,7 @@ def _decode(
     BS: tl.constexpr, PAGED: tl.constexpr, KEY_CODES: tl.constexpr, VALUE_CODES: tl.constexpr,
     BITS: tl.constexpr, KG: tl.constexpr, KB: tl.constexpr, VG: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_KEEP: tl.constexpr,
     HAS_CAP: tl.constexpr, R_PAD: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK: tl.constexpr,
-    EVEN: tl.constexpr, DOT: tl.constexpr,
+    EVEN: tl.constexpr, DOT: tl.constexpr, DOT_PV: tl.constexpr, KEY16: tl.constexpr, KROWS: tl.constexpr, VGROUPS: tl.constexpr,
 ):  # fmt: skip
     """One (sequence, KV head) pair, one split of its tokens: see the module docstring.
 
@@ -95,7 +95,11 @@ def _decode(
     ``VALUE_CODES``: 0 float, 2 per token in groups of ``VG``. Codes pack ``8 // BITS`` a byte,
     lowest bits first. ``HAS_TAIL``: keys from token ``CODED[s]`` and values from ``CODED_V[s]`` on
     are exact, in tail block ``TAIL_BLOCK[s]`` of ``TK``/``TV`` from its slot 0. ``EVEN``: the dims
-    are their padded sizes, so loads are masked by token only (and vectorise along the dim)."""
+    are their padded sizes, so loads are masked by token only (and vectorise along the dim).
+    ``KEY16``: float keys and the query in one 16-bit type, multiplied as they are. ``DOT``/``DOT_PV``:
+    the precision of the other products (see ``_precision``). ``KROWS`` > 0: a tile spans that many
+    key scale rows whole (read once, not once a token); ``VGROUPS`` > 0: a token's value scales read
+    as a row of that many groups (``0``: the general gathers)."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     n_splits = tl.num_programs(1)
@@ -108,6 +112,7 @@ def _decode(
     d = tl.arange(0, D_PAD)
     dv = tl.arange(0, DV_PAD)
     q = tl.load(Q + s * sq_s + h * sq_h + r[:, None] * sq_r + d[None, :], mask=(r[:, None] < rows) & (d[None, :] < dim), other=0.0)
+    q16 = q
     q = q.to(tl.float32)
     m_i = tl.full([R_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([R_PAD], tl.float32)
@@ -146,27 +151,49 @@ def _decode(
             kmask = stored[:, None] & (d[None, :] < dim)
             vmask = stored_v[:, None] & (dv[None, :] < vdim)
         if KEY_CODES == 0:
-            k = tl.load(K + k_at[:, None] + d[None, :], mask=kmask, other=0.0).to(tl.float32)
+            k = tl.load(K + k_at[:, None] + d[None, :], mask=kmask, other=0.0)
+            if not KEY16:
+                k = k.to(tl.float32)
         else:
             byte = tl.load(K + k_at[:, None] + (d // PER)[None, :], mask=kmask, other=0).to(tl.int32)
             code = ((byte >> ((d % PER) * BITS)[None, :]) & LEVELS).to(tl.float32)
-            if KEY_CODES == 1:  # per channel over a block: one scale row a block
+            if KEY_CODES == 1 and KROWS > 0:  # the tile's scale rows (KROWS of them), each spread over its tokens
+                rb = t0 // (BLOCK // KROWS) + tl.arange(0, KROWS)
+                rlive = rb * (BLOCK // KROWS) < tl.minimum(stop, coded)
                 if PAGED:
-                    sc_at = (block * sks_s + h * sks_h)[:, None] + d[None, :]
+                    row_at = tl.load(TABLE + s * stab_s + rb, mask=rlive, other=0).to(tl.int64) * sks_s + h * sks_h
                 else:
-                    sc_at = (s * sks_s + h * sks_h + (t // KB) * sks_t)[:, None] + d[None, :]
+                    row_at = s * sks_s + h * sks_h + rb * sks_t
+                k_scale = tl.load(KS + row_at[:, None] + d[None, :], mask=rlive[:, None] & (d[None, :] < dim), other=0.0)
+                k_min = tl.load(KM + row_at[:, None] + d[None, :], mask=rlive[:, None] & (d[None, :] < dim), other=0.0)
+                k = code.reshape(KROWS, BLOCK // KROWS, D_PAD) * k_scale[:, None, :] + k_min[:, None, :]
+                k = k.reshape(BLOCK, D_PAD)
             else:
-                sc_at = ks_at[:, None] + (d // KG)[None, :]
-            k_scale = tl.load(KS + sc_at, mask=kmask, other=0.0).to(tl.float32)
-            k_min = tl.load(KM + sc_at, mask=kmask, other=0.0).to(tl.float32)
-            k = code * k_scale + k_min
+                if KEY_CODES == 1:  # per channel over a block: one scale row a block
+                    if PAGED:
+                        sc_at = (block * sks_s + h * sks_h)[:, None] + d[None, :]
+                    else:
+                        sc_at = (s * sks_s + h * sks_h + (t // KB) * sks_t)[:, None] + d[None, :]
+                else:
+                    sc_at = ks_at[:, None] + (d // KG)[None, :]
+                k_scale = tl.load(KS + sc_at, mask=kmask, other=0.0).to(tl.float32)
+                k_min = tl.load(KM + sc_at, mask=kmask, other=0.0).to(tl.float32)
+                k = code * k_scale + k_min
         if VALUE_CODES == 0:
             v = tl.load(V + v_at[:, None] + dv[None, :], mask=vmask, other=0.0).to(tl.float32)
         else:
             vbyte = tl.load(V + v_at[:, None] + (dv // PER)[None, :], mask=vmask, other=0).to(tl.int32)
             vcode = ((vbyte >> ((dv % PER) * BITS)[None, :]) & LEVELS).to(tl.float32)
-            vsc_at = vs_at[:, None] + (dv // VG)[None, :]
-            v = vcode * tl.load(VS + vsc_at, mask=vmask, other=0.0).to(tl.float32) + tl.load(VM + vsc_at, mask=vmask, other=0.0).to(tl.float32)
+            if VGROUPS > 0:  # a token's VGROUPS scales, each spread over its group of channels
+                g = tl.arange(0, VGROUPS)
+                vsc_at = vs_at[:, None] + g[None, :]
+                v_scale = tl.load(VS + vsc_at, mask=stored_v[:, None], other=0.0)
+                v_min = tl.load(VM + vsc_at, mask=stored_v[:, None], other=0.0)
+                v = vcode.reshape(BLOCK, VGROUPS, DV_PAD // VGROUPS) * v_scale[:, :, None] + v_min[:, :, None]
+                v = v.reshape(BLOCK, DV_PAD)
+            else:
+                vsc_at = vs_at[:, None] + (dv // VG)[None, :]
+                v = vcode * tl.load(VS + vsc_at, mask=vmask, other=0.0).to(tl.float32) + tl.load(VM + vsc_at, mask=vmask, other=0.0).to(tl.float32)
         if HAS_TAIL:  # the exact tokens after the coded ones (an open block, a layer's residual)
             open_k = live & (t >= coded)
             open_v = live & (t >= coded_v)
@@ -182,7 +209,10 @@ def _decode(
             tv = tl.load(TV + tail * stv_n + h * stv_h + ov[:, None] * stv_t + dv[None, :], mask=tvmask, other=0.0)
             k = tl.where(open_k[:, None], tk.to(tl.float32), k)
             v = tl.where(open_v[:, None], tv.to(tl.float32), v)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT) * scale  # [R_PAD, BLOCK]
+        if KEY16:  # 16-bit keys and query: exact products, summed in float32
+            scores = tl.dot(q16, tl.trans(k)) * scale  # [R_PAD, BLOCK]
+        else:
+            scores = tl.dot(q, tl.trans(k), input_precision=DOT) * scale
         if HAS_CAP:  # softcap * tanh(score / softcap), tanh through exp (no libdevice in the interpreter)
             x = scores / softcap
             scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0))
@@ -195,7 +225,7 @@ def _decode(
         p = tl.exp(scores - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PV)
         m_i = m_new
     part = pid * n_splits + split
     tl.store(O + part * R_PAD * DV_PAD + r[:, None] * DV_PAD + dv[None, :], acc)
@@ -261,6 +291,24 @@ def _splits(pairs: int, longest: int, device: torch.device, block: int) -> tuple
     return -(-longest // per), per
 
 
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _precision(q, keys, values, key_codes, value_codes, tail, launch) -> tuple[bool, str, str]:
+    """``(KEY16, DOT, DOT_PV)``. Float keys in the query's 16-bit type are multiplied as they are
+    (exact products; the interpreter, float16 only). Probabilities times 16-bit values take TF32 (the values exact in it, the
+    probabilities rounded to 11 bits, finer than the 16-bit output they become). Every other
+    product takes ``launch.dot`` (float32 caches and dequantized codes: ``tf32x3`` by default,
+    about float32's accuracy). The interpreter takes ``ieee`` for all."""
+    half = (torch.bfloat16, torch.float16)
+    key16 = key_codes == 0 and not tail and keys.dtype in half and q.dtype == keys.dtype
+    if interpreting():  # (it has no bfloat16 products: numpy has no bfloat16)
+        return key16 and keys.dtype == torch.float16, "ieee", "ieee"
+    dot_pv = "tf32" if value_codes == 0 and values.dtype in half and launch.dot != "ieee" else launch.dot
+    return key16, launch.dot, dot_pv
+
+
 def _run(q, rows, vdim, lengths, longest, *, keys, values, key_codes=0, value_codes=0, bits=8, key_group=1,
          value_group=1, key_block=1, key_scale=None, value_scale=None, paged=None, tail=None, keep=None, scale, softcap,
          launch=None):  # fmt: skip
@@ -276,8 +324,13 @@ def _run(q, rows, vdim, lengths, longest, *, keys, values, key_codes=0, value_co
     device = q.device
     if launch is None:
         launch = LAUNCH["coded" if key_codes or value_codes else "float"]
-    dot = "ieee" if interpreting() else launch.dot
     R_PAD, D_PAD, DV_PAD = _pad(rows), _pad(dim), _pad(vdim)
+    key16, dot, dot_pv = _precision(q, keys[0], values[0], key_codes, value_codes, tail is not None, launch)
+    bs = paged[1] if paged is not None else 1
+    spread = bs if paged is not None else key_block  # tokens a key scale row spans (key_codes 1)
+    krows = launch.block // spread if key_codes == 1 and _power_of_two(spread) and spread <= launch.block else 0
+    even = dim == D_PAD and vdim == DV_PAD
+    vgroups = DV_PAD // value_group if value_codes and even and _power_of_two(value_group) and value_group <= DV_PAD else 0
     splits, per = _splits(seqs * heads, longest, device, launch.block)
     o = torch.empty(seqs * heads * splits, R_PAD, DV_PAD, dtype=torch.float32, device=device)
     m = torch.empty(seqs * heads * splits, R_PAD, dtype=torch.float32, device=device)
@@ -288,7 +341,7 @@ def _run(q, rows, vdim, lengths, longest, *, keys, values, key_codes=0, value_co
         dummy = torch.empty(1, dtype=torch.float32, device=device)
         ks = key_scale or (dummy, dummy, 0, 0, 0)
         vs = value_scale or (dummy, dummy, 0, 0, 0)
-        table, bs = paged if paged is not None else (torch.empty(1, 1, dtype=torch.int32, device=device), 1)
+        table = paged[0] if paged is not None else torch.empty(1, 1, dtype=torch.int32, device=device)
         flat4 = dummy.view(1, 1, 1, 1)
         tk, tv, tail_blocks, coded, coded_v = tail if tail is not None else (flat4, flat4, lengths, lengths, lengths)
         keep_t = keep if keep is not None else torch.empty(1, 1, dtype=torch.uint8, device=device)
@@ -304,7 +357,8 @@ def _run(q, rows, vdim, lengths, longest, *, keys, values, key_codes=0, value_co
             BS=bs, PAGED=paged is not None, KEY_CODES=key_codes, VALUE_CODES=value_codes, BITS=bits,
             KG=key_group, KB=key_block, VG=value_group, HAS_TAIL=tail is not None, HAS_KEEP=keep is not None,
             HAS_CAP=softcap is not None, R_PAD=R_PAD, D_PAD=D_PAD, DV_PAD=DV_PAD, BLOCK=launch.block,
-            EVEN=dim == D_PAD and vdim == DV_PAD, DOT=dot, num_warps=launch.warps, num_stages=launch.stages,
+            EVEN=even, DOT=dot, DOT_PV=dot_pv, KEY16=key16, KROWS=krows, VGROUPS=vgroups,
+            num_warps=launch.warps, num_stages=launch.stages,
         )  # fmt: skip
         merge[(seqs * heads,)](o, m, l_sum, out, lse, splits, R_PAD=R_PAD, DV_PAD=DV_PAD)
     return out[:, :, :rows, :vdim], lse[:, :, :rows]
