@@ -5,8 +5,6 @@ affords every token in full precision equal to the full cache; compress, save an
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -193,12 +191,14 @@ def test_a_budget_that_affords_every_token_exactly_is_the_full_cache():
     assert torch.equal(ours, ref)
 
 
-def test_compress_leaves_what_the_layers_own_pass_leaves():
+@pytest.mark.parametrize("spec", ["auto:bytes=0.125", "auto-heads:bytes=0.125"])
+def test_compress_leaves_what_the_layers_own_pass_leaves(spec):
+    """``scoring.compress`` from a recorded pass builds the layers a pass of their own builds: the
+    same storage chosen, the same tokens (and, for ``auto-heads``, in the same heads)."""
     from kvcache.hf import scoring
 
     model = model_for("llama")
     ids = prompt(256, seed=4)
-    spec = "auto:bytes=0.125"
     own = kvcache.make_cache(model, spec)
     rec = scoring.recording_cache(model, ["window:32"])
     with torch.no_grad(), kvcache.use_kvcache_attention(model):
@@ -208,6 +208,8 @@ def test_compress_leaves_what_the_layers_own_pass_leaves():
     for a, b in zip(own.kv_layers, built.kv_layers):
         assert a.storage.name == b.storage.name
         assert torch.equal(a.positions(), b.positions())
+        if spec.startswith("auto-heads"):
+            assert torch.equal(a.heads(), b.heads())
 
 
 def test_a_saved_auto_cache_loads_with_its_choices(tmp_path):

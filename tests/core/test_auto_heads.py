@@ -122,23 +122,6 @@ def test_a_budget_that_affords_every_token_is_the_full_cache():
     assert torch.equal(ours, ref)
 
 
-def test_compress_leaves_what_the_layers_own_pass_leaves():
-    from kvcache.hf import scoring
-
-    model = model_for("llama")
-    ids = prompt(256, seed=4)
-    spec = "auto-heads:bytes=0.125"
-    own = kvcache.make_cache(model, spec)
-    rec = scoring.recording_cache(model, ["window:32"])
-    with torch.no_grad(), kvcache.use_kvcache_attention(model):
-        model(ids, **cache_kwargs(model, own), use_cache=True)
-        model(ids, **cache_kwargs(model, rec), use_cache=True)
-    built = scoring.compress(model, spec, scoring.keys_values(rec), {"window:32": scoring.recorded(rec, "window:32")})
-    for a, b in zip(own.kv_layers, built.kv_layers):
-        assert a.storage.name == b.storage.name
-        assert torch.equal(a.positions(), b.positions()) and torch.equal(a.heads(), b.heads())
-
-
 def test_a_saved_cache_loads_with_its_choices(tmp_path):
     model = model_for("llama")
     cache = kvcache.make_cache(model, "auto-heads:bytes=0.1")

@@ -4,7 +4,8 @@ Which kinds exist is the table in ``registry.py``; importing this package regist
 """
 
 from .adaptive import AdaptiveLayer
-from .auto import AutoLayer, fp32_bytes, slot_bytes
+from .auto import AutoLayer, slot_bytes
+from .byte_budget import fp32_bytes
 from .auto_heads import AutoHeadsLayer
 from .base import KVLayer
 from .checks import Geometry

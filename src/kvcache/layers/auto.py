@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from .budget import GROWTH_ROOM, MIN_ROOM, slots_to_allocate
+from .byte_budget import RULES, ByteBudget
 from .checks import Geometry
 from .evicting import EvictingLayer
 from .options import Option, number
@@ -55,7 +56,6 @@ from .state import LayerState
 #: Storages from finest to coarsest.
 CANDIDATES = STORAGES
 #: Bytes of one token's key and value per KV head in the fp32 cache a share is taken of, per channel.
-_FP32 = 4
 
 
 @dataclass(frozen=True)
@@ -89,11 +89,6 @@ def slot_bytes(storage: str, g: Geometry) -> int:
     return sum(math.prod(shape) * torch.empty(0, dtype=dtype).element_size() for shape, dtype in layout.values())
 
 
-def fp32_bytes(g: Geometry) -> int:
-    """Bytes of one token's key and value per row and KV head in an fp32 cache."""
-    return _FP32 * (g.key_dim + g.value_dim)
-
-
 def slots_within(allowed: float, per_slot: int, growing: bool) -> int:
     """The most slots ``n`` an eviction store can keep (allocating ``slots_to_allocate(n + 1)``: a
     decode step's spare and, for a ``growing`` budget, room) within ``allowed`` bytes; 0 if none."""
@@ -115,10 +110,6 @@ def relative_error(x: torch.Tensor, coded: torch.Tensor) -> torch.Tensor:
     return (x - coded).norm(dim=-1) / x.norm(dim=-1).clamp_min(torch.finfo(torch.float32).tiny)
 
 
-#: How a case's error is scored: ``mass``, the first-order estimate (dropped mass plus the
-#: mass-weighted relative coding error); ``output``, the change of the window's mean attention output
-#: measured for dropping and for coding the values (keys still first-order).
-RULES = ("mass", "output")
 
 
 def weigh(storage: str, count: int, kept: torch.Tensor, mass: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -182,7 +173,7 @@ def _per_head(head_of: torch.Tensor | None, heads: int):
     return total
 
 
-class AutoLayer(EvictingLayer):
+class AutoLayer(ByteBudget, EvictingLayer):
     """See the module docstring."""
 
     kind = "auto"
@@ -223,29 +214,9 @@ class AutoLayer(EvictingLayer):
         starts (a saved layer's choice; a new one starts in full precision and chooses); ``rule``:
         how a case is scored (:data:`RULES`, :func:`weigh`)."""
         size = self.check_options(bytes=bytes)["bytes"]
-        if rule not in RULES:
-            raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
-        self.rule = rule
-        self.layer_count = 1
+        self._init_budget(size, rule)
         super().__init__(size if isinstance(size, float) else 1 << 62, "snapkv", recent, sinks, storage, layer, layers, **policy_options)
         self.byte_budget = size
-        self.choice: Choice | None = None
-
-    def at_depth(self, index: int | None, count: int | None) -> None:
-        """Record the layer's place: a budget in bytes is shared equally by ``count`` layers."""
-        if count is not None:  # (a saved layer's options give the count alone)
-            self.layer_count = self.check_options(layers=count)["layers"]
-
-    @property
-    def _growing(self) -> bool:
-        return isinstance(self.byte_budget, float)
-
-    def allowed_bytes(self, seen: int) -> float:
-        """Bytes one (row, KV head) of this layer may take after ``seen`` tokens."""
-        g = self.geometry
-        if isinstance(self.byte_budget, float):
-            return self.byte_budget * seen * fp32_bytes(g)
-        return self.byte_budget / self.layer_count / (g.batch * g.heads)
 
     def budget_now(self, seen: int | None = None) -> int:
         """Slots kept after ``seen`` tokens (default: now) in the present storage; at least one."""
@@ -261,14 +232,8 @@ class AutoLayer(EvictingLayer):
 
     def _settle(self, weights: torch.Tensor | None) -> None:
         if self._set is not None and weights is not None:
-            s = self._set
-            s["scores"] = self._scored(weights, s)
-            choice = self.choose(s, weights)
-            if choice.storage != self.storage.name:
-                self._recode(s, choice.storage)
-            self.choice = choice
-            self._set = None
-            self._keep_best(s, self._keep_now())
+            s, self._set = self._set, None
+            self._decide(s, weights)
             return
         super()._settle(weights)
 
@@ -295,16 +260,6 @@ class AutoLayer(EvictingLayer):
         best = min(estimates, key=lambda e: e.total)  # min keeps the first (finer) of equals
         return Choice(best.storage, best.slots, self.seen, tuple(estimates))
 
-    def _recode(self, slots: dict[str, torch.Tensor], storage: str) -> None:
-        """Rewrite candidate ``slots`` in place into ``storage``, which the layer then stores."""
-        n = slots["positions"].shape[2]
-        keys, values = self.storage.decode(slots, n, self.geometry)
-        for name in self.storage.names:
-            del slots[name]
-        self.storage = get_storage(storage)
-        slots.update(self.storage.encode(keys, values))
-        self.store.drop()  # the next allocation takes the new storage's layout
-
     # ---- state ----------------------------------------------------------------------------
 
     def options(self) -> dict[str, Any]:
@@ -313,29 +268,13 @@ class AutoLayer(EvictingLayer):
         return {"bytes": self.byte_budget, "recent": self.recent, "sinks": self.sinks, "storage": self.storage.name,
                 **self.policy.options(), "layers": self.layer_count, "rule": self.rule}  # fmt: skip
 
-    @staticmethod
-    def spec_options_of(options: Any) -> Any:
-        """What of a layer's ``options()`` its spec fixes: all but the storage, the layer's own choice
-        (a file saved before ``rule`` existed scored by ``mass``)."""
-        return {"rule": "mass", **{k: v for k, v in options.items() if k != "storage"}} if isinstance(options, Mapping) else options
-
     def load_state(self, state: LayerState) -> None:
-        storage = state.options.get("storage", "full") if isinstance(state.options, Mapping) else "full"
-        previous = self.storage
-        self.storage = get_storage(storage)
-        try:
-            super().load_state(state)
-        except Exception:
-            self.storage = previous
-            raise
-        self.choice = None
+        self._load_in_storage(state, super().load_state)
 
     def check_state(self, state: LayerState) -> None:
         """The eviction layer's checks, read in the state's storage and geometry (its slots are
         counted against the budget that storage affords)."""
-        storage = state.options.get("storage", self.storage.name) if isinstance(state.options, Mapping) else self.storage.name
-        if storage not in CANDIDATES:
-            raise ValueError(f"auto layer state: unknown storage {storage!r}; one of {CANDIDATES}")
+        storage = self._state_storage(state, self.storage.name)
         previous = self.storage, self.geometry
         self.storage = get_storage(storage)
         try:

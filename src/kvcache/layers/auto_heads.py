@@ -22,15 +22,15 @@ Every slot of a layer is in the same storage (the flat store is one run).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
 import torch
 
 from .adaptive import AdaptiveLayer
-from .auto import CANDIDATES, RULES, Choice, Estimate, fp32_bytes, weigh
+from .auto import CANDIDATES, Choice, Estimate, weigh
 from .budget import slots_to_allocate
+from .byte_budget import ByteBudget
 from .checks import Geometry
 from .options import Option, number
 from .shared_budget import check_flat_state, keep_across_heads
@@ -61,7 +61,7 @@ def flat_slots_within(allowed: float, per_slot: int, heads: int, growing: bool) 
     return lo
 
 
-class AutoHeadsLayer(AdaptiveLayer):
+class AutoHeadsLayer(ByteBudget, AdaptiveLayer):
     """See the module docstring."""
 
     kind = "auto-heads"
@@ -90,33 +90,12 @@ class AutoHeadsLayer(AdaptiveLayer):
         rule: str = "mass",
     ) -> None:
         size = self.check_options(bytes=bytes)["bytes"]
-        if rule not in RULES:
-            raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
-        self.rule = rule
+        self._init_budget(size, rule)
         if storage not in CANDIDATES:
             raise ValueError(f"storage must be one of {CANDIDATES}, got {storage!r}")
         super().__init__(1, window, pool, floor, storage)
-        self.byte_budget = size
-        self.layer_count = 1
-        self.choice: Choice | None = None
         if layers is not None:
             self.at_depth(layer, layers)
-
-    def at_depth(self, index: int | None, count: int | None) -> None:
-        """Record the layer's place: a budget in bytes is shared equally by ``count`` layers."""
-        if count is not None:
-            self.layer_count = self.check_options(layers=count)["layers"]
-
-    @property
-    def _growing(self) -> bool:
-        return isinstance(self.byte_budget, float)
-
-    def allowed_bytes(self, seen: int, g: Geometry | None = None) -> float:
-        """Bytes one (row, KV head) of this layer may take after ``seen`` tokens."""
-        g = g or self.geometry
-        if isinstance(self.byte_budget, float):
-            return self.byte_budget * seen * fp32_bytes(g)
-        return self.byte_budget / self.layer_count / (g.batch * g.heads)
 
     def budget_now(self, seen: int | None = None) -> int:
         """Slots per head, on average, after ``seen`` tokens in the present storage; at least one."""
@@ -137,12 +116,7 @@ class AutoHeadsLayer(AdaptiveLayer):
             weights = layout.flat(weights)  # [B, Hkv, W] per cell -> [B, 1, N] per flat slot
         if self._set is not None and weights is not None:
             s, self._set = self._set, None
-            s["scores"] = self._scored(weights, s)
-            choice = self.choose(s, weights)
-            if choice.storage != self.storage.name:
-                self._recode(s, choice.storage)
-            self.choice = choice
-            self._keep_best(s, self._keep_now())
+            self._decide(s, weights)
             return
         super(AdaptiveLayer, self)._settle(weights)
 
@@ -167,15 +141,8 @@ class AutoHeadsLayer(AdaptiveLayer):
         best = min(estimates, key=lambda e: e.total) if estimates else Estimate(CANDIDATES[-1], 1, 1.0, 0.0)
         return Choice(best.storage, best.slots, self.seen, tuple(estimates))
 
-    def _recode(self, slots: dict[str, torch.Tensor], storage: str) -> None:
-        """Rewrite candidate ``slots`` in place into ``storage``, which the layer then stores."""
-        n = slots["positions"].shape[2]
-        keys, values = self.storage.decode(slots, n, self._flat_geometry())
-        for name in self.storage.names:
-            del slots[name]
-        self.storage = get_storage(storage)
-        slots.update(self.storage.encode(keys, values))
-        self.store.drop()  # the next allocation takes the new storage's layout
+    def _slot_geometry(self) -> Geometry:
+        return self._flat_geometry()
 
     # ---- state ----------------------------------------------------------------------------
 
@@ -185,11 +152,6 @@ class AutoHeadsLayer(AdaptiveLayer):
         return {"bytes": self.byte_budget, "window": self.window, "pool": self.pool, "floor": self.floor,
                 "storage": self.storage.name, "layers": self.layer_count, "rule": self.rule}  # fmt: skip
 
-    @staticmethod
-    def spec_options_of(options: Any) -> Any:
-        """What of a layer's ``options()`` its spec fixes: all but the storage, the layer's own choice."""
-        return {"rule": "mass", **{k: v for k, v in options.items() if k != "storage"}} if isinstance(options, Mapping) else options
-
     def check_state(self, state: LayerState) -> None:
         """The flat store's checks, read in the state's storage (its slots counted against the
         budget that storage affords in the state's geometry)."""
@@ -198,9 +160,7 @@ class AutoHeadsLayer(AdaptiveLayer):
         seen = int(state.seen)
         if seen < 0:
             raise ValueError(f"auto-heads layer state: seen must be >= 0, got {seen}")
-        storage = state.options.get("storage", self.storage.name) if isinstance(state.options, Mapping) else self.storage.name
-        if storage not in CANDIDATES:
-            raise ValueError(f"auto-heads layer state: unknown storage {storage!r}; one of {CANDIDATES}")
+        storage = self._state_storage(state, self.storage.name)
         if not state.tensors:
             return
         codec, t = get_storage(storage), state.tensors
@@ -217,12 +177,4 @@ class AutoHeadsLayer(AdaptiveLayer):
 
     def load_state(self, state: LayerState) -> None:
         self.check_state(state)
-        storage = state.options.get("storage", "full") if isinstance(state.options, Mapping) else "full"
-        previous = self.storage
-        self.storage = get_storage(storage)
-        try:
-            super().load_state(state)
-        except Exception:
-            self.storage = previous
-            raise
-        self.choice = None
+        self._load_in_storage(state, super().load_state)

@@ -1,0 +1,106 @@
+"""What ``auto`` and ``auto-heads`` share: a budget in bytes (a share of an fp32 cache, or bytes
+for the whole cache split equally by its layers), the rule a storage is chosen by, and the move of
+a layer's candidate slots into the storage chosen.
+
+``ByteBudget`` is a mixin for an evicting layer (``EvictingLayer`` or ``AdaptiveLayer``) whose
+``choose(slots, weights)`` returns a ``Choice`` and whose slots are laid out in
+``_slot_geometry()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from .checks import Geometry
+from .slots import STORAGES, get_storage
+from .state import LayerState
+
+#: How a case's error is scored: ``mass``, the first-order estimate (dropped mass plus the
+#: mass-weighted relative coding error); ``output``, the change of the window's mean attention output
+#: measured for dropping and for coding the values (keys still first-order).
+RULES = ("mass", "output")
+
+
+def fp32_bytes(g: Geometry) -> int:
+    """Bytes of one token's key and value per row and KV head in an fp32 cache."""
+    return 4 * (g.key_dim + g.value_dim)
+
+
+class ByteBudget:
+    """See the module docstring. Attributes: ``byte_budget`` (float below 1: a share; int: bytes),
+    ``layer_count``, ``rule``, ``choice`` (the last ``Choice``, None before one)."""
+
+    def _init_budget(self, size: int | float, rule: str) -> None:
+        if rule not in RULES:
+            raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+        self.rule = rule
+        self.byte_budget = size
+        self.layer_count = 1
+        self.choice = None
+
+    def at_depth(self, index: int | None, count: int | None) -> None:
+        """Record the layer's place: a budget in bytes is shared equally by ``count`` layers."""
+        if count is not None:  # (a saved layer's options give the count alone)
+            self.layer_count = self.check_options(layers=count)["layers"]
+
+    @property
+    def _growing(self) -> bool:
+        return isinstance(self.byte_budget, float)
+
+    def allowed_bytes(self, seen: int, g: Geometry | None = None) -> float:
+        """Bytes one (row, KV head) of this layer may take after ``seen`` tokens."""
+        g = g or self.geometry
+        if isinstance(self.byte_budget, float):
+            return self.byte_budget * seen * fp32_bytes(g)
+        return self.byte_budget / self.layer_count / (g.batch * g.heads)
+
+    def _slot_geometry(self) -> Geometry:
+        """The geometry the layer's slots are encoded in."""
+        return self.geometry
+
+    def _decide(self, slots: dict[str, torch.Tensor], weights: torch.Tensor) -> None:
+        """Score candidate ``slots`` by a pass's ``weights``, choose their storage, move them into
+        it and keep the best."""
+        slots["scores"] = self._scored(weights, slots)
+        choice = self.choose(slots, weights)
+        if choice.storage != self.storage.name:
+            self._recode(slots, choice.storage)
+        self.choice = choice
+        self._keep_best(slots, self._keep_now())
+
+    def _recode(self, slots: dict[str, torch.Tensor], storage: str) -> None:
+        """Rewrite candidate ``slots`` in place into ``storage``, which the layer then stores."""
+        n = slots["positions"].shape[2]
+        keys, values = self.storage.decode(slots, n, self._slot_geometry())
+        for name in self.storage.names:
+            del slots[name]
+        self.storage = get_storage(storage)
+        slots.update(self.storage.encode(keys, values))
+        self.store.drop()  # the next allocation takes the new storage's layout
+
+    @staticmethod
+    def spec_options_of(options: Any) -> Any:
+        """What of a layer's ``options()`` its spec fixes: all but the storage, the layer's own
+        choice (a file saved before ``rule`` existed scored by ``mass``)."""
+        return {"rule": "mass", **{k: v for k, v in options.items() if k != "storage"}} if isinstance(options, Mapping) else options
+
+    def _state_storage(self, state: LayerState, default: str) -> str:
+        """The storage a state's options name (``default`` where they name none), checked."""
+        storage = state.options.get("storage", default) if isinstance(state.options, Mapping) else default
+        if storage not in STORAGES:
+            raise ValueError(f"{self.kind} layer state: unknown storage {storage!r}; one of {STORAGES}")
+        return storage
+
+    def _load_in_storage(self, state: LayerState, load: Callable[[LayerState], None]) -> None:
+        """``load(state)`` with the layer in the state's storage; on failure the layer is as before."""
+        previous = self.storage
+        self.storage = get_storage(self._state_storage(state, "full"))
+        try:
+            load(state)
+        except Exception:
+            self.storage = previous
+            raise
+        self.choice = None
