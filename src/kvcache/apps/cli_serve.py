@@ -25,6 +25,10 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-batch-tokens", type=int, default=512, metavar="N", help="tokens per forward pass (default: %(default)s)")
     p.add_argument("--max-queue", type=int, default=64, metavar="N", help="requests waiting before new ones get 503 (default: %(default)s)")
     p.add_argument("--api-key", default=None, metavar="KEY", help="require 'Authorization: Bearer KEY' (default: $KVCACHE_API_KEY, else none)")
+    p.add_argument("--ray", action="store_true", help="serve from replicas on Ray Serve (a local cluster, or --ray-address): needs 'pip install kvcache[ray]'")
+    p.add_argument("--replicas", type=int, default=None, metavar="N", help="engine replicas with --ray, each with its own pool (default: 2)")
+    p.add_argument("--router", default=None, choices=("prefix", "default"), help="with --ray: prefix (Ray Serve's PrefixCacheAffinityRouter) or default (power of two choices) (default: prefix)")
+    p.add_argument("--ray-address", default=None, metavar="ADDR", help="with --ray: a running Ray cluster (default: start a local one)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"), help="(default: %(default)s)")
 
 
@@ -44,6 +48,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     the block format of --cache); with --prompt-store, computed prompts are kept there and
     replicas on the same Redis serve each other's prompts. SIGTERM drains: running requests finish,
     new ones are refused, then the process exits 0. Needs 'pip install kvcache[serve]'.
+
+    With --ray, N replicas (--replicas), each an engine with its own pool, serve behind one
+    address on Ray Serve, a request going to the replica that served the longest prefix of its
+    text (--router prefix); Ray restarts a replica that dies. Needs 'pip install kvcache[ray]'.
     """
     from .serve.server import ServeOptions, serve
 
@@ -55,4 +63,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         port=args.port, max_seqs=args.max_seqs, max_bytes=args.max_bytes, block_size=args.block_size,
         max_batch_tokens=args.max_batch_tokens, max_queue=args.max_queue, api_key=args.api_key, log_level=args.log_level,
     )  # fmt: skip
-    return serve(options)
+    ray_flags = {"--replicas": args.replicas, "--router": args.router, "--ray-address": args.ray_address}
+    if not args.ray:
+        given = [name for name, value in ray_flags.items() if value is not None]
+        if given:
+            raise KVCacheError(f"{', '.join(given)} only apply with --ray")
+        return serve(options)
+    from .serve.ray_app import RayOptions, serve_ray
+
+    if args.replicas is not None and args.replicas < 1:
+        raise KVCacheError(f"--replicas must be at least 1, got {args.replicas}")
+    ray_options = RayOptions(replicas=args.replicas or 2, router=args.router or "prefix")
+    return serve_ray(options, ray_options, args.ray_address)

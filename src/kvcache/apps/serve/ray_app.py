@@ -1,0 +1,261 @@
+"""``kvcache serve --ray``: the OpenAI server as a Ray Serve application, N engine replicas behind
+one address.
+
+Two deployments:
+
+- ``kvcache-engine`` (``Replica``, ``--replicas`` of them): each loads the model and runs its own
+  ``Engine`` (its own paged pool) on a thread of its own, with the prompt store every replica shares
+  (``--prompt-store redis://...``). A replica answers whole HTTP requests with the very app of
+  ``kvcache serve`` (``app.make_app``), called in process (``asgi.call``), so shapes, errors,
+  streaming and each replica's metrics are the single server's.
+- ``kvcache-openai`` (``Ingress``, one, no CPU of its own): Ray Serve's HTTP entry. It forwards
+  each request to a replica through a deployment handle and streams the answer back. A request
+  whose replica dies before the first byte of its answer is sent again (``retries`` times) to
+  another; one whose answer has begun is cut off.
+
+Which replica takes a request is the request router's choice, set on ``kvcache-engine``:
+``prefix`` is Ray Serve's ``PrefixCacheAffinityRouter`` (a request goes to the replica that served
+the longest prefix of its text unless the replicas' queues differ by more than ``imbalance``);
+``default`` is Ray Serve's power-of-two-choices. The router matches ``Call.prompt``, the request's
+text as ``routing_text`` builds it (the chat messages' roles and contents in order, or the
+completion prompt).
+
+Ray restarts a replica that dies (its health check is ``Replica.check_health``). ``application``
+builds the app; ``app_builder`` is the same for ``serve run kvcache.apps.serve.ray_app:app_builder
+key=value ...`` and Serve config files (docs/serving.md).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from .asgi import call as asgi_call
+from .server import ServeOptions
+
+log = logging.getLogger("kvcache.serve")
+
+#: ``--router`` names -> Ray Serve request router classes (None: Serve's default). The prefix router
+#: is named by its defining module: Ray's public path (``ray.serve.llm.request_router``) imports
+#: Ray Serve LLM, which refuses to load without vLLM or SGLang.
+ROUTERS = {"prefix": "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router.PrefixCacheAffinityRouter", "default": None}
+ENGINE = "kvcache-engine"
+INGRESS = "kvcache-openai"
+
+
+@dataclass(frozen=True)
+class Call:
+    """One HTTP request as the ingress hands it to a replica, and ``prompt``: the text the prefix
+    router matches."""
+
+    method: str
+    path: str
+    query: str
+    headers: tuple[tuple[bytes, bytes], ...]
+    body: bytes
+    prompt: str
+
+
+@dataclass(frozen=True)
+class RayOptions:
+    """How the replicas are deployed."""
+
+    replicas: int = 2
+    router: str = "prefix"
+    imbalance: float = 16.0  # queue length difference beyond which the prefix router balances load
+    cpus: float = 1.0  # CPUs a replica reserves (Ray sets its torch threads to this)
+    retries: int = 2  # times a request is sent again when its replica dies before answering
+
+
+def routing_text(path: str, body: bytes) -> str:
+    """The text a request's prefix is matched on: a chat's messages (``role: content`` lines in
+    order), a completion's first prompt (token ids as text), or "" for anything else."""
+    try:
+        data = json.loads(body) if body else {}
+    except ValueError:
+        return ""
+    if not isinstance(data, dict):
+        return ""
+    if path.endswith("/chat/completions") and isinstance(data.get("messages"), list):
+        return "".join(f"{m.get('role', '')}: {_content_text(m.get('content'))}\n" for m in data["messages"] if isinstance(m, dict))
+    prompt = data.get("prompt") if path.endswith("/completions") else None
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        prompt = prompt[0]
+    if isinstance(prompt, list):
+        return " ".join(str(t) for t in prompt)
+    return prompt if isinstance(prompt, str) else ""
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return ""
+
+
+class Replica:
+    """One engine replica (see the module docstring). The model is loaded on the thread that then
+    steps the engine (``Engine.run_here``'s advice)."""
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        from .app import make_app
+        from .server import build
+
+        self.options = ServeOptions(**options)
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self.served: Any = None
+        ready = threading.Event()
+
+        def run() -> None:
+            try:
+                self.served = build(self.options)
+            except BaseException as e:  # noqa: BLE001 (raised again by __init__)
+                self._error = e
+                ready.set()
+                return
+            ready.set()
+            self.served.engine.run_here(self._stop)
+
+        self._thread = threading.Thread(target=run, name="kvcache-engine", daemon=True)
+        self._thread.start()
+        ready.wait()
+        if self._error is not None:
+            raise self._error
+        self.app = make_app(self.served)
+
+    async def handle(self, request: Call):
+        """The app's answer to ``request``: ``(status, headers)`` first, then the body's chunks."""
+        async for part in asgi_call(self.app, request.method, request.path, request.query, request.headers, request.body):
+            yield part
+
+    def check_health(self) -> None:
+        """Ray Serve's health check: the engine's thread must be stepping."""
+        if not self._thread.is_alive():
+            raise RuntimeError("the engine's thread has stopped")
+
+    def __del__(self) -> None:  # Ray Serve calls it when the replica shuts down, after its requests drain
+        if getattr(self, "served", None) is not None:
+            self.served.draining = True
+            self._stop.set()
+            self.served.engine.wake()
+
+
+class Ingress:
+    """Ray Serve's HTTP entry (see the module docstring)."""
+
+    def __init__(self, engine: Any, retries: int = 2) -> None:
+        self.engine = engine
+        self.retries = retries
+
+    async def __call__(self, request: Any) -> Any:
+        from ray.exceptions import RayError
+        from starlette.responses import JSONResponse, StreamingResponse
+
+        body = await request.body()
+        path = request.url.path
+        text = routing_text(path, body) or f"{request.method} {path}"  # (the prefix router cannot match "")
+        call = Call(request.method, path, request.url.query, tuple(request.headers.raw), body, text)
+        for attempt in range(self.retries + 1):
+            answer = self.engine.options(stream=True).handle.remote(call)
+            try:
+                status, headers = await answer.__anext__()
+                break
+            except (RayError, StopAsyncIteration) as e:
+                log.warning("a replica failed before answering (%s); %s", type(e).__name__, "sending again" if attempt < self.retries else "giving up")
+                if attempt == self.retries:
+                    body = {"error": {"message": f"the replica serving this request failed: {type(e).__name__}", "type": "server_error",
+                                      "param": None, "code": "replica_failed"}}  # fmt: skip
+                    return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
+
+        async def rest():
+            try:
+                async for chunk in answer:
+                    yield chunk
+            except RayError as e:  # the replica died mid-answer: the client sees the stream end
+                log.warning("a replica failed mid-answer (%s)", type(e).__name__)
+
+        kept = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers if k.lower() not in (b"content-length", b"transfer-encoding")]
+        response = StreamingResponse(rest(), status_code=status)
+        response.raw_headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in kept]
+        return response
+
+
+def application(options: ServeOptions, ray: RayOptions) -> Any:
+    """The Ray Serve application: ``Ingress`` over ``ray.replicas`` ``Replica``'s."""
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    if ray.router not in ROUTERS:
+        raise ValueError(f"router must be one of {sorted(ROUTERS)}, got {ray.router!r}")
+    if ray.replicas < 1:
+        raise ValueError(f"replicas must be at least 1, got {ray.replicas}")
+    router = RequestRouterConfig() if ROUTERS[ray.router] is None else RequestRouterConfig(
+        request_router_class=ROUTERS[ray.router], request_router_kwargs={"imbalanced_threshold": ray.imbalance},
+    )  # fmt: skip
+    replica = serve.deployment(
+        Replica, name=ENGINE, num_replicas=ray.replicas, ray_actor_options={"num_cpus": ray.cpus},
+        max_ongoing_requests=options.max_seqs + options.max_queue, request_router_config=router,
+        health_check_period_s=2, graceful_shutdown_timeout_s=30,
+    )  # fmt: skip
+    ingress = serve.deployment(Ingress, name=INGRESS, num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000)
+    return ingress.bind(replica.bind(asdict(options)), ray.retries)
+
+
+def app_builder(args: dict[str, Any]) -> Any:
+    """``serve run kvcache.apps.serve.ray_app:app_builder model=DIR replicas=2 router=prefix ...``:
+    ``ServeOptions`` and ``RayOptions`` fields by name (values as text are converted); an unknown
+    name is refused."""
+    serve_names = {f.name: f for f in fields(ServeOptions)}
+    ray_names = {f.name: f for f in fields(RayOptions)}
+    unknown = sorted(set(args) - set(serve_names) - set(ray_names))
+    if unknown:
+        raise ValueError(f"unknown arguments {unknown}; expected some of {sorted(set(serve_names) | set(ray_names))}")
+
+    def typed(f, value):
+        kind = {"int": int, "float": float, "int | None": int, "str | None": str}.get(str(f.type), str)
+        return None if value is None else kind(value)
+
+    options = ServeOptions(**{k: typed(serve_names[k], v) for k, v in args.items() if k in serve_names})
+    ray = RayOptions(**{k: typed(ray_names[k], v) for k, v in args.items() if k in ray_names})
+    return application(options, ray)
+
+
+def serve_ray(options: ServeOptions, ray_options: RayOptions, address: str | None = None) -> int:
+    """Run the application on Ray (a local cluster, or the one at ``address``) until SIGTERM or
+    SIGINT; then delete it (and stop the local cluster); 0 after a clean stop."""
+    import signal
+
+    from ...errors import KVCacheError
+
+    try:
+        import ray
+        from ray import serve
+    except ImportError:
+        raise KVCacheError("kvcache serve --ray needs its extra: pip install 'kvcache[ray]' (ray[serve])") from None
+    app = application(options, ray_options)
+    ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
+    stop = threading.Event()
+    original = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        serve.start(http_options={"host": options.host, "port": options.port})
+        serve.run(app, name="kvcache", route_prefix="/", blocking=False)
+        print(f"kvcache serve: {options.model} on http://{options.host}:{options.port} "
+              f"({ray_options.replicas} replicas on Ray Serve, router {ray_options.router})", flush=True)  # fmt: skip
+        stop.wait()
+        print("kvcache serve: stopping the replicas", flush=True)
+    finally:
+        for sig, handler in original.items():
+            signal.signal(sig, handler)
+        try:
+            if address is None:
+                serve.shutdown()
+            else:
+                serve.delete("kvcache")
+        finally:
+            ray.shutdown()
+    return 0

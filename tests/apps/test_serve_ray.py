@@ -1,0 +1,125 @@
+"""``kvcache serve --ray``: two engine replicas on a local Ray Serve cluster (a subprocess, one torch
+thread a replica) behind one address, reached by the official ``openai`` client.
+
+- greedy answers equal the model's own ``generate`` (the tiny model's choices are far from ties);
+- prefix affinity: a system prompt's later requests find it in their replica's pool
+  (``cached_tokens``), with no prompt store to carry it between replicas;
+- a replica killed (SIGKILL) under load loses no request (those it held are sent again), and Ray
+  starts it again;
+- SIGTERM stops the replicas and the cluster, exit code 0 (checked when the module's server stops).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvcache.apps.serve.ray_app import routing_text
+from kvcache.apps.trained import load_pretrained
+from serve_process import ServeProcess, tiny_chat_model
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("ray.serve", reason="the ray extra (pip install kvcache[ray])")
+
+BLOCK = 16
+SYSTEMS = [f"You are assistant number {i}. Answer every question about caches in one short sentence. " * 3 for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_chat_model(tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture(scope="module")
+def local(model_dir):
+    return load_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    process = ServeProcess(tmp_path_factory.mktemp("ray"), "--ray", "--replicas", "2", "--model", str(model_dir),
+                           "--block-size", str(BLOCK), "--max-seqs", "8", "--max-bytes", "16M").start(timeout=240)  # fmt: skip
+    yield process
+    assert process.stop(timeout=120) == 0, process.output()
+    assert not replica_pids(), "replicas left running after SIGTERM"
+
+
+def replica_pids() -> list[int]:
+    """Processes of the engine replicas (Ray titles them ``ray::ServeReplica:kvcache:kvcache-engine``)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if b"ServeReplica:kvcache:kvcache-engine" in (entry / "cmdline").read_bytes():
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+def chat(server: ServeProcess, system: str, question: str, max_tokens: int = 12):
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    return c.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=max_tokens, temperature=0)
+
+
+def chat_ids(local, system: str, question: str) -> list[int]:
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    return list(local[1].apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+
+
+def greedy(local, ids: list[int], new: int) -> str:
+    model, tokenizer = local
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    return tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True)
+
+
+def test_answers_equal_generate_and_a_system_prompt_stays_on_its_replica(server, local):
+    for system in SYSTEMS:
+        shared = os.path.commonprefix([chat_ids(local, system, "What is a cache?"), chat_ids(local, system, "Why?")])
+        whole_blocks = len(shared) // BLOCK * BLOCK
+        for i, question in enumerate(("What is a cache?", "Where is it kept?", "Why does it help?")):
+            answer = chat(server, system, question)
+            assert answer.choices[0].message.content == greedy(local, chat_ids(local, system, question), 12), (system, question)
+            cached = answer.usage.prompt_tokens_details.cached_tokens
+            if i > 0:  # the replica that computed this system prompt serves it again
+                assert cached >= whole_blocks, (system, question, cached, whole_blocks)
+
+
+def test_a_replica_killed_under_load_loses_no_request_and_comes_back(server):
+    before = replica_pids()
+    assert len(before) == 2, before
+    questions = [f"Question {i}: what does a cache keep?" for i in range(8)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(chat, server, SYSTEMS[i % 2], q, 24) for i, q in enumerate(questions)]
+        time.sleep(0.5)
+        os.kill(before[0], signal.SIGKILL)
+        answers = [f.result() for f in futures]  # none raises: a request its replica held is sent again
+    assert all(a.choices[0].message.content is not None for a in answers)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and len(set(replica_pids()) - {before[0]}) < 2:
+        time.sleep(1)
+    assert len(set(replica_pids()) - {before[0]}) == 2, "Ray did not start the killed replica again within 60 s"
+    assert chat(server, SYSTEMS[0], "Still there?").choices[0].message.content is not None
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "text"),
+    [
+        ("/v1/chat/completions", b'{"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": [{"type": "text", "text": "Q"}]}]}', "system: S\nuser: Q\n"),
+        ("/v1/completions", b'{"prompt": "Once"}', "Once"),
+        ("/v1/completions", b'{"prompt": ["Once", "Twice"]}', "Once"),
+        ("/v1/completions", b'{"prompt": [1, 2, 3]}', "1 2 3"),
+        ("/v1/completions", b"not json", ""),
+        ("/v1/models", b"", ""),
+    ],
+)
+def test_the_text_a_request_is_routed_by(path, body, text):
+    assert routing_text(path, body) == text
