@@ -37,12 +37,14 @@ def add_bench(subparsers: argparse._SubParsersAction) -> None:
     engine = p.add_argument_group("suite engine (the paged engine; also --contenders)")
     engine.add_argument("--arrivals", type=name_list, default=None, metavar="NAME,...", help="some of burst, poisson (default: both)")
     serve = p.add_argument_group("suite serve (kvcache serve against transformers serve; also --contenders)")
-    serve.add_argument("--clients", type=int_list, default=None, metavar="N,...", help="concurrent client counts (default: 1,4,16,32; --quick 1,4)")
+    serve.add_argument("--clients", type=int_list, default=None, metavar="N,...", help="concurrent client counts (default: 1,4,16,32; --quick 1,4; --ray: one count, 8)")
+    serve.add_argument("--ray", action="store_true", default=None, help="two kvcache serve --ray replicas, prefix affinity against Ray Serve's default router (needs kvcache[ray])")
 
 #: Which suites take each suite-specific option.
 SUITE_OPTIONS = {
     "model": ("real", "mixes"), "contexts": ("real",), "batches": ("real",), "prefill_dir": ("real",), "contenders": ("real", "engine", "serve"),
     "shapes": ("attention",), "workloads": ("prompt",), "arrivals": ("engine",), "clients": ("serve",),
+    "ray": ("serve",),
 }  # fmt: skip
 
 
@@ -95,7 +97,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     given = {
         "model": args.model, "contexts": args.contexts, "batches": args.batches, "prefill_dir": args.prefill_cache,
         "contenders": args.contenders, "shapes": args.shapes, "workloads": args.workloads, "arrivals": args.arrivals,
-        "clients": args.clients,
+        "clients": args.clients, "ray": args.ray,
     }  # fmt: skip
     given = {k: v for k, v in given.items() if v is not None}
     misplaced = [k for k in given if args.suite not in SUITE_OPTIONS[k]]

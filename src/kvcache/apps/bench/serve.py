@@ -43,7 +43,9 @@ from ..run_options import RunOptions
 from .engine import chosen
 from .harness import report
 from .prompt_request import redis_server
-from .serve_report import OURS, PEER, plot, replica_rows, rows, summarize, table
+from .serve_report import OURS, PEER, replica_rows, rows, summarize
+from .serve_report import plot as _plot
+from .serve_report import table as _table
 from .serve_workload import ChatTexts, Load, ServerError, chat_body, chat_texts, run_load, send_together, server_env, serving
 
 CONTENDERS = (OURS, "kvcache+int8", PEER)
@@ -293,6 +295,23 @@ def measure_replicas(setup: Setup, bar: Any = None) -> dict[str, Any]:
 # ---- the run -------------------------------------------------------------------------------------
 
 
+def table(result: dict[str, Any]) -> str:
+    """The result's table: the loads and replicas, or (``serve-ray``) the routers."""
+    if result.get("suite") == "serve-ray":
+        from . import serve_ray
+
+        return serve_ray.table(result)
+    return _table(result)
+
+
+def plot(result: dict[str, Any], path) -> None:
+    if result.get("suite") == "serve-ray":
+        from . import serve_ray
+
+        return serve_ray.plot(result, path)
+    return _plot(result, path)
+
+
 @contextlib.contextmanager
 def _scratch() -> Iterator[Path]:
     with tempfile.TemporaryDirectory(prefix="kvcache-bench-serve-") as folder:
@@ -300,11 +319,22 @@ def _scratch() -> Iterator[Path]:
 
 
 def run(options: RunOptions = RunOptions(), *, contenders: Sequence[str] | None = None,
-        clients: Sequence[int] | None = None) -> dict[str, Any]:  # fmt: skip
+        clients: Sequence[int] | None = None, ray: bool = False) -> dict[str, Any]:  # fmt: skip
     """Run the suite (``contenders``: some of ``CONTENDERS``, default all; ``clients``: client counts,
-    default ``sizes(options).clients``); write ``serve.json``/``.md``/``.png`` into ``options.out``."""
+    default ``sizes(options).clients``); write ``serve.json``/``.md``/``.png`` into ``options.out``.
+    ``ray``: the replicas on Ray Serve instead, prefix affinity against the default router
+    (``serve_ray.py``; ``serve-ray.*``)."""
     from tqdm.auto import tqdm
     from transformers import AutoTokenizer
+
+    if ray:
+        from . import serve_ray
+
+        if contenders is not None:
+            from ...errors import KVCacheError
+
+            raise KVCacheError("bench serve --ray compares its two routers; --contenders does not apply")
+        return serve_ray.run(options, clients=list(clients) if clients else None)
 
     names = chosen(contenders, CONTENDERS, "contender")
     s = sizes(options)
@@ -363,4 +393,4 @@ def _report(options: RunOptions, setup: Setup, names: Sequence[str], model_name:
         "tiny": options.tiny,
     }
     replica = replica_rows(replicas, t, s.store_chunk)
-    return report("serve", options, config, table_rows, table, plot, summary=summarize(table_rows, judged), replicas=replica)
+    return report("serve", options, config, table_rows, _table, _plot, summary=summarize(table_rows, judged), replicas=replica)

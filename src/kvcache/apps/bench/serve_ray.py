@@ -1,0 +1,245 @@
+"""``kvcache bench serve --ray``: two ``kvcache serve --ray`` replicas with prefix affinity against two
+with Ray Serve's default router (power of two choices), on many users of a few system prompts.
+
+The workload: ``systems`` (8) system messages of about ``shared`` tokens (the package's source text,
+each opened by its own words, so no two share a block), and distinct user messages; request ``i``
+takes system message ``i % systems`` and user message ``i``, greedy, ``new_tokens`` new tokens,
+streamed. ``clients`` clients send the ``requests`` requests in order, each one after its previous
+answer ended. Each replica's pool holds ``max_seqs`` (the client count) sessions of the largest
+prompt plus its new tokens, nothing shared, as ``bench serve`` sizes it: the two pools together hold
+every system message, one does not, so where a request lands decides what it finds. No prompt store
+(it would carry prompts between replicas and hide the routing).
+
+Per contender (``prefix``, ``default``), run in turn, ``repeats`` times, the order rotated each
+repeat: the server started (Ray and its replicas, the model loaded in each), one warm-up request of
+another system message, the load, the server stopped (SIGTERM). Reported per contender (medians over
+the repeats): the share of a system message's whole blocks found cached on its second and later
+requests (``usage.prompt_tokens_details.cached_tokens``, at most the system part counted), TTFT p50 and
+p95 over all requests, output tokens per second over the load's wall time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from ..run_options import RunOptions
+from .harness import report
+from .serve_workload import Sample, ServerError, chat_body, chat_texts, http_client, send_together, server_env, serving, stream_chat
+
+CONTENDERS = ("prefix", "default")
+
+
+@dataclass(frozen=True)
+class Sizes:
+    systems: int
+    shared: int  # tokens of each system message
+    user: int
+    new_tokens: int
+    requests: int
+    clients: int
+    repeats: int
+    block_size: int
+    threads: int  # torch threads of each replica (Ray gives a replica this many CPUs)
+
+
+FULL = Sizes(systems=8, shared=256, user=32, new_tokens=16, requests=96, clients=8, repeats=2, block_size=16, threads=1)
+
+
+def sizes(options: RunOptions) -> Sizes:
+    """``full``: 96 requests, two repeats (about 8 minutes on 2 cores); ``quick``: 48 requests, one
+    repeat; ``tiny``: the shipped tiny model, 16 short requests (its numbers mean nothing)."""
+    return options.pick(
+        tiny=replace(FULL, systems=4, shared=48, user=8, new_tokens=4, requests=16, clients=4, repeats=1),
+        quick=replace(FULL, requests=48, repeats=1),
+        full=FULL,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Workload:
+    folder: Path
+    systems: tuple[str, ...]
+    users: tuple[str, ...]
+    other: str  # the warm-up's system message
+    system_blocks: int  # whole blocks of a request's prompt that its system message fills
+    prompt: int  # the largest prompt, tokens
+    s: Sizes
+
+    def body(self, i: int) -> dict[str, Any]:
+        messages = [{"role": "system", "content": self.systems[i % len(self.systems)]}, {"role": "user", "content": self.users[i % len(self.users)]}]
+        return chat_body(str(self.folder), messages, self.s.new_tokens)
+
+    def max_bytes(self, kv_bytes_per_token: int) -> int:
+        s = self.s
+        tokens = -(-(self.prompt + s.new_tokens) // s.block_size) * s.block_size
+        return s.clients * tokens * kv_bytes_per_token
+
+
+def workload(folder: Path, s: Sizes) -> Workload:
+    """The messages (see the module docstring) and their token counts under the model's template."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    texts = chat_texts(tokenizer, s.shared, s.user, s.requests)
+    systems = tuple(f"Assistant {k} of {s.systems}. {texts.system}" for k in range(s.systems))
+
+    def ids(system: str, user: str) -> list[int]:
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+
+    shared = len(os.path.commonprefix([ids(systems[0], texts.users[0]), ids(systems[0], texts.users[1])]))
+    prompt = max(len(ids(systems[i % s.systems], texts.users[i])) for i in range(s.requests))
+    return Workload(folder, systems, texts.users, texts.other_system, shared // s.block_size, prompt, s)
+
+
+def command(w: Workload, router: str, max_bytes: int):
+    s = w.s
+    args = [sys.executable, "-m", "kvcache", "serve", "--ray", "--replicas", "2", "--router", router, "--model", str(w.folder),
+            "--host", "127.0.0.1", "--max-seqs", str(s.clients), "--max-bytes", str(max_bytes), "--block-size", str(s.block_size),
+            "--log-level", "warning"]  # fmt: skip
+    return lambda port: [*args, "--port", str(port)]
+
+
+async def _send_all(url: str, w: Workload) -> tuple[list[Sample], float]:
+    queue: asyncio.Queue = asyncio.Queue()
+    for i in range(w.s.requests):
+        queue.put_nowait(i)
+    samples: dict[int, Sample] = {}
+
+    async def client(http: Any) -> None:
+        while not queue.empty():
+            i = queue.get_nowait()
+            samples[i] = await stream_chat(http, url, w.body(i))
+
+    start = time.perf_counter()
+    async with http_client(w.s.clients, 600.0) as http:
+        await asyncio.gather(*(client(http) for _ in range(w.s.clients)))
+    return [samples[i] for i in range(w.s.requests)], time.perf_counter() - start
+
+
+def measure(w: Workload, router: str, max_bytes: int, log: Path) -> dict[str, Any]:
+    """One run of ``router``'s server: its numbers, or ``{"reason": ...}``."""
+    try:
+        with serving(command(w, router, max_bytes), server_env(w.s.threads), log, startup_s=300) as url:
+            endpoint = url + "/v1/chat/completions"
+            warm = send_together(endpoint, [chat_body(str(w.folder), [{"role": "system", "content": w.other}, {"role": "user", "content": w.users[0]}], 2)])
+            if warm[0].error:
+                return {"reason": f"warm-up failed: {warm[0].error}"}
+            samples, wall = asyncio.run(_send_all(endpoint, w))
+    except ServerError as e:
+        return {"reason": f"failed: {e}"}
+    errors = [s.error for s in samples if s.error]
+    if errors:
+        return {"reason": f"{len(errors)} requests failed: {errors[0]}"}
+    return summarize(w, samples, wall)
+
+
+def summarize(w: Workload, samples: list[Sample], wall: float) -> dict[str, Any]:
+    """The numbers of one load (see the module docstring)."""
+    whole = w.system_blocks * w.s.block_size
+    repeats = [s for i, s in enumerate(samples) if i >= w.s.systems]
+    cached = sum(min(s.cached_tokens or 0, whole) for s in repeats)
+    ttfts = sorted(s.ttft_s for s in samples if s.ttft_s is not None)
+    return {
+        "cached_share": cached / (whole * len(repeats)) if repeats and whole else 0.0,
+        "ttft_p50_s": _quantile(ttfts, 0.5), "ttft_p95_s": _quantile(ttfts, 0.95),
+        "tokens_per_s": sum(s.tokens for s in samples) / wall, "wall_s": wall, "requests": len(samples),
+        "samples": [s.summary() for s in samples],
+    }  # fmt: skip
+
+
+def _quantile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    return values[min(len(values) - 1, max(0, round(q * (len(values) - 1))))]
+
+
+@contextlib.contextmanager
+def _scratch() -> Iterator[Path]:
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="kvcache-bench-serve-ray-") as folder:
+        yield Path(folder)
+
+
+def run(options: RunOptions = RunOptions(), *, clients: list[int] | None = None) -> dict[str, Any]:
+    """Run the comparison (``clients``: one client count instead of the sizes'); write
+    ``serve-ray.json``/``.md``/``.png`` into ``options.out``."""
+    from tqdm.auto import tqdm
+
+    from .serve import kv_bytes_per_token, model_folder
+
+    s = sizes(options)
+    if clients:
+        if len(clients) != 1:
+            from ...errors import KVCacheError
+
+            raise KVCacheError(f"bench serve --ray takes one client count, got {clients}")
+        s = replace(s, clients=clients[0])
+    with _scratch() as scratch:
+        folder, model_name = model_folder(options, scratch)
+        w = workload(folder, s)
+        max_bytes = w.max_bytes(kv_bytes_per_token(folder))
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in CONTENDERS}
+        with tqdm(total=s.repeats * len(CONTENDERS), desc="bench serve --ray", disable=not options.progress) as bar:
+            for r in range(s.repeats):
+                for name in CONTENDERS[r % 2 :] + CONTENDERS[: r % 2]:
+                    bar.set_postfix_str(f"{name}, repeat {r + 1}")
+                    runs[name].append(measure(w, name, max_bytes, scratch / f"{name}-{r}.log"))
+                    bar.update()
+    rows = [_row(name, runs[name]) for name in CONTENDERS]
+    config = asdict(s) | {
+        "model": model_name, "replicas": 2, "max_bytes_per_replica": max_bytes, "system_blocks": w.system_blocks,
+        "prompt_tokens_max": w.prompt, "cpu_count": os.cpu_count(),
+        "configured": {name: f"kvcache serve --ray --replicas 2 --router {name} --max-seqs {s.clients} --max-bytes {max_bytes} "
+                       f"--block-size {s.block_size} (each replica one CPU, {s.threads} torch thread)" for name in CONTENDERS},
+    }  # fmt: skip
+    return report("serve-ray", options, config, rows, table, plot, runs=runs)
+
+
+def _row(name: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    done = [r for r in runs if "reason" not in r]
+    if not done:
+        return {"contender": name, "reason": runs[0]["reason"] if runs else "not run"}
+    keys = ("cached_share", "ttft_p50_s", "ttft_p95_s", "tokens_per_s")
+    return {"contender": name, "repeats": len(done), **{k: statistics.median(r[k] for r in done) for k in keys}}
+
+
+def table(result: dict[str, Any]) -> str:
+    from .common import markdown_table
+
+    c = result["config"]
+    head = (f"Two `kvcache serve --ray` replicas, {c['model']}: {c['requests']} requests of {c['systems']} system messages "
+            f"({c['system_blocks']} blocks of {c['block_size']} tokens each) from {c['clients']} clients; medians of "
+            f"{c['repeats']} repeat(s)")  # fmt: skip
+    body = [[r["contender"], f"{r['cached_share']:.0%}" if "cached_share" in r else r["reason"],
+             f"{r['ttft_p50_s']:.3f}" if "ttft_p50_s" in r else "", f"{r['ttft_p95_s']:.3f}" if "ttft_p95_s" in r else "",
+             f"{r['tokens_per_s']:.1f}" if "tokens_per_s" in r else ""] for r in result["rows"]]  # fmt: skip
+    lines = [head, markdown_table(["router", "system blocks cached (2nd+ requests)", "TTFT p50 s", "TTFT p95 s", "tokens/s"], body)]
+    rows = {r["contender"]: r for r in result["rows"]}
+    if all("ttft_p95_s" in rows.get(n, {}) for n in CONTENDERS) and rows["default"]["ttft_p95_s"] > 0:
+        lines.append(f"TTFT p95, prefix / default: {rows['prefix']['ttft_p95_s'] / rows['default']['ttft_p95_s']:.2f}x")
+    return "\n\n".join(lines) + "\n"
+
+
+def plot(result: dict[str, Any], path) -> None:
+    """Each request's TTFT in the order sent, per router (the first repeat)."""
+    from .common import figure, finish_axes
+
+    with figure(path, panels=1) as (ax,):
+        for name, runs in result.get("runs", {}).items():
+            done = [r for r in runs if "samples" in r]
+            if done:
+                ttft = [s["ttft_s"] for s in done[0]["samples"]]
+                ax.plot(range(len(ttft)), ttft, marker=".", linestyle="", label=name)
+        finish_axes(ax, "request (in the order sent)", "TTFT (s)", "two replicas: prefix affinity against the default router")
+        ax.set_xscale("linear")
