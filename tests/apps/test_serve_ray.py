@@ -123,3 +123,49 @@ def test_a_replica_killed_under_load_loses_no_request_and_comes_back(server):
 )
 def test_the_text_a_request_is_routed_by(path, body, text):
     assert routing_text(path, body) == text
+
+
+def test_the_application_builder_takes_text_arguments_and_refuses_unknown_ones():
+    from kvcache.apps.serve.ray_app import ENGINE, app_builder
+
+    app = app_builder({"model": "tiny", "replicas": "3", "router": "default", "max_bytes": "1048576", "cpus": "0.5"})
+    engine = app._bound_deployment.init_args[0]._bound_deployment  # the engine deployment the ingress is bound to
+    assert engine.name == ENGINE and engine.num_replicas == 3 and engine.ray_actor_options["num_cpus"] == 0.5
+    assert engine.init_args[0]["max_bytes"] == 1048576 and engine.init_args[0]["model"] == "tiny"
+    with pytest.raises(ValueError, match="unknown arguments \\['replica'\\]"):
+        app_builder({"replica": "2"})
+    with pytest.raises(ValueError, match="router must be one of"):
+        app_builder({"router": "random"})
+
+
+def test_the_shipped_serve_config_builds():
+    import yaml
+
+    from kvcache.apps.serve.ray_app import app_builder
+
+    config = yaml.safe_load((Path(__file__).parents[2] / "docs" / "ray-serve.yaml").read_text())
+    (application,) = config["applications"]
+    assert application["import_path"] == "kvcache.apps.serve.ray_app:app_builder"
+    assert app_builder(application["args"]) is not None
+
+
+@pytest.mark.parametrize("args", [["--replicas", "2"], ["--router", "prefix"], ["--ray-address", "auto"]])
+def test_ray_options_without_ray_are_refused(capsys, args):
+    from kvcache.apps.cli import main
+
+    assert main(["serve", "--model", "tiny", *args]) != 0
+    assert "only apply with --ray" in capsys.readouterr().err
+
+
+def test_the_bench_counts_a_system_messages_whole_blocks_on_its_later_requests_only():
+    from kvcache.apps.bench.serve_ray import FULL, Workload, summarize
+    from kvcache.apps.bench.serve_workload import Sample
+
+    s = FULL.__class__(**{**FULL.__dict__, "systems": 2, "requests": 5, "block_size": 16})
+    w = Workload(Path("."), ("a", "b"), ("u",), "o", 3, 100, s)  # 3 whole blocks: 48 tokens a system message
+    cached = [0, 0, 48, 64, 16]  # the first two are first requests; 64 counts as 48 (a user block too)
+    samples = [Sample(sent=0.0, texts=[0.1 * (i + 1)], end=1.0, tokens=4, cached_tokens=c) for i, c in enumerate(cached)]
+    got = summarize(w, samples, wall=2.0)
+    assert got["cached_share"] == (48 + 48 + 16) / (3 * 48)
+    assert got["tokens_per_s"] == 20 / 2.0
+    assert got["ttft_p50_s"] == pytest.approx(0.3) and got["ttft_p95_s"] == pytest.approx(0.5)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import re
+from dataclasses import replace
 
 from ..errors import KVCacheError
 from .cli_options import add_command
@@ -28,6 +29,7 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ray", action="store_true", help="serve from replicas on Ray Serve (a local cluster, or --ray-address): needs 'pip install kvcache[ray]'")
     p.add_argument("--replicas", type=int, default=None, metavar="N", help="engine replicas with --ray, each with its own pool (default: 2)")
     p.add_argument("--router", default=None, choices=("prefix", "default"), help="with --ray: prefix (Ray Serve's PrefixCacheAffinityRouter) or default (power of two choices) (default: prefix)")
+    p.add_argument("--imbalance", type=float, default=None, metavar="N", help="with --router prefix: the queue-length difference beyond which load wins over prefix (default: 2)")
     p.add_argument("--ray-address", default=None, metavar="ADDR", help="with --ray: a running Ray cluster (default: start a local one)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"), help="(default: %(default)s)")
 
@@ -63,7 +65,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         port=args.port, max_seqs=args.max_seqs, max_bytes=args.max_bytes, block_size=args.block_size,
         max_batch_tokens=args.max_batch_tokens, max_queue=args.max_queue, api_key=args.api_key, log_level=args.log_level,
     )  # fmt: skip
-    ray_flags = {"--replicas": args.replicas, "--router": args.router, "--ray-address": args.ray_address}
+    ray_flags = {"--replicas": args.replicas, "--router": args.router, "--imbalance": args.imbalance, "--ray-address": args.ray_address}
     if not args.ray:
         given = [name for name, value in ray_flags.items() if value is not None]
         if given:
@@ -73,5 +75,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.replicas is not None and args.replicas < 1:
         raise KVCacheError(f"--replicas must be at least 1, got {args.replicas}")
+    if args.imbalance is not None and args.imbalance <= 0:
+        raise KVCacheError(f"--imbalance must be positive, got {args.imbalance}")
     ray_options = RayOptions(replicas=args.replicas or 2, router=args.router or "prefix")
+    if args.imbalance is not None:
+        ray_options = replace(ray_options, imbalance=args.imbalance)
     return serve_ray(options, ray_options, args.ray_address)

@@ -5,10 +5,10 @@ The workload: ``systems`` (8) system messages of about ``shared`` tokens (the pa
 each opened by its own words, so no two share a block), and distinct user messages; request ``i``
 takes system message ``i % systems`` and user message ``i``, greedy, ``new_tokens`` new tokens,
 streamed. ``clients`` clients send the ``requests`` requests in order, each one after its previous
-answer ended. Each replica's pool holds ``max_seqs`` (the client count) sessions of the largest
-prompt plus its new tokens, nothing shared, as ``bench serve`` sizes it: the two pools together hold
-every system message, one does not, so where a request lands decides what it finds. No prompt store
-(it would carry prompts between replicas and hide the routing).
+answer ended. Each replica's pool holds half the system messages and every client's own tokens
+(``Workload.max_bytes``): the two pools together hold every system message, one does not, so
+where a request lands decides what it finds (the case prefix affinity is for: more prompts than one
+replica's memory). No prompt store (it would carry prompts between replicas and hide the routing).
 
 Per contender (``prefix``, ``default``), run in turn, ``repeats`` times, the order rotated each
 repeat: the server started (Ray and its replicas, the model loaded in each), one warm-up request of
@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ..run_options import RunOptions
+from ..serve.ray_app import RayOptions
 from .harness import report
 from .serve_workload import Sample, ServerError, chat_body, chat_texts, http_client, send_together, server_env, serving, stream_chat
 
@@ -79,9 +80,12 @@ class Workload:
         return chat_body(str(self.folder), messages, self.s.new_tokens)
 
     def max_bytes(self, kv_bytes_per_token: int) -> int:
+        """A replica's pool: half the system messages' whole blocks, and every client's own part
+        (the rest of its prompt and its new tokens, in whole blocks) with a block to spare."""
         s = self.s
-        tokens = -(-(self.prompt + s.new_tokens) // s.block_size) * s.block_size
-        return s.clients * tokens * kv_bytes_per_token
+        own = -(-(self.prompt - self.system_blocks * s.block_size + s.new_tokens) // s.block_size) + 1
+        blocks = -(-s.systems // 2) * self.system_blocks + s.clients * own
+        return blocks * s.block_size * kv_bytes_per_token
 
 
 def workload(folder: Path, s: Sizes) -> Workload:
@@ -199,7 +203,7 @@ def run(options: RunOptions = RunOptions(), *, clients: list[int] | None = None)
     rows = [_row(name, runs[name]) for name in CONTENDERS]
     config = asdict(s) | {
         "model": model_name, "replicas": 2, "max_bytes_per_replica": max_bytes, "system_blocks": w.system_blocks,
-        "prompt_tokens_max": w.prompt, "cpu_count": os.cpu_count(),
+        "prompt_tokens_max": w.prompt, "cpu_count": os.cpu_count(), "imbalance": RayOptions().imbalance,
         "configured": {name: f"kvcache serve --ray --replicas 2 --router {name} --max-seqs {s.clients} --max-bytes {max_bytes} "
                        f"--block-size {s.block_size} (each replica one CPU, {s.threads} torch thread)" for name in CONTENDERS},
     }  # fmt: skip

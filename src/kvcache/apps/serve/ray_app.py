@@ -65,7 +65,7 @@ class RayOptions:
 
     replicas: int = 2
     router: str = "prefix"
-    imbalance: float = 16.0  # queue length difference beyond which the prefix router balances load
+    imbalance: float = 4.0  # queue length difference beyond which the prefix router balances load
     cpus: float = 1.0  # CPUs a replica reserves (Ray sets its torch threads to this)
     retries: int = 2  # times a request is sent again when its replica dies before answering
 
