@@ -29,7 +29,7 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ray", action="store_true", help="serve from replicas on Ray Serve (a local cluster, or --ray-address): needs 'pip install kvcache[ray]'")
     p.add_argument("--replicas", type=int, default=None, metavar="N", help="engine replicas with --ray, each with its own pool (default: 2)")
     p.add_argument("--router", default=None, choices=("prefix", "default"), help="with --ray: prefix (Ray Serve's PrefixCacheAffinityRouter) or default (power of two choices) (default: prefix)")
-    p.add_argument("--imbalance", type=float, default=None, metavar="N", help="with --router prefix: the queue-length difference beyond which load wins over prefix (default: 2)")
+    p.add_argument("--imbalance", type=float, default=None, metavar="N", help="with --router prefix: the queue-length difference beyond which load wins over prefix (default: 4)")
     p.add_argument("--ray-address", default=None, metavar="ADDR", help="with --ray: a running Ray cluster (default: start a local one)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"), help="(default: %(default)s)")
 
