@@ -6,7 +6,9 @@ thread a replica) behind one address, reached by the official ``openai`` client.
   (``cached_tokens``), with no prompt store to carry it between replicas;
 - a replica killed (SIGKILL) under load loses no request (those it held are sent again), and Ray
   starts it again;
-- SIGTERM stops the replicas and the cluster, exit code 0 (checked when the module's server stops).
+- SIGTERM stops the replicas and the cluster, exit code 0.
+
+These run in one test on one cluster; the rest need no cluster.
 """
 
 from __future__ import annotations
@@ -41,26 +43,29 @@ def local(model_dir):
     return load_pretrained(model_dir)
 
 
-@pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
-    process = ServeProcess(tmp_path_factory.mktemp("ray"), "--ray", "--replicas", "2", "--model", str(model_dir),
-                           "--block-size", str(BLOCK), "--max-seqs", "8", "--max-bytes", "16M").start(timeout=240)  # fmt: skip
-    yield process
-    assert process.stop(timeout=120) == 0, process.output()
-    assert not replica_pids(), "replicas left running after SIGTERM"
-
-
-def replica_pids() -> list[int]:
-    """Processes of the engine replicas (Ray titles them ``ray::ServeReplica:kvcache:kvcache-engine``)."""
-    pids = []
+def replica_pids(root: int) -> list[int]:
+    """The engine replicas among ``root``'s descendants (Ray titles them
+    ``ray::ServeReplica:kvcache:kvcache-engine``): another cluster's are not counted."""
+    parents = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                if b"ServeReplica:kvcache:kvcache-engine" in (entry / "cmdline").read_bytes():
-                    pids.append(int(entry.name))
-            except OSError:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
                 continue
-    return pids
+    family, grew = {root}, True
+    while grew:
+        more = {pid for pid, parent in parents.items() if parent in family} - family
+        family |= more
+        grew = bool(more)
+    return sorted(pid for pid in family if is_replica(pid))
+
+
+def is_replica(pid: int) -> bool:
+    try:
+        return b"ServeReplica:kvcache:kvcache-engine" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
 
 
 def chat(server: ServeProcess, system: str, question: str, max_tokens: int = 12):
@@ -81,7 +86,24 @@ def greedy(local, ids: list[int], new: int) -> str:
     return tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True)
 
 
-def test_answers_equal_generate_and_a_system_prompt_stays_on_its_replica(server, local):
+def test_two_replicas_answer_as_generate_keep_prefixes_survive_a_kill_and_stop_on_sigterm(model_dir, local, tmp_path):
+    """One cluster for every check (a cluster takes about half a minute to start, and one test
+    keeps it on one xdist worker)."""
+    server = ServeProcess(tmp_path, "--ray", "--replicas", "2", "--model", str(model_dir), "--block-size", str(BLOCK),
+                          "--max-seqs", "8", "--max-bytes", "16M").start(timeout=240)  # fmt: skip
+    try:
+        replicas = replica_pids(server.process.pid)
+        assert len(replicas) == 2, replicas
+        answers_equal_generate_and_a_system_prompt_stays_on_its_replica(server, local)
+        a_replica_killed_under_load_loses_no_request_and_comes_back(server, replicas[0])
+        replicas = replica_pids(server.process.pid)
+    finally:
+        code = server.stop(timeout=120)
+    assert code == 0, server.output()
+    assert not [pid for pid in replicas if is_replica(pid)], "replicas left running after SIGTERM"
+
+
+def answers_equal_generate_and_a_system_prompt_stays_on_its_replica(server, local):
     for system in SYSTEMS:
         shared = os.path.commonprefix([chat_ids(local, system, "What is a cache?"), chat_ids(local, system, "Why?")])
         whole_blocks = len(shared) // BLOCK * BLOCK
@@ -93,20 +115,18 @@ def test_answers_equal_generate_and_a_system_prompt_stays_on_its_replica(server,
                 assert cached >= whole_blocks, (system, question, cached, whole_blocks)
 
 
-def test_a_replica_killed_under_load_loses_no_request_and_comes_back(server):
-    before = replica_pids()
-    assert len(before) == 2, before
+def a_replica_killed_under_load_loses_no_request_and_comes_back(server, victim: int):
     questions = [f"Question {i}: what does a cache keep?" for i in range(8)]
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(chat, server, SYSTEMS[i % 2], q, 24) for i, q in enumerate(questions)]
         time.sleep(0.5)
-        os.kill(before[0], signal.SIGKILL)
+        os.kill(victim, signal.SIGKILL)
         answers = [f.result() for f in futures]  # none raises: a request its replica held is sent again
     assert all(a.choices[0].message.content is not None for a in answers)
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and len(set(replica_pids()) - {before[0]}) < 2:
+    while time.monotonic() < deadline and len(set(replica_pids(server.process.pid)) - {victim}) < 2:
         time.sleep(1)
-    assert len(set(replica_pids()) - {before[0]}) == 2, "Ray did not start the killed replica again within 60 s"
+    assert len(set(replica_pids(server.process.pid)) - {victim}) == 2, "Ray did not start the killed replica again within 60 s"
     assert chat(server, SYSTEMS[0], "Still there?").choices[0].message.content is not None
 
 
