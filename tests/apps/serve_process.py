@@ -23,6 +23,17 @@ def tiny_chat_model(folder: Path) -> Path:
     return target if target.exists() else tiny_chat_folder(folder)
 
 
+def greedy(local, ids: list[int], new: int) -> str:
+    """The text of ``new`` greedy tokens after ``ids`` by the model's own ``generate`` (``local``:
+    ``(model, tokenizer)``), the reference a server's temperature-0 answer is held to."""
+    import torch
+
+    model, tokenizer = local
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    return tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True)
+
+
 def tiny_chat_server(folder: Path, model_dir: Path) -> ServeProcess:
     """The server the client tests share, started: ``model_dir``, 16-token blocks, 8 requests at
     once, a 64 MiB pool."""

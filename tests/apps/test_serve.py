@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kvcache.apps.trained import load_pretrained
-from serve_process import ServeProcess, tiny_chat_model, tiny_chat_server
+from serve_process import ServeProcess, greedy, tiny_chat_model, tiny_chat_server
 
 openai = pytest.importorskip("openai")  # the test extra brings it; without it this file cannot run
 
@@ -45,13 +45,6 @@ def server(model_dir, tmp_path_factory):
 
 def client(server: ServeProcess, key: str = "none") -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=60)
-
-
-def greedy(local, ids: list[int], new: int) -> str:
-    model, tokenizer = local
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    return tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True)
 
 
 def completion_ids(local, prompt: str) -> list[int]:

@@ -20,27 +20,16 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from kvcache.apps.serve.ray_app import routing_text
 from kvcache.apps.trained import load_pretrained
-from serve_process import ServeProcess, tiny_chat_model
+from serve_process import ServeProcess, greedy, tiny_chat_model
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("ray.serve", reason="the ray extra (pip install kvcache[ray])")
 
 BLOCK = 16
 SYSTEMS = [f"You are assistant number {i}. Answer every question about caches in one short sentence. " * 3 for i in range(4)]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_chat_model(tmp_path_factory.mktemp("model"))
-
-
-@pytest.fixture(scope="module")
-def local(model_dir):
-    return load_pretrained(model_dir)
 
 
 def replica_pids(root: int) -> list[int]:
@@ -79,16 +68,11 @@ def chat_ids(local, system: str, question: str) -> list[int]:
     return list(local[1].apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
 
 
-def greedy(local, ids: list[int], new: int) -> str:
-    model, tokenizer = local
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    return tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True)
-
-
-def test_two_replicas_answer_as_generate_keep_prefixes_survive_a_kill_and_stop_on_sigterm(model_dir, local, tmp_path):
+def test_two_replicas_answer_as_generate_keep_prefixes_survive_a_kill_and_stop_on_sigterm(tmp_path):
     """One cluster for every check (a cluster takes about half a minute to start, and one test
     keeps it on one xdist worker)."""
+    model_dir = tiny_chat_model(tmp_path)
+    local = load_pretrained(model_dir)
     server = ServeProcess(tmp_path, "--ray", "--replicas", "2", "--model", str(model_dir), "--block-size", str(BLOCK),
                           "--max-seqs", "8", "--max-bytes", "16M").start(timeout=240)  # fmt: skip
     try:

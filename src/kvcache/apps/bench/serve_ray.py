@@ -21,12 +21,10 @@ p95 over all requests, output tokens per second over the load's wall time.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import statistics
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -167,20 +165,12 @@ def _quantile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, max(0, round(q * (len(values) - 1))))]
 
 
-@contextlib.contextmanager
-def _scratch() -> Iterator[Path]:
-    import tempfile
-
-    with tempfile.TemporaryDirectory(prefix="kvcache-bench-serve-ray-") as folder:
-        yield Path(folder)
-
-
 def run(options: RunOptions = RunOptions(), *, clients: list[int] | None = None) -> dict[str, Any]:
     """Run the comparison (``clients``: one client count instead of the sizes'); write
     ``serve-ray.json``/``.md``/``.png`` into ``options.out``."""
     from tqdm.auto import tqdm
 
-    from .serve import kv_bytes_per_token, model_folder
+    from .serve import _scratch, kv_bytes_per_token, model_folder
 
     s = sizes(options)
     if clients:

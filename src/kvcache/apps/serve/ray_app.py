@@ -179,9 +179,8 @@ class Ingress:
             except RayError as e:  # the replica died mid-answer: the client sees the stream end
                 log.warning("a replica failed mid-answer (%s)", type(e).__name__)
 
-        kept = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers if k.lower() not in (b"content-length", b"transfer-encoding")]
         response = StreamingResponse(rest(), status_code=status)
-        response.raw_headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in kept]
+        response.raw_headers = [(k.lower(), v) for k, v in headers if k.lower() not in (b"content-length", b"transfer-encoding")]
         return response
 
 
