@@ -27,18 +27,7 @@ def load_model(name_or_dir: str, device: str = "cpu", dtype: str = "auto") -> tu
     ``AutoTokenizer`` / ``AutoModelForCausalLM``, never from the hub. Half-precision weights on the
     CPU are checked first (:func:`.cli_options.check_half_precision`).
     """
-    from ..models import find_entry, known_names, model_path
-
-    if name_or_dir == TINY:
-        from .trained import MODEL_DIR
-
-        name_or_dir = str(MODEL_DIR)
-    elif find_entry(name_or_dir) is not None:
-        name_or_dir = str(model_path(name_or_dir))
-    if not os.path.isdir(name_or_dir):
-        raise KVCacheError(
-            f"--model: {name_or_dir!r} is neither {TINY!r} nor a model directory nor a known model ({known_names()})"
-        )
+    name_or_dir = model_dir(name_or_dir)
     loads_in = weights_dtype(name_or_dir, dtype)
     if device == "cpu" and loads_in in HALF_DTYPES:
         check_half_precision(f"--model {name_or_dir} in {loads_in}")
@@ -49,3 +38,29 @@ def load_model(name_or_dir: str, device: str = "cpu", dtype: str = "auto") -> tu
     except (OSError, ValueError, KeyError) as e:
         reason = " ".join(str(e).split())
         raise KVCacheError(f"cannot load a model and tokenizer from {name_or_dir}: {reason}") from e
+
+
+def model_dir(name_or_dir: str) -> str:
+    """The folder ``--model`` names (a registry model is downloaded and converted the first time)."""
+    from ..models import find_entry, known_names, model_path
+
+    if name_or_dir == TINY:
+        from .trained import MODEL_DIR
+
+        name_or_dir = str(MODEL_DIR)
+    elif find_entry(name_or_dir) is not None:
+        name_or_dir = str(model_path(name_or_dir))
+    if not os.path.isdir(name_or_dir):
+        raise KVCacheError(f"--model: {name_or_dir!r} is neither {TINY!r} nor a model directory nor a known model ({known_names()})")
+    return name_or_dir
+
+
+def load_tokenizer(name_or_dir: str) -> Any:
+    """The tokenizer ``load_model`` pairs with ``--model``'s model, alone (no weights loaded)."""
+    from transformers import AutoTokenizer
+
+    folder = model_dir(name_or_dir)
+    try:
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise KVCacheError(f"cannot load a tokenizer from {folder}: {' '.join(str(e).split())}") from e

@@ -38,7 +38,7 @@ def add_bench(subparsers: argparse._SubParsersAction) -> None:
     engine.add_argument("--arrivals", type=name_list, default=None, metavar="NAME,...", help="some of burst, poisson (default: both)")
     serve = p.add_argument_group("suite serve (kvcache serve against transformers serve; also --contenders)")
     serve.add_argument("--clients", type=int_list, default=None, metavar="N,...", help="concurrent client counts (default: 1,4,16,32; --quick 1,4; --ray: one count, 8)")
-    serve.add_argument("--ray", action="store_true", default=None, help="two kvcache serve --ray replicas, prefix affinity against Ray Serve's default router (needs kvcache[ray])")
+    serve.add_argument("--ray", action="store_true", default=None, help="two kvcache serve --ray replicas under each router: blocks, prefix (Ray Serve's, on text) and default (needs kvcache[ray])")
 
 #: Which suites take each suite-specific option.
 SUITE_OPTIONS = {

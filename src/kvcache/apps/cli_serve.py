@@ -28,8 +28,8 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", default=None, metavar="KEY", help="require 'Authorization: Bearer KEY' (default: $KVCACHE_API_KEY, else none)")
     p.add_argument("--ray", action="store_true", help="serve from replicas on Ray Serve (a local cluster, or --ray-address): needs 'pip install kvcache[ray]'")
     p.add_argument("--replicas", type=int, default=None, metavar="N", help="engine replicas with --ray, each with its own pool (default: 2)")
-    p.add_argument("--router", default=None, choices=("prefix", "default"), help="with --ray: prefix (Ray Serve's PrefixCacheAffinityRouter) or default (power of two choices) (default: prefix)")
-    p.add_argument("--imbalance", type=float, default=None, metavar="N", help="with --router prefix: the queue-length difference beyond which load wins over prefix (default: 4)")
+    p.add_argument("--router", default=None, choices=("blocks", "prefix", "default"), help="with --ray: blocks (the replica whose pool holds the longest prefix of the prompt's blocks), prefix (Ray Serve's PrefixCacheAffinityRouter, on text) or default (power of two choices) (default: blocks)")
+    p.add_argument("--imbalance", type=float, default=None, metavar="N", help="with --router blocks or prefix: the queue-length difference beyond which load wins over prefix (default: 4)")
     p.add_argument("--ray-address", default=None, metavar="ADDR", help="with --ray: a running Ray cluster (default: start a local one)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"), help="(default: %(default)s)")
 
@@ -52,8 +52,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     new ones are refused, then the process exits 0. Needs 'pip install kvcache[serve]'.
 
     With --ray, N replicas (--replicas), each an engine with its own pool, serve behind one
-    address on Ray Serve, a request going to the replica that served the longest prefix of its
-    text (--router prefix); Ray restarts a replica that dies. Needs 'pip install kvcache[ray]'.
+    address on Ray Serve, a request going to the replica whose pool holds the longest prefix of
+    its prompt (--router blocks); Ray restarts a replica that dies. Needs 'pip install kvcache[ray]'.
     """
     from .serve.server import ServeOptions, serve
 
@@ -77,7 +77,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise KVCacheError(f"--replicas must be at least 1, got {args.replicas}")
     if args.imbalance is not None and args.imbalance <= 0:
         raise KVCacheError(f"--imbalance must be positive, got {args.imbalance}")
-    ray_options = RayOptions(replicas=args.replicas or 2, router=args.router or "prefix")
+    ray_options = RayOptions(replicas=args.replicas or 2, router=args.router or "blocks")
     if args.imbalance is not None:
         ray_options = replace(ray_options, imbalance=args.imbalance)
     return serve_ray(options, ray_options, args.ray_address)

@@ -254,6 +254,12 @@ class Engine:
         return len(self._incoming) + len(self.scheduler.waiting)
 
     @property
+    def prefix_salt(self) -> bytes:
+        """The salt of this engine's block keys: ``chain_keys(tokens, pool.block_size, prefix_salt)``
+        names a prompt's full blocks as ``pool.keys()`` lists the blocks held."""
+        return self.scheduler.salt
+
+    @property
     def max_request_tokens(self) -> int:
         """The most tokens (prompt and generated) one request can hold in this pool."""
         return self.pool.total * self.pool.block_size

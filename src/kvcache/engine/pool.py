@@ -247,6 +247,11 @@ class BlockPool:
         self._refs[block] += 1
         return block
 
+    def keys(self) -> tuple[Key, ...]:
+        """The keys of every registered block, owned or cached: the prefixes this pool holds. (One
+        copy made without releasing the GIL, so another thread may call it while the engine steps.)"""
+        return tuple(self._block_of)
+
     # ---- contents -------------------------------------------------------------------------------
 
     def writable(self, block: int) -> bool:

@@ -133,12 +133,21 @@ async def _generate(served: Served, request: Request, chat: bool) -> Response:
     return JSONResponse(await _whole(runs, rid, params, chat))
 
 
+def chat_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+    """A chat's prompt: ``messages`` through the model's chat template, the assistant's turn opened."""
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+
+
+def text_ids(tokenizer: Any, prompt: str) -> list[int]:
+    """A completion's prompt given as text."""
+    return tokenizer(prompt, add_special_tokens=True)["input_ids"]
+
+
 def _chat_tokens(served: Served, params: Params) -> list[int]:
     try:
-        ids = served.tokenizer.apply_chat_template(params.messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        return chat_ids(served.tokenizer, params.messages)
     except Exception as e:  # noqa: BLE001 - a template's own refusal (roles out of order, ...)
         raise ApiError(f"the model's chat template refused these messages: {e}", param="messages") from None
-    return list(ids)
 
 
 def _prompt_tokens(served: Served, prompt: str | list[int]) -> list[int]:
@@ -149,7 +158,7 @@ def _prompt_tokens(served: Served, prompt: str | list[int]) -> list[int]:
         if bad is not None:
             raise ApiError(f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
         return prompt
-    return tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    return text_ids(tokenizer, prompt)
 
 
 def _start(served: Served, runs: list[_Run]) -> None:

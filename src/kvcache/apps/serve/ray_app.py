@@ -14,11 +14,15 @@ Two deployments:
   another; one whose answer has begun is cut off.
 
 Which replica takes a request is the request router's choice, set on ``kvcache-engine``:
-``prefix`` is Ray Serve's ``PrefixCacheAffinityRouter`` (a request goes to the replica that served
-the longest prefix of its text unless the replicas' queues differ by more than ``imbalance``);
-``default`` is Ray Serve's power-of-two-choices. The router matches ``Call.prompt``, the request's
-text as ``routing_text`` builds it (the chat messages' roles and contents in order, or the
-completion prompt).
+
+- ``blocks`` (``ray_router.BlockAffinityRouter``): the replica whose pool holds the longest prefix
+  of the prompt's blocks, as the replicas report them (``Replica.record_routing_stats``), among
+  those whose queues are within ``imbalance`` of the shortest. It reads ``Call.tokens``, the
+  prompt's token ids, which the ingress computes with the model's tokenizer (``routing_tokens``).
+- ``prefix``: Ray Serve's ``PrefixCacheAffinityRouter``, which matches text: the replica that was
+  sent the longest prefix of ``Call.prompt`` (the chat messages' roles and contents in order, or
+  the completion prompt: ``routing_text``), unless the queues differ by more than ``imbalance``.
+- ``default``: Ray Serve's power of two choices.
 
 Ray restarts a replica that dies (its health check is ``Replica.check_health``). ``application``
 builds the app; ``app_builder`` is the same for ``serve run kvcache.apps.serve.ray_app:app_builder
@@ -27,6 +31,7 @@ key=value ...`` and Serve config files (docs/serving.md).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import threading
@@ -38,18 +43,25 @@ from .server import ServeOptions
 
 log = logging.getLogger("kvcache.serve")
 
-#: ``--router`` names -> Ray Serve request router classes (None: Serve's default). The prefix router
+#: ``--router`` names -> Ray Serve request router classes (None: Serve's default). Ray's prefix router
 #: is named by its defining module: Ray's public path (``ray.serve.llm.request_router``) imports
 #: Ray Serve LLM, which refuses to load without vLLM or SGLang.
-ROUTERS = {"prefix": "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router.PrefixCacheAffinityRouter", "default": None}
+ROUTERS = {
+    "blocks": "kvcache.apps.serve.ray_router.BlockAffinityRouter",
+    "prefix": "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router.PrefixCacheAffinityRouter",
+    "default": None,
+}  # fmt: skip
 ENGINE = "kvcache-engine"
+#: Seconds before a request is sent again, times the attempt.
+RETRY_WAIT_S = 0.5
 INGRESS = "kvcache-openai"
 
 
 @dataclass(frozen=True)
 class Call:
-    """One HTTP request as the ingress hands it to a replica, and ``prompt``: the text the prefix
-    router matches."""
+    """One HTTP request as the ingress hands it to a replica, with what the routers match:
+    ``prompt``, its text (``prefix``), and ``tokens``, its prompt's token ids (``blocks``; empty
+    for the other routers)."""
 
     method: str
     path: str
@@ -57,6 +69,7 @@ class Call:
     headers: tuple[tuple[bytes, bytes], ...]
     body: bytes
     prompt: str
+    tokens: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -64,29 +77,58 @@ class RayOptions:
     """How the replicas are deployed."""
 
     replicas: int = 2
-    router: str = "prefix"
+    router: str = "blocks"
     imbalance: float = 4.0  # queue length difference beyond which the prefix router balances load
     cpus: float = 1.0  # CPUs a replica reserves (Ray sets its torch threads to this)
     retries: int = 2  # times a request is sent again when its replica dies before answering
 
 
-def routing_text(path: str, body: bytes) -> str:
-    """The text a request's prefix is matched on: a chat's messages (``role: content`` lines in
-    order), a completion's first prompt (token ids as text), or "" for anything else."""
+def request_prompt(path: str, body: bytes) -> list[dict[str, Any]] | str | list[int] | None:
+    """What a request's prompt is made of: a chat's messages, a completion's first prompt (text or
+    token ids), or None for anything else."""
     try:
         data = json.loads(body) if body else {}
     except ValueError:
-        return ""
+        return None
     if not isinstance(data, dict):
-        return ""
-    if path.endswith("/chat/completions") and isinstance(data.get("messages"), list):
-        return "".join(f"{m.get('role', '')}: {_content_text(m.get('content'))}\n" for m in data["messages"] if isinstance(m, dict))
+        return None
+    if path.endswith("/chat/completions"):
+        messages = data.get("messages")
+        return [m for m in messages if isinstance(m, dict)] if isinstance(messages, list) else None
     prompt = data.get("prompt") if path.endswith("/completions") else None
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         prompt = prompt[0]
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return prompt
+    return prompt if isinstance(prompt, str) else None
+
+
+def routing_text(path: str, body: bytes) -> str:
+    """The text a request's prefix is matched on by ``prefix``: a chat's messages (``role: content``
+    lines in order), a completion's first prompt (token ids as text), or "" for anything else."""
+    prompt = request_prompt(path, body)
+    if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], dict)):
+        return "".join(f"{m.get('role', '')}: {_content_text(m.get('content'))}\n" for m in prompt)
     if isinstance(prompt, list):
         return " ".join(str(t) for t in prompt)
-    return prompt if isinstance(prompt, str) else ""
+    return prompt or ""
+
+
+def routing_tokens(tokenizer: Any, path: str, body: bytes) -> tuple[int, ...]:
+    """The token ids of a request's prompt as the replica will compute them (``app.chat_ids``,
+    ``app.text_ids``), for ``blocks``; none when the request has no prompt or the tokenizer refuses
+    it (the replica then answers with the error)."""
+    from .app import chat_ids, text_ids
+
+    prompt = request_prompt(path, body)
+    try:
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            return tuple(chat_ids(tokenizer, prompt))
+        if isinstance(prompt, str):
+            return tuple(text_ids(tokenizer, prompt))
+    except Exception:  # noqa: BLE001 - a template's refusal, an odd message: the replica says why
+        return ()
+    return tuple(prompt) if isinstance(prompt, list) else ()
 
 
 def _content_text(content: Any) -> str:
@@ -133,6 +175,14 @@ class Replica:
         async for part in asgi_call(self.app, request.method, request.path, request.query, request.headers, request.body):
             yield part
 
+    def record_routing_stats(self) -> dict[str, Any]:
+        """What this replica's pool holds, for ``blocks`` (Ray Serve calls it every
+        ``request_routing_stats_period_s``): ``ray_router.report``."""
+        from .ray_router import report
+
+        engine = self.served.engine
+        return report(engine.prefix_salt, engine.pool.block_size, engine.pool.keys())
+
     def check_health(self) -> None:
         """Ray Serve's health check: the engine's thread must be stepping."""
         if not self._thread.is_alive():
@@ -148,9 +198,14 @@ class Replica:
 class Ingress:
     """Ray Serve's HTTP entry (see the module docstring)."""
 
-    def __init__(self, engine: Any, retries: int = 2) -> None:
+    def __init__(self, engine: Any, retries: int = 2, model: str | None = None) -> None:
+        """``model``: ``--model``, whose tokenizer gives each request its ``Call.tokens`` (for
+        ``blocks``); None for the routers that match text."""
+        from ..cli_load import load_tokenizer
+
         self.engine = engine
         self.retries = retries
+        self.tokenizer = None if model is None else load_tokenizer(model)
 
     async def __call__(self, request: Any) -> Any:
         from ray.exceptions import RayError
@@ -159,8 +214,11 @@ class Ingress:
         body = await request.body()
         path = request.url.path
         text = routing_text(path, body) or f"{request.method} {path}"  # (the prefix router cannot match "")
-        call = Call(request.method, path, request.url.query, tuple(request.headers.raw), body, text)
+        tokens = () if self.tokenizer is None else routing_tokens(self.tokenizer, path, body)
+        call = Call(request.method, path, request.url.query, tuple(request.headers.raw), body, text, tokens)
         for attempt in range(self.retries + 1):
+            if attempt:  # (time for Ray to learn that the replica died, so the router picks another)
+                await asyncio.sleep(RETRY_WAIT_S * attempt)
             answer = self.engine.options(stream=True).handle.remote(call)
             try:
                 status, headers = await answer.__anext__()
@@ -193,16 +251,22 @@ def application(options: ServeOptions, ray: RayOptions) -> Any:
         raise ValueError(f"router must be one of {sorted(ROUTERS)}, got {ray.router!r}")
     if ray.replicas < 1:
         raise ValueError(f"replicas must be at least 1, got {ray.replicas}")
-    router = RequestRouterConfig() if ROUTERS[ray.router] is None else RequestRouterConfig(
-        request_router_class=ROUTERS[ray.router], request_router_kwargs={"imbalanced_threshold": ray.imbalance},
-    )  # fmt: skip
+    if ray.router == "blocks":
+        from .ray_router import STATS_PERIOD_S
+
+        router = RequestRouterConfig(request_router_class=ROUTERS["blocks"], request_router_kwargs={"imbalance": ray.imbalance},
+                                     request_routing_stats_period_s=STATS_PERIOD_S, request_routing_stats_timeout_s=5 * STATS_PERIOD_S)  # fmt: skip
+    elif ray.router == "prefix":
+        router = RequestRouterConfig(request_router_class=ROUTERS["prefix"], request_router_kwargs={"imbalanced_threshold": ray.imbalance})
+    else:
+        router = RequestRouterConfig()
     replica = serve.deployment(
         Replica, name=ENGINE, num_replicas=ray.replicas, ray_actor_options={"num_cpus": ray.cpus},
         max_ongoing_requests=options.max_seqs + options.max_queue, request_router_config=router,
         health_check_period_s=2, graceful_shutdown_timeout_s=30,
     )  # fmt: skip
     ingress = serve.deployment(Ingress, name=INGRESS, num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000)
-    return ingress.bind(replica.bind(asdict(options)), ray.retries)
+    return ingress.bind(replica.bind(asdict(options)), ray.retries, options.model if ray.router == "blocks" else None)
 
 
 def app_builder(args: dict[str, Any]) -> Any:

@@ -1,0 +1,125 @@
+"""``--router blocks`` without a cluster: what a replica reports names the blocks its engine holds
+under the keys the router computes for a prompt, and the router's choices (longest match within
+the load bound, room for new prefixes, what it was just sent) over a sequence of requests."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("ray.serve", reason="the ray extra (pip install kvcache[ray])")
+
+from kvcache import Engine  # noqa: E402
+from kvcache.apps.serve.ray_app import Call  # noqa: E402
+from kvcache.apps.serve.ray_router import BlockAffinityRouter, Candidate, matched, prompt_keys, rank, report  # noqa: E402
+from helpers import model_for  # noqa: E402
+
+BLOCK = 8
+
+
+def ids(n: int, seed: int) -> list[int]:
+    return random.Random(seed).choices(range(3, 200), k=n)
+
+
+def test_a_replicas_report_holds_the_keys_the_router_computes_for_the_prompts_it_served():
+    engine = Engine(model_for("llama"), block_size=BLOCK, blocks=32, max_seqs=2)
+    served, other = ids(3 * BLOCK + 5, 1), ids(3 * BLOCK, 2)
+    engine.submit(served, max_new_tokens=2, eos_token_id=[])
+    while engine.step():
+        pass
+    stats = report(engine.prefix_salt, engine.pool.block_size, engine.pool.keys())
+    held = set(stats["blocks"])
+    keys = prompt_keys(served, stats)
+    assert len(keys) == 3 and matched(keys, held.__contains__) == 3
+    assert matched(prompt_keys(other, stats), held.__contains__) == 0
+    assert matched(prompt_keys(served[:BLOCK] + other, stats), held.__contains__) == 1  # one block in common, then not
+    assert prompt_keys(served, {}) == [] and prompt_keys([], stats) == []
+
+
+def candidate(name: str, held: set[str], load: int | None = 0, size: int | None = None) -> Candidate:
+    return Candidate(name, held.__contains__, load, len(held) if size is None else size)
+
+
+def test_the_longest_match_wins_within_the_load_bound_and_the_rest_follow():
+    keys = ["a", "b", "c"]
+    a, b, c = candidate("A", {"a"}), candidate("B", {"a", "b"}, load=3), candidate("C", set(), load=0)
+    rng = random.Random(0)
+    assert [x.id for x in rank(keys, [a, b, c], imbalance=4, rng=rng)] == ["B", "A", "C"]
+    b_far = candidate("B", {"a", "b"}, load=5)  # 5 behind the shortest queue: beyond the bound
+    assert [x.id for x in rank(keys, [a, b_far, c], imbalance=4, rng=rng)] == ["A", "C", "B"]
+    unknown = candidate("B", {"a", "b"}, load=None)  # a queue not known yet counts as empty
+    assert rank(keys, [a, unknown], imbalance=4, rng=rng)[0].id == "B"
+
+
+def test_a_new_prefix_goes_to_the_shorter_queue_then_to_the_replica_holding_fewer_blocks():
+    rng = random.Random(0)
+    full, empty = candidate("full", {"x", "y"}), candidate("empty", set())
+    assert rank(["new"], [full, empty], 4, rng)[0].id == "empty"
+    busy_empty = candidate("empty", set(), load=1)
+    assert rank(["new"], [full, busy_empty], 4, rng)[0].id == "full"
+    assert rank([], [], 4, rng) == []
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.sets(st.integers(0, 3)), st.integers(0, 8)), min_size=1, max_size=4), st.integers(0, 5))
+def test_the_first_choice_is_never_beaten_by_an_eligible_replica(replicas, imbalance):
+    """Against the rule written out: no replica within the load bound matches more, or as much
+    on a shorter queue."""
+    keys = [f"k{i}" for i in range(4)]
+    helds = [set(keys[:depth]) | {f"other{e}" for e in extra} for depth, extra, _ in replicas]
+    cands = [candidate(str(i), held, load) for i, (held, (_, _, load)) in enumerate(zip(helds, replicas))]
+    first = rank(keys, cands, imbalance, random.Random(1))[0]
+    shortest = min(c.load for c in cands)
+    eligible = [c for c in cands if c.load - shortest <= imbalance]
+    assert first in eligible
+    best = max(matched(keys, c.held) for c in eligible)
+    assert matched(keys, first.held) == best
+    assert first.load == min(c.load for c in eligible if matched(keys, c.held) == best)
+
+
+def replica(name: str, stats: dict) -> SimpleNamespace:
+    return SimpleNamespace(replica_id=name, routing_stats=stats, max_ongoing_requests=64)
+
+
+def pending(tokens: list[int]) -> SimpleNamespace:
+    return SimpleNamespace(args=[Call("POST", "/v1/chat/completions", "", (), b"", "", tuple(tokens))])
+
+
+def test_the_router_follows_reports_remembers_what_it_sent_and_balances_beyond_the_bound():
+    engine = Engine(model_for("llama"), block_size=BLOCK, blocks=32, max_seqs=2)
+    system, other = ids(2 * BLOCK, 3), ids(2 * BLOCK, 4)
+    engine.submit(system + [5], max_new_tokens=1, eos_token_id=[])
+    while engine.step():
+        pass
+    holds = report(engine.prefix_salt, BLOCK, engine.pool.keys())
+    empty = report(engine.prefix_salt, BLOCK, ())
+
+    async def scenario():
+        from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+
+        router = BlockAffinityRouter(DeploymentID(name="kvcache-engine", app_name="test"), DeploymentHandleSource.UNKNOWN,
+                                     use_replica_queue_len_cache=True)  # fmt: skip
+        router.initialize_state(imbalance=2, remember_s=60, seed=0)
+        a, b = replica("A", holds), replica("B", empty)
+
+        async def first(tokens):
+            return (await router.choose_replicas([a, b], pending(tokens)))[0][0].replica_id
+
+        assert await first(system + ids(3, 5)) == "A"  # A reported the system prompt's blocks
+        assert await first(other + ids(3, 6)) == "B"  # a new prompt: to the replica holding fewer blocks
+        router.on_request_routed(pending(other), "B", None)
+        b.routing_stats = {**empty, "at": empty["at"] + 1}  # a later report that does not have it yet
+        router.replica_queue_len_cache.update("B", 1)
+        assert await first(other + ids(3, 7)) == "B"  # remembered from routing, on a longer queue
+        router.replica_queue_len_cache.update("A", 4)  # A three behind B (bound 2): B, though A holds it
+        assert await first(system + ids(3, 8)) == "B"
+        assert await first([]) == "B"  # no prompt: the shorter queue
+        ranks = await router.choose_replicas([a, b], pending(system))
+        assert [r.replica_id for rank_ in ranks for r in rank_] == ["B", "A"]  # both ranked, the rest second
+
+    asyncio.run(scenario())
