@@ -166,10 +166,11 @@ def test_the_bench_counts_a_system_messages_whole_blocks_on_its_later_requests_o
     from kvcache.apps.bench.serve_workload import Sample
 
     s = FULL.__class__(**{**FULL.__dict__, "systems": 2, "requests": 5, "block_size": 16})
-    w = Workload(Path("."), ("a", "b"), ("u",), "o", 3, 100, s)  # 3 whole blocks: 48 tokens a system message
+    w = Workload(Path("."), ("a", "b"), ("u",), "o", (1, 0, 1, 1, 0), 3, 100, s)  # 3 whole blocks: 48 tokens a system message
     cached = [0, 0, 48, 64, 16]  # the first two are first requests; 64 counts as 48 (a user block too)
     samples = [Sample(sent=0.0, texts=[0.1 * (i + 1)], end=1.0, tokens=4, cached_tokens=c) for i, c in enumerate(cached)]
     got = summarize(w, samples, wall=2.0)
     assert got["cached_share"] == (48 + 48 + 16) / (3 * 48)
     assert got["tokens_per_s"] == 20 / 2.0
-    assert got["ttft_p50_s"] == pytest.approx(0.3) and got["ttft_p95_s"] == pytest.approx(0.5)
+    assert got["ttft_p50_s"] == pytest.approx(0.4) and got["ttft_p95_s"] == pytest.approx(0.5)  # the later three: 0.3, 0.4, 0.5
+    assert got["ttft_p50_all_s"] == pytest.approx(0.3) and got["ttft_p95_all_s"] == pytest.approx(0.5)
