@@ -104,7 +104,8 @@ def workload(folder: Path, s: Sizes) -> Workload:
         return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
 
     shared = len(os.path.commonprefix([ids(systems[0], texts.users[0]), ids(systems[0], texts.users[1])]))
-    picks = tuple(random.Random(SEED).randrange(s.systems) for _ in range(s.requests))
+    rng = random.Random(SEED)
+    picks = tuple(rng.randrange(s.systems) for _ in range(s.requests))
     prompt = max(len(ids(systems[picks[i]], texts.users[i])) for i in range(s.requests))
     return Workload(folder, systems, texts.users, texts.other_system, picks, shared // s.block_size, prompt, s)
 
