@@ -39,6 +39,7 @@ def test_a_replicas_report_holds_the_keys_the_router_computes_for_the_prompts_it
     assert matched(prompt_keys(other, stats), held.__contains__) == 0
     assert matched(prompt_keys(served[:BLOCK] + other, stats), held.__contains__) == 1  # one block in common, then not
     assert prompt_keys(served, {}) == [] and prompt_keys([], stats) == []
+    assert prompt_keys(served, {**stats, "salt": "not hex"}) == [] and prompt_keys([-1] * BLOCK, stats) == []
 
 
 def candidate(name: str, held: set[str], load: int | None = 0, size: int | None = None) -> Candidate:

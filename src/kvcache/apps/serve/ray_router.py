@@ -70,13 +70,17 @@ def report(salt: bytes, block_size: int, keys: Sequence[str]) -> dict[str, Any]:
 
 def prompt_keys(tokens: Sequence[int], stats: dict[str, Any]) -> list[str]:
     """The block keys of a prompt of ``tokens`` under a replica's reported salt (``KEY_DIGITS``
-    digits each); none for a report without a salt or a block size."""
+    digits each); none for a report without a salt or a block size, or for tokens that are not ids."""
     from ...engine.block_keys import chain_keys
+    from ...errors import PoolError
 
     salt, block_size = stats.get("salt"), stats.get("block_size")
     if not tokens or not isinstance(salt, str) or not isinstance(block_size, int) or block_size < 1:
         return []
-    return [k[:KEY_DIGITS] for k in chain_keys(list(tokens), block_size, bytes.fromhex(salt))]
+    try:
+        return [k[:KEY_DIGITS] for k in chain_keys(list(tokens), block_size, bytes.fromhex(salt))]
+    except (ValueError, PoolError):  # a salt that is not hex, a token id out of range: route by load
+        return []
 
 
 class BlockAffinityRouter(RequestRouter):
