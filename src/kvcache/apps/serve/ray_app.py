@@ -41,7 +41,9 @@ from typing import Any
 from .asgi import call as asgi_call
 from .server import ServeOptions
 
-log = logging.getLogger("kvcache.serve")
+#: The ingress logs through Ray Serve's logger, so its lines land in its replica's log file (the
+#: cluster's logs folder, ``serve/replica_kvcache_kvcache-openai_*.log``).
+log = logging.getLogger("ray.serve")
 
 #: ``--router`` names -> Ray Serve request router classes (None: Serve's default). Ray's prefix router
 #: is named by its defining module: Ray's public path (``ray.serve.llm.request_router``) imports
