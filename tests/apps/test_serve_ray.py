@@ -136,6 +136,11 @@ def test_the_application_builder_takes_text_arguments_and_refuses_unknown_ones()
     engine = app._bound_deployment.init_args[0]._bound_deployment  # the engine deployment the ingress is bound to
     assert engine.name == ENGINE and engine.num_replicas == 3 and engine.ray_actor_options["num_cpus"] == 0.5
     assert engine.init_args[0]["max_bytes"] == 1048576 and engine.init_args[0]["model"] == "tiny"
+    scaled = app_builder({"model": "tiny", "replicas": "1", "max_replicas": "3", "max_seqs": "8"})._bound_deployment.init_args[0]._bound_deployment
+    scaling = scaled._deployment_config.autoscaling_config
+    assert (scaling.min_replicas, scaling.max_replicas, scaling.target_ongoing_requests) == (1, 3, 8)
+    with pytest.raises(ValueError, match="max_replicas must be at least replicas"):
+        app_builder({"replicas": "2", "max_replicas": "1"})
     with pytest.raises(ValueError, match="unknown arguments \\['replica'\\]"):
         app_builder({"replica": "2"})
     with pytest.raises(ValueError, match="router must be one of"):
@@ -153,7 +158,7 @@ def test_the_shipped_serve_config_builds():
     assert app_builder(application["args"]) is not None
 
 
-@pytest.mark.parametrize("args", [["--replicas", "2"], ["--router", "prefix"], ["--ray-address", "auto"]])
+@pytest.mark.parametrize("args", [["--replicas", "2"], ["--max-replicas", "3"], ["--router", "prefix"], ["--ray-address", "auto"]])
 def test_ray_options_without_ray_are_refused(capsys, args):
     from kvcache.apps.cli import main
 
@@ -174,3 +179,13 @@ def test_the_bench_counts_a_system_messages_whole_blocks_on_its_later_requests_o
     assert got["tokens_per_s"] == 20 / 2.0
     assert got["ttft_p50_s"] == pytest.approx(0.4) and got["ttft_p95_s"] == pytest.approx(0.5)  # the later three: 0.3, 0.4, 0.5
     assert got["ttft_p50_all_s"] == pytest.approx(0.3) and got["ttft_p95_all_s"] == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize(("args", "message"), [(["--replicas", "0"], "--replicas must be at least 1"),
+                                               (["--replicas", "3", "--max-replicas", "2"], "--max-replicas must be at least --replicas"),
+                                               (["--imbalance", "0"], "--imbalance must be positive")])  # fmt: skip
+def test_bad_ray_options_are_refused_before_ray_starts(capsys, args, message):
+    from kvcache.apps.cli import main
+
+    assert main(["serve", "--model", "tiny", "--ray", *args]) != 0
+    assert message in capsys.readouterr().err

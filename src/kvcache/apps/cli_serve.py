@@ -28,6 +28,7 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", default=None, metavar="KEY", help="require 'Authorization: Bearer KEY' (default: $KVCACHE_API_KEY, else none)")
     p.add_argument("--ray", action="store_true", help="serve from replicas on Ray Serve (a local cluster, or --ray-address): needs 'pip install kvcache[ray]'")
     p.add_argument("--replicas", type=int, default=None, metavar="N", help="engine replicas with --ray, each with its own pool (default: 2)")
+    p.add_argument("--max-replicas", type=int, default=None, metavar="M", help="with --ray: let Ray Serve scale the replicas between --replicas and M with load (a replica's target: --max-seqs requests)")
     p.add_argument("--router", default=None, choices=("blocks", "prefix", "default"), help="with --ray: blocks (the replica whose pool holds the longest prefix of the prompt's blocks), prefix (Ray Serve's PrefixCacheAffinityRouter, on text) or default (power of two choices) (default: blocks)")
     p.add_argument("--imbalance", type=float, default=None, metavar="N", help="with --router blocks or prefix: the queue-length difference beyond which load wins over prefix (default: 4)")
     p.add_argument("--ray-address", default=None, metavar="ADDR", help="with --ray: a running Ray cluster (default: start a local one)")
@@ -65,7 +66,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         port=args.port, max_seqs=args.max_seqs, max_bytes=args.max_bytes, block_size=args.block_size,
         max_batch_tokens=args.max_batch_tokens, max_queue=args.max_queue, api_key=args.api_key, log_level=args.log_level,
     )  # fmt: skip
-    ray_flags = {"--replicas": args.replicas, "--router": args.router, "--imbalance": args.imbalance, "--ray-address": args.ray_address}
+    ray_flags = {"--replicas": args.replicas, "--max-replicas": args.max_replicas, "--router": args.router, "--imbalance": args.imbalance,
+                 "--ray-address": args.ray_address}  # fmt: skip
     if not args.ray:
         given = [name for name, value in ray_flags.items() if value is not None]
         if given:
@@ -77,7 +79,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise KVCacheError(f"--replicas must be at least 1, got {args.replicas}")
     if args.imbalance is not None and args.imbalance <= 0:
         raise KVCacheError(f"--imbalance must be positive, got {args.imbalance}")
-    ray_options = RayOptions(replicas=args.replicas or 2, router=args.router or "blocks")
+    replicas = args.replicas or 2
+    if args.max_replicas is not None and args.max_replicas < replicas:
+        raise KVCacheError(f"--max-replicas must be at least --replicas ({replicas}), got {args.max_replicas}")
+    ray_options = RayOptions(replicas=replicas, router=args.router or "blocks", max_replicas=args.max_replicas)
     if args.imbalance is not None:
         ray_options = replace(ray_options, imbalance=args.imbalance)
     return serve_ray(options, ray_options, args.ray_address)

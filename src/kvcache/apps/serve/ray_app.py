@@ -78,11 +78,12 @@ class Call:
 class RayOptions:
     """How the replicas are deployed."""
 
-    replicas: int = 2
+    replicas: int = 2  # with max_replicas: the fewest
     router: str = "blocks"
     imbalance: float = 4.0  # queue length difference beyond which the prefix router balances load
     cpus: float = 1.0  # CPUs a replica reserves (Ray sets its torch threads to this)
     retries: int = 2  # times a request is sent again when its replica dies before answering
+    max_replicas: int | None = None  # Ray Serve scales between replicas and this many (None: a fixed number)
 
 
 def request_prompt(path: str, body: bytes) -> list[dict[str, Any]] | str | list[int] | None:
@@ -253,6 +254,11 @@ def application(options: ServeOptions, ray: RayOptions) -> Any:
         raise ValueError(f"router must be one of {sorted(ROUTERS)}, got {ray.router!r}")
     if ray.replicas < 1:
         raise ValueError(f"replicas must be at least 1, got {ray.replicas}")
+    if ray.max_replicas is not None and ray.max_replicas < ray.replicas:
+        raise ValueError(f"max_replicas must be at least replicas ({ray.replicas}), got {ray.max_replicas}")
+    # Autoscaling aims at max_seqs requests a replica: as many as its engine runs at once.
+    count = {"num_replicas": ray.replicas} if ray.max_replicas is None else {"autoscaling_config": {
+        "min_replicas": ray.replicas, "max_replicas": ray.max_replicas, "target_ongoing_requests": options.max_seqs}}  # fmt: skip
     if ray.router == "blocks":
         from .ray_router import STATS_PERIOD_S
 
@@ -263,7 +269,7 @@ def application(options: ServeOptions, ray: RayOptions) -> Any:
     else:
         router = RequestRouterConfig()
     replica = serve.deployment(
-        Replica, name=ENGINE, num_replicas=ray.replicas, ray_actor_options={"num_cpus": ray.cpus},
+        Replica, name=ENGINE, **count, ray_actor_options={"num_cpus": ray.cpus},
         max_ongoing_requests=options.max_seqs + options.max_queue, request_router_config=router,
         health_check_period_s=2, graceful_shutdown_timeout_s=30,
     )  # fmt: skip
@@ -309,8 +315,9 @@ def serve_ray(options: ServeOptions, ray_options: RayOptions, address: str | Non
     try:
         serve.start(http_options={"host": options.host, "port": options.port})
         serve.run(app, name="kvcache", route_prefix="/", blocking=False)
+        count = ray_options.replicas if ray_options.max_replicas is None else f"{ray_options.replicas} to {ray_options.max_replicas}"
         print(f"kvcache serve: {options.model} on http://{options.host}:{options.port} "
-              f"({ray_options.replicas} replicas on Ray Serve, router {ray_options.router})", flush=True)  # fmt: skip
+              f"({count} replicas on Ray Serve, router {ray_options.router})", flush=True)  # fmt: skip
         stop.wait()
         print("kvcache serve: stopping the replicas", flush=True)
     finally:
