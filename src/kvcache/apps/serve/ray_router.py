@@ -11,10 +11,8 @@ does) and counts, per replica, the leading keys it holds: reported, or routed to
 yet).
 
 The choice (``rank``): among the replicas whose queues are within ``imbalance`` requests of the
-shortest, the longest match first. Ties (a new prefix, or one every replica holds) go to the
-replica sent fewer requests in the last ``remember_s`` seconds: the prefixes it serves are in less
-demand, so its queue will be shorter. Then to the shorter queue now, then to the replica holding
-fewer blocks (at the start: where there is room), then at random. Replicas further behind come
+shortest, the longest match first; ties go to the shorter queue, then to the replica holding fewer
+blocks (a new prefix goes where there is room), then at random. Replicas further behind come
 last. Ray sends the request to the first rank, or to the second when the first is full.
 """
 
@@ -22,7 +20,6 @@ from __future__ import annotations
 
 import random
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,13 +35,12 @@ KEY_DIGITS = 16
 @dataclass(frozen=True)
 class Candidate:
     """A replica as ``rank`` sees it: the block keys it holds (``KEY_DIGITS`` digits), its queue
-    length (None: not known), how many blocks it holds, and how many requests it was sent lately."""
+    length (None: not known), and how many blocks it holds."""
 
     id: Any
     held: Callable[[str], bool]
     load: int | None
     size: int
-    sent: int = 0
 
 
 def matched(keys: Sequence[str], held: Callable[[str], bool]) -> int:
@@ -64,7 +60,7 @@ def rank(keys: Sequence[str], candidates: Sequence[Candidate], imbalance: float,
         return []
     shortest = min(c.load or 0 for c in candidates)
     behind = lambda c: (c.load or 0) - shortest > imbalance  # noqa: E731
-    return sorted(candidates, key=lambda c: (behind(c), -matched(keys, c.held), c.sent, c.load or 0, c.size, rng.random()))
+    return sorted(candidates, key=lambda c: (behind(c), -matched(keys, c.held), c.load or 0, c.size, rng.random()))
 
 
 def report(salt: bytes, block_size: int, keys: Sequence[str]) -> dict[str, Any]:
@@ -96,7 +92,6 @@ class BlockAffinityRouter(RequestRouter):
         self._remember_s = float(remember_s)
         self._rng = random.Random(seed)
         self._routed: dict[ReplicaID, dict[str, float]] = {}  # keys routed to a replica -> when
-        self._sent: dict[ReplicaID, deque[float]] = {}  # when requests were routed to a replica
         self._reported: dict[ReplicaID, tuple[Any, frozenset[str]]] = {}  # the last report's time and keys
         self._scheme: dict[str, Any] = {}  # the salt and block size of the last report read
 
@@ -117,11 +112,9 @@ class BlockAffinityRouter(RequestRouter):
         routed = self._routed.setdefault(replica_id, {})
         for key in self._keys(pending_request, []):
             routed[key] = now
-        self._sent.setdefault(replica_id, deque()).append(now)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         self._routed.pop(replica_id, None)
-        self._sent.pop(replica_id, None)
         self._reported.pop(replica_id, None)
         super().on_replica_actor_died(replica_id)
 
@@ -144,8 +137,4 @@ class BlockAffinityRouter(RequestRouter):
         routed = self._routed.get(rid, {})
         for key in [k for k, t in routed.items() if now - t > self._remember_s]:
             del routed[key]
-        sent = self._sent.get(rid, deque())
-        while sent and now - sent[0] > self._remember_s:
-            sent.popleft()
-        held = lambda key: key in reported or key in routed  # noqa: E731
-        return Candidate(rid, held, self.replica_queue_len_cache.get(rid), len(reported), len(sent))
+        return Candidate(rid, lambda key: key in reported or key in routed, self.replica_queue_len_cache.get(rid), len(reported))
