@@ -124,3 +124,21 @@ def test_the_router_follows_reports_remembers_what_it_sent_and_balances_beyond_t
         assert [r.replica_id for rank_ in ranks for r in rank_] == ["B", "A"]  # both ranked, the rest second
 
     asyncio.run(scenario())
+
+
+def test_the_ingress_tokenizes_a_prompt_as_the_replica_does(tmp_path):
+    import json
+
+    from kvcache.apps.cli_load import load_tokenizer
+    from kvcache.apps.serve.app import chat_ids, text_ids
+    from kvcache.apps.serve.ray_app import routing_tokens
+    from serve_process import tiny_chat_model
+
+    tokenizer = load_tokenizer(str(tiny_chat_model(tmp_path)))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a cache?"}]
+    chat = json.dumps({"model": "m", "messages": messages}).encode()
+    assert routing_tokens(tokenizer, "/v1/chat/completions", chat) == tuple(chat_ids(tokenizer, messages))
+    assert routing_tokens(tokenizer, "/v1/completions", b'{"prompt": ["Once upon", "x"]}') == tuple(text_ids(tokenizer, "Once upon"))
+    assert routing_tokens(tokenizer, "/v1/completions", b'{"prompt": [5, 6, 7]}') == (5, 6, 7)
+    for path, body in [("/v1/chat/completions", b"not json"), ("/v1/models", b""), ("/v1/chat/completions", b'{"messages": 3}')]:
+        assert routing_tokens(tokenizer, path, body) == ()

@@ -80,7 +80,7 @@ class RayOptions:
 
     replicas: int = 2  # with max_replicas: the fewest
     router: str = "blocks"
-    imbalance: float = 4.0  # queue length difference beyond which the prefix router balances load
+    imbalance: float = 4.0  # queue length difference beyond which the blocks and prefix routers balance load
     cpus: float = 1.0  # CPUs a replica reserves (Ray sets its torch threads to this)
     retries: int = 2  # times a request is sent again when its replica dies before answering
     max_replicas: int | None = None  # Ray Serve scales between replicas and this many (None: a fixed number)
