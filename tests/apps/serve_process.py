@@ -67,7 +67,8 @@ class ServeProcess:
         raise RuntimeError(f"kvcache serve did not answer /health in {timeout} s:\n{self.output()}")
 
     def output(self) -> str:
-        self.log.flush()
+        if not self.log.closed:
+            self.log.flush()
         return self.log_path.read_text()
 
     def terminate(self) -> None:

@@ -71,8 +71,7 @@ def report(salt: bytes, block_size: int, keys: Sequence[str]) -> dict[str, Any]:
 def prompt_keys(tokens: Sequence[int], stats: dict[str, Any]) -> list[str]:
     """The block keys of a prompt of ``tokens`` under a replica's reported salt (``KEY_DIGITS``
     digits each); none for a report without a salt or a block size, or for tokens that are not ids."""
-    from ...engine.block_keys import chain_keys
-    from ...errors import PoolError
+    from ...engine import PoolError, chain_keys
 
     salt, block_size = stats.get("salt"), stats.get("block_size")
     if not tokens or not isinstance(salt, str) or not isinstance(block_size, int) or block_size < 1:
