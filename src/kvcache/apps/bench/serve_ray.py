@@ -5,8 +5,8 @@ Serve's power of two choices), on many users of a few system prompts.
 The workload: ``systems`` (8) system messages of about ``shared`` tokens (the package's source text,
 each opened by its own words, so no two share a block), and distinct user messages; request ``i``
 takes a system message drawn at random (seeded, the same draw for every router) and user message
-``i``, greedy, ``new_tokens`` new tokens, streamed. ``clients`` clients send the ``requests`` requests in order, each one after its previous
-answer ended. Each replica's pool holds half the system messages and half the clients' own tokens
+``i``, greedy, ``new_tokens`` new tokens, streamed. ``clients`` clients send the ``requests``
+requests in order, each one after its previous answer ended. Each replica's pool holds half the system messages and half the clients' own tokens
 (``Workload.max_bytes``): the two pools together hold the whole load, one holds half of it, so
 where a request lands decides what it finds (the case prefix affinity is for: more prompts than one
 replica's memory). No prompt store (it would carry prompts between replicas and hide the routing).

@@ -62,8 +62,8 @@ INGRESS = "kvcache-openai"
 @dataclass(frozen=True)
 class Call:
     """One HTTP request as the ingress hands it to a replica, with what the routers match:
-    ``prompt``, its text (``prefix``), and ``tokens``, its prompt's token ids (``blocks``; empty
-    for the other routers)."""
+    ``prompt``, its text (``prefix``; empty under ``blocks``), and ``tokens``, its prompt's token
+    ids (``blocks``; empty under the others)."""
 
     method: str
     path: str
@@ -216,8 +216,10 @@ class Ingress:
 
         body = await request.body()
         path = request.url.path
-        text = routing_text(path, body) or f"{request.method} {path}"  # (the prefix router cannot match "")
-        tokens = () if self.tokenizer is None else routing_tokens(self.tokenizer, path, body)
+        if self.tokenizer is None:  # a router on text (``blocks`` alone reads tokens, the others the text)
+            text, tokens = routing_text(path, body) or f"{request.method} {path}", ()  # (the prefix router cannot match "")
+        else:
+            text, tokens = "", routing_tokens(self.tokenizer, path, body)
         call = Call(request.method, path, request.url.query, tuple(request.headers.raw), body, text, tokens)
         for attempt in range(self.retries + 1):
             if attempt:  # (time for Ray to learn that the replica died, so the router picks another)
