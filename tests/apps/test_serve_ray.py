@@ -189,3 +189,28 @@ def test_bad_ray_options_are_refused_before_ray_starts(capsys, args, message):
 
     assert main(["serve", "--model", "tiny", "--ray", *args]) != 0
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("body", "messages"),
+    [(b'{"ok": true}', [(200, [(b"content-type", b"application/json")], b'{"ok": true}')]),
+     (b"", [(200, [(b"content-type", b"application/json")], b"")])],
+)  # fmt: skip
+def test_a_replica_sends_the_status_with_the_first_chunk(body, messages):
+    """The status never travels alone: a replica killed after sending it would leave the client an
+    empty 200 (what CI once saw under the kill)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from kvcache.apps.serve.ray_app import Call, Replica
+
+    async def app(scope, receive, send):
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def collect():
+        call = Call("POST", "/v1/x", "", (), b"{}", "", ())
+        return [part async for part in Replica.handle(SimpleNamespace(app=app), call)]
+
+    assert asyncio.run(collect()) == messages

@@ -174,8 +174,15 @@ class Replica:
         self.app = make_app(self.served)
 
     async def handle(self, request: Call):
-        """The app's answer to ``request``: ``(status, headers)`` first, then the body's chunks."""
-        async for part in asgi_call(self.app, request.method, request.path, request.query, request.headers, request.body):
+        """The app's answer to ``request``: ``(status, headers, first body chunk)`` (``b""`` for an
+        empty body) as one message, then the rest of the body's chunks. One message, so a replica
+        that dies between them never leaves the ingress holding a status with no body (a whole
+        JSON answer is one chunk)."""
+        parts = asgi_call(self.app, request.method, request.path, request.query, request.headers, request.body)
+        status, headers = await parts.__anext__()
+        first = await anext(parts, b"")
+        yield status, headers, first
+        async for part in parts:
             yield part
 
     def record_routing_stats(self) -> dict[str, Any]:
@@ -226,7 +233,7 @@ class Ingress:
                 await asyncio.sleep(RETRY_WAIT_S * attempt)
             answer = self.engine.options(stream=True).handle.remote(call)
             try:
-                status, headers = await answer.__anext__()
+                status, headers, first = await answer.__anext__()
                 break
             except (RayError, StopAsyncIteration) as e:
                 log.warning("a replica failed before answering (%s); %s", type(e).__name__, "sending again" if attempt < self.retries else "giving up")
@@ -236,6 +243,8 @@ class Ingress:
                     return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
 
         async def rest():
+            if first:
+                yield first
             try:
                 async for chunk in answer:
                     yield chunk
