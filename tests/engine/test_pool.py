@@ -39,6 +39,8 @@ def snapshot(pool: BlockPool):
         [pool.refcount(b) for b in range(pool.total)],
         [pool.key(b) for b in range(pool.total)],
         list(pool._lru),
+        list(pool._reused_lru),
+        list(pool._reused),
         list(pool._free),
         [list(w) for w in pool._written],
         [t.clone() for t in pool.storage.tensors.values()],
@@ -510,7 +512,7 @@ def test_two_sequences_sharing_full_blocks_get_the_same_blocks():
 
 
 def test_allocation_pressure_evicts_cached_blocks_oldest_first():
-    pool = make(blocks=5)
+    pool = make(blocks=5, protect=0)  # one plain LRU (the reused one is tested below)
     blocks = pool.allocate(5)
     keys = [f"k{i}" for i in range(4)]
     for block, key in zip(blocks, keys):
@@ -535,6 +537,51 @@ def test_allocation_pressure_evicts_cached_blocks_oldest_first():
     assert pool.lookup("k1") is None
     assert pool.lookup("k2") == blocks[2] and pool.cached_count == 0
     pool.check()
+
+
+def test_blocks_found_again_outlive_newer_blocks_nobody_reused():
+    """A shared prefix (found by a second request) survives a stream of one-off blocks released
+    after it; plain LRU (``protect=0``) evicts it first."""
+    for protect, survives in ((0.5, True), (0.0, False)):
+        pool = make(blocks=6, protect=protect)
+        shared = pool.allocate(2)
+        for i, block in enumerate(shared):
+            fill(pool, block, i)
+            pool.register(block, f"system{i}")
+        assert [pool.lookup(f"system{i}") for i in range(2)] == shared  # a second request shares it
+        for block in shared * 2:
+            pool.release(block)
+        for one_off in range(3):  # later requests' own tails, each released once
+            (block,) = pool.allocate(1)
+            fill(pool, block, 10 + one_off)
+            pool.register(block, f"tail{one_off}")
+            pool.release(block)
+        pool.allocate(pool.free_count + 2)  # pressure: two cached blocks must go
+        assert (pool.lookup("system0") is not None) == survives and (pool.lookup("system1") is not None) == survives
+        assert (pool.lookup("tail0") is None) == survives and (pool.lookup("tail2") is not None)
+        pool.check()
+
+
+def test_the_reused_lru_is_bounded_and_its_oldest_counts_as_new_again():
+    pool = make(blocks=5, protect=0.4)  # at most 2 reused blocks cached
+    blocks = pool.allocate(3)
+    for i, block in enumerate(blocks):
+        fill(pool, block, i)
+        pool.register(block, f"k{i}")
+        assert pool.lookup(f"k{i}") == block
+    for block in blocks:  # each released twice: its two references
+        pool.release(block)
+        pool.release(block)
+    assert (list(pool._reused_lru), list(pool._lru)) == (blocks[1:], blocks[:1])
+    pool.allocate(pool.free_count + 1)
+    assert pool.lookup("k0") is None and pool.lookup("k1") == blocks[1]
+    pool.check()
+
+
+@pytest.mark.parametrize("protect", [-0.1, 1.5, "half", True, None])
+def test_a_protect_share_outside_0_1_is_refused(protect):
+    with pytest.raises(PoolError, match="protect must be a share of the blocks in \\[0, 1\\]"):
+        make(protect=protect)
 
 
 # ---- chain_keys -----------------------------------------------------------------------------------
@@ -639,6 +686,20 @@ def corrupt_free_owned(pool, blocks):
     pool._refs[pool._free[0]] = 2
 
 
+def corrupt_reused_unmarked(pool, blocks):
+    block = next(iter(pool._lru))
+    del pool._lru[block]
+    pool._reused_lru[block] = None
+
+
+def corrupt_marked_not_reused(pool, blocks):
+    pool._reused[next(iter(pool._lru))] = True
+
+
+def corrupt_reused_over_limit(pool, blocks):
+    pool._reused_limit = -1
+
+
 @pytest.mark.parametrize(
     "corrupt, match",
     [
@@ -652,6 +713,9 @@ def corrupt_free_owned(pool, blocks):
         (corrupt_unplaced, "has refcount 0 but is neither free nor cached"),
         (corrupt_not_full, "registered block .* is not full"),
         (corrupt_free_owned, "in the free list has refcount 2"),
+        (corrupt_reused_unmarked, "is not marked reused but is in the reused LRU"),
+        (corrupt_marked_not_reused, "is marked reused but is in the cached LRU"),
+        (corrupt_reused_over_limit, "the reused LRU holds 0 blocks, over its -1"),
     ],
 )
 def test_check_names_the_first_broken_invariant(corrupt, match):
@@ -668,16 +732,20 @@ KEYS = st.sampled_from(["a", "b", "c", b"a"])  # "a" and b"a" are two keys
 
 
 class PoolMachine(RuleBasedStateMachine):
-    """The pool against a model: refcounts, keys, the LRU order and the free set in dicts and lists,
+    """The pool against a model: refcounts, keys, the two LRUs' order (reused or not, at three
+    ``protect`` shares) and the free set in dicts and lists,
     and a tag per written slot (slot ``s`` of a write tagged ``t`` holds keys ``16 t + s`` and values
     ``-(16 t + s)``). Rules act on owned blocks; ``misuse`` tries every verb on one that is not."""
 
-    @initialize()
-    def start(self):
-        self.pool = BlockPool(M_LAYERS, M_HEADS, M_D, M_BS, M_BLOCKS, value_dim=M_DV)
+    @initialize(protect=st.sampled_from([0.0, 0.4, 1.0]))
+    def start(self, protect):
+        self.pool = BlockPool(M_LAYERS, M_HEADS, M_D, M_BS, M_BLOCKS, value_dim=M_DV, protect=protect)
         self.refs = {b: 0 for b in range(M_BLOCKS)}
         self.keys: dict[int, object] = {}
-        self.lru: list[int] = []  # least recently released first
+        self.lru: list[int] = []  # cached, never found by a lookup since allocated; least recently released first
+        self.reused_lru: list[int] = []  # cached, found again
+        self.reused: set[int] = set()
+        self.limit = int(protect * M_BLOCKS)
         self.free = set(range(M_BLOCKS))
         self.slots: dict[tuple[int, int, int], float] = {}  # (layer, block, slot) -> what it holds
         self.tag = 0
@@ -686,6 +754,17 @@ class PoolMachine(RuleBasedStateMachine):
 
     def owned(self) -> list[int]:
         return [b for b, r in self.refs.items() if r > 0]
+
+    def cached(self) -> list[int]:
+        """In eviction order: the blocks not reused, then the reused ones."""
+        return self.lru + self.reused_lru
+
+    def found(self, block: int) -> None:
+        """Book a lookup's hit on ``block``."""
+        if self.refs[block] == 0:
+            (self.reused_lru if block in self.reused else self.lru).remove(block)
+        self.reused.add(block)
+        self.refs[block] += 1
 
     def holder(self, key) -> int | None:
         return next((b for b, k in self.keys.items() if type(k) is type(key) and k == key), None)
@@ -698,12 +777,13 @@ class PoolMachine(RuleBasedStateMachine):
         assert len(got) == n == len(set(got))
         evicted = [b for b in got if b not in self.free]
         assert len(evicted) == max(0, n - len(self.free))
-        assert evicted == self.lru[: len(evicted)]  # least recently released first
+        assert evicted == self.cached()[: len(evicted)]  # least recently released first, not reused first
         for block in got:
             self.free.discard(block)
             if block in evicted:
-                self.lru.remove(block)
+                (self.reused_lru if block in self.reused else self.lru).remove(block)
                 del self.keys[block]
+            self.reused.discard(block)
             self.refs[block] = 1
             for where in [w for w in self.slots if w[1] == block]:
                 del self.slots[where]
@@ -731,7 +811,7 @@ class PoolMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def allocate(self, data):
-        available = len(self.free) + len(self.lru)
+        available = len(self.free) + len(self.cached())
         n = data.draw(st.integers(0, available + 1), label="n")
         if n > available:
             with pytest.raises(PoolError, match=f"cannot allocate {n} blocks: {available} free"):
@@ -739,11 +819,11 @@ class PoolMachine(RuleBasedStateMachine):
         else:
             self.take(n, self.pool.allocate(n))
 
-    @precondition(lambda self: self.lru)
+    @precondition(lambda self: self.cached())
     @rule(extra=st.integers(1, M_BLOCKS))
     def evict(self, extra):
         """An allocation that needs cached blocks: at least one is evicted."""
-        n = len(self.free) + min(extra, len(self.lru))
+        n = len(self.free) + min(extra, len(self.cached()))
         self.take(n, self.pool.allocate(n))
 
     @precondition(lambda self: self.owned())
@@ -762,10 +842,16 @@ class PoolMachine(RuleBasedStateMachine):
         self.pool.release(block)
         self.refs[block] -= 1
         if self.refs[block] == 0:
-            if block in self.keys:
+            if block not in self.keys:
+                self.free.add(block)
+            elif block not in self.reused:
                 self.lru.append(block)
             else:
-                self.free.add(block)
+                self.reused_lru.append(block)
+                if len(self.reused_lru) > self.limit:  # the oldest reused block counts as not reused again
+                    oldest = self.reused_lru.pop(0)
+                    self.reused.discard(oldest)
+                    self.lru.append(oldest)
 
     @precondition(lambda self: self.owned())
     @rule(data=st.data(), layer=st.integers(0, M_LAYERS - 1), offset=st.integers(0, M_BS), n=st.integers(1, M_BS))
@@ -793,7 +879,7 @@ class PoolMachine(RuleBasedStateMachine):
     def register(self, data, key):
         self.register_as(data.draw(st.sampled_from(self.owned()), label="block"), key)
 
-    @precondition(lambda self: self.free or self.lru)
+    @precondition(lambda self: self.free or self.cached())
     @rule(key=KEYS, finish=st.booleans())
     def compute(self, key, finish):
         """What a prefill does with a block it computes: allocate, fill, register; a duplicate is
@@ -809,9 +895,8 @@ class PoolMachine(RuleBasedStateMachine):
         else:
             self.drop(block)
             block = self.pool.lookup(key)
-            if self.refs[block] == 0:
-                self.lru.remove(block)
-            self.refs[block] += 1
+            assert block == holder
+            self.found(block)
         if finish:
             self.drop(block)
 
@@ -825,15 +910,13 @@ class PoolMachine(RuleBasedStateMachine):
         holder = self.holder(key)
         assert self.pool.lookup(key) == holder
         if holder is not None:
-            if self.refs[holder] == 0:
-                self.lru.remove(holder)
-            self.refs[holder] += 1
+            self.found(holder)
 
     @precondition(lambda self: self.owned())
     @rule(data=st.data())
     def copy_block(self, data):
         src = data.draw(st.sampled_from(self.owned()), label="block")
-        if not (self.free or self.lru):
+        if not (self.free or self.cached()):
             with pytest.raises(PoolError, match="cannot allocate 1 blocks"):
                 self.pool.copy_block(src)
             return
@@ -878,10 +961,10 @@ class PoolMachine(RuleBasedStateMachine):
     def matches_model(self):
         pool = self.pool
         pool.check()
-        assert (pool.free_count, pool.cached_count, pool.owned_count) == (len(self.free), len(self.lru), len(self.owned()))
+        assert (pool.free_count, pool.cached_count, pool.owned_count) == (len(self.free), len(self.cached()), len(self.owned()))
         assert [pool.refcount(b) for b in range(M_BLOCKS)] == [self.refs[b] for b in range(M_BLOCKS)]
         assert [pool.key(b) for b in range(M_BLOCKS)] == [self.keys.get(b) for b in range(M_BLOCKS)]
-        assert list(pool._lru) == self.lru
+        assert (list(pool._lru), list(pool._reused_lru)) == (self.lru, self.reused_lru)
         # which slots count as written (what register's fullness rule reads)
         for layer in range(M_LAYERS):
             want = [sum(1 << s for s in range(M_BS) if (layer, b, s) in self.slots) for b in range(M_BLOCKS)]

@@ -10,9 +10,16 @@ list of block ids); its token ``t`` lies in block ``table[t // block_size]``, sl
 Every block is in exactly one of three sets:
 
 - **free**: refcount 0, no key; handed out first by ``allocate``;
-- **cached**: refcount 0 with a key (a full block of a known prefix), in an LRU; ``lookup`` revives
-  it, ``allocate`` evicts the least recently released when the free blocks do not suffice;
+- **cached**: refcount 0 with a key (a full block of a known prefix); ``lookup`` revives it,
+  ``allocate`` evicts one when the free blocks do not suffice;
 - **owned**: refcount > 0, with or without a key.
+
+Eviction is a segmented LRU. A block a ``lookup`` found since it was allocated is *reused*; cached
+blocks wait in two LRUs, least recently released first: the reused ones, and the others, which
+``allocate`` evicts first. So a stream of prompts nobody repeats (each request's own tail) cannot
+flush the prefixes many requests share, as it does under one LRU. The reused LRU holds at most
+``protect`` of the pool's blocks; past that its oldest block moves to the newest end of the other
+LRU and stops counting as reused, so prefixes that fell out of use do not keep the pool forever.
 
 A registered (keyed) block is immutable; a shared one (refcount > 1) is read-only: a sequence that
 must write into it copies it first (``copy_block``, copy-on-write). The pool notes which slots of
@@ -42,6 +49,7 @@ class BlockPool:
     ``dtype``) is how the blocks keep them; a format that codes keys over a whole block (``Codes``
     with ``key_block=block_size``) needs ``tails`` open blocks, float32, one per running sequence
     (``take_tail``): a sequence's unfilled last block lies there until it fills and is coded whole.
+    ``protect`` in [0, 1]: the share of the blocks the reused LRU may hold (0: one plain LRU).
     """
 
     def __init__(
@@ -57,6 +65,7 @@ class BlockPool:
         *,
         format: Format | None = None,
         tails: int = 0,
+        protect: float = 0.5,
     ):
         self.layers = _count("layers", layers, least=1)
         self.kv_heads = _count("kv_heads", kv_heads, least=1)
@@ -70,6 +79,9 @@ class BlockPool:
             device = torch.device(device)
         except (RuntimeError, TypeError) as e:
             raise PoolError(f"device must name a torch device, got {device!r}: {e}") from None
+        if not isinstance(protect, (int, float)) or isinstance(protect, bool) or not 0 <= protect <= 1:
+            raise PoolError(f"protect must be a share of the blocks in [0, 1], got {protect!r}")
+        self.protect = float(protect)
         self.dtype = dtype
         format = FullPrecision(dtype) if format is None else format
         whole = format.key_block > 1
@@ -91,7 +103,11 @@ class BlockPool:
 
         self._refs = [0] * self.total
         self._free = list(range(self.total - 1, -1, -1))  # a stack: the lowest ids go out first
-        self._lru: OrderedDict[int, None] = OrderedDict()  # cached blocks, least recently released first
+        # Cached blocks, least recently released first: not reused (evicted first), and reused.
+        self._lru: OrderedDict[int, None] = OrderedDict()
+        self._reused_lru: OrderedDict[int, None] = OrderedDict()
+        self._reused = [False] * self.total  # found by a lookup since allocated
+        self._reused_limit = int(self.protect * self.total)
         self._key_of: dict[int, Key] = {}
         self._block_of: dict[Key, int] = {}
         # Per layer, per block: a bit mask of the slots written since the block was allocated.
@@ -153,18 +169,18 @@ class BlockPool:
 
     @property
     def cached_count(self) -> int:
-        """Blocks with refcount 0 and a key (in the LRU, revivable by ``lookup``)."""
-        return len(self._lru)
+        """Blocks with refcount 0 and a key (in an LRU, revivable by ``lookup``)."""
+        return len(self._lru) + len(self._reused_lru)
 
     @property
     def owned_count(self) -> int:
         """Blocks with refcount > 0."""
-        return self.total - len(self._free) - len(self._lru)
+        return self.total - len(self._free) - self.cached_count
 
     @property
     def available(self) -> int:
         """What ``allocate`` can hand out: free blocks, then cached ones by eviction."""
-        return len(self._free) + len(self._lru)
+        return len(self._free) + self.cached_count
 
     def refcount(self, block: int) -> int:
         return self._refs[self._block(block)]
@@ -177,20 +193,22 @@ class BlockPool:
 
     def allocate(self, n: int) -> list[int]:
         """``n`` blocks, each with refcount 1, no key and no slot written: free blocks first, then
-        cached blocks evicted least recently released first (their keys stop hitting)."""
+        cached blocks evicted least recently released first, those never reused before the reused
+        ones (their keys stop hitting)."""
         n = _count("n", n, least=0)
         if n > self.available:
             raise PoolError(
                 f"cannot allocate {n} blocks: {self.available} free of {self.total} "
-                f"({len(self._free)} free, {len(self._lru)} cached, {self.owned_count} owned)"
+                f"({len(self._free)} free, {self.cached_count} cached, {self.owned_count} owned)"
             )
         out = [self._free.pop() for _ in range(min(n, len(self._free)))]
         while len(out) < n:
-            block, _ = self._lru.popitem(last=False)
+            block, _ = (self._lru or self._reused_lru).popitem(last=False)
             del self._block_of[self._key_of.pop(block)]
             out.append(block)
         for block in out:
             self._refs[block] = 1
+            self._reused[block] = False
             for written in self._written:
                 written[block] = 0
         return out
@@ -201,15 +219,21 @@ class BlockPool:
         self._refs[block] += 1
 
     def release(self, block: int) -> None:
-        """One reference less; at 0 a keyed block goes to the cached LRU (newest end), any other
-        to the free list."""
+        """One reference less; at 0 a keyed block goes to the newest end of its LRU (the reused one,
+        or the other), any other to the free list."""
         block = self._owned(block, "release")
         self._refs[block] -= 1
         if self._refs[block] == 0:
-            if block in self._key_of:
+            if block not in self._key_of:
+                self._free.append(block)
+            elif not self._reused[block]:
                 self._lru[block] = None
             else:
-                self._free.append(block)
+                self._reused_lru[block] = None
+                if len(self._reused_lru) > self._reused_limit:
+                    oldest, _ = self._reused_lru.popitem(last=False)
+                    self._reused[oldest] = False
+                    self._lru[oldest] = None
 
     # ---- prefix caching -------------------------------------------------------------------------
 
@@ -237,13 +261,14 @@ class BlockPool:
         return block
 
     def lookup(self, key: Key) -> int | None:
-        """The block registered under ``key``, with one more reference (a cached block leaves the
-        LRU), or None."""
+        """The block registered under ``key``, with one more reference (a cached block leaves its
+        LRU), now reused; or None."""
         block = self._block_of.get(check_key(key))
         if block is None:
             return None
         if self._refs[block] == 0:
-            del self._lru[block]
+            del (self._reused_lru if self._reused[block] else self._lru)[block]
+        self._reused[block] = True
         self._refs[block] += 1
         return block
 
@@ -325,14 +350,14 @@ class BlockPool:
 
     def check(self) -> None:
         """Raise ``PoolError`` naming the first broken invariant of the bookkeeping."""
-        refs, free, lru = self._refs, self._free, list(self._lru)
+        refs, free, lru, reused_lru = self._refs, self._free, list(self._lru), list(self._reused_lru)
         if len(refs) != self.total:
             _broken(f"{len(refs)} refcounts for {self.total} blocks")
         negative = next((b for b, r in enumerate(refs) if r < 0), None)
         if negative is not None:
             _broken(f"block {negative} has refcount {refs[negative]}")
         seen: dict[int, str] = {}
-        for where, blocks in (("free list", free), ("cached LRU", lru)):
+        for where, blocks in (("free list", free), ("cached LRU", lru), ("reused LRU", reused_lru)):
             for block in blocks:
                 if not 0 <= block < self.total:
                     _broken(f"the {where} holds {block}, not a block id")
@@ -341,8 +366,14 @@ class BlockPool:
                 seen[block] = where
                 if refs[block] != 0:
                     _broken(f"block {block} in the {where} has refcount {refs[block]}")
-                if (where == "cached LRU") != (block in self._key_of):
+                if (where != "free list") != (block in self._key_of):
                     _broken(f"block {block} in the {where} {'has' if block in self._key_of else 'has no'} key")
+        if len(reused_lru) > self._reused_limit:
+            _broken(f"the reused LRU holds {len(reused_lru)} blocks, over its {self._reused_limit}")
+        mismarked = next((b for b in lru + reused_lru if self._reused[b] != (b in self._reused_lru)), None)
+        if mismarked is not None:
+            _broken(f"block {mismarked} is {'not ' * (not self._reused[mismarked])}marked reused but is in the "
+                    f"{'reused' if mismarked in self._reused_lru else 'cached'} LRU")  # fmt: skip
         unplaced = next((b for b, r in enumerate(refs) if r == 0 and b not in seen), None)
         if unplaced is not None:
             _broken(f"block {unplaced} has refcount 0 but is neither free nor cached")
@@ -375,7 +406,7 @@ class BlockPool:
     def _owned(self, block: object, verb: str) -> int:
         block = self._block(block)
         if self._refs[block] == 0:
-            state = "cached (lookup its key to use it)" if block in self._lru else "free"
+            state = "cached (lookup its key to use it)" if block in self._key_of else "free"
             raise PoolError(f"cannot {verb} block {block}: it is {state}, not owned")
         return block
 
