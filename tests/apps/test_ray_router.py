@@ -42,8 +42,8 @@ def test_a_replicas_report_holds_the_keys_the_router_computes_for_the_prompts_it
     assert prompt_keys(served, {**stats, "salt": "not hex"}) == [] and prompt_keys([-1] * BLOCK, stats) == []
 
 
-def candidate(name: str, held: set[str], load: int | None = 0, size: int | None = None) -> Candidate:
-    return Candidate(name, held.__contains__, load, len(held) if size is None else size)
+def candidate(name: str, held: set[str], load: int | None = 0, footprint: int = 0) -> Candidate:
+    return Candidate(name, held.__contains__, load, footprint)
 
 
 def test_the_longest_match_wins_within_the_load_bound_and_the_rest_follow():
@@ -57,30 +57,34 @@ def test_the_longest_match_wins_within_the_load_bound_and_the_rest_follow():
     assert rank(keys, [a, unknown], imbalance=4, rng=rng)[0].id == "B"
 
 
-def test_a_new_prefix_goes_to_the_shorter_queue_then_to_the_replica_holding_fewer_blocks():
+def test_a_new_prefix_goes_to_the_smaller_footprint_then_to_the_shorter_queue():
     rng = random.Random(0)
-    full, empty = candidate("full", {"x", "y"}), candidate("empty", set())
-    assert rank(["new"], [full, empty], 4, rng)[0].id == "empty"
-    busy_empty = candidate("empty", set(), load=1)
-    assert rank(["new"], [full, busy_empty], 4, rng)[0].id == "full"
+    big, small = candidate("big", {"x", "y"}, footprint=40), candidate("small", {"z"}, load=3, footprint=20)
+    assert rank(["new"], [big, small], 4, rng)[0].id == "small"  # on a longer queue, within the bound
+    assert rank(["new"], [big, candidate("small", {"z"}, load=5, footprint=20)], 4, rng)[0].id == "big"  # beyond it
+    assert rank(["new"], [big, candidate("same", set(), load=1, footprint=40)], 4, rng)[0].id == "big"
+    assert rank(["x", "new"], [big, small], 4, rng)[0].id == "big"  # a match outranks the footprint
     assert rank([], [], 4, rng) == []
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 5), st.sets(st.integers(0, 3)), st.integers(0, 8)), min_size=1, max_size=4), st.integers(0, 5))
+@given(st.lists(st.tuples(st.integers(0, 5), st.sets(st.integers(0, 3)), st.integers(0, 8), st.integers(0, 3)), min_size=1, max_size=4),
+       st.integers(0, 5))  # fmt: skip
 def test_the_first_choice_is_never_beaten_by_an_eligible_replica(replicas, imbalance):
     """Against the rule written out: no replica within the load bound matches more, or as much
-    on a shorter queue."""
+    with a smaller footprint, or as much with as small a footprint on a shorter queue."""
     keys = [f"k{i}" for i in range(4)]
-    helds = [set(keys[:depth]) | {f"other{e}" for e in extra} for depth, extra, _ in replicas]
-    cands = [candidate(str(i), held, load) for i, (held, (_, _, load)) in enumerate(zip(helds, replicas))]
+    helds = [set(keys[:depth]) | {f"other{e}" for e in extra} for depth, extra, _, _ in replicas]
+    cands = [candidate(str(i), held, load, footprint) for i, (held, (_, _, load, footprint)) in enumerate(zip(helds, replicas))]
     first = rank(keys, cands, imbalance, random.Random(1))[0]
     shortest = min(c.load for c in cands)
     eligible = [c for c in cands if c.load - shortest <= imbalance]
     assert first in eligible
     best = max(matched(keys, c.held) for c in eligible)
     assert matched(keys, first.held) == best
-    assert first.load == min(c.load for c in eligible if matched(keys, c.held) == best)
+    tied = [c for c in eligible if matched(keys, c.held) == best]
+    assert first.footprint == min(c.footprint for c in tied)
+    assert first.load == min(c.load for c in tied if c.footprint == first.footprint)
 
 
 def replica(name: str, stats: dict) -> SimpleNamespace:
@@ -112,7 +116,8 @@ def test_the_router_follows_reports_remembers_what_it_sent_and_balances_beyond_t
             return (await router.choose_replicas([a, b], pending(tokens)))[0][0].replica_id
 
         assert await first(system + ids(3, 5)) == "A"  # A reported the system prompt's blocks
-        assert await first(other + ids(3, 6)) == "B"  # a new prompt: to the replica holding fewer blocks
+        router.on_request_routed(pending(system + ids(3, 5)), "A", None)
+        assert await first(other + ids(3, 6)) == "B"  # a new prompt: to the smaller footprint (A was just sent 2 blocks)
         router.on_request_routed(pending(other), "B", None)
         b.routing_stats = {**empty, "at": empty["at"] + 1}  # a later report that does not have it yet
         router.replica_queue_len_cache.update("B", 1)
@@ -122,6 +127,12 @@ def test_the_router_follows_reports_remembers_what_it_sent_and_balances_beyond_t
         assert await first([]) == "B"  # no prompt: the shorter queue
         ranks = await router.choose_replicas([a, b], pending(system))
         assert [r.replica_id for rank_ in ranks for r in rank_] == ["B", "A"]  # both ranked, the rest second
+        router.replica_queue_len_cache.update("A", 1)
+        router.on_request_routed(pending(ids(2 * BLOCK, 9)), "A", None)  # A: 4 blocks routed, B: 2
+        assert await first(ids(2 * BLOCK, 10)) == "B"
+        for key in router._routed["A"]:  # A's were routed longer ago than footprint_s: they stop counting
+            router._routed["A"][key] -= 100
+        assert await first(ids(2 * BLOCK, 10)) == "A"
 
     asyncio.run(scenario())
 

@@ -6,10 +6,13 @@ The workload: ``systems`` (8) system messages of about ``shared`` tokens (the pa
 each opened by its own words, so no two share a block), and distinct user messages; request ``i``
 takes a system message drawn at random (seeded, the same draw for every router) and user message
 ``i``, greedy, ``new_tokens`` new tokens, streamed. ``clients`` clients send the ``requests``
-requests in order, each one after its previous answer ended. Each replica's pool holds half the system messages and half the clients' own tokens
-(``Workload.max_bytes``): the two pools together hold the whole load, one holds half of it, so
-where a request lands decides what it finds (the case prefix affinity is for: more prompts than one
-replica's memory). No prompt store (it would carry prompts between replicas and hide the routing).
+requests in order, each one after its previous answer ended. Each replica's pool holds half the
+system messages, and the own tokens of every request it may run at once (``--max-seqs``, one per
+client) besides (``Workload.max_bytes``): the two pools together hold every system message, one
+holds half of them, so where a request lands decides what it finds (the case prefix affinity is
+for: more prompts than one replica's memory). (With room for only half the clients' own tokens, a
+replica that runs more than half the clients evicts its own system messages, whatever the router.)
+No prompt store (it would carry prompts between replicas and hide the routing).
 
 Per contender, run in turn, ``repeats`` times, the order rotated each repeat: the server started
 (Ray and its replicas, the model loaded in each), one warm-up request of another system message,
@@ -83,11 +86,11 @@ class Workload:
         return chat_body(str(self.folder), messages, self.s.new_tokens)
 
     def max_bytes(self, kv_bytes_per_token: int) -> int:
-        """A replica's pool: half the system messages' whole blocks, and half the clients' own parts
+        """A replica's pool: half the system messages' whole blocks, and every client's own part
         (the rest of a prompt and its new tokens, in whole blocks, with a block to spare)."""
         s = self.s
         own = -(-(self.prompt - self.system_blocks * s.block_size + s.new_tokens) // s.block_size) + 1
-        blocks = -(-s.systems // 2) * self.system_blocks + -(-s.clients // 2) * own
+        blocks = -(-s.systems // 2) * self.system_blocks + s.clients * own
         return blocks * s.block_size * kv_bytes_per_token
 
 

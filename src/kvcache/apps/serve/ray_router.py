@@ -11,9 +11,13 @@ does) and counts, per replica, the leading keys it holds: reported, or routed to
 yet).
 
 The choice (``rank``): among the replicas whose queues are within ``imbalance`` requests of the
-shortest, the longest match first; ties go to the shorter queue, then to the replica holding fewer
-blocks (a new prefix goes where there is room), then at random. Replicas further behind come
-last. Ray sends the request to the first rank, or to the second when the first is full.
+shortest, the longest match first; ties (a new prefix above all) go to the replica with the smaller
+footprint, the distinct block keys routed to it in the last ``footprint_s`` seconds, then to the
+shorter queue, then at random. The footprint is the working set its pool must keep: placing new
+prefixes by it splits the prefixes in use evenly between the pools (by queue length alone, a
+replica can be handed more system prompts than its pool holds, and then evicts them in turn; a
+full pool's count of blocks says nothing, as every pool is full once warm). Replicas further
+behind come last. Ray sends the request to the first rank, or to the second when the first is full.
 """
 
 from __future__ import annotations
@@ -35,12 +39,12 @@ KEY_DIGITS = 16
 @dataclass(frozen=True)
 class Candidate:
     """A replica as ``rank`` sees it: the block keys it holds (``KEY_DIGITS`` digits), its queue
-    length (None: not known), and how many blocks it holds."""
+    length (None: not known), and its footprint (distinct block keys routed to it lately)."""
 
     id: Any
     held: Callable[[str], bool]
     load: int | None
-    size: int
+    footprint: int
 
 
 def matched(keys: Sequence[str], held: Callable[[str], bool]) -> int:
@@ -60,7 +64,7 @@ def rank(keys: Sequence[str], candidates: Sequence[Candidate], imbalance: float,
         return []
     shortest = min(c.load or 0 for c in candidates)
     behind = lambda c: (c.load or 0) - shortest > imbalance  # noqa: E731
-    return sorted(candidates, key=lambda c: (behind(c), -matched(keys, c.held), c.load or 0, c.size, rng.random()))
+    return sorted(candidates, key=lambda c: (behind(c), -matched(keys, c.held), c.footprint, c.load or 0, rng.random()))
 
 
 def report(salt: bytes, block_size: int, keys: Sequence[str]) -> dict[str, Any]:
@@ -83,12 +87,13 @@ def prompt_keys(tokens: Sequence[int], stats: dict[str, Any]) -> list[str]:
 
 
 class BlockAffinityRouter(RequestRouter):
-    """The router (see the module docstring); ``imbalance`` and ``remember_s`` come from
-    ``RequestRouterConfig.request_router_kwargs``."""
+    """The router (see the module docstring); ``imbalance``, ``remember_s`` and ``footprint_s``
+    come from ``RequestRouterConfig.request_router_kwargs``."""
 
-    def initialize_state(self, imbalance: float = 4.0, remember_s: float = 10.0, seed: int | None = None) -> None:
+    def initialize_state(self, imbalance: float = 4.0, remember_s: float = 10.0, footprint_s: float = 60.0, seed: int | None = None) -> None:
         self._imbalance = float(imbalance)
         self._remember_s = float(remember_s)
+        self._footprint_s = float(footprint_s)
         self._rng = random.Random(seed)
         self._routed: dict[ReplicaID, dict[str, float]] = {}  # keys routed to a replica -> when
         self._reported: dict[ReplicaID, tuple[Any, frozenset[str]]] = {}  # the last report's time and keys
@@ -134,6 +139,8 @@ class BlockAffinityRouter(RequestRouter):
             self._reported[rid] = last
         reported = last[1]
         routed = self._routed.get(rid, {})
-        for key in [k for k, t in routed.items() if now - t > self._remember_s]:
+        for key in [k for k, t in routed.items() if now - t > max(self._remember_s, self._footprint_s)]:
             del routed[key]
-        return Candidate(rid, lambda key: key in reported or key in routed, self.replica_queue_len_cache.get(rid), len(reported))
+        recent = lambda key: now - routed.get(key, -float("inf")) <= self._remember_s  # noqa: E731
+        footprint = sum(now - t <= self._footprint_s for t in routed.values())
+        return Candidate(rid, lambda key: key in reported or recent(key), self.replica_queue_len_cache.get(rid), footprint)
