@@ -179,7 +179,7 @@ class Replica:
         that dies between them never leaves the ingress holding a status with no body (a whole
         JSON answer is one chunk)."""
         parts = asgi_call(self.app, request.method, request.path, request.query, request.headers, request.body)
-        status, headers = await parts.__anext__()
+        status, headers = await anext(parts)
         first = await anext(parts, b"")
         yield status, headers, first
         async for part in parts:
