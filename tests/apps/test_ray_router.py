@@ -153,3 +153,29 @@ def test_the_ingress_tokenizes_a_prompt_as_the_replica_does(tmp_path):
     assert routing_tokens(tokenizer, "/v1/completions", b'{"prompt": [5, 6, 7]}') == (5, 6, 7)
     for path, body in [("/v1/chat/completions", b"not json"), ("/v1/models", b""), ("/v1/chat/completions", b'{"messages": 3}')]:
         assert routing_tokens(tokenizer, path, body) == ()
+
+
+def test_a_prompt_routed_before_the_first_report_is_keyed_when_it_arrives():
+    """A cluster just started: no replica has reported its salt, so the router cannot key what it
+    routes. What it sent then counts once the first report comes, though that report (sent before
+    the prompt was computed) does not hold it."""
+    engine = Engine(model_for("llama"), block_size=BLOCK, blocks=32, max_seqs=2)
+    system = ids(2 * BLOCK, 11)
+    empty = report(engine.prefix_salt, BLOCK, ())
+
+    async def scenario():
+        from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+
+        router = BlockAffinityRouter(DeploymentID(name="kvcache-engine", app_name="test"), DeploymentHandleSource.UNKNOWN,
+                                     use_replica_queue_len_cache=True)  # fmt: skip
+        router.initialize_state(imbalance=2, remember_s=60, seed=0)
+        a, b = replica("A", {}), replica("B", {})
+        await router.choose_replicas([a, b], pending(system + [5]))
+        router.on_request_routed(pending(system + [5]), "A", None)  # no salt known: keyed later
+        router.on_request_routed(pending(ids(2 * BLOCK, 12)), "B", None)  # B's footprint equals A's
+        a.routing_stats, b.routing_stats = dict(empty), dict(empty)
+        for _ in range(4):  # ties would go either way at random; the remembered prompt decides
+            assert (await router.choose_replicas([b, a], pending(system + [6])))[0][0].replica_id == "A"
+        assert router._unkeyed == {}
+
+    asyncio.run(scenario())

@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import threading
 from dataclasses import asdict, dataclass, fields
 from typing import Any
@@ -56,6 +57,8 @@ ROUTERS = {
 ENGINE = "kvcache-engine"
 #: Seconds before a request is sent again, times the attempt.
 RETRY_WAIT_S = 0.5
+#: Seconds Ray Serve gives a starting HTTP proxy before a readiness check fails (Ray's own: 5).
+PROXY_READY_S = 60
 INGRESS = "kvcache-openai"
 
 
@@ -320,7 +323,11 @@ def serve_ray(options: ServeOptions, ray_options: RayOptions, address: str | Non
     except ImportError:
         raise KVCacheError("kvcache serve --ray needs its extra: pip install 'kvcache[ray]' (ray[serve])") from None
     app = application(options, ray_options)
-    ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
+    # A proxy not ready in 5 s (Ray's default) three times is killed, and serve.start fails with
+    # it: a starved machine (a cluster starting beside other work on 2 cores) takes longer.
+    env = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": os.environ.get("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", str(PROXY_READY_S))}
+    ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False,
+             runtime_env={"env_vars": env})  # fmt: skip
     stop = threading.Event()
     original = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:

@@ -8,7 +8,8 @@ size and the first ``KEY_DIGITS`` hex digits of every block key its pool holds, 
 router computes the prompt's block keys under the reported salt (``chain_keys``, as the engine
 does) and counts, per replica, the leading keys it holds: reported, or routed to it in the last
 ``remember_s`` seconds (a report lags by up to a period, and a prompt being computed is not in it
-yet).
+yet). A prompt routed before the first report (a cluster just started: no salt yet) is keyed when
+that report arrives.
 
 The choice (``rank``): among the replicas whose queues are within ``imbalance`` requests of the
 shortest, the longest match first; ties (a new prefix above all) go to the replica with the smaller
@@ -72,6 +73,12 @@ def report(salt: bytes, block_size: int, keys: Sequence[str]) -> dict[str, Any]:
     return {"salt": salt.hex(), "block_size": block_size, "blocks": [k[:KEY_DIGITS] for k in keys], "at": time.time()}
 
 
+def tokens_of(pending_request: PendingRequest | None) -> tuple[int, ...]:
+    """The prompt's token ids the ingress gave a request (``Call.tokens``); none for another call."""
+    call = pending_request.args[0] if pending_request is not None and pending_request.args else None
+    return tuple(getattr(call, "tokens", ()))
+
+
 def prompt_keys(tokens: Sequence[int], stats: dict[str, Any]) -> list[str]:
     """The block keys of a prompt of ``tokens`` under a replica's reported salt (``KEY_DIGITS``
     digits each); none for a report without a salt or a block size, or for tokens that are not ids."""
@@ -98,6 +105,8 @@ class BlockAffinityRouter(RequestRouter):
         self._routed: dict[ReplicaID, dict[str, float]] = {}  # keys routed to a replica -> when
         self._reported: dict[ReplicaID, tuple[Any, frozenset[str]]] = {}  # the last report's time and keys
         self._scheme: dict[str, Any] = {}  # the salt and block size of the last report read
+        # prompts routed before any report gave the scheme, keyed once one does: replica -> [(tokens, when)]
+        self._unkeyed: dict[ReplicaID, list[tuple[tuple[int, ...], float]]] = {}
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -113,21 +122,32 @@ class BlockAffinityRouter(RequestRouter):
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         now = time.time()
+        if not self._scheme.get("salt"):  # no report read yet (a cluster just started): key it later
+            horizon = max(self._remember_s, self._footprint_s)
+            earlier = [(t, when) for t, when in self._unkeyed.get(replica_id, []) if now - when <= horizon]
+            self._unkeyed[replica_id] = [*earlier, (tokens_of(pending_request), now)]
+            return
         routed = self._routed.setdefault(replica_id, {})
         for key in self._keys(pending_request, []):
             routed[key] = now
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         self._routed.pop(replica_id, None)
+        self._unkeyed.pop(replica_id, None)
         self._reported.pop(replica_id, None)
         super().on_replica_actor_died(replica_id)
 
     def _keys(self, pending_request: PendingRequest | None, replicas: Sequence[RunningReplica]) -> list[str]:
-        call = pending_request.args[0] if pending_request is not None and pending_request.args else None
-        tokens = getattr(call, "tokens", ())
+        tokens = tokens_of(pending_request)
         stats = next((r.routing_stats for r in replicas if r.routing_stats.get("salt")), None)
         if stats is not None:
             self._scheme = {"salt": stats["salt"], "block_size": stats.get("block_size")}
+            for rid, routed_then in self._unkeyed.items():
+                routed = self._routed.setdefault(rid, {})
+                for earlier, when in routed_then:
+                    for key in prompt_keys(earlier, self._scheme):
+                        routed[key] = max(when, routed.get(key, when))
+            self._unkeyed.clear()
         return prompt_keys(tokens, self._scheme)
 
     def _candidate(self, replica: RunningReplica, now: float) -> Candidate:
