@@ -1,10 +1,11 @@
-"""Issue 43: `auto`'s two rules on the same task-family items. Runs the ``output`` rule's points
-(``auto,rule=output``, ``auto-heads,rule=output``; no fixed mix) on the items of an earlier family
-frontier (``kvcache eval --frontier --tasks ...``, which ran the ``mass`` rule), then prints per
-budget each point's answers found and its paired difference from the ``mass`` rule and from the
-best fixed mix of that run.
+"""Issue 43: `auto`'s rules on the same task-family items. Runs another rule's points (``output``:
+``auto,rule=output`` and ``auto-heads,rule=output``; ``attention``: ``auto,rule=attention``, which
+``auto-heads`` does not take; no fixed mix) on the items of an earlier family frontier
+(``kvcache eval --frontier --tasks ...``, which ran the ``mass`` rule), then prints per budget each
+point's answers found and its paired difference from the ``mass`` rule and from the best fixed mix
+of that run.
 
-    python benchmarks/families_rules.py FRONTIER_DIR OUT_DIR
+    python benchmarks/families_rules.py FRONTIER_DIR OUT_DIR [RULE]   (RULE: output, the default, or attention)
 """
 
 import json
@@ -17,12 +18,14 @@ from kvcache.apps.run_options import RunOptions
 base = json.loads((Path(sys.argv[1]) / "frontier.json").read_text())
 c = base["config"]
 out = Path(sys.argv[2])
+rule = sys.argv[3] if len(sys.argv) > 3 else "output"
+autos = {"output": ("auto,rule=output", "auto-heads,rule=output"), "attention": ("auto,rule=attention",)}[rule]
 if not (out / "frontier.json").exists():
     seeds = eval_frontier.context_seeds(c)
     (length, first), = ((L, s) for L, s in seeds.items())
     eval_frontier.run(RunOptions(out=out, progress=False), kinds=(), lengths=(length,), contexts=len(first), first_context=first[0],
                       budgets=tuple(c["budgets"]), tasks=tuple(c["tasks"]), split=c["split"],
-                      autos=("auto,rule=output", "auto-heads,rule=output"))  # fmt: skip
+                      autos=autos)  # fmt: skip
 new = json.loads((out / "frontier.json").read_text())
 runs = base["runs"] + [r for r in new["runs"] if r["cache"] != "full"]
 lines = eval_frontier.points_of({**base, "runs": runs})
@@ -31,7 +34,7 @@ print("| budget | point | found | - same kind, mass rule (95%) | - best fixed mi
 print("|---|---|---|---|---|")
 for b in c["budgets"]:
     best = eval_frontier.best_fixed(lines, b)
-    for point in ("auto", "auto,rule=output", "auto-heads", "auto-heads,rule=output"):
+    for point in ("auto", "auto-heads", *autos):
         line = eval_frontier.line_of(lines, point, b)
         same = eval_frontier._difference(runs, (point, b), (point.split(",")[0], b)) if "," in point else "-"
         print(f"| {b:g} | {point} | {line['accuracy']:.0%} | {same} | {eval_frontier._difference(runs, (point, b), (best['point'], b))} ({best['point']}) |")

@@ -60,6 +60,17 @@ def test_prompt_weights_add_the_documents_pass_to_the_questions():
     assert torch.equal(out["window:5"][0], torch.tensor([3.0] * 5 + [1.0] * 2).expand(1, 2, 7))
 
 
+def test_prompt_weights_put_the_documents_last_query_rows_before_the_questions():
+    """``queries:N`` longer than the question: the document pass's last N - q rows, then the
+    question's, as one pass over the whole prompt would report them."""
+    rows = torch.arange(2 * 3 * 7 * 4, dtype=torch.float32).reshape(1, 2, 3, 7, 4)  # a whole prompt's query rows
+    doc = {"queries:3": [rows[:, :, :, 2:5]]}
+    question = {"queries:5": [rows[:, :, :, 5:7]], "queries:2": [rows[:, :, :, 5:7]]}
+    out = eval_real_weights.prompt_weights(doc, question, q_len=2)
+    assert torch.equal(out["queries:5"][0], rows[:, :, :, 2:7])
+    assert torch.equal(out["queries:2"][0], rows[:, :, :, 5:7])
+
+
 def test_runs_cover_every_kind_budget_and_mode():
     plan = eval_real_plan.runs_for(("h2o", "kvzip", "quantized-int4"), ("h2o",), (0.5, 0.25))
     assert plan[0] == ("full", "question", None)

@@ -536,7 +536,24 @@ def test_weight_modes_match_the_full_softmax(monkeypatch, q_len, kv_len, block_r
     torch.testing.assert_close(alone, got["window:3"])
 
 
-@pytest.mark.parametrize("bad", ["mean", "window:", "window:0", "window:x", ("sum", "avg")])
+@pytest.mark.parametrize("q_len,kv_len", [(1, 40), (37, 37), (5, 60)])
+@pytest.mark.parametrize("also", [(), ("window:3",)])
+def test_the_queries_mode_is_the_last_query_rows_scaled_per_kv_head(q_len, kv_len, also):
+    """``queries:N``: the last N query rows (fewer if the pass has fewer) times the scale, laid out
+    ``[B, Hkv, group, N, D]``, beside any weights asked with it; the output is unchanged."""
+    batch, q_heads, kv_heads = 2, 6, 2
+    q, k, v = qkv(batch, q_heads, kv_heads, q_len, kv_len)
+    out, got = attend_weighted(q, k, v, causal=True, scale=0.3, weights=("queries:4", *also))
+    close(out, reference(q, k, v, mask=end_aligned(q_len, kv_len), scale=0.3))
+    rows = min(4, q_len)
+    want = (q[:, :, q_len - rows :].float() * 0.3).reshape(batch, kv_heads, q_heads // kv_heads, rows, q.shape[-1])
+    assert set(got) == {"queries:4", *also}
+    torch.testing.assert_close(got["queries:4"], want)
+    for mode in also:
+        torch.testing.assert_close(got[mode], attend_weighted(q, k, v, causal=True, scale=0.3, weights=mode)[1])
+
+
+@pytest.mark.parametrize("bad", ["mean", "window:", "window:0", "window:x", ("sum", "avg"), "queries:0", "queries"])
 def test_weight_modes_refuse_unknown_names(bad):
     q, k, v = qkv(1, 2, 1, 3, 5)
     with pytest.raises(ValueError, match="weights must be"):

@@ -191,7 +191,7 @@ def test_a_budget_that_affords_every_token_exactly_is_the_full_cache():
     assert torch.equal(ours, ref)
 
 
-@pytest.mark.parametrize("spec", ["auto:bytes=0.125", "auto-heads:bytes=0.125"])
+@pytest.mark.parametrize("spec", ["auto:bytes=0.125", "auto-heads:bytes=0.125", "auto:bytes=0.0625,rule=attention"])
 def test_compress_leaves_what_the_layers_own_pass_leaves(spec):
     """``scoring.compress`` from a recorded pass builds the layers a pass of their own builds: the
     same storage chosen, the same tokens (and, for ``auto-heads``, in the same heads)."""
@@ -200,12 +200,15 @@ def test_compress_leaves_what_the_layers_own_pass_leaves(spec):
     model = model_for("llama")
     ids = prompt(256, seed=4)
     own = kvcache.make_cache(model, spec)
-    rec = scoring.recording_cache(model, ["window:32"])
+    asked = own.kv_layers[0].weights_for(2)
+    modes = (asked,) if isinstance(asked, str) else asked
+    rec = scoring.recording_cache(model, modes)
     with torch.no_grad(), kvcache.use_kvcache_attention(model):
         model(ids, **cache_kwargs(model, own), use_cache=True)
         model(ids, **cache_kwargs(model, rec), use_cache=True)
-    built = scoring.compress(model, spec, scoring.keys_values(rec), {"window:32": scoring.recorded(rec, "window:32")})
+    built = scoring.compress(model, spec, scoring.keys_values(rec), {m: scoring.recorded(rec, m) for m in modes})
     for a, b in zip(own.kv_layers, built.kv_layers):
+        assert [e.total for e in a.choice.estimates] == pytest.approx([e.total for e in b.choice.estimates], abs=1e-5)
         assert a.storage.name == b.storage.name
         assert torch.equal(a.positions(), b.positions())
         if spec.startswith("auto-heads"):

@@ -3,11 +3,12 @@
 A bounded cache with the question in the prompt is built by ``scoring.compress`` from weights
 recorded over the whole prompt, but the eval records them in two passes: the document once, then
 each question on a fork. :func:`modes_for` says which weights (``scoring`` modes: ``"sum"``,
-``"last"``, ``"window:N"``, ...) each pass must record so that every spec's can be put together,
-and :func:`prompt_weights` puts them together. The rest is about the needle (a pass key in the
+``"last"``, ``"window:N"``, ``"queries:N"``, ...) each pass must record so that every spec's can be
+put together, and :func:`prompt_weights` puts them together. The rest is about the needle (a pass key in the
 document): where its tokens sit (:func:`needle_span`), whether a cache still holds them
 (:func:`needle_kept`), and how much of each head's attention they draw (:func:`attention_profile`).
-Weights are per mode and layer, each ``[1, Hkv, T]`` (None for a layer that records none).
+Weights are per mode and layer, each ``[1, Hkv, T]`` (query rows ``[1, Hkv, group, N, D]``; None
+for a layer that records none).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from .. import make_cache
+from ..attention.weights import is_queries
 from ..hf import scoring
 
 
@@ -28,15 +30,14 @@ def modes_for(model, specs: list[str], question_lengths: list[int]) -> tuple[tup
         except Exception:
             continue
         for store in cache.kv_layers:
-            mode = store.weights_for(2) if hasattr(store, "weights_for") else None
-            if isinstance(mode, str):  # what a prompt pass (many queries) asks for
-                wanted.add(mode)
+            mode = store.weights_for(2) if hasattr(store, "weights_for") else None  # what a prompt pass asks for
+            wanted.update((mode,) if isinstance(mode, str) else mode or ())
     wanted.discard(scoring.KVZIP_MODE)  # kvzip's scores come from its own repetition pass
     document = set(wanted) | {"sum", "last"}
     for mode in wanted:
-        if mode.startswith("window:"):
-            n = int(mode[7:])
-            document |= {f"window:{n - q}" for q in question_lengths if q < n}
+        kind, _, n = mode.partition(":")
+        if kind in ("window", "queries"):
+            document |= {f"{kind}:{int(n) - q}" for q in question_lengths if q < int(n)}
     return tuple(sorted(document)), tuple(sorted(wanted | {"sum", "last"}))
 
 
@@ -58,6 +59,8 @@ def prompt_weights(doc: dict[str, list], question: dict[str, list], q_len: int) 
                 w = w + _pad(doc["sum"][i], total)
             elif mode.startswith("window:") and int(mode[7:]) > q_len:
                 w = w + _pad(doc[f"window:{int(mode[7:]) - q_len}"][i], total)
+            elif mode.startswith("queries:") and int(mode[8:]) > q_len:  # the document's last rows, then the question's
+                w = torch.cat([doc[f"queries:{int(mode[8:]) - q_len}"][i], w], dim=3)
             layers.append(w)
         out[mode] = layers
     return out
@@ -106,6 +109,8 @@ def attention_profile(weights: dict[str, list], span: tuple[int, int], total: in
     out: dict[str, list[list[float]]] = {}
     lo, hi = span
     for mode, per_layer in weights.items():
+        if is_queries(mode):  # query rows, not weights over the slots
+            continue
         lift, rank = [], []
         for w in per_layer:
             if w is None:

@@ -37,7 +37,7 @@ from . import device_kernels, native
 from .causal import can_split, causal_attention
 from .heads import check_inputs, group_mask, group_sinks, sink_rows, softmax
 from .readers import BlockReader, TensorLike, TensorReader
-from .weights import Weights, first_weighted_row, reduce_into, reduced, weight_modes, zeros
+from .weights import Weights, first_weighted_row, is_queries, last_queries, reduce_into, reduced, weight_modes, zeros
 
 _BLOCK_BYTES = 64 * 2**20  # score bytes per query block, at most
 #: Score bytes per block of query rows over plain tensors: the block's scores and softmax stay in
@@ -122,7 +122,8 @@ def attend_weighted(
 
     ``weights``: None, one of ``WEIGHTS`` (``"window:32"``), or a tuple of them. Returns, besides
     the output ``[B, Hq, Sq, Dv]``, the reduced softmax weights as float32 ``[B, Hkv, T]`` (a
-    dict mode -> tensor for a tuple), never the full ``[B, Hq, Sq, T]``. With ``sinks`` the
+    dict mode -> tensor for a tuple), never the full ``[B, Hq, Sq, T]``; a ``"queries:N"`` mode
+    gets the last query rows instead (``weights.last_queries``). With ``sinks`` the
     weights are the keys' real probabilities (the sink's share is not reported).
 
     ``key`` may be a ``BlockReader`` (with ``value`` None): keys and values are then read one
@@ -144,14 +145,16 @@ def attend_weighted(
     q5 = query.reshape(batch, kv_heads, group, q_len, head_dim)
     mask5 = group_mask(mask, batch, kv_heads, group, q_len, kv_len)
 
+    asked = {mode: last_queries(query, mode, scale, kv_heads) for mode in modes if is_queries(mode)}
+    modes = tuple(mode for mode in modes if not is_queries(mode))
     if q_len == 0:
-        return query.new_empty(batch, q_heads, 0, value_dim), reduced(weights, modes, reader)
+        return query.new_empty(batch, q_heads, 0, value_dim), reduced(weights, (*modes, *asked), reader, {**asked})
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be a positive number or None, got {softcap}")
     settings = Settings(scale, softcap, causal, mask5, mask_rows, group_sinks(sinks, kv_heads, group))
     weighted_from = first_weighted_row(modes, q_len)
     try_native, sdpa_rows = route(plain is not None, settings, group, q_len, weighted_from, coded=plain is None)
-    if try_native:
+    if try_native and not asked:
         out = _native_decode(q5, *plain, settings) if plain is not None else _reader_decode(q5, reader, settings)
         if out is not None:
             return out.to(query.dtype).reshape(batch, q_heads, q_len, value_dim), None
@@ -178,7 +181,7 @@ def attend_weighted(
         out = reader.first(limit).weighted_values(flat, rows <= DECODE_ROWS)
         outs.append(out.view(batch, kv_heads, group, stop - start, value_dim))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)
-    return out.reshape(batch, q_heads, q_len, value_dim), reduced(weights, modes, reader, by_mode)
+    return out.reshape(batch, q_heads, q_len, value_dim), reduced(weights, (*modes, *asked), reader, {**by_mode, **asked})
 
 
 def route(

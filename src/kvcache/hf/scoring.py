@@ -84,8 +84,9 @@ def compress(
 ) -> KVCache:
     """A new cache of ``spec`` holding what it keeps after one pass over ``past`` (per layer
     ``(keys, values)`` ``[B, Hkv, T, D]``, every token from position 0), its bounded layers scored
-    by ``weights``: mode -> per layer float32 ``[B, Hkv, T]`` (each layer takes the mode its policy
-    asks for; a policy that asks for none needs none). Raises ``KeyError`` naming a missing mode.
+    by ``weights``: mode -> per layer float32 ``[B, Hkv, T]`` (each layer takes the modes it asks
+    for, ``"queries:N"`` included; a policy that asks for none needs none). Raises ``KeyError``
+    naming a missing mode.
 
     Only kinds whose prompt pass attends every earlier token are reproduced this way; a sliding
     window masks its prompt's own attention, so ``compress`` refuses it (``ValueError``)."""
@@ -104,9 +105,12 @@ def compress(
             if mode is None:
                 layer.settle()
                 continue
-            if weights is None or mode not in weights:
-                raise KeyError(f"compress: {spec!r} layer {i} scores by attention weights {mode!r}, which were not given")
-            layer.settle(weights[mode][i])  # (a flat store reads a pass per KV head too: by_head.py)
+            modes = (mode,) if isinstance(mode, str) else mode
+            missing = [m for m in modes if weights is None or m not in weights]
+            if missing:
+                raise KeyError(f"compress: {spec!r} layer {i} scores by attention weights {missing}, which were not given")
+            # (a flat store reads a pass per KV head too: by_head.py)
+            layer.settle(weights[mode][i] if isinstance(mode, str) else {m: weights[m][i] for m in modes})
     return cache
 
 

@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from .auto_measure import measure
 from .budget import GROWTH_ROOM, MIN_ROOM, slots_to_allocate
 from .byte_budget import RULES, ByteBudget
 from .checks import Geometry
@@ -230,16 +231,27 @@ class AutoLayer(ByteBudget, EvictingLayer):
 
     # ---- the decision ---------------------------------------------------------------------------
 
-    def _settle(self, weights: torch.Tensor | None) -> None:
+    def weights_for(self, queries: int) -> str | tuple[str, ...] | None:
+        """The policy's weights; under ``rule=attention`` a prompt pass also reports its window's
+        queries (``"queries:N"``, N the policy's window), which ``choose`` measures with."""
+        asked = super().weights_for(queries)
+        return (asked, f"queries:{self.policy.window}") if self.rule == "attention" and asked is not None else asked
+
+    def _settle(self, weights: torch.Tensor | dict[str, torch.Tensor] | None) -> None:
+        queries = None
+        if isinstance(weights, dict):
+            queries = weights[f"queries:{self.policy.window}"]
+            weights = weights[self.policy.weights]
         if self._set is not None and weights is not None:
             s, self._set = self._set, None
-            self._decide(s, weights)
+            self._decide(s, weights, queries)
             return
         super()._settle(weights)
 
-    def choose(self, slots: dict[str, torch.Tensor], weights: torch.Tensor) -> Choice:
+    def choose(self, slots: dict[str, torch.Tensor], weights: torch.Tensor, queries: torch.Tensor | None = None) -> Choice:
         """The storage for candidate ``slots`` scored by a pass's ``weights`` ``[B, Hkv, N]`` (the
-        module docstring's rule)."""
+        module docstring's rule); ``rule=attention`` measures with the window's ``queries``
+        ``[B, Hkv, group, W, D]`` (``auto_measure.py``)."""
         g = self.geometry
         n = slots["positions"].shape[2]
         keys, values = self.storage.decode(slots, n, g)
@@ -254,7 +266,12 @@ class AutoLayer(ByteBudget, EvictingLayer):
             recent = self.recent if self.recent is not None else self.policy.recent_for(count)
             protected = (slots["positions"] < self.sinks) | (slots["positions"] >= self.seen - recent)
             kept = slots["scores"].masked_fill(protected, math.inf).topk(count, dim=-1).indices  # [B, H, count]
-            estimates.append(weigh(name, count, kept, mass, keys, values, g.heads, g, self.rule))
+            if self.rule == "attention":
+                if queries is None:
+                    raise ValueError(f"auto layer with rule=attention: a decision needs the window's queries ('queries:{self.policy.window}')")
+                estimates.append(Estimate(name, count, *measure(name, kept, queries, keys, values, slots["positions"], self.seen, g)))
+            else:
+                estimates.append(weigh(name, count, kept, mass, keys, values, g.heads, g, self.rule))
         if not estimates:  # not even one slot is affordable: the coarsest storage, one slot
             estimates.append(Estimate(CANDIDATES[-1], 1, 1.0, 0.0))
         best = min(estimates, key=lambda e: e.total)  # min keeps the first (finer) of equals

@@ -90,6 +90,8 @@ class AutoHeadsLayer(ByteBudget, AdaptiveLayer):
         rule: str = "mass",
     ) -> None:
         size = self.check_options(bytes=bytes)["bytes"]
+        if rule == "attention":
+            raise ValueError("auto-heads: rule='attention' is auto's only (it measures per KV head); use rule='mass' or 'output'")
         self._init_budget(size, rule)
         if storage not in CANDIDATES:
             raise ValueError(f"storage must be one of {CANDIDATES}, got {storage!r}")

@@ -20,8 +20,9 @@ from .state import LayerState
 
 #: How a case's error is scored: ``mass``, the first-order estimate (dropped mass plus the
 #: mass-weighted relative coding error); ``output``, the change of the window's mean attention output
-#: measured for dropping and for coding the values (keys still first-order).
-RULES = ("mass", "output")
+#: measured for dropping and for coding the values (keys still first-order); ``attention``, the
+#: change of the window's attention outputs, measured with its queries (``auto_measure.py``; ``auto`` only).
+RULES = ("mass", "output", "attention")
 
 
 def fp32_bytes(g: Geometry) -> int:
@@ -61,11 +62,11 @@ class ByteBudget:
         """The geometry the layer's slots are encoded in."""
         return self.geometry
 
-    def _decide(self, slots: dict[str, torch.Tensor], weights: torch.Tensor) -> None:
-        """Score candidate ``slots`` by a pass's ``weights``, choose their storage, move them into
-        it and keep the best."""
+    def _decide(self, slots: dict[str, torch.Tensor], weights: torch.Tensor, queries: torch.Tensor | None = None) -> None:
+        """Score candidate ``slots`` by a pass's ``weights`` (and its window's ``queries``, for a
+        rule that measures), choose their storage, move them into it and keep the best."""
         slots["scores"] = self._scored(weights, slots)
-        choice = self.choose(slots, weights)
+        choice = self.choose(slots, weights) if queries is None else self.choose(slots, weights, queries)
         if choice.storage != self.storage.name:
             self._recode(slots, choice.storage)
         self.choice = choice

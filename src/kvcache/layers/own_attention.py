@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..attention import CAUSAL, Reads, attend_reads
+from ..attention.weights import is_queries
 from ..errors import ShapeError, UnsupportedOperation
 from .base import KVLayer
 from .checks import check_kv
@@ -142,13 +143,22 @@ class OwnAttentionLayer(KVLayer):
         pass that scores for several policies at once. Does nothing when nothing is left to settle."""
         if self.pending is None:
             return
-        if weights is not None:
-            n = self.pending.keys.shape
-            if self.pending.weights is None:
-                raise ValueError(f"{self.kind} layer: its policy uses no attention weights, got some")
-            if tuple(weights.shape) != (n[0], n[1], n[2]):
-                raise ShapeError(f"{self.kind} layer: weights must be [B, Hkv, N] = {tuple(n[:3])} over the read record's slots, got {tuple(weights.shape)}")
-        self._finish(None if weights is None else weights.float())
+        self._finish(None if weights is None else self._checked_weights(weights))
+
+    def _checked_weights(self, weights: torch.Tensor | dict[str, torch.Tensor]) -> torch.Tensor | dict[str, torch.Tensor]:
+        """``settle``'s ``weights`` in float32, once they are what the pending pass asked for."""
+        n, asked = self.pending.keys.shape, self.pending.weights
+        if asked is None:
+            raise ValueError(f"{self.kind} layer: its policy uses no attention weights, got some")
+        one = isinstance(asked, str)
+        if one != isinstance(weights, torch.Tensor) or (not one and (not isinstance(weights, dict) or set(weights) != set(asked))):
+            want = "one tensor" if one else f"a dict of modes {sorted(asked)}"
+            got = sorted(weights) if isinstance(weights, dict) else type(weights).__name__
+            raise ValueError(f"{self.kind} layer: weights must be {want} (what its pass asks for), got {got}")
+        for mode, w in ((asked, weights),) if one else weights.items():
+            if not is_queries(mode) and tuple(w.shape) != (n[0], n[1], n[2]):
+                raise ShapeError(f"{self.kind} layer: weights must be [B, Hkv, N] = {tuple(n[:3])} over the read record's slots, got {tuple(w.shape)}")
+        return weights.float() if one else {m: w.float() for m, w in weights.items()}
 
     def _finish(self, weights: torch.Tensor | None) -> None:
         self.pending, self._owner_weights = None, None
