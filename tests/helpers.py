@@ -1,7 +1,6 @@
 """Helpers shared by the tests (core, hf and apps)."""
 
 import contextlib
-import functools
 import importlib.util
 import math
 from pathlib import Path

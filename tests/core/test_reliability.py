@@ -17,7 +17,6 @@ import collections
 import contextlib
 import functools
 import json
-import math
 import os
 import random
 import signal

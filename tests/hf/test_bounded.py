@@ -10,7 +10,6 @@ head_dim 16; mistral slides every layer (16), gemma2 alternates sliding (16) and
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 
@@ -22,7 +21,7 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 
 import kvcache
 from kvcache import cache_kwargs
-from helpers import assert_same_tokens, attention_for, hf_attention, layer_fingerprint, left_padded, model_for, prompt
+from helpers import assert_same_tokens, attention_for, layer_fingerprint, left_padded, model_for, prompt
 from kvcache.layers import EvictingLayer, WindowLayer
 from kvcache.apps.tiny import FAMILIES, tiny_model
 

@@ -3,7 +3,6 @@ real Redis), then what only the folder backend has to survive."""
 
 from __future__ import annotations
 
-import os
 import random
 import threading
 import time

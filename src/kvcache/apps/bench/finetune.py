@@ -121,7 +121,7 @@ def table(result: dict[str, Any]) -> str:
         + ("" if gap is None else f" (mean {gap['mean']:+.4f}, spread {gap['spread']:.4f})"),
         f"- training through the cache, judged under `{c['cache']}`: {summary['verdict']} (helps: every seed's gap positive "
         "and their mean above their spread)\n",
-        markdown_table(["arm", "seed", "trained through", f"loss under cache, before", "after", "loss full cache, before", "after",
+        markdown_table(["arm", "seed", "trained through", "loss under cache, before", "after", "loss full cache, before", "after",
                         "train tokens/s"], body),  # fmt: skip
         "",
     ]

@@ -26,7 +26,6 @@ import csv
 from pathlib import Path
 from typing import Any
 
-import torch
 
 from ...errors import KVCacheError
 from ...hf import register_attention
