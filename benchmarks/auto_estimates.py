@@ -3,7 +3,9 @@ dropped and the coding error of what is kept (``Choice.estimates``), after one p
 budget; mean over layers and items. Shows whether coding error or dropped mass dominates: mixed
 precision inside a layer can only win back coding error.
 
-    python benchmarks/auto_estimates.py LENGTH ITEMS SPLIT FAMILY,... BUDGET,...
+    python benchmarks/auto_estimates.py LENGTH ITEMS SPLIT FAMILY,... BUDGET,... [KIND;KIND...]
+
+KIND: ``auto`` and ``auto-heads`` by default; options after a comma (``auto,rule=attention``).
 """
 
 import sys
@@ -20,14 +22,16 @@ torch.set_num_threads(2)
 model, tok = load("smollm2", progress=False)
 length, n, split = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 fams, budgets = sys.argv[4].split(","), [float(b) for b in sys.argv[5].split(",")]
-for kind in ("auto", "auto-heads"):
+kinds = sys.argv[6].split(";") if len(sys.argv) > 6 else ["auto", "auto-heads"]
+for kind in kinds:
+    name, _, extra = kind.partition(",")
     for b in budgets:
         sums = defaultdict(lambda: [0.0, 0.0, 0.0, 0])  # storage -> dropped, coding, slots share, count
         chosen = defaultdict(int)
         for fam in fams:
             for seed in range(n):
                 it = families.make_item(tok, fam, length, seed, split)
-                cache = kvcache.make_cache(model, f"{kind}:bytes={b}")
+                cache = kvcache.make_cache(model, f"{name}:bytes={b}" + (f",{extra}" if extra else ""))
                 with torch.inference_mode(), kvcache.use_kvcache_attention(model):
                     model(torch.tensor([it.prompt_ids]), **kvcache.cache_kwargs(model, cache), use_cache=True)
                 for m in mix_of(cache):

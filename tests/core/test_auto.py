@@ -109,15 +109,16 @@ def reference_estimates(keys, values, mass, scores, positions, seen, share, wind
     return out
 
 
-@pytest.mark.parametrize("share,seed", [(0.5, 0), (0.2, 1), (0.1, 2)])
-def test_the_choice_follows_the_stated_rule(share, seed):
+@pytest.mark.parametrize("share,seed,drop", [(0.5, 0, 1.0), (0.2, 1, 1.0), (0.1, 2, 1.0), (0.2, 1, 8.0), (0.1, 2, 30.0)])
+def test_the_choice_follows_the_stated_rule(share, seed, drop):
+    """Every case as the module states it; the lowest ``drop * dropped + coding`` wins."""
     g = torch.Generator().manual_seed(seed)
     n, window = 200, 4
     keys = torch.randn(1, 2, n, 16, generator=g)
     values = torch.randn(1, 2, n, 16, generator=g)
     keys[:, :, :, 0] *= 1 + 20 * (torch.rand(1, 2, n, generator=g) < 0.05)  # outliers: coding costs something
     weights = torch.rand(1, 2, n, generator=g) ** 8  # a few heavy tokens
-    layer = AutoLayer(bytes=share, window=window, pool=1)
+    layer = AutoLayer(bytes=share, window=window, pool=1, drop=drop)
     layer.append(keys, values)
     layer.settle(weights)
     want = reference_estimates(keys, values, weights, weights, torch.arange(n).expand(1, 2, n), n, share, window)
@@ -126,7 +127,7 @@ def test_the_choice_follows_the_stated_rule(share, seed):
     for name in want:
         assert got[name][0] == want[name][0]
         assert got[name][1:] == pytest.approx(want[name][1:], abs=1e-5)  # float32 sums of ~200 terms
-    best = min(want, key=lambda s: sum(want[s][1:]))
+    best = min(want, key=lambda s: drop * want[s][1] + want[s][2])
     assert layer.choice.storage == best == layer.storage.name
     assert layer.length == want[best][0]
 
@@ -235,7 +236,8 @@ def test_a_saved_auto_cache_loads_with_its_choices(tmp_path):
 
 
 @pytest.mark.parametrize("spec,match", [("auto", "needs option bytes"), ("auto:bytes=0", "bytes"), ("auto:bytes=-1", "bytes"),
-                                        ("auto:bytes=0.1,budget=4", "budget")])  # fmt: skip
+                                        ("auto:bytes=0.1,budget=4", "budget"), ("auto:bytes=0.1,drop=0", "'drop' .* must be > 0"),
+                                        ("auto-heads:bytes=0.1,drop=-2", "'drop' .* must be > 0"), ("auto:bytes=0.1,drop=x", "drop")])  # fmt: skip
 def test_bad_specs_are_refused_by_name(spec, match):
     with pytest.raises(SpecError, match=match):
         kvcache.make_cache(model_for("llama"), spec)

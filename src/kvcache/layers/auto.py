@@ -28,7 +28,8 @@ reported (the last ``window`` queries' attention, as SnapKV scores by):
    With ``rule=output`` (:func:`weigh`) the two parts are measured on the window's mean attention
    output instead (``o = sum p v`` per head, against the kept candidates' renormalised, then with
    their values coded); keys, which move the weights, keep the first-order term.
-3. The storage with the lowest estimate wins (a tie goes to the finer one); the layer recodes its
+3. The storage with the lowest estimate wins (a tie goes to the finer one); with ``drop=w`` the
+   lowest ``w * dropped + coding`` (``w`` above 1 prefers keeping more tokens, coarser); the layer recodes its
    kept slots into it and keeps ``Choice`` (``layer.choice``: the storage, the slots, every
    candidate's estimate) for reports (``mix_of(cache)``).
 
@@ -185,6 +186,7 @@ class AutoLayer(ByteBudget, EvictingLayer):
         "sinks": Option(int, least=0),
         "storage": Option(str),
         "rule": Option(str),
+        "drop": Option(float, least=0, inclusive=False),
     }
     #: ``budget``: the eviction layer's own argument, which this kind sets itself from ``bytes``.
     keyword_options = {**EvictingLayer.keyword_options, "budget": Option(number, least=0, inclusive=False)}
@@ -209,13 +211,16 @@ class AutoLayer(ByteBudget, EvictingLayer):
         layer: int | None = None,
         layers: int | None = None,
         rule: str = "mass",
+        drop: float = 1.0,
         **policy_options: Any,
     ) -> None:
         """``bytes``: a share (below 1) or bytes of the whole cache; ``storage``: where the layer
         starts (a saved layer's choice; a new one starts in full precision and chooses); ``rule``:
-        how a case is scored (:data:`RULES`, :func:`weigh`)."""
+        how a case is scored (:data:`RULES`, :func:`weigh`); ``drop``: how much a case's dropped
+        part counts against its coding part when cases are compared (the lowest
+        ``drop * dropped + coding`` wins)."""
         size = self.check_options(bytes=bytes)["bytes"]
-        self._init_budget(size, rule)
+        self._init_budget(size, rule, drop)
         super().__init__(size if isinstance(size, float) else 1 << 62, "snapkv", recent, sinks, storage, layer, layers, **policy_options)
         self.byte_budget = size
 
@@ -274,7 +279,7 @@ class AutoLayer(ByteBudget, EvictingLayer):
                 estimates.append(weigh(name, count, kept, mass, keys, values, g.heads, g, self.rule))
         if not estimates:  # not even one slot is affordable: the coarsest storage, one slot
             estimates.append(Estimate(CANDIDATES[-1], 1, 1.0, 0.0))
-        best = min(estimates, key=lambda e: e.total)  # min keeps the first (finer) of equals
+        best = self._best(estimates)
         return Choice(best.storage, best.slots, self.seen, tuple(estimates))
 
     # ---- state ----------------------------------------------------------------------------
@@ -283,7 +288,7 @@ class AutoLayer(ByteBudget, EvictingLayer):
         """The spec's options and the storage chosen (``storage``); a file's loader compares the
         spec's options only (``spec_options_of``)."""
         return {"bytes": self.byte_budget, "recent": self.recent, "sinks": self.sinks, "storage": self.storage.name,
-                **self.policy.options(), "layers": self.layer_count, "rule": self.rule}  # fmt: skip
+                **self.policy.options(), "layers": self.layer_count, "rule": self.rule, "drop": self.drop}  # fmt: skip
 
     def load_state(self, state: LayerState) -> None:
         self._load_in_storage(state, super().load_state)

@@ -73,6 +73,7 @@ class AutoHeadsLayer(ByteBudget, AdaptiveLayer):
         "floor": Option(float, least=0.0),
         "storage": Option(str),
         "rule": Option(str),
+        "drop": Option(float, least=0, inclusive=False),
     }
     #: ``budget``: the adaptive layer's own argument, which this kind sets itself from ``bytes``.
     keyword_options = {"layer": Option(int, least=0), "layers": Option(int, least=1), "budget": AdaptiveLayer.spec_options["budget"]}
@@ -88,11 +89,12 @@ class AutoHeadsLayer(ByteBudget, AdaptiveLayer):
         layer: int | None = None,
         layers: int | None = None,
         rule: str = "mass",
+        drop: float = 1.0,
     ) -> None:
         size = self.check_options(bytes=bytes)["bytes"]
         if rule == "attention":
             raise ValueError("auto-heads: rule='attention' is auto's only (it measures per KV head); use rule='mass' or 'output'")
-        self._init_budget(size, rule)
+        self._init_budget(size, rule, drop)
         if storage not in CANDIDATES:
             raise ValueError(f"storage must be one of {CANDIDATES}, got {storage!r}")
         super().__init__(1, window, pool, floor, storage)
@@ -140,7 +142,7 @@ class AutoHeadsLayer(ByteBudget, AdaptiveLayer):
             floor = max(1, int(self.floor * (count - recent)))
             kept = keep_across_heads(slots["scores"], slots["heads"], slots["positions"], keep, g.heads, floor, self.seen - recent)
             estimates.append(weigh(name, count, kept, mass, keys, values, g.heads, flat, self.rule, slots["heads"]))
-        best = min(estimates, key=lambda e: e.total) if estimates else Estimate(CANDIDATES[-1], 1, 1.0, 0.0)
+        best = self._best(estimates) if estimates else Estimate(CANDIDATES[-1], 1, 1.0, 0.0)
         return Choice(best.storage, best.slots, self.seen, tuple(estimates))
 
     def _slot_geometry(self) -> Geometry:
@@ -152,7 +154,7 @@ class AutoHeadsLayer(ByteBudget, AdaptiveLayer):
         """The spec's options and the storage chosen (``storage``); a file's loader compares the
         spec's options only (``spec_options_of``)."""
         return {"bytes": self.byte_budget, "window": self.window, "pool": self.pool, "floor": self.floor,
-                "storage": self.storage.name, "layers": self.layer_count, "rule": self.rule}  # fmt: skip
+                "storage": self.storage.name, "layers": self.layer_count, "rule": self.rule, "drop": self.drop}  # fmt: skip
 
     def check_state(self, state: LayerState) -> None:
         """The flat store's checks, read in the state's storage (its slots counted against the

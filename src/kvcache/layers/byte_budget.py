@@ -32,12 +32,15 @@ def fp32_bytes(g: Geometry) -> int:
 
 class ByteBudget:
     """See the module docstring. Attributes: ``byte_budget`` (float below 1: a share; int: bytes),
-    ``layer_count``, ``rule``, ``choice`` (the last ``Choice``, None before one)."""
+    ``layer_count``, ``rule``, ``drop``, ``choice`` (the last ``Choice``, None before one)."""
 
-    def _init_budget(self, size: int | float, rule: str) -> None:
+    def _init_budget(self, size: int | float, rule: str, drop: float = 1.0) -> None:
         if rule not in RULES:
             raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+        if not (isinstance(drop, (int, float)) and drop > 0):
+            raise ValueError(f"drop must be a number above 0 (how much a dropped token's error counts against coding's), got {drop!r}")
         self.rule = rule
+        self.drop = float(drop)
         self.byte_budget = size
         self.layer_count = 1
         self.choice = None
@@ -57,6 +60,10 @@ class ByteBudget:
         if isinstance(self.byte_budget, float):
             return self.byte_budget * seen * fp32_bytes(g)
         return self.byte_budget / self.layer_count / (g.batch * g.heads)
+
+    def _best(self, estimates: list[Any]) -> Any:
+        """The case with the lowest ``drop * dropped + coding`` (the first, the finer storage, of equals)."""
+        return min(estimates, key=lambda e: self.drop * e.dropped + e.coding)
 
     def _slot_geometry(self) -> Geometry:
         """The geometry the layer's slots are encoded in."""
@@ -85,8 +92,8 @@ class ByteBudget:
     @staticmethod
     def spec_options_of(options: Any) -> Any:
         """What of a layer's ``options()`` its spec fixes: all but the storage, the layer's own
-        choice (a file saved before ``rule`` existed scored by ``mass``)."""
-        return {"rule": "mass", **{k: v for k, v in options.items() if k != "storage"}} if isinstance(options, Mapping) else options
+        choice (a file saved before ``rule`` or ``drop`` existed scored by ``mass``, ``drop=1``)."""
+        return {"rule": "mass", "drop": 1.0, **{k: v for k, v in options.items() if k != "storage"}} if isinstance(options, Mapping) else options
 
     def _state_storage(self, state: LayerState, default: str) -> str:
         """The storage a state's options name (``default`` where they name none), checked."""
