@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .. import make_cache
-from ..attention.weights import is_queries
+from ..attention import is_queries
 from ..hf import scoring
 
 

@@ -12,13 +12,14 @@ from .masks import CAUSAL, Visibility, VisibilityRule, position_rows
 from .native_build import DISABLE_ENV, cpu_flags, isa
 from .readers import BlockReader
 from .reads import Reads, attend_reads
-from .weights import WEIGHTS
+from .weights import WEIGHTS, is_queries
 
 __all__ = [
     "CAUSAL",
     "DECODE_ROWS",
     "DISABLE_ENV",
     "WEIGHTS",
+    "is_queries",
     "BlockReader",
     "HalfPrecision",
     "ProbeResult",
