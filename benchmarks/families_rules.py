@@ -6,6 +6,9 @@ point's answers found and its paired difference from the ``mass`` rule and from 
 of that run.
 
     python benchmarks/families_rules.py FRONTIER_DIR OUT_DIR [RULE]   (RULE: output, the default, or attention)
+
+RULE may also be points separated by ``;`` (``"auto,drop=4;auto,drop=8"``), each paired with its
+kind's default point.
 """
 
 import json
@@ -19,7 +22,8 @@ base = json.loads((Path(sys.argv[1]) / "frontier.json").read_text())
 c = base["config"]
 out = Path(sys.argv[2])
 rule = sys.argv[3] if len(sys.argv) > 3 else "output"
-autos = {"output": ("auto,rule=output", "auto-heads,rule=output"), "attention": ("auto,rule=attention",)}[rule]
+named = {"output": ("auto,rule=output", "auto-heads,rule=output"), "attention": ("auto,rule=attention",)}
+autos = named[rule] if rule in named else tuple(p.strip() for p in rule.split(";") if p.strip())
 if not (out / "frontier.json").exists():
     seeds = eval_frontier.context_seeds(c)
     (length, first), = ((L, s) for L, s in seeds.items())
