@@ -134,12 +134,13 @@ class OwnAttentionLayer(KVLayer):
         such an update's record): none, for a layer without a policy that scores."""
         return None
 
-    def settle(self, weights: torch.Tensor | None = None) -> None:
+    def settle(self, weights: torch.Tensor | dict[str, torch.Tensor] | None = None) -> None:
         """Finish the last update without attending it here (keys and values imported from
         elsewhere, or a forward pass that did not attend them): the layer keeps what its policy
         keeps with the scores it has, plus ``weights`` if given: the update's queries' attention
         weights over the read record's slots as ``attend`` would have reduced them
-        (the record's ``weights`` mode, float32 ``[B, Hkv, N]``), computed elsewhere, e.g. by one
+        (the record's ``weights`` mode, float32 ``[B, Hkv, N]``; a dict mode -> tensor when the
+        record asks for several, ``"queries:N"`` rows included), computed elsewhere, e.g. by one
         pass that scores for several policies at once. Does nothing when nothing is left to settle."""
         if self.pending is None:
             return
