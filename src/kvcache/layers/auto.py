@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from .auto_measure import measure
+from .auto_measure import measure, window
 from .budget import GROWTH_ROOM, MIN_ROOM, slots_to_allocate
 from .byte_budget import RULES, ByteBudget
 from .checks import Geometry
@@ -219,8 +219,9 @@ class AutoLayer(ByteBudget, EvictingLayer):
         how a case is scored (:data:`RULES`, :func:`weigh`); ``drop``: how much a case's dropped
         part counts against its coding part when cases are compared (the lowest
         ``drop * dropped + coding`` wins)."""
-        size = self.check_options(bytes=bytes)["bytes"]
-        self._init_budget(size, rule, drop)
+        checked = self.check_options(bytes=bytes, drop=drop)
+        size = checked["bytes"]
+        self._init_budget(size, rule, checked["drop"])
         super().__init__(size if isinstance(size, float) else 1 << 62, "snapkv", recent, sinks, storage, layer, layers, **policy_options)
         self.byte_budget = size
 
@@ -263,6 +264,11 @@ class AutoLayer(ByteBudget, EvictingLayer):
         mass = weights.float().clamp_min(0)
         mass = mass / mass.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
         allowed = self.allowed_bytes(self.seen)
+        reference = None
+        if self.rule == "attention":
+            if queries is None:
+                raise ValueError(f"auto layer with rule=attention: a decision needs the window's queries ('queries:{self.policy.window}')")
+            reference = window(queries, keys, values, slots["positions"], self.seen)
         estimates = []
         for name in CANDIDATES[CANDIDATES.index(self.storage.name) :]:
             count = min(n, slots_within(allowed, slot_bytes(name, g), self._growing))
@@ -271,10 +277,8 @@ class AutoLayer(ByteBudget, EvictingLayer):
             recent = self.recent if self.recent is not None else self.policy.recent_for(count)
             protected = (slots["positions"] < self.sinks) | (slots["positions"] >= self.seen - recent)
             kept = slots["scores"].masked_fill(protected, math.inf).topk(count, dim=-1).indices  # [B, H, count]
-            if self.rule == "attention":
-                if queries is None:
-                    raise ValueError(f"auto layer with rule=attention: a decision needs the window's queries ('queries:{self.policy.window}')")
-                estimates.append(Estimate(name, count, *measure(name, kept, queries, keys, values, slots["positions"], self.seen, g)))
+            if reference is not None:
+                estimates.append(Estimate(name, count, *measure(name, kept, reference, g)))
             else:
                 estimates.append(weigh(name, count, kept, mass, keys, values, g.heads, g, self.rule))
         if not estimates:  # not even one slot is affordable: the coarsest storage, one slot
