@@ -91,10 +91,11 @@ class AutoHeadsLayer(ByteBudget, AdaptiveLayer):
         rule: str = "mass",
         drop: float = 1.0,
     ) -> None:
-        size = self.check_options(bytes=bytes)["bytes"]
+        checked = self.check_options(bytes=bytes, drop=drop)
+        size = checked["bytes"]
         if rule == "attention":
             raise ValueError("auto-heads: rule='attention' is auto's only (it measures per KV head); use rule='mass' or 'output'")
-        self._init_budget(size, rule, drop)
+        self._init_budget(size, rule, checked["drop"])
         if storage not in CANDIDATES:
             raise ValueError(f"storage must be one of {CANDIDATES}, got {storage!r}")
         super().__init__(1, window, pool, floor, storage)

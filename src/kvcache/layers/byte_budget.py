@@ -35,10 +35,9 @@ class ByteBudget:
     ``layer_count``, ``rule``, ``drop``, ``choice`` (the last ``Choice``, None before one)."""
 
     def _init_budget(self, size: int | float, rule: str, drop: float = 1.0) -> None:
+        """``size`` and ``drop`` as the constructor's ``check_options`` read them."""
         if rule not in RULES:
             raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
-        if not (isinstance(drop, (int, float)) and drop > 0):
-            raise ValueError(f"drop must be a number above 0 (how much a dropped token's error counts against coding's), got {drop!r}")
         self.rule = rule
         self.drop = float(drop)
         self.byte_budget = size
