@@ -148,7 +148,7 @@ def attend_weighted(
     asked = {mode: last_queries(query, mode, scale, kv_heads) for mode in modes if is_queries(mode)}
     modes = tuple(mode for mode in modes if not is_queries(mode))
     if q_len == 0:
-        return query.new_empty(batch, q_heads, 0, value_dim), reduced(weights, (*modes, *asked), reader, {**asked})
+        return query.new_empty(batch, q_heads, 0, value_dim), reduced(weights, (*modes, *asked), reader, asked)
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be a positive number or None, got {softcap}")
     settings = Settings(scale, softcap, causal, mask5, mask_rows, group_sinks(sinks, kv_heads, group))

@@ -29,7 +29,7 @@ def weight_modes(weights: Weights) -> tuple[str, ...]:
     for mode in modes:
         if mode in ("sum", "last", "max"):
             continue
-        if isinstance(mode, str) and mode.split(":")[0] in ("window", "queries") and _count(mode) >= 1:
+        if isinstance(mode, str) and mode.partition(":")[0] in ("window", "queries") and _count(mode) >= 1:
             continue
         raise ValueError(f"weights must be None or one of {WEIGHTS} (N a whole number >= 1), or a tuple of them; got {mode!r}")
     return modes
@@ -62,7 +62,7 @@ def first_weighted_row(modes: tuple[str, ...], q_len: int) -> int:
             continue
         if mode in ("sum", "max"):
             return 0
-        first = min(first, q_len - (1 if mode == "last" else min(q_len, int(mode[7:]))))
+        first = min(first, q_len - (1 if mode == "last" else min(q_len, _count(mode))))
     return first
 
 

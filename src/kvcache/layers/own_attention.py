@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import CAUSAL, Reads, attend_reads
-from ..attention.weights import is_queries
+from ..attention import CAUSAL, Reads, attend_reads, is_queries
 from ..errors import ShapeError, UnsupportedOperation
 from .base import KVLayer
 from .checks import check_kv
