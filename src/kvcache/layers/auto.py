@@ -48,7 +48,7 @@ import torch
 
 from .auto_measure import measure, window
 from .budget import GROWTH_ROOM, MIN_ROOM, slots_to_allocate
-from .byte_budget import MEASURED, RULES, ByteBudget
+from .byte_budget import RULES, ByteBudget
 from .checks import Geometry
 from .evicting import EvictingLayer
 from .options import Option, number
@@ -241,7 +241,7 @@ class AutoLayer(ByteBudget, EvictingLayer):
         """The policy's weights; under ``rule=attention`` a prompt pass also reports its window's
         queries (``"queries:N"``, N the policy's window), which ``choose`` measures with."""
         asked = super().weights_for(queries)
-        return (asked, f"queries:{self.policy.window}") if self.rule in MEASURED and asked is not None else asked
+        return (asked, f"queries:{self.policy.window}") if self.rule == "attention" and asked is not None else asked
 
     def _settle(self, weights: torch.Tensor | dict[str, torch.Tensor] | None) -> None:
         queries = None
@@ -265,9 +265,9 @@ class AutoLayer(ByteBudget, EvictingLayer):
         mass = mass / mass.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
         allowed = self.allowed_bytes(self.seen)
         reference = None
-        if self.rule in MEASURED:
+        if self.rule == "attention":
             if queries is None:
-                raise ValueError(f"auto layer with rule={self.rule}: a decision needs the window's queries ('queries:{self.policy.window}')")
+                raise ValueError(f"auto layer with rule=attention: a decision needs the window's queries ('queries:{self.policy.window}')")
             reference = window(queries, keys, values, slots["positions"], self.seen)
         estimates = []
         for name in CANDIDATES[CANDIDATES.index(self.storage.name) :]:
@@ -278,7 +278,7 @@ class AutoLayer(ByteBudget, EvictingLayer):
             protected = (slots["positions"] < self.sinks) | (slots["positions"] >= self.seen - recent)
             kept = slots["scores"].masked_fill(protected, math.inf).topk(count, dim=-1).indices  # [B, H, count]
             if reference is not None:
-                estimates.append(Estimate(name, count, *measure(name, kept, reference, g, worst=self.rule == "worst")))
+                estimates.append(Estimate(name, count, *measure(name, kept, reference, g)))
             else:
                 estimates.append(weigh(name, count, kept, mass, keys, values, g.heads, g, self.rule))
         if not estimates:  # not even one slot is affordable: the coarsest storage, one slot

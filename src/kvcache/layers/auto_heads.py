@@ -30,7 +30,7 @@ import torch
 from .adaptive import AdaptiveLayer
 from .auto import CANDIDATES, Choice, Estimate, weigh
 from .budget import slots_to_allocate
-from .byte_budget import MEASURED, ByteBudget
+from .byte_budget import ByteBudget
 from .checks import Geometry
 from .options import Option, number
 from .shared_budget import check_flat_state, keep_across_heads
@@ -93,8 +93,8 @@ class AutoHeadsLayer(ByteBudget, AdaptiveLayer):
     ) -> None:
         checked = self.check_options(bytes=bytes, drop=drop)
         size = checked["bytes"]
-        if rule in MEASURED:
-            raise ValueError(f"auto-heads: rule={rule!r} is auto's only (it measures per KV head); use rule='mass' or 'output'")
+        if rule == "attention":
+            raise ValueError("auto-heads: rule='attention' is auto's only (it measures per KV head); use rule='mass' or 'output'")
         self._init_budget(size, rule, checked["drop"])
         if storage not in CANDIDATES:
             raise ValueError(f"storage must be one of {CANDIDATES}, got {storage!r}")

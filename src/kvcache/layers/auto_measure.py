@@ -13,12 +13,6 @@ be stored), where ``s = sum p |v|`` (the softmax-weighted size of the values, wh
 exceed) normalises each row. Keys are coded with the values: their effect on the weights is in the
 measure, not estimated. Each query sees the candidates at or before its own position. ``o`` is
 computed once a decision (:func:`window`), the cases against it (:func:`measure`).
-
-How the rows' errors make one number: ``rule=attention`` takes their mean over every query head
-and row; ``rule=worst`` each query head's worst row, then the mean over heads. An answer is read
-by the few rows that retrieve it (a question's last tokens), and dropping a token it needs moves
-those rows far while coding moves every row a little: the mean dilutes the first, the worst row
-does not.
 """
 
 from __future__ import annotations
@@ -59,15 +53,6 @@ class Window:
     visible: torch.Tensor
     o: torch.Tensor
     size: torch.Tensor
-    group: int
-
-    def reduce(self, error: torch.Tensor, worst: bool) -> float:
-        """One number from per-row errors ``[B, Hkv, R]``: their mean, or (``worst``) the mean over
-        query heads of each head's largest."""
-        if not worst:
-            return float(error.mean())
-        b, h, r = error.shape
-        return float(error.view(b, h, self.group, r // self.group).amax(dim=-1).mean())
 
 
 def window(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, seen: int) -> Window:
@@ -80,21 +65,21 @@ def window(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, posi
     row_position = torch.arange(seen - w, seen, device=q.device).repeat(group)  # [R]: group-major rows
     visible = positions.unsqueeze(2) <= row_position.view(1, 1, -1, 1)  # [B, H, R, N]
     o, size = _outputs(q, k, v, visible)
-    return Window(q, k, v, (keys.dtype, values.dtype), visible, o, size.squeeze(-1).clamp_min(torch.finfo(torch.float32).tiny), group)
+    return Window(q, k, v, (keys.dtype, values.dtype), visible, o, size.squeeze(-1).clamp_min(torch.finfo(torch.float32).tiny))
 
 
-def measure(storage: str, kept: torch.Tensor, ref: Window, g: Geometry, worst: bool = False) -> tuple[float, float]:
+def measure(storage: str, kept: torch.Tensor, ref: Window, g: Geometry) -> tuple[float, float]:
     """The case of keeping candidates ``kept`` (``[B, Hkv, K]`` into dim 2) in ``storage``, measured
-    against ``ref`` (the candidates laid out in geometry ``g``): ``(dropped, coding)``, the rows'
-    errors reduced as ``Window.reduce`` does (the module docstring)."""
+    against ``ref`` (the candidates laid out in geometry ``g``): ``(dropped, coding)`` (the module
+    docstring)."""
     k_kept, v_kept = _gather(ref.k, kept), _gather(ref.v, kept)
     seen_kept = _gather(ref.visible.transpose(2, 3), kept).transpose(2, 3)
     o_keep, _ = _outputs(ref.q, k_kept, v_kept, seen_kept)
-    dropped = ref.reduce((o_keep - ref.o).norm(dim=-1) / ref.size, worst)
+    dropped = float(((o_keep - ref.o).norm(dim=-1) / ref.size).mean())
     if storage == "full":
         return dropped, 0.0
     codec = get_storage(storage)
     k_code, v_code = codec.decode(codec.encode(k_kept.to(ref.dtypes[0]), v_kept.to(ref.dtypes[1])), kept.shape[2], g)
     o_code, _ = _outputs(ref.q, k_code.float(), v_code.float(), seen_kept)
-    total = ref.reduce((o_code - ref.o).norm(dim=-1) / ref.size, worst)
+    total = float(((o_code - ref.o).norm(dim=-1) / ref.size).mean())
     return dropped, total - dropped

@@ -21,11 +21,8 @@ from .state import LayerState
 #: How a case's error is scored: ``mass``, the first-order estimate (dropped mass plus the
 #: mass-weighted relative coding error); ``output``, the change of the window's mean attention output
 #: measured for dropping and for coding the values (keys still first-order); ``attention``, the
-#: change of the window's attention outputs, measured with its queries (``auto_measure.py``; ``auto`` only);
-#: ``worst``, the same measure taken at each query head's worst window row.
-RULES = ("mass", "output", "attention", "worst")
-#: The rules that measure with the window's queries.
-MEASURED = ("attention", "worst")
+#: change of the window's attention outputs, measured with its queries (``auto_measure.py``; ``auto`` only).
+RULES = ("mass", "output", "attention")
 
 
 def fp32_bytes(g: Geometry) -> int:
