@@ -21,7 +21,8 @@ from helpers import model_for, prompt
 
 
 @pytest.mark.parametrize("share", [0.5, 0.125, 0.0625])
-@pytest.mark.parametrize("mix", eval_frontier.mixes(eval_frontier.EVICTION) + list(eval_frontier.AUTO))
+@pytest.mark.parametrize("mix", eval_frontier.mixes(eval_frontier.EVICTION) + list(eval_frontier.AUTO)
+                         + ["snapkv/int4h", "adakv/int2h", "auto,codes=rotated", "auto-heads,codes=rotated"])
 def test_each_point_allocates_within_its_byte_budget(mix, share):
     model = model_for("llama")
     g = eval_frontier.geometry_of(model)
@@ -186,8 +187,10 @@ def test_the_family_frontier_answers_as_generate_does(tmp_path):
     from kvcache.models import load
 
     result = eval_frontier.run(RunOptions(tiny=True, progress=False, out=tmp_path), tasks=("needle-digits", "turn"),
-                               kinds=("snapkv",), budgets=(0.25,), split="tuned")  # fmt: skip
+                               kinds=("snapkv",), budgets=(0.25,), split="tuned", storages=("full", "int4h"))  # fmt: skip
     assert {(r["family"], r["split"]) for r in result["runs"]} == {("needle-digits", "tuned"), ("turn", "tuned")}
+    assert {r["cache"] for r in result["runs"]} == {"full", "auto", "auto-heads", "snapkv/full", "snapkv/int4h"}
+    assert result["config"]["storages"] == ["full", "int4h"]
     model, tokenizer = load("smollm2", progress=False)
     for family in ("needle-digits", "turn"):
         item = families.make_item(tokenizer, family, 384, 0, "tuned")

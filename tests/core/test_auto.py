@@ -12,7 +12,8 @@ import kvcache
 from kvcache import cache_kwargs
 from kvcache.layers import AutoLayer, EvictingLayer
 from kvcache.layers import mix_of
-from kvcache.layers.auto import CANDIDATES, slot_bytes, slots_within
+from kvcache.layers.auto import slot_bytes, slots_within
+from kvcache.layers.slots import ROTATED, STORAGES
 from kvcache.layers.budget import slots_to_allocate
 from kvcache.layers.checks import Geometry
 from kvcache.layers.slots import get_storage
@@ -74,15 +75,15 @@ def test_slot_bytes_count_the_codes_scales_and_tags():
     assert slot_bytes("int2", g) == 4 + 4 + 4 * 4 + 8 + 4
 
 
-def reference_estimates(keys, values, mass, scores, positions, seen, share, window):
-    """The rule as the module states it, written plainly: per storage, the most slots whose
+def reference_estimates(keys, values, mass, scores, positions, seen, share, window, ladder=STORAGES):
+    """The rule as the module states it, written plainly: per storage of ``ladder``, the most slots whose
     allocation fits, SnapKV's keep (sinks none, the last min(window, n // 2) protected), the
     dropped mass and the mass-weighted coding error of the kept slots."""
     g = Geometry.of(keys, values)
     allowed = share * seen * 4 * (g.key_dim + g.value_dim)
     out = {}
     mass = mass / mass.sum(-1, keepdim=True)
-    for name in CANDIDATES:
+    for name in ladder:
         per = slot_bytes(name, g)
         n = 0
         while slots_to_allocate(n + 2, True) * per <= allowed:
@@ -109,19 +110,22 @@ def reference_estimates(keys, values, mass, scores, positions, seen, share, wind
     return out
 
 
-@pytest.mark.parametrize("share,seed,drop", [(0.5, 0, 1.0), (0.2, 1, 1.0), (0.1, 2, 1.0), (0.2, 1, 8.0), (0.1, 2, 30.0)])
-def test_the_choice_follows_the_stated_rule(share, seed, drop):
-    """Every case as the module states it; the lowest ``drop * dropped + coding`` wins."""
+@pytest.mark.parametrize("share,seed,drop,codes", [(0.5, 0, 1.0, "plain"), (0.2, 1, 1.0, "plain"), (0.1, 2, 1.0, "plain"), (0.2, 1, 8.0, "plain"),
+                                                   (0.1, 2, 30.0, "plain"), (0.2, 1, 1.0, "rotated"), (0.1, 2, 8.0, "rotated")])  # fmt: skip
+def test_the_choice_follows_the_stated_rule(share, seed, drop, codes):
+    """Every case as the module states it; the lowest ``drop * dropped + coding`` wins; ``codes``
+    names the storages weighed."""
     g = torch.Generator().manual_seed(seed)
     n, window = 200, 4
     keys = torch.randn(1, 2, n, 16, generator=g)
     values = torch.randn(1, 2, n, 16, generator=g)
     keys[:, :, :, 0] *= 1 + 20 * (torch.rand(1, 2, n, generator=g) < 0.05)  # outliers: coding costs something
     weights = torch.rand(1, 2, n, generator=g) ** 8  # a few heavy tokens
-    layer = AutoLayer(bytes=share, window=window, pool=1, drop=drop)
+    layer = AutoLayer(bytes=share, window=window, pool=1, drop=drop, codes=codes)
     layer.append(keys, values)
     layer.settle(weights)
-    want = reference_estimates(keys, values, weights, weights, torch.arange(n).expand(1, 2, n), n, share, window)
+    ladder = ROTATED if codes == "rotated" else STORAGES
+    want = reference_estimates(keys, values, weights, weights, torch.arange(n).expand(1, 2, n), n, share, window, ladder)
     got = {e.storage: (e.slots, e.dropped, e.coding) for e in layer.choice.estimates}
     assert got.keys() == want.keys()
     for name in want:
@@ -216,16 +220,19 @@ def test_compress_leaves_what_the_layers_own_pass_leaves(spec):
             assert torch.equal(a.heads(), b.heads())
 
 
-def test_a_saved_auto_cache_loads_with_its_choices(tmp_path):
+@pytest.mark.parametrize("spec", ["auto:bytes=0.1", "auto:bytes=0.1,codes=rotated", "auto-heads:bytes=0.1,codes=rotated"])
+def test_a_saved_auto_cache_loads_with_its_choices(tmp_path, spec):
     model = model_for("llama")
     ids = prompt(200, seed=6)
-    cache = kvcache.make_cache(model, "auto:bytes=0.1")
+    cache = kvcache.make_cache(model, spec)
     with torch.no_grad(), kvcache.use_kvcache_attention(model):
         model(ids, **cache_kwargs(model, cache), use_cache=True)
     kvcache.save_cache(cache, tmp_path / "c.kv")
     loaded = kvcache.load_cache(tmp_path / "c.kv", model)
+    ladder = ROTATED if "rotated" in spec else STORAGES
+    assert any(not layer.storage.format.exact for layer in cache.kv_layers)  # codes were saved and loaded
     for a, b in zip(cache.kv_layers, loaded.kv_layers):
-        assert b.storage.name == a.storage.name
+        assert b.storage.name == a.storage.name and a.storage.name in ladder
         assert torch.equal(a.positions(), b.positions())
         assert torch.equal(a.view()[0], b.view()[0]) and torch.equal(a.view()[1], b.view()[1])
     nxt = torch.tensor([[7]])
@@ -237,7 +244,10 @@ def test_a_saved_auto_cache_loads_with_its_choices(tmp_path):
 
 @pytest.mark.parametrize("spec,match", [("auto", "needs option bytes"), ("auto:bytes=0", "bytes"), ("auto:bytes=-1", "bytes"),
                                         ("auto:bytes=0.1,budget=4", "budget"), ("auto:bytes=0.1,drop=0", "'drop' .* must be > 0"),
-                                        ("auto-heads:bytes=0.1,drop=-2", "'drop' .* must be > 0"), ("auto:bytes=0.1,drop=x", "drop")])  # fmt: skip
+                                        ("auto-heads:bytes=0.1,drop=-2", "'drop' .* must be > 0"), ("auto:bytes=0.1,drop=x", "drop"),
+                                        ("auto:bytes=0.1,codes=x", "codes must be one of"),
+                                        ("auto-heads:bytes=0.1,codes=rotated,storage=int4", r"storage must be one of .*int4h"),
+                                        ("auto:bytes=0.1,storage=int4h", r"storage must be one of .*codes=plain")])  # fmt: skip
 def test_bad_specs_are_refused_by_name(spec, match):
     with pytest.raises(SpecError, match=match):
         kvcache.make_cache(model_for("llama"), spec)

@@ -154,7 +154,8 @@ def test_every_family_batched_left_padded(family):
 
 
 @pytest.mark.parametrize(
-    "spec", ["quantized:bits=4,group_size=8,residual=4", "h2o:budget=14,storage=int8", "tova:budget=0.5,storage=int4"]
+    "spec", ["quantized:bits=4,group_size=8,residual=4", "h2o:budget=14,storage=int8", "tova:budget=0.5,storage=int4",
+             "tova:budget=0.5,storage=int4h"]
 )
 @pytest.mark.parametrize("family", ("llama", "gemma2"))
 def test_save_load_snapshot_fork_replay_exactly(family, spec, tmp_path):

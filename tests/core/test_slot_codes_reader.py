@@ -255,7 +255,7 @@ class Spy:
         ("h2o", {}, {"token_key_scores": 1, "weighted_values": 1}),  # weights asked: the two products
     ],
 )
-@pytest.mark.parametrize("storage", ["int8", "int4", "int2"])
+@pytest.mark.parametrize("storage", ["int8", "int4", "int2", "int8h", "int4h", "int2h"])
 def test_layer_attention_over_the_codes_matches_the_dequantized_slots(monkeypatch, policy, options, fused_calls, storage):
     layer = filled_layer(policy, storage, **options)
     keys, values = (t.repeat_interleave(2, dim=1) for t in layer.view())
@@ -267,8 +267,9 @@ def test_layer_attention_over_the_codes_matches_the_dequantized_slots(monkeypatc
     torch.testing.assert_close(out, ref_out, **FP32)
 
 
-def test_layer_attention_with_the_library_off(monkeypatch):
-    layer = filled_layer("h2o", "int4")
+@pytest.mark.parametrize("storage", ["int4", "int4h"])
+def test_layer_attention_with_the_library_off(monkeypatch, storage):
+    layer = filled_layer("h2o", storage)
     query = rows(2, 4, 1, 64)
     keys, values = (t.repeat_interleave(2, dim=1) for t in layer.view())
     monkeypatch.setenv(DISABLE_ENV, "1")
@@ -295,7 +296,8 @@ def decode_logits(model, spec):
 
 @pytest.mark.parametrize(
     "spec,read_by",
-    [("snapkv:budget=40,storage=int4", "token_decode_attention"), ("h2o:budget=40,storage=int8", "token_key_scores")],
+    [("snapkv:budget=40,storage=int4", "token_decode_attention"), ("h2o:budget=40,storage=int8", "token_key_scores"),
+     ("snapkv:budget=40,storage=int4h", "token_decode_attention")],
 )
 def test_generation_with_the_library_on_and_off(monkeypatch, spec, read_by):
     """The same tokens either way; the logits within the tiny models' float32 tolerance (``helpers``:

@@ -50,6 +50,7 @@ def generated(model, spec: str, ids: torch.Tensor) -> list[int]:
     ("spec", "way"),
     [
         ("lastrec:budget=24,storage=int8", "token_coded_decode"),
+        ("lastrec:budget=24,storage=int4h", "token_coded_decode"),
         ("window:window=16,sinks=2", "decode_views"),
         ("quantized:bits=4,group_size=8,residual=4", "quantized_decode"),
     ],

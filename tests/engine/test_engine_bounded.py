@@ -64,6 +64,7 @@ KINDS = [
     "auto-heads:bytes=0.3,window=4",
     "h2o:budget=0.5,storage=int8",
     "snapkv:budget=0.5,window=4,storage=int4",
+    "auto:bytes=0.2,window=4,codes=rotated",
     "window:window=12,sinks=2",
     "window:window=20",
 ]

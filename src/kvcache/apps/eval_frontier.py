@@ -47,9 +47,9 @@ FAMILY_ANSWER_TOKENS = 12
 UNBOUNDED = {"full": None, "quantized-int8": "quantized:bits=8", "quantized-int4": "quantized:bits=4", "quantized-int2": "quantized:bits=2"}
 
 
-def mixes(kinds: tuple[str, ...] = EVICTION) -> list[str]:
+def mixes(kinds: tuple[str, ...] = EVICTION, storages: tuple[str, ...] = STORAGES) -> list[str]:
     """Every fixed mix's name, ``kind/storage``."""
-    return [f"{k}/{s}" for k in kinds for s in STORAGES]
+    return [f"{k}/{s}" for k in kinds for s in storages]
 
 
 def geometry_of(model: Any):
@@ -102,13 +102,15 @@ def run(
     tasks: tuple[str, ...] | None = None,
     split: str = "held-out",
     autos: tuple[str, ...] = AUTO,
+    storages: tuple[str, ...] = STORAGES,
 ) -> dict[str, Any]:
     """The frontier (see the module docstring); ``budgets``: byte budgets, shares of the fp32 cache;
     the contexts are those of seeds ``first_context ..`` (so that runs of more contexts can be
     merged by :func:`merge`). ``tasks``: task families (``families.FAMILIES``) instead of the
     needles, items of ``split``, one item per family and seed; their kinds default to
     :data:`FAMILY_KINDS` and the only unbounded point is the full cache. ``autos``: the points that
-    choose their own mix (``"auto-heads,rule=output"``: with options); ``kinds=()`` runs no fixed mix."""
+    choose their own mix (``"auto-heads,rule=output"``: with options); ``kinds=()`` runs no fixed mix;
+    ``storages``: the slot storages of the fixed mixes (``"int4h"``, over rotated codes, among them)."""
     from tqdm.auto import tqdm
 
     from ..models import load
@@ -130,7 +132,7 @@ def run(
     g = geometry_of(model)
     unbounded = list(UNBOUNDED) if tasks is None else ["full"]
     # The full cache first: the held-out text's KL and top-1 are taken against the first run.
-    points = [(u, None) for u in unbounded] + [(a, b) for a in autos for b in s.budgets] + [(m, b) for m in mixes(kinds) for b in s.budgets]
+    points = [(u, None) for u in unbounded] + [(a, b) for a in autos for b in s.budgets] + [(m, b) for m in mixes(kinds, storages) for b in s.budgets]
     plan = [(name, "question", b) for name, b in points]
     per_seed = needles_per_context if tasks is None else len(tasks)
     bar = tqdm(total=len(lengths) * contexts * per_seed * len(plan), desc="frontier", disable=not options.progress)
@@ -152,7 +154,7 @@ def run(
         "config": {"model": model_name, "lengths": list(lengths), "contexts": {str(L): list(range(first_context, first_context + contexts)) for L in lengths},
                    "questions_per_context": needles_per_context if tasks is None else 1,
                    "depths": list(needles.DEPTHS if tasks is None else families.DEPTHS), "budgets": list(s.budgets),
-                   "kinds": list(kinds), "storages": list(STORAGES),
+                   "kinds": list(kinds), "storages": list(storages),
                    "fp32_bytes_per_token": fp32, "answer_tokens": answer_tokens, "text_steps": s.text_steps,
                    "tasks": None if tasks is None else list(tasks), "split": None if tasks is None else split,
                    "quick": options.quick, "tiny": options.tiny},  # fmt: skip
@@ -404,7 +406,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     with figure(path, panels=len(panels), size=(6.5, 4.8)) as axes:
         for ax, (title, sub) in zip(axes, panels):
             lines = points_of(sub)
-            for storage, marker in zip(STORAGES, "osD^"):
+            for storage, marker in zip(result["config"].get("storages", STORAGES), "osD^v<>p"):
                 pts = [(l["bytes"], l["accuracy"]) for l in lines if l["point"].endswith("/" + storage)]
                 if pts:
                     ax.scatter(*zip(*pts), marker=marker, alpha=0.5, label=f"fixed mixes, {storage}")

@@ -85,6 +85,14 @@ class Codes:
             if dim is not None and dim % self.group_of(dim):
                 raise ShapeError(f"{what} head dim {dim} is not a multiple of group_size {self.group_of(dim)} (channels a scale)")
 
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """Queries ``[..., D]`` into the space the codes are in (``Rotated`` turns them; here as they are)."""
+        return x
+
+    def unrotate(self, x: torch.Tensor) -> torch.Tensor:
+        """A weighted sum of decoded codes ``[..., Dv]`` back from that space."""
+        return x
+
     # ---- coding -----------------------------------------------------------------------------
 
     def encode_keys(self, keys: torch.Tensor) -> dict[str, torch.Tensor]:

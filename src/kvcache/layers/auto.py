@@ -2,8 +2,9 @@
 precision.
 
 A layer of this kind is a SnapKV eviction layer (``evicting.py``, the ``snapkv`` policy and its
-``window`` and ``pool`` options) whose slot storage (``slots.py``: full, int8, int4, int2) and
-number of kept slots are not given but chosen, from a byte budget:
+``window`` and ``pool`` options) whose slot storage (``slots.py``: full, int8, int4, int2; with
+``codes=rotated`` full, int8h, int4h, int2h, the codes of rotated keys and values) and number of
+kept slots are not given but chosen, from a byte budget:
 
 - ``bytes`` below 1: a share of what an fp32 cache of every token seen would take (``0.125``: an
   eighth of it), so the budget grows with the sequence; 1 or more: bytes for the whole cache,
@@ -52,11 +53,9 @@ from .byte_budget import RULES, ByteBudget
 from .checks import Geometry
 from .evicting import EvictingLayer
 from .options import Option, number
-from .slots import STORAGES, get_storage
+from .slots import get_storage
 from .state import LayerState
 
-#: Storages from finest to coarsest.
-CANDIDATES = STORAGES
 #: Bytes of one token's key and value per KV head in the fp32 cache a share is taken of, per channel.
 
 
@@ -187,6 +186,7 @@ class AutoLayer(ByteBudget, EvictingLayer):
         "storage": Option(str),
         "rule": Option(str),
         "drop": Option(float, least=0, inclusive=False),
+        "codes": Option(str),
     }
     #: ``budget``: the eviction layer's own argument, which this kind sets itself from ``bytes``.
     keyword_options = {**EvictingLayer.keyword_options, "budget": Option(number, least=0, inclusive=False)}
@@ -212,16 +212,18 @@ class AutoLayer(ByteBudget, EvictingLayer):
         layers: int | None = None,
         rule: str = "mass",
         drop: float = 1.0,
+        codes: str = "plain",
         **policy_options: Any,
     ) -> None:
         """``bytes``: a share (below 1) or bytes of the whole cache; ``storage``: where the layer
         starts (a saved layer's choice; a new one starts in full precision and chooses); ``rule``:
         how a case is scored (:data:`RULES`, :func:`weigh`); ``drop``: how much a case's dropped
         part counts against its coding part when cases are compared (the lowest
-        ``drop * dropped + coding`` wins)."""
+        ``drop * dropped + coding`` wins); ``codes``: ``plain`` chooses among full, int8, int4 and
+        int2, ``rotated`` among full, int8h, int4h and int2h (``formats/rotated.py``)."""
         checked = self.check_options(bytes=bytes, drop=drop)
         size = checked["bytes"]
-        self._init_budget(size, rule, checked["drop"])
+        self._init_budget(size, rule, checked["drop"], codes, storage)
         super().__init__(size if isinstance(size, float) else 1 << 62, "snapkv", recent, sinks, storage, layer, layers, **policy_options)
         self.byte_budget = size
 
@@ -270,7 +272,7 @@ class AutoLayer(ByteBudget, EvictingLayer):
                 raise ValueError(f"auto layer with rule=attention: a decision needs the window's queries ('queries:{self.policy.window}')")
             reference = window(queries, keys, values, slots["positions"], self.seen)
         estimates = []
-        for name in CANDIDATES[CANDIDATES.index(self.storage.name) :]:
+        for name in self.ladder[self.ladder.index(self.storage.name) :]:
             count = min(n, slots_within(allowed, slot_bytes(name, g), self._growing))
             if count < 1:
                 continue
@@ -282,7 +284,7 @@ class AutoLayer(ByteBudget, EvictingLayer):
             else:
                 estimates.append(weigh(name, count, kept, mass, keys, values, g.heads, g, self.rule))
         if not estimates:  # not even one slot is affordable: the coarsest storage, one slot
-            estimates.append(Estimate(CANDIDATES[-1], 1, 1.0, 0.0))
+            estimates.append(Estimate(self.ladder[-1], 1, 1.0, 0.0))
         best = self._best(estimates)
         return Choice(best.storage, best.slots, self.seen, tuple(estimates))
 
@@ -292,7 +294,7 @@ class AutoLayer(ByteBudget, EvictingLayer):
         """The spec's options and the storage chosen (``storage``); a file's loader compares the
         spec's options only (``spec_options_of``)."""
         return {"bytes": self.byte_budget, "recent": self.recent, "sinks": self.sinks, "storage": self.storage.name,
-                **self.policy.options(), "layers": self.layer_count, "rule": self.rule, "drop": self.drop}  # fmt: skip
+                **self.policy.options(), "layers": self.layer_count, "rule": self.rule, "drop": self.drop, "codes": self.codes}  # fmt: skip
 
     def load_state(self, state: LayerState) -> None:
         self._load_in_storage(state, super().load_state)

@@ -17,7 +17,8 @@ observation window), and sizes and codes them as ``auto`` does:
   weights; the lowest wins (a tie goes to the finer storage). Here the kept set is chosen across
   heads, so a head whose attention is spread keeps more slots and drops less mass.
 
-Every slot of a layer is in the same storage (the flat store is one run).
+Every slot of a layer is in the same storage (the flat store is one run). ``codes=rotated``
+chooses among the storages of rotated codes, as ``auto`` does.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 
 from .adaptive import AdaptiveLayer
-from .auto import CANDIDATES, Choice, Estimate, weigh
+from .auto import Choice, Estimate, weigh
 from .budget import slots_to_allocate
 from .byte_budget import ByteBudget
 from .checks import Geometry
@@ -74,6 +75,7 @@ class AutoHeadsLayer(ByteBudget, AdaptiveLayer):
         "storage": Option(str),
         "rule": Option(str),
         "drop": Option(float, least=0, inclusive=False),
+        "codes": Option(str),
     }
     #: ``budget``: the adaptive layer's own argument, which this kind sets itself from ``bytes``.
     keyword_options = {"layer": Option(int, least=0), "layers": Option(int, least=1), "budget": AdaptiveLayer.spec_options["budget"]}
@@ -90,14 +92,13 @@ class AutoHeadsLayer(ByteBudget, AdaptiveLayer):
         layers: int | None = None,
         rule: str = "mass",
         drop: float = 1.0,
+        codes: str = "plain",
     ) -> None:
         checked = self.check_options(bytes=bytes, drop=drop)
         size = checked["bytes"]
         if rule == "attention":
             raise ValueError("auto-heads: rule='attention' is auto's only (it measures per KV head); use rule='mass' or 'output'")
-        self._init_budget(size, rule, checked["drop"])
-        if storage not in CANDIDATES:
-            raise ValueError(f"storage must be one of {CANDIDATES}, got {storage!r}")
+        self._init_budget(size, rule, checked["drop"], codes, storage)
         super().__init__(1, window, pool, floor, storage)
         if layers is not None:
             self.at_depth(layer, layers)
@@ -136,14 +137,14 @@ class AutoHeadsLayer(ByteBudget, AdaptiveLayer):
         per_head = torch.zeros(mass.shape[0], 1, g.heads, device=mass.device).scatter_add_(2, heads, mass)
         mass = mass / per_head.gather(2, heads).clamp_min(torch.finfo(torch.float32).tiny)
         estimates = []
-        for name in CANDIDATES[CANDIDATES.index(self.storage.name) :]:
+        for name in self.ladder[self.ladder.index(self.storage.name) :]:
             count = self._budget_in(name, self.seen, g)
             keep = min(n, g.heads * count)
             recent = min(self.window, count // 2)
             floor = max(1, int(self.floor * (count - recent)))
             kept = keep_across_heads(slots["scores"], slots["heads"], slots["positions"], keep, g.heads, floor, self.seen - recent)
             estimates.append(weigh(name, count, kept, mass, keys, values, g.heads, flat, self.rule, slots["heads"]))
-        best = self._best(estimates) if estimates else Estimate(CANDIDATES[-1], 1, 1.0, 0.0)
+        best = self._best(estimates) if estimates else Estimate(self.ladder[-1], 1, 1.0, 0.0)
         return Choice(best.storage, best.slots, self.seen, tuple(estimates))
 
     def _slot_geometry(self) -> Geometry:
@@ -155,7 +156,7 @@ class AutoHeadsLayer(ByteBudget, AdaptiveLayer):
         """The spec's options and the storage chosen (``storage``); a file's loader compares the
         spec's options only (``spec_options_of``)."""
         return {"bytes": self.byte_budget, "window": self.window, "pool": self.pool, "floor": self.floor,
-                "storage": self.storage.name, "layers": self.layer_count, "rule": self.rule, "drop": self.drop}  # fmt: skip
+                "storage": self.storage.name, "layers": self.layer_count, "rule": self.rule, "drop": self.drop, "codes": self.codes}  # fmt: skip
 
     def check_state(self, state: LayerState) -> None:
         """The flat store's checks, read in the state's storage (its slots counted against the

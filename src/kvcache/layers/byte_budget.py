@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .checks import Geometry
-from .slots import STORAGES, get_storage
+from .slots import ROTATED, STORAGES, get_storage
 from .state import LayerState
 
 #: How a case's error is scored: ``mass``, the first-order estimate (dropped mass plus the
@@ -23,6 +23,9 @@ from .state import LayerState
 #: measured for dropping and for coding the values (keys still first-order); ``attention``, the
 #: change of the window's attention outputs, measured with its queries (``auto_measure.py``; ``auto`` only).
 RULES = ("mass", "output", "attention")
+#: The storages a layer chooses among, finest first, per ``codes=``: plain codes, or codes of
+#: rotated keys and values (``formats/rotated.py``).
+LADDERS = {"plain": STORAGES, "rotated": ROTATED}
 
 
 def fp32_bytes(g: Geometry) -> int:
@@ -32,12 +35,19 @@ def fp32_bytes(g: Geometry) -> int:
 
 class ByteBudget:
     """See the module docstring. Attributes: ``byte_budget`` (float below 1: a share; int: bytes),
-    ``layer_count``, ``rule``, ``drop``, ``choice`` (the last ``Choice``, None before one)."""
+    ``layer_count``, ``rule``, ``drop``, ``codes`` and its ``ladder`` (the storages chosen among,
+    finest first), ``choice`` (the last ``Choice``, None before one)."""
 
-    def _init_budget(self, size: int | float, rule: str, drop: float = 1.0) -> None:
-        """``size`` and ``drop`` as the constructor's ``check_options`` read them."""
+    def _init_budget(self, size: int | float, rule: str, drop: float = 1.0, codes: str = "plain", storage: str = "full") -> None:
+        """``size`` and ``drop`` as the constructor's ``check_options`` read them; ``storage``: where
+        the layer starts, which must be on the ladder ``codes`` names."""
         if rule not in RULES:
             raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+        if codes not in LADDERS:
+            raise ValueError(f"codes must be one of {tuple(LADDERS)}, got {codes!r}")
+        self.codes, self.ladder = codes, LADDERS[codes]
+        if storage not in self.ladder:
+            raise ValueError(f"storage must be one of {self.ladder} (codes={codes}), got {storage!r}")
         self.rule = rule
         self.drop = float(drop)
         self.byte_budget = size
@@ -91,14 +101,16 @@ class ByteBudget:
     @staticmethod
     def spec_options_of(options: Any) -> Any:
         """What of a layer's ``options()`` its spec fixes: all but the storage, the layer's own
-        choice (a file saved before ``rule`` or ``drop`` existed scored by ``mass``, ``drop=1``)."""
-        return {"rule": "mass", "drop": 1.0, **{k: v for k, v in options.items() if k != "storage"}} if isinstance(options, Mapping) else options
+        choice (a file saved before ``rule``, ``drop`` or ``codes`` existed scored by ``mass``,
+        ``drop=1``, over plain codes)."""
+        defaults = {"rule": "mass", "drop": 1.0, "codes": "plain"}
+        return {**defaults, **{k: v for k, v in options.items() if k != "storage"}} if isinstance(options, Mapping) else options
 
     def _state_storage(self, state: LayerState, default: str) -> str:
         """The storage a state's options name (``default`` where they name none), checked."""
         storage = state.options.get("storage", default) if isinstance(state.options, Mapping) else default
-        if storage not in STORAGES:
-            raise ValueError(f"{self.kind} layer state: unknown storage {storage!r}; one of {STORAGES}")
+        if storage not in self.ladder:
+            raise ValueError(f"{self.kind} layer state: unknown storage {storage!r}; one of {self.ladder} (codes={self.codes})")
         return storage
 
     def _load_in_storage(self, state: LayerState, load: Callable[[LayerState], None]) -> None:

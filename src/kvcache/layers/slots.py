@@ -12,6 +12,9 @@ full-precision keys and values for attention.
   reading back (``decode``) dequantizes the slots (a temporary of the budget's size). Attention
   reads them through a ``SlotCodesReader`` instead (``reader``): a decode step straight from the
   codes with the coded C++ library (``attention/fused.py``), else a block of slots dequantized at a time.
+- ``int8h`` / ``int4h`` / ``int2h``: the same codes of the keys and values turned by a Hadamard
+  rotation (``formats/rotated.py``). A decode step from the codes turns the query the same way and
+  the output back.
 """
 
 from __future__ import annotations
@@ -21,11 +24,11 @@ from collections.abc import Iterator
 import torch
 
 from ..attention import BlockReader, device_kernels, fused
-from ..formats import STORAGES, Format, format_named
+from ..formats import ROTATED, SLOT_STORAGES, STORAGES, Format, format_named
 from .checks import Geometry
 from .store import Layout
 
-__all__ = ["STORAGES", "SlotCodesReader", "Slots", "get_storage"]
+__all__ = ["ROTATED", "SLOT_STORAGES", "STORAGES", "SlotCodesReader", "Slots", "get_storage"]
 
 
 class Slots:
@@ -118,7 +121,8 @@ class SlotCodesReader(BlockReader):
     def decode_scores(self, query: torch.Tensor) -> torch.Tensor | None:
         """Scores float32 ``[B, Hkv, R, length]`` of scaled query rows ``[B, Hkv, R, D]`` straight
         from the key codes, or None when the library cannot run."""
-        return fused.token_key_scores(query, *self._codes("k"), self.codec.format.bits, self._group("k"), self.length)
+        turned = self.codec.format.rotate(query)
+        return fused.token_key_scores(turned, *self._codes("k"), self.codec.format.bits, self._group("k"), self.length)
 
     def decode_values(self, weights: torch.Tensor) -> torch.Tensor | None:
         """``weights @ values`` ``[B, Hkv, R, Dv]`` in the weights' dtype for weights ``[B, Hkv, R,
@@ -126,17 +130,19 @@ class SlotCodesReader(BlockReader):
         if torch.is_grad_enabled() and weights.requires_grad:  # the library computes no gradients
             return None
         out = fused.weighted_values(weights, *self._codes("v"), self.codec.format.bits, self._group("v"))
-        return None if out is None else out.to(weights.dtype)
+        return None if out is None else self.codec.format.unrotate(out).to(weights.dtype)
 
     def decode_attention(self, query: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor | None:
         """A plain decode step (no mask, sinks or weights: the kernel's ``route`` checks) of query rows
         ``[B, Hkv, R, D]`` in one pass over the codes: ``[B, Hkv, R, Dv]`` in the query's dtype, or None
         to decline (the library cannot run, or no slots)."""
         keys, values, groups = self._codes("k"), self._codes("v"), (self._group("k"), self._group("v"))
-        done = device_kernels.token_coded_decode(query, keys, values, self.codec.format.bits, self.length, *groups, scale, softcap)
-        return None if done is None else done[0].to(query.dtype)
+        turned = self.codec.format.rotate(query)
+        done = device_kernels.token_coded_decode(turned, keys, values, self.codec.format.bits, self.length, *groups, scale, softcap)
+        return None if done is None else self.codec.format.unrotate(done[0]).to(query.dtype)
 
 
 def get_storage(name: str) -> Slots:
-    """The slots a ``storage=`` option names (``full``, ``int8``, ``int4``, ``int2``)."""
+    """The slots a ``storage=`` option names (``full``, ``int8``, ``int4``, ``int2``, and
+    ``int8h``, ``int4h``, ``int2h`` over rotated keys and values)."""
     return Slots(format_named(name))
