@@ -50,6 +50,7 @@ for b in c["budgets"]:
     best = eval_frontier.best_fixed(lines, b)
     for point in points:
         line, other = eval_frontier.line_of(every, point, b), eval_frontier.line_of(every, twin(point), b)
-        diff = eval_frontier._difference(runs, (point, b), (twin(point), b))
-        print(f"| {b:g} | {point} | {line['accuracy']:.0%} | {twin(point)} | {other['accuracy']:.0%} | {diff} | "
+        diff = eval_frontier._difference(runs, (point, b), (twin(point), b)) if other else "-"
+        found = f"{other['accuracy']:.0%}" if other else "not run"
+        print(f"| {b:g} | {point} | {line['accuracy']:.0%} | {twin(point)} | {found} | {diff} | "
               f"{eval_frontier._difference(runs, (point, b), (best['point'], b))} ({best['point']} {best['accuracy']:.0%}) |")  # fmt: skip
