@@ -44,6 +44,12 @@ def hadamard(n: int) -> torch.Tensor:
     return h / n**0.5
 
 
+@lru_cache(maxsize=32)
+def _matrix(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``hadamard(n)`` in ``dtype`` on ``device``, made once (no copy to a GPU at every step)."""
+    return hadamard(n).to(device, dtype)
+
+
 def rotate(x: torch.Tensor) -> torch.Tensor:
     """``x H`` for ``x`` ``[..., D]`` (block diagonal ``H``), in ``x``'s dtype. ``H`` is symmetric and
     its own inverse, so the same call turns it back."""
@@ -52,7 +58,7 @@ def rotate(x: torch.Tensor) -> torch.Tensor:
     if b == 1:
         return x
     work = torch.promote_types(x.dtype, torch.float32)  # float32, or float64 for float64 input
-    h = hadamard(b).to(x.device, work)
+    h = _matrix(b, work, x.device)
     out = x.to(work).reshape(*x.shape[:-1], d // b, b) @ h
     return out.reshape(x.shape).to(x.dtype)
 
