@@ -4,20 +4,29 @@ alternates between int4 and int4h for 7 rounds; the median ms a step of rounds 2
 
     python benchmarks/rotated_speed.py
 """
-import time, torch, kvcache, statistics
+
+import statistics
+import time
+
+import torch
+
+import kvcache
 from kvcache.apps import families
 from kvcache.models import load
+
+ROUNDS, STEPS = 7, 32
 torch.set_num_threads(2)
 model, tok = load("smollm2", progress=False)
 ids = families.make_item(tok, "needle-words", 4096, 0, "tuned").prompt_ids
-res = {}
-for rnd in range(7):
-    for st in ("int4", "int4h"):
-        cache = kvcache.make_cache(model, f"snapkv:budget=0.25,storage={st}")
+ms: dict[str, list[float]] = {}
+for _ in range(ROUNDS):
+    for storage in ("int4", "int4h"):
+        cache = kvcache.make_cache(model, f"snapkv:budget=0.25,storage={storage}")
         with torch.inference_mode(), kvcache.use_kvcache_attention(model):
             model(torch.tensor([ids]), **kvcache.cache_kwargs(model, cache), use_cache=True)
-            t0 = time.perf_counter()
-            for t in range(32):
-                model(torch.tensor([[ids[t]]]), **kvcache.cache_kwargs(model, cache), use_cache=True)
-            res.setdefault(st, []).append((time.perf_counter() - t0) / 32 * 1000)
-for st, v in res.items(): print(st, "median ms/step", round(statistics.median(v[1:]), 2), [round(x, 1) for x in v])
+            start = time.perf_counter()
+            for t in ids[:STEPS]:
+                model(torch.tensor([[t]]), **kvcache.cache_kwargs(model, cache), use_cache=True)
+            ms.setdefault(storage, []).append((time.perf_counter() - start) / STEPS * 1000)
+for storage, times in ms.items():
+    print(storage, "median ms/step", round(statistics.median(times[1:]), 2), [round(x, 1) for x in times])

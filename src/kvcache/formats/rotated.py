@@ -33,9 +33,9 @@ def block_of(dim: int) -> int:
     return dim & -dim
 
 
-@lru_cache(maxsize=16)
 def hadamard(n: int) -> torch.Tensor:
-    """Sylvester's orthonormal Hadamard matrix ``[n, n]`` (``n`` a power of two), float64, symmetric."""
+    """Sylvester's orthonormal Hadamard matrix ``[n, n]`` (``n`` a power of two), float64, symmetric;
+    a new tensor each call (``rotate`` keeps its own, made once per dtype and device)."""
     if n < 1 or n & (n - 1):
         raise ValueError(f"a Hadamard matrix needs a power of two, got {n}")
     h = torch.ones(1, 1, dtype=torch.float64)
