@@ -35,7 +35,38 @@ def runs_half_precision(item: pytest.Item) -> bool:
     return any(value in HALF_DTYPES for value in params.values() if isinstance(value, torch.dtype))
 
 
+#: The files that take longest (worker-seconds on 2 cores, most first), run first. The README's
+#: test command hands out whole files (``--dist loadfile``) in collection order, so these start at
+#: once and the many short files fill in around them (longest first): two workers finish close
+#: together, where a long file drawn last would leave one idle for minutes.
+LONGEST_FIRST = (
+    "apps/test_readme_commands.py",
+    "apps/test_serve_ray.py",
+    "engine/test_engine_real.py",
+    "hf/test_compile.py",
+    "apps/test_serve.py",
+    "apps/test_bench_serve.py",
+    "apps/test_bench.py",
+    "apps/test_frontier.py",
+    "engine/test_engine_state.py",
+    "prompts/test_store_real_model.py",
+)
+
+
+def _longest_first(items: list[pytest.Item]) -> None:
+    """Move the tests of ``LONGEST_FIRST``'s files to the front, in its order; every other order
+    (pytest-randomly's shuffle included) is kept."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+
+    def key(item: pytest.Item) -> int:
+        path = item.nodeid.split("::", 1)[0].removeprefix("tests/")
+        return rank.get(path, len(rank))
+
+    items.sort(key=key)  # stable
+
+
 def pytest_collection_modifyitems(config, items):
+    _longest_first(items)
     if HALF_PRECISION.status is not HalfPrecision.BROKEN:
         return
     skip = pytest.mark.skip(reason=f"half precision: {HALF_PRECISION.describe()}")

@@ -110,18 +110,31 @@ def reference_estimates(keys, values, mass, scores, positions, seen, share, wind
     return out
 
 
-@pytest.mark.parametrize("share,seed,drop,codes", [(0.5, 0, 1.0, "plain"), (0.2, 1, 1.0, "plain"), (0.1, 2, 1.0, "plain"), (0.2, 1, 8.0, "plain"),
-                                                   (0.1, 2, 30.0, "plain"), (0.2, 1, 1.0, "rotated"), (0.1, 2, 8.0, "rotated")])  # fmt: skip
-def test_the_choice_follows_the_stated_rule(share, seed, drop, codes):
-    """Every case as the module states it; the lowest ``drop * dropped + coding`` wins; ``codes``
-    names the storages weighed."""
+def reference_best(want: dict[str, tuple[int, float, float]], drop: float, tolerance: float | None) -> str:
+    """The storage the rule takes from ``want`` (storage -> slots, dropped, coding, finest first)."""
+    if tolerance is None:
+        return min(want, key=lambda s: drop * want[s][1] + want[s][2])
+    within = [s for s in want if want[s][2] <= tolerance]
+    if not within:
+        return min(want, key=lambda s: want[s][2])
+    return min(within, key=lambda s: round(want[s][1], 4))  # the least dropped; min keeps the finer of equals
+
+
+@pytest.mark.parametrize("share,seed,drop,codes,tolerance", [
+    (0.5, 0, 1.0, "plain", None), (0.2, 1, 1.0, "plain", None), (0.1, 2, 1.0, "plain", None), (0.2, 1, 8.0, "plain", None),
+    (0.1, 2, 30.0, "plain", None), (0.2, 1, 1.0, "rotated", None), (0.1, 2, 8.0, "rotated", None),
+    (0.2, 1, 1.0, "plain", 0.3), (0.1, 2, 1.0, "plain", 0.31), (0.2, 1, 1.0, "plain", 0.05), (0.5, 0, 1.0, "plain", 0.3),
+    (0.2, 1, 1.0, "rotated", 0.3)])  # fmt: skip
+def test_the_choice_follows_the_stated_rule(share, seed, drop, codes, tolerance):
+    """Every case as the module states it; the lowest ``drop * dropped + coding`` wins, or with
+    ``tolerance`` the least dropped of the cases coded within it; ``codes`` names the storages weighed."""
     g = torch.Generator().manual_seed(seed)
     n, window = 200, 4
     keys = torch.randn(1, 2, n, 16, generator=g)
     values = torch.randn(1, 2, n, 16, generator=g)
     keys[:, :, :, 0] *= 1 + 20 * (torch.rand(1, 2, n, generator=g) < 0.05)  # outliers: coding costs something
     weights = torch.rand(1, 2, n, generator=g) ** 8  # a few heavy tokens
-    layer = AutoLayer(bytes=share, window=window, pool=1, drop=drop, codes=codes)
+    layer = AutoLayer(bytes=share, window=window, pool=1, drop=drop, codes=codes, tolerance=tolerance)
     layer.append(keys, values)
     layer.settle(weights)
     ladder = ROTATED if codes == "rotated" else STORAGES
@@ -131,7 +144,7 @@ def test_the_choice_follows_the_stated_rule(share, seed, drop, codes):
     for name in want:
         assert got[name][0] == want[name][0]
         assert got[name][1:] == pytest.approx(want[name][1:], abs=1e-5)  # float32 sums of ~200 terms
-    best = min(want, key=lambda s: drop * want[s][1] + want[s][2])
+    best = reference_best(want, drop, tolerance)
     assert layer.choice.storage == best == layer.storage.name
     assert layer.length == want[best][0]
 
@@ -220,7 +233,8 @@ def test_compress_leaves_what_the_layers_own_pass_leaves(spec):
             assert torch.equal(a.heads(), b.heads())
 
 
-@pytest.mark.parametrize("spec", ["auto:bytes=0.1", "auto:bytes=0.1,codes=rotated", "auto-heads:bytes=0.1,codes=rotated"])
+@pytest.mark.parametrize("spec", ["auto:bytes=0.1", "auto:bytes=0.1,codes=rotated", "auto-heads:bytes=0.1,codes=rotated",
+                                  "auto-heads:bytes=0.1,tolerance=0.3"])
 def test_a_saved_auto_cache_loads_with_its_choices(tmp_path, spec):
     model = model_for("llama")
     ids = prompt(200, seed=6)
@@ -247,7 +261,11 @@ def test_a_saved_auto_cache_loads_with_its_choices(tmp_path, spec):
                                         ("auto-heads:bytes=0.1,drop=-2", "'drop' .* must be > 0"), ("auto:bytes=0.1,drop=x", "drop"),
                                         ("auto:bytes=0.1,codes=x", "codes must be one of"),
                                         ("auto-heads:bytes=0.1,codes=rotated,storage=int4", r"storage must be one of .*int4h"),
-                                        ("auto:bytes=0.1,storage=int4h", r"storage must be one of .*codes=plain")])  # fmt: skip
+                                        ("auto:bytes=0.1,storage=int4h", r"storage must be one of .*codes=plain"),
+                                        ("auto:bytes=0.1,tolerance=-0.1", "'tolerance' .* must be >= 0"),
+                                        ("auto-heads:bytes=0.1,tolerance=x", "tolerance"),
+                                        ("auto:bytes=0.1,drop=4,tolerance=0.3", "drop=4 and tolerance=0.3 .* give one"),
+                                        ("auto-heads:bytes=0.1,drop=2,tolerance=0.3", "give one")])  # fmt: skip
 def test_bad_specs_are_refused_by_name(spec, match):
     with pytest.raises(SpecError, match=match):
         kvcache.make_cache(model_for("llama"), spec)

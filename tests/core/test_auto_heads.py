@@ -226,3 +226,22 @@ def test_a_rule_is_named_and_kept_in_a_saved_file(tmp_path):
     assert layer.spec_options_of(older) == layer.spec_options_of({**layer.options(), "rule": "mass"})
     with pytest.raises(SpecError, match="rule must be one of"):
         kvcache.make_cache(model, "auto:bytes=0.1,rule=exact")
+
+
+@pytest.mark.parametrize("tolerance", [0.0, 0.05, 0.3, 10.0])
+def test_a_tolerance_takes_the_least_dropped_of_the_storages_coded_within_it(tolerance):
+    """``tolerance``: of the storages whose coding part is at most it, the one that drops the least
+    mass (the finer of equals); with 0 only full precision qualifies."""
+    keys, values, weights = pass_of(seed=5)
+    auto = AutoHeadsLayer(bytes=0.1, window=4, pool=3, tolerance=tolerance)
+    auto.append(keys, values)
+    auto.settle(weights)
+    estimates = auto.choice.estimates
+    within = [e for e in estimates if e.coding <= tolerance]
+    assert within and auto.choice.storage in {e.storage for e in within}
+    chosen = next(e for e in estimates if e.storage == auto.choice.storage)
+    assert all(chosen.dropped <= e.dropped + 1e-5 for e in within)
+    if tolerance == 0.0:
+        assert auto.choice.storage == "full"
+    if tolerance == 10.0:  # every storage qualifies: the coarsest keeps the most
+        assert auto.choice.storage == estimates[-1].storage

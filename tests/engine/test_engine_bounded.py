@@ -65,6 +65,7 @@ KINDS = [
     "h2o:budget=0.5,storage=int8",
     "snapkv:budget=0.5,window=4,storage=int4",
     "auto:bytes=0.2,window=4,codes=rotated",
+    "auto-heads:bytes=0.2,window=4,tolerance=0.3",
     "window:window=12,sinks=2",
     "window:window=20",
 ]

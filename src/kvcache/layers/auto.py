@@ -30,9 +30,12 @@ reported (the last ``window`` queries' attention, as SnapKV scores by):
    output instead (``o = sum p v`` per head, against the kept candidates' renormalised, then with
    their values coded); keys, which move the weights, keep the first-order term.
 3. The storage with the lowest estimate wins (a tie goes to the finer one); with ``drop=w`` the
-   lowest ``w * dropped + coding`` (``w`` above 1 prefers keeping more tokens, coarser); the layer recodes its
-   kept slots into it and keeps ``Choice`` (``layer.choice``: the storage, the slots, every
-   candidate's estimate) for reports (``mix_of(cache)``).
+   lowest ``w * dropped + coding`` (``w`` above 1 prefers keeping more tokens, coarser); with
+   ``tolerance=t`` the one that drops the least mass of those whose ``coding`` is at most ``t``
+   (the finer of equals): keep every token the bytes afford, in the finest storage that affords
+   them, short of a coding error past ``t``. The layer recodes its kept slots into it and keeps
+   ``Choice`` (``layer.choice``: the storage, the slots, every candidate's estimate) for reports
+   (``mix_of(cache)``).
 
 Every head of a layer keeps the same number of slots in the same storage (the store is one
 ``[B, Hkv, C]`` run); which tokens each head keeps is its own.
@@ -186,6 +189,7 @@ class AutoLayer(ByteBudget, EvictingLayer):
         "storage": Option(str),
         "rule": Option(str),
         "drop": Option(float, least=0, inclusive=False),
+        "tolerance": Option(float, least=0),
         "codes": Option(str),
     }
     #: ``budget``: the eviction layer's own argument, which this kind sets itself from ``bytes``.
@@ -213,17 +217,20 @@ class AutoLayer(ByteBudget, EvictingLayer):
         rule: str = "mass",
         drop: float = 1.0,
         codes: str = "plain",
+        tolerance: float | None = None,
         **policy_options: Any,
     ) -> None:
         """``bytes``: a share (below 1) or bytes of the whole cache; ``storage``: where the layer
         starts (a saved layer's choice; a new one starts in full precision and chooses); ``rule``:
         how a case is scored (:data:`RULES`, :func:`weigh`); ``drop``: how much a case's dropped
         part counts against its coding part when cases are compared (the lowest
-        ``drop * dropped + coding`` wins); ``codes``: ``plain`` chooses among full, int8, int4 and
-        int2, ``rotated`` among full, int8h, int4h and int2h (``formats/rotated.py``)."""
-        checked = self.check_options(bytes=bytes, drop=drop)
+        ``drop * dropped + coding`` wins); ``tolerance``: compare cases by what they drop instead,
+        among those whose coding part is at most it (not with ``drop``); ``codes``: ``plain``
+        chooses among full, int8, int4 and int2, ``rotated`` among full, int8h, int4h and int2h
+        (``formats/rotated.py``)."""
+        checked = self.check_options(bytes=bytes, drop=drop, **({} if tolerance is None else {"tolerance": tolerance}))
         size = checked["bytes"]
-        self._init_budget(size, rule, checked["drop"], codes, storage)
+        self._init_budget(size, rule, checked["drop"], codes, storage, checked.get("tolerance"))
         super().__init__(size if isinstance(size, float) else 1 << 62, "snapkv", recent, sinks, storage, layer, layers, **policy_options)
         self.byte_budget = size
 
@@ -294,7 +301,8 @@ class AutoLayer(ByteBudget, EvictingLayer):
         """The spec's options and the storage chosen (``storage``); a file's loader compares the
         spec's options only (``spec_options_of``)."""
         return {"bytes": self.byte_budget, "recent": self.recent, "sinks": self.sinks, "storage": self.storage.name,
-                **self.policy.options(), "layers": self.layer_count, "rule": self.rule, "drop": self.drop, "codes": self.codes}  # fmt: skip
+                **self.policy.options(), "layers": self.layer_count, "rule": self.rule, "drop": self.drop, "codes": self.codes,
+                "tolerance": self.tolerance}  # fmt: skip
 
     def load_state(self, state: LayerState) -> None:
         self._load_in_storage(state, super().load_state)

@@ -75,6 +75,7 @@ class AutoHeadsLayer(ByteBudget, AdaptiveLayer):
         "storage": Option(str),
         "rule": Option(str),
         "drop": Option(float, least=0, inclusive=False),
+        "tolerance": Option(float, least=0),
         "codes": Option(str),
     }
     #: ``budget``: the adaptive layer's own argument, which this kind sets itself from ``bytes``.
@@ -93,12 +94,13 @@ class AutoHeadsLayer(ByteBudget, AdaptiveLayer):
         rule: str = "mass",
         drop: float = 1.0,
         codes: str = "plain",
+        tolerance: float | None = None,
     ) -> None:
-        checked = self.check_options(bytes=bytes, drop=drop)
+        checked = self.check_options(bytes=bytes, drop=drop, **({} if tolerance is None else {"tolerance": tolerance}))
         size = checked["bytes"]
         if rule == "attention":
             raise ValueError("auto-heads: rule='attention' is auto's only (it measures per KV head); use rule='mass' or 'output'")
-        self._init_budget(size, rule, checked["drop"], codes, storage)
+        self._init_budget(size, rule, checked["drop"], codes, storage, checked.get("tolerance"))
         super().__init__(1, window, pool, floor, storage)
         if layers is not None:
             self.at_depth(layer, layers)
@@ -156,7 +158,8 @@ class AutoHeadsLayer(ByteBudget, AdaptiveLayer):
         """The spec's options and the storage chosen (``storage``); a file's loader compares the
         spec's options only (``spec_options_of``)."""
         return {"bytes": self.byte_budget, "window": self.window, "pool": self.pool, "floor": self.floor,
-                "storage": self.storage.name, "layers": self.layer_count, "rule": self.rule, "drop": self.drop, "codes": self.codes}  # fmt: skip
+                "storage": self.storage.name, "layers": self.layer_count, "rule": self.rule, "drop": self.drop, "codes": self.codes,
+                "tolerance": self.tolerance}  # fmt: skip
 
     def check_state(self, state: LayerState) -> None:
         """The flat store's checks, read in the state's storage (its slots counted against the

@@ -26,6 +26,9 @@ RULES = ("mass", "output", "attention")
 #: The storages a layer chooses among, finest first, per ``codes=``: plain codes, or codes of
 #: rotated keys and values (``formats/rotated.py``).
 LADDERS = {"plain": STORAGES, "rotated": ROTATED}
+#: Dropped parts closer than this are equal under ``tolerance`` (the finer storage wins): a mass
+#: summed in float32 over every candidate is 1 only to about this.
+SAME_DROP = 1e-5
 
 
 def fp32_bytes(g: Geometry) -> int:
@@ -35,12 +38,15 @@ def fp32_bytes(g: Geometry) -> int:
 
 class ByteBudget:
     """See the module docstring. Attributes: ``byte_budget`` (float below 1: a share; int: bytes),
-    ``layer_count``, ``rule``, ``drop``, ``codes`` and its ``ladder`` (the storages chosen among,
-    finest first), ``choice`` (the last ``Choice``, None before one)."""
+    ``layer_count``, ``rule``, ``drop``, ``tolerance``, ``codes`` and its ``ladder`` (the storages
+    chosen among, finest first), ``choice`` (the last ``Choice``, None before one)."""
 
-    def _init_budget(self, size: int | float, rule: str, drop: float = 1.0, codes: str = "plain", storage: str = "full") -> None:
-        """``size`` and ``drop`` as the constructor's ``check_options`` read them; ``storage``: where
-        the layer starts, which must be on the ladder ``codes`` names."""
+    def _init_budget(self, size: int | float, rule: str, drop: float = 1.0, codes: str = "plain", storage: str = "full",
+                     tolerance: float | None = None) -> None:  # fmt: skip
+        """``size``, ``drop`` and ``tolerance`` as the constructor's ``check_options`` read them;
+        ``storage``: where the layer starts, which must be on the ladder ``codes`` names."""
+        if tolerance is not None and drop != 1.0:
+            raise ValueError(f"drop={drop:g} and tolerance={tolerance:g} are two ways to compare cases; give one")
         if rule not in RULES:
             raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
         if codes not in LADDERS:
@@ -50,6 +56,7 @@ class ByteBudget:
             raise ValueError(f"storage must be one of {self.ladder} (codes={codes}), got {storage!r}")
         self.rule = rule
         self.drop = float(drop)
+        self.tolerance = None if tolerance is None else float(tolerance)
         self.byte_budget = size
         self.layer_count = 1
         self.choice = None
@@ -71,8 +78,16 @@ class ByteBudget:
         return self.byte_budget / self.layer_count / (g.batch * g.heads)
 
     def _best(self, estimates: list[Any]) -> Any:
-        """The case with the lowest ``drop * dropped + coding`` (the first, the finer storage, of equals)."""
-        return min(estimates, key=lambda e: self.drop * e.dropped + e.coding)
+        """The case with the lowest ``drop * dropped + coding`` (the first, the finer storage, of
+        equals). With ``tolerance``: of the cases whose ``coding`` is at most ``tolerance``, the
+        one that drops the least (the finer of equals); if none is, the lowest ``coding``."""
+        if self.tolerance is None:
+            return min(estimates, key=lambda e: self.drop * e.dropped + e.coding)
+        within = [e for e in estimates if e.coding <= self.tolerance]
+        if not within:
+            return min(estimates, key=lambda e: e.coding)
+        least = min(e.dropped for e in within)
+        return next(e for e in within if e.dropped <= least + SAME_DROP)
 
     def _slot_geometry(self) -> Geometry:
         """The geometry the layer's slots are encoded in."""
@@ -101,9 +116,9 @@ class ByteBudget:
     @staticmethod
     def spec_options_of(options: Any) -> Any:
         """What of a layer's ``options()`` its spec fixes: all but the storage, the layer's own
-        choice (a file saved before ``rule``, ``drop`` or ``codes`` existed scored by ``mass``,
-        ``drop=1``, over plain codes)."""
-        defaults = {"rule": "mass", "drop": 1.0, "codes": "plain"}
+        choice (a file saved before ``rule``, ``drop``, ``codes`` or ``tolerance`` existed scored
+        by ``mass``, ``drop=1``, over plain codes, with no tolerance)."""
+        defaults = {"rule": "mass", "drop": 1.0, "codes": "plain", "tolerance": None}
         return {**defaults, **{k: v for k, v in options.items() if k != "storage"}} if isinstance(options, Mapping) else options
 
     def _state_storage(self, state: LayerState, default: str) -> str:
