@@ -228,9 +228,9 @@ class AutoLayer(ByteBudget, EvictingLayer):
         among those whose coding part is at most it (not with ``drop``); ``codes``: ``plain``
         chooses among full, int8, int4 and int2, ``rotated`` among full, int8h, int4h and int2h
         (``formats/rotated.py``)."""
-        checked = self.check_options(bytes=bytes, drop=drop, **({} if tolerance is None else {"tolerance": tolerance}))
+        checked = self.check_options(bytes=bytes, drop=drop)
         size = checked["bytes"]
-        self._init_budget(size, rule, checked["drop"], codes, storage, checked.get("tolerance"))
+        self._init_budget(size, rule, checked["drop"], codes, storage, tolerance)
         super().__init__(size if isinstance(size, float) else 1 << 62, "snapkv", recent, sinks, storage, layer, layers, **policy_options)
         self.byte_budget = size
 

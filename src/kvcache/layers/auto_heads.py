@@ -96,11 +96,11 @@ class AutoHeadsLayer(ByteBudget, AdaptiveLayer):
         codes: str = "plain",
         tolerance: float | None = None,
     ) -> None:
-        checked = self.check_options(bytes=bytes, drop=drop, **({} if tolerance is None else {"tolerance": tolerance}))
+        checked = self.check_options(bytes=bytes, drop=drop)
         size = checked["bytes"]
         if rule == "attention":
             raise ValueError("auto-heads: rule='attention' is auto's only (it measures per KV head); use rule='mass' or 'output'")
-        self._init_budget(size, rule, checked["drop"], codes, storage, checked.get("tolerance"))
+        self._init_budget(size, rule, checked["drop"], codes, storage, tolerance)
         super().__init__(1, window, pool, floor, storage)
         if layers is not None:
             self.at_depth(layer, layers)

@@ -43,8 +43,11 @@ class ByteBudget:
 
     def _init_budget(self, size: int | float, rule: str, drop: float = 1.0, codes: str = "plain", storage: str = "full",
                      tolerance: float | None = None) -> None:  # fmt: skip
-        """``size``, ``drop`` and ``tolerance`` as the constructor's ``check_options`` read them;
-        ``storage``: where the layer starts, which must be on the ladder ``codes`` names."""
+        """``size`` and ``drop`` as the constructor's ``check_options`` read them; ``tolerance``
+        as given (None: compare by ``drop``), read here; ``storage``: where the layer starts, which
+        must be on the ladder ``codes`` names."""
+        if tolerance is not None:
+            tolerance = self.check_options(tolerance=tolerance)["tolerance"]
         if tolerance is not None and drop != 1.0:
             raise ValueError(f"drop={drop:g} and tolerance={tolerance:g} are two ways to compare cases; give one")
         if rule not in RULES:
@@ -56,7 +59,7 @@ class ByteBudget:
             raise ValueError(f"storage must be one of {self.ladder} (codes={codes}), got {storage!r}")
         self.rule = rule
         self.drop = float(drop)
-        self.tolerance = None if tolerance is None else float(tolerance)
+        self.tolerance = tolerance
         self.byte_budget = size
         self.layer_count = 1
         self.choice = None
