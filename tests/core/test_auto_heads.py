@@ -245,3 +245,17 @@ def test_a_tolerance_takes_the_least_dropped_of_the_storages_coded_within_it(tol
         assert auto.choice.storage == "full"
     if tolerance == 10.0:  # every storage qualifies: the coarsest keeps the most
         assert auto.choice.storage == estimates[-1].storage
+
+
+@pytest.mark.parametrize("margin", [0.0, 0.12, 0.3, 1.0])
+def test_a_margin_takes_the_finest_storage_that_drops_within_it_of_the_least(margin):
+    """``margin``: of the storages coded within ``tolerance``, the finest whose dropped mass is
+    within ``margin`` of the least (in this pass int2 drops 0.24, int4 0.34, int8 0.50, full 0.75)."""
+    keys, values, weights = pass_of(seed=5)
+    auto = AutoHeadsLayer(bytes=0.1, window=4, pool=3, tolerance=0.3, margin=margin)
+    auto.append(keys, values)
+    auto.settle(weights)
+    within = [e for e in auto.choice.estimates if e.coding <= 0.3]
+    least = min(e.dropped for e in within)
+    assert auto.choice.storage == next(e.storage for e in within if e.dropped <= least + max(margin, 1e-5))
+    assert auto.choice.storage == {0.0: "int2", 0.12: "int4", 0.3: "int8", 1.0: "full"}[margin]

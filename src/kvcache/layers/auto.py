@@ -33,7 +33,8 @@ reported (the last ``window`` queries' attention, as SnapKV scores by):
    lowest ``w * dropped + coding`` (``w`` above 1 prefers keeping more tokens, coarser); with
    ``tolerance=t`` the one that drops the least mass of those whose ``coding`` is at most ``t``
    (the finer of equals): keep every token the bytes afford, in the finest storage that affords
-   them, short of a coding error past ``t``. The layer recodes its kept slots into it and keeps
+   them, short of a coding error past ``t``; with ``margin=m`` too, the finest of those that drops
+   at most ``m`` more than the least (a coarser storage must drop clearly less to win). The layer recodes its kept slots into it and keeps
    ``Choice`` (``layer.choice``: the storage, the slots, every candidate's estimate) for reports
    (``mix_of(cache)``).
 
@@ -190,6 +191,7 @@ class AutoLayer(ByteBudget, EvictingLayer):
         "rule": Option(str),
         "drop": Option(float, least=0, inclusive=False),
         "tolerance": Option(float, least=0),
+        "margin": Option(float, least=0),
         "codes": Option(str),
     }
     #: ``budget``: the eviction layer's own argument, which this kind sets itself from ``bytes``.
@@ -218,6 +220,7 @@ class AutoLayer(ByteBudget, EvictingLayer):
         drop: float = 1.0,
         codes: str = "plain",
         tolerance: float | None = None,
+        margin: float | None = None,
         **policy_options: Any,
     ) -> None:
         """``bytes``: a share (below 1) or bytes of the whole cache; ``storage``: where the layer
@@ -225,12 +228,13 @@ class AutoLayer(ByteBudget, EvictingLayer):
         how a case is scored (:data:`RULES`, :func:`weigh`); ``drop``: how much a case's dropped
         part counts against its coding part when cases are compared (the lowest
         ``drop * dropped + coding`` wins); ``tolerance``: compare cases by what they drop instead,
-        among those whose coding part is at most it (not with ``drop``); ``codes``: ``plain``
+        among those whose coding part is at most it (not with ``drop``); ``margin``: with
+        ``tolerance``, the finest case within it of the least dropped wins; ``codes``: ``plain``
         chooses among full, int8, int4 and int2, ``rotated`` among full, int8h, int4h and int2h
         (``formats/rotated.py``)."""
         checked = self.check_options(bytes=bytes, drop=drop)
         size = checked["bytes"]
-        self._init_budget(size, rule, checked["drop"], codes, storage, tolerance)
+        self._init_budget(size, rule, checked["drop"], codes, storage, tolerance, margin)
         super().__init__(size if isinstance(size, float) else 1 << 62, "snapkv", recent, sinks, storage, layer, layers, **policy_options)
         self.byte_budget = size
 
@@ -302,7 +306,7 @@ class AutoLayer(ByteBudget, EvictingLayer):
         spec's options only (``spec_options_of``)."""
         return {"bytes": self.byte_budget, "recent": self.recent, "sinks": self.sinks, "storage": self.storage.name,
                 **self.policy.options(), "layers": self.layer_count, "rule": self.rule, "drop": self.drop, "codes": self.codes,
-                "tolerance": self.tolerance}  # fmt: skip
+                "tolerance": self.tolerance, "margin": self.margin}  # fmt: skip
 
     def load_state(self, state: LayerState) -> None:
         self._load_in_storage(state, super().load_state)

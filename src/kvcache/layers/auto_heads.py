@@ -76,6 +76,7 @@ class AutoHeadsLayer(ByteBudget, AdaptiveLayer):
         "rule": Option(str),
         "drop": Option(float, least=0, inclusive=False),
         "tolerance": Option(float, least=0),
+        "margin": Option(float, least=0),
         "codes": Option(str),
     }
     #: ``budget``: the adaptive layer's own argument, which this kind sets itself from ``bytes``.
@@ -95,12 +96,13 @@ class AutoHeadsLayer(ByteBudget, AdaptiveLayer):
         drop: float = 1.0,
         codes: str = "plain",
         tolerance: float | None = None,
+        margin: float | None = None,
     ) -> None:
         checked = self.check_options(bytes=bytes, drop=drop)
         size = checked["bytes"]
         if rule == "attention":
             raise ValueError("auto-heads: rule='attention' is auto's only (it measures per KV head); use rule='mass' or 'output'")
-        self._init_budget(size, rule, checked["drop"], codes, storage, tolerance)
+        self._init_budget(size, rule, checked["drop"], codes, storage, tolerance, margin)
         super().__init__(1, window, pool, floor, storage)
         if layers is not None:
             self.at_depth(layer, layers)
@@ -159,7 +161,7 @@ class AutoHeadsLayer(ByteBudget, AdaptiveLayer):
         spec's options only (``spec_options_of``)."""
         return {"bytes": self.byte_budget, "window": self.window, "pool": self.pool, "floor": self.floor,
                 "storage": self.storage.name, "layers": self.layer_count, "rule": self.rule, "drop": self.drop, "codes": self.codes,
-                "tolerance": self.tolerance}  # fmt: skip
+                "tolerance": self.tolerance, "margin": self.margin}  # fmt: skip
 
     def check_state(self, state: LayerState) -> None:
         """The flat store's checks, read in the state's storage (its slots counted against the

@@ -38,18 +38,22 @@ def fp32_bytes(g: Geometry) -> int:
 
 class ByteBudget:
     """See the module docstring. Attributes: ``byte_budget`` (float below 1: a share; int: bytes),
-    ``layer_count``, ``rule``, ``drop``, ``tolerance``, ``codes`` and its ``ladder`` (the storages
+    ``layer_count``, ``rule``, ``drop``, ``tolerance``, ``margin``, ``codes`` and its ``ladder`` (the storages
     chosen among, finest first), ``choice`` (the last ``Choice``, None before one)."""
 
     def _init_budget(self, size: int | float, rule: str, drop: float = 1.0, codes: str = "plain", storage: str = "full",
-                     tolerance: float | None = None) -> None:  # fmt: skip
+                     tolerance: float | None = None, margin: float | None = None) -> None:  # fmt: skip
         """``size`` and ``drop`` as the constructor's ``check_options`` read them; ``tolerance``
-        as given (None: compare by ``drop``), read here; ``storage``: where the layer starts, which
-        must be on the ladder ``codes`` names."""
+        (None: compare by ``drop``) and ``margin`` (None: 0; only with ``tolerance``) as given, read
+        here; ``storage``: where the layer starts, which must be on the ladder ``codes`` names."""
         if tolerance is not None:
             tolerance = self.check_options(tolerance=tolerance)["tolerance"]
+        if margin is not None:
+            margin = self.check_options(margin=margin)["margin"]
         if tolerance is not None and drop != 1.0:
             raise ValueError(f"drop={drop:g} and tolerance={tolerance:g} are two ways to compare cases; give one")
+        if margin is not None and tolerance is None:
+            raise ValueError(f"margin={margin:g} widens tolerance's comparison of dropped mass; give tolerance=t with it")
         if rule not in RULES:
             raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
         if codes not in LADDERS:
@@ -60,6 +64,7 @@ class ByteBudget:
         self.rule = rule
         self.drop = float(drop)
         self.tolerance = tolerance
+        self.margin = margin
         self.byte_budget = size
         self.layer_count = 1
         self.choice = None
@@ -83,14 +88,16 @@ class ByteBudget:
     def _best(self, estimates: list[Any]) -> Any:
         """The case with the lowest ``drop * dropped + coding`` (the first, the finer storage, of
         equals). With ``tolerance``: of the cases whose ``coding`` is at most ``tolerance``, the
-        one that drops the least (the finer of equals); if none is, the lowest ``coding``."""
+        finest that drops at most ``margin`` more than the least any of them drops (so with no
+        margin, the one that drops the least, the finer of equals); if none is, the lowest
+        ``coding``. ``estimates`` come finest first."""
         if self.tolerance is None:
             return min(estimates, key=lambda e: self.drop * e.dropped + e.coding)
         within = [e for e in estimates if e.coding <= self.tolerance]
         if not within:
             return min(estimates, key=lambda e: e.coding)
         least = min(e.dropped for e in within)
-        return next(e for e in within if e.dropped <= least + SAME_DROP)
+        return next(e for e in within if e.dropped <= least + max(self.margin or 0.0, SAME_DROP))
 
     def _slot_geometry(self) -> Geometry:
         """The geometry the layer's slots are encoded in."""
@@ -119,9 +126,9 @@ class ByteBudget:
     @staticmethod
     def spec_options_of(options: Any) -> Any:
         """What of a layer's ``options()`` its spec fixes: all but the storage, the layer's own
-        choice (a file saved before ``rule``, ``drop``, ``codes`` or ``tolerance`` existed scored
-        by ``mass``, ``drop=1``, over plain codes, with no tolerance)."""
-        defaults = {"rule": "mass", "drop": 1.0, "codes": "plain", "tolerance": None}
+        choice (a file saved before ``rule``, ``drop``, ``codes``, ``tolerance`` or ``margin`` existed scored
+        by ``mass``, ``drop=1``, over plain codes, with no tolerance and no margin)."""
+        defaults = {"rule": "mass", "drop": 1.0, "codes": "plain", "tolerance": None, "margin": None}
         return {**defaults, **{k: v for k, v in options.items() if k != "storage"}} if isinstance(options, Mapping) else options
 
     def _state_storage(self, state: LayerState, default: str) -> str:
