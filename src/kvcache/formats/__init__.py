@@ -2,7 +2,9 @@
 
 A format is a stateless description (``base.Format``): the tensors a run of tokens becomes
 (``key_layout``/``value_layout``), how keys and values are coded into them and read back
-(``encode_*``/``decode_*``), and what a token costs (``bytes_per_token``). Two formats exist:
+(``encode_*``/``decode_*``), and what a token costs (``bytes_per_token``); a format of codes that
+attention reads straight also answers ``base.CodedFormat`` (its bits and groups, and ``rotate``/``unrotate``
+for the query and output). Three formats exist:
 
 - ``FullPrecision``: the keys and values as computed, in their dtype;
 - ``Codes``: int8/int4/int2 codes with a scale and minimum per group. Values are coded per token
@@ -17,7 +19,7 @@ Whoever holds tensors of a format allocates them from its layouts: a layer's slo
 ``[layers, blocks, Hkv, ...]``). ``format_named`` maps a ``storage=`` option to its format.
 """
 
-from .base import Format, Layout
+from .base import CodedFormat, Format, Layout
 from .blocks import BlockStorage
 from .codes import Codes
 from .full import FullPrecision
@@ -44,4 +46,4 @@ def format_named(name: str, group: int = 64) -> Format:
     raise ValueError(f"unknown slot storage {name!r}; choose one of {SLOT_STORAGES}")
 
 
-__all__ = ["ROTATED", "SLOT_STORAGES", "STORAGES", "BlockStorage", "Codes", "Format", "FullPrecision", "Layout", "Rotated", "format_named"]
+__all__ = ["ROTATED", "SLOT_STORAGES", "STORAGES", "BlockStorage", "CodedFormat", "Codes", "Format", "FullPrecision", "Layout", "Rotated", "format_named"]

@@ -52,6 +52,27 @@ class Format(Protocol):
         ...
 
 
+class CodedFormat(Format, Protocol):
+    """Codes a token each that attention reads straight, without decoding them first (``Codes``,
+    ``Rotated``): the coded library needs their width and groups, and a rotated format turns the
+    query in and the output back."""
+
+    #: Bits a code: 8, 4 or 2.
+    bits: int
+
+    def group_of(self, dim: int) -> int:
+        """Channels per (scale, minimum) pair of a token's code of ``dim`` channels."""
+        ...
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """Queries ``[..., D]`` into the space the codes are in."""
+        ...
+
+    def unrotate(self, x: torch.Tensor) -> torch.Tensor:
+        """A weighted sum of decoded values ``[..., Dv]`` back from that space."""
+        ...
+
+
 def layout_bytes(layout: Layout) -> int:
     """Bytes of one unit of ``layout``."""
     total = 0

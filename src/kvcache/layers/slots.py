@@ -20,11 +20,12 @@ full-precision keys and values for attention.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import cast
 
 import torch
 
 from ..attention import BlockReader, device_kernels, fused
-from ..formats import ROTATED, SLOT_STORAGES, STORAGES, Format, format_named
+from ..formats import ROTATED, SLOT_STORAGES, STORAGES, CodedFormat, Format, format_named
 from .checks import Geometry
 from .store import Layout
 
@@ -72,7 +73,7 @@ class Slots:
         """The geometry of stored slots (a saved state's)."""
         if self.format.exact:
             return Geometry.of(tensors["keys"], tensors["values"])
-        k, v, bits = tensors["kcodes"], tensors["vcodes"], self.format.bits
+        k, v, bits = tensors["kcodes"], tensors["vcodes"], cast(CodedFormat, self.format).bits
         b, h = k.shape[:2]
         return Geometry(b, h, k.shape[-1] * 8 // bits, v.shape[-1] * 8 // bits, tensors["kscale"].dtype, k.device)
 
@@ -92,6 +93,7 @@ class SlotCodesReader(BlockReader):
         self, slots: dict[str, torch.Tensor], length: int, geometry: Geometry, codec: Slots, block: int = 512
     ) -> None:
         self.slots, self.length, self.geometry, self.codec, self.block = slots, length, geometry, codec, block
+        self.format = cast(CodedFormat, codec.format)  # a reader is made for codes only (``Slots.reader``)
         batch, heads = slots["kcodes"].shape[:2]
         self._shape = torch.Size((batch, heads, length, geometry.key_dim))
         self._value_shape = torch.Size((batch, heads, length, geometry.value_dim))
@@ -116,30 +118,30 @@ class SlotCodesReader(BlockReader):
         return tuple(self.slots[prefix + part] for part in ("codes", "scale", "min"))
 
     def _group(self, prefix: str) -> int:
-        return self.codec.format.group_of(self.geometry.key_dim if prefix == "k" else self.geometry.value_dim)
+        return self.format.group_of(self.geometry.key_dim if prefix == "k" else self.geometry.value_dim)
 
     def decode_scores(self, query: torch.Tensor) -> torch.Tensor | None:
         """Scores float32 ``[B, Hkv, R, length]`` of scaled query rows ``[B, Hkv, R, D]`` straight
         from the key codes, or None when the library cannot run."""
-        turned = self.codec.format.rotate(query)
-        return fused.token_key_scores(turned, *self._codes("k"), self.codec.format.bits, self._group("k"), self.length)
+        turned = self.format.rotate(query)
+        return fused.token_key_scores(turned, *self._codes("k"), self.format.bits, self._group("k"), self.length)
 
     def decode_values(self, weights: torch.Tensor) -> torch.Tensor | None:
         """``weights @ values`` ``[B, Hkv, R, Dv]`` in the weights' dtype for weights ``[B, Hkv, R,
         length]`` straight from the value codes, or None when the library cannot run."""
         if torch.is_grad_enabled() and weights.requires_grad:  # the library computes no gradients
             return None
-        out = fused.weighted_values(weights, *self._codes("v"), self.codec.format.bits, self._group("v"))
-        return None if out is None else self.codec.format.unrotate(out).to(weights.dtype)
+        out = fused.weighted_values(weights, *self._codes("v"), self.format.bits, self._group("v"))
+        return None if out is None else self.format.unrotate(out).to(weights.dtype)
 
     def decode_attention(self, query: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor | None:
         """A plain decode step (no mask, sinks or weights: the kernel's ``route`` checks) of query rows
         ``[B, Hkv, R, D]`` in one pass over the codes: ``[B, Hkv, R, Dv]`` in the query's dtype, or None
         to decline (the library cannot run, or no slots)."""
         keys, values, groups = self._codes("k"), self._codes("v"), (self._group("k"), self._group("v"))
-        turned = self.codec.format.rotate(query)
-        done = device_kernels.token_coded_decode(turned, keys, values, self.codec.format.bits, self.length, *groups, scale, softcap)
-        return None if done is None else self.codec.format.unrotate(done[0]).to(query.dtype)
+        turned = self.format.rotate(query)
+        done = device_kernels.token_coded_decode(turned, keys, values, self.format.bits, self.length, *groups, scale, softcap)
+        return None if done is None else self.format.unrotate(done[0]).to(query.dtype)
 
 
 def get_storage(name: str) -> Slots:
