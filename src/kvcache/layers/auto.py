@@ -53,7 +53,7 @@ import torch
 
 from .auto_measure import measure, window
 from .budget import GROWTH_ROOM, MIN_ROOM, slots_to_allocate
-from .byte_budget import RULES, ByteBudget
+from .byte_budget import BYTE_BUDGET_OPTIONS, RULES, ByteBudget
 from .checks import Geometry
 from .evicting import EvictingLayer
 from .options import Option, number
@@ -183,17 +183,8 @@ class AutoLayer(ByteBudget, EvictingLayer):
 
     kind = "auto"
     spec_order = 5
-    spec_options = {
-        "bytes": Option(number, least=0, inclusive=False),
-        "recent": Option(int, least=0),
-        "sinks": Option(int, least=0),
-        "storage": Option(str),
-        "rule": Option(str),
-        "drop": Option(float, least=0, inclusive=False),
-        "tolerance": Option(float, least=0),
-        "margin": Option(float, least=0),
-        "codes": Option(str),
-    }
+    spec_options = {"bytes": BYTE_BUDGET_OPTIONS["bytes"], "recent": Option(int, least=0), "sinks": Option(int, least=0),
+                    **BYTE_BUDGET_OPTIONS}  # fmt: skip
     #: ``budget``: the eviction layer's own argument, which this kind sets itself from ``bytes``.
     keyword_options = {**EvictingLayer.keyword_options, "budget": Option(number, least=0, inclusive=False)}
     required_options = ("bytes",)

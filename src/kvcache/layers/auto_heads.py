@@ -31,9 +31,9 @@ import torch
 from .adaptive import AdaptiveLayer
 from .auto import Choice, Estimate, weigh
 from .budget import slots_to_allocate
-from .byte_budget import ByteBudget
+from .byte_budget import BYTE_BUDGET_OPTIONS, ByteBudget
 from .checks import Geometry
-from .options import Option, number
+from .options import Option
 from .shared_budget import check_flat_state, keep_across_heads
 from .slots import get_storage
 from .state import LayerState
@@ -67,18 +67,8 @@ class AutoHeadsLayer(ByteBudget, AdaptiveLayer):
 
     kind = "auto-heads"
     spec_order = 6
-    spec_options = {
-        "bytes": Option(number, least=0, inclusive=False),
-        "window": Option(int, least=1),
-        "pool": Option(int, least=1),
-        "floor": Option(float, least=0.0),
-        "storage": Option(str),
-        "rule": Option(str),
-        "drop": Option(float, least=0, inclusive=False),
-        "tolerance": Option(float, least=0),
-        "margin": Option(float, least=0),
-        "codes": Option(str),
-    }
+    spec_options = {"bytes": BYTE_BUDGET_OPTIONS["bytes"], "window": Option(int, least=1), "pool": Option(int, least=1),
+                    "floor": Option(float, least=0.0), **BYTE_BUDGET_OPTIONS}  # fmt: skip
     #: ``budget``: the adaptive layer's own argument, which this kind sets itself from ``bytes``.
     keyword_options = {"layer": Option(int, least=0), "layers": Option(int, least=1), "budget": AdaptiveLayer.spec_options["budget"]}
     required_options = ("bytes",)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from .checks import Geometry
+from .options import Option, number
 from .slots import ROTATED, STORAGES, get_storage
 from .state import LayerState
 
@@ -26,6 +27,17 @@ RULES = ("mass", "output", "attention")
 #: The storages a layer chooses among, finest first, per ``codes=``: plain codes, or codes of
 #: rotated keys and values (``formats/rotated.py``).
 LADDERS = {"plain": STORAGES, "rotated": ROTATED}
+#: The options both kinds take (each adds its policy's own, after ``bytes``): the budget, where the
+#: layer starts, how a case is scored and how cases compare, and the ladder.
+BYTE_BUDGET_OPTIONS = {
+    "bytes": Option(number, least=0, inclusive=False),
+    "storage": Option(str),
+    "rule": Option(str),
+    "drop": Option(float, least=0, inclusive=False),
+    "tolerance": Option(float, least=0),
+    "margin": Option(float, least=0),
+    "codes": Option(str),
+}
 #: Dropped parts closer than this are equal under ``tolerance`` (the finer storage wins): a mass
 #: summed in float32 over every candidate is 1 only to about this.
 SAME_DROP = 1e-5
