@@ -79,7 +79,16 @@ def test_the_report_counts_answers_bytes_and_the_best_fixed_mix():
                                           (["eval", "--model", "smollm2", "--frontier", "--caches", "window"], "unknown kind"),
                                           (["eval", "--model", "smollm2", "--frontier", "--tasks", "needles"], "unknown task family(ies) needles"),
                                           (["eval", "--model", "smollm2", "--frontier", "--split", "tuned"], "--split applies to --tasks"),
-                                          (["eval", "--model", "smollm2", "--tasks", "turn"], "--tasks applies to --frontier")])  # fmt: skip
+                                          (["eval", "--model", "smollm2", "--tasks", "turn"], "--tasks applies to --frontier"),
+                                          (["eval", "--model", "smollm2", "--autos", "auto"], "--autos applies to --frontier"),
+                                          (["eval", "--model", "smollm2", "--frontier", "--autos", "auto;snapkv"],
+                                           "--autos: auto point 'snapkv': the kind must be one of"),
+                                          (["eval", "--model", "smollm2", "--frontier", "--autos", "auto-heads,margin=0.1"],
+                                           "give tolerance=t with it"),
+                                          (["eval", "--model", "smollm2", "--frontier", "--autos", "auto,nope=1"], "unknown option 'nope'"),
+                                          (["eval", "--model", "smollm2", "--frontier", "--autos", ";"], "no auto points given"),
+                                          (["eval", "--model", "smollm2", "--frontier", "--autos", "auto", "--merge", "x"],
+                                           "--merge runs nothing: give one")])  # fmt: skip
 def test_the_cli_refuses_what_the_frontier_does_not_take(argv, message, capsys):
     assert main(argv) == 2
     assert message in capsys.readouterr().err
@@ -187,9 +196,10 @@ def test_the_family_frontier_answers_as_generate_does(tmp_path):
     from kvcache.models import load
 
     result = eval_frontier.run(RunOptions(tiny=True, progress=False, out=tmp_path), tasks=("needle-digits", "turn"),
-                               kinds=("snapkv",), budgets=(0.25,), split="tuned", storages=("full", "int4h"))  # fmt: skip
+                               kinds=("snapkv",), budgets=(0.25,), split="tuned", storages=("full", "int4h"),
+                               autos=("auto", "auto-heads,tolerance=0.3,margin=0.01"))  # fmt: skip
     assert {(r["family"], r["split"]) for r in result["runs"]} == {("needle-digits", "tuned"), ("turn", "tuned")}
-    assert {r["cache"] for r in result["runs"]} == {"full", "auto", "auto-heads", "snapkv/full", "snapkv/int4h"}
+    assert {r["cache"] for r in result["runs"]} == {"full", "auto", "auto-heads,tolerance=0.3,margin=0.01", "snapkv/full", "snapkv/int4h"}
     assert result["config"]["storages"] == ["full", "int4h"]
     model, tokenizer = load("smollm2", progress=False)
     for family in ("needle-digits", "turn"):

@@ -160,6 +160,13 @@ def add_eval(subparsers: argparse._SubParsersAction) -> None:
         "with each slot storage, and auto:bytes=; writes frontier.json, frontier.md and frontier.png",
     )
     p.add_argument(
+        "--autos",
+        default=None,
+        metavar="POINT;...",
+        help="with --frontier: the points that choose their own mix, auto or auto-heads with options after a comma "
+        "(e.g. 'auto;auto-heads,tolerance=0.3,margin=0.01'; default auto;auto-heads)",
+    )
+    p.add_argument(
         "--tasks",
         default=None,
         metavar="FAMILY,...",
@@ -276,6 +283,14 @@ def _eval_frontier(args: argparse.Namespace, lengths: tuple[int, ...] | None) ->
         tasks = FAMILIES if args.tasks.strip() == "all" else _names(args.tasks, FAMILIES, "--tasks", "task family(ies)")
     elif args.split is not None:
         raise KVCacheError("--split applies to --tasks")
+    autos = eval_frontier.AUTO
+    if args.autos is not None:
+        if args.merge is not None:
+            raise KVCacheError("--autos runs points; --merge runs nothing: give one")
+        try:
+            autos = eval_frontier.check_autos(tuple(a.strip() for a in args.autos.split(";") if a.strip()))
+        except ValueError as e:
+            raise KVCacheError(f"--autos: {e}") from None
     options = run_options(args)
     plots = say_if_no_plots()
     try:
@@ -286,7 +301,7 @@ def _eval_frontier(args: argparse.Namespace, lengths: tuple[int, ...] | None) ->
         else:
             result = eval_frontier.run(options, model_name=args.model, kinds=kinds, lengths=lengths, contexts=args.contexts,
                                        needles_per_context=args.needles, budgets=_budgets(args), first_context=args.first_context,
-                                       tasks=tasks, split=args.split or "held-out")  # fmt: skip
+                                       tasks=tasks, split=args.split or "held-out", autos=autos)  # fmt: skip
     except ValueError as e:
         raise KVCacheError(str(e)) from e
     lines = eval_frontier.points_of(result)
@@ -320,7 +335,7 @@ def _eval_plain(args: argparse.Namespace, lengths: tuple[int, ...] | None) -> in
 
 def _refuse_frontier_options(args: argparse.Namespace) -> None:
     """Options that only ``--frontier`` takes, refused elsewhere."""
-    for name in ("merge", "tasks", "split") + (("first_context",) if args.first_context else ()):
+    for name in ("merge", "tasks", "split", "autos") + (("first_context",) if args.first_context else ()):
         if getattr(args, name) is not None:
             raise KVCacheError(f"--{name.replace('_', '-')} applies to --frontier")
 

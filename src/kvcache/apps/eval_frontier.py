@@ -81,6 +81,25 @@ def spec_for(name: str, share: float | None, tokens: int, geometry: Any, room: i
     return f"{kind}:budget={min(tokens, max(SINKS + 1, slots))},storage={storage}"
 
 
+def check_autos(points: tuple[str, ...]) -> tuple[str, ...]:
+    """``points`` (``"auto"``, ``"auto-heads,tolerance=0.3"``: an auto kind with options of its own),
+    each checked as a layer of its kind would be made; ``ValueError`` (a ``SpecError``) names a bad one."""
+    from ..hf.spec import parse_spec
+    from ..layers.registry import spec_kind
+
+    if not points:
+        raise ValueError(f"no auto points given; each is one of {AUTO} with options after a comma")
+    for point in points:
+        kind, *extra = point.split(",")
+        if kind not in AUTO:
+            raise ValueError(f"auto point {point!r}: the kind must be one of {AUTO}, got {kind!r}")
+        try:
+            spec_kind(kind).build(parse_spec(spec_for(point, 0.125, 1, None)).options)
+        except ValueError as e:
+            raise ValueError(f"auto point {point!r}: {e}") from None
+    return tuple(points)
+
+
 def setting(options: RunOptions) -> Setting:
     return options.pick(
         tiny=Setting((384,), 1, 128, 8, 1, (0.25,)),
@@ -115,6 +134,7 @@ def run(
 
     from ..models import load
 
+    autos = check_autos(tuple(autos)) if autos else ()
     if tasks is not None:
         unknown = [t for t in tasks if t not in families.FAMILIES]
         if unknown or not tasks:
