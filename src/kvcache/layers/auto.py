@@ -34,9 +34,9 @@ reported (the last ``window`` queries' attention, as SnapKV scores by):
    ``tolerance=t`` the one that drops the least mass of those whose ``coding`` is at most ``t``
    (the finer of equals): keep every token the bytes afford, in the finest storage that affords
    them, short of a coding error past ``t``; with ``margin=m`` too, the finest of those that drops
-   at most ``m`` more than the least (a coarser storage must drop clearly less to win). The layer recodes its kept slots into it and keeps
-   ``Choice`` (``layer.choice``: the storage, the slots, every candidate's estimate) for reports
-   (``mix_of(cache)``).
+   at most ``m`` more than the least (a coarser storage must drop clearly less to win). The layer
+   recodes its kept slots into it and keeps ``Choice`` (``layer.choice``: the storage, the slots,
+   every candidate's estimate) for reports (``mix_of(cache)``).
 
 Every head of a layer keeps the same number of slots in the same storage (the store is one
 ``[B, Hkv, C]`` run); which tokens each head keeps is its own.
