@@ -84,9 +84,10 @@ def spec_for(name: str, share: float | None, tokens: int, geometry: Any, room: i
 def check_autos(points: tuple[str, ...]) -> tuple[str, ...]:
     """``points`` (``"auto"``, ``"auto-heads,tolerance=0.3"``: an auto kind with options of its own),
     each checked as a layer of its kind would be made; ``ValueError`` (a ``SpecError``) names a bad one."""
-    from ..hf.spec import parse_spec
-    from ..layers.registry import spec_kind
+    from .. import parse_spec
+    from ..layers import AutoHeadsLayer, AutoLayer
 
+    layers = {"auto": AutoLayer, "auto-heads": AutoHeadsLayer}
     if not points:
         raise ValueError(f"no auto points given; each is one of {AUTO} with options after a comma")
     for point in points:
@@ -94,7 +95,7 @@ def check_autos(points: tuple[str, ...]) -> tuple[str, ...]:
         if kind not in AUTO:
             raise ValueError(f"auto point {point!r}: the kind must be one of {AUTO}, got {kind!r}")
         try:
-            spec_kind(kind).build(parse_spec(spec_for(point, 0.125, 1, None)).options)
+            layers[kind](**parse_spec(spec_for(point, 0.125, 1, None)).options)
         except ValueError as e:
             raise ValueError(f"auto point {point!r}: {e}") from None
     return tuple(points)
