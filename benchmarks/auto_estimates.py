@@ -39,9 +39,9 @@ for kind in kinds:
                     model(torch.tensor([it.prompt_ids]), **kvcache.cache_kwargs(model, cache), use_cache=True)
                 for m in mix_of(cache):
                     chosen[m["storage"]] += 1
-                    e = m["estimates"]
-                    if "int8" in e and "int4" in e:
-                        gaps.append(e["int8"]["dropped"] - e["int4"]["dropped"])
+                    weighed = m["estimates"]
+                    if "int8" in weighed and "int4" in weighed:
+                        gaps.append(weighed["int8"]["dropped"] - weighed["int4"]["dropped"])
                     for storage, e in m["estimates"].items():
                         s = sums[storage]
                         s[0] += e["dropped"]; s[1] += e["coding"]; s[2] += e["slots"] / m["seen"]; s[3] += 1

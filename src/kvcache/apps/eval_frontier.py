@@ -87,11 +87,11 @@ def check_autos(points: tuple[str, ...]) -> tuple[str, ...]:
     from .. import parse_spec
     from ..layers import AutoHeadsLayer, AutoLayer
 
-    layers = {"auto": AutoLayer, "auto-heads": AutoHeadsLayer}
+    layers = {cls.kind: cls for cls in (AutoLayer, AutoHeadsLayer)}
     if not points:
         raise ValueError(f"no auto points given; each is one of {AUTO} with options after a comma")
     for point in points:
-        kind, *extra = point.split(",")
+        kind = point.split(",")[0]
         if kind not in AUTO:
             raise ValueError(f"auto point {point!r}: the kind must be one of {AUTO}, got {kind!r}")
         try:
