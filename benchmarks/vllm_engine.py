@@ -14,10 +14,11 @@ cache reset (``reset_prefix_cache``), each after the same 2-request warm-up. vLL
 environment (see ``vllm_bench_serve.py``) as a child process per round, configured as its CPU
 documentation says for a 2-core machine: both cores bound to its OpenMP threads
 (``VLLM_CPU_OMP_THREADS_BIND=0-1``, ``VLLM_CPU_NUM_OF_RESERVED_CPU=0``), prefix caching on,
-``dtype=float32``, a 4 GiB KV space.
+a 4 GiB KV space, ``dtype=float32`` unless ``--vllm-dtype`` says otherwise (``default``: vLLM's own
+choice, bfloat16 on CPUs with avx512_bf16). ``--dtype`` runs kvcache's model in bfloat16.
 
     .venv/bin/python benchmarks/vllm_engine.py --vllm-python /tmp/vllm/bin/python --out DIR [--rounds 3] \\
-        [--rows 16] [--workloads shared,distinct,long]
+        [--rows 16] [--workloads shared,distinct,long] [--dtype bfloat16] [--vllm-dtype default]
 """
 
 from __future__ import annotations
@@ -43,9 +44,10 @@ if __name__ == "__main__":
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     job = json.load(open(sys.argv[1]))
-    llm = LLM(model=job["model"], dtype="float32", enable_prefix_caching=True, max_model_len=8192, seed=0)
+    dtype = {} if job["dtype"] == "default" else {"dtype": job["dtype"]}
+    llm = LLM(model=job["model"], enable_prefix_caching=True, max_model_len=8192, seed=0, **dtype)
+    results = {"dtype": str(llm.llm_engine.model_config.dtype).removeprefix("torch.")}
     params = SamplingParams(temperature=0.0, max_tokens=job["new"], ignore_eos=True)
-    results = {}
     for name, prompts in job["workloads"].items():
         llm.reset_prefix_cache()
         llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["warmup"]], params, use_tqdm=False)
@@ -100,6 +102,9 @@ def main() -> int:
     p.add_argument("--rows", type=int, default=16)
     p.add_argument("--new", type=int, default=32)
     p.add_argument("--workloads", default="shared,distinct", help=f"comma-separated, of {', '.join(WORKLOADS)}")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="kvcache's model dtype")
+    p.add_argument("--vllm-dtype", default="float32", choices=("float32", "bfloat16", "default"),
+                   help="vLLM's dtype; default: what vLLM picks itself (bfloat16 on CPUs with avx512_bf16)")
     args = p.parse_args()
     names = tuple(args.workloads.split(","))
     if unknown := [n for n in names if n not in WORKLOADS]:
@@ -107,6 +112,10 @@ def main() -> int:
     from kvcache.apps.bench.workload import load_model
 
     model, tokenizer, folder = load_model("smollm2")
+    if args.dtype != "float32":
+        import torch
+
+        model = model.to(getattr(torch, args.dtype))
     from kvcache.apps.bench.common import machine_info, machine_line
 
     out = args.out.resolve()
@@ -119,7 +128,8 @@ def main() -> int:
         prompts = workloads(tokenizer, args.rows, rnd, names)
         warmup = [text_ids(tokenizer, 200, 9000 + rnd + i) for i in range(2)]
         job = scratch / f"job{rnd}.json"
-        job.write_text(json.dumps({"model": str(folder), "new": args.new, "workloads": prompts, "warmup": warmup}))
+        job.write_text(json.dumps({"model": str(folder), "new": args.new, "workloads": prompts, "warmup": warmup,
+                               "dtype": args.vllm_dtype}))
         got = {"kvcache": ours(model, prompts, warmup, args.new)}
         done = subprocess.run([args.vllm_python, str(scratch / "vllm_side.py"), str(job), str(out / f"vllm{rnd}.json")],
                               env={**os.environ, **VLLM_ENV}, capture_output=True, text=True)  # fmt: skip
@@ -127,6 +137,7 @@ def main() -> int:
             print(done.stderr[-3000:], file=sys.stderr)
             return 1
         got["vllm"] = json.loads((out / f"vllm{rnd}.json").read_text())
+        vllm_dtype = got["vllm"].pop("dtype")
         for name in prompts:
             a, b = got["kvcache"][name], got["vllm"][name]
             tokens = len(prompts[name]) * args.new
@@ -135,7 +146,8 @@ def main() -> int:
             rows.append(row)
             print(f"round {rnd} {name}: kvcache {row['kvcache']:.1f} tokens/s, vLLM {row['vllm']:.1f}, "
                   f"identical {row['agree']}/{row['requests']}", flush=True)  # fmt: skip
-    lines = [f"{machine_line(machine_info())}; {args.rounds} rounds, medians", "",
+    lines = [f"{machine_line(machine_info())}; {args.rounds} rounds, medians; kvcache in {args.dtype}, "
+             f"vLLM in {vllm_dtype} (asked: {args.vllm_dtype})", "",
              "| workload | requests | kvcache tokens/s | vLLM tokens/s | kvcache / vLLM | identical answers |",
              "|---|---|---|---|---|---|"]  # fmt: skip
     for name in names:

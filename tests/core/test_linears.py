@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from kvcache.hf.linears import PackedLinears, can_pack
+from kvcache.hf.linears import _native_bf16 as native_bf16
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.zeros(2, 2)), reason="this torch build has no oneDNN linear packing")
 
@@ -31,6 +32,22 @@ def test_packed_forward_equals_linear(rows):
     assert all("forward" not in m.__dict__ for m in model)  # restored
 
 
+@pytest.mark.skipif(not native_bf16(), reason="oneDNN has no native bfloat16 kernels for this CPU")
+@pytest.mark.parametrize("rows", [1, 16, 70])
+def test_bfloat16_packed_forward_equals_linear_within_its_rounding(rows):
+    model = mlp(torch.bfloat16)
+    x = torch.randn(rows, 24).to(torch.bfloat16)
+    want = model(x)
+    packed = PackedLinears(model)
+    assert len(packed) == 2 and packed.bytes == (24 * 40 + 40 * 8) * 2
+    with torch.inference_mode(), packed.active():
+        got = model(x)
+        assert "forward" in model[0].__dict__ and got.dtype == torch.bfloat16
+    # the products accumulate in float32 either way; the outputs differ by bfloat16 rounding at most
+    torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7)
+    assert all("forward" not in m.__dict__ for m in model)
+
+
 def test_a_changed_weight_is_repacked_never_stale():
     model = mlp()
     packed = PackedLinears(model)
@@ -51,7 +68,8 @@ def test_grad_mode_other_dtypes_and_own_forwards_keep_their_path():
         assert all("forward" not in m.__dict__ for m in model)
         model(torch.randn(3, 24)).sum().backward()
     assert model[0].weight.grad is not None
-    assert len(PackedLinears(mlp(torch.bfloat16))) == 0
+    assert len(PackedLinears(mlp(torch.float16))) == 0
+    assert len(PackedLinears(mlp(torch.bfloat16))) == (2 if native_bf16() else 0)
     own = lambda x: x  # noqa: E731
     model[0].forward = own
     with torch.inference_mode(), packed.active():

@@ -51,8 +51,9 @@ def test_matches_sdpa(batch, kv_heads, group, dim, length, dtype):
     torch.testing.assert_close(_native(query, key, value), _sdpa(query, key, value), atol=2e-6, rtol=1e-5)
 
 
-def test_padding_mask_and_a_row_with_every_key_masked():
-    query, key, value = _case(3, 3, 3, 64, 1500, torch.float32)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_padding_mask_and_a_row_with_every_key_masked(dtype):
+    query, key, value = _case(3, 3, 3, 64, 1500, dtype)
     keep = torch.rand(3, 1500, generator=torch.Generator().manual_seed(1)) > 0.4
     keep[0, :700] = False  # left padding
     keep[2] = False  # nothing to attend: zeros, as `attend` promises

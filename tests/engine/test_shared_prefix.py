@@ -78,6 +78,28 @@ def test_shared_prefix_attention_equals_each_rows_own(layout):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dim", [32, 64, 128])
+def test_bfloat16_blocks_many_rows_at_the_kernels_vector_dims(dim):
+    """bfloat16 pools are widened a tile at a time into the float kernel's vector path: the same
+    numbers summed in float32, so equal to float64 attention over them within float32 rounding."""
+    g = torch.Generator().manual_seed(dim)
+    bs, rows, heads = 32, 3, 3
+    shared = list(range(34))  # a 1,088-token system prompt
+    tables = [shared + [34 + 2 * i, 35 + 2 * i] for i in range(16)]
+    lengths = [34 * bs + 33 + i for i in range(16)]
+    keys = torch.randn(34 + 32, heads, bs, dim, generator=g).to(torch.bfloat16)
+    values = torch.randn(34 + 32, heads, bs, dim, generator=g).to(torch.bfloat16)
+    q = torch.randn(16, heads, rows, dim, generator=g)
+    scale = 1 / math.sqrt(dim)
+    want = per_row(q, keys.float(), values.float(), tables, lengths, scale)
+    plan = shared_prefix.plan(tables, lengths, bs, rows)
+    assert plan is not None and plan.passes
+    torch.testing.assert_close(shared_prefix.attend(plan, q, keys, values, scale), want, rtol=1e-5, atol=1e-5)
+    table = torch.tensor(tables, dtype=torch.int32)
+    plain = native.paged_decode(q, keys, values, table, torch.tensor(lengths), scale)
+    torch.testing.assert_close(plain, want, rtol=1e-5, atol=1e-5)
+
+
 def test_the_plan_groups_rows_by_their_leading_blocks():
     bs = 16
     prefix = list(range(8))  # 128 tokens

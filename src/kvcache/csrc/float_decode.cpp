@@ -48,6 +48,17 @@ inline __attribute__((always_inline)) v16 load16(const float* p) {
     return v;
 }
 
+// 16 bfloat16 as float32, widened in registers (a bfloat16 is the top half of a float32).
+typedef uint16_t h16 __attribute__((vector_size(32)));
+inline __attribute__((always_inline)) v16 load16(const uint16_t* p) {
+    h16 h;
+    __builtin_memcpy(&h, p, sizeof h);
+    const i16 bits = __builtin_convertvector(h, i16) << 16;
+    v16 v;
+    __builtin_memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
 // Two vectors each holding 16 / WIDTH keys' partial sums, a group of WIDTH lanes per key -> one
 // vector holding all their keys in order (a's, then b's), WIDTH / 2 lanes per key: each group's
 // upper half added to its lower half.
@@ -127,15 +138,15 @@ constexpr int kColumnVectors = 2;  // 32 columns a block
 #endif
 
 // One key's products with the query, summed over the head dim into 16 lanes.
-template <int NV>
-inline __attribute__((always_inline)) v16 products(const float* __restrict q, const float* __restrict k) {
+template <int NV, typename T>
+inline __attribute__((always_inline)) v16 products(const float* __restrict q, const T* __restrict k) {
     v16 a = load16(q) * load16(k);
     for (int v = 1; v < NV; ++v) a += load16(q + 16 * v) * load16(k + 16 * v);
     return a;
 }
 
-template <int NV>
-inline __attribute__((always_inline)) v16 scores16(const float* __restrict q, const float* __restrict keys, int64_t stride) {
+template <int NV, typename T>
+inline __attribute__((always_inline)) v16 scores16(const float* __restrict q, const T* __restrict keys, int64_t stride) {
     v16 part[16];
     for (int t = 0; t < 16; ++t) part[t] = products<NV>(q, keys + t * stride);
     return sums16(part);
@@ -156,20 +167,31 @@ inline __attribute__((always_inline)) vw loadw(const float* p) {
     return v;
 }
 
+typedef uint16_t hw __attribute__((vector_size(2 * kW)));
+typedef int32_t iw __attribute__((vector_size(4 * kW)));
+inline __attribute__((always_inline)) vw loadw(const uint16_t* p) {
+    hw h;
+    __builtin_memcpy(&h, p, sizeof h);
+    const iw bits = __builtin_convertvector(h, iw) << 16;
+    vw v;
+    __builtin_memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
 // acc rows [0, RR) (each `acc_stride` floats apart; 16 * NV columns of them) += sum over the tile's
 // live tokens j of p[r][j] * value row j (its same 16 * NV columns; p rows kTile floats apart).
 // RR * NV <= 16 running sums stay in registers across the tile, and each value row is loaded once
 // for all RR query rows (the grouped heads of one KV head), instead of once per query row.
 // The same for 16 key rows given by pointer (a tile whose tokens lie in several pool blocks).
-template <int NV>
-inline __attribute__((always_inline)) v16 scores16_at(const float* __restrict q, const float* const* __restrict keys) {
+template <int NV, typename T>
+inline __attribute__((always_inline)) v16 scores16_at(const float* __restrict q, const T* const* __restrict keys) {
     v16 part[16];
     for (int t = 0; t < 16; ++t) part[t] = products<NV>(q, keys[t]);
     return sums16(part);
 }
 
-template <int NV, int RR>
-inline __attribute__((always_inline)) void add_weighted_rows(const float* __restrict p, const float* __restrict v,
+template <int NV, int RR, typename T>
+inline __attribute__((always_inline)) void add_weighted_rows(const float* __restrict p, const T* __restrict v,
                                                              int64_t v_t, int n, const bool* __restrict live,
                                                              float* __restrict acc, int acc_stride) {
     constexpr int N = NV * 16 / kW;
@@ -178,7 +200,7 @@ inline __attribute__((always_inline)) void add_weighted_rows(const float* __rest
         for (int i = 0; i < N; ++i) a[r][i] = loadw(acc + r * acc_stride + kW * i);
     for (int j = 0; j < n; ++j) {
         if (!live[j]) continue;
-        const float* __restrict row = v + j * v_t;
+        const T* __restrict row = v + j * v_t;
         vw x[N];
         for (int i = 0; i < N; ++i) x[i] = loadw(row + kW * i);
         for (int r = 0; r < RR; ++r) {
@@ -193,15 +215,15 @@ inline __attribute__((always_inline)) void add_weighted_rows(const float* __rest
 // Every query row's weighted sum of the tile's values, for value dims 32, 64 and 128: columns in
 // blocks of 16 * NV (NV = 2 for 32, else 4), query rows four at a time.
 // add_weighted_rows with each token's value row given by pointer.
-template <int NV, int RR>
-inline __attribute__((always_inline)) void add_weighted_rows_at(const float* __restrict p, const float* const* __restrict v,
+template <int NV, int RR, typename T>
+inline __attribute__((always_inline)) void add_weighted_rows_at(const float* __restrict p, const T* const* __restrict v,
                                                                 int n, float* __restrict acc, int acc_stride) {
     constexpr int N = NV * 16 / kW;
     vw a[RR][N];
     for (int r = 0; r < RR; ++r)
         for (int i = 0; i < N; ++i) a[r][i] = loadw(acc + r * acc_stride + kW * i);
     for (int j = 0; j < n; ++j) {
-        const float* __restrict row = v[j];
+        const T* __restrict row = v[j];
         vw x[N];
         for (int i = 0; i < N; ++i) x[i] = loadw(row + kW * i);
         for (int r = 0; r < RR; ++r) {
@@ -213,10 +235,10 @@ inline __attribute__((always_inline)) void add_weighted_rows_at(const float* __r
         for (int i = 0; i < N; ++i) __builtin_memcpy(acc + r * acc_stride + kW * i, &a[r][i], sizeof(vw));
 }
 
-template <int NV>
-inline void add_weighted_tile_at(const float* scores, const float* const* v, int n, float* acc, int rows, int vdim,
+template <int NV, typename T>
+inline void add_weighted_tile_at(const float* scores, const T* const* v, int n, float* acc, int rows, int vdim,
                                  int c) {
-    const float* vc[kTile];
+    const T* vc[kTile];
     for (int j = 0; j < n; ++j) vc[j] = v[j] + c;
     int r = 0;
     for (; r + kRowsTogether <= rows; r += kRowsTogether)
@@ -231,8 +253,8 @@ inline void add_weighted_tile_at(const float* scores, const float* const* v, int
     }
 }
 
-template <int NV>
-inline void add_weighted_tile(const float* scores, const float* v, int64_t v_t, int n, const bool* live, float* acc,
+template <int NV, typename T>
+inline void add_weighted_tile(const float* scores, const T* v, int64_t v_t, int n, const bool* live, float* acc,
                               int rows, int vdim) {
     for (int c = 0; c < vdim; c += 16 * NV) {
         int r = 0;
@@ -328,17 +350,39 @@ inline __attribute__((always_inline)) void softmax_tile(float* __restrict scores
     }
 }
 
+// Head dims the vector paths serve (scores 16 keys at a time, weighted sums in registers).
+inline bool vector_dims(int dim, int vdim) {
+    return (dim == 64 || dim == 128 || dim == 32) && (vdim == 64 || vdim == 128 || vdim == 32);
+}
+constexpr int kVectorMaxDim = 128;
+
 // One tile of n <= kTile tokens whose key and value rows lie anywhere (k[j], v[j]: pool blocks),
 // continuing the running softmax in part and acc [rows, vdim].
 template <typename T>
 inline void tile_at(const float* __restrict q, int rows, int dim, int vdim, const T* const* k, const T* const* v, int n,
                     float scale, float softcap, Partial& part, float* __restrict acc) {
+    if constexpr (!std::is_same_v<T, float>) {
+        // bfloat16 read by many query rows (a shared prefix's pass): each row widened once into
+        // float32 here, not once per query row in registers.
+        if (rows > kRowsTogether && vector_dims(dim, vdim)) {
+            alignas(64) float kt[kTile * kVectorMaxDim];
+            alignas(64) float vt[kTile * kVectorMaxDim];
+            const float* kf[kTile];
+            const float* vf[kTile];
+            for (int j = 0; j < n; ++j) {
+                kf[j] = widen(k[j], dim, kt + j * dim);
+                vf[j] = widen(v[j], vdim, vt + j * vdim);
+            }
+            tile_at<float>(q, rows, dim, vdim, kf, vf, n, scale, softcap, part, acc);
+            return;
+        }
+    }
     alignas(64) float scores[kMaxRows * kTile];
     alignas(64) float krow[kMaxDim];
     alignas(64) float vrow[kMaxDim];
     bool live[kTile];
     int first = 0;
-    if constexpr (std::is_same_v<T, float>) {
+    {  // float32, or bfloat16 widened in registers
         if (dim == 64 || dim == 128 || dim == 32) {
             for (; first + 16 <= n; first += 16) {
                 for (int r = 0; r < rows; ++r) {
@@ -362,7 +406,7 @@ inline void tile_at(const float* __restrict q, int rows, int dim, int vdim, cons
     }
     for (int j = 0; j < n; ++j) live[j] = true;
     softmax_tile(scores, live, n, rows, vdim, scale, softcap, part, acc);
-    if constexpr (std::is_same_v<T, float>) {
+    {  // float32, or bfloat16 widened in registers
         if (vdim == 64 || vdim == 128 || vdim == 32) {
             if (vdim == 32 || kColumnVectors == 2)
                 for (int c = 0; c < vdim; c += 32) add_weighted_tile_at<2>(scores, v, n, acc, rows, vdim, c);
@@ -403,11 +447,20 @@ inline __attribute__((always_inline)) void chunk_pass(const float* __restrict q,
     }
     for (int64_t base = t0; base < t1; base += kTile) {
         const int n = static_cast<int>(std::min<int64_t>(kTile, t1 - base));
+        if constexpr (!std::is_same_v<T, float>) {
+            if (keep == nullptr && rows > kRowsTogether && vector_dims(dim, vdim)) {  // as tile_at: widened once
+                const T* kp[kTile];
+                const T* vp[kTile];
+                for (int j = 0; j < n; ++j) kp[j] = k + (base + j) * k_t, vp[j] = v + (base + j) * v_t;
+                tile_at(q, rows, dim, vdim, kp, vp, n, scale, softcap, part, acc);
+                continue;
+            }
+        }
         int first = 0;  // tokens [0, first) of the tile scored 16 at a time
-        if constexpr (std::is_same_v<T, float>) {
+        {  // float32, or bfloat16 widened in registers
             if (dim == 64 || dim == 128 || dim == 32) {
                 for (; first + 16 <= n; first += 16) {
-                    const float* keys = k + (base + first) * k_t;
+                    const T* keys = k + (base + first) * k_t;
                     for (int r = 0; r < rows; ++r) {
                         const v16 sc = dim == 64    ? scores16<4>(q + r * dim, keys, k_t)
                                        : dim == 128 ? scores16<8>(q + r * dim, keys, k_t)
@@ -429,7 +482,7 @@ inline __attribute__((always_inline)) void chunk_pass(const float* __restrict q,
         }
         for (int j = 0; j < n; ++j) live[j] = keep == nullptr || keep[base + j] != 0;
         softmax_tile(scores, live, n, rows, vdim, scale, softcap, part, acc);
-        if constexpr (std::is_same_v<T, float>) {
+        {  // float32, or bfloat16 widened in registers
             if (vdim == 64 || vdim == 128 || vdim == 32) {
                 if (vdim == 32 || kColumnVectors == 2)
                     add_weighted_tile<2>(scores, v + base * v_t, v_t, n, live, acc, rows, vdim);

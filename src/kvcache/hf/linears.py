@@ -8,13 +8,16 @@ it freezes a CPU model), and its matrix products on such a weight run about twic
 sizes and somewhat faster on prompt chunks (measured in docs/benchmarks.md, "The engine's step").
 
 ``PackedLinears(model)`` packs every ``torch.nn.Linear`` of ``model`` it can (float32 weights on the
-CPU, oneDNN present) once; ``with packed.active():`` routes those layers' forward through the packed
+CPU, oneDNN present; bfloat16 weights too where oneDNN runs bfloat16 natively: AVX-512 with
+bfloat16 instructions or AMX) once; ``with packed.active():`` routes those layers' forward through the packed
 copies and restores them on exit, so the model is left as it was. A packed copy is remade when its
 weight was changed in place or replaced (checked on entry), so it never computes with stale
 weights. The copies cost the packed layers' weight bytes again (``packed.bytes``).
 
 Results differ from the BLAS path by rounding only (another summation order: about 1e-6 relative in
-float32), which is why ``generate`` does not use it unless asked.
+float32; in bfloat16 the products accumulate in float32 either way and the outputs round to
+bfloat16, so a difference is one unit in the last place), which is why ``generate`` does not use it
+unless asked.
 """
 
 from __future__ import annotations
@@ -30,8 +33,9 @@ __all__ = ["PackedLinears", "can_pack"]
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """Whether this torch build can pack ``weight`` ``[out, in]`` for oneDNN (float32, on the CPU)."""
-    return _fits(weight) and _built_with_packing()
+    """Whether this torch build can pack ``weight`` ``[out, in]`` for oneDNN (on the CPU; float32,
+    or bfloat16 where oneDNN runs it natively)."""
+    return _fits(weight) and _built_with_packing() and (weight.dtype == torch.float32 or _native_bf16())
 
 
 @functools.cache
@@ -43,8 +47,18 @@ def _built_with_packing() -> bool:
     )
 
 
+@functools.cache
+def _native_bf16() -> bool:
+    """oneDNN has bfloat16 kernels for this CPU (not an emulation slower than float32)."""
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(check is not None and check())
+
+
 def _fits(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
+    return weight.device.type == "cpu" and weight.dtype in _DTYPES and weight.dim() == 2
+
+
+_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class _Packed:
@@ -71,7 +85,7 @@ class PackedLinears:
         self.model, self.rows_hint = model, rows_hint
         self._packed: dict[torch.nn.Linear, _Packed] = {}
         for module in model.modules():
-            if isinstance(module, torch.nn.Linear) and can_pack(module.weight):
+            if isinstance(module, torch.nn.Linear) and can_pack(module.weight) and _bias_fits(module):
                 self._packed[module] = _Packed(module.weight, rows_hint)
 
     def __len__(self) -> int:
@@ -92,7 +106,7 @@ class PackedLinears:
         swapped = []
         try:
             for module, packed in self._packed.items():
-                if not _fits(module.weight):
+                if not can_pack(module.weight) or not _bias_fits(module):
                     continue  # moved to another device or dtype since: its own forward
                 if packed.stale(module.weight):
                     packed = self._packed[module] = _Packed(module.weight, self.rows_hint)
@@ -106,9 +120,13 @@ class PackedLinears:
                 del module.forward
 
 
+def _bias_fits(module: torch.nn.Linear) -> bool:
+    return module.bias is None or module.bias.dtype == module.weight.dtype
+
+
 def _forward(weight: torch.Tensor, module: torch.nn.Linear):
     def forward(x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32 or x.device.type != "cpu":
+        if x.dtype != weight.dtype or x.device.type != "cpu":
             return F.linear(x, module.weight, module.bias)
         return torch.ops.mkldnn._linear_pointwise(x, weight, module.bias, "none", [], "")
 
