@@ -33,6 +33,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.kv_float_decode.restype = i32
     lib.kv_paged_decode.argtypes = [ptr] * 7 + [i32, i64, i64, i32, i32, i32] + [i64] * 7 + [f32, f32, i32]
     lib.kv_paged_decode.restype = i32
+    lib.kv_paged_prefill.argtypes = [ptr] * 7 + [i32, i64, i64, i32, i32, i32] + [i64] * 6 + [f32, f32, i32]
+    lib.kv_paged_prefill.restype = i32
     return lib
 
 
@@ -199,3 +201,53 @@ def paged_decode(
     if failed:
         return None
     return (out, sums) if sums is not None else out
+
+
+def paged_prefill(
+    q: torch.Tensor,
+    key_pool: torch.Tensor,
+    value_pool: torch.Tensor,
+    tables: torch.Tensor,
+    starts: torch.Tensor,
+    pasts: torch.Tensor,
+    scale: float,
+    softcap: float | None = None,
+) -> torch.Tensor | None:
+    """Causal attention of prompt chunks over pool blocks ``[blocks, Hkv, block_size, D]`` (``Dv``)
+    that already hold each chunk's past and the chunk itself: ``q`` ``[Hkv, N, R, D]`` are the
+    queries of every chunk one after the other, grouped heads packed per KV head (chunk ``s`` is
+    ``q[:, starts[s]:starts[s + 1]]``, int64 ``starts`` ``[S + 1]``, its query ``i`` at position
+    ``pasts[s] + i`` seeing positions ``0 .. pasts[s] + i`` in blocks ``tables[s]``, int32
+    ``[S, max_blocks]``). Float32 ``[Hkv, N, R, Dv]``, or None where the library cannot take it. The
+    caller checks that the tables' block ids are within the pool."""
+    heads, total, rows, dim = q.shape
+    blocks, pool_heads, block_size, _ = key_pool.shape
+    vdim, seqs = value_pool.shape[3], tables.shape[0] if tables.dim() == 2 else -1
+    ok = (
+        key_pool.device.type == "cpu"
+        and key_pool.dtype in _DTYPES
+        and value_pool.dtype == key_pool.dtype
+        and pool_heads == heads
+        and value_pool.shape[:3] == key_pool.shape[:3]
+        and key_pool.stride(3) == 1 and key_pool.stride(2) == dim
+        and value_pool.stride(3) == 1 and value_pool.stride(2) == vdim
+        and 1 <= rows <= PAGED_MAX_ROWS and 1 <= dim <= MAX_DIM and 1 <= vdim <= MAX_DIM
+        and seqs >= 1 and starts.shape == (seqs + 1,) and pasts.shape == (seqs,)
+        and not (torch.is_grad_enabled() and q.requires_grad)
+    )  # fmt: skip
+    lib = library("float_decode", _declare) if ok else None
+    if lib is None:
+        return None
+    start, past = starts.to(torch.int64).contiguous(), pasts.to(torch.int64).contiguous()
+    if int(start[0]) != 0 or int(start[-1]) != total or bool((start[1:] < start[:-1]).any()):
+        raise ValueError(f"paged_prefill: starts must rise from 0 to the {total} queries, got {start.tolist()}")
+    qf = q.detach().float().contiguous()
+    table = tables.to(torch.int32).contiguous()
+    out = torch.empty(heads, total, rows, vdim, dtype=torch.float32)
+    ks, vs = key_pool.stride(), value_pool.stride()
+    failed = lib.kv_paged_prefill(
+        qf.data_ptr(), key_pool.data_ptr(), value_pool.data_ptr(), table.data_ptr(), start.data_ptr(), past.data_ptr(),
+        out.data_ptr(), _DTYPES[key_pool.dtype], seqs, heads, rows, dim, vdim, block_size, table.shape[1],
+        ks[0], ks[1], vs[0], vs[1], float(scale), float(softcap or 0.0), torch.get_num_threads(),
+    )  # fmt: skip
+    return None if failed else out

@@ -313,12 +313,21 @@ struct Partial {
 // A scored tile of n tokens (raw q.k in scores [rows, kTile]) into the running softmax: scale (or
 // cap) the scores, masked tokens (live false) out; rescale part and acc [rows, vdim] to a new
 // maximum; scores become the tile's weights relative to it, their sums added to part.
+// With `limit`, row r sees only the tile's first limit[r] tokens (causal rows of a prompt chunk).
 inline __attribute__((always_inline)) void softmax_tile(float* __restrict scores, const bool* __restrict live, int n,
                                                         int rows, int vdim, float scale, float softcap, Partial& part,
-                                                        float* __restrict acc) {
+                                                        float* __restrict acc, const int* limit = nullptr) {
     for (int r = 0; r < rows; ++r) {
         float* __restrict sr = scores + r * kTile;
-        if (softcap > 0.f) {
+        if (limit != nullptr) {
+            const int upto = limit[r];
+            if (softcap > 0.f) {
+                for (int j = 0; j < n; ++j) sr[j] = j < upto ? softcap * std::tanh(sr[j] * scale / softcap) : kMasked;
+            } else {
+#pragma omp simd
+                for (int j = 0; j < n; ++j) sr[j] = j < upto ? sr[j] * scale : kMasked;
+            }
+        } else if (softcap > 0.f) {
             for (int j = 0; j < n; ++j) sr[j] = live[j] ? softcap * std::tanh(sr[j] * scale / softcap) : kMasked;
         } else {
 #pragma omp simd
@@ -356,41 +365,92 @@ inline bool vector_dims(int dim, int vdim) {
 }
 constexpr int kVectorMaxDim = 128;
 
-// One tile of n <= kTile tokens whose key and value rows lie anywhere (k[j], v[j]: pool blocks),
-// continuing the running softmax in part and acc [rows, vdim].
+// ---- scores of many query rows (a prompt chunk's, or several sequences' over a shared prefix):
+// the tile's keys transposed into kt [group][d][kW] (kW keys a group, float32, zeros past n), then
+// for RB rows and two groups at a time the running sums of 2 * RB vectors of kW scores stay in
+// registers while d runs, each a broadcast query element times a row of kt: each key element is
+// loaded once for RB rows, and no horizontal sums are needed.
 template <typename T>
-inline void tile_at(const float* __restrict q, int rows, int dim, int vdim, const T* const* k, const T* const* v, int n,
-                    float scale, float softcap, Partial& part, float* __restrict acc) {
-    if constexpr (!std::is_same_v<T, float>) {
-        // bfloat16 read by many query rows (a shared prefix's pass): each row widened once into
-        // float32 here, not once per query row in registers.
-        if (rows > kRowsTogether && vector_dims(dim, vdim)) {
-            alignas(64) float kt[kTile * kVectorMaxDim];
-            alignas(64) float vt[kTile * kVectorMaxDim];
-            const float* kf[kTile];
-            const float* vf[kTile];
-            for (int j = 0; j < n; ++j) {
-                kf[j] = widen(k[j], dim, kt + j * dim);
-                vf[j] = widen(v[j], vdim, vt + j * vdim);
+inline void transpose_keys(const T* const* k, int n, int dim, float* __restrict kt) {
+    const int groups = (n + 2 * kW - 1) / (2 * kW) * 2;
+    for (int g = 0; g < groups; ++g)
+        for (int lane = 0; lane < kW; ++lane) {
+            const int j = g * kW + lane;
+            float* col = kt + static_cast<int64_t>(g) * dim * kW + lane;
+            if (j < n) {
+                const T* row = k[j];
+                for (int d = 0; d < dim; ++d) {
+                    if constexpr (std::is_same_v<T, float>) {
+                        col[d * kW] = row[d];
+                    } else {
+                        const uint32_t bits = static_cast<uint32_t>(row[d]) << 16;
+                        __builtin_memcpy(col + d * kW, &bits, 4);
+                    }
+                }
+            } else {
+                for (int d = 0; d < dim; ++d) col[d * kW] = 0.f;
             }
-            tile_at<float>(q, rows, dim, vdim, kf, vf, n, scale, softcap, part, acc);
-            return;
+        }
+}
+
+template <int RB>
+inline __attribute__((always_inline)) void block_scores_rows(const float* __restrict q, int dim, const float* __restrict kt,
+                                                             int groups, float* __restrict scores) {
+    for (int g = 0; g < groups; g += 2) {
+        const float* k0 = kt + static_cast<int64_t>(g) * dim * kW;
+        const float* k1 = k0 + dim * kW;
+        vw a0[RB], a1[RB];
+        for (int r = 0; r < RB; ++r) a0[r] = vw{}, a1[r] = vw{};
+        for (int d = 0; d < dim; ++d) {
+            const vw x0 = loadw(k0 + d * kW), x1 = loadw(k1 + d * kW);
+            for (int r = 0; r < RB; ++r) {
+                const float w = q[r * dim + d];
+                a0[r] += w * x0;
+                a1[r] += w * x1;
+            }
+        }
+        for (int r = 0; r < RB; ++r) {
+            __builtin_memcpy(scores + r * kTile + g * kW, &a0[r], sizeof(vw));
+            __builtin_memcpy(scores + r * kTile + (g + 1) * kW, &a1[r], sizeof(vw));
         }
     }
+}
+
+// Raw scores [rows, kTile] of `rows` query rows (q [rows, dim]) against the tile's n keys.
+template <typename T>
+inline void block_scores(const float* __restrict q, int rows, int dim, const T* const* k, int n, float* __restrict scores) {
+    alignas(64) float kt[(kTile + 2 * kW) * kVectorMaxDim];
+    transpose_keys(k, n, dim, kt);
+    const int groups = (n + 2 * kW - 1) / (2 * kW) * 2;
+    constexpr int RB = kW == 16 ? 6 : 3;  // 2 * RB accumulators + 2 key rows within the registers
+    int r = 0;
+    for (; r + RB <= rows; r += RB) block_scores_rows<RB>(q + r * dim, dim, kt, groups, scores + r * kTile);
+    for (; r < rows; ++r) block_scores_rows<1>(q + r * dim, dim, kt, groups, scores + r * kTile);
+}
+
+// One tile of n <= kTile tokens whose key and value rows lie anywhere (k[j], v[j]: pool blocks),
+// continuing the running softmax in part and acc [rows, vdim]. With `limit`, row r sees only the
+// tile's first limit[r] tokens.
+template <typename T>
+inline void tile_at(const float* __restrict q, int rows, int dim, int vdim, const T* const* k, const T* const* v, int n,
+                    float scale, float softcap, Partial& part, float* __restrict acc, const int* limit = nullptr) {
     alignas(64) float scores[kMaxRows * kTile];
     alignas(64) float krow[kMaxDim];
     alignas(64) float vrow[kMaxDim];
     bool live[kTile];
+    const bool vector = vector_dims(dim, vdim);
+    const bool many = rows > kRowsTogether;
     int first = 0;
-    {  // float32, or bfloat16 widened in registers
-        if (dim == 64 || dim == 128 || dim == 32) {
-            for (; first + 16 <= n; first += 16) {
-                for (int r = 0; r < rows; ++r) {
-                    const v16 sc = dim == 64    ? scores16_at<4>(q + r * dim, k + first)
-                                   : dim == 128 ? scores16_at<8>(q + r * dim, k + first)
-                                                : scores16_at<2>(q + r * dim, k + first);
-                    __builtin_memcpy(scores + r * kTile + first, &sc, sizeof sc);
-                }
+    if (vector && many) {
+        block_scores(q, rows, dim, k, n, scores);
+        first = n;
+    } else if (vector) {  // float32, or bfloat16 widened in registers
+        for (; first + 16 <= n; first += 16) {
+            for (int r = 0; r < rows; ++r) {
+                const v16 sc = dim == 64    ? scores16_at<4>(q + r * dim, k + first)
+                               : dim == 128 ? scores16_at<8>(q + r * dim, k + first)
+                                            : scores16_at<2>(q + r * dim, k + first);
+                __builtin_memcpy(scores + r * kTile + first, &sc, sizeof sc);
             }
         }
     }
@@ -405,15 +465,25 @@ inline void tile_at(const float* __restrict q, int rows, int dim, int vdim, cons
         }
     }
     for (int j = 0; j < n; ++j) live[j] = true;
-    softmax_tile(scores, live, n, rows, vdim, scale, softcap, part, acc);
-    {  // float32, or bfloat16 widened in registers
-        if (vdim == 64 || vdim == 128 || vdim == 32) {
-            if (vdim == 32 || kColumnVectors == 2)
-                for (int c = 0; c < vdim; c += 32) add_weighted_tile_at<2>(scores, v, n, acc, rows, vdim, c);
-            else
-                for (int c = 0; c < vdim; c += 64) add_weighted_tile_at<4>(scores, v, n, acc, rows, vdim, c);
-            return;
+    softmax_tile(scores, live, n, rows, vdim, scale, softcap, part, acc, limit);
+    if (vector) {
+        if constexpr (!std::is_same_v<T, float>) {
+            if (many) {  // bfloat16 values widened once for every query row, not once per few
+                alignas(64) float vt[kTile * kVectorMaxDim];
+                const float* vf[kTile];
+                for (int j = 0; j < n; ++j) vf[j] = widen(v[j], vdim, vt + j * vdim);
+                if (vdim == 32 || kColumnVectors == 2)
+                    for (int c = 0; c < vdim; c += 32) add_weighted_tile_at<2>(scores, vf, n, acc, rows, vdim, c);
+                else
+                    for (int c = 0; c < vdim; c += 64) add_weighted_tile_at<4>(scores, vf, n, acc, rows, vdim, c);
+                return;
+            }
         }
+        if (vdim == 32 || kColumnVectors == 2)
+            for (int c = 0; c < vdim; c += 32) add_weighted_tile_at<2>(scores, v, n, acc, rows, vdim, c);
+        else
+            for (int c = 0; c < vdim; c += 64) add_weighted_tile_at<4>(scores, v, n, acc, rows, vdim, c);
+        return;
     }
     for (int j = 0; j < n; ++j) {
         const float* vf = widen(v[j], vdim, vrow);
@@ -625,6 +695,75 @@ int paged_decode(const float* q, const T* k, const T* v, const int32_t* tables, 
     return 0;
 }
 
+// ---- paged prefill: the queries of prompt chunks over their keys and values in pool blocks (the
+// past and the chunk itself, already written), causal: query i of a row, at position past + i, sees
+// positions [0, past + i]. Tasks: (row, head, a block of query positions whose grouped heads fill
+// at most kMaxRows rows); each runs one softmax over its visible tiles, scores of all its rows at
+// once (block_scores), and writes its normalised rows.
+
+template <typename T>
+int paged_prefill(const float* q, const T* k, const T* v, const int32_t* tables, const int64_t* starts,
+                  const int64_t* pasts, float* out, int64_t seqs, int64_t heads, int rows, int dim, int vdim,
+                  int64_t block_size, int64_t table_stride, int64_t k_blk, int64_t k_h, int64_t v_blk, int64_t v_h,
+                  float scale, float softcap, int threads) {
+    if (rows < 1 || rows > kMaxRows || dim < 1 || dim > kMaxDim || vdim < 1 || vdim > kMaxDim || block_size < 1)
+        return 1;
+    const int64_t per_task = kMaxRows / rows;  // query positions a task
+    const int64_t total = starts[seqs];
+    std::vector<int64_t> first(seqs + 1, 0);
+    for (int64_t s = 0; s < seqs; ++s) {
+        const int64_t n = starts[s + 1] - starts[s];
+        if (n < 0 || pasts[s] < 0 || (pasts[s] + n + block_size - 1) / block_size > table_stride) return 1;
+        first[s + 1] = first[s] + heads * ((n + per_task - 1) / per_task);
+    }
+    const int64_t tasks = first[seqs];
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t task = 0; task < tasks; ++task) {
+        const int64_t s = std::upper_bound(first.begin(), first.end(), task) - first.begin() - 1;
+        const int64_t n = starts[s + 1] - starts[s], blocks_of_queries = (n + per_task - 1) / per_task;
+        const int64_t local = task - first[s], h = local / blocks_of_queries;
+        const int64_t i0 = (local % blocks_of_queries) * per_task, i1 = std::min(n, i0 + per_task);
+        const int m = static_cast<int>((i1 - i0) * rows);
+        const int64_t offset = (h * total + starts[s] + i0) * rows;  // the task's first row in q and out
+        const float* qs = q + offset * dim;
+        std::vector<float> acc(static_cast<size_t>(m) * vdim, 0.f);
+        Partial part;
+        for (int r = 0; r < m; ++r) part.max[r] = kMasked, part.sum[r] = 0.f;
+        const int64_t past = pasts[s], seen = past + i1;  // keys the task's last query sees
+        int limit[kMaxRows];
+        const T* kp[kTile];
+        const T* vp[kTile];
+        int count = 0;
+        int64_t tile_start = 0;
+        auto flush = [&]() {
+            // rows see keys up to their own position: a limit only where the tile reaches past the first query
+            const bool causal = tile_start + count > past + i0 + 1;
+            if (causal)
+                for (int r = 0; r < m; ++r) {
+                    const int64_t sees = past + i0 + r / rows + 1 - tile_start;
+                    limit[r] = static_cast<int>(std::clamp<int64_t>(sees, 0, count));
+                }
+            tile_at(qs, m, dim, vdim, kp, vp, count, scale, softcap, part, acc.data(), causal ? limit : nullptr);
+            tile_start += count;
+            count = 0;
+        };
+        for (int64_t b = 0; b * block_size < seen; ++b) {
+            const int64_t block = tables[s * table_stride + b];
+            const int64_t in_block = std::min(block_size, seen - b * block_size);
+            const T* kb = k + block * k_blk + h * k_h;
+            const T* vb = v + block * v_blk + h * v_h;
+            for (int64_t t = 0; t < in_block; ++t) {
+                kp[count] = kb + t * dim;
+                vp[count] = vb + t * vdim;
+                if (++count == kTile) flush();
+            }
+        }
+        if (count > 0) flush();
+        merge_partials(&part, acc.data(), 1, m, vdim, out + offset * vdim);
+    }
+    return 0;
+}
+
 }  // namespace
 
 extern "C" {
@@ -660,6 +799,25 @@ int kv_paged_decode(const float* q, const void* k, const void* v, const int32_t*
         return paged_decode(q, static_cast<const uint16_t*>(k), static_cast<const uint16_t*>(v), tables, lengths, out,
                             lse, seqs, heads, rows, dim, vdim, block_size, table_stride, k_blk, k_h, v_blk, v_h,
                             blocks_per_task, scale, softcap, threads);
+    return 2;
+}
+
+// Paged prefill (see paged_prefill): q float32 [Hkv, N, R, D] contiguous, the N queries of `seqs`
+// prompt chunks one after the other (chunk s: starts[s] to starts[s + 1], int64 [seqs + 1], at
+// positions pasts[s] + i); k / v pools [blocks, Hkv, bs, D] as for kv_paged_decode, holding each
+// chunk's past and the chunk itself; tables int32 [seqs, table_stride]; out float32 [Hkv, N, R, Dv].
+int kv_paged_prefill(const float* q, const void* k, const void* v, const int32_t* tables, const int64_t* starts,
+                     const int64_t* pasts, float* out, int dtype, int64_t seqs, int64_t heads, int rows, int dim,
+                     int vdim, int64_t block_size, int64_t table_stride, int64_t k_blk, int64_t k_h, int64_t v_blk,
+                     int64_t v_h, float scale, float softcap, int threads) {
+    if (dtype == 0)
+        return paged_prefill(q, static_cast<const float*>(k), static_cast<const float*>(v), tables, starts, pasts, out,
+                             seqs, heads, rows, dim, vdim, block_size, table_stride, k_blk, k_h, v_blk, v_h, scale,
+                             softcap, threads);
+    if (dtype == 1)
+        return paged_prefill(q, static_cast<const uint16_t*>(k), static_cast<const uint16_t*>(v), tables, starts, pasts,
+                             out, seqs, heads, rows, dim, vdim, block_size, table_stride, k_blk, k_h, v_blk, v_h, scale,
+                             softcap, threads);
     return 2;
 }
 }
