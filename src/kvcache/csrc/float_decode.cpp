@@ -217,7 +217,8 @@ inline __attribute__((always_inline)) void add_weighted_rows(const float* __rest
 // add_weighted_rows with each token's value row given by pointer.
 template <int NV, int RR, typename T>
 inline __attribute__((always_inline)) void add_weighted_rows_at(const float* __restrict p, const T* const* __restrict v,
-                                                                int n, float* __restrict acc, int acc_stride) {
+                                                                int n, float* __restrict acc, int acc_stride,
+                                                                int p_row = kTile, int p_key = 1) {
     constexpr int N = NV * 16 / kW;
     vw a[RR][N];
     for (int r = 0; r < RR; ++r)
@@ -227,7 +228,7 @@ inline __attribute__((always_inline)) void add_weighted_rows_at(const float* __r
         vw x[N];
         for (int i = 0; i < N; ++i) x[i] = loadw(row + kW * i);
         for (int r = 0; r < RR; ++r) {
-            const float w = p[r * kTile + j];
+            const float w = p[r * p_row + j * p_key];
             for (int i = 0; i < N; ++i) a[r][i] += w * x[i];
         }
     }
@@ -236,19 +237,21 @@ inline __attribute__((always_inline)) void add_weighted_rows_at(const float* __r
 }
 
 template <int NV, typename T>
+// Weights of row r and token j at scores[r * p_row + j * p_key] (a tile scored row-major, or
+// token-major by tile_rows).
 inline void add_weighted_tile_at(const float* scores, const T* const* v, int n, float* acc, int rows, int vdim,
-                                 int c) {
+                                 int c, int p_row = kTile, int p_key = 1) {
     const T* vc[kTile];
     for (int j = 0; j < n; ++j) vc[j] = v[j] + c;
     int r = 0;
     for (; r + kRowsTogether <= rows; r += kRowsTogether)
-        add_weighted_rows_at<NV, kRowsTogether>(scores + r * kTile, vc, n, acc + r * vdim + c, vdim);
-    const float* p = scores + r * kTile;
+        add_weighted_rows_at<NV, kRowsTogether>(scores + r * p_row, vc, n, acc + r * vdim + c, vdim, p_row, p_key);
+    const float* p = scores + r * p_row;
     float* a = acc + r * vdim + c;
     switch (rows - r) {
-        case 3: add_weighted_rows_at<NV, 3>(p, vc, n, a, vdim); break;
-        case 2: add_weighted_rows_at<NV, 2>(p, vc, n, a, vdim); break;
-        case 1: add_weighted_rows_at<NV, 1>(p, vc, n, a, vdim); break;
+        case 3: add_weighted_rows_at<NV, 3>(p, vc, n, a, vdim, p_row, p_key); break;
+        case 2: add_weighted_rows_at<NV, 2>(p, vc, n, a, vdim, p_row, p_key); break;
+        case 1: add_weighted_rows_at<NV, 1>(p, vc, n, a, vdim, p_row, p_key); break;
         default: break;
     }
 }
@@ -305,6 +308,27 @@ inline float exp_nonpositive(float x) {
     return x < -87.f ? 0.f : p * scale;
 }
 
+// exp_nonpositive on a vector (the scalar one's bit moves keep GCC from vectorizing its loops).
+inline __attribute__((always_inline)) vw exp_nonpositive(vw x) {
+    const vw low = vw{} - 87.f;
+    const vw clamped = x < low ? low : x;
+    const vw y = clamped * 1.44269504f + 0.5f;
+    vw n = __builtin_convertvector(__builtin_convertvector(y, iw), vw);  // toward zero, then down
+    n = n > y ? n - 1.f : n;
+    const vw r = clamped - n * 0.693145752f - n * 1.42860677e-6f;
+    vw p = vw{} + 1.f / 720.f;
+    p = p * r + 1.f / 120.f;
+    p = p * r + 1.f / 24.f;
+    p = p * r + 1.f / 6.f;
+    p = p * r + 0.5f;
+    p = p * r + 1.f;
+    p = p * r + 1.f;
+    const iw bits = (__builtin_convertvector(n, iw) + 127) << 23;
+    vw scale;
+    __builtin_memcpy(&scale, &bits, sizeof scale);
+    return x < low ? vw{} : p * scale;
+}
+
 struct Partial {
     float max[kMaxRows];
     float sum[kMaxRows];
@@ -347,10 +371,18 @@ inline __attribute__((always_inline)) void softmax_tile(float* __restrict scores
             for (int d = 0; d < vdim; ++d) a[d] *= c;
             part.max[r] = m;
         }
-        float s = 0.f;
         float* __restrict sr = scores + r * kTile;
-#pragma omp simd reduction(+ : s)
-        for (int j = 0; j < n; ++j) {
+        vw total{};
+        int j = 0;
+        for (; j + kW <= n; j += kW) {  // the vector exp (the scalar one's loop stays scalar)
+            const vw x = loadw(sr + j);
+            const vw p = x > 0.5f * kMasked ? exp_nonpositive(x - m) : vw{};
+            __builtin_memcpy(sr + j, &p, sizeof p);
+            total += p;
+        }
+        float s = 0.f;
+        for (int i = 0; i < kW; ++i) s += total[i];
+        for (; j < n; ++j) {
             const float p = sr[j] > 0.5f * kMasked ? exp_nonpositive(sr[j] - m) : 0.f;
             sr[j] = p;
             s += p;
@@ -365,75 +397,154 @@ inline bool vector_dims(int dim, int vdim) {
 }
 constexpr int kVectorMaxDim = 128;
 
-// ---- scores of many query rows (a prompt chunk's, or several sequences' over a shared prefix):
-// the tile's keys transposed into kt [group][d][kW] (kW keys a group, float32, zeros past n), then
-// for RB rows and two groups at a time the running sums of 2 * RB vectors of kW scores stay in
-// registers while d runs, each a broadcast query element times a row of kt: each key element is
-// loaded once for RB rows, and no horizontal sums are needed.
-template <typename T>
-inline void transpose_keys(const T* const* k, int n, int dim, float* __restrict kt) {
-    const int groups = (n + 2 * kW - 1) / (2 * kW) * 2;
-    for (int g = 0; g < groups; ++g)
-        for (int lane = 0; lane < kW; ++lane) {
-            const int j = g * kW + lane;
-            float* col = kt + static_cast<int64_t>(g) * dim * kW + lane;
-            if (j < n) {
-                const T* row = k[j];
-                for (int d = 0; d < dim; ++d) {
-                    if constexpr (std::is_same_v<T, float>) {
-                        col[d * kW] = row[d];
-                    } else {
-                        const uint32_t bits = static_cast<uint32_t>(row[d]) << 16;
-                        __builtin_memcpy(col + d * kW, &bits, 4);
-                    }
-                }
-            } else {
-                for (int d = 0; d < dim; ++d) col[d * kW] = 0.f;
-            }
-        }
+// ---- many query rows over one tile (a prompt chunk's rows, or several sequences' over a shared
+// prefix), token-major: the rows' queries transposed once per task into qt [dim][rows_pad] (rows
+// padded with zeros to a multiple of kW), so that a tile's scores st [n][rows_pad] are, for KB keys
+// and NR vectors of kW rows at a time, each key element (a scalar) times a vector of the rows'
+// query elements: every key element is loaded once for all the rows, nothing is transposed per
+// tile and no horizontal sums are needed; the softmax then runs down the tokens with a vector of
+// rows, and the weighted values read st by token.
+#if defined(__AVX512F__)
+constexpr int kKeysTogether = 4;  // 4 keys x 4 row vectors = 16 sums + 4 query vectors of 32 registers
+#else
+constexpr int kKeysTogether = 1;  // 4 sums + 4 query vectors of 16 registers
+#endif
+constexpr int kRowVectors = 4;
+
+inline int padded_rows(int rows) { return (rows + kW - 1) / kW * kW; }
+
+// qt [dim][padded_rows(rows)] from q [rows, dim].
+inline void transpose_queries(const float* __restrict q, int rows, int dim, float* __restrict qt) {
+    const int rp = padded_rows(rows);
+    for (int d = 0; d < dim; ++d)
+        for (int r = 0; r < rp; ++r) qt[d * rp + r] = r < rows ? q[r * dim + d] : 0.f;
 }
 
-template <int RB>
-inline __attribute__((always_inline)) void block_scores_rows(const float* __restrict q, int dim, const float* __restrict kt,
-                                                             int groups, float* __restrict scores) {
-    for (int g = 0; g < groups; g += 2) {
-        const float* k0 = kt + static_cast<int64_t>(g) * dim * kW;
-        const float* k1 = k0 + dim * kW;
-        vw a0[RB], a1[RB];
-        for (int r = 0; r < RB; ++r) a0[r] = vw{}, a1[r] = vw{};
-        for (int d = 0; d < dim; ++d) {
-            const vw x0 = loadw(k0 + d * kW), x1 = loadw(k1 + d * kW);
-            for (int r = 0; r < RB; ++r) {
-                const float w = q[r * dim + d];
-                a0[r] += w * x0;
-                a1[r] += w * x1;
-            }
+inline float as_float(float x) { return x; }
+inline float as_float(uint16_t x) {
+    const uint32_t bits = static_cast<uint32_t>(x) << 16;
+    float f;
+    __builtin_memcpy(&f, &bits, 4);
+    return f;
+}
+
+template <int KB, int NR, typename T>
+inline __attribute__((always_inline)) void scores_by_token(const float* __restrict qt, int rp, int dim,
+                                                           const T* const* k, float* __restrict st) {
+    vw a[KB][NR];
+    for (int b = 0; b < KB; ++b)
+        for (int i = 0; i < NR; ++i) a[b][i] = vw{};
+    for (int d = 0; d < dim; ++d) {
+        vw x[NR];
+        for (int i = 0; i < NR; ++i) x[i] = loadw(qt + d * rp + i * kW);
+        for (int b = 0; b < KB; ++b) {
+            const float kd = as_float(k[b][d]);
+            for (int i = 0; i < NR; ++i) a[b][i] += kd * x[i];
         }
-        for (int r = 0; r < RB; ++r) {
-            __builtin_memcpy(scores + r * kTile + g * kW, &a0[r], sizeof(vw));
-            __builtin_memcpy(scores + r * kTile + (g + 1) * kW, &a1[r], sizeof(vw));
-        }
+    }
+    for (int b = 0; b < KB; ++b)
+        for (int i = 0; i < NR; ++i) __builtin_memcpy(st + b * rp + i * kW, &a[b][i], sizeof(vw));
+}
+
+template <int KB, typename T>
+inline void scores_by_token_rows(const float* __restrict qt, int rp, int dim, const T* const* k, float* __restrict st) {
+    const int vectors = rp / kW;
+    int i = 0;
+    for (; i + kRowVectors <= vectors; i += kRowVectors)
+        scores_by_token<KB, kRowVectors>(qt + i * kW, rp, dim, k, st + i * kW);
+    switch (vectors - i) {
+        case 3: scores_by_token<KB, 3>(qt + i * kW, rp, dim, k, st + i * kW); break;
+        case 2: scores_by_token<KB, 2>(qt + i * kW, rp, dim, k, st + i * kW); break;
+        case 1: scores_by_token<KB, 1>(qt + i * kW, rp, dim, k, st + i * kW); break;
+        default: break;
     }
 }
 
-// Raw scores [rows, kTile] of `rows` query rows (q [rows, dim]) against the tile's n keys.
+// The running softmax of a token-major tile st [n][rp] (raw scores in, weights relative to each
+// row's new maximum out), as softmax_tile does for a row-major one.
+inline void softmax_by_token(float* __restrict st, int n, int rows, int rp, int vdim, float scale, float softcap,
+                             const int* limit, Partial& part, float* __restrict acc) {
+    alignas(64) float top[kMaxRows];
+    alignas(64) float sums[kMaxRows];
+    for (int r = 0; r < rp; ++r) top[r] = r < rows ? part.max[r] : kMasked, sums[r] = 0.f;
+    for (int j = 0; j < n; ++j) {
+        float* __restrict sj = st + j * rp;
+        if (softcap > 0.f) {
+            for (int r = 0; r < rp; ++r) sj[r] = softcap * std::tanh(sj[r] * scale / softcap);
+        } else {
+#pragma omp simd
+            for (int r = 0; r < rp; ++r) sj[r] *= scale;
+        }
+        if (limit != nullptr) {
+#pragma omp simd
+            for (int r = 0; r < rp; ++r) sj[r] = (r < rows && j < limit[r]) ? sj[r] : kMasked;
+        }
+#pragma omp simd
+        for (int r = 0; r < rp; ++r) top[r] = sj[r] > top[r] ? sj[r] : top[r];
+    }
+    for (int r = 0; r < rows; ++r) {
+        if (top[r] > part.max[r]) {  // rescale what was summed under the old maximum
+            const float c = std::exp(part.max[r] - top[r]);
+            part.sum[r] *= c;
+            float* __restrict a = acc + r * vdim;
+#pragma omp simd
+            for (int d = 0; d < vdim; ++d) a[d] *= c;
+            part.max[r] = top[r];
+        }
+    }
+    for (int j = 0; j < n; ++j) {
+        float* __restrict sj = st + j * rp;
+        for (int r = 0; r < rp; r += kW) {
+            const vw x = loadw(sj + r);
+            const vw e = exp_nonpositive(x - loadw(top + r));
+            const vw p = x > 0.5f * kMasked ? e : vw{};
+            __builtin_memcpy(sj + r, &p, sizeof p);
+            const vw total = loadw(sums + r) + p;
+            __builtin_memcpy(sums + r, &total, sizeof total);
+        }
+    }
+    for (int r = 0; r < rows; ++r) part.sum[r] += sums[r];
+}
+
+// One tile of n tokens (k[j], v[j] anywhere) for many rows whose queries are qt (transpose_queries),
+// continuing part and acc [rows, vdim]; `limit` as for tile_at. Head dims: vector_dims.
 template <typename T>
-inline void block_scores(const float* __restrict q, int rows, int dim, const T* const* k, int n, float* __restrict scores) {
-    alignas(64) float kt[(kTile + 2 * kW) * kVectorMaxDim];
-    transpose_keys(k, n, dim, kt);
-    const int groups = (n + 2 * kW - 1) / (2 * kW) * 2;
-    constexpr int RB = kW == 16 ? 6 : 3;  // 2 * RB accumulators + 2 key rows within the registers
-    int r = 0;
-    for (; r + RB <= rows; r += RB) block_scores_rows<RB>(q + r * dim, dim, kt, groups, scores + r * kTile);
-    for (; r < rows; ++r) block_scores_rows<1>(q + r * dim, dim, kt, groups, scores + r * kTile);
+inline void tile_rows(const float* __restrict qt, int rows, int dim, int vdim, const T* const* k, const T* const* v,
+                      int n, float scale, float softcap, Partial& part, float* __restrict acc, const int* limit) {
+    alignas(64) float st[kTile * kMaxRows];
+    const int rp = padded_rows(rows);
+    int j = 0;
+    for (; j + kKeysTogether <= n; j += kKeysTogether) scores_by_token_rows<kKeysTogether>(qt, rp, dim, k + j, st + j * rp);
+    for (; j < n; ++j) scores_by_token_rows<1>(qt, rp, dim, k + j, st + j * rp);
+    softmax_by_token(st, n, rows, rp, vdim, scale, softcap, limit, part, acc);
+    const float* vf[kTile];
+    alignas(64) float vt[kTile * kVectorMaxDim];
+    for (int t = 0; t < n; ++t) {
+        if constexpr (std::is_same_v<T, float>) {
+            vf[t] = v[t];
+        } else {  // bfloat16 values widened once for every row
+            vf[t] = widen(v[t], vdim, vt + t * vdim);
+        }
+    }
+    if (vdim == 32 || kColumnVectors == 2)
+        for (int c = 0; c < vdim; c += 32) add_weighted_tile_at<2>(st, vf, n, acc, rows, vdim, c, 1, rp);
+    else
+        for (int c = 0; c < vdim; c += 64) add_weighted_tile_at<4>(st, vf, n, acc, rows, vdim, c, 1, rp);
 }
 
 // One tile of n <= kTile tokens whose key and value rows lie anywhere (k[j], v[j]: pool blocks),
 // continuing the running softmax in part and acc [rows, vdim]. With `limit`, row r sees only the
 // tile's first limit[r] tokens.
+// With `qt` (the queries by transpose_queries, for many rows at vector dims) the tile goes to
+// tile_rows.
 template <typename T>
 inline void tile_at(const float* __restrict q, int rows, int dim, int vdim, const T* const* k, const T* const* v, int n,
-                    float scale, float softcap, Partial& part, float* __restrict acc, const int* limit = nullptr) {
+                    float scale, float softcap, Partial& part, float* __restrict acc, const int* limit = nullptr,
+                    const float* qt = nullptr) {
+    if (qt != nullptr) {
+        tile_rows(qt, rows, dim, vdim, k, v, n, scale, softcap, part, acc, limit);
+        return;
+    }
     alignas(64) float scores[kMaxRows * kTile];
     alignas(64) float krow[kMaxDim];
     alignas(64) float vrow[kMaxDim];
@@ -441,10 +552,7 @@ inline void tile_at(const float* __restrict q, int rows, int dim, int vdim, cons
     const bool vector = vector_dims(dim, vdim);
     const bool many = rows > kRowsTogether;
     int first = 0;
-    if (vector && many) {
-        block_scores(q, rows, dim, k, n, scores);
-        first = n;
-    } else if (vector) {  // float32, or bfloat16 widened in registers
+    if (vector) {  // float32, or bfloat16 widened in registers
         for (; first + 16 <= n; first += 16) {
             for (int r = 0; r < rows; ++r) {
                 const v16 sc = dim == 64    ? scores16_at<4>(q + r * dim, k + first)
@@ -663,6 +771,10 @@ int paged_decode(const float* q, const T* k, const T* v, const int32_t* tables, 
             std::memset(acc, 0, sizeof(float) * rows * vdim);
             const float* qs = q + (s * heads + h) * rows * dim;
             const int64_t len = lengths[s];
+            alignas(64) float qt_rows[kVectorMaxDim * kMaxRows];  // many rows (a shared prefix's pass)
+            const bool by_token = rows > kRowsTogether && vector_dims(dim, vdim);
+            if (by_token) transpose_queries(qs, rows, dim, qt_rows);
+            const float* qt = by_token ? qt_rows : nullptr;
             // The task's blocks continue one running softmax, a tile of kTile tokens at a time
             // gathered across blocks (so small blocks do not pay a tile's fixed cost each).
             const T* kp[kTile];
@@ -677,12 +789,12 @@ int paged_decode(const float* q, const T* k, const T* v, const int32_t* tables, 
                     kp[n] = kb + t * dim;
                     vp[n] = vb + t * vdim;
                     if (++n == kTile) {
-                        tile_at(qs, rows, dim, vdim, kp, vp, n, scale, softcap, part, acc);
+                        tile_at(qs, rows, dim, vdim, kp, vp, n, scale, softcap, part, acc, nullptr, qt);
                         n = 0;
                     }
                 }
             }
-            if (n > 0) tile_at(qs, rows, dim, vdim, kp, vp, n, scale, softcap, part, acc);
+            if (n > 0) tile_at(qs, rows, dim, vdim, kp, vp, n, scale, softcap, part, acc, nullptr, qt);
         }
 #pragma omp for
         for (int64_t sh = 0; sh < seqs * heads; ++sh) {
@@ -727,6 +839,11 @@ int paged_prefill(const float* q, const T* k, const T* v, const int32_t* tables,
         const int64_t offset = (h * total + starts[s] + i0) * rows;  // the task's first row in q and out
         const float* qs = q + offset * dim;
         std::vector<float> acc(static_cast<size_t>(m) * vdim, 0.f);
+        std::vector<float> qt;
+        if (m > kRowsTogether && vector_dims(dim, vdim)) {
+            qt.resize(static_cast<size_t>(dim) * padded_rows(m));
+            transpose_queries(qs, m, dim, qt.data());
+        }
         Partial part;
         for (int r = 0; r < m; ++r) part.max[r] = kMasked, part.sum[r] = 0.f;
         const int64_t past = pasts[s], seen = past + i1;  // keys the task's last query sees
@@ -743,7 +860,8 @@ int paged_prefill(const float* q, const T* k, const T* v, const int32_t* tables,
                     const int64_t sees = past + i0 + r / rows + 1 - tile_start;
                     limit[r] = static_cast<int>(std::clamp<int64_t>(sees, 0, count));
                 }
-            tile_at(qs, m, dim, vdim, kp, vp, count, scale, softcap, part, acc.data(), causal ? limit : nullptr);
+            tile_at(qs, m, dim, vdim, kp, vp, count, scale, softcap, part, acc.data(), causal ? limit : nullptr,
+                    qt.empty() ? nullptr : qt.data());
             tile_start += count;
             count = 0;
         };
