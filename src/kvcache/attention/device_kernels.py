@@ -1,4 +1,5 @@
-"""Which compiled kernels run a decode step, by the tensors' device: the one decision point.
+"""Which compiled kernels run a decode step (and a prompt chunk over pool blocks), by the tensors'
+device: the one decision point.
 
 - CPU tensors: the C++ libraries (``native`` for float keys and values and float pool blocks,
   ``fused``/``fused_paged`` for codes);
@@ -41,6 +42,14 @@ def paged_decode(q, key_pool, value_pool, tables, lengths, scale) -> torch.Tenso
     """``native.paged_decode`` over float blocks; float32 ``[S, Hkv, R, Dv]`` or None."""
     kernel = _choose(q.device, native.paged_decode, triton_decode.paged_decode)
     return None if kernel is None else kernel(q, key_pool, value_pool, tables, lengths, scale)
+
+
+def paged_prefill(q, key_pool, value_pool, tables, starts, pasts, scale) -> torch.Tensor | None:
+    """``native.paged_prefill``: prompt chunks' queries ``[Hkv, N, R, D]`` over float blocks holding
+    their past and themselves, causal; float32 ``[Hkv, N, R, Dv]`` or None (no Triton kernel yet:
+    CUDA takes the caller's path)."""
+    kernel = _choose(q.device, native.paged_prefill, None)
+    return None if kernel is None else kernel(q, key_pool, value_pool, tables, starts, pasts, scale)
 
 
 def paged_coded_decode(q, keys, values, bits, value_group, tables, coded, tail_keys, tail_values, tail_blocks, tail_lengths,

@@ -6,12 +6,15 @@ is here, behind four calls per layer:
 
 - ``before``: store what must be in the blocks before attention;
 - ``decode``: attend the decode rows (one new token after a past) together;
+- ``chunks``: attend the prefill chunks that report no weights together, or None (then each chunk
+  attends its ``past`` and itself in the step);
 - ``past``: a row's first ``past`` tokens as keys and values ``[Hkv, past, D]``;
 - ``after``: store what attention had to read exact first.
 
 ``SlotIO`` serves formats that take single slots (full precision): every new token is written into
 its slot before attention, and decode rows read the blocks through the paged kernel, rows sharing
-a prefix reading it once. ``OpenBlockIO`` serves formats that code a block whole (int8/int4/int2):
+a prefix reading it once; prompt chunks read their past and themselves from the blocks through
+the paged prefill kernel, all chunks of the step in one call. ``OpenBlockIO`` serves formats that code a block whole (int8/int4/int2):
 a decode row's token goes into its open block first; decode rows read the codes through the coded
 library (``fused_paged``) or, where it cannot run, SDPA over their dequantized blocks; after
 attention the blocks that filled are coded and a chunk's remainder becomes its open block. So a
@@ -54,6 +57,16 @@ class SlotIO:
             if step.own_rows else None
         )
         self.decode_lengths = torch.tensor([r.length for r in step.decode_rows], dtype=torch.int64, device=device)
+        plain = [r for r in step.chunk_rows if r.weights is None]
+        #: The packed positions of the chunks ``chunks`` attends, their starts among them, pasts and tables.
+        self.chunk_tokens = torch.tensor([t for r in plain for t in range(r.start, r.start + r.count)], dtype=torch.long, device=device)
+        counts = torch.tensor([0] + [r.count for r in plain], dtype=torch.int64)
+        self.chunk_starts, self.chunk_pasts = counts.cumsum(0), torch.tensor([r.past for r in plain], dtype=torch.int64)
+        width = max((len(r.table) for r in plain), default=1)
+        tables = torch.zeros(len(plain), width, dtype=torch.int32)
+        for i, r in enumerate(plain):
+            tables[i, : len(r.table)] = torch.tensor(r.table, dtype=torch.int32)
+        self.chunk_tables = tables
         #: How the decode rows read shared prefixes (``shared_prefix.plan``), made at the first
         #: layer (it needs the query heads per KV head); False until then, None for none.
         self._sharing: shared_prefix.Plan | None | bool = False
@@ -85,6 +98,23 @@ class SlotIO:
             return got.reshape(seqs, q_heads, -1)
         tables, lengths = [r.table for r in step.decode_rows], [r.length for r in step.decode_rows]
         return paged_decode(pool, layer, q[:, :, None], tables, lengths, scale)[:, :, 0]
+
+    def chunks(self, layer: int, query: torch.Tensor, scale: float) -> torch.Tensor | None:
+        """The attention ``[N, Hq, Dv]`` (float32) of the chunk rows that report no weights, their
+        tokens in step order (``chunk_tokens``), query ``[1, Hq, T, D]``; None where the paged
+        prefill kernel cannot take them (the step then attends each chunk over its gathered past)."""
+        if not len(self.chunk_tokens):
+            return None
+        pool = self.pool
+        q_heads, dim = query.shape[1], query.shape[3]
+        q = query[0][:, self.chunk_tokens].reshape(pool.kv_heads, q_heads // pool.kv_heads, -1, dim).transpose(1, 2)
+        blocks = pool.storage.layer(layer)
+        got = device_kernels.paged_prefill(
+            q, blocks["keys"], blocks["values"], self.chunk_tables, self.chunk_starts, self.chunk_pasts, scale
+        )
+        if got is None:
+            return None
+        return got.transpose(1, 2).reshape(q_heads, -1, got.shape[-1]).transpose(0, 1)
 
     def past(self, layer: int, row: Row) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = self.pool.gather(layer, row.table[: -(-row.past // self.pool.block_size)])
@@ -139,6 +169,10 @@ class OpenBlockIO:
             qs = q[s : s + 1, :, None].float()  # [1, Hq, 1, D]
             rows.append(F.scaled_dot_product_attention(qs, k[None], v[None], scale=scale, enable_gqa=True)[0, :, 0])
         return torch.stack(rows)
+
+    def chunks(self, layer: int, query: torch.Tensor, scale: float) -> torch.Tensor | None:
+        """None: a chunk attends its past dequantized and itself exact, in the step."""
+        return None
 
     def past(self, layer: int, row: Row) -> tuple[torch.Tensor, torch.Tensor]:
         return self._read(layer, row, *divmod(row.past, self.pool.block_size))

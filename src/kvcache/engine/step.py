@@ -16,7 +16,9 @@ and values ``[1, Hkv, T, D]``. For each layer the step:
    format (ragged lengths, each row's block table; in full precision, rows that share prefix blocks
    read those once for all of them, ``shared_prefix.py``);
 4. runs each row of several tokens (a prefill chunk) through attention over its past and itself,
-   causal aligned to the end, or over the chunk alone when the row has no past;
+   causal aligned to the end: in full precision all such rows at once through the paged prefill
+   kernel over their blocks (``block_io.SlotIO.chunks``), else (coded blocks, a chunk that reports
+   weights, a device without the kernel) each over its gathered past and itself;
 5. stores what had to be read exact first (blocks that filled, coded; a chunk's remainder, open).
 """
 
@@ -138,7 +140,10 @@ class PagedStep(ForwardStep):
         if self.decode_rows:
             q = query[0, :, self.decode_tokens].transpose(0, 1)  # [S, Hq, D]
             out[0, self.decode_tokens] = self.io.decode(layer, q, scale).to(out.dtype)
-        for r in self.chunk_rows:
+        chunks = self.io.chunks(layer, query, scale) if self.chunk_rows else None
+        if chunks is not None:
+            out[0, self.io.chunk_tokens] = chunks.to(out.dtype)
+        for r in self.chunk_rows if chunks is None else [r for r in self.chunk_rows if r.weights is not None]:
             span = slice(r.start, r.start + r.count)
             q, k, v = query[:, :, span], key[:, :, span], value[:, :, span]
             if r.past:

@@ -1,0 +1,99 @@
+"""``native.paged_prefill``: causal attention of prompt chunks over the pool blocks that hold their
+past and themselves, against float64 softmax attention over each chunk's keys and values gathered
+in order (float32 sums in another order: 1e-5), over random ragged layouts (hypothesis); and the
+engine's route: every plain chunk of a step in one call, giving the tokens of the gathered path."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine_reference import ids, reference as generate_reference, same_or_near_tie
+from kvcache import Engine
+from kvcache.attention import device_kernels, native
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="the float decode library is not built on this machine")
+
+
+def layout(chunks, heads, rows, dim, bs, dtype, seed):
+    """Shuffled pool blocks holding each chunk's ``past + count`` keys and values, the queries
+    ``[Hkv, N, R, D]``, int32 tables, int64 starts and pasts."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-(p + n) // bs) for p, n in chunks]
+    blocks = sum(need) + 2
+    keys = torch.randn(blocks, heads, bs, dim, generator=g).to(dtype)
+    values = torch.randn(blocks, heads, bs, dim, generator=g).to(dtype)
+    order = torch.randperm(blocks, generator=g).tolist()
+    tables = torch.zeros(len(chunks), max(need), dtype=torch.int32)
+    for s, count in enumerate(need):
+        tables[s, :count] = torch.tensor(order[:count], dtype=torch.int32)
+        order = order[count:]
+    q = torch.randn(heads, sum(n for _, n in chunks), rows, dim, generator=g)
+    starts = torch.tensor([0] + [n for _, n in chunks]).cumsum(0)
+    return q, keys, values, tables, starts, torch.tensor([p for p, _ in chunks])
+
+
+def reference(q, keys, values, tables, starts, pasts, scale):
+    """Each chunk's causal attention over its gathered keys and values, float64: ``[Hkv, N, R, Dv]``."""
+    heads, bs = q.shape[0], keys.shape[2]
+    out = []
+    for s in range(len(pasts)):
+        past, n = int(pasts[s]), int(starts[s + 1] - starts[s])
+        seen = past + n
+        table = tables[s, : -(-seen // bs)].long()
+        k = keys[table].transpose(0, 1).reshape(heads, -1, keys.shape[3])[:, :seen].double()
+        v = values[table].transpose(0, 1).reshape(heads, -1, values.shape[3])[:, :seen].double()
+        scores = torch.einsum("hnrd,htd->hnrt", q[:, starts[s] : starts[s + 1]].double(), k) * scale
+        visible = torch.arange(seen)[None, :] <= (past + torch.arange(n))[:, None]
+        scores = scores.masked_fill(~visible[None, :, None, :], float("-inf"))
+        out.append(torch.einsum("hnrt,htd->hnrd", scores.softmax(-1), v))
+    return torch.cat(out, dim=1).float()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    chunks=st.lists(st.tuples(st.integers(0, 300), st.integers(1, 150)), min_size=1, max_size=4),
+    rows=st.sampled_from([1, 3, 4, 7]),
+    dim=st.sampled_from([16, 32, 64, 128]),
+    bs=st.sampled_from([4, 16, 32]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 2**16),
+)
+def test_prefill_equals_causal_attention_over_the_gathered_chunk(chunks, rows, dim, bs, dtype, seed):
+    case = layout(chunks, 2, rows, dim, bs, dtype, seed)
+    scale = 1 / math.sqrt(dim)
+    got = native.paged_prefill(*case, scale)
+    assert got is not None and got.shape == (2, case[0].shape[1], rows, dim)
+    torch.testing.assert_close(got, reference(*case, scale), rtol=1e-5, atol=1e-5)
+
+
+def test_bad_starts_are_refused_and_other_inputs_declined():
+    q, keys, values, tables, starts, pasts = layout([(5, 10), (0, 3)], 2, 3, 64, 8, torch.float32, 0)
+    with pytest.raises(ValueError, match="starts must rise from 0"):
+        native.paged_prefill(q, keys, values, tables, torch.tensor([0, 10, 14]), pasts, 0.125)
+    with pytest.raises(ValueError, match="starts must rise from 0"):
+        native.paged_prefill(q, keys, values, tables, torch.tensor([0, 9, 8]), pasts, 0.125)
+    assert native.paged_prefill(q, keys.half(), values.half(), tables, starts, pasts, 0.125) is None  # dtype
+    assert native.paged_prefill(q[:1], keys, values, tables, starts, pasts, 0.125) is None  # heads
+    assert native.paged_prefill(q, keys, values, tables, starts[:2], pasts, 0.125) is None  # one start short
+    too_short = torch.zeros(2, 1, dtype=torch.int32)  # the tables must cover past + count
+    assert native.paged_prefill(q, keys, values, too_short, starts, pasts, 0.125) is None
+
+
+def test_the_engine_attends_its_chunks_in_one_call_and_answers_as_generate(model, monkeypatch):
+    prompts = [ids(70, s) for s in range(3)] + [ids(5, 9)]
+    calls = []
+    real = device_kernels.paged_prefill
+    monkeypatch.setattr(device_kernels, "paged_prefill", lambda *a: calls.append(a[4].numel() - 1) or real(*a))
+    kernel = Engine(model, block_size=8, max_batch_tokens=48).generate_batch(prompts, max_new_tokens=6, eos_token_id=[])
+    assert calls and max(calls) >= 2  # several chunks of a step in one call
+    monkeypatch.setattr(device_kernels, "paged_prefill", lambda *a: None)  # each chunk over its gathered past
+    gathered = Engine(model, block_size=8, max_batch_tokens=48).generate_batch(prompts, max_new_tokens=6, eos_token_id=[])
+    for i, (a, b, p) in enumerate(zip(kernel, gathered, prompts)):
+        want = generate_reference(model, p, 6)
+        assert same_or_near_tie(list(map(int, a)), want, f"request {i}, kernel") == 0
+        assert same_or_near_tie(list(map(int, b)), want, f"request {i}, gathered") == 0
