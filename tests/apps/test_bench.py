@@ -310,6 +310,21 @@ def test_attention_quantized_rows(tiny_results):
             assert r["ms"] > 0 and r["bandwidth_fraction"] > 0 and len(r["samples_ms"]) > 0
 
 
+def test_attention_prefill_rows(tiny_results):
+    """The prompt part: both contenders in both dtypes at every case, the same attention (in
+    bfloat16 the SDPA contender's queries and outputs are rounded to bfloat16)."""
+    _, result = tiny_results("attention")
+    rows = result["prefill_rows"]
+    cases = {(r["case"], r["dtype"]) for r in rows}
+    assert {d for _, d in cases} == {"float32", "bfloat16"} and len(rows) == 2 * len(cases)
+    for case in cases:
+        by = {r["contender"]: r for r in rows if (r["case"], r["dtype"]) == case}
+        assert set(by) == {"paged-prefill", "gather+sdpa"}
+        near = 1e-4 if case[1] == "float32" else 2e-2
+        for r in by.values():
+            assert r["ms"] > 0 and r["gflops"] > 0 and r["max_abs_diff"] < near and len(r["samples_ms"]) > 0
+
+
 def test_budget_share_holds_the_bytes_it_keeps_and_a_count_never_moves(tiny_results):
     """Both keep the same slots at the end; the share's bytes grew in steps (room of 1/16, at
     least 8 slots: on the tiny run's small stores the minimum room is up to ~12%), the count's

@@ -19,7 +19,8 @@ alternating within each repeat; medians reported, with the largest difference be
 Then the quantized caches' decode attention beside fp32 (``coded_attention``: SmolLM2 geometry,
 batch 1 and 8, 4K and 16K tokens), and the engine's paged decode over block tables
 (``paged_attention``: 16 sequences of mixed lengths, float and int8 blocks), on the same measured
-bandwidth.
+bandwidth; and prompt chunks over the pool's blocks (``prefill_attention``: the paged prefill
+kernel against gathering each chunk's past for SDPA), by work per second.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from ...attention import attend
-from . import coded_attention, paged_attention
+from . import coded_attention, paged_attention, prefill_attention
 from dataclasses import dataclass
 
 from ...errors import KVCacheError
@@ -126,6 +127,7 @@ def run(
     bar.close()
     coded_rows = coded_attention.run(options, bandwidth, repeats) if coded else []
     paged_rows = paged_attention.run(options, bandwidth, repeats) if coded else []
+    prefill_rows = prefill_attention.run(options, repeats) if coded else []
     config = {
         "shapes": [f"{s.query_heads}/{s.kv_heads}x{s.head_dim}@{s.batch}x{s.tokens}" for s in shapes],
         "timing": "each call after evict_caches (96 MiB read): keys and values come from memory",
@@ -138,7 +140,7 @@ def run(
     }
     return report(
         "attention", options, config, rows, table, plot, read_bandwidth_bytes_per_s=bandwidth, quantized_rows=coded_rows,
-        paged_rows=paged_rows,
+        paged_rows=paged_rows, prefill_rows=prefill_rows,
     )
 
 
@@ -195,6 +197,7 @@ def table(result: dict[str, Any]) -> str:
     ]
     coded = coded_attention.table(result["quantized_rows"]) if result.get("quantized_rows") else ""
     coded += paged_attention.table(result["paged_rows"]) if result.get("paged_rows") else ""
+    coded += prefill_attention.table(result["prefill_rows"]) if result.get("prefill_rows") else ""
     timing = result["config"].get("timing", "")
     machine = machine_line(result.get("machine", {}))
     return f"{machine}\n\nMeasured read bandwidth: {bw:.1f} GB/s; {timing}\n\n" + markdown_table(header, body) + coded
