@@ -373,6 +373,29 @@ def test_ignore_eos_generates_past_the_end_of_sequence_token(model_dir, local, t
         assert process.stop() == 0
 
 
+@pytest.mark.half_precision
+def test_dtype_bfloat16_serves_the_engines_bfloat16_answers(model_dir, local, tmp_path):
+    """``--dtype bfloat16`` loads the weights (and so the pool) in bfloat16, as the server's first
+    line says; its greedy answer is the one an engine over the same model in bfloat16 gives in
+    this process (bfloat16 rounds differently from float32, so float32's answer is no reference)."""
+    from kvcache import Engine
+    from kvcache.apps.trained import load_pretrained
+
+    model, tokenizer = load_pretrained(model_dir, "cpu", "bfloat16")
+    assert next(model.parameters()).dtype == torch.bfloat16
+    ids = completion_ids(local, PROMPTS[0])
+    want = Engine(model, block_size=16, max_bytes=16 * 2**20).generate_batch([ids], max_new_tokens=10, eos_token_id=[])[0]
+    process = ServeProcess(tmp_path, "--model", str(model_dir), "--max-bytes", "16M", "--block-size", "16",
+                           "--dtype", "bfloat16").start()  # fmt: skip
+    try:
+        got = client(process).completions.create(model="tiny-chat", prompt=PROMPTS[0], max_tokens=10, temperature=0,
+                                                 extra_body={"ignore_eos": True})  # fmt: skip
+        assert got.choices[0].text == tokenizer.decode(want, skip_special_tokens=True)
+    finally:
+        assert process.stop() == 0
+    assert "model in bfloat16" in process.output() and "model in float32" not in process.output()
+
+
 def test_a_full_queue_answers_503_with_retry_after(model_dir, tmp_path):
     process = ServeProcess(tmp_path, "--model", str(model_dir), "--max-bytes", "16M", "--max-seqs", "1",
                            "--max-queue", "1").start()  # fmt: skip

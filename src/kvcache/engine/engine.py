@@ -144,6 +144,7 @@ class Engine:
         p = self.pool
         return (
             f"Engine({p.total} blocks of {p.block_size} tokens, {p.nbytes / 2**20:.0f} MiB; "
+            f"model in {str(self.geometry.dtype).removeprefix('torch.')}; "
             f"{len(self.scheduler.running)} running, {len(self.scheduler.waiting)} waiting)"
         )
 

@@ -26,6 +26,8 @@ API_KEY_ENV = "KVCACHE_API_KEY"
 @dataclass(frozen=True)
 class ServeOptions:
     model: str = "smollm2"
+    #: The weights' and cache's dtype (``cli_options.DTYPES``; ``auto``: as the checkpoint stores them).
+    dtype: str = "auto"
     cache: str = "growable"
     prompt_store: str | None = None
     store_chunk: int = 256
@@ -47,7 +49,7 @@ def build(options: ServeOptions) -> Any:
     from ..cli_load import load_model
     from .app import Served
 
-    model, tokenizer = load_model(options.model, options.device)
+    model, tokenizer = load_model(options.model, options.device, options.dtype)
     name, aliases = model_names(options.model)
     store = None if options.prompt_store is None else PromptStore(options.prompt_store, chunk=options.store_chunk)
     engine = Engine(
