@@ -169,19 +169,10 @@ def paged_decode(
     scaled scores (-inf for a sequence of length 0), what merging with attention over other keys
     needs. ``R`` may be up to ``PAGED_MAX_ROWS``."""
     seqs, heads, rows, dim = q.shape
-    blocks, pool_heads, block_size, _ = key_pool.shape
-    vdim = value_pool.shape[3]
+    block_size, vdim = key_pool.shape[2], value_pool.shape[3]
     ok = (
-        key_pool.device.type == "cpu"
-        and key_pool.dtype in _DTYPES
-        and value_pool.dtype == key_pool.dtype
-        and pool_heads == heads
-        and value_pool.shape[:3] == key_pool.shape[:3]
-        and key_pool.stride(3) == 1 and key_pool.stride(2) == dim
-        and value_pool.stride(3) == 1 and value_pool.stride(2) == vdim
-        and 1 <= rows <= PAGED_MAX_ROWS and 1 <= dim <= MAX_DIM and 1 <= vdim <= MAX_DIM
+        _pool_fits(q, key_pool, value_pool, heads, rows, dim)
         and tables.dim() == 2 and tables.shape[0] == seqs and lengths.shape == (seqs,)
-        and not (torch.is_grad_enabled() and q.requires_grad)
     )  # fmt: skip
     lib = library("float_decode", _declare) if ok else None
     if lib is None:
@@ -221,19 +212,11 @@ def paged_prefill(
     ``[S, max_blocks]``). Float32 ``[Hkv, N, R, Dv]``, or None where the library cannot take it. The
     caller checks that the tables' block ids are within the pool."""
     heads, total, rows, dim = q.shape
-    blocks, pool_heads, block_size, _ = key_pool.shape
-    vdim, seqs = value_pool.shape[3], tables.shape[0] if tables.dim() == 2 else -1
+    block_size, vdim = key_pool.shape[2], value_pool.shape[3]
+    seqs = tables.shape[0] if tables.dim() == 2 else -1
     ok = (
-        key_pool.device.type == "cpu"
-        and key_pool.dtype in _DTYPES
-        and value_pool.dtype == key_pool.dtype
-        and pool_heads == heads
-        and value_pool.shape[:3] == key_pool.shape[:3]
-        and key_pool.stride(3) == 1 and key_pool.stride(2) == dim
-        and value_pool.stride(3) == 1 and value_pool.stride(2) == vdim
-        and 1 <= rows <= PAGED_MAX_ROWS and 1 <= dim <= MAX_DIM and 1 <= vdim <= MAX_DIM
+        _pool_fits(q, key_pool, value_pool, heads, rows, dim)
         and seqs >= 1 and starts.shape == (seqs + 1,) and pasts.shape == (seqs,)
-        and not (torch.is_grad_enabled() and q.requires_grad)
     )  # fmt: skip
     lib = library("float_decode", _declare) if ok else None
     if lib is None:
@@ -251,3 +234,20 @@ def paged_prefill(
         ks[0], ks[1], vs[0], vs[1], float(scale), float(softcap or 0.0), torch.get_num_threads(),
     )  # fmt: skip
     return None if failed else out
+
+
+def _pool_fits(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor, heads: int, rows: int, dim: int) -> bool:
+    """Whether the paged entries take pools ``[blocks, Hkv, block_size, D]`` (CPU, float32 or
+    bfloat16, token rows contiguous) for ``rows`` query rows of ``heads`` KV heads (no autograd)."""
+    vdim = value_pool.shape[3]
+    return (
+        key_pool.device.type == "cpu"
+        and key_pool.dtype in _DTYPES
+        and value_pool.dtype == key_pool.dtype
+        and key_pool.shape[1] == heads
+        and value_pool.shape[:3] == key_pool.shape[:3]
+        and key_pool.stride(3) == 1 and key_pool.stride(2) == dim
+        and value_pool.stride(3) == 1 and value_pool.stride(2) == vdim
+        and 1 <= rows <= PAGED_MAX_ROWS and 1 <= dim <= MAX_DIM and 1 <= vdim <= MAX_DIM
+        and not (torch.is_grad_enabled() and q.requires_grad)
+    )  # fmt: skip

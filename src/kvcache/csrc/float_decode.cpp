@@ -48,16 +48,20 @@ inline __attribute__((always_inline)) v16 load16(const float* p) {
     return v;
 }
 
-// 16 bfloat16 as float32, widened in registers (a bfloat16 is the top half of a float32).
-typedef uint16_t h16 __attribute__((vector_size(32)));
-inline __attribute__((always_inline)) v16 load16(const uint16_t* p) {
-    h16 h;
+// A vector V of float32 from as many bfloat16 (H: their vector, I: 32-bit integers of V's lanes),
+// widened in registers: a bfloat16 is the top half of a float32.
+template <typename V, typename H, typename I>
+inline __attribute__((always_inline)) V widen_bits(const uint16_t* p) {
+    H h;
     __builtin_memcpy(&h, p, sizeof h);
-    const i16 bits = __builtin_convertvector(h, i16) << 16;
-    v16 v;
+    const I bits = __builtin_convertvector(h, I) << 16;
+    V v;
     __builtin_memcpy(&v, &bits, sizeof v);
     return v;
 }
+
+typedef uint16_t h16 __attribute__((vector_size(32)));
+inline __attribute__((always_inline)) v16 load16(const uint16_t* p) { return widen_bits<v16, h16, i16>(p); }
 
 // Two vectors each holding 16 / WIDTH keys' partial sums, a group of WIDTH lanes per key -> one
 // vector holding all their keys in order (a's, then b's), WIDTH / 2 lanes per key: each group's
@@ -169,14 +173,7 @@ inline __attribute__((always_inline)) vw loadw(const float* p) {
 
 typedef uint16_t hw __attribute__((vector_size(2 * kW)));
 typedef int32_t iw __attribute__((vector_size(4 * kW)));
-inline __attribute__((always_inline)) vw loadw(const uint16_t* p) {
-    hw h;
-    __builtin_memcpy(&h, p, sizeof h);
-    const iw bits = __builtin_convertvector(h, iw) << 16;
-    vw v;
-    __builtin_memcpy(&v, &bits, sizeof v);
-    return v;
-}
+inline __attribute__((always_inline)) vw loadw(const uint16_t* p) { return widen_bits<vw, hw, iw>(p); }
 
 // acc rows [0, RR) (each `acc_stride` floats apart; 16 * NV columns of them) += sum over the tile's
 // live tokens j of p[r][j] * value row j (its same 16 * NV columns; p rows kTile floats apart).
@@ -291,17 +288,23 @@ inline const float* widen(const uint16_t* __restrict row, int n, float* __restri
 // exp(x) for x <= 0 in a form the compiler vectorizes (std::exp stays a scalar call): x = n ln2 + r
 // with |r| <= ln2 / 2, exp(r) by its degree-6 Taylor polynomial (relative error below 2e-7), and
 // 2^n put straight into the exponent bits. Below -87 the result is 0.
-inline float exp_nonpositive(float x) {
-    const float clamped = x < -87.f ? -87.f : x;
-    const float n = __builtin_floorf(clamped * 1.44269504f + 0.5f);
-    const float r = clamped - n * 0.693145752f - n * 1.42860677e-6f;
-    float p = 1.f / 720.f;
+// exp(x - n ln2) for |x - n ln2| <= ln2 / 2 by the polynomial (V: float or a vector of them).
+template <typename V>
+inline __attribute__((always_inline)) V exp_reduced(V x, V n) {
+    const V r = x - n * 0.693145752f - n * 1.42860677e-6f;
+    V p = V{} + 1.f / 720.f;
     p = p * r + 1.f / 120.f;
     p = p * r + 1.f / 24.f;
     p = p * r + 1.f / 6.f;
     p = p * r + 0.5f;
     p = p * r + 1.f;
-    p = p * r + 1.f;
+    return p * r + 1.f;
+}
+
+inline float exp_nonpositive(float x) {
+    const float clamped = x < -87.f ? -87.f : x;
+    const float n = __builtin_floorf(clamped * 1.44269504f + 0.5f);
+    const float p = exp_reduced(clamped, n);
     const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
     float scale;
     __builtin_memcpy(&scale, &bits, 4);
@@ -315,14 +318,7 @@ inline __attribute__((always_inline)) vw exp_nonpositive(vw x) {
     const vw y = clamped * 1.44269504f + 0.5f;
     vw n = __builtin_convertvector(__builtin_convertvector(y, iw), vw);  // toward zero, then down
     n = n > y ? n - 1.f : n;
-    const vw r = clamped - n * 0.693145752f - n * 1.42860677e-6f;
-    vw p = vw{} + 1.f / 720.f;
-    p = p * r + 1.f / 120.f;
-    p = p * r + 1.f / 24.f;
-    p = p * r + 1.f / 6.f;
-    p = p * r + 0.5f;
-    p = p * r + 1.f;
-    p = p * r + 1.f;
+    const vw p = exp_reduced(clamped, n);
     const iw bits = (__builtin_convertvector(n, iw) + 127) << 23;
     vw scale;
     __builtin_memcpy(&scale, &bits, sizeof scale);
@@ -737,6 +733,32 @@ int decode(const float* q, const T* k, const T* v, const uint8_t* keep, float* o
     return 0;
 }
 
+// The token rows [t0, t1) of a sequence whose blocks are table[0], table[1], ... (t0 a multiple of
+// block_size; k / v: one head's rows in block 0, blocks k_blk / v_blk apart), handed to
+// tile(kp, vp, n) kTile at a time: a tile gathered across blocks, so small blocks do not pay a
+// tile's fixed cost each.
+template <typename T, typename F>
+inline void for_each_tile(const int32_t* table, int64_t t0, int64_t t1, int64_t block_size, const T* k, const T* v,
+                          int64_t k_blk, int64_t v_blk, int dim, int vdim, F&& tile) {
+    const T* kp[kTile];
+    const T* vp[kTile];
+    int n = 0;
+    for (int64_t b = t0 / block_size; b * block_size < t1; ++b) {
+        const T* kb = k + table[b] * k_blk;
+        const T* vb = v + table[b] * v_blk;
+        const int64_t count = std::min(block_size, t1 - b * block_size);
+        for (int64_t t = 0; t < count; ++t) {
+            kp[n] = kb + t * dim;
+            vp[n] = vb + t * vdim;
+            if (++n == kTile) {
+                tile(kp, vp, n);
+                n = 0;
+            }
+        }
+    }
+    if (n > 0) tile(kp, vp, n);
+}
+
 // ---- paged decode: the keys and values of each sequence lie in blocks of a pool, in the order of
 // the sequence's block table (kvcache.engine.paged). Pool layout [blocks, Hkv, block_size, D].
 
@@ -775,26 +797,13 @@ int paged_decode(const float* q, const T* k, const T* v, const int32_t* tables, 
             const bool by_token = rows > kRowsTogether && vector_dims(dim, vdim);
             if (by_token) transpose_queries(qs, rows, dim, qt_rows);
             const float* qt = by_token ? qt_rows : nullptr;
-            // The task's blocks continue one running softmax, a tile of kTile tokens at a time
-            // gathered across blocks (so small blocks do not pay a tile's fixed cost each).
-            const T* kp[kTile];
-            const T* vp[kTile];
-            int n = 0;
-            for (int64_t i = run * blocks_per_task; i < (run + 1) * blocks_per_task && i * block_size < len; ++i) {
-                const int64_t block = tables[s * table_stride + i];
-                const int64_t count = std::min(block_size, len - i * block_size);
-                const T* kb = k + block * k_blk + h * k_h;
-                const T* vb = v + block * v_blk + h * v_h;
-                for (int64_t t = 0; t < count; ++t) {
-                    kp[n] = kb + t * dim;
-                    vp[n] = vb + t * vdim;
-                    if (++n == kTile) {
-                        tile_at(qs, rows, dim, vdim, kp, vp, n, scale, softcap, part, acc, nullptr, qt);
-                        n = 0;
-                    }
-                }
-            }
-            if (n > 0) tile_at(qs, rows, dim, vdim, kp, vp, n, scale, softcap, part, acc, nullptr, qt);
+            // The task's blocks continue one running softmax, a tile at a time.
+            const int64_t t0 = run * blocks_per_task * block_size;
+            const int64_t t1 = std::min(len, (run + 1) * blocks_per_task * block_size);
+            for_each_tile(tables + s * table_stride, t0, t1, block_size, k + h * k_h, v + h * v_h, k_blk, v_blk, dim,
+                          vdim, [&](const T* const* kp, const T* const* vp, int n) {
+                              tile_at(qs, rows, dim, vdim, kp, vp, n, scale, softcap, part, acc, nullptr, qt);
+                          });
         }
 #pragma omp for
         for (int64_t sh = 0; sh < seqs * heads; ++sh) {
@@ -848,35 +857,21 @@ int paged_prefill(const float* q, const T* k, const T* v, const int32_t* tables,
         for (int r = 0; r < m; ++r) part.max[r] = kMasked, part.sum[r] = 0.f;
         const int64_t past = pasts[s], seen = past + i1;  // keys the task's last query sees
         int limit[kMaxRows];
-        const T* kp[kTile];
-        const T* vp[kTile];
-        int count = 0;
         int64_t tile_start = 0;
-        auto flush = [&]() {
-            // rows see keys up to their own position: a limit only where the tile reaches past the first query
-            const bool causal = tile_start + count > past + i0 + 1;
-            if (causal)
-                for (int r = 0; r < m; ++r) {
-                    const int64_t sees = past + i0 + r / rows + 1 - tile_start;
-                    limit[r] = static_cast<int>(std::clamp<int64_t>(sees, 0, count));
-                }
-            tile_at(qs, m, dim, vdim, kp, vp, count, scale, softcap, part, acc.data(), causal ? limit : nullptr,
-                    qt.empty() ? nullptr : qt.data());
-            tile_start += count;
-            count = 0;
-        };
-        for (int64_t b = 0; b * block_size < seen; ++b) {
-            const int64_t block = tables[s * table_stride + b];
-            const int64_t in_block = std::min(block_size, seen - b * block_size);
-            const T* kb = k + block * k_blk + h * k_h;
-            const T* vb = v + block * v_blk + h * v_h;
-            for (int64_t t = 0; t < in_block; ++t) {
-                kp[count] = kb + t * dim;
-                vp[count] = vb + t * vdim;
-                if (++count == kTile) flush();
-            }
-        }
-        if (count > 0) flush();
+        for_each_tile(tables + s * table_stride, 0, seen, block_size, k + h * k_h, v + h * v_h, k_blk, v_blk, dim, vdim,
+                      [&](const T* const* kp, const T* const* vp, int count) {
+                          // rows see keys up to their own position: a limit only on tiles that
+                          // reach past the first query
+                          const bool causal = tile_start + count > past + i0 + 1;
+                          if (causal)
+                              for (int r = 0; r < m; ++r) {
+                                  const int64_t sees = past + i0 + r / rows + 1 - tile_start;
+                                  limit[r] = static_cast<int>(std::clamp<int64_t>(sees, 0, count));
+                              }
+                          tile_at(qs, m, dim, vdim, kp, vp, count, scale, softcap, part, acc.data(),
+                                  causal ? limit : nullptr, qt.empty() ? nullptr : qt.data());
+                          tile_start += count;
+                      });
         merge_partials(&part, acc.data(), 1, m, vdim, out + offset * vdim);
     }
     return 0;
