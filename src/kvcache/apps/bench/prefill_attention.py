@@ -97,7 +97,7 @@ def _one(name: str, chunks: list[tuple[int, int]], dtype: torch.dtype, repeats: 
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    header = ["chunks", "dtype", "contender", "ms", "GFLOP/s", "speed-up", "max |difference|"]
+    header = ["chunks", "dtype", "contender", "ms", "GFLOP/s", "speed-up", "largest difference"]
     by = {(r["case"], r["dtype"], r["contender"]): r for r in rows}
     body = [
         [r["case"], r["dtype"], r["contender"], r["ms"], f"{r['gflops']:.0f}",
