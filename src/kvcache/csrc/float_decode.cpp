@@ -273,22 +273,24 @@ inline void add_weighted_tile(const float* scores, const T* v, int64_t v_t, int 
 
 // A row of keys or values as float32: float rows are read where they are, bfloat16 rows widened
 // into `scratch` (a bfloat16 is the top half of a float32).
+inline float as_float(float x) { return x; }
+inline float as_float(uint16_t x) {
+    const uint32_t bits = static_cast<uint32_t>(x) << 16;
+    float f;
+    __builtin_memcpy(&f, &bits, 4);
+    return f;
+}
+
 inline const float* widen(const float* row, int, float*) { return row; }
 inline const float* widen(const uint16_t* __restrict row, int n, float* __restrict scratch) {
 #pragma omp simd
-    for (int d = 0; d < n; ++d) {
-        const uint32_t bits = static_cast<uint32_t>(row[d]) << 16;
-        float f;
-        __builtin_memcpy(&f, &bits, 4);
-        scratch[d] = f;
-    }
+    for (int d = 0; d < n; ++d) scratch[d] = as_float(row[d]);
     return scratch;
 }
 
-// exp(x) for x <= 0 in a form the compiler vectorizes (std::exp stays a scalar call): x = n ln2 + r
-// with |r| <= ln2 / 2, exp(r) by its degree-6 Taylor polynomial (relative error below 2e-7), and
-// 2^n put straight into the exponent bits. Below -87 the result is 0.
-// exp(x - n ln2) for |x - n ln2| <= ln2 / 2 by the polynomial (V: float or a vector of them).
+// exp(x) for x <= 0 without std::exp (a scalar call): x = n ln2 + r with |r| <= ln2 / 2, exp(r) by
+// its degree-6 Taylor polynomial (relative error below 2e-7), and 2^n put straight into the
+// exponent bits. Below -87 the result is 0. exp_reduced is the polynomial (V: float or a vector).
 template <typename V>
 inline __attribute__((always_inline)) V exp_reduced(V x, V n) {
     const V r = x - n * 0.693145752f - n * 1.42860677e-6f;
@@ -311,7 +313,8 @@ inline float exp_nonpositive(float x) {
     return x < -87.f ? 0.f : p * scale;
 }
 
-// exp_nonpositive on a vector (the scalar one's bit moves keep GCC from vectorizing its loops).
+// exp_nonpositive on a vector: the scalar one's bit moves keep GCC from vectorizing a loop over it,
+// so loops over whole vectors call this one.
 inline __attribute__((always_inline)) vw exp_nonpositive(vw x) {
     const vw low = vw{} - 87.f;
     const vw clamped = x < low ? low : x;
@@ -387,6 +390,17 @@ inline __attribute__((always_inline)) void softmax_tile(float* __restrict scores
     }
 }
 
+// Every row's weighted sum of the tile's values (v[j] anywhere; weights as add_weighted_tile_at
+// reads them), for the value dims of vector_dims: column blocks of 32 or 64.
+template <typename T>
+inline void add_weighted_values(const float* scores, const T* const* v, int n, float* acc, int rows, int vdim,
+                                int p_row = kTile, int p_key = 1) {
+    if (vdim == 32 || kColumnVectors == 2)
+        for (int c = 0; c < vdim; c += 32) add_weighted_tile_at<2>(scores, v, n, acc, rows, vdim, c, p_row, p_key);
+    else
+        for (int c = 0; c < vdim; c += 64) add_weighted_tile_at<4>(scores, v, n, acc, rows, vdim, c, p_row, p_key);
+}
+
 // Head dims the vector paths serve (scores 16 keys at a time, weighted sums in registers).
 inline bool vector_dims(int dim, int vdim) {
     return (dim == 64 || dim == 128 || dim == 32) && (vdim == 64 || vdim == 128 || vdim == 32);
@@ -409,19 +423,14 @@ constexpr int kRowVectors = 4;
 
 inline int padded_rows(int rows) { return (rows + kW - 1) / kW * kW; }
 
-// qt [dim][padded_rows(rows)] from q [rows, dim].
-inline void transpose_queries(const float* __restrict q, int rows, int dim, float* __restrict qt) {
+// qt [dim][padded_rows(rows)] from q [rows, dim] where many rows read vector dims (the task then
+// goes token-major, tile_rows), returned; else null. qt holds kVectorMaxDim * kMaxRows floats.
+inline const float* queries_by_token(const float* __restrict q, int rows, int dim, int vdim, float* __restrict qt) {
+    if (rows <= kRowsTogether || !vector_dims(dim, vdim)) return nullptr;
     const int rp = padded_rows(rows);
     for (int d = 0; d < dim; ++d)
         for (int r = 0; r < rp; ++r) qt[d * rp + r] = r < rows ? q[r * dim + d] : 0.f;
-}
-
-inline float as_float(float x) { return x; }
-inline float as_float(uint16_t x) {
-    const uint32_t bits = static_cast<uint32_t>(x) << 16;
-    float f;
-    __builtin_memcpy(&f, &bits, 4);
-    return f;
+    return qt;
 }
 
 template <int KB, int NR, typename T>
@@ -502,7 +511,7 @@ inline void softmax_by_token(float* __restrict st, int n, int rows, int rp, int 
     for (int r = 0; r < rows; ++r) part.sum[r] += sums[r];
 }
 
-// One tile of n tokens (k[j], v[j] anywhere) for many rows whose queries are qt (transpose_queries),
+// One tile of n tokens (k[j], v[j] anywhere) for many rows whose queries are qt (queries_by_token),
 // continuing part and acc [rows, vdim]; `limit` as for tile_at. Head dims: vector_dims.
 template <typename T>
 inline void tile_rows(const float* __restrict qt, int rows, int dim, int vdim, const T* const* k, const T* const* v,
@@ -522,17 +531,13 @@ inline void tile_rows(const float* __restrict qt, int rows, int dim, int vdim, c
             vf[t] = widen(v[t], vdim, vt + t * vdim);
         }
     }
-    if (vdim == 32 || kColumnVectors == 2)
-        for (int c = 0; c < vdim; c += 32) add_weighted_tile_at<2>(st, vf, n, acc, rows, vdim, c, 1, rp);
-    else
-        for (int c = 0; c < vdim; c += 64) add_weighted_tile_at<4>(st, vf, n, acc, rows, vdim, c, 1, rp);
+    add_weighted_values(st, vf, n, acc, rows, vdim, 1, rp);
 }
 
 // One tile of n <= kTile tokens whose key and value rows lie anywhere (k[j], v[j]: pool blocks),
 // continuing the running softmax in part and acc [rows, vdim]. With `limit`, row r sees only the
 // tile's first limit[r] tokens.
-// With `qt` (the queries by transpose_queries, for many rows at vector dims) the tile goes to
-// tile_rows.
+// With `qt` (queries_by_token's) the tile goes to tile_rows.
 template <typename T>
 inline void tile_at(const float* __restrict q, int rows, int dim, int vdim, const T* const* k, const T* const* v, int n,
                     float scale, float softcap, Partial& part, float* __restrict acc, const int* limit = nullptr,
@@ -546,7 +551,6 @@ inline void tile_at(const float* __restrict q, int rows, int dim, int vdim, cons
     alignas(64) float vrow[kMaxDim];
     bool live[kTile];
     const bool vector = vector_dims(dim, vdim);
-    const bool many = rows > kRowsTogether;
     int first = 0;
     if (vector) {  // float32, or bfloat16 widened in registers
         for (; first + 16 <= n; first += 16) {
@@ -571,22 +575,7 @@ inline void tile_at(const float* __restrict q, int rows, int dim, int vdim, cons
     for (int j = 0; j < n; ++j) live[j] = true;
     softmax_tile(scores, live, n, rows, vdim, scale, softcap, part, acc, limit);
     if (vector) {
-        if constexpr (!std::is_same_v<T, float>) {
-            if (many) {  // bfloat16 values widened once for every query row, not once per few
-                alignas(64) float vt[kTile * kVectorMaxDim];
-                const float* vf[kTile];
-                for (int j = 0; j < n; ++j) vf[j] = widen(v[j], vdim, vt + j * vdim);
-                if (vdim == 32 || kColumnVectors == 2)
-                    for (int c = 0; c < vdim; c += 32) add_weighted_tile_at<2>(scores, vf, n, acc, rows, vdim, c);
-                else
-                    for (int c = 0; c < vdim; c += 64) add_weighted_tile_at<4>(scores, vf, n, acc, rows, vdim, c);
-                return;
-            }
-        }
-        if (vdim == 32 || kColumnVectors == 2)
-            for (int c = 0; c < vdim; c += 32) add_weighted_tile_at<2>(scores, v, n, acc, rows, vdim, c);
-        else
-            for (int c = 0; c < vdim; c += 64) add_weighted_tile_at<4>(scores, v, n, acc, rows, vdim, c);
+        add_weighted_values(scores, v, n, acc, rows, vdim);
         return;
     }
     for (int j = 0; j < n; ++j) {
@@ -612,6 +601,11 @@ inline __attribute__((always_inline)) void chunk_pass(const float* __restrict q,
     alignas(64) float krow[kMaxDim];
     alignas(64) float vrow[kMaxDim];
     bool live[kTile];
+    // bfloat16 read by many rows with no mask: token-major (tile_rows), each key and value widened
+    // once for all the rows, not once per row or per few in registers
+    alignas(64) float qt_rows[kVectorMaxDim * kMaxRows];
+    const bool unmasked_bf16 = !std::is_same_v<T, float> && keep == nullptr;
+    const float* qt = unmasked_bf16 ? queries_by_token(q, rows, dim, vdim, qt_rows) : nullptr;
     if (fresh) {  // else the tokens continue the running softmax already in part and acc
         for (int r = 0; r < rows; ++r) {
             part.max[r] = kMasked;
@@ -621,14 +615,12 @@ inline __attribute__((always_inline)) void chunk_pass(const float* __restrict q,
     }
     for (int64_t base = t0; base < t1; base += kTile) {
         const int n = static_cast<int>(std::min<int64_t>(kTile, t1 - base));
-        if constexpr (!std::is_same_v<T, float>) {
-            if (keep == nullptr && rows > kRowsTogether && vector_dims(dim, vdim)) {  // as tile_at: widened once
-                const T* kp[kTile];
-                const T* vp[kTile];
-                for (int j = 0; j < n; ++j) kp[j] = k + (base + j) * k_t, vp[j] = v + (base + j) * v_t;
-                tile_at(q, rows, dim, vdim, kp, vp, n, scale, softcap, part, acc);
-                continue;
-            }
+        if (qt != nullptr) {
+            const T* kp[kTile];
+            const T* vp[kTile];
+            for (int j = 0; j < n; ++j) kp[j] = k + (base + j) * k_t, vp[j] = v + (base + j) * v_t;
+            tile_rows(qt, rows, dim, vdim, kp, vp, n, scale, softcap, part, acc, nullptr);
+            continue;
         }
         int first = 0;  // tokens [0, first) of the tile scored 16 at a time
         {  // float32, or bfloat16 widened in registers
@@ -794,9 +786,7 @@ int paged_decode(const float* q, const T* k, const T* v, const int32_t* tables, 
             const float* qs = q + (s * heads + h) * rows * dim;
             const int64_t len = lengths[s];
             alignas(64) float qt_rows[kVectorMaxDim * kMaxRows];  // many rows (a shared prefix's pass)
-            const bool by_token = rows > kRowsTogether && vector_dims(dim, vdim);
-            if (by_token) transpose_queries(qs, rows, dim, qt_rows);
-            const float* qt = by_token ? qt_rows : nullptr;
+            const float* qt = queries_by_token(qs, rows, dim, vdim, qt_rows);
             // The task's blocks continue one running softmax, a tile at a time.
             const int64_t t0 = run * blocks_per_task * block_size;
             const int64_t t1 = std::min(len, (run + 1) * blocks_per_task * block_size);
@@ -819,8 +809,8 @@ int paged_decode(const float* q, const T* k, const T* v, const int32_t* tables, 
 // ---- paged prefill: the queries of prompt chunks over their keys and values in pool blocks (the
 // past and the chunk itself, already written), causal: query i of a row, at position past + i, sees
 // positions [0, past + i]. Tasks: (row, head, a block of query positions whose grouped heads fill
-// at most kMaxRows rows); each runs one softmax over its visible tiles, scores of all its rows at
-// once (block_scores), and writes its normalised rows.
+// at most kMaxRows rows); each runs one softmax over its visible tiles, its rows token-major
+// (tile_rows), and writes its normalised rows.
 
 template <typename T>
 int paged_prefill(const float* q, const T* k, const T* v, const int32_t* tables, const int64_t* starts,
@@ -848,11 +838,8 @@ int paged_prefill(const float* q, const T* k, const T* v, const int32_t* tables,
         const int64_t offset = (h * total + starts[s] + i0) * rows;  // the task's first row in q and out
         const float* qs = q + offset * dim;
         std::vector<float> acc(static_cast<size_t>(m) * vdim, 0.f);
-        std::vector<float> qt;
-        if (m > kRowsTogether && vector_dims(dim, vdim)) {
-            qt.resize(static_cast<size_t>(dim) * padded_rows(m));
-            transpose_queries(qs, m, dim, qt.data());
-        }
+        alignas(64) float qt_rows[kVectorMaxDim * kMaxRows];
+        const float* qt = queries_by_token(qs, m, dim, vdim, qt_rows);
         Partial part;
         for (int r = 0; r < m; ++r) part.max[r] = kMasked, part.sum[r] = 0.f;
         const int64_t past = pasts[s], seen = past + i1;  // keys the task's last query sees
@@ -869,7 +856,7 @@ int paged_prefill(const float* q, const T* k, const T* v, const int32_t* tables,
                                   limit[r] = static_cast<int>(std::clamp<int64_t>(sees, 0, count));
                               }
                           tile_at(qs, m, dim, vdim, kp, vp, count, scale, softcap, part, acc.data(),
-                                  causal ? limit : nullptr, qt.empty() ? nullptr : qt.data());
+                                  causal ? limit : nullptr, qt);
                           tile_start += count;
                       });
         merge_partials(&part, acc.data(), 1, m, vdim, out + offset * vdim);

@@ -43,6 +43,14 @@ def block_io(pool: BlockPool, step: PagedStep) -> SlotIO | OpenBlockIO:
     return OpenBlockIO(pool, step) if pool.open_blocks else SlotIO(pool, step)
 
 
+def tables_of(rows: list[Row]) -> torch.Tensor:
+    """The rows' block tables as int32 ``[rows, longest]`` (zeros past each row's own; on the CPU)."""
+    tables = torch.zeros(len(rows), max((len(r.table) for r in rows), default=1), dtype=torch.int32)
+    for i, r in enumerate(rows):
+        tables[i, : len(r.table)] = torch.tensor(r.table, dtype=torch.int32)
+    return tables
+
+
 class SlotIO:
     def __init__(self, pool: BlockPool, step: PagedStep) -> None:
         self.pool, self.step = pool, step
@@ -57,16 +65,13 @@ class SlotIO:
             if step.own_rows else None
         )
         self.decode_lengths = torch.tensor([r.length for r in step.decode_rows], dtype=torch.int64, device=device)
-        plain = [r for r in step.chunk_rows if r.weights is None]
-        #: The packed positions of the chunks ``chunks`` attends, their starts among them, pasts and tables.
+        plain = step.plain_chunk_rows
+        #: The packed positions of the chunks ``chunks`` attends (made only where there are some).
         self.chunk_tokens = torch.tensor([t for r in plain for t in range(r.start, r.start + r.count)], dtype=torch.long, device=device)
-        counts = torch.tensor([0] + [r.count for r in plain], dtype=torch.int64)
-        self.chunk_starts, self.chunk_pasts = counts.cumsum(0), torch.tensor([r.past for r in plain], dtype=torch.int64)
-        width = max((len(r.table) for r in plain), default=1)
-        tables = torch.zeros(len(plain), width, dtype=torch.int32)
-        for i, r in enumerate(plain):
-            tables[i, : len(r.table)] = torch.tensor(r.table, dtype=torch.int32)
-        self.chunk_tables = tables
+        if plain:  # their starts among those positions, pasts and tables
+            self.chunk_starts = torch.tensor([0] + [r.count for r in plain], dtype=torch.int64).cumsum(0)
+            self.chunk_pasts = torch.tensor([r.past for r in plain], dtype=torch.int64)
+            self.chunk_tables = tables_of(plain)
         #: How the decode rows read shared prefixes (``shared_prefix.plan``), made at the first
         #: layer (it needs the query heads per KV head); False until then, None for none.
         self._sharing: shared_prefix.Plan | None | bool = False

@@ -35,7 +35,7 @@ from ..attention import attend, attend_weighted
 from ..errors import UnsupportedOperation
 from ..hf.attention_kwargs import AttentionExtras
 from ..hf.bridge import ForwardStep
-from .block_io import block_io
+from .block_io import block_io, tables_of
 from .pool import BlockPool
 
 
@@ -79,12 +79,12 @@ class PagedStep(ForwardStep):
         # chunk of one token, to be compressed): that goes the way of a chunk.
         self.decode_rows = [r for r in rows if r.count == 1 and r.past > 0 and r.weights is None]
         self.chunk_rows = [r for r in rows if not (r.count == 1 and r.past > 0 and r.weights is None)]
+        #: Chunk rows that report no weights (the pool's prefill kernel may take them all at once),
+        #: and those that do (each through ``attend_weighted``).
+        self.plain_chunk_rows = [r for r in self.chunk_rows if r.weights is None]
+        self.reporting_rows = [r for r in self.chunk_rows if r.weights is not None]
         self.decode_tokens = torch.tensor([r.start for r in self.decode_rows], dtype=torch.long, device=pool.device)
-        width = max((len(r.table) for r in self.decode_rows), default=1)
-        tables = torch.zeros(len(self.decode_rows), width, dtype=torch.int32)
-        for i, r in enumerate(self.decode_rows):
-            tables[i, : len(r.table)] = torch.tensor(r.table, dtype=torch.int32)
-        self.decode_tables = tables.to(pool.device)  # one copy to a GPU, not one a row
+        self.decode_tables = tables_of(self.decode_rows).to(pool.device)  # one copy to a GPU, not one a row
         #: Decode rows that read a shared prefix in one pass with other rows, in this step.
         self.shared_rows = 0
         self.layers_run = 0
@@ -143,7 +143,7 @@ class PagedStep(ForwardStep):
         chunks = self.io.chunks(layer, query, scale) if self.chunk_rows else None
         if chunks is not None:
             out[0, self.io.chunk_tokens] = chunks.to(out.dtype)
-        for r in self.chunk_rows if chunks is None else [r for r in self.chunk_rows if r.weights is not None]:
+        for r in self.chunk_rows if chunks is None else self.reporting_rows:
             span = slice(r.start, r.start + r.count)
             q, k, v = query[:, :, span], key[:, :, span], value[:, :, span]
             if r.past:

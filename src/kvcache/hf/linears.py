@@ -85,7 +85,7 @@ class PackedLinears:
         self.model, self.rows_hint = model, rows_hint
         self._packed: dict[torch.nn.Linear, _Packed] = {}
         for module in model.modules():
-            if isinstance(module, torch.nn.Linear) and can_pack(module.weight) and _bias_fits(module):
+            if isinstance(module, torch.nn.Linear) and _packable(module):
                 self._packed[module] = _Packed(module.weight, rows_hint)
 
     def __len__(self) -> int:
@@ -106,7 +106,7 @@ class PackedLinears:
         swapped = []
         try:
             for module, packed in self._packed.items():
-                if not can_pack(module.weight) or not _bias_fits(module):
+                if not _packable(module):
                     continue  # moved to another device or dtype since: its own forward
                 if packed.stale(module.weight):
                     packed = self._packed[module] = _Packed(module.weight, self.rows_hint)
@@ -120,8 +120,9 @@ class PackedLinears:
                 del module.forward
 
 
-def _bias_fits(module: torch.nn.Linear) -> bool:
-    return module.bias is None or module.bias.dtype == module.weight.dtype
+def _packable(module: torch.nn.Linear) -> bool:
+    """Its weight can be packed and its bias (if any) is of the weight's dtype."""
+    return can_pack(module.weight) and (module.bias is None or module.bias.dtype == module.weight.dtype)
 
 
 def _forward(weight: torch.Tensor, module: torch.nn.Linear):
