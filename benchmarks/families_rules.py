@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-from kvcache.apps import eval_frontier
+from kvcache.apps import eval_frontier, eval_frontier_report, frontier_points
 from kvcache.apps.run_options import RunOptions
 
 NAMED = {"output": "auto,rule=output;auto-heads,rule=output", "attention": "auto,rule=attention",
@@ -31,7 +31,7 @@ points = [p.strip() for p in NAMED.get(asked, asked).split(";") if p.strip()]
 fixed = [p for p in points if "/" in p]
 autos = tuple(p for p in points if "/" not in p)
 if not (out / "frontier.json").exists():
-    seeds = eval_frontier.context_seeds(c)
+    seeds = frontier_points.context_seeds(c)
     ((length, first),) = seeds.items()
     eval_frontier.run(RunOptions(out=out, progress=False), kinds=tuple(dict.fromkeys(p.split("/")[0] for p in fixed)),
                       storages=tuple(dict.fromkeys(p.split("/")[1] for p in fixed)), lengths=(length,), contexts=len(first),
@@ -40,8 +40,8 @@ if not (out / "frontier.json").exists():
 runs = list(base["runs"])
 for folder in (out, *map(Path, sys.argv[4:])):
     runs += [r for r in json.loads((folder / "frontier.json").read_text())["runs"] if r["cache"] != "full"]
-lines = eval_frontier.points_of(base)
-every = eval_frontier.points_of({**base, "runs": runs})
+lines = eval_frontier_report.points_of(base)
+every = eval_frontier_report.points_of({**base, "runs": runs})
 
 
 def twin(point: str, budget: float) -> str:
@@ -51,18 +51,18 @@ def twin(point: str, budget: float) -> str:
     kind, *options = point.split(",")
     plain = ",".join([kind, *(o for o in options if o != "codes=rotated")])
     shorter = ",".join([kind, *options[:-1]])
-    return next((p for p in (plain, shorter) if p != point and eval_frontier.line_of(every, p, budget)), kind)
+    return next((p for p in (plain, shorter) if p != point and eval_frontier_report.line_of(every, p, budget)), kind)
 
 
-print(f"{c['split']}, {sum(len(v) for v in eval_frontier.context_seeds(c).values())} seeds x {len(c['tasks'])} families")
+print(f"{c['split']}, {sum(len(v) for v in frontier_points.context_seeds(c).values())} seeds x {len(c['tasks'])} families")
 print("| budget | point | found | twin | found | - twin (95%) | - best fixed mix (95%) |")
 print("|---|---|---|---|---|---|---|")
 for b in c["budgets"]:
-    best = eval_frontier.best_fixed(lines, b)
+    best = eval_frontier_report.best_fixed(lines, b)
     for point in points:
         other = twin(point, b)
-        line, pair = eval_frontier.line_of(every, point, b), eval_frontier.line_of(every, other, b)
-        diff = eval_frontier._difference(runs, (point, b), (other, b)) if pair and other != point else "-"
+        line, pair = eval_frontier_report.line_of(every, point, b), eval_frontier_report.line_of(every, other, b)
+        diff = eval_frontier_report._difference(runs, (point, b), (other, b)) if pair and other != point else "-"
         found = f"{pair['accuracy']:.0%}" if pair else "not run"
         print(f"| {b:g} | {point} | {line['accuracy']:.0%} | {other} | {found} | {diff} | "
-              f"{eval_frontier._difference(runs, (point, b), (best['point'], b))} ({best['point']} {best['accuracy']:.0%}) |")  # fmt: skip
+              f"{eval_frontier_report._difference(runs, (point, b), (best['point'], b))} ({best['point']} {best['accuracy']:.0%}) |")  # fmt: skip

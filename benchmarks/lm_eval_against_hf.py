@@ -35,7 +35,7 @@ from pathlib import Path
 import httpx
 
 from kvcache.apps import tasks
-from kvcache.apps.bench.serve import tiny_chat_folder
+from kvcache.apps.bench.serve_workload import tiny_chat_folder
 from kvcache.apps.bench.workload import resolve_model
 
 MC = """task: kv_mc

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from kvcache.apps.bench.serve import tiny_chat_folder
+from kvcache.apps.bench.serve_workload import tiny_chat_folder
 from redis_server import free_port
 
 

@@ -269,7 +269,7 @@ def _eval_real(args: argparse.Namespace) -> int:
 
 
 def _eval_frontier(args: argparse.Namespace, lengths: tuple[int, ...] | None) -> int:
-    from . import eval_frontier
+    from . import eval_frontier, eval_frontier_report, frontier_points
 
     if args.reuse is not None:
         raise KVCacheError("--reuse does not apply to --frontier (every point compresses with the question in the prompt)")
@@ -283,12 +283,12 @@ def _eval_frontier(args: argparse.Namespace, lengths: tuple[int, ...] | None) ->
         tasks = FAMILIES if args.tasks.strip() == "all" else _names(args.tasks, FAMILIES, "--tasks", "task family(ies)")
     elif args.split is not None:
         raise KVCacheError("--split applies to --tasks")
-    autos = eval_frontier.AUTO
+    autos = frontier_points.AUTO
     if args.autos is not None:
         if args.merge is not None:
             raise KVCacheError("--autos runs points; --merge runs nothing: give one")
         try:
-            autos = eval_frontier.check_autos(tuple(a.strip() for a in args.autos.split(";") if a.strip()))
+            autos = frontier_points.check_autos(tuple(a.strip() for a in args.autos.split(";") if a.strip()))
         except ValueError as e:
             raise KVCacheError(f"--autos: {e}") from None
     options = run_options(args)
@@ -297,15 +297,15 @@ def _eval_frontier(args: argparse.Namespace, lengths: tuple[int, ...] | None) ->
         if args.merge is not None:
             result = eval_frontier.merge([_frontier_of(Path(d.strip())) for d in args.merge.split(",") if d.strip()])
             if options.out is not None:
-                eval_frontier.write(result, Path(options.out))
+                eval_frontier_report.write(result, Path(options.out))
         else:
             result = eval_frontier.run(options, model_name=args.model, kinds=kinds, lengths=lengths, contexts=args.contexts,
                                        needles_per_context=args.needles, budgets=_budgets(args), first_context=args.first_context,
                                        tasks=tasks, split=args.split or "held-out", autos=autos)  # fmt: skip
     except ValueError as e:
         raise KVCacheError(str(e)) from e
-    lines = eval_frontier.points_of(result)
-    print(eval_frontier.budget_table(lines, result["config"]["budgets"]))
+    lines = eval_frontier_report.points_of(result)
+    print(eval_frontier_report.budget_table(lines, result["config"]["budgets"]))
     list_written(options.out, "frontier", plots)
     return 0
 

@@ -23,8 +23,6 @@ token is attended exactly until the step after its block fills, and coded from t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 
@@ -33,26 +31,16 @@ from ..formats.blocks import as_blocks, flat
 from . import shared_prefix
 from .paged import paged_decode
 from .pool import BlockPool
-
-if TYPE_CHECKING:
-    from .step import PagedStep, Row
+from .rows import Row, StepRows, tables_of
 
 
-def block_io(pool: BlockPool, step: PagedStep) -> SlotIO | OpenBlockIO:
+def block_io(pool: BlockPool, step: StepRows) -> SlotIO | OpenBlockIO:
     """The reads and writes of ``step`` over ``pool``, by its format."""
     return OpenBlockIO(pool, step) if pool.open_blocks else SlotIO(pool, step)
 
 
-def tables_of(rows: list[Row]) -> torch.Tensor:
-    """The rows' block tables as int32 ``[rows, longest]`` (zeros past each row's own; on the CPU)."""
-    tables = torch.zeros(len(rows), max((len(r.table) for r in rows), default=1), dtype=torch.int32)
-    for i, r in enumerate(rows):
-        tables[i, : len(r.table)] = torch.tensor(r.table, dtype=torch.int32)
-    return tables
-
-
 class SlotIO:
-    def __init__(self, pool: BlockPool, step: PagedStep) -> None:
+    def __init__(self, pool: BlockPool, step: StepRows) -> None:
         self.pool, self.step = pool, step
         bs, device = pool.block_size, pool.device
         rows = [r for r in step.rows if r.cache is None]
@@ -72,6 +60,8 @@ class SlotIO:
             self.chunk_starts = torch.tensor([0] + [r.count for r in plain], dtype=torch.int64).cumsum(0)
             self.chunk_pasts = torch.tensor([r.past for r in plain], dtype=torch.int64)
             self.chunk_tables = tables_of(plain)
+        #: Decode rows that read a shared prefix in one pass with other rows.
+        self.shared_rows = 0
         #: How the decode rows read shared prefixes (``shared_prefix.plan``), made at the first
         #: layer (it needs the query heads per KV head); False until then, None for none.
         self._sharing: shared_prefix.Plan | None | bool = False
@@ -96,7 +86,7 @@ class SlotIO:
         if self._sharing is not None:
             got = shared_prefix.attend(self._sharing, packed, blocks["keys"], blocks["values"], scale)
             if got is not None:
-                step.shared_rows = sum(len(p.rows) for p in self._sharing.passes)
+                self.shared_rows = sum(len(p.rows) for p in self._sharing.passes)
                 return got.reshape(seqs, q_heads, -1)
         got = device_kernels.paged_decode(packed, blocks["keys"], blocks["values"], step.decode_tables, self.decode_lengths, scale)
         if got is not None:
@@ -130,7 +120,10 @@ class SlotIO:
 
 
 class OpenBlockIO:
-    def __init__(self, pool: BlockPool, step: PagedStep) -> None:
+    #: Coded pools read no prefix once for several rows.
+    shared_rows = 0
+
+    def __init__(self, pool: BlockPool, step: StepRows) -> None:
         self.pool, self.step = pool, step
         bs, device = pool.block_size, pool.device
         missing = next((r for r in step.rows if r.cache is None and not 0 <= r.tail < pool.tail_count), None)

@@ -40,9 +40,10 @@ from .pool import PoolError
 from .pool_setup import engine_spec, make_pool, pool_shape
 from .probe import check_layers_run, check_packing
 from .request import Request, RequestHandle, State, tell
+from .rows import Row
 from .sampling import Sampling, choose
 from .scheduler import Scheduler, blocks_for
-from .step import PagedStep, Row
+from .step import PagedStep
 from .tier import StoreTier, open_store
 
 

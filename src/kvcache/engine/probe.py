@@ -14,7 +14,8 @@ from ..hf.bridge import FORWARD_STEP, use_kvcache_attention
 from .pool import BlockPool
 from .pool_setup import PoolShape
 from .scheduler import blocks_for
-from .step import PagedStep, Row
+from .rows import Row
+from .step import PagedStep
 
 
 def check_packing(model: Any, shape: PoolShape, block_size: int, keeps_logits: bool, linears: Any = None) -> None:

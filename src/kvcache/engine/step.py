@@ -25,9 +25,6 @@ and values ``[1, Hkv, T, D]``. For each layer the step:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 
@@ -35,31 +32,9 @@ from ..attention import attend, attend_weighted
 from ..errors import UnsupportedOperation
 from ..hf.attention_kwargs import AttentionExtras
 from ..hf.bridge import ForwardStep
-from .block_io import block_io, tables_of
+from .block_io import block_io
 from .pool import BlockPool
-
-
-@dataclass(frozen=True)
-class Row:
-    """One request's part of a step: ``count`` tokens at ``start`` in the packed sequence, after
-    ``past`` tokens already in the pool, all of them in blocks ``table`` (in order)."""
-
-    start: int
-    count: int
-    past: int
-    table: tuple[int, ...]
-    #: The row's open block in a pool that codes blocks whole (its unfilled last block); else -1.
-    tail: int = -1
-    #: Attention weights to report for this row (a chunk of a prompt to be compressed): modes of
-    #: ``attend_weighted`` (``("window:32",)``), or None.
-    weights: tuple[str, ...] | None = None
-    #: The row's own bounded cache (a ``KVCache``), which holds its context instead of ``table``.
-    cache: Any = None
-
-    @property
-    def length(self) -> int:
-        """Tokens of the row in the pool once this step has written them."""
-        return self.past + self.count
+from .rows import Row, StepRows
 
 
 class PagedStep(ForwardStep):
@@ -72,26 +47,22 @@ class PagedStep(ForwardStep):
 
     def __init__(self, pool: BlockPool, rows: list[Row]):
         self.pool, self.rows = pool, rows
-        self.tokens = sum(r.count for r in rows)
-        self.own_rows = [r for r in rows if r.cache is not None]
-        rows = [r for r in rows if r.cache is None]
-        # One new token after a past is a decode row, unless it must report weights (a prompt's last
-        # chunk of one token, to be compressed): that goes the way of a chunk.
-        self.decode_rows = [r for r in rows if r.count == 1 and r.past > 0 and r.weights is None]
-        self.chunk_rows = [r for r in rows if not (r.count == 1 and r.past > 0 and r.weights is None)]
-        #: Chunk rows that report no weights (the pool's prefill kernel may take them all at once),
-        #: and those that do (each through ``attend_weighted``).
-        self.plain_chunk_rows = [r for r in self.chunk_rows if r.weights is None]
-        self.reporting_rows = [r for r in self.chunk_rows if r.weights is not None]
-        self.decode_tokens = torch.tensor([r.start for r in self.decode_rows], dtype=torch.long, device=pool.device)
-        self.decode_tables = tables_of(self.decode_rows).to(pool.device)  # one copy to a GPU, not one a row
-        #: Decode rows that read a shared prefix in one pass with other rows, in this step.
-        self.shared_rows = 0
+        self.split = StepRows(rows, pool.device)
+        split = self.split
+        self.tokens, self.own_rows = split.tokens, split.own_rows
+        self.decode_rows, self.chunk_rows = split.decode_rows, split.chunk_rows
+        self.plain_chunk_rows, self.reporting_rows = split.plain_chunk_rows, split.reporting_rows
+        self.decode_tokens = split.decode_tokens
         self.layers_run = 0
         #: For each row that reports weights (by its index in ``rows``): per layer the row's keys and
         #: values ``[1, Hkv, length, D]`` and its weights, mode -> float32 ``[1, Hkv, length]``.
         self.reported: dict[int, list[tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]] = {}
-        self.io = block_io(pool, self)
+        self.io = block_io(pool, split)
+
+    @property
+    def shared_rows(self) -> int:
+        """Decode rows that read a shared prefix in one pass with other rows, in this step."""
+        return self.io.shared_rows
 
     def attend(
         self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

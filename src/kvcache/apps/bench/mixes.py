@@ -45,7 +45,7 @@ REFERENCE = "growable"
 
 def spec_of(contender: str, tokens: int, model: Any) -> str:
     """The spec of ``contender`` for a prompt of ``tokens`` (fixed mixes sized as the frontier sizes them)."""
-    from ..eval_frontier import geometry_of, spec_for
+    from ..frontier_points import geometry_of, spec_for
 
     spec = CONTENDERS[contender]
     if "@" not in spec:

@@ -27,14 +27,10 @@ output tokens/s and at most half its TTFT p99 (``serve_report``).
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-import json
 import math
-import shutil
 import sys
-import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -46,18 +42,14 @@ from .prompt_request import redis_server
 from .serve_report import OURS, PEER, replica_rows, rows, summarize
 from .serve_report import plot as _plot
 from .serve_report import table as _table
-from .serve_workload import ChatTexts, Load, ServerError, chat_body, chat_texts, run_load, send_together, server_env, serving
+from .serve_workload import (
+    ChatTexts, Load, ServerError, chat_body, chat_texts, kv_bytes_per_token, model_folder, run_load, scratch_folder,
+    send_together, server_env, serving,
+)  # fmt: skip
 
 CONTENDERS = (OURS, "kvcache+int8", PEER)
 #: The ``--cache`` of each kvcache contender.
 SPECS = {OURS: "growable", "kvcache+int8": "quantized:bits=8"}
-#: A ChatML template for the shipped tiny model (its tokenizer has none), for ``tiny`` runs. It
-#: starts with ``<bos>`` as the tokenizer's own encoding does: a chat template is rendered without
-#: special tokens, so a template that left it out would give the model text it never saw unprefixed.
-CHATML = (
-    "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 __all__ = ["CONTENDERS", "plot", "run", "sizes", "table"]
 
 
@@ -133,34 +125,6 @@ class Setup:
     def body(self, i: int, system: str | None = None) -> dict[str, Any]:
         """Request ``i``'s body (``system``: another system message)."""
         return chat_body(self.model, self.texts.messages(i, system), self.s.new_tokens)
-
-
-def kv_bytes_per_token(folder: Path) -> int:
-    """Bytes of one token's fp32 keys and values over every layer, from the folder's config.json."""
-    c = json.loads((folder / "config.json").read_text())
-    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * 4
-
-
-def tiny_chat_folder(parent: Path) -> Path:
-    """A copy of the shipped tiny model whose tokenizer has a ChatML template."""
-    from ..trained import MODEL_DIR
-
-    target = parent / "tiny-chat"
-    shutil.copytree(MODEL_DIR, target)
-    config_path = target / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config_path.write_text(json.dumps(config | {"chat_template": CHATML}))
-    return target
-
-
-def model_folder(options: RunOptions, scratch: Path) -> tuple[Path, str]:
-    """(folder, name in words): SmolLM2-135M-Instruct as converted here, or the tiny chat copy."""
-    if options.tiny:
-        return tiny_chat_folder(scratch), "the shipped tiny model (a ChatML template added)"
-    from ... import models
-
-    return models.model_path("smollm2", progress=options.progress), "smollm2 (SmolLM2-135M-Instruct, fp32)"
 
 
 # ---- the servers --------------------------------------------------------------------------------
@@ -312,12 +276,6 @@ def plot(result: dict[str, Any], path) -> None:
     return _plot(result, path)
 
 
-@contextlib.contextmanager
-def _scratch() -> Iterator[Path]:
-    with tempfile.TemporaryDirectory(prefix="kvcache-bench-serve-") as folder:
-        yield Path(folder)
-
-
 def run(options: RunOptions = RunOptions(), *, contenders: Sequence[str] | None = None,
         clients: Sequence[int] | None = None, ray: bool = False) -> dict[str, Any]:  # fmt: skip
     """Run the suite (``contenders``: some of ``CONTENDERS``, default all; ``clients``: client counts,
@@ -344,7 +302,7 @@ def run(options: RunOptions = RunOptions(), *, contenders: Sequence[str] | None 
         from ...errors import KVCacheError
 
         raise KVCacheError(f"client counts must be positive integers, got {list(s.clients)}")
-    with _scratch() as scratch:
+    with scratch_folder() as scratch:
         folder, model_name = model_folder(options, scratch)
         texts = chat_texts(AutoTokenizer.from_pretrained(folder), s.shared, s.user, s.users)
         logs = scratch / "logs"

@@ -38,7 +38,10 @@ from typing import Any
 from ..run_options import RunOptions
 from ..serve.ray_app import RayOptions
 from .harness import report
-from .serve_workload import Sample, ServerError, chat_body, chat_texts, http_client, send_together, server_env, serving, stream_chat
+from .serve_workload import (
+    Sample, ServerError, chat_body, chat_texts, http_client, kv_bytes_per_token, model_folder, scratch_folder, send_together,
+    server_env, serving, stream_chat,
+)  # fmt: skip
 
 CONTENDERS = ("blocks", "prefix", "default")
 SEED = 0  # of the system messages' draw
@@ -182,7 +185,6 @@ def run(options: RunOptions = RunOptions(), *, clients: list[int] | None = None)
     ``serve-ray.json``/``.md``/``.png`` into ``options.out``."""
     from tqdm.auto import tqdm
 
-    from .serve import _scratch, kv_bytes_per_token, model_folder
 
     s = sizes(options)
     if clients:
@@ -191,7 +193,7 @@ def run(options: RunOptions = RunOptions(), *, clients: list[int] | None = None)
 
             raise KVCacheError(f"bench serve --ray takes one client count, got {clients}")
         s = replace(s, clients=clients[0])
-    with _scratch() as scratch:
+    with scratch_folder() as scratch:
         folder, model_name = model_folder(options, scratch)
         w = workload(folder, s)
         max_bytes = w.max_bytes(kv_bytes_per_token(folder))

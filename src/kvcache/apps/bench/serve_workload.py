@@ -17,9 +17,11 @@ import contextlib
 import itertools
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -27,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import KVCacheError
+from ..run_options import RunOptions
 from .prompt_request import Prompts
 
 #: What the system message opens with, before the source text (as suite ``prompt``'s system turn).
@@ -304,3 +307,49 @@ def server_env(threads: int, drop: Sequence[str] = ()) -> dict[str, str]:
     env.update({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1",
                 "HF_HUB_DISABLE_UPDATE_CHECK": "1", "TOKENIZERS_PARALLELISM": "false"})  # fmt: skip
     return env
+
+
+# ---- the model folder ----------------------------------------------------------------------------
+
+#: A ChatML template for the shipped tiny model (its tokenizer has none), for ``tiny`` runs. It
+#: starts with ``<bos>`` as the tokenizer's own encoding does: a chat template is rendered without
+#: special tokens, so a template that left it out would give the model text it never saw unprefixed.
+CHATML = (
+    "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def kv_bytes_per_token(folder: Path) -> int:
+    """Bytes of one token's fp32 keys and values over every layer, from the folder's config.json."""
+    c = json.loads((folder / "config.json").read_text())
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * 4
+
+
+def tiny_chat_folder(parent: Path) -> Path:
+    """A copy of the shipped tiny model whose tokenizer has a ChatML template."""
+    from ..trained import MODEL_DIR
+
+    target = parent / "tiny-chat"
+    shutil.copytree(MODEL_DIR, target)
+    config_path = target / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps(config | {"chat_template": CHATML}))
+    return target
+
+
+def model_folder(options: RunOptions, scratch: Path) -> tuple[Path, str]:
+    """(folder, name in words): SmolLM2-135M-Instruct as converted here, or the tiny chat copy."""
+    if options.tiny:
+        return tiny_chat_folder(scratch), "the shipped tiny model (a ChatML template added)"
+    from ... import models
+
+    return models.model_path("smollm2", progress=options.progress), "smollm2 (SmolLM2-135M-Instruct, fp32)"
+
+
+@contextlib.contextmanager
+def scratch_folder() -> Iterator[Path]:
+    """A temporary folder for a run's model copy and server logs."""
+    with tempfile.TemporaryDirectory(prefix="kvcache-bench-serve-") as folder:
+        yield Path(folder)

@@ -1,0 +1,63 @@
+"""The rows of one engine step: what each request puts into the packed forward pass, and the step's
+rows split by how they attend (``StepRows``). ``step.py`` runs them; ``block_io.py`` reads and
+writes their blocks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class Row:
+    """One request's part of a step: ``count`` tokens at ``start`` in the packed sequence, after
+    ``past`` tokens already in the pool, all of them in blocks ``table`` (in order)."""
+
+    start: int
+    count: int
+    past: int
+    table: tuple[int, ...]
+    #: The row's open block in a pool that codes blocks whole (its unfilled last block); else -1.
+    tail: int = -1
+    #: Attention weights to report for this row (a chunk of a prompt to be compressed): modes of
+    #: ``attend_weighted`` (``("window:32",)``), or None.
+    weights: tuple[str, ...] | None = None
+    #: The row's own bounded cache (a ``KVCache``), which holds its context instead of ``table``.
+    cache: Any = None
+
+    @property
+    def length(self) -> int:
+        """Tokens of the row in the pool once this step has written them."""
+        return self.past + self.count
+
+
+def tables_of(rows: list[Row]) -> torch.Tensor:
+    """The rows' block tables as int32 ``[rows, longest]`` (zeros past each row's own; on the CPU)."""
+    tables = torch.zeros(len(rows), max((len(r.table) for r in rows), default=1), dtype=torch.int32)
+    for i, r in enumerate(rows):
+        tables[i, : len(r.table)] = torch.tensor(r.table, dtype=torch.int32)
+    return tables
+
+
+class StepRows:
+    """A step's ``rows`` (one after the other from token 0 of the packed sequence) split by how
+    they attend, with the decode rows' packed positions and tables on ``device``."""
+
+    def __init__(self, rows: list[Row], device: torch.device) -> None:
+        self.rows = rows
+        self.tokens = sum(r.count for r in rows)
+        #: Rows whose context lives in a bounded cache of their own (not in the pool).
+        self.own_rows = [r for r in rows if r.cache is not None]
+        pooled = [r for r in rows if r.cache is None]
+        # One new token after a past is a decode row, unless it must report weights (a prompt's last
+        # chunk of one token, to be compressed): that goes the way of a chunk.
+        self.decode_rows = [r for r in pooled if r.count == 1 and r.past > 0 and r.weights is None]
+        self.chunk_rows = [r for r in pooled if not (r.count == 1 and r.past > 0 and r.weights is None)]
+        #: Chunk rows that report no weights (the pool's prefill kernel may take them all at once),
+        #: and those that do (each through ``attend_weighted``).
+        self.plain_chunk_rows = [r for r in self.chunk_rows if r.weights is None]
+        self.reporting_rows = [r for r in self.chunk_rows if r.weights is not None]
+        self.decode_tokens = torch.tensor([r.start for r in self.decode_rows], dtype=torch.long, device=device)
+        self.decode_tables = tables_of(self.decode_rows).to(device)  # one copy to a GPU, not one a row
