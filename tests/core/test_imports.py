@@ -282,7 +282,7 @@ def test_the_public_api_check_names_private_imports():
         "import kvcache.train\n"
         "def f():\n"
         "    from ..engine.pool import BlockPool\n"
-        "    from ..hf import note_writer\n"
+        "    from ..hf import hand_out\n"
         "    import kvcache.hf.cache\n"
         "    from kvcache.layers.auto import mix_of\n"
         "if TYPE_CHECKING:\n"
@@ -290,7 +290,7 @@ def test_the_public_api_check_names_private_imports():
     )
     found = private_imports("kvcache.apps.probe", False, ast.parse(code), "probe.py")
     assert [line.split(":")[1] for line in found] == ["6", "7", "8", "9"], "\n".join(found)
-    assert "kvcache.hf.note_writer" in found[1]
+    assert "kvcache.hf.hand_out" in found[1]
 
 
 def test_the_applications_use_the_public_api_only():

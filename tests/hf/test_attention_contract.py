@@ -1,5 +1,5 @@
 """The attention contract: a layer's update keeps a read record, the "kvcache" attention finds it
-through the cache (no tensor attribute), masks come from positions in one place, coded stores are
+through the key it receives (the key names its reader; no per-thread record), masks come from positions in one place, coded stores are
 read block by block by the one kernel, and nothing waits for a call a caller could forget."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from transformers import Gemma3nTextConfig
 import kvcache
 from kvcache import DTypeError, UnsupportedOperation, cache_kwargs
 from kvcache.attention import BlockReader, attend, attend_weighted, position_rows
-from kvcache.hf.cache import kv_owners, kv_attended_by
+from kvcache.hf.cache import kv_attended_by
 from kvcache.hf import boolean_mask, hf_attention_forward
 from kvcache.layers import EvictingLayer, GrowableLayer, QuantizedLayer, WindowLayer
 from kvcache.layers.own_attention import OwnAttentionLayer
@@ -155,17 +155,18 @@ def test_transformers_masks_become_booleans_in_the_bridge_only():
     assert layer.unattended  # a refused call changes nothing
 
 
-def test_reuse_layers_read_the_last_store_layer_of_their_type():
+def test_a_store_layer_is_attended_by_itself_and_the_reuse_layers_of_its_type():
+    """Gemma 3n: each "reuse" layer reads the last "store" layer of its type before it."""
     config = Gemma3nTextConfig(activation_sparsity_pattern=[0.0] * 35)
-    owners, readers = kv_owners(config, 35), kv_attended_by(config, 35)
+    readers = kv_attended_by(config, 35)
     modes, types = config.kv_sharing_modes, config.layer_types
+    owners, last_store = [], {}
     for i, (mode, kind) in enumerate(zip(modes, types)):
-        if mode == "reuse":
-            j = owners[i]
-            assert modes[j] == "store" and types[j] == kind and j < i
-        else:
-            assert owners[i] == i
-    assert all(readers[j] == owners.count(j) for j in range(35) if modes[j] == "store")  # itself + its reusers
+        if mode == "store":
+            last_store[kind] = i
+        owners.append(last_store[kind] if mode == "reuse" else i)
+    assert "reuse" in modes
+    assert readers == [owners.count(j) if modes[j] == "store" else 1 for j in range(35)]
 
 
 def test_a_module_without_a_layer_index_finds_the_layer_that_handed_out_its_key():
@@ -180,6 +181,64 @@ def test_a_module_without_a_layer_index_finds_the_layer_that_handed_out_its_key(
     out, _ = hf_attention_forward(torch.nn.Module(), q, keys, values, None)
     torch.testing.assert_close(out.transpose(1, 2), want, atol=0, rtol=0)
     assert store.pending is None  # attended, and settled
+
+
+def test_interleaved_caches_each_read_their_own_record():
+    """Two caches written one after the other in one thread: each key still reaches the layer that
+    handed it out (a last-writer record would have sent the first key to the second cache)."""
+    model = model_for("llama")
+    a, b = kvcache.make_cache(model, "window:window=4"), kvcache.make_cache(model, "h2o:budget=4")
+    ka, va = a.update(torch.randn(1, 2, 6, 16), torch.randn(1, 2, 6, 16), 1)
+    kb, vb = b.update(torch.randn(1, 2, 6, 16), torch.randn(1, 2, 6, 16), 1)
+    q = torch.randn(1, 4, 6, 16)
+    want_a, want_b = a.kv_layers[1].fork().attend(q), b.kv_layers[1].fork().attend(q)
+    module = model.model.layers[1].self_attn
+    out_a, _ = hf_attention_forward(module, q, ka, va, None)
+    out_b, _ = hf_attention_forward(module, q, kb, vb, None)
+    torch.testing.assert_close(out_a.transpose(1, 2), want_a, atol=0, rtol=0)
+    torch.testing.assert_close(out_b.transpose(1, 2), want_b, atol=0, rtol=0)
+    assert a.kv_layers[1].pending is None and b.kv_layers[1].pending is None
+
+
+def test_a_key_read_in_another_thread_reaches_its_layer():
+    """Nothing about the reader is kept per thread: the attention may run where the update did not."""
+    import threading
+
+    model = model_for("llama")
+    cache = kvcache.make_cache(model, "window:window=4")
+    keys, values = cache.update(torch.randn(1, 2, 6, 16), torch.randn(1, 2, 6, 16), 1)
+    q = torch.randn(1, 4, 6, 16)
+    want = cache.kv_layers[1].fork().attend(q)
+    got = []
+    thread = threading.Thread(target=lambda: got.append(hf_attention_forward(torch.nn.Module(), q, keys, values, None)[0]))
+    thread.start()
+    thread.join()
+    torch.testing.assert_close(got[0].transpose(1, 2), want, atol=0, rtol=0)
+
+
+def test_a_stale_or_changed_key_is_attended_as_given():
+    """A key whose record was already attended, or a tensor the model made from it, names no reader:
+    plain attention over what the call received."""
+    from kvcache.hf.bridge import reading_layer
+
+    cache = kvcache.make_cache(model_for("llama"), "window:window=4")
+    keys, values = cache.update(torch.randn(1, 2, 3, 16), torch.randn(1, 2, 3, 16), 1)
+    assert reading_layer(keys) is cache.kv_layers[1]
+    assert reading_layer(keys * 1) is None and reading_layer(keys.clone()) is None
+    cache.kv_layers[1].attend(torch.randn(1, 4, 3, 16))
+    assert reading_layer(keys) is None  # attended: stale
+    q = torch.randn(1, 4, 3, 16)
+    out, _ = hf_attention_forward(torch.nn.Module(), q, keys, values, None)
+    want = torch.nn.functional.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(out.transpose(1, 2), want)
+
+
+def test_the_bridge_keeps_no_state_per_thread():
+    from kvcache.hf import bridge
+
+    import threading
+
+    assert not [name for name, v in vars(bridge).items() if isinstance(v, threading.local)]
 
 
 def test_a_block_reader_comes_without_a_value_tensor():

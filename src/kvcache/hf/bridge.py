@@ -13,14 +13,15 @@ context manager, for a block; it then runs ``attend`` for decode steps where it 
 (``attention.choice``). Nothing else in the library changes a model's attention implementation.
 
 How the attention finds a bounded layer: transformers calls ``cache.update(k, v, layer_idx)`` and
-then the attention function, which does not receive the cache. A ``KVCache`` notes itself, on
-each update, as the cache that last wrote in this thread (``note_writer``: a weak
-reference in a ``threading.local``, the one hidden piece of the protocol); ``hf_attention_forward``
-asks that cache for the pending read record of layer ``module.layer_idx`` (its own, or for a
-K/V-sharing layer the owner's: ``KVCache.pending_layer``), which counts only if the ``key`` it
-received is the one the record handed out (identity), so a stale cache never applies. Anything else is plain attention over the key and value as given.
-The lookup traces under ``torch.compile`` (the weak reference and the identity check resolve while
-tracing); the fixed-shape layers' own bridge is ``compiled.FixedHFLayer``.
+passes the keys and values it returns to the attention function, which does not receive the cache.
+So the keys carry their reader: ``HFLayer.update`` names the own-attention layer on the key tensor
+it hands out (``hand_out``: a weak reference under ``READER``), and ``hf_attention_forward`` takes
+the layer from the ``key`` it receives (``reading_layer``), only while that layer's pending read
+record is the one that handed out this very tensor (identity), so a stale record never applies. A
+layer reusing another's keys and values (Gemma 3n / 4) receives the owner's key and so reads the
+owner's record. Anything else (a key the model changed, a cache of in-order layers) is plain
+attention over the key and value as given. Both steps trace under ``torch.compile``; the
+fixed-shape layers' own bridge is ``compiled.FixedHFLayer``.
 
 Design: docs/architecture.md, "The transformers bridge".
 """
@@ -246,7 +247,8 @@ class HFLayer(CacheLayerMixin):
 
     def update(self, key_states, value_states, *args, **kwargs):
         if self.layer.needs_own_attention:
-            return self.layer.update(key_states, value_states, self.attended_by)
+            key, value = self.layer.update(key_states, value_states, self.attended_by)
+            return hand_out(self.layer, key), value
         return self.layer.update(key_states, value_states)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -308,22 +310,25 @@ def crop_count(tokens_to_remove: int) -> int:
     return -n
 
 
-def note_writer(cache) -> None:
-    """Record ``cache`` as the cache that last wrote in this thread (a weak reference): the
-    ``"kvcache"`` attention asks it for the layer it reads (see the module docstring)."""
-    _last_writer.ref = weakref.ref(cache)
+#: The attribute under which a key tensor handed to the model names (a weak reference) the
+#: own-attention layer whose read record it is.
+READER = "_kvcache_reader"
 
 
-def reading_layer(module: torch.nn.Module, key: torch.Tensor):
-    """The own-attention layer whose pending read record this attention call reads, or None: asked of
-    the cache that last wrote in this thread (``note_writer``) by ``module.layer_idx``
-    (``KVCache.pending_layer``: only a record that handed out ``key`` counts)."""
-    ref = getattr(_last_writer, "ref", None)
-    cache = ref() if ref is not None else None
-    return None if cache is None else cache.pending_layer(getattr(module, "layer_idx", None), key)
+def hand_out(layer: KVLayer, key: torch.Tensor) -> torch.Tensor:
+    """``key`` (what ``layer``'s update returned), naming ``layer`` as its reader."""
+    setattr(key, READER, weakref.ref(layer))
+    return key
 
 
-_last_writer = threading.local()
+def reading_layer(key: torch.Tensor) -> KVLayer | None:
+    """The own-attention layer whose pending read record handed out ``key`` (``hand_out``), or None:
+    none named, or the record already attended (a stale key)."""
+    ref = getattr(key, READER, None)
+    layer = ref() if ref is not None else None
+    if layer is None or layer.pending is None or layer.pending.returned[0] is not key:
+        return None
+    return layer
 
 
 def boolean_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -359,7 +364,7 @@ def hf_attention_forward(
     if step is not None:  # the engine's step (its pool) or a training chunk's (a cache state)
         return step.attend(module, query, key, value, scaling, kwargs), None
     extras = AttentionExtras.from_kwargs(kwargs)
-    layer = reading_layer(module, key)
+    layer = reading_layer(key)
     if layer is not None:
         if value is not layer.pending.returned[1] or is_causal is False or getattr(module, "is_causal", True) is False:
             raise UnsupportedOperation(

@@ -23,7 +23,7 @@ from ..errors import ShapeError, UnsupportedOperation
 from ..persist.fingerprint import fingerprint_of
 from .foreign import ForeignLayers
 from .compiled import hf_layer
-from .bridge import SWITCH_HINT, crop_count, note_writer, runs_kvcache_attention
+from .bridge import SWITCH_HINT, crop_count, runs_kvcache_attention
 from ..layers.base import check_kv
 from ..layers import KVLayer, LayerState
 from ..persist import SavedCache, encode_cache, write_cache_file
@@ -78,12 +78,6 @@ class KVCache(ForeignLayers, Cache):
         #: Per layer, the attention calls that attend each of its updates (``kv_attended_by``): its
         #: bridge passes them to an own-attention layer with every update.
         self.attended_by = kv_attended_by(attention_config, len(self.kv_layers))
-        # For each layer index, the own-attention layer whose pending record its attention reads (its own, or
-        # for a layer reusing another's keys and values the owner's), or None (``pending_layer``).
-        self._read_layers = [
-            self.kv_layers[j] if j is not None and self.kv_layers[j] in self.own_attention_layers else None
-            for j in kv_owners(attention_config, len(self.kv_layers))
-        ]
         # Only fixed-capacity kinds can refuse an append; the others need no check per step.
         self._can_refuse = [s for s in self._live if type(s).check_append is not KVLayer.check_append]
         self._first_live = next((i for i, s in enumerate(self.kv_layers) if s is not None), -1)
@@ -103,22 +97,7 @@ class KVCache(ForeignLayers, Cache):
             self._check_attended()
             for layer in self._can_refuse:
                 layer.check_append(key_states.shape[-2])
-        note_writer(self)  # the attention that follows finds its layer's read record here (bridge.py)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
-
-    def pending_layer(self, layer_idx: object, key: torch.Tensor) -> KVLayer | None:
-        """The own-attention layer whose pending read record (``layer.pending``) the attention of layer
-        ``layer_idx`` reads, if that record handed out ``key`` (identity: a stale record never
-        applies); None for a layer that keeps its past in order (or none). A model that numbers
-        its attention modules otherwise (``layer_idx`` unknown) gets the own-attention layer whose record
-        handed out ``key``, if any. What the ``"kvcache"`` attention asks (``hf.reading_layer``)."""
-        known = isinstance(layer_idx, int) and 0 <= layer_idx < len(self._read_layers)
-        layer = self._read_layers[layer_idx] if known else None
-        if layer is not None and _handed_out(layer, key):
-            return layer
-        if known and layer is None:
-            return None
-        return next((layer for layer in self.own_attention_layers if _handed_out(layer, key)), None)
 
     def extend(self, past: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
         """Append keys/values computed elsewhere (e.g. another cache's ``[(keys, values), ...]``,
@@ -281,10 +260,6 @@ class KVCache(ForeignLayers, Cache):
         return f"KVCache(spec={str(self.spec)!r}, seen={self.seen}, nbytes={self.nbytes}, layers={len(self.kv_layers)})"
 
 
-def _handed_out(layer: KVLayer, key: torch.Tensor) -> bool:
-    return layer.pending is not None and layer.pending.returned[0] is key
-
-
 def kv_attended_by(config: PretrainedConfig | None, n_layers: int) -> list[int]:
     """How many attention calls read each layer's keys and values in a forward pass: 1, or for a
     layer whose K/V later layers reuse (Gemma 3n / 4: ``kv_sharing_modes`` "store", read by the
@@ -297,22 +272,6 @@ def kv_attended_by(config: PretrainedConfig | None, n_layers: int) -> list[int]:
         1 + sum(m == "reuse" and t == types[i] for m, t in zip(modes, types)) if mode == "store" else 1
         for i, mode in enumerate(modes)
     ]
-
-
-def kv_owners(config: PretrainedConfig | None, n_layers: int) -> list[int | None]:
-    """For each layer, the layer whose keys and values its attention reads: itself, or for a
-    Gemma 3n / 4 "reuse" layer the last "store" layer of its type before it (None if there is none)."""
-    modes = getattr(config, "kv_sharing_modes", None)
-    types = getattr(config, "layer_types", None)
-    if not modes or types is None or len(modes) != n_layers:
-        return list(range(n_layers))
-    owners: list[int | None] = []
-    last_store: dict[str, int] = {}
-    for i, (mode, kind) in enumerate(zip(modes, types)):
-        if mode == "store":
-            last_store[kind] = i
-        owners.append(last_store.get(kind) if mode == "reuse" else i)
-    return owners
 
 
 def token_ids_problem(ids: list[Any], seen: int, vocab: Any) -> str | None:
