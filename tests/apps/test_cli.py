@@ -22,11 +22,16 @@ from kvcache.apps import demo, demo_table, tasks
 from kvcache.apps.cli import main
 
 CONTENDERS = ["DynamicCache", "concat", "growable", "static"]
-BOUNDED = ["window 25%", "h2o 25%", "tova 12.5%", "quantized int4"]
+#: The trained model's unbounded contenders, then its bounded ones: those the demo says keep the key, those that lose it.
+TRAINED = ["DynamicCache", "growable"]
+KEEP = ["snapkv 12.5%", "adakv 12.5%", "auto 12.5% bytes", "quantized int4"]
+LOSE = ["window 25%", "h2o 25%"]
+BOUNDED = KEEP + LOSE
 FIELDS = {
     "cache",
     "spec",
     "bounded",
+    "why",
     "answer",
     "correct",
     "tokens_per_s",
@@ -61,8 +66,10 @@ def test_demo_writes_json_and_prints_table(tmp_path, capsys):
     assert f"torch {torch.__version__}" in out[0]
     assert "transformers " in out[0] and "prompt 32 + 8 new tokens" in out[0]
     assert data["settings"] == {
-        "family": "llama", "prompt_tokens": 32, "new_tokens": 8, "depth": demo.DEPTH, "repeats": 1, "threads": None
+        "family": "llama", "prompt_tokens": 32, "new_tokens": 8, "depth": demo.DEPTH, "repeats": 1, "threads": None,
+        "sessions": 16,
     }
+    assert data["sessions"] is None  # a random model has no pass keys: no sessions part
 
     results = {r["cache"]: r for r in data["results"]}
     assert [r["cache"] for r in data["results"]] == CONTENDERS
@@ -122,29 +129,56 @@ def test_demo_flags_differing_tokens_and_restores_threads(monkeypatch):
 
 def test_demo_on_the_trained_model_finds_the_pass_key(tmp_path, capsys):
     path = tmp_path / "demo.json"
-    argv = ["demo", "--prompt-tokens", "512", "--new-tokens", "8", "--depth", "0.5", "--repeats", "1", "--threads", "1"]
+    argv = ["demo", "--new-tokens", "8", "--repeats", "1", "--threads", "1", "--sessions", "3"]  # the default prompt
     assert main([*argv, "--json", str(path)]) == 0
     out = capsys.readouterr().out.splitlines()
     data = json.loads(path.read_text())
     assert out[0] == data["header"]
-    assert "trained" in out[0] and "pass-key prompt 512 (key at depth 0.5" in out[0]
-    assert data["settings"]["prompt_tokens"] == 512 and data["settings"]["family"] is None
+    assert "trained" in out[0] and f"pass-key prompt 1024 (key at depth {demo.DEPTH:g}" in out[0]
+    assert data["settings"]["prompt_tokens"] == 1024 and data["settings"]["family"] is None
     results = {r["cache"]: r for r in data["results"]}
-    assert list(results) == CONTENDERS + BOUNDED
-    key = tasks.passkey(0, length=511, depth=0.5).answer.strip()
-    # The demo's prompt is seed 0's instance; the full caches answer exactly as DynamicCache does.
+    assert list(results) == TRAINED + BOUNDED
+    key = tasks.passkey(0, length=1023, depth=demo.DEPTH).answer.strip()
+    # The demo's prompt is seed 0's instance; the full cache answers exactly as DynamicCache does.
     assert results["DynamicCache"]["answer"].strip() == key and results["DynamicCache"]["correct"] is True
-    for name in CONTENDERS[1:]:
-        assert results[name]["identical"] is True and results[name]["answer"] == results["DynamicCache"]["answer"]
+    assert results["growable"]["identical"] is True and results["growable"]["answer"] == results["DynamicCache"]["answer"]
     for name in BOUNDED:
         r = results[name]
-        assert r["bounded"] is True and set(r) == FIELDS
+        assert r["bounded"] is True and set(r) == FIELDS and r["why"]
         assert isinstance(r["correct"], bool) and r["correct"] == (r["answer"].strip() == key)
         assert r["cache_bytes"] == r["reported_nbytes"] > 0
-        assert any(line.startswith(name + " ") for line in out), name
-    # Bounded caches hold less than the full cache.
-    assert results["window 25%"]["cache_bytes"] < results["growable"]["cache_bytes"] / 2
-    assert results["quantized int4"]["cache_bytes"] < results["growable"]["cache_bytes"] / 2
+        row = next(line for line in out if line.startswith(name + " "))
+        assert r["why"] in row and ("right: " if r["correct"] else "WRONG: ") in row
+    # What the demo shows at its own settings: the query-aware kinds, auto and int4 keep the key in
+    # a fraction of the bytes; a window and H2O of a quarter lose it (the reasons printed beside them).
+    assert [name for name in BOUNDED if results[name]["correct"]] == KEEP
+    full = results["DynamicCache"]["cache_bytes"]
+    for name in ("snapkv 12.5%", "adakv 12.5%", "auto 12.5% bytes"):
+        assert results[name]["cache_bytes"] < full / 4, name
+    assert results["quantized int4"]["cache_bytes"] < full / 2
+    # The sessions: the engine's tokens are generate's, the keys counted from the answers.
+    sessions = data["sessions"]
+    assert sessions["sessions"] == 3 and sessions["identical"] is True
+    assert 0 <= sessions["right"] == sessions["right_engine"] <= 3
+    assert sessions["engine_tokens_per_s"] > 0 and sessions["generate_tokens_per_s"] > 0
+    assert any(line.startswith("3 sessions at once") for line in out)
+
+
+def test_the_sessions_count_a_wrong_key_and_differing_tokens(monkeypatch):
+    """The second part's checks can fail: an engine that answers otherwise is reported so."""
+    from kvcache.apps import demo_sessions
+    from kvcache.apps.trained import load_trained
+
+    model, tokenizer = load_trained()
+    real = kvcache.Engine.generate_batch
+
+    def off_by_one(self, inputs, **kwargs):
+        return [[(t + 1) % model.config.vocab_size for t in row] for row in real(self, inputs, **kwargs)]
+
+    monkeypatch.setattr(kvcache.Engine, "generate_batch", off_by_one)
+    got = demo_sessions.run_sessions(model, tokenizer, sessions=2, new_tokens=6)
+    assert got["identical"] is False and got["right_engine"] < got["right"] == 2
+    assert "identical to generate's: NO" in demo_sessions.sessions_lines(got)
 
 
 def test_demo_leaves_the_models_attention_as_it_found_it():

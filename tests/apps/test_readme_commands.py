@@ -1,11 +1,13 @@
 """Every command the README shows works after the README's own set-up, which installs the package
 with the extras its first command names (``pip install -e ".[models]"``) and no others.
 
-The commands of the README's "Command line" block run as subprocesses in a fresh folder, with the
-modules that only the other extras bring (matplotlib, pytest, hypothesis, ...) made unimportable,
-so the environment is the README's install. Long runs take their quick, seconds-long modes: ``bench`` and
-``eval`` add ``--tiny`` (same code paths, smaller sizes), the demo one repeat and fewer tokens.
-The README's first Python example runs too, on a tiny model.
+The commands of the README's "Command line" block run in README order, one after the other, in
+one subprocess in a fresh folder (torch and transformers imported once, not once a command), with
+the modules that only the other extras bring (matplotlib, pytest, hypothesis, ...) made
+unimportable, so the environment is the README's install; each command's exit code, output and
+any traceback are its own, and each is a test of its own. Long runs take their quick, seconds-long
+modes: ``bench`` and ``eval`` add ``--tiny`` (same code paths, smaller sizes), the demo one repeat
+and fewer tokens. The README's first Python example runs too, on a tiny model.
 """
 
 from __future__ import annotations
@@ -70,27 +72,66 @@ def _name(requirement: str) -> str:
     return re.split(r"[<>=!~\[; ]", requirement, maxsplit=1)[0].lower().replace("_", "-")
 
 
-#: Runs the CLI with the extras' modules unimportable (``sys.argv[1]``: a JSON list of names).
+#: Runs CLI commands one after the other with the extras' modules unimportable: ``sys.argv[1]`` a
+#: JSON list of names, ``sys.argv[2]`` a JSON list of argument lists, ``sys.argv[3]`` where to
+#: write each command's ``{"code", "stdout", "stderr"}`` (a traceback in its stderr).
 BLOCKED_RUNNER = """
-import json, sys
+import contextlib, io, json, sys, traceback
 from importlib.machinery import PathFinder
-blocked = set(json.loads(sys.argv.pop(1)))
+blocked = set(json.loads(sys.argv[1]))
 class NotInstalled(PathFinder):  # the path finder, blind to the extras: as if they were not installed
     @classmethod
     def find_spec(cls, name, path=None, target=None):
         return None if name.split(".")[0] in blocked else super().find_spec(name, path, target)
 sys.meta_path[:] = [NotInstalled if f is PathFinder else f for f in sys.meta_path]
 from kvcache.apps.cli import main
-sys.exit(main(sys.argv[1:]))
+results = []
+for argv in json.loads(sys.argv[2]):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+    results.append({"code": code, "stdout": out.getvalue(), "stderr": err.getvalue()})
+    with open(sys.argv[3], "w") as f:
+        json.dump(results, f)
 """
 
 
-def run_blocked(argv: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+def run_blocked(commands: list[list[str]], cwd: Path, timeout: float = 900) -> list[dict]:
+    """Each command's ``{"code", "stdout", "stderr"}``, run in order in one subprocess in ``cwd``
+    (a command the run did not reach: code None and the subprocess's own output)."""
     blocked = json.dumps(sorted(extras_only_modules()))
-    return subprocess.run(
-        [sys.executable, "-c", BLOCKED_RUNNER, blocked, *argv],
+    written = cwd / "results.json"
+    run = subprocess.run(
+        [sys.executable, "-c", BLOCKED_RUNNER, blocked, json.dumps(commands), str(written)],
         cwd=cwd, capture_output=True, text=True, timeout=timeout,
     )
+    results = json.loads(written.read_text()) if written.exists() else []
+    missing = {"code": None, "stdout": run.stdout[-2000:], "stderr": f"not reached (exit {run.returncode}):\n{run.stderr[-3000:]}"}
+    return results + [missing] * (len(commands) - len(results))
+
+
+def quick(command: str) -> list[str]:
+    """A documented command's arguments in its quick mode."""
+    argv = shlex.split(command)[1:]
+    argv += QUICK.get(argv[0], [])
+    if argv[0] == "demo" and "--model" in argv:  # a real model's prompt is text (--prompt), not a token count
+        argv = [a for a, b in zip(argv, ["", *argv]) if a != "--prompt-tokens" and b != "--prompt-tokens"]
+    return argv
+
+
+@pytest.fixture(scope="module")
+def readme_runs(tmp_path_factory) -> dict[str, tuple[list[str], dict, Path]]:
+    """Every documented command run once, in README order (so ``--load-cache`` continues what the
+    ``--save-cache`` line wrote): command -> (its arguments, its result, the folder it ran in)."""
+    folder = tmp_path_factory.mktemp("readme")
+    commands = documented_commands()
+    argvs = [quick(c) for c in commands]
+    results = run_blocked(argvs, folder)
+    return {c: (argv, result, folder) for c, argv, result in zip(commands, argvs, results)}
 
 
 def test_the_readme_documents_commands_for_every_subcommand():
@@ -108,25 +149,24 @@ def test_extras_only_modules_are_found():
 
 
 @pytest.mark.parametrize("command", documented_commands())
-def test_documented_command_works_after_the_readme_install(command, tmp_path):
-    argv = shlex.split(command)[1:]
-    argv += QUICK.get(argv[0], [])
-    if argv[0] == "demo" and "--model" in argv:  # a real model's prompt is text (--prompt), not a token count
-        argv = [a for a, b in zip(argv, ["", *argv]) if a != "--prompt-tokens" and b != "--prompt-tokens"]
-    if argv[0] == "generate" and "--load-cache" in argv:  # continues what the --save-cache line wrote
-        saving = next(c for c in documented_commands() if "--save-cache" in c)
-        first = run_blocked(shlex.split(saving)[1:], tmp_path)
-        assert first.returncode == 0, first.stderr
-    result = run_blocked(argv, tmp_path)
-    assert result.returncode == 0, f"{command}\nstdout:\n{result.stdout[-2000:]}\nstderr:\n{result.stderr[-3000:]}"
-    assert "Traceback" not in result.stderr
+def test_documented_command_works_after_the_readme_install(command, readme_runs):
+    argv, result, folder = readme_runs[command]
+    assert result["code"] == 0, f"{command}\nstdout:\n{result['stdout'][-2000:]}\nstderr:\n{result['stderr'][-3000:]}"
+    assert "Traceback" not in result["stderr"]
     if argv[0] in ("bench", "eval"):
         name = argv[1] if argv[0] == "bench" else "eval"
-        written = tmp_path / "benchmarks" / "results"
+        written = folder / "benchmarks" / "results"
         assert (written / f"{name}.json").is_file() and (written / f"{name}.md").is_file()
         assert not (written / f"{name}.png").exists()  # no matplotlib here ...
-        assert "pip install 'kvcache[bench]'" in result.stderr  # ... and one line says how to get it
+        assert "pip install 'kvcache[bench]'" in result["stderr"]  # ... and one line says how to get it
         assert json.loads((written / f"{name}.json").read_text())
+
+
+def test_the_runner_reports_each_command_apart(tmp_path):
+    """A command that fails or raises is its own result; the next ones still run."""
+    got = run_blocked([["generate", "--cache", "nonsense"], ["models", "list"]], tmp_path)
+    assert got[0]["code"] == 2 and "nonsense" in got[0]["stderr"]
+    assert got[1]["code"] == 0 and "smollm2" in got[1]["stdout"]
 
 
 def test_the_first_python_example_runs_and_matches_dynamic_cache(tmp_path, monkeypatch):

@@ -18,6 +18,7 @@ them for the family before the first token is written (``support.py`` says which
 """
 
 import contextlib
+import functools
 import warnings
 
 import pytest
@@ -78,18 +79,39 @@ if Version(transformers.__version__) >= Version("5.24"):
 NEW_TOKENS = 12
 
 
+@functools.cache
+def _built(family: str) -> torch.nn.Module | str:
+    """The family's tiny model, built once for both sweeps of this file (no run changes its
+    weights; the switch is undone after each), or why it cannot be built."""
+    try:
+        return build_model(family)
+    except Exception as e:  # noqa: BLE001 - the sweep records why a family cannot be built
+        return f"build: {type(e).__name__}: {str(e)[:120]}"
+
+
+@functools.cache
+def _expected(family: str, which: int) -> torch.Tensor | str:
+    """``DynamicCache``'s tokens for prompt ``which`` of ``prompts()``, computed once, or why not."""
+    model = _built(family)
+    if isinstance(model, str):
+        return model
+    ids, mask = prompts()[which]
+    try:
+        return reference(model, ids, mask, NEW_TOKENS)
+    except Exception as e:  # noqa: BLE001
+        return f"DynamicCache: {type(e).__name__}: {str(e)[:120]}"
+
+
 def _outcome(family: str) -> tuple[str, str]:
     """("ok", ""), ("not_runnable", why), ("refused", message) or ("differs", how), from one build
     and, for each prompt, the reference and our default cache without and with the switch."""
-    try:
-        model = build_model(family)
-    except Exception as e:  # noqa: BLE001 - the sweep records why a family cannot be built
-        return "not_runnable", f"build: {type(e).__name__}: {str(e)[:120]}"
-    for ids, mask in prompts():
-        try:
-            expected = reference(model, ids, mask, NEW_TOKENS)
-        except Exception as e:  # noqa: BLE001
-            return "not_runnable", f"DynamicCache: {type(e).__name__}: {str(e)[:120]}"
+    model = _built(family)
+    if isinstance(model, str):
+        return "not_runnable", model
+    for which, (ids, mask) in enumerate(prompts()):
+        expected = _expected(family, which)
+        if isinstance(expected, str):
+            return "not_runnable", expected
         for switch in (False, True):
             where = "on the kvcache attention" if switch else "on its own attention"
             try:
@@ -112,12 +134,10 @@ BOUNDED = ("h2o:budget=4096", "window:window=4096", "quantized:bits=8,group_size
 
 def _bounded_outcome(family: str, spec: str) -> tuple[str, str]:
     """Like ``_outcome`` for a bounded spec on the ``"kvcache"`` attention, with the left-padded batch."""
-    try:
-        model = build_model(family)
-        ids, mask = prompts()[1]
-        expected = reference(model, ids, mask, NEW_TOKENS)
-    except Exception as e:  # noqa: BLE001
-        return "not_runnable", f"{type(e).__name__}: {str(e)[:120]}"
+    model, expected = _built(family), _expected(family, 1)
+    if isinstance(expected, str):
+        return "not_runnable", expected
+    ids, mask = prompts()[1]
     cache = None
     try:
         with kvcache.use_kvcache_attention(model):

@@ -9,6 +9,7 @@ from ..errors import KVCacheError
 from .cli_load import TINY, load_model
 from .cli_options import add_command, int_at_least, output_file, probability, write_json
 from .demo import DEPTH, RANDOM_PROMPT_TOKENS, TRAINED_PROMPT_TOKENS
+from .demo_sessions import SESSIONS
 from .tiny import FAMILIES
 
 
@@ -51,6 +52,14 @@ def add_demo(subparsers: argparse._SubParsersAction) -> None:
         help="where the pass key sits, 0 = start, 1 = just before the question (default: %(default)s)",
     )
     p.add_argument("--repeats", **count, default=3, help="runs per cache (default: %(default)s)")
+    p.add_argument(
+        "--sessions",
+        type=int_at_least(0),
+        metavar="N",
+        default=SESSIONS,
+        help="then N sessions at once through the engine against generate one after another, on the "
+        "shipped model (default: %(default)s; 0: skip)",
+    )
     p.add_argument("--threads", **count, default=None, help="torch threads (default: torch's own setting)")
     p.add_argument("--json", type=output_file, default=None, metavar="FILE", help="also write the results as JSON")
 
@@ -61,7 +70,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     Greedy generation with Hugging Face's DynamicCache and kvcache's caches on the small model
     trained for kvcache and shipped with it (nothing is downloaded). The prompt is a pass-key
     retrieval task on held-out text; the unbounded caches must reproduce DynamicCache's tokens, and
-    the bounded ones (window, H2O, TOVA, int4) show whether the key survives what they drop.
+    the bounded ones show whether the key survives what they drop, and why: SnapKV, Ada-KV and
+    auto keep it at an eighth of the bytes, a window and H2O lose it. Then many sessions at once
+    through the engine, against generate one session after another (--sessions).
     Contenders alternate round-robin; the table shows decode tokens/s (median), the bytes each cache
     holds, how often its storage moved, whether the tokens match DynamicCache's, and the answer.
     With --family, a random-weight model of that family with a wide KV cache and a random prompt
@@ -100,10 +111,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
         threads=args.threads,
     )
     print(demo_table.format_table(results), flush=True)
+    sessions = None
+    if args.family is None and args.sessions:
+        from . import demo_sessions
+
+        print(flush=True)
+        with demo.torch_threads(args.threads):
+            sessions = demo_sessions.run_sessions(model, tokenizer, args.sessions, depth=args.depth)
+        print(demo_sessions.sessions_lines(sessions), flush=True)
     if args.json:
-        settings = {k: getattr(args, k) for k in ("family", "new_tokens", "depth", "repeats", "threads")}
+        settings = {k: getattr(args, k) for k in ("family", "new_tokens", "depth", "repeats", "threads", "sessions")}
         settings["prompt_tokens"] = prompt_tokens
-        write_json(args.json, {"header": header, "settings": settings, "results": results})
+        write_json(args.json, {"header": header, "settings": settings, "results": results, "sessions": sessions})
     return 0
 
 

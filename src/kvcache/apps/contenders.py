@@ -2,7 +2,7 @@
 call a cache, and the cache spec each name stands for.
 
 ``{slots}`` is the budget (for ``window``, the window itself, its sinks kept apart; a fraction of
-the context is accepted where the spec accepts one) and ``{capacity}`` the fixed capacity.
+the context is accepted where the spec accepts one; for ``auto``, a share of the fp32 cache's bytes) and ``{capacity}`` the fixed capacity.
 ``dynamic`` and ``hf_static`` are Hugging Face's ``DynamicCache`` and ``StaticCache``, the
 references, and ``hf_<backend>-int<bits>`` its ``QuantizedCache`` (needs the backend's package:
 ``optimum-quanto`` for ``quanto``, ``hqq``); every other name is a kvcache spec.
@@ -28,6 +28,9 @@ SPECS: dict[str, str] = {
     "lastrec": "lastrec:budget={slots}",
     "h2o": "h2o:budget={slots}",
     "tova": "tova:budget={slots}",
+    "snapkv": "snapkv:budget={slots}",
+    "adakv": "adakv:budget={slots}",
+    "auto": "auto:bytes={slots}",
     "h2o-int8": "h2o:budget={slots},storage=int8",
     "quantized-int8": "quantized:bits=8",
     "quantized-int4": "quantized:bits=4",

@@ -8,12 +8,14 @@ model still finds the key with it. Contenders, all run through ``model.generate`
 
 * ``DynamicCache`` -- Hugging Face's default, ``transformers.DynamicCache(config=model.config)``,
   on the model's own attention; the reference for the output tokens;
-* ``concat``, ``growable``, ``static`` (capacity = prompt + new tokens) -- ``kvcache.make_cache``,
-  unbounded, so their tokens must equal the reference's; like every kvcache contender they run as
-  the README recommends, inside ``kvcache.use_kvcache_attention(model)``;
-* bounded caches (:data:`BOUNDED`): a sliding window with sinks, H2O and TOVA eviction at a share
-  of the prompt, and 4-bit KIVI-style quantization. They drop or round what they hold, so their
-  tokens may differ; the ``answer`` column says whether the pass key survived.
+* ``growable`` (and with a random model also ``concat`` and ``static``, capacity = prompt + new
+  tokens) -- ``kvcache.make_cache``, unbounded, so their tokens must equal the reference's; like
+  every kvcache contender they run as the README recommends, inside
+  ``kvcache.use_kvcache_attention(model)``;
+* bounded caches (:data:`BOUNDED`), each with the reason it keeps the key or loses it: the
+  query-aware kinds (SnapKV, Ada-KV) and ``auto`` at an eighth of the cache, 4-bit storage, and
+  a sliding window with sinks and H2O at a quarter of the prompt. They drop or round what they
+  hold, so their tokens may differ; the ``answer`` column says whether the pass key survived.
 
 With ``family`` set, the model is instead a tiny random-weight model of that family
 (:func:`kvcache.apps.tiny.tiny_model`, nothing downloaded) widened where the cache lives: 8 key/value
@@ -89,13 +91,16 @@ RANDOM_PROMPT_TOKENS = 2048
 #: Default depth of the pass key in the prompt: early enough that a window of a quarter loses it.
 DEPTH = 0.25
 
-#: The bounded contenders: name -> (contender, share of the prompt it keeps; None: all of it,
-#: rounded). The window's share becomes slots; H2O and TOVA take it as a fraction of what they saw.
-BOUNDED: dict[str, tuple[str, float | None]] = {
-    "window 25%": ("window", 0.25),
-    "h2o 25%": ("h2o", 0.25),
-    "tova 12.5%": ("tova", 0.125),
-    "quantized int4": ("quantized-int4", None),
+#: The bounded contenders: name -> (contender, share it keeps, why it keeps the key or loses it).
+#: The share: of the prompt's tokens (the window's becomes slots); for ``auto``, of the fp32
+#: cache's bytes; None for storage that keeps every token.
+BOUNDED: dict[str, tuple[str, float | None, str]] = {
+    "snapkv 12.5%": ("snapkv", 0.125, "keeps the tokens the question's own queries attend to"),
+    "adakv 12.5%": ("adakv", 0.125, "SnapKV's choice, the budget split across heads by need"),
+    "auto 12.5% bytes": ("auto", 0.125, "chooses tokens x precision per layer within a byte budget"),
+    "quantized int4": ("quantized-int4", None, "every token kept, in 4 bits"),
+    "window 25%": ("window", 0.25, "keeps the newest tokens only; the key came earlier"),
+    "h2o 25%": ("h2o", 0.25, "keeps what earlier tokens attended to, before the question came"),
 }
 
 
@@ -110,19 +115,21 @@ class Contender:
     make: Callable[[], Any]  # a fresh cache
     bounded: bool = False
     ours: bool = True  # a kvcache cache: runs inside use_kvcache_attention(model)
+    why: str = ""  # a bounded kind's reason for keeping the key or losing it
 
 
 def contenders(model: PreTrainedModel, prompt_tokens: int, new_tokens: int, bounded: bool) -> dict[str, Contender]:
-    """Name -> contender, the reference first; the bounded ones only if ``bounded``."""
+    """Name -> contender, the reference first: with ``bounded`` (the trained model's pass key)
+    growable and :data:`BOUNDED`, else the unbounded kinds concat, growable and static."""
     capacity = prompt_tokens + new_tokens
     out = {REFERENCE: Contender("transformers.DynamicCache", lambda: make_contender("dynamic", model), ours=False)}
-    for name in ("concat", "growable", "static"):
+    for name in ("growable",) if bounded else ("concat", "growable", "static"):
         spec = spec_for(name, capacity=capacity)
         out[name] = Contender(spec, lambda spec=spec: make_cache(model, spec))
     if bounded:
-        for name, (kind, share) in BOUNDED.items():
+        for name, (kind, share, why) in BOUNDED.items():
             spec = spec_for(kind, slots=max(1, int(prompt_tokens * share)) if kind == "window" else share)
-            out[name] = Contender(spec, lambda spec=spec: make_cache(model, spec), bounded=True)
+            out[name] = Contender(spec, lambda spec=spec: make_cache(model, spec), bounded=True, why=why)
     return out
 
 
@@ -146,7 +153,8 @@ def run_demo(
     ``depth``; a family name runs that random tiny model (or ``model``) on random tokens (default
     :data:`RANDOM_PROMPT_TOKENS`). ``seed`` picks the prompt (and the random model's weights).
 
-    Keys of each dict: ``cache``, ``spec``, ``bounded``, ``tokens_per_s`` (decode, median),
+    Keys of each dict: ``cache``, ``spec``, ``bounded``, ``why`` (a bounded kind's reason it keeps
+    the key or loses it; empty for the others), ``tokens_per_s`` (decode, median),
     ``tokens_per_s_runs``, ``prefill_s`` (median), ``speedup`` (median tokens/s over the
     reference's), ``cache_bytes``, ``reallocations`` (both at the end of the last repeat),
     ``reported_nbytes`` and ``reported_reallocations`` (the library's own counters; None for the
@@ -261,6 +269,7 @@ def results_of(
                 "cache": name,
                 "spec": entry.spec,
                 "bounded": entry.bounded,
+                "why": entry.why,
                 "tokens_per_s": statistics.median(speeds),
                 "tokens_per_s_runs": speeds,
                 "prefill_s": statistics.median(run["prefill_s"] for run in runs[name]),

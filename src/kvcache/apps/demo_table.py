@@ -3,7 +3,8 @@
 :func:`header_line` says what ran (the model and its key/value shape, the prompt, the sizes, the
 library versions, the thread count); :func:`format_table` turns :func:`kvcache.apps.demo.run_demo`'s
 result dicts into a plain-text table (decode tokens/s, speed against ``DynamicCache``, cache bytes
-in MiB, reallocations, whether the tokens match the reference's, the answer) with a legend.
+in MiB and as a share of the reference's, reallocations, whether the tokens match the
+reference's, the answer and, for a bounded kind, why it keeps the key or loses it) with a legend.
 ``kvcache demo`` prints both, for the tiny models and (through :mod:`kvcache.apps.demo_real`) real ones.
 """
 
@@ -80,30 +81,31 @@ def _answer_cell(result: dict[str, Any]) -> str:
 def format_table(results: list[dict[str, Any]]) -> str:
     """A plain-text table of :func:`run_demo`'s results, with a legend."""
     answers = any(r.get("answer") is not None for r in results)
+    reference = next((r["cache_bytes"] for r in results if r["cache"] == REFERENCE), 0)
     head = ("cache", "tokens/s", f"vs {REFERENCE}", "cache bytes", "reallocations", "identical output")
-    head += ("answer",) if answers else ()
+    head += ("answer", "why") if answers else ()
     rows = [
         (
             r["cache"],
             f"{r['tokens_per_s']:.1f}",
             f"{r['speedup']:.2f}x",
-            _mib(r["cache_bytes"]),
+            _mib(r["cache_bytes"]) + (f" ({r['cache_bytes'] / reference:.0%})" if reference else ""),
             str(r["reallocations"]),
             _identical_cell(r),
         )
-        + ((_answer_cell(r),) if answers else ())
+        + ((_answer_cell(r), r.get("why", "")) if answers else ())
         for r in results
     ]
     widths = [max(len(cell) for cell in column) for column in zip(head, *rows)]
     lines = []
     for i, row in enumerate([head, *rows]):
-        cells = [cell.ljust(w) if j in (0, 6) else cell.rjust(w) for j, (cell, w) in enumerate(zip(row, widths))]
+        cells = [cell.ljust(w) if j in (0, 6, 7) else cell.rjust(w) for j, (cell, w) in enumerate(zip(row, widths))]
         lines.append("  ".join(cells).rstrip())
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
     lines.append(
-        "tokens/s: decode, median over repeats; cache bytes: storage held at the end; reallocations: "
-        "times a layer's key/value storage moved, summed over layers (measured from storage pointers)"
+        f"tokens/s: decode, median over repeats; cache bytes: storage held at the end (share of {REFERENCE}'s); "
+        "reallocations: times a layer's key/value storage moved, summed over layers (measured from storage pointers)"
     )
     if answers:
         specs = "; ".join(f"{r['cache']} = {r['spec']}" for r in results if r.get("bounded"))
