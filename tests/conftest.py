@@ -6,6 +6,7 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from slowest import slowest_files  # noqa: E402
 
 from kvcache.attention.half_precision import HalfPrecision, use_safe_isa
 
@@ -41,15 +42,15 @@ def runs_half_precision(item: pytest.Item) -> bool:
 #: together, where a long file drawn last would leave one idle for minutes.
 LONGEST_FIRST = (
     "apps/test_readme_commands.py",
-    "apps/test_serve_ray.py",
-    "engine/test_engine_real.py",
-    "hf/test_compile.py",
+    "hf/test_families.py",
     "apps/test_serve.py",
-    "apps/test_bench_serve.py",
     "apps/test_bench.py",
-    "apps/test_frontier.py",
+    "core/test_reliability.py",
+    "hf/test_compile.py",
+    "apps/test_kinds_answer.py",
+    "hf/test_generate.py",
+    "prompts/test_store_sharing.py",
     "engine/test_engine_state.py",
-    "prompts/test_store_real_model.py",
 )
 
 
@@ -97,3 +98,13 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The ten slowest files, so that drift shows in every run (``LONGEST_FIRST`` orders by them)."""
+    reports = [r for group in terminalreporter.stats.values() for r in group if getattr(r, "nodeid", "") and hasattr(r, "when")]
+    if not reports:
+        return
+    terminalreporter.section("slowest files (seconds, set-up + call + tear-down, summed over their tests)")
+    for path, seconds in slowest_files(reports):
+        terminalreporter.write_line(f"{seconds:7.1f}  {path}")

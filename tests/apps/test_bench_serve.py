@@ -18,6 +18,11 @@ from kvcache.apps.run_options import RunOptions
 from kvcache.errors import KVCacheError
 
 
+#: The tiny run starts six server processes (about 45 s): the slow lane's (``tests/apps/test_serve.py``
+#: checks the server itself on every run).
+SLOW = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
     out = tmp_path_factory.mktemp("serve-out")
@@ -28,6 +33,7 @@ def test_registered():
     assert "serve" in SUITES
 
 
+@SLOW
 def test_the_tiny_run_is_well_formed(result):
     """The checks every suite's tiny run gets in test_bench.py (run here, where the run is made)."""
     from test_bench import assert_well_formed
@@ -36,6 +42,7 @@ def test_the_tiny_run_is_well_formed(result):
     assert_well_formed("serve", out, returned)
 
 
+@SLOW
 def test_outputs_written(result):
     res, out = result
     assert json.loads((out / "serve.json").read_text())["rows"] == json.loads(json.dumps(res["rows"], default=str))
@@ -47,6 +54,7 @@ def test_outputs_written(result):
         assert f"`{name}`:" in md
 
 
+@SLOW
 def test_a_row_per_server_and_client_count_without_errors(result):
     """kvcache's servers always run (the test extra installs its serve extra); transformers' runs
     where its serving extra is installed, else its row says how to install it."""
@@ -67,6 +75,7 @@ def test_a_row_per_server_and_client_count_without_errors(result):
     assert res["summary"]["errors"] == 0 and res["summary"]["met"] == {"tokens_over_peer": None, "ttft_p99_of_peer": None}
 
 
+@SLOW
 def test_second_replica_takes_the_system_prompt_from_redis(result):
     """A and the cold C compute every prompt token; B, fresh but on A's Redis database, reuses at
     least the system turn's whole chunks."""

@@ -188,6 +188,7 @@ def test_a_family_table_per_task_family(tmp_path):
 
 
 @pytest.mark.real_model
+@pytest.mark.slow  # a frontier run on SmolLM2 (about 25 s); its report code is checked above on results made by hand
 def test_the_family_frontier_answers_as_generate_does(tmp_path):
     """A family item through the frontier's recorded pass and compression: the full cache's answer is
     ``generate``'s with Hugging Face's own cache, and every row is scored by the family's rule."""

@@ -68,6 +68,7 @@ def chat_ids(local, system: str, question: str) -> list[int]:
     return list(local[1].apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
 
 
+@pytest.mark.slow  # a Ray cluster: about 20 s to start alone, a minute beside other tests
 def test_two_replicas_answer_as_generate_keep_prefixes_survive_a_kill_and_stop_on_sigterm(tmp_path):
     """One cluster for every check (a cluster takes about half a minute to start, and one test
     keeps it on one xdist worker)."""

@@ -14,7 +14,9 @@ from engine_reference import reference, same_or_near_tie
 from kvcache import Engine
 from kvcache.models import load
 
-pytestmark = pytest.mark.real_model
+#: SmolLM2 through the engine, each request against its own generate (about 40 s): the slow lane's; the
+#: engine against generate on tiny models (tests/engine/test_engine*.py) runs on every run.
+pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
 SYSTEM = (
     "You are a concise assistant for a hardware shop. Answer in one sentence, name the aisle where the "

@@ -14,7 +14,9 @@ from helpers import assert_same_tokens
 from kvcache.apps.bench.workload import corpus
 from kvcache.models import load
 
-pytestmark = pytest.mark.real_model
+#: SmolLM2 through the prompt store (about 30 s): the slow lane's; every backend x kind on the tiny
+#: families (tests/prompts/) runs on every run.
+pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
 CHUNK = 64
 NEW = 12
