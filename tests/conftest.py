@@ -5,6 +5,11 @@ import os
 # CPU tensors to Triton by itself (attention/backends.py), so no other test changes path.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Every process a test starts (servers, CLI runs, workers) runs one OpenMP thread, as the tests in
+# the worker do (``_one_thread``): beside the other xdist worker on two cores, a second thread a
+# process only spins. Set before torch is imported, so children inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import pytest  # noqa: E402
 from slowest import slowest_files  # noqa: E402
 

@@ -71,6 +71,21 @@ def test_prefill_equals_causal_attention_over_the_gathered_chunk(chunks, rows, d
     torch.testing.assert_close(got, reference(*case, scale), rtol=1e-5, atol=1e-5)
 
 
+def test_threads_split_the_tasks_without_changing_a_bit():
+    """The suite runs one thread a process; the kernels' tasks split over several give the same bits
+    (each task is computed whole by one thread)."""
+    case = layout([(100, 70), (0, 130), (33, 1)], 2, 3, 64, 16, torch.float32, 5)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = native.paged_prefill(*case, 0.125)
+        torch.set_num_threads(2)
+        two = native.paged_prefill(*case, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
 def test_bad_starts_are_refused_and_other_inputs_declined():
     q, keys, values, tables, starts, pasts = layout([(5, 10), (0, 3)], 2, 3, 64, 8, torch.float32, 0)
     with pytest.raises(ValueError, match="starts must rise from 0"):
