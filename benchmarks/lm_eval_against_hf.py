@@ -26,7 +26,6 @@ import argparse
 import glob
 import json
 import os
-import random
 import subprocess
 import sys
 import time
@@ -80,11 +79,8 @@ def write_tasks(folder: Path, count: int) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     mc, gen = [], []
     for i in range(count):
-        inst = tasks.make_instance("passkey", 2000 + i, length=384, depth=(i % 4) / 3)
-        rng = random.Random(i)
-        choices = [inst.answer] + [" " + str(rng.randrange(10000, 100000)) for _ in range(3)]
-        rng.shuffle(choices)
-        mc.append({"question": inst.prompt, "choices": choices, "answer": choices.index(inst.answer)})
+        inst, choices, right = tasks.passkey_choices(2000 + i, length=384, depth=(i % 4) / 3, draw=i)
+        mc.append({"question": inst.prompt, "choices": choices, "answer": right})
         gen.append({"prompt": inst.prompt, "target": inst.answer.strip()})
     (folder / "mc.jsonl").write_text("".join(json.dumps(x) + "\n" for x in mc))
     (folder / "gen.jsonl").write_text("".join(json.dumps(x) + "\n" for x in gen))

@@ -15,7 +15,6 @@ Targets (issue 39): identical generations, loglikelihoods within 1e-3 in fp32, t
 
 from __future__ import annotations
 
-import random
 
 import pytest
 
@@ -36,11 +35,8 @@ TOLERANCE = 1e-3
 def _docs() -> list[dict]:
     out = []
     for i in range(DOCS):
-        inst = tasks.make_instance("passkey", 7100 + i, length=160, depth=(i % 3) / 2)
-        rng = random.Random(i)
-        choices = [inst.answer] + [" " + str(rng.randrange(10000, 100000)) for _ in range(3)]
-        rng.shuffle(choices)
-        out.append({"prompt": inst.prompt, "choices": choices, "answer": choices.index(inst.answer)})
+        inst, choices, right = tasks.passkey_choices(7100 + i, length=160, depth=(i % 3) / 2, draw=i)
+        out.append({"prompt": inst.prompt, "choices": choices, "answer": right})
     return out
 
 

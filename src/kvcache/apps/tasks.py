@@ -331,6 +331,19 @@ def make_instance(task: str, seed: int, *, length: int, depth: float, split: str
     return maker(seed, length=length, depth=depth, split=split, **options)
 
 
+def passkey_choices(
+    seed: int, *, length: int, depth: float, draw: int, wrong: int = 3
+) -> tuple[Instance, list[str], int]:
+    """Pass-key instance ``seed`` as a multiple-choice question: ``(instance, choices, index of the
+    right one)``, the key among ``wrong`` other five-digit keys drawn and shuffled with seed
+    ``draw`` (what the lm-evaluation-harness comparisons ask as a ``multiple_choice`` task)."""
+    inst = make_instance("passkey", seed, length=length, depth=depth)
+    rng = random.Random(draw)
+    choices = [inst.answer] + [" " + str(rng.randrange(10000, 100000)) for _ in range(wrong)]
+    rng.shuffle(choices)
+    return inst, choices, choices.index(inst.answer)
+
+
 def _normalise(text: str) -> str:
     text = text.strip()
     return text[:-1].rstrip() if text.endswith(".") else text
