@@ -39,6 +39,8 @@ GENERIC: dict[str, Any] = dict(
     d_model=64, n_embd=64, n_head=4, num_heads=4, n_inner=128, ffn_dim=128, d_ff=128,
     encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
     n_positions=512, n_ctx=512, max_seq_len=512, n_group=2, topk_group=1, rotary_dim=8,
+    # Gated delta-net layers (Qwen3-Next, Qwen3.5): 32 value heads of 128 by default.
+    linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
 )
 LAYER_COUNT_FIELDS = ("num_hidden_layers", "n_layer", "num_layers", "encoder_layers", "decoder_layers")
 
@@ -51,6 +53,12 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
     # too) drops what lies beyond it, so the reference disagrees with generate(use_cache=False):
     # keep the window longer than the runs.
     "moshi": dict(sliding_window=64),
+    # Falcon-H1's Mamba mixer defaults to 128 heads x 8, a 256-wide state and 256-token chunks: a
+    # tenth of the whole sweep's time on a tiny model. The same layers, narrower.
+    "falcon_h1": dict(mamba_n_heads=16, mamba_d_ssm=128, mamba_d_state=16, mamba_chunk_size=16),
+    # Nemotron-H's Mamba mixer: 128 heads of 64, 128-wide state, 8 groups, a 7,688-wide shared expert.
+    "nemotron_h": dict(mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=16, n_groups=2, chunk_size=16,
+                       moe_shared_expert_intermediate_size=32),
     # Gemma 3n: per-layer inputs from a 262K vocabulary by default; the last 2 of 4 layers share the
     # K/V of the last earlier layer of their kind (num_kv_shared_layers).
     "gemma3n_text": dict(vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16, laurel_rank=8,
