@@ -74,9 +74,9 @@ def _name(requirement: str) -> str:
 
 #: Runs CLI commands one after the other with the extras' modules unimportable: ``sys.argv[1]`` a
 #: JSON list of names, ``sys.argv[2]`` a JSON list of argument lists, ``sys.argv[3]`` where to
-#: write each command's ``{"code", "stdout", "stderr", "seconds"}`` (a traceback in its stderr).
+#: write each command's ``{"code", "stdout", "stderr"}`` (a traceback in its stderr).
 BLOCKED_RUNNER = """
-import contextlib, io, json, sys, time, traceback
+import contextlib, io, json, sys, traceback
 from importlib.machinery import PathFinder
 blocked = set(json.loads(sys.argv[1]))
 class NotInstalled(PathFinder):  # the path finder, blind to the extras: as if they were not installed
@@ -88,14 +88,13 @@ from kvcache.apps.cli import main
 results = []
 for argv in json.loads(sys.argv[2]):
     out, err = io.StringIO(), io.StringIO()
-    start = time.perf_counter()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             code = main(argv)
         except BaseException:
             traceback.print_exc()
             code = 1
-    results.append({"code": code, "stdout": out.getvalue(), "stderr": err.getvalue(), "seconds": time.perf_counter() - start})
+    results.append({"code": code, "stdout": out.getvalue(), "stderr": err.getvalue()})
     with open(sys.argv[3], "w") as f:
         json.dump(results, f)
 """

@@ -17,10 +17,11 @@ import time
 from typing import Any
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from .. import Engine, cache_kwargs
 from . import tasks
+from .contenders import make_contender
 
 __all__ = ["SESSIONS", "run_sessions", "sessions_lines"]
 
@@ -44,7 +45,7 @@ def _sequential(model: PreTrainedModel, prompts: list[list[int]], new_tokens: in
     out = []
     for ids in prompts:
         prompt = torch.tensor([ids])
-        cache = DynamicCache(config=model.config)
+        cache = make_contender("dynamic", model)
         got = model.generate(prompt, **cache_kwargs(model, cache), max_new_tokens=new_tokens, do_sample=False)
         out.append(got[0, prompt.shape[1] :].tolist())
     return out

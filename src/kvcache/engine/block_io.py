@@ -43,7 +43,7 @@ class SlotIO:
     def __init__(self, pool: BlockPool, step: StepRows) -> None:
         self.pool, self.step = pool, step
         bs, device = pool.block_size, pool.device
-        rows = [r for r in step.rows if r.cache is None]
+        rows = step.pooled_rows
         slots = [(r.table[t // bs], t % bs) for r in rows for t in range(r.past, r.length)]
         self.slot_blocks = torch.tensor([b for b, _ in slots], dtype=torch.long, device=device)
         self.slot_offsets = torch.tensor([o for _, o in slots], dtype=torch.long, device=device)
@@ -126,7 +126,7 @@ class OpenBlockIO:
     def __init__(self, pool: BlockPool, step: StepRows) -> None:
         self.pool, self.step = pool, step
         bs, device = pool.block_size, pool.device
-        missing = next((r for r in step.rows if r.cache is None and not 0 <= r.tail < pool.tail_count), None)
+        missing = next((r for r in step.pooled_rows if not 0 <= r.tail < pool.tail_count), None)
         if missing is not None:
             raise ValueError(f"a row of a coded pool needs an open block, got tail {missing.tail}")
         dec = step.decode_rows

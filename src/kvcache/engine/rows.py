@@ -50,11 +50,12 @@ class StepRows:
         self.tokens = sum(r.count for r in rows)
         #: Rows whose context lives in a bounded cache of their own (not in the pool).
         self.own_rows = [r for r in rows if r.cache is not None]
-        pooled = [r for r in rows if r.cache is None]
+        #: Rows whose context lives in the pool's blocks.
+        self.pooled_rows = [r for r in rows if r.cache is None]
         # One new token after a past is a decode row, unless it must report weights (a prompt's last
         # chunk of one token, to be compressed): that goes the way of a chunk.
-        self.decode_rows = [r for r in pooled if r.count == 1 and r.past > 0 and r.weights is None]
-        self.chunk_rows = [r for r in pooled if not (r.count == 1 and r.past > 0 and r.weights is None)]
+        self.decode_rows = [r for r in self.pooled_rows if r.count == 1 and r.past > 0 and r.weights is None]
+        self.chunk_rows = [r for r in self.pooled_rows if not (r.count == 1 and r.past > 0 and r.weights is None)]
         #: Chunk rows that report no weights (the pool's prefill kernel may take them all at once),
         #: and those that do (each through ``attend_weighted``).
         self.plain_chunk_rows = [r for r in self.chunk_rows if r.weights is None]

@@ -47,17 +47,13 @@ class PagedStep(ForwardStep):
 
     def __init__(self, pool: BlockPool, rows: list[Row]):
         self.pool, self.rows = pool, rows
+        #: The rows split by how they attend (``rows.StepRows``), what ``block_io`` reads too.
         self.split = StepRows(rows, pool.device)
-        split = self.split
-        self.tokens, self.own_rows = split.tokens, split.own_rows
-        self.decode_rows, self.chunk_rows = split.decode_rows, split.chunk_rows
-        self.plain_chunk_rows, self.reporting_rows = split.plain_chunk_rows, split.reporting_rows
-        self.decode_tokens = split.decode_tokens
         self.layers_run = 0
         #: For each row that reports weights (by its index in ``rows``): per layer the row's keys and
         #: values ``[1, Hkv, length, D]`` and its weights, mode -> float32 ``[1, Hkv, length]``.
         self.reported: dict[int, list[tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]] = {}
-        self.io = block_io(pool, split)
+        self.io = block_io(pool, self.split)
 
     @property
     def shared_rows(self) -> int:
@@ -80,9 +76,9 @@ class PagedStep(ForwardStep):
                 "the engine's paged attention does not apply logit caps, attention sinks, position biases or "
                 "sparse indices yet; serve this model with generate and make_cache"
             )
-        if query.shape[0] != 1 or query.shape[2] != self.tokens:
+        if query.shape[0] != 1 or query.shape[2] != self.split.tokens:
             raise UnsupportedOperation(
-                f"the engine packs {self.tokens} tokens as one sequence, but the attention got a query of shape "
+                f"the engine packs {self.split.tokens} tokens as one sequence, but the attention got a query of shape "
                 f"{list(query.shape)}; this model does not pass the packed batch through unchanged"
             )
         pool = self.pool
@@ -101,20 +97,21 @@ class PagedStep(ForwardStep):
         self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
     ) -> torch.Tensor:
         """Store the layer's new keys and values and attend every row: ``[1, T, Hq, Dv]``."""
-        out = query.new_empty(1, self.tokens, query.shape[1], value.shape[-1])
-        for r in self.own_rows:
+        split = self.split
+        out = query.new_empty(1, split.tokens, query.shape[1], value.shape[-1])
+        for r in split.own_rows:
             span = slice(r.start, r.start + r.count)
             own = r.cache.kv_layers[layer]
             own.update(key[:, :, span], value[:, :, span])
             out[0, span] = own.attend(query[:, :, span], scale=scale)[0].transpose(0, 1)
         self.io.before(layer, key, value)
-        if self.decode_rows:
-            q = query[0, :, self.decode_tokens].transpose(0, 1)  # [S, Hq, D]
-            out[0, self.decode_tokens] = self.io.decode(layer, q, scale).to(out.dtype)
-        chunks = self.io.chunks(layer, query, scale) if self.chunk_rows else None
+        if split.decode_rows:
+            q = query[0, :, split.decode_tokens].transpose(0, 1)  # [S, Hq, D]
+            out[0, split.decode_tokens] = self.io.decode(layer, q, scale).to(out.dtype)
+        chunks = self.io.chunks(layer, query, scale) if split.chunk_rows else None
         if chunks is not None:
             out[0, self.io.chunk_tokens] = chunks.to(out.dtype)
-        for r in self.chunk_rows if chunks is None else self.reporting_rows:
+        for r in split.chunk_rows if chunks is None else split.reporting_rows:
             span = slice(r.start, r.start + r.count)
             q, k, v = query[:, :, span], key[:, :, span], value[:, :, span]
             if r.past:
