@@ -1,11 +1,13 @@
-"""Subprocess side of the reliability suite: saves that get killed, run out of disk or race.
+"""The other process of the reliability suite: saves that get killed, run out of disk or race.
+The suite forks it (``forked.py``: ``main([...])``) except for ``load``, which measures its peak
+memory and so runs as a fresh interpreter:
 
     python reliability_worker.py save-loop PATH SEED COUNT   # print "ready", then save COUNT times
     python reliability_worker.py save-limited PATH SEED BYTES  # RLIMIT_FSIZE=BYTES, SIGXFSZ ignored
     python reliability_worker.py load PATH...                # load each (model: tiny llama config), report
 
 Each prints one JSON line with what happened. Caches are built without a model (keys and values
-are seeded random tensors), so a worker starts in the time it takes to import kvcache.
+are seeded random tensors).
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ then loads and builds each kind in turn, in a shuffled order, reporting each on 
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import re
 import subprocess
@@ -23,6 +25,7 @@ import transformers
 
 import kvcache
 from kvcache import cache_kwargs
+from kvcache.apps.cli import main as cli_main
 from kvcache.hf.spec import valid_specs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,9 +49,10 @@ def documented_kinds() -> set[str]:
         section = section[: section.index("\n## ", 1)]
         from_readme |= {m.group(1) for m in re.finditer(r"^\| `([a-z0-9-]+)[:`]", section, flags=re.M)}
     from_listing = {line.split()[0] for line in valid_specs().splitlines()}
-    help_text = subprocess.run(
-        [sys.executable, "-m", "kvcache", "generate", "--help"], capture_output=True, text=True, cwd=ROOT, check=True
-    ).stdout
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli_main(["generate", "--help"]) == 0
+    help_text = out.getvalue()
     from_help = {k for k in from_listing if re.search(rf"\b{re.escape(k)}\b", help_text)}
     assert from_readme and from_listing, "no kinds found: did the README's kinds table move?"
     assert from_help == from_listing, f"--help does not name {sorted(from_listing - from_help)}"

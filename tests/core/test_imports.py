@@ -26,9 +26,12 @@ from __future__ import annotations
 
 import ast
 import importlib
+import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 import kvcache
 
@@ -306,39 +309,48 @@ def test_the_applications_use_the_public_api_only():
     assert not found, "imports of library internals in the applications:\n" + "\n".join(found)
 
 
-def test_importing_kvcache_loads_no_application_module():
-    code = "import sys, kvcache; print(' '.join(sorted(m for m in sys.modules if m.startswith('kvcache.'))))"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    loaded = done.stdout.split()
+#: Imports ``kvcache`` in a fresh interpreter after torch and transformers' model classes and prints
+#: one JSON line: the ``kvcache.*`` modules loaded, the optional dependencies importing kvcache added,
+#: and what opening a Redis location says once the ``redis`` package is made unimportable.
+FRESH_IMPORT = """
+import json, sys, torch, transformers
+from transformers import AutoModelForCausalLM, PreTrainedModel, DynamicCache
+before = set(sys.modules)
+import pytest
+
+import kvcache
+added = sorted(m for m in set(sys.modules) - before if m.split('.')[0] in ('redis', 'gguf', 'accelerate'))
+loaded = sorted(m for m in sys.modules if m.startswith('kvcache.'))
+sys.modules['redis'] = None  # as if not installed
+from kvcache.prompts.backends import open_backend
+try:
+    open_backend('redis://127.0.0.1:1/0')
+    redis = 'opened'
+except ModuleNotFoundError as e:
+    redis = str(e)
+print(json.dumps({'loaded': loaded, 'optional': added, 'redis': redis}))
+"""
+
+
+@pytest.fixture(scope="module")
+def fresh_import() -> dict:
+    """``FRESH_IMPORT``'s report (one interpreter start for the three tests that read it)."""
+    done = subprocess.run([sys.executable, "-c", FRESH_IMPORT], capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_importing_kvcache_loads_no_application_module(fresh_import):
+    loaded = fresh_import["loaded"]
     assert "kvcache.hf.cache" in loaded  # the probe saw the library load
     assert [m for m in loaded if tier_of(m) == "apps"] == []
 
 
-def test_importing_kvcache_pulls_in_no_optional_dependency():
+def test_importing_kvcache_pulls_in_no_optional_dependency(fresh_import):
     # redis (prompt stores at redis:// locations), gguf and accelerate (converting real models) are
     # extras: importing the library loads none of them beyond what torch and transformers' model
     # classes load by themselves (transformers imports accelerate where it is installed).
-    optional = ("redis", "gguf", "accelerate")
-    code = (
-        "import sys, torch, transformers\n"
-        "from transformers import AutoModelForCausalLM, PreTrainedModel, DynamicCache\n"
-        "before = set(sys.modules)\n"
-        "import kvcache\n"
-        f"print(' '.join(sorted(m for m in set(sys.modules) - before if m.split('.')[0] in {optional!r})))"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert done.stdout.split() == []
+    assert fresh_import["optional"] == []
 
 
-def test_a_redis_location_without_the_redis_package_says_what_to_install():
-    code = (
-        "import sys\n"
-        "sys.modules['redis'] = None  # as if not installed\n"
-        "from kvcache.prompts.backends import open_backend\n"
-        "try:\n"
-        "    open_backend('redis://127.0.0.1:1/0')\n"
-        "except ModuleNotFoundError as e:\n"
-        "    print(e)\n"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert "kvcache[redis]" in done.stdout
+def test_a_redis_location_without_the_redis_package_says_what_to_install(fresh_import):
+    assert "kvcache[redis]" in fresh_import["redis"]

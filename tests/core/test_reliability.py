@@ -34,6 +34,7 @@ import torch
 import kvcache
 from kvcache import cache_kwargs
 from kvcache.apps.tiny import tiny_model
+from forked import Forked
 from mutations import SPECS, Mutation, crafted_forgeries, mutations
 
 FULL = os.environ.get("KVCACHE_RELIABILITY", "quick") == "full"
@@ -168,6 +169,16 @@ def _worker(*args, timeout: float = 120) -> str:
     return done.stdout
 
 
+def _forked_worker(*args, timeout: float = 120) -> str:
+    """``reliability_worker.main(args)`` in a forked child (``forked.py``), to completion; its stdout."""
+    import reliability_worker as w
+
+    child = Forked(w.main, [str(a) for a in args])
+    out, err = child.communicate(timeout=timeout)
+    assert child.returncode == 0, f"worker {args[0]} failed ({child.returncode}):\n{err[-3000:]}"
+    return out
+
+
 def test_huge_claims_are_refused_quickly_and_allocate_nothing(tmp_path):
     """Claims of 2**40 slots (a 4 TiB tensor) in the spec and options, a tensor's shape or the
     tokens seen: a separate process loads each and reports how much its peak memory grew."""
@@ -211,25 +222,23 @@ def test_sigkill_during_save_leaves_old_or_new_file_and_sweepable_temps(tmp_path
     import reliability_worker as w
     from kvcache.persist.atomic import _temp_pattern
 
-    trials = 20 if FULL else 3
+    trials = 20 if FULL else 8
     rng = random.Random(f"{SEED}:kill")
     path = tmp_path / "chat.kv"
     old, new = w.make(100, 3000), w.make(200, 3000)
     versions = {"old": w.content(old), "new": w.content(new)}
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent / "src"), str(TESTS)])}
     seen = collections.Counter()
     for trial in range(trials):
         old.save(path)
         assert _temps(tmp_path) == [], f"trial {trial}: the save before it left {_temps(tmp_path)}"
         delay = rng.uniform(0.0, 0.6)
-        proc = subprocess.Popen([sys.executable, str(WORKER), "save-loop", str(path), "200", "30"], stdout=subprocess.PIPE, text=True, env=env)
+        proc = Forked(w.main, ["save-loop", str(path), "200", "30"])
         try:
             assert proc.stdout.readline().strip() == "ready", f"trial {trial}: the worker did not start"
             time.sleep(delay)
             proc.send_signal(signal.SIGKILL)
         finally:
-            proc.wait(timeout=60)
-            proc.stdout.close()
+            proc.communicate(timeout=60)
         loaded = w.content(kvcache.load_cache(path, w.CONFIG))
         which = [name for name, want in versions.items() if all(torch.equal(a, b) for a, b in zip(loaded, want))]
         assert len(which) == 1, f"[seed {SEED}] trial {trial} (kill after {delay:.3f} s): the file is neither version"
@@ -301,7 +310,7 @@ def _save_over_full_disk(folder: Path, how: str) -> None:
         else:
             error = {"error": None}
     else:
-        error = json.loads(_worker("save-limited", path, 6, 64 * 1024).splitlines()[-1])
+        error = json.loads(_forked_worker("save-limited", path, 6, 64 * 1024).splitlines()[-1])
     _assert_clean_save_error(error, path, how)
     assert path.read_bytes() == before, f"{how}: the old file changed"
     assert all(torch.equal(a, b) for a, b in zip(w.content(kvcache.load_cache(path, w.CONFIG)), w.content(old)))
@@ -354,12 +363,8 @@ def test_two_processes_saving_to_one_path(tmp_path):
     import reliability_worker as w
 
     path = tmp_path / "chat.kv"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent / "src"), str(TESTS)])}
     count = 10 if FULL else 4
-    procs = [
-        subprocess.Popen([sys.executable, str(WORKER), "save-loop", str(path), str(seed), str(count)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-        for seed in (20, 21)
-    ]
+    procs = [Forked(w.main, ["save-loop", str(path), str(seed), str(count)]) for seed in (20, 21)]
     for p in procs:
         out, err = p.communicate(timeout=180)
         assert p.returncode == 0, f"a saving process failed:\n{err[-3000:]}"

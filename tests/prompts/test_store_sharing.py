@@ -3,21 +3,19 @@ entries, an unreachable Redis degrades to no store with one warning, a restarted
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 
 import kvcache
+import store_worker
+from forked import Forked
 from helpers import assert_same_tokens, model_for, prompt
 from test_prompt_store import greedy
 
 CHUNK = 16
-WORKER = Path(__file__).with_name("store_worker.py")
 #: Prompts that share their first 32 tokens.
 SHARED = prompt(32, seed=41)
 PROMPTS = [torch.cat([SHARED, prompt(20 + 3 * i, seed=42 + i)], dim=1) for i in range(4)]
@@ -63,10 +61,7 @@ def test_threads_writing_the_same_prefixes_leave_complete_entries(shared_locatio
 
 
 def test_processes_writing_the_same_prefixes_leave_complete_entries(shared_location):
-    workers = [
-        subprocess.Popen([sys.executable, str(WORKER), shared_location, str(CHUNK), str(i)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for i in range(3)
-    ]
+    workers = [Forked(store_worker.work, shared_location, CHUNK, i, PROMPTS) for i in range(3)]
     for w in workers:
         out, err = w.communicate(timeout=300)
         assert w.returncode == 0, err[-2000:]
