@@ -46,16 +46,16 @@ def runs_half_precision(item: pytest.Item) -> bool:
 #: once and the many short files fill in around them (longest first): two workers finish close
 #: together, where a long file drawn last would leave one idle for minutes.
 LONGEST_FIRST = (
-    "apps/test_readme_commands.py",
     "hf/test_families.py",
-    "apps/test_serve.py",
-    "apps/test_bench.py",
-    "core/test_reliability.py",
+    "apps/test_readme_commands.py",
     "hf/test_compile.py",
-    "apps/test_kinds_answer.py",
+    "apps/test_serve.py",
     "hf/test_generate.py",
-    "prompts/test_store_sharing.py",
+    "apps/test_bench.py",
     "engine/test_engine_state.py",
+    "core/test_isa_cap.py",
+    "core/test_triton_decode.py",
+    "engine/test_engine_bounded.py",
 )
 
 
