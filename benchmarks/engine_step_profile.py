@@ -7,6 +7,12 @@ step kind (steps that carry prompt chunks, decode-only steps) and, for one decod
 engine's paged step), the LM head, the rest.
 
     .venv/bin/python benchmarks/engine_step_profile.py [--rows 16] [--prefix 1024] [--turn 64]
+
+``--compile-breaks`` measures the same rounds with the model's forward under ``torch.compile``
+(inductor, ``dynamic=True``, weights frozen, the engine's packed linears off: inductor packs its
+own) and the ``"kvcache"`` attention left out of the graph (``torch._dynamo.disable``): what
+compiling the step gives before the attention is a graph operator. The first round includes
+the compilation.
 """
 
 from __future__ import annotations
@@ -41,13 +47,21 @@ def main() -> int:
     p.add_argument("--turn", type=int, default=64)
     p.add_argument("--new", type=int, default=32)
     p.add_argument("--model", default="smollm2")
+    p.add_argument("--compile-breaks", action="store_true")
     args = p.parse_args()
     model, tokenizer, _ = load_model(args.model)
+    if args.compile_breaks:
+        import torch._inductor.config
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        ALL_ATTENTION_FUNCTIONS["kvcache"] = torch._dynamo.disable(ALL_ATTENTION_FUNCTIONS["kvcache"])
+        torch._inductor.config.freezing = True
+        model.forward = torch.compile(model.forward, dynamic=True)
     prompts = workload(tokenizer, args.rows, args.prefix, args.turn)
     print(machine_line(machine_info()))
 
     for rnd in range(2):  # the first round warms up (kernels built, allocator primed)
-        engine = kvcache.Engine(model, max_seqs=max(32, args.rows))
+        engine = kvcache.Engine(model, max_seqs=max(32, args.rows), pack_linears=not args.compile_breaks)
         handles = [engine.submit(ids, max_new_tokens=args.new) for ids in prompts]
         prefill, decode = [], []
         started = time.perf_counter()
@@ -64,7 +78,7 @@ def main() -> int:
               f"{sum(decode):.2f} s (median {1000 * statistics.median(decode):.0f} ms)")  # fmt: skip
 
     # one decode-only step of every row, profiled
-    engine = kvcache.Engine(model, max_seqs=max(32, args.rows))
+    engine = kvcache.Engine(model, max_seqs=max(32, args.rows), pack_linears=not args.compile_breaks)
     handles = [engine.submit(ids, max_new_tokens=args.new) for ids in prompts]
     while any(h._request.computed < len(h._request.prompt) for h in handles):
         engine.step()
