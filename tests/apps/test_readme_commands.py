@@ -124,15 +124,22 @@ def quick(command: str) -> list[str]:
     return argv
 
 
+#: Run after the README's commands in the same subprocess, to check the runner itself: a command
+#: that fails, then one that must still run.
+PROBES = [["generate", "--cache", "nonsense"], ["models", "list"]]
+
+
 @pytest.fixture(scope="module")
 def readme_runs(tmp_path_factory) -> dict[str, tuple[list[str], dict, Path]]:
     """Every documented command run once, in README order (so ``--load-cache`` continues what the
-    ``--save-cache`` line wrote): command -> (its arguments, its result, the folder it ran in)."""
+    ``--save-cache`` line wrote), then ``PROBES``: command -> (its arguments, its result, the
+    folder it ran in); each probe under its arguments joined by spaces."""
     folder = tmp_path_factory.mktemp("readme")
     commands = documented_commands()
-    argvs = [quick(c) for c in commands]
+    argvs = [quick(c) for c in commands] + PROBES
     results = run_blocked(argvs, folder)
-    return {c: (argv, result, folder) for c, argv, result in zip(commands, argvs, results)}
+    names = commands + [" ".join(p) for p in PROBES]
+    return {c: (argv, result, folder) for c, argv, result in zip(names, argvs, results)}
 
 
 def test_the_readme_documents_commands_for_every_subcommand():
@@ -172,11 +179,11 @@ def test_documented_command_works_after_the_readme_install(command, readme_runs)
             assert_well_formed(name, written, result, png=False)
 
 
-def test_the_runner_reports_each_command_apart(tmp_path):
+def test_the_runner_reports_each_command_apart(readme_runs):
     """A command that fails or raises is its own result; the next ones still run."""
-    got = run_blocked([["generate", "--cache", "nonsense"], ["models", "list"]], tmp_path)
-    assert got[0]["code"] == 2 and "nonsense" in got[0]["stderr"]
-    assert got[1]["code"] == 0 and "smollm2" in got[1]["stdout"]
+    failed, after = (readme_runs[" ".join(p)][1] for p in PROBES)
+    assert failed["code"] == 2 and "nonsense" in failed["stderr"]
+    assert after["code"] == 0 and "smollm2" in after["stdout"]
 
 
 def test_the_first_python_example_runs_and_matches_dynamic_cache(tmp_path, monkeypatch):
