@@ -1,0 +1,79 @@
+"""The paged C++ kernels as torch operators, so that a compiled graph holds them.
+
+``torch.compile`` cannot trace into a ``ctypes`` call. Reached from a traced function, the
+``native`` kernels break the graph there, and the code after each break is compiled again for every
+layer (docs/benchmarks.md, "A decode step on an Intel Xeon"). Declared through ``torch.library``
+with a fake implementation (the output's shape and dtype, computed without running the kernel),
+they become single nodes that dynamo, AOT autograd and inductor pass through:
+
+- ``torch.ops.kvcache.paged_decode(q, key_pool, value_pool, tables, lengths, scale)``: as
+  ``native.paged_decode``, float32 ``[S, Hkv, R, Dv]``;
+- ``torch.ops.kvcache.paged_prefill(q, key_pool, value_pool, tables, starts, pasts, scale)``: as
+  ``native.paged_prefill``, float32 ``[Hkv, N, R, Dv]``.
+
+Neither changes its inputs. Both raise ``UnsupportedOperation`` where the library cannot take the
+call (no compiler, another device, a shape it does not serve); the eager callers check
+``native.available()`` and the shapes before they choose these.
+
+Registering an operator is global to the process, so nothing registers at import: ``register()``
+does it once and returns the two operators.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+
+from ..errors import UnsupportedOperation
+from . import native
+
+__all__ = ["GraphOps", "register"]
+
+
+class GraphOps(NamedTuple):
+    paged_decode: torch._ops.OpOverloadPacket
+    paged_prefill: torch._ops.OpOverloadPacket
+
+
+@functools.cache
+def register() -> GraphOps:
+    """Register ``kvcache::paged_decode`` and ``kvcache::paged_prefill`` (once per process)."""
+
+    @torch.library.custom_op("kvcache::paged_decode", mutates_args=())
+    def paged_decode(
+        q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor, tables: torch.Tensor,
+        lengths: torch.Tensor, scale: float,
+    ) -> torch.Tensor:  # fmt: skip
+        out = native.paged_decode(q, key_pool, value_pool, tables, lengths, scale)
+        if out is None:
+            raise UnsupportedOperation(_refused("paged_decode", q, key_pool))
+        return out
+
+    @paged_decode.register_fake
+    def _(q, key_pool, value_pool, tables, lengths, scale):
+        return q.new_empty((*q.shape[:-1], value_pool.shape[-1]), dtype=torch.float32)
+
+    @torch.library.custom_op("kvcache::paged_prefill", mutates_args=())
+    def paged_prefill(
+        q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor, tables: torch.Tensor,
+        starts: torch.Tensor, pasts: torch.Tensor, scale: float,
+    ) -> torch.Tensor:  # fmt: skip
+        out = native.paged_prefill(q, key_pool, value_pool, tables, starts, pasts, scale)
+        if out is None:
+            raise UnsupportedOperation(_refused("paged_prefill", q, key_pool))
+        return out
+
+    @paged_prefill.register_fake
+    def _(q, key_pool, value_pool, tables, starts, pasts, scale):
+        return q.new_empty((*q.shape[:-1], value_pool.shape[-1]), dtype=torch.float32)
+
+    return GraphOps(torch.ops.kvcache.paged_decode, torch.ops.kvcache.paged_prefill)
+
+
+def _refused(name: str, q: torch.Tensor, pool: torch.Tensor) -> str:
+    return (
+        f"kvcache::{name}: the C++ library cannot take queries {list(q.shape)} ({q.dtype}, {q.device}) over "
+        f"blocks {list(pool.shape)} ({pool.dtype}); native.available() is {native.available()}"
+    )
