@@ -42,12 +42,15 @@ def test_the_operators_give_the_librarys_results():
     ops = graph_ops.register()
     assert torch.equal(ops.paged_decode(*decode_args()), native.paged_decode(*decode_args()))
     assert torch.equal(ops.paged_prefill(*prefill_args()), native.paged_prefill(*prefill_args()))
+    out, lse = ops.paged_decode_lse(*decode_args())
+    want_out, want_lse = native.paged_decode(*decode_args(), lse=True)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
 
 
-@pytest.mark.parametrize("name", ["paged_decode", "paged_prefill"])
+@pytest.mark.parametrize("name", ["paged_decode", "paged_decode_lse", "paged_prefill"])
 def test_the_operators_pass_torchs_operator_checks(name):
     op = getattr(graph_ops.register(), name)
-    args = decode_args() if name == "paged_decode" else prefill_args()
+    args = prefill_args() if name == "paged_prefill" else decode_args()
     torch.library.opcheck(op.default, args)
 
 

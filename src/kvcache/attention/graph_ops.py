@@ -8,6 +8,9 @@ they become single nodes that dynamo, AOT autograd and inductor pass through:
 
 - ``torch.ops.kvcache.paged_decode(q, key_pool, value_pool, tables, lengths, scale)``: as
   ``native.paged_decode``, float32 ``[S, Hkv, R, Dv]``;
+- ``torch.ops.kvcache.paged_decode_lse(...)``: the same arguments, ``(out, lse)`` as
+  ``native.paged_decode(..., lse=True)`` (``lse`` float32 ``[S, Hkv, R]``), what merging a shared
+  prefix's pass with each row's own blocks needs (``engine/shared_prefix.py``);
 - ``torch.ops.kvcache.paged_prefill(q, key_pool, value_pool, tables, starts, pasts, scale)``: as
   ``native.paged_prefill``, float32 ``[Hkv, N, R, Dv]``.
 
@@ -34,12 +37,14 @@ __all__ = ["GraphOps", "register"]
 
 class GraphOps(NamedTuple):
     paged_decode: torch._ops.OpOverloadPacket
+    paged_decode_lse: torch._ops.OpOverloadPacket
     paged_prefill: torch._ops.OpOverloadPacket
 
 
 @functools.cache
 def register() -> GraphOps:
-    """Register ``kvcache::paged_decode`` and ``kvcache::paged_prefill`` (once per process)."""
+    """Register ``kvcache::paged_decode``, ``paged_decode_lse`` and ``paged_prefill`` (once per
+    process)."""
 
     @torch.library.custom_op("kvcache::paged_decode", mutates_args=())
     def paged_decode(
@@ -55,6 +60,21 @@ def register() -> GraphOps:
     def _(q, key_pool, value_pool, tables, lengths, scale):
         return q.new_empty((*q.shape[:-1], value_pool.shape[-1]), dtype=torch.float32)
 
+    @torch.library.custom_op("kvcache::paged_decode_lse", mutates_args=())
+    def paged_decode_lse(
+        q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor, tables: torch.Tensor,
+        lengths: torch.Tensor, scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        got = native.paged_decode(q, key_pool, value_pool, tables, lengths, scale, lse=True)
+        if got is None:
+            raise UnsupportedOperation(_refused("paged_decode_lse", q, key_pool))
+        return got
+
+    @paged_decode_lse.register_fake
+    def _(q, key_pool, value_pool, tables, lengths, scale):
+        out = q.new_empty((*q.shape[:-1], value_pool.shape[-1]), dtype=torch.float32)
+        return out, q.new_empty(q.shape[:-1], dtype=torch.float32)
+
     @torch.library.custom_op("kvcache::paged_prefill", mutates_args=())
     def paged_prefill(
         q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor, tables: torch.Tensor,
@@ -69,7 +89,7 @@ def register() -> GraphOps:
     def _(q, key_pool, value_pool, tables, starts, pasts, scale):
         return q.new_empty((*q.shape[:-1], value_pool.shape[-1]), dtype=torch.float32)
 
-    return GraphOps(torch.ops.kvcache.paged_decode, torch.ops.kvcache.paged_prefill)
+    return GraphOps(torch.ops.kvcache.paged_decode, torch.ops.kvcache.paged_decode_lse, torch.ops.kvcache.paged_prefill)
 
 
 def _refused(name: str, q: torch.Tensor, pool: torch.Tensor) -> str:
