@@ -75,7 +75,7 @@ class Forked:
             if pid:
                 self.returncode = os.waitstatus_to_exitcode(status)
             elif time.monotonic() > deadline:
-                os.kill(self.pid, signal.SIGKILL)
+                self.kill()
                 self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
                 raise TimeoutError(f"forked child {self.pid} ran past {timeout} s")
             else:

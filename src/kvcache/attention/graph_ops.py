@@ -14,12 +14,12 @@ they become single nodes that dynamo, AOT autograd and inductor pass through:
 - ``torch.ops.kvcache.paged_prefill(q, key_pool, value_pool, tables, starts, pasts, scale)``: as
   ``native.paged_prefill``, float32 ``[Hkv, N, R, Dv]``.
 
-Neither changes its inputs. Both raise ``UnsupportedOperation`` where the library cannot take the
+None changes its inputs. Each raises ``UnsupportedOperation`` where the library cannot take the
 call (no compiler, another device, a shape it does not serve); the eager callers check
 ``native.available()`` and the shapes before they choose these.
 
 Registering an operator is global to the process, so nothing registers at import: ``register()``
-does it once and returns the two operators.
+does it once and returns the three operators.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def register() -> GraphOps:
 
     @paged_decode.register_fake
     def _(q, key_pool, value_pool, tables, lengths, scale):
-        return q.new_empty((*q.shape[:-1], value_pool.shape[-1]), dtype=torch.float32)
+        return _output(q, value_pool)
 
     @torch.library.custom_op("kvcache::paged_decode_lse", mutates_args=())
     def paged_decode_lse(
@@ -72,8 +72,7 @@ def register() -> GraphOps:
 
     @paged_decode_lse.register_fake
     def _(q, key_pool, value_pool, tables, lengths, scale):
-        out = q.new_empty((*q.shape[:-1], value_pool.shape[-1]), dtype=torch.float32)
-        return out, q.new_empty(q.shape[:-1], dtype=torch.float32)
+        return _output(q, value_pool), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
     @torch.library.custom_op("kvcache::paged_prefill", mutates_args=())
     def paged_prefill(
@@ -87,9 +86,14 @@ def register() -> GraphOps:
 
     @paged_prefill.register_fake
     def _(q, key_pool, value_pool, tables, starts, pasts, scale):
-        return q.new_empty((*q.shape[:-1], value_pool.shape[-1]), dtype=torch.float32)
+        return _output(q, value_pool)
 
     return GraphOps(torch.ops.kvcache.paged_decode, torch.ops.kvcache.paged_decode_lse, torch.ops.kvcache.paged_prefill)
+
+
+def _output(q: torch.Tensor, value_pool: torch.Tensor) -> torch.Tensor:
+    """An empty float32 output of every kernel here: ``q``'s shape with the values' head dim last."""
+    return q.new_empty((*q.shape[:-1], value_pool.shape[-1]), dtype=torch.float32)
 
 
 def _refused(name: str, q: torch.Tensor, pool: torch.Tensor) -> str:
