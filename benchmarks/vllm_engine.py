@@ -9,8 +9,10 @@ Workloads (SmolLM2-135M-Instruct fp32, greedy, 32 new tokens, the same token ids
 
 ``--rows`` sets the request count of ``shared`` and ``distinct`` (``long`` takes half as many).
 
-Every round runs a fresh ``kvcache.Engine`` (its pool empty) and vLLM's one ``LLM`` with its prefix
-cache reset (``reset_prefix_cache``), each after the same 2-request warm-up. vLLM runs in its own
+kvcache's one ``Engine`` (``compile=True`` unless ``--eager``; its decode buckets up to ``--rows``
+compiled before the first round, as vLLM compiles its own when it starts) and vLLM's one ``LLM``
+(a child process per round) each run every workload with their prefix caches reset
+(``reset_prefix_cache``) after the same 2-request warm-up. vLLM runs in its own
 environment (see ``vllm_bench_serve.py``) as a child process per round, configured as its CPU
 documentation says for a 2-core machine: both cores bound to its OpenMP threads
 (``VLLM_CPU_OMP_THREADS_BIND=0-1``, ``VLLM_CPU_NUM_OF_RESERVED_CPU=0``), prefix caching on,
@@ -18,7 +20,7 @@ a 4 GiB KV space, ``dtype=float32`` unless ``--vllm-dtype`` says otherwise (``de
 choice, bfloat16 on CPUs with avx512_bf16). ``--dtype`` runs kvcache's model in bfloat16.
 
     .venv/bin/python benchmarks/vllm_engine.py --vllm-python /tmp/vllm/bin/python --out DIR [--rounds 3] \\
-        [--rows 16] [--workloads shared,distinct,long] [--dtype bfloat16] [--vllm-dtype default]
+        [--rows 16] [--workloads shared,distinct,long] [--dtype bfloat16] [--vllm-dtype default] [--eager]
 """
 
 from __future__ import annotations
@@ -81,13 +83,14 @@ def workloads(tokenizer, rows: int, seed: int, names: tuple[str, ...] = WORKLOAD
     return {name: made[name]() for name in names}
 
 
-def ours(model, prompts: dict[str, list[list[int]]], warmup: list[list[int]], new: int) -> dict:
-    import kvcache
-
+def ours(engine, prompts: dict[str, list[list[int]]], warmup: list[list[int]], new: int) -> dict:
+    """Each workload through ``engine`` (kept for every round, as vLLM keeps its ``LLM``), after the
+    warm-up, its cached prefixes forgotten before the warm-up and before the timed run."""
     out = {}
     for name, batch in prompts.items():
-        kvcache.Engine(model, max_seqs=max(32, len(batch))).generate_batch(warmup, max_new_tokens=new, eos_token_id=[])
-        engine = kvcache.Engine(model, max_seqs=max(32, len(batch)))
+        engine.reset_prefix_cache()
+        engine.generate_batch(warmup, max_new_tokens=new, eos_token_id=[])
+        engine.reset_prefix_cache()
         t0 = time.perf_counter()
         tokens = engine.generate_batch(batch, max_new_tokens=new, eos_token_id=[])
         out[name] = {"seconds": time.perf_counter() - t0, "tokens": [list(map(int, t)) for t in tokens]}
@@ -103,6 +106,7 @@ def main() -> int:
     p.add_argument("--new", type=int, default=32)
     p.add_argument("--workloads", default="shared,distinct", help=f"comma-separated, of {', '.join(WORKLOADS)}")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="kvcache's model dtype")
+    p.add_argument("--eager", action="store_true", help="kvcache's engine without compile=True")
     p.add_argument("--vllm-dtype", default="float32", choices=("float32", "bfloat16", "default"),
                    help="vLLM's dtype; default: what vLLM picks itself (bfloat16 on CPUs with avx512_bf16)")
     args = p.parse_args()
@@ -117,6 +121,12 @@ def main() -> int:
 
         model = model.to(getattr(torch, args.dtype))
     from kvcache.apps.bench.common import machine_info, machine_line
+    import kvcache
+
+    started = time.perf_counter()
+    engine = kvcache.Engine(model, max_seqs=max(32, args.rows), compile=not args.eager)
+    engine.warm_up(args.rows)  # vLLM compiles its batch sizes when it starts, too
+    print(f"kvcache's engine ({'eager' if args.eager else 'compiled'}) ready in {time.perf_counter() - started:.0f} s", flush=True)
 
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -130,7 +140,7 @@ def main() -> int:
         job = scratch / f"job{rnd}.json"
         job.write_text(json.dumps({"model": str(folder), "new": args.new, "workloads": prompts, "warmup": warmup,
                                "dtype": args.vllm_dtype}))
-        got = {"kvcache": ours(model, prompts, warmup, args.new)}
+        got = {"kvcache": ours(engine, prompts, warmup, args.new)}
         done = subprocess.run([args.vllm_python, str(scratch / "vllm_side.py"), str(job), str(out / f"vllm{rnd}.json")],
                               env={**os.environ, **VLLM_ENV}, capture_output=True, text=True)  # fmt: skip
         if done.returncode != 0:
@@ -146,7 +156,8 @@ def main() -> int:
             rows.append(row)
             print(f"round {rnd} {name}: kvcache {row['kvcache']:.1f} tokens/s, vLLM {row['vllm']:.1f}, "
                   f"identical {row['agree']}/{row['requests']}", flush=True)  # fmt: skip
-    lines = [f"{machine_line(machine_info())}; {args.rounds} rounds, medians; kvcache in {args.dtype}, "
+    lines = [f"{machine_line(machine_info())}; {args.rounds} rounds, medians; kvcache in {args.dtype} "
+             f"({'eager' if args.eager else 'compile=True'}), "
              f"vLLM in {vllm_dtype} (asked: {args.vllm_dtype})", "",
              "| workload | requests | kvcache tokens/s | vLLM tokens/s | kvcache / vLLM | identical answers |",
              "|---|---|---|---|---|---|"]  # fmt: skip

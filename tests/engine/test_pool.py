@@ -826,6 +826,17 @@ class PoolMachine(RuleBasedStateMachine):
         n = len(self.free) + min(extra, len(self.cached()))
         self.take(n, self.pool.allocate(n))
 
+    @rule()
+    def forget(self):
+        """``forget_cached``: every cached block freed and unkeyed; owned blocks keep their keys."""
+        cached = self.cached()
+        assert self.pool.forget_cached() == len(cached)
+        for block in cached:
+            del self.keys[block]
+            self.reused.discard(block)
+            self.free.add(block)
+        self.lru, self.reused_lru = [], []
+
     @precondition(lambda self: self.owned())
     @rule(data=st.data())
     def retain(self, data):

@@ -25,25 +25,23 @@ from typing import Any
 import torch
 
 from ..errors import UnsupportedOperation
-from ..hf.bridge import FORWARD_STEP, use_kvcache_attention
-from ..hf.build import make_cache
+from ..hf.bridge import use_kvcache_attention
 from ..hf.linears import PackedLinears
-from ..hf.scoring import compress
 from ..hf.spec import CacheSpec, parse_spec
 from ..persist.fingerprint import config_summary, fingerprint_of, text_config
 from ..prompts import PromptStore
 from ..prompts.keys import salt as key_salt
-from .compression import Compression, accumulate, compression_for
+from .compression import Compression, compression_for
+from .forward import Forward
+from .graph_step import GraphDecode
 from .inputs import eos_ids, positive, prompt_ids
-from .logprobs import check_top, record
+from .logprobs import check_top
 from .pool import PoolError
 from .pool_setup import engine_spec, make_pool, pool_shape
-from .probe import check_layers_run, check_packing
+from .probe import check_packing
 from .request import Request, RequestHandle, State, tell
-from .rows import Row
-from .sampling import Sampling, choose
+from .sampling import Sampling
 from .scheduler import Scheduler, blocks_for
-from .step import PagedStep
 from .tier import StoreTier, open_store
 
 
@@ -64,6 +62,8 @@ class EngineStats:
     store_tokens: int = 0
     #: Decode rows that read a shared prefix once with other rows (``shared_prefix.py``), over all steps.
     shared_prefix_rows: int = 0
+    #: Steps run through a compiled graph (``compile=True``: decode-only steps, ``graph_step.py``).
+    compiled_steps: int = 0
 
 
 class Engine:
@@ -82,6 +82,10 @@ class Engine:
     - ``pack_linears``: run the model's linear layers on prepacked oneDNN copies of their weights
       during steps (``linears.py``: about twice as fast at decode sizes on the CPU; costs those
       weights' bytes again, ``engine.linears.bytes``). The model itself is left as it was.
+    - ``compile``: run steps in which every request decodes one token as one compiled graph per
+      row bucket (``graph_step.py``: inductor, weights frozen; float pools on the CPU, refused
+      otherwise); other steps run eagerly. A bucket compiles at its first step; the graphs' padding
+      rows hold one block of the pool.
     - ``spec``: the blocks' format (``formats.py``): ``"growable"`` (full precision, the model's
       dtype) or ``"quantized:bits=8"`` / ``4`` / ``2`` (coded blocks, each request's unfilled last
       block exact).
@@ -105,6 +109,7 @@ class Engine:
         share_prefixes: bool = True,
         store: PromptStore | str | None = None,
         pack_linears: bool = True,
+        compile: bool = False,
     ):
         self.spec = engine_spec(spec)
         self.model = model
@@ -120,16 +125,20 @@ class Engine:
         self.store = open_store(store, self.pool)
         tier = StoreTier(self.store, model, self.pool) if self.store is not None else None
         self._max_batch_tokens = max_batch_tokens
+        #: The compiled decode steps (``compile=True``), which hold one block of the pool for padding rows.
+        self.graph = GraphDecode(model, self.pool, max_seqs) if compile else None
         self._compressions: dict[str, Compression | None] = {}
         self._compression = self._compression_for(self.spec)
         self.scheduler = Scheduler(self.pool, salt, max_batch_tokens, max_seqs, share_prefixes, tier)
         self.stats = EngineStats()
-        self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+        keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.linears = PackedLinears(model, rows_hint=min(max_seqs, 16)) if pack_linears else None
+        #: One step's forward pass (``forward.py``).
+        self.forward = Forward(model, self.pool, self.graph, self.linears, keeps_logits)
         self._eos = eos_ids(getattr(getattr(model, "generation_config", None), "eos_token_id", None))
         self._vocab = getattr(text_config(model), "vocab_size", None)
         if self._vocab is None or self._vocab > 8:  # (a vocabulary of a few ids: a unit test's toy, nothing to probe)
-            check_packing(model, geometry, block_size, self._keeps_logits, self.linears)
+            check_packing(model, geometry, block_size, keeps_logits, self.linears)
         # The engine lock is held through a step; submits and cancels from other threads queue up
         # without it (a step drains the queues first), and handles wait on ``_changed``, a
         # condition of its own, so nobody waits for a whole step to hand over a request.
@@ -186,10 +195,10 @@ class Engine:
         bs = self.pool.block_size
         # A bounded request holds its prompt in blocks (a window's not even that), then its cache's bytes.
         need = blocks_for(longest if compression is None else 0 if compression.prefills else len(prompt), bs)
-        if need > self.pool.total:
+        if need > self._usable_blocks:
             raise PoolError(
                 f"a request of {len(prompt)} prompt + {max_new_tokens} new tokens needs {need} blocks of {bs}; "
-                f"the pool has {self.pool.total}"
+                f"the pool has {self._usable_blocks}" + (" for requests" if self.graph is not None else "")
             )
         if self.window is not None and longest > self.window:
             raise UnsupportedOperation(
@@ -264,7 +273,12 @@ class Engine:
     @property
     def max_request_tokens(self) -> int:
         """The most tokens (prompt and generated) one request can hold in this pool."""
-        return self.pool.total * self.pool.block_size
+        return self._usable_blocks * self.pool.block_size
+
+    @property
+    def _usable_blocks(self) -> int:
+        """The pool's blocks that requests may hold (all but the compiled step's scratch block)."""
+        return self.pool.total - (self.graph is not None)
 
     @property
     def running_count(self) -> int:
@@ -287,7 +301,9 @@ class Engine:
             rows = self.scheduler.plan()
             if not rows:
                 return False
-            chosen, kept = self._forward(rows)
+            chosen, kept, shared, compiled = self.forward(rows)
+            self.stats.shared_prefix_rows += shared
+            self.stats.compiled_steps += compiled
             got = self.scheduler.commit(rows, chosen, kept)
             tell(got)
             stats = self.stats
@@ -303,59 +319,23 @@ class Engine:
             self._notify()
         return True
 
+    def warm_up(self, rows: int | None = None) -> None:
+        """With ``compile=True``, compile the decode steps of up to ``rows`` requests (default
+        ``max_seqs``) now rather than at the first step of each size; without, nothing to do."""
+        if self.graph is not None:
+            with self._lock, torch.inference_mode(), use_kvcache_attention(self.model):
+                self.graph.warm(rows)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every block cached for reuse (requests that finished), so later prompts compute
+        their prefixes again; blocks of running requests stay. Returns the blocks freed."""
+        with self._lock:
+            return self.pool.forget_cached()
+
     def run(self) -> None:
         """Step until no request is running or waiting."""
         while self.step():
             pass
-
-    def _forward(self, rows: list[tuple[Request, int]]) -> tuple[dict[int, int], dict[int, Any]]:
-        """One forward pass over ``rows``: the next token of each row that computed its last token,
-        and the own cache of each prompt compressed in this step (request id -> ``KVCache``)."""
-        ids, positions, packed, last, scoring = [], [], [], [], []
-        for request, n in rows:
-            if request.cache is None and request.own_context:  # a window's cache takes its prompt too
-                request.cache = make_cache(self.model, request.compression.spec)
-            start = len(ids)
-            ids.extend(request.tokens[request.computed : request.computed + n])
-            positions.extend(range(request.computed, request.computed + n))
-            scores = min(request.computed + n, len(request.prompt) - 1) - request.computed
-            if request.prompt_logprobs is not None and scores > 0:  # logits at position p score prompt token p + 1
-                scoring.append((request, start, scores))
-            c = request.compression
-            prompt = c is not None and request.cache is None
-            weights = c.chunk_modes(request.computed + n == len(request.prompt)) if prompt else None
-            packed.append(Row(start, n, request.slots, tuple(request.table), request.tail, weights, request.cache))
-            if request.computed + n == len(request.tokens):
-                last.append((request.rid, start + n - 1))
-        step = PagedStep(self.pool, packed)
-        device = self.pool.device
-        rows_scored = [i for _, start, count in scoring for i in range(start, start + count)]
-        keep = torch.tensor([i for _, i in last] + rows_scored, dtype=torch.long, device=device)
-        kwargs = {"logits_to_keep": keep} if self._keeps_logits else {}
-        linears = self.linears.active() if self.linears is not None else contextlib.nullcontext()
-        with torch.inference_mode(), use_kvcache_attention(self.model), linears:
-            out = self.model(
-                input_ids=torch.tensor([ids], device=device),
-                position_ids=torch.tensor([positions], device=device),
-                use_cache=False,
-                **{FORWARD_STEP: step},
-                **kwargs,
-            )
-        check_layers_run(step, self.pool.layers)
-        self.stats.shared_prefix_rows += step.shared_rows
-        logits = out.logits[0] if self._keeps_logits else out.logits[0, keep]
-        by_id = {request.rid: request for request, _ in rows}
-        picked = [by_id[rid] for rid, _ in last]
-        chosen = choose(logits[: len(last)], [r.sampling for r in picked], [r.generator for r in picked])
-        record(picked, logits[: len(last)], chosen, scoring, logits[len(last) :])
-        caches = {}
-        for i, reported in step.reported.items():
-            request, n = rows[i]
-            request.observed = accumulate(request.observed, {m: [w[m] for _, _, w in reported] for m in reported[0][2]})
-            if request.computed + n == len(request.prompt):
-                past = [(k, v) for k, v, _ in reported]
-                caches[request.rid] = compress(self.model, request.compression.spec, past, request.observed)
-        return {rid: token for (rid, _), token in zip(last, chosen)}, caches
 
     def _compression_for(self, spec: CacheSpec) -> Compression | None:
         key = str(spec)

@@ -145,8 +145,6 @@ class BlockPool:
         """Bytes of one open block over every layer (0 without open blocks)."""
         return self.open.block_nbytes if self.open is not None else 0
 
-    # ---- open blocks ----------------------------------------------------------------------------
-
     @property
     def free_tails(self) -> int:
         return len(self._free_tails)
@@ -234,6 +232,16 @@ class BlockPool:
                     oldest, _ = self._reused_lru.popitem(last=False)
                     self._reused[oldest] = False
                     self._lru[oldest] = None
+
+    def forget_cached(self) -> int:
+        """Free every cached block and drop its key (owned blocks keep theirs); how many were freed."""
+        cached = [*self._lru, *self._reused_lru]
+        for block in cached:
+            del self._block_of[self._key_of.pop(block)]
+            self._reused[block] = False
+        self._free.extend(cached)
+        self._lru.clear(), self._reused_lru.clear()
+        return len(cached)
 
     # ---- prefix caching -------------------------------------------------------------------------
 

@@ -55,17 +55,17 @@ class Plan:
     lengths: torch.Tensor
 
 
-def plan(tables: Sequence[Sequence[int]], lengths: Sequence[int], block_size: int, group_heads: int) -> Plan | None:
-    """The passes for decode rows with block ``tables`` and ``lengths`` (tokens each row attends,
-    its new token included), or None when no group shares enough to be worth a pass."""
+def groups(tables: Sequence[Sequence[int]], lengths: Sequence[int], block_size: int) -> list[tuple[list[int], int]]:
+    """The groups of decode rows (block ``tables``, ``lengths`` tokens each, the new token included)
+    that share enough leading blocks to read them once: each as (its rows, the full blocks they
+    share that none writes this step), in the order of their first row."""
     lead = -(-MIN_TOKENS // block_size)  # blocks a group must at least share
-    groups: dict[tuple[int, ...], list[int]] = {}
+    found: dict[tuple[int, ...], list[int]] = {}
     for i, (table, n) in enumerate(zip(tables, lengths)):
         if (n - 1) // block_size >= lead:
-            groups.setdefault(tuple(table[:lead]), []).append(i)
-    per_pass = max(1, native.PAGED_MAX_ROWS // group_heads)
-    passes, skip = [], [0] * len(tables)
-    for rows in groups.values():
+            found.setdefault(tuple(table[:lead]), []).append(i)
+    out = []
+    for rows in found.values():
         if len(rows) < MIN_ROWS:
             continue
         # full blocks every row reads and none writes this step (its new token lies past them)
@@ -77,7 +77,17 @@ def plan(tables: Sequence[Sequence[int]], lengths: Sequence[int], block_size: in
             while common < shared and table[common] == first[common]:
                 common += 1
             shared = common
-        table = torch.tensor([list(first[:shared])], dtype=torch.int32)
+        out.append((rows, shared))
+    return out
+
+
+def plan(tables: Sequence[Sequence[int]], lengths: Sequence[int], block_size: int, group_heads: int) -> Plan | None:
+    """The passes for decode rows with block ``tables`` and ``lengths`` (tokens each row attends,
+    its new token included), or None when no group shares enough to be worth a pass."""
+    per_pass = max(1, native.PAGED_MAX_ROWS // group_heads)
+    passes, skip = [], [0] * len(tables)
+    for rows, shared in groups(tables, lengths, block_size):
+        table = torch.tensor([list(tables[rows[0]][:shared])], dtype=torch.int32)
         length = torch.tensor([shared * block_size], dtype=torch.int64)
         for start in range(0, len(rows), per_pass):
             passes.append(Pass(torch.tensor(rows[start : start + per_pass], dtype=torch.int64), table, length))

@@ -65,28 +65,7 @@ class PagedStep(ForwardStep):
         scaling: float | None, kwargs: dict,
     ) -> torch.Tensor:
         """Write ``key``/``value`` ``[1, Hkv, T, D]`` into the pool and attend; ``[1, T, Hq, Dv]``."""
-        layer = getattr(module, "layer_idx", None)
-        if not isinstance(layer, int):
-            raise UnsupportedOperation(
-                f"the engine needs each attention module's layer_idx; {type(module).__name__} has none"
-            )
-        extras = AttentionExtras.from_kwargs(kwargs)
-        if extras.softcap is not None or extras.sinks is not None or extras.bias is not None or extras.indices is not None:
-            raise UnsupportedOperation(
-                "the engine's paged attention does not apply logit caps, attention sinks, position biases or "
-                "sparse indices yet; serve this model with generate and make_cache"
-            )
-        if query.shape[0] != 1 or query.shape[2] != self.split.tokens:
-            raise UnsupportedOperation(
-                f"the engine packs {self.split.tokens} tokens as one sequence, but the attention got a query of shape "
-                f"{list(query.shape)}; this model does not pass the packed batch through unchanged"
-            )
-        pool = self.pool
-        if key.shape[1] != pool.kv_heads or key.shape[-1] != pool.head_dim or value.shape[-1] != pool.value_dim:
-            raise UnsupportedOperation(
-                f"layer {layer}'s attention got keys {list(key.shape)} and values {list(value.shape)}; the engine's pool "
-                f"holds {pool.kv_heads} heads of {pool.head_dim} (values {pool.value_dim}) as the config says"
-            )
+        layer = check_call(self.pool, module, query, key, value, kwargs, self.split.tokens)
         dim = query.shape[-1]
         scale = 1.0 / math.sqrt(dim) if scaling is None else float(scaling)
         out = self._attend_layer(layer, query, key, value, scale)
@@ -137,3 +116,33 @@ class PagedStep(ForwardStep):
             got, weights = attend(q, k, v, scale=scale, causal=True), {}
         self.reported.setdefault(self.rows.index(row), []).append((k, v, weights))
         return got
+
+
+def check_call(
+    pool: BlockPool, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    kwargs: dict, tokens: int,
+) -> int:  # fmt: skip
+    """The layer of an attention call of a packed step of ``tokens`` tokens over ``pool``; refuses a
+    call the engine's paged attention cannot serve, naming why."""
+    layer = getattr(module, "layer_idx", None)
+    if not isinstance(layer, int):
+        raise UnsupportedOperation(
+            f"the engine needs each attention module's layer_idx; {type(module).__name__} has none"
+        )
+    extras = AttentionExtras.from_kwargs(kwargs)
+    if extras.softcap is not None or extras.sinks is not None or extras.bias is not None or extras.indices is not None:
+        raise UnsupportedOperation(
+            "the engine's paged attention does not apply logit caps, attention sinks, position biases or "
+            "sparse indices yet; serve this model with generate and make_cache"
+        )
+    if query.shape[0] != 1 or query.shape[2] != tokens:
+        raise UnsupportedOperation(
+            f"the engine packs {tokens} tokens as one sequence, but the attention got a query of shape "
+            f"{list(query.shape)}; this model does not pass the packed batch through unchanged"
+        )
+    if key.shape[1] != pool.kv_heads or key.shape[-1] != pool.head_dim or value.shape[-1] != pool.value_dim:
+        raise UnsupportedOperation(
+            f"layer {layer}'s attention got keys {list(key.shape)} and values {list(value.shape)}; the engine's pool "
+            f"holds {pool.kv_heads} heads of {pool.head_dim} (values {pool.value_dim}) as the config says"
+        )
+    return layer

@@ -1,0 +1,131 @@
+"""``Engine(compile=True)``: decode steps as one compiled graph per row bucket (``graph_step.py``).
+
+One compiled engine serves the whole module (its three buckets, 1, 2 and 4 rows, compile once, in
+the fixture), so the module pays inductor's compile three times. Every batch runs through it and
+through an eager engine, which must give the same tokens (both within the near-tie rule of each
+request's own ``generate``); the compiled engine must have run decode steps compiled, and never
+recompile.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_reference import ids, reference, same_or_near_tie
+from kvcache import Engine
+from kvcache.engine.graph_step import GraphDecode
+from kvcache.errors import UnsupportedOperation
+from kvcache.attention import native
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="the compiled step needs the C++ library (no compiler)")
+
+BS = 4
+NEW = 8
+
+
+@pytest.fixture(scope="module")
+def compiled(model):
+    engine = Engine(model, block_size=BS, blocks=160, max_seqs=3, compile=True)
+    engine.warm_up()
+    assert engine.graph.buckets == (1, 2, 4) and engine.graph.graphs == 3
+    return engine
+
+
+def run_both(model, compiled, prompts, **submit):
+    """Each prompt's tokens from the compiled engine and from a fresh eager one, and the compiled
+    steps run; the compiled engine's cached prefixes are forgotten first and its pool checked after."""
+    compiled.reset_prefix_cache()
+    before = compiled.stats.compiled_steps
+    handles = [compiled.submit(p, max_new_tokens=NEW, eos_token_id=[], **submit) for p in prompts]
+    while compiled.step():
+        compiled.pool.check()
+    eager = Engine(model, block_size=BS, blocks=160, max_seqs=3)
+    want = [eager.submit(p, max_new_tokens=NEW, eos_token_id=[], **submit) for p in prompts]
+    eager.run()
+    assert compiled.pool.owned_count == 1  # the scratch block alone
+    return [h.result() for h in handles], [h.result() for h in want], compiled.stats.compiled_steps - before
+
+
+BATCHES = {
+    "a shared prefix": [ids(68, 1) + ids(3, 2), ids(68, 1) + ids(5, 3), ids(68, 1) + ids(2, 4)],
+    "distinct prompts, ragged": [ids(9, 5), ids(4 * BS, 6), ids(2, 7)],
+    "one request": [ids(11, 8)],
+    "two requests": [ids(6, 9), ids(13, 10)],
+}
+
+
+@pytest.mark.parametrize("name", list(BATCHES))
+def test_compiled_decode_steps_give_the_eager_engines_tokens(model, compiled, name):
+    prompts = BATCHES[name]
+    got, want, steps = run_both(model, compiled, prompts)
+    assert got == want
+    assert steps >= NEW - 2  # every step after the prompts, all rows decoding
+    for i, (p, tokens) in enumerate(zip(prompts, got)):
+        assert same_or_near_tie(tokens, reference(model, p, NEW), f"request {i}") == 0
+    assert compiled.graph.graphs == 3, "a step recompiled"
+
+
+def test_a_shared_prefix_is_read_once_inside_the_graph(model, compiled):
+    before = compiled.stats.shared_prefix_rows
+    got, want, _ = run_both(model, compiled, BATCHES["a shared prefix"])
+    assert got == want and compiled.stats.shared_prefix_rows > before
+
+
+def test_a_compiled_step_writes_its_rows_slots_and_the_scratch_block_only(compiled):
+    pool, graph = compiled.graph.pool, compiled.graph
+    compiled.reset_prefix_cache()
+    handles = [compiled.submit(ids(7 + i, 20 + i), max_new_tokens=3, eos_token_id=[]) for i in range(3)]
+    while not all(r.stats.generated for r in compiled.scheduler.running) or compiled.waiting_count:
+        compiled.step()
+    before = [{name: t.clone() for name, t in pool.storage.layer(i).items()} for i in range(pool.layers)]
+    steps = compiled.stats.compiled_steps
+    compiled.step()  # three rows in the bucket of four: one padding row
+    assert compiled.stats.compiled_steps == steps + 1
+    rows = [(r.table[(r.slots - 1) // BS], (r.slots - 1) % BS) for r in compiled.scheduler.running]
+    assert len(rows) == 3
+    changed = torch.zeros(pool.total, BS, dtype=torch.bool)
+    for i in range(pool.layers):
+        for name, t in pool.storage.layer(i).items():  # [blocks, Hkv, BS, D]
+            changed |= (t != before[i][name]).any(-1).any(1)
+    written = {(int(b), int(s)) for b, s in changed.nonzero().tolist()}
+    assert written - {(graph.scratch, s) for s in range(BS)} <= set(rows)
+    assert set(rows) <= written
+    compiled.run()
+    assert all(len(h.result()) == 3 for h in handles)
+
+
+def test_bounded_requests_and_prompt_steps_run_eagerly_beside_compiled_steps(model, compiled):
+    prompts = [ids(30, 11), ids(9, 12)]
+    got, want, steps = run_both(model, compiled, prompts, cache="window:window=8,sinks=2")
+    assert got == want and steps == 0  # every row holds its context in a cache of its own
+
+
+def test_compile_is_refused_at_start_where_steps_cannot_be_compiled(model):
+    with pytest.raises(UnsupportedOperation, match="full-precision blocks.*compile=False"):
+        Engine(model, "quantized:bits=8", block_size=BS, blocks=32, compile=True)
+
+
+def test_the_scratch_block_is_not_the_requests(model):
+    engine = Engine(model, block_size=BS, blocks=8, max_seqs=2, compile=True)  # (no step: nothing compiles)
+    assert engine.max_request_tokens == 7 * BS and engine.pool.owned_count == 1
+    with pytest.raises(Exception, match="needs 8 blocks.*the pool has 7 for requests"):
+        engine.submit(ids(8 * BS - 4, 1), max_new_tokens=4)
+    assert GraphDecode(model, engine.pool, 300).buckets[-1] == 128  # the top bucket caps; more rows run eagerly
+
+
+def test_reset_prefix_cache_forgets_finished_prompts_only(model):
+    engine = Engine(model, block_size=BS, blocks=64, max_seqs=2)
+    done, other = ids(4 * BS, 30), ids(4 * BS, 31)
+    engine.generate_batch([done + [5]], max_new_tokens=2, eos_token_id=[])
+    assert engine.pool.cached_count > 0
+    running = engine.submit(other, max_new_tokens=NEW, eos_token_id=[])
+    engine.step()
+    computed = engine.stats.forward_tokens
+    assert engine.reset_prefix_cache() > 0 and engine.pool.cached_count == 0
+    engine.pool.check()
+    again = engine.submit(done + [7], max_new_tokens=2, eos_token_id=[])
+    engine.run()
+    assert engine.stats.forward_tokens - computed >= len(done)  # computed again, not found
+    assert same_or_near_tie(running.result(), reference(model, other, NEW), "running") == 0
+    assert same_or_near_tie(again.result(), reference(model, done + [7], 2), "again") == 0
