@@ -25,6 +25,7 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-bytes", type=byte_size, default=None, metavar="SIZE", help="the pool's size, e.g. 512M or 2G (default: 1,024 tokens for each of --max-seqs)")
     p.add_argument("--block-size", type=int, default=32, metavar="N", help="tokens per pool block (default: %(default)s)")
     p.add_argument("--max-batch-tokens", type=int, default=512, metavar="N", help="tokens per forward pass (default: %(default)s)")
+    p.add_argument("--compile", action="store_true", help="run decode steps as compiled graphs, one per batch size up to --max-seqs, compiled before serving (a float --cache on the CPU; about a minute per size for SmolLM2 on 2 cores)")
     p.add_argument("--max-queue", type=int, default=64, metavar="N", help="requests waiting before new ones get 503 (default: %(default)s)")
     p.add_argument("--api-key", default=None, metavar="KEY", help="require 'Authorization: Bearer KEY' (default: $KVCACHE_API_KEY, else none)")
     p.add_argument("--ray", action="store_true", help="serve from replicas on Ray Serve (a local cluster, or --ray-address): needs 'pip install kvcache[ray]'")
@@ -66,6 +67,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model=args.model, dtype=args.dtype, cache=args.cache, prompt_store=args.prompt_store, store_chunk=args.store_chunk, host=args.host,
         port=args.port, max_seqs=args.max_seqs, max_bytes=args.max_bytes, block_size=args.block_size,
         max_batch_tokens=args.max_batch_tokens, max_queue=args.max_queue, api_key=args.api_key, log_level=args.log_level,
+        compile=args.compile,
     )  # fmt: skip
     ray_flags = {"--replicas": args.replicas, "--max-replicas": args.max_replicas, "--router": args.router, "--imbalance": args.imbalance,
                  "--ray-address": args.ray_address}  # fmt: skip

@@ -41,10 +41,13 @@ class ServeOptions:
     api_key: str | None = None
     device: str = "cpu"
     log_level: str = "info"
+    #: Decode steps as compiled graphs (``Engine(compile=True)``), compiled before serving.
+    compile: bool = False
 
 
 def build(options: ServeOptions) -> Any:
-    """The app's ``Served`` (model loaded, engine made, not yet stepping)."""
+    """The app's ``Served`` (model loaded, engine made and, with ``compile``, its steps compiled;
+    not yet stepping)."""
     from ... import Engine, PromptStore
     from ..cli_load import load_model
     from .app import Served
@@ -54,8 +57,10 @@ def build(options: ServeOptions) -> Any:
     store = None if options.prompt_store is None else PromptStore(options.prompt_store, chunk=options.store_chunk)
     engine = Engine(
         model, options.cache, block_size=options.block_size, max_bytes=options.max_bytes, max_seqs=options.max_seqs,
-        max_batch_tokens=options.max_batch_tokens, store=store,
+        max_batch_tokens=options.max_batch_tokens, store=store, compile=options.compile,
     )  # fmt: skip
+    if options.compile:
+        engine.warm_up()
     key = options.api_key if options.api_key is not None else os.environ.get(API_KEY_ENV) or None
     context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     return Served(engine, tokenizer, name, tuple(aliases), key, options.max_queue, context)
@@ -81,6 +86,8 @@ def serve(options: ServeOptions) -> int:
         raise KVCacheError("kvcache serve needs its extra: pip install 'kvcache[serve]' (starlette, uvicorn)") from None
     from .app import make_app
 
+    if options.compile:
+        print(f"kvcache serve: compiling decode steps of up to {options.max_seqs} requests", flush=True)
     served = build(options)
     app = make_app(served)
     config = uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level,
