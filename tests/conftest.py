@@ -52,6 +52,7 @@ LONGEST_FIRST = (
     "apps/test_serve.py",
     "hf/test_generate.py",
     "apps/test_bench.py",
+    "engine/test_engine_compiled.py",
     "engine/test_engine_state.py",
     "core/test_isa_cap.py",
     "core/test_triton_decode.py",
