@@ -446,3 +446,11 @@ def test_sigterm_drains_running_requests_then_exits_0(model_dir, tmp_path):
     with pytest.raises(httpx.ConnectError):
         httpx.post(process.url + "/v1/completions", json={"model": "tiny-chat", "prompt": "hi"}, timeout=5)
     process.stop()
+
+
+def test_serve_compile_reaches_the_engine_which_refuses_coded_blocks_before_listening(capsys):
+    from kvcache.apps.cli import main
+
+    assert main(["serve", "--model", "tiny", "--compile", "--cache", "quantized:bits=8", "--port", "1"]) != 0
+    err = capsys.readouterr().err
+    assert "full-precision blocks" in err and "compile=False" in err
