@@ -25,7 +25,6 @@ from typing import Any
 import torch
 
 from ..errors import UnsupportedOperation
-from ..hf.bridge import use_kvcache_attention
 from ..hf.linears import PackedLinears
 from ..hf.spec import CacheSpec, parse_spec
 from ..persist.fingerprint import config_summary, fingerprint_of, text_config
@@ -323,7 +322,7 @@ class Engine:
         """With ``compile=True``, compile the decode steps of up to ``rows`` requests (default
         ``max_seqs``) now rather than at the first step of each size; without, nothing to do."""
         if self.graph is not None:
-            with self._lock, torch.inference_mode(), use_kvcache_attention(self.model):
+            with self._lock:
                 self.graph.warm(rows)
 
     def reset_prefix_cache(self) -> int:

@@ -66,8 +66,7 @@ class Forward:
         reported: dict[int, list] = {}
         compiled = self.graph is not None and self.graph.takes(packed)
         if compiled:  # every row decodes: its last token is its only one
-            with torch.inference_mode(), use_kvcache_attention(self.model):
-                logits, shared = self.graph.run(packed, ids, positions)
+            logits, shared = self.graph.run(packed, ids, positions)
         else:
             logits, shared, reported = self._eager(packed, ids, positions, [i for _, i in last] + rows_scored)
         by_id = {request.rid: request for request, _ in rows}

@@ -41,10 +41,10 @@ import torch
 
 from ..attention import graph_ops, native
 from ..errors import UnsupportedOperation
-from ..hf.bridge import FORWARD_STEP
+from ..hf.bridge import FORWARD_STEP, use_kvcache_attention
 from . import shared_prefix
 from .pool import BlockPool
-from .rows import Row
+from .rows import Row, padded
 from .step import check_call
 
 #: Row buckets (dynamo keeps up to 8 graphs of one function).
@@ -99,19 +99,23 @@ class GraphDecode:
         """The logits ``[S, vocab]`` of a step of ``rows`` (``takes`` them; their slots claimed)
         computing tokens ``ids`` at ``positions``, and how many rows read a shared prefix once; in
         bucket ``size`` (default the smallest that holds them)."""
-        if size is None:
-            size = next(b for b in self.buckets if b >= len(rows))
+        size = self.bucket_for(len(rows)) if size is None else size
         bucket = self._buckets.get(size)
         if bucket is None:
             bucket = self._buckets[size] = Bucket(self, size)
         shared = bucket.fill(rows, ids, positions)
-        logits = self._compiled(bucket.ids, bucket.positions, bucket)
+        with torch.inference_mode(), use_kvcache_attention(self.model):
+            logits = self._compiled(bucket.ids, bucket.positions, bucket)
         return logits[0, : len(rows)], shared
+
+    def bucket_for(self, rows: int) -> int:
+        """The smallest bucket that holds ``rows`` rows (the largest bucket past it)."""
+        return next((b for b in self.buckets if b >= rows), self.buckets[-1])
 
     def warm(self, rows: int | None = None) -> None:
         """Compile every bucket up to the one that holds ``rows`` rows (default: all) now, each by
         one call of padding rows alone (which touch only the scratch block)."""
-        top = self.buckets[-1] if rows is None else next((b for b in self.buckets if b >= rows), self.buckets[-1])
+        top = self.buckets[-1] if rows is None else self.bucket_for(rows)
         for size in self.buckets:
             if size <= top:
                 self.run([], [], [], size)
@@ -151,13 +155,12 @@ class Bucket:
         skip = [0] * n
         for i in members:
             skip[i] = shared
-        own = [t[s:] for t, s in zip(tables, skip)]
-        width = max((len(t) for t in own), default=0)
+        own = padded([t[s:] for t, s in zip(tables, skip)])
         self.ids[0, :n] = torch.tensor(list(ids))
         self.positions[0, :n] = torch.tensor(list(positions))
         self.slot_blocks[:n] = torch.tensor([r.table[r.past // bs] for r in rows])
         self.slot_offsets[:n] = torch.tensor([r.past % bs for r in rows])
-        self.tables[:n, :width] = torch.tensor([list(t) + [self.scratch] * (width - len(t)) for t in own], dtype=torch.int32)
+        self.tables[:n, : own.shape[1]] = own
         self.lengths[:n] = torch.tensor([length - s * bs for length, s in zip(lengths, skip)])
         self.ids[0, n:] = 0
         self.positions[0, n:] = 0
@@ -201,9 +204,8 @@ class Bucket:
         out_s = torch.cat([o.reshape(kv_heads, -1, group, o.shape[-1]) for o, _ in parts], dim=1).transpose(0, 1)
         lse_s = torch.cat([lse.reshape(kv_heads, -1, group) for _, lse in parts], dim=1).transpose(0, 1)
         member = self.members[:, None, None]
-        lse_s = torch.where(member, lse_s, float("-inf"))  # a row outside the group: its own read alone
-        top = torch.maximum(lse_s, own_lse)  # own_lse is finite: every row reads at least its new token
-        w_s, w_own = torch.exp(lse_s - top), torch.exp(own_lse - top)
+        # a row outside the group takes its own read alone (own_lse is finite: every row reads its new token)
+        lse_s = torch.where(member, lse_s, float("-inf"))
         out_s = torch.where(member[..., None], out_s, 0.0)
-        out = (out_s * w_s[..., None] + own * w_own[..., None]) / (w_s + w_own)[..., None]
+        out = shared_prefix.merge(out_s, lse_s, own, own_lse)
         return out.reshape(1, size, q_heads, -1).to(query.dtype)

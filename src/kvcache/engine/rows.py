@@ -4,6 +4,7 @@ writes their blocks."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,12 +34,18 @@ class Row:
         return self.past + self.count
 
 
+def padded(tables: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Block ``tables`` as int32 ``[len(tables), longest]`` (at least one column; zeros past each
+    table's own entries, which the paged kernels never read; on the CPU)."""
+    out = torch.zeros(len(tables), max(1, max((len(t) for t in tables), default=0)), dtype=torch.int32)
+    for i, table in enumerate(tables):
+        out[i, : len(table)] = torch.tensor(list(table), dtype=torch.int32)
+    return out
+
+
 def tables_of(rows: list[Row]) -> torch.Tensor:
-    """The rows' block tables as int32 ``[rows, longest]`` (zeros past each row's own; on the CPU)."""
-    tables = torch.zeros(len(rows), max((len(r.table) for r in rows), default=1), dtype=torch.int32)
-    for i, r in enumerate(rows):
-        tables[i, : len(r.table)] = torch.tensor(r.table, dtype=torch.int32)
-    return tables
+    """The rows' block tables as int32 ``[rows, longest]`` (``padded``)."""
+    return padded([r.table for r in rows])
 
 
 class StepRows:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ..attention import native
+from .rows import padded
 
 #: Rows a group needs before its prefix is read once for all of them.
 MIN_ROWS = 2
@@ -95,11 +96,7 @@ def plan(tables: Sequence[Sequence[int]], lengths: Sequence[int], block_size: in
             skip[i] = shared
     if not passes:
         return None
-    width = max(1, max(len(t) - s for t, s in zip(tables, skip)))
-    own = torch.zeros(len(tables), width, dtype=torch.int32)
-    for i, (table, s) in enumerate(zip(tables, skip)):
-        rest = list(table[s:])
-        own[i, : len(rest)] = torch.tensor(rest, dtype=torch.int32)
+    own = padded([table[s:] for table, s in zip(tables, skip)])
     own_lengths = torch.tensor([n - s * block_size for n, s in zip(lengths, skip)], dtype=torch.int64)
     return Plan(tuple(passes), own, own_lengths)
 
@@ -121,8 +118,14 @@ def attend(p: Plan, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
             return None
         o1 = part[0].reshape(heads, n, rows, -1).transpose(0, 1)
         l1 = part[1].reshape(heads, n, rows).transpose(0, 1)
-        o2, l2 = out[shared.rows], lse[shared.rows]
-        top = torch.maximum(l1, l2)
-        w1, w2 = torch.exp(l1 - top), torch.exp(l2 - top)  # l2 may be -inf (nothing of its own): w2 = 0
-        out[shared.rows] = (o1 * w1[..., None] + o2 * w2[..., None]) / (w1 + w2)[..., None]
+        out[shared.rows] = merge(o1, l1, out[shared.rows], lse[shared.rows])
     return out
+
+
+def merge(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor) -> torch.Tensor:
+    """Attention ``[..., Dv]`` over the union of two sets of keys, from each set's attention
+    ``o1``/``o2`` ``[..., Dv]`` and log-sum-exp ``l1``/``l2`` ``[...]`` (the module docstring's
+    formula). Either log-sum-exp may be -inf (no keys in that set: its weight is 0), not both."""
+    top = torch.maximum(l1, l2)
+    w1, w2 = torch.exp(l1 - top), torch.exp(l2 - top)
+    return (o1 * w1[..., None] + o2 * w2[..., None]) / (w1 + w2)[..., None]
