@@ -1,7 +1,8 @@
 """``KVCACHE_ISA`` caps the instruction set the C++ libraries are built for, so this machine tests
 the code a CPU with less would run: the float decode library's tests (dense and paged decode
-against SDPA, shared-prefix attention against per-row SDPA) pass when it is built for AVX2+FMA (the
-generic baseline on a CPU without AVX2), in a fresh process and extension folder. The coded library's tests
+against SDPA, shared-prefix attention against per-row SDPA) and the panel linear library's (against
+float64 matrix products) pass when they are built for AVX2+FMA (the generic baseline on a CPU
+without AVX2), in a fresh process and extension folder. The coded library's tests
 take about a minute to build per cap, so they run under a cap on demand, not here:
 ``KVCACHE_ISA=avx2 python -m pytest tests/core/test_fused_coded_decode.py tests/core/test_paged_coded_decode.py``."""
 
@@ -32,9 +33,11 @@ def run(code_or_args: list[str], isa: str, folder: Path) -> subprocess.Completed
 @pytest.mark.parametrize("isa", CAPS)
 def test_the_float_kernels_pass_their_tests_built_for_a_capped_isa(isa, tmp_path):
     done = run(["-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider", "-W", "error::RuntimeWarning",
-                "tests/core/test_native_decode.py", "tests/engine/test_shared_prefix.py", "-k", "not engine"], isa, tmp_path)  # fmt: skip
+                "tests/core/test_native_decode.py", "tests/engine/test_shared_prefix.py", "tests/core/test_panels.py",
+                "-k", "not engine"], isa, tmp_path)  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert list(tmp_path.glob("float_decode-*.so")), "the library was not built under the cap"
+    for name in ("float_decode", "linear"):
+        assert list(tmp_path.glob(f"{name}-*.so")), f"the {name} library was not built under the cap"
 
 
 def test_an_unknown_isa_warns_and_the_pytorch_path_runs(tmp_path):

@@ -1,5 +1,6 @@
-"""``PackedLinears``: a model's linear layers on prepacked oneDNN weights inside ``active()``, equal
-to ``F.linear`` within float32 rounding, the model left as it was, never stale."""
+"""``PackedLinears``: a model's linear layers on prepacked weights inside ``active()`` (the panel
+library's up to ``PANEL_ROWS`` rows, oneDNN's past them), equal to ``F.linear`` within float32
+rounding, the model left as it was, never stale."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvcache.hf.linears import PackedLinears, can_pack
+from kvcache.hf import panels
+from kvcache.hf.linears import PANEL_ROWS, PackedLinears, can_pack
 from kvcache.hf.linears import _native_bf16 as native_bf16
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.zeros(2, 2)), reason="this torch build has no oneDNN linear packing")
@@ -24,12 +26,26 @@ def test_packed_forward_equals_linear(rows):
     x = torch.randn(2, rows, 24)
     want = model(x)
     packed = PackedLinears(model)
-    assert len(packed) == 2 and packed.bytes == (24 * 40 + 40 * 8) * 4
+    panel_bytes = (3 * 24 * 16 + 1 * 40 * 16) * 4 if panels.available() else 0  # whole panels of 16 columns
+    assert len(packed) == 2 and packed.bytes == (24 * 40 + 40 * 8) * 4 + panel_bytes
     with torch.inference_mode(), packed.active():
         got = model(x)
         assert "forward" in model[0].__dict__
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert all("forward" not in m.__dict__ for m in model)  # restored
+
+
+@pytest.mark.skipif(not panels.available(), reason="the panel library cannot be built here")
+def test_few_rows_run_on_panels_and_more_on_onednn():
+    model = mlp()
+    layer = model[0]
+    packed = PackedLinears(model)
+    with torch.inference_mode(), packed.active():
+        few, many = torch.randn(PANEL_ROWS, 24), torch.randn(PANEL_ROWS + 1, 24)
+        on_panels = panels.linear(few, panels.pack(layer.weight), 40, layer.bias)
+        assert torch.equal(layer(few), on_panels)
+        mkldnn = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), batch_size=packed.rows_hint)
+        assert torch.equal(layer(many), torch.ops.mkldnn._linear_pointwise(many, mkldnn, layer.bias, "none", [], ""))
 
 
 @pytest.mark.skipif(not native_bf16(), reason="oneDNN has no native bfloat16 kernels for this CPU")

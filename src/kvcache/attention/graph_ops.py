@@ -12,14 +12,16 @@ they become single nodes that dynamo, AOT autograd and inductor pass through:
   ``native.paged_decode(..., lse=True)`` (``lse`` float32 ``[S, Hkv, R]``), what merging a shared
   prefix's pass with each row's own blocks needs (``engine/shared_prefix.py``);
 - ``torch.ops.kvcache.paged_prefill(q, key_pool, value_pool, tables, starts, pasts, scale)``: as
-  ``native.paged_prefill``, float32 ``[Hkv, N, R, Dv]``.
+  ``native.paged_prefill``, float32 ``[Hkv, N, R, Dv]``;
+- ``torch.ops.kvcache.linear(x, panels, bias, n)``: as ``hf.panels.linear``, float32 ``[..., n]``
+  (a linear layer over its weight packed in column panels, ``hf/linears.py``).
 
 None changes its inputs. Each raises ``UnsupportedOperation`` where the library cannot take the
 call (no compiler, another device, a shape it does not serve); the eager callers check
 ``native.available()`` and the shapes before they choose these.
 
 Registering an operator is global to the process, so nothing registers at import: ``register()``
-does it once and returns the three operators.
+does it once and returns the four operators.
 """
 
 from __future__ import annotations
@@ -39,12 +41,14 @@ class GraphOps(NamedTuple):
     paged_decode: torch._ops.OpOverloadPacket
     paged_decode_lse: torch._ops.OpOverloadPacket
     paged_prefill: torch._ops.OpOverloadPacket
+    linear: torch._ops.OpOverloadPacket
 
 
 @functools.cache
 def register() -> GraphOps:
-    """Register ``kvcache::paged_decode``, ``paged_decode_lse`` and ``paged_prefill`` (once per
-    process)."""
+    """Register ``kvcache::paged_decode``, ``paged_decode_lse``, ``paged_prefill`` and ``linear``
+    (once per process)."""
+    from ..hf import panels as panel_linear
 
     @torch.library.custom_op("kvcache::paged_decode", mutates_args=())
     def paged_decode(
@@ -88,7 +92,16 @@ def register() -> GraphOps:
     def _(q, key_pool, value_pool, tables, starts, pasts, scale):
         return _output(q, value_pool)
 
-    return GraphOps(torch.ops.kvcache.paged_decode, torch.ops.kvcache.paged_decode_lse, torch.ops.kvcache.paged_prefill)
+    @torch.library.custom_op("kvcache::linear", mutates_args=())
+    def linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+        return panel_linear.linear(x, panels, n, bias)
+
+    @linear.register_fake
+    def _(x, panels, bias, n):
+        return x.new_empty((*x.shape[:-1], n), dtype=torch.float32)
+
+    ops = torch.ops.kvcache
+    return GraphOps(ops.paged_decode, ops.paged_decode_lse, ops.paged_prefill, ops.linear)
 
 
 def _output(q: torch.Tensor, value_pool: torch.Tensor) -> torch.Tensor:

@@ -124,14 +124,14 @@ class Engine:
         self.store = open_store(store, self.pool)
         tier = StoreTier(self.store, model, self.pool) if self.store is not None else None
         self._max_batch_tokens = max_batch_tokens
+        self.linears = PackedLinears(model, rows_hint=min(max_seqs, 16)) if pack_linears else None
         #: The compiled decode steps (``compile=True``), which hold one block of the pool for padding rows.
-        self.graph = GraphDecode(model, self.pool, max_seqs) if compile else None
+        self.graph = GraphDecode(model, self.pool, max_seqs, self.linears) if compile else None
         self._compressions: dict[str, Compression | None] = {}
         self._compression = self._compression_for(self.spec)
         self.scheduler = Scheduler(self.pool, salt, max_batch_tokens, max_seqs, share_prefixes, tier)
         self.stats = EngineStats()
         keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self.linears = PackedLinears(model, rows_hint=min(max_seqs, 16)) if pack_linears else None
         #: One step's forward pass (``forward.py``).
         self.forward = Forward(model, self.pool, self.graph, self.linears, keeps_logits)
         self._eos = eos_ids(getattr(getattr(model, "generation_config", None), "eos_token_id", None))

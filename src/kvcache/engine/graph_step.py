@@ -32,6 +32,7 @@ into the graphs: a model whose weights change after its first compiled step need
 
 from __future__ import annotations
 
+import contextlib
 import math
 import types
 from collections.abc import Sequence
@@ -42,6 +43,7 @@ import torch
 from ..attention import graph_ops, native
 from ..errors import UnsupportedOperation
 from ..hf.bridge import FORWARD_STEP, use_kvcache_attention
+from ..hf.linears import PackedLinears
 from . import shared_prefix
 from .pool import BlockPool
 from .rows import Row, padded
@@ -63,13 +65,14 @@ def refusal(pool: BlockPool) -> str | None:
 
 
 class GraphDecode:
-    """The compiled decode steps of ``model`` over ``pool``, for up to ``max_rows`` rows a step."""
+    """The compiled decode steps of ``model`` over ``pool``, for up to ``max_rows`` rows a step, its
+    linear layers on ``linears``' packed copies where given (their panels, ``kvcache::linear``)."""
 
-    def __init__(self, model: Any, pool: BlockPool, max_rows: int):
+    def __init__(self, model: Any, pool: BlockPool, max_rows: int, linears: PackedLinears | None = None):
         why = refusal(pool)
         if why is not None:
             raise UnsupportedOperation(why + "; create the engine with compile=False")
-        self.model, self.pool = model, pool
+        self.model, self.pool, self.linears = model, pool, linears
         self.ops = graph_ops.register()
         self.buckets = tuple(b for b in BUCKETS if b < max_rows) + (next((b for b in BUCKETS if b >= max_rows), BUCKETS[-1]),)
         #: The block padding rows write into and read (held for good, never shared).
@@ -104,7 +107,8 @@ class GraphDecode:
         if bucket is None:
             bucket = self._buckets[size] = Bucket(self, size)
         shared = bucket.fill(rows, ids, positions)
-        with torch.inference_mode(), use_kvcache_attention(self.model):
+        linears = self.linears.active() if self.linears is not None else contextlib.nullcontext()
+        with torch.inference_mode(), use_kvcache_attention(self.model), linears:
             logits = self._compiled(bucket.ids, bucket.positions, bucket)
         return logits[0, : len(rows)], shared
 

@@ -1,18 +1,23 @@
-"""A model's linear layers on prepacked oneDNN weights, while a ``with`` block runs.
+"""A model's linear layers on prepacked weights, while a ``with`` block runs.
 
 On the CPU, ``torch.nn.functional.linear`` multiplies by the weight as stored (``[out, in]``, row
-major) through the BLAS, which for the few rows of a decode step (1-64) reaches about a third of the
-machine's floating-point peak: each call re-blocks the weight. oneDNN can block a weight once, for
-all later calls (``torch.ops.mkldnn._reorder_linear_weight``, the packing ``torch.compile`` uses when
-it freezes a CPU model), and its matrix products on such a weight run about twice as fast at decode
-sizes and somewhat faster on prompt chunks (measured in docs/benchmarks.md, "The engine's step").
+major) through the BLAS, which re-blocks the weight on every call. ``PackedLinears(model)`` packs
+every ``torch.nn.Linear`` of ``model`` it can once, in one or both of two layouts:
 
-``PackedLinears(model)`` packs every ``torch.nn.Linear`` of ``model`` it can (float32 weights on the
-CPU, oneDNN present; bfloat16 weights too where oneDNN runs bfloat16 natively: AVX-512 with
-bfloat16 instructions or AMX) once; ``with packed.active():`` routes those layers' forward through the packed
-copies and restores them on exit, so the model is left as it was. A packed copy is remade when its
-weight was changed in place or replaced (checked on entry), so it never computes with stale
-weights. The copies cost the packed layers' weight bytes again (``packed.bytes``).
+- **panels** (``panels.py``, kvcache's own C++ library; float32): for calls of at most
+  ``PANEL_ROWS`` rows, the decode steps, which it multiplies at the memory bandwidth (1.6x oneDNN
+  at 16 rows on SmolLM2's weights, docs/benchmarks.md);
+- **oneDNN** (``torch.ops.mkldnn._reorder_linear_weight``, the packing ``torch.compile`` uses
+  when it freezes a CPU model; float32, and bfloat16 where oneDNN runs it natively: AVX-512 with
+  bfloat16 instructions or AMX): for more rows (prompt chunks), and for any row count where
+  the panel library is not built.
+
+``with packed.active():`` routes those layers' forward through the packed copies and restores them
+on exit, so the model is left as it was; inside a ``torch.compile`` trace a panel call becomes the
+``kvcache::linear`` operator (``attention/graph_ops.py``), so the graph holds it. A packed copy is
+remade when its weight was changed in place or replaced (checked on entry), so it never computes
+with stale weights. The copies cost the packed layers' weight bytes once per layout
+(``packed.bytes``).
 
 Results differ from the BLAS path by rounding only (another summation order: about 1e-6 relative in
 float32; in bfloat16 the products accumulate in float32 either way and the outputs round to
@@ -29,7 +34,12 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-__all__ = ["PackedLinears", "can_pack"]
+from . import panels as panel_linear
+
+__all__ = ["PANEL_ROWS", "PackedLinears", "can_pack"]
+
+#: The most rows a call multiplies on panels; calls of more rows take oneDNN's packed copy.
+PANEL_ROWS = 64
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -62,17 +72,28 @@ _DTYPES = (torch.float32, torch.bfloat16)
 
 
 class _Packed:
-    """One linear layer's packed weight and what it was made from."""
+    """One linear layer's packed copies (``weight``: oneDNN's or None; ``panels``: the panel
+    library's or None), what they were made from, and the ``forward`` that uses them."""
 
-    __slots__ = ("weight", "source", "version")
+    __slots__ = ("weight", "panels", "source", "version", "forward")
 
-    def __init__(self, weight: torch.Tensor, rows_hint: int):
+    def __init__(self, module: torch.nn.Linear, rows_hint: int):
+        weight = module.weight
         self.source, self.version = weight, weight._version
         with torch.no_grad():
-            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_size=rows_hint)
+            self.weight = (
+                torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_size=rows_hint) if can_pack(weight) else None
+            )
+            self.panels = panel_linear.pack(weight) if _panels_fit(weight) else None
+        # made once, so a compiled graph traced through it sees the same function at every step
+        self.forward = _forward(self, module)
 
     def stale(self, weight: torch.Tensor) -> bool:
         return weight is not self.source or weight._version != self.version
+
+    @property
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.weight, self.panels) if t is not None)
 
 
 class PackedLinears:
@@ -86,7 +107,7 @@ class PackedLinears:
         self._packed: dict[torch.nn.Linear, _Packed] = {}
         for module in model.modules():
             if isinstance(module, torch.nn.Linear) and _packable(module):
-                self._packed[module] = _Packed(module.weight, rows_hint)
+                self._packed[module] = _Packed(module, rows_hint)
 
     def __len__(self) -> int:
         return len(self._packed)
@@ -94,7 +115,7 @@ class PackedLinears:
     @property
     def bytes(self) -> int:
         """Bytes the packed copies hold."""
-        return sum(p.weight.numel() * p.weight.element_size() for p in self._packed.values())
+        return sum(p.bytes for p in self._packed.values())
 
     @contextmanager
     def active(self) -> Iterator[PackedLinears]:
@@ -109,10 +130,10 @@ class PackedLinears:
                 if not _packable(module):
                     continue  # moved to another device or dtype since: its own forward
                 if packed.stale(module.weight):
-                    packed = self._packed[module] = _Packed(module.weight, self.rows_hint)
+                    packed = self._packed[module] = _Packed(module, self.rows_hint)
                 if "forward" in module.__dict__:
                     continue  # someone else's instance-level forward: left alone
-                module.forward = _forward(packed.weight, module)
+                module.forward = packed.forward
                 swapped.append(module)
             yield self
         finally:
@@ -120,15 +141,29 @@ class PackedLinears:
                 del module.forward
 
 
+def _panels_fit(weight: torch.Tensor) -> bool:
+    return panel_linear.fits(weight) and panel_linear.available()
+
+
 def _packable(module: torch.nn.Linear) -> bool:
-    """Its weight can be packed and its bias (if any) is of the weight's dtype."""
-    return can_pack(module.weight) and (module.bias is None or module.bias.dtype == module.weight.dtype)
+    """Its weight can be packed in some layout and its bias (if any) is of the weight's dtype."""
+    weight = module.weight
+    return (can_pack(weight) or _panels_fit(weight)) and (module.bias is None or module.bias.dtype == weight.dtype)
 
 
-def _forward(weight: torch.Tensor, module: torch.nn.Linear):
+def _forward(packed: _Packed, module: torch.nn.Linear):
+    ops = panel_linear.operator() if packed.panels is not None else None
+
     def forward(x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != weight.dtype or x.device.type != "cpu":
+        dtype = packed.source.dtype
+        if x.dtype != dtype or x.device.type != "cpu":
             return F.linear(x, module.weight, module.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, weight, module.bias, "none", [], "")
+        if packed.panels is not None and x.numel() <= PANEL_ROWS * x.shape[-1]:
+            if torch.compiler.is_compiling():
+                return ops(x, packed.panels, module.bias, module.out_features)
+            return panel_linear.linear(x, packed.panels, module.out_features, module.bias)
+        if packed.weight is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, packed.weight, module.bias, "none", [], "")
+        return F.linear(x, module.weight, module.bias)
 
     return forward
