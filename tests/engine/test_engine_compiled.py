@@ -1,10 +1,11 @@
-"""``Engine(compile=True)``: decode steps as one compiled graph per row bucket (``graph_step.py``).
+"""``Engine(compile=True)``: decode steps as one compiled graph per row bucket (``graph_step.py``),
+other steps as one graph of a dynamic token count (``graph_chunk.py``).
 
-One compiled engine serves the whole module (its two buckets, 1 and 2 rows, compile once, in the
-fixture), so the module pays inductor's compile twice. Every batch runs through it and
-through an eager engine, which must give the same tokens (both within the near-tie rule of each
-request's own ``generate``); the compiled engine must have run decode steps compiled, and never
-recompile.
+One compiled engine serves the whole module (its two decode buckets, 1 and 2 rows, and its two
+prompt graphs, up to and past 64 tokens, compile once, in the fixture), so the module pays
+inductor's compile four times. Every batch runs through it and through an eager engine, which must
+give the same tokens (both within the near-tie rule of each request's own ``generate``); the
+compiled engine must have run its steps compiled, and never recompile.
 """
 
 from __future__ import annotations
@@ -28,8 +29,12 @@ NEW = 8
 def compiled(model):
     engine = Engine(model, block_size=BS, blocks=160, max_seqs=2, compile=True)
     engine.warm_up()
-    assert engine.graph.buckets == (1, 2) and engine.graph.graphs == 2
+    assert engine.graph.buckets == (1, 2) and engine.graph.graphs == 2 and engine.chunks.graphs == 2
     return engine
+
+
+def no_recompiles(engine) -> bool:
+    return engine.graph.graphs == 2 and engine.chunks.graphs == 2
 
 
 def run_both(model, compiled, prompts, **submit):
@@ -58,12 +63,34 @@ BATCHES = {
 @pytest.mark.parametrize("name", list(BATCHES))
 def test_compiled_decode_steps_give_the_eager_engines_tokens(model, compiled, name):
     prompts = BATCHES[name]
+    steps_before = compiled.stats.steps
     got, want, steps = run_both(model, compiled, prompts)
     assert got == want
-    assert steps >= NEW - 2  # every step after the prompts, all rows decoding
+    assert steps == compiled.stats.steps - steps_before  # prompt steps and decode steps alike
     for i, (p, tokens) in enumerate(zip(prompts, got)):
         assert same_or_near_tie(tokens, reference(model, p, NEW), f"request {i}") == 0
-    assert compiled.graph.graphs == 2, "a step recompiled"
+    assert no_recompiles(compiled), "a step recompiled"
+
+
+def test_prompt_logprobs_and_one_token_prompts_run_eagerly(model, compiled):
+    prompts = [ids(12, 40), ids(7, 41)]
+    compiled.reset_prefix_cache()
+    before = compiled.stats.compiled_steps
+    handles = [compiled.submit(p, max_new_tokens=1, eos_token_id=[], prompt_logprobs=2) for p in prompts]
+    compiled.run()
+    assert compiled.stats.compiled_steps == before  # prompt steps that score their tokens: eager
+    eager = Engine(model, block_size=BS, blocks=160, max_seqs=2)
+    want = [eager.submit(p, max_new_tokens=1, eos_token_id=[], prompt_logprobs=2) for p in prompts]
+    eager.run()
+    for got, expected in zip(handles, want):
+        assert got.result() == expected.result()
+        assert got.prompt_logprobs == expected.prompt_logprobs
+    one = compiled.submit([5], max_new_tokens=2, eos_token_id=[])
+    steps = compiled.stats.compiled_steps
+    compiled.step()
+    assert compiled.stats.compiled_steps == steps  # a step of one prompt token: eager
+    compiled.run()
+    assert one.result() == reference(model, [5], 2)[0] and no_recompiles(compiled)
 
 
 def test_a_shared_prefix_is_read_once_inside_the_graph(model, compiled):
@@ -94,7 +121,7 @@ def test_a_compiled_step_writes_its_rows_slots_and_the_scratch_block_only(model,
     assert handle.result() == reference(model, ids(7, 20), 3)[0]
 
 
-def test_bounded_requests_and_prompt_steps_run_eagerly_beside_compiled_steps(model, compiled):
+def test_bounded_requests_run_eagerly_beside_compiled_steps(model, compiled):
     prompts = [ids(30, 11), ids(9, 12)]
     got, want, steps = run_both(model, compiled, prompts, cache="window:window=8,sinks=2")
     assert got == want and steps == 0  # every row holds its context in a cache of its own

@@ -32,6 +32,7 @@ from ..prompts import PromptStore
 from ..prompts.keys import salt as key_salt
 from .compression import Compression, compression_for
 from .forward import Forward
+from .graph_chunk import GraphChunk
 from .graph_step import GraphDecode
 from .inputs import eos_ids, positive, prompt_ids
 from .logprobs import check_top
@@ -132,8 +133,10 @@ class Engine:
         self.scheduler = Scheduler(self.pool, salt, max_batch_tokens, max_seqs, share_prefixes, tier)
         self.stats = EngineStats()
         keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+        #: The compiled prompt steps (``compile=True`` and a model that takes ``logits_to_keep``).
+        self.chunks = GraphChunk(model, self.pool, max_seqs, self.linears) if compile and keeps_logits else None
         #: One step's forward pass (``forward.py``).
-        self.forward = Forward(model, self.pool, self.graph, self.linears, keeps_logits)
+        self.forward = Forward(model, self.pool, self.graph, self.chunks, self.linears, keeps_logits)
         self._eos = eos_ids(getattr(getattr(model, "generation_config", None), "eos_token_id", None))
         self._vocab = getattr(text_config(model), "vocab_size", None)
         if self._vocab is None or self._vocab > 8:  # (a vocabulary of a few ids: a unit test's toy, nothing to probe)
@@ -324,6 +327,8 @@ class Engine:
         if self.graph is not None:
             with self._lock:
                 self.graph.warm(rows)
+                if self.chunks is not None:
+                    self.chunks.warm(self.graph.scratch)
 
     def reset_prefix_cache(self) -> int:
         """Forget every block cached for reuse (requests that finished), so later prompts compute

@@ -21,6 +21,7 @@ from ..hf.build import make_cache
 from ..hf.linears import PackedLinears
 from ..hf.scoring import compress
 from .compression import accumulate
+from .graph_chunk import GraphChunk
 from .graph_step import GraphDecode
 from .logprobs import record
 from .pool import BlockPool
@@ -32,14 +33,16 @@ from .step import PagedStep
 
 
 class Forward:
-    """The forward passes of ``model`` over ``pool``: compiled through ``graph`` where it takes the
-    step, else eager with ``linears`` active; ``keeps_logits``: the model's forward takes
-    ``logits_to_keep``."""
+    """The forward passes of ``model`` over ``pool``: compiled through ``graph`` (decode-only
+    steps) or ``chunks`` (other steps) where one takes the step, else eager with ``linears``
+    active; ``keeps_logits``: the model's forward takes ``logits_to_keep``."""
 
     def __init__(
-        self, model: Any, pool: BlockPool, graph: GraphDecode | None, linears: PackedLinears | None, keeps_logits: bool
-    ) -> None:
-        self.model, self.pool, self.graph, self.linears, self.keeps_logits = model, pool, graph, linears, keeps_logits
+        self, model: Any, pool: BlockPool, graph: GraphDecode | None, chunks: GraphChunk | None,
+        linears: PackedLinears | None, keeps_logits: bool,
+    ) -> None:  # fmt: skip
+        self.model, self.pool, self.graph, self.chunks = model, pool, graph, chunks
+        self.linears, self.keeps_logits = linears, keeps_logits
 
     def __call__(self, rows: list[tuple[Request, int]]) -> tuple[dict[int, int], dict[int, Any], int, bool]:
         """One forward pass over ``rows`` (each request and how many of its tokens): the next token
@@ -67,6 +70,8 @@ class Forward:
         compiled = self.graph is not None and self.graph.takes(packed)
         if compiled:  # every row decodes: its last token is its only one
             logits, shared = self.graph.run(packed, ids, positions)
+        elif self.chunks is not None and self.chunks.takes(packed, bool(rows_scored)):
+            logits, shared, compiled = self.chunks.run(packed, ids, positions, [i for _, i in last]), 0, True
         else:
             logits, shared, reported = self._eager(packed, ids, positions, [i for _, i in last] + rows_scored)
         by_id = {request.rid: request for request, _ in rows}

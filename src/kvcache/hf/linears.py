@@ -13,8 +13,9 @@ every ``torch.nn.Linear`` of ``model`` it can once, in one or both of two layout
   the panel library is not built.
 
 ``with packed.active():`` routes those layers' forward through the packed copies and restores them
-on exit, so the model is left as it was; inside a ``torch.compile`` trace a panel call becomes the
-``kvcache::linear`` operator (``attention/graph_ops.py``), so the graph holds it. A packed copy is
+on exit, so the model is left as it was; inside a ``torch.compile`` trace the calls become the
+``kvcache::linear`` and ``kvcache::onednn_linear`` operators (``attention/graph_ops.py``), so the
+graph holds them. A packed copy is
 remade when its weight was changed in place or replaced (checked on entry), so it never computes
 with stale weights. The copies cost the packed layers' weight bytes once per layout
 (``packed.bytes``).
@@ -152,17 +153,22 @@ def _packable(module: torch.nn.Linear) -> bool:
 
 
 def _forward(packed: _Packed, module: torch.nn.Linear):
-    ops = panel_linear.operator() if packed.panels is not None else None
+    from ..attention.graph_ops import register
+
+    ops = register()
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         dtype = packed.source.dtype
         if x.dtype != dtype or x.device.type != "cpu":
             return F.linear(x, module.weight, module.bias)
+        compiling = torch.compiler.is_compiling()
         if packed.panels is not None and x.numel() <= PANEL_ROWS * x.shape[-1]:
-            if torch.compiler.is_compiling():
-                return ops(x, packed.panels, module.bias, module.out_features)
+            if compiling:
+                return ops.linear(x, packed.panels, module.bias, module.out_features)
             return panel_linear.linear(x, packed.panels, module.out_features, module.bias)
         if packed.weight is not None:
+            if compiling:  # inductor lowers mkldnn's own operator only over weights it froze itself
+                return ops.onednn_linear(x, packed.weight, module.bias, module.out_features)
             return torch.ops.mkldnn._linear_pointwise(x, packed.weight, module.bias, "none", [], "")
         return F.linear(x, module.weight, module.bias)
 

@@ -1,0 +1,146 @@
+"""Prompt steps as one compiled graph (the engine's ``compile=True``), whatever their token count.
+
+A step that is not all decode rows (``graph_step.py`` compiles those) but whose rows all live in a
+full-precision pool on the CPU, report no weights and want no prompt log-probabilities runs the
+model's forward compiled by ``torch.compile`` (inductor, ``fullgraph``, weights frozen), so the
+normalisations, rotations, activations and residual sums between the linear layers run as a few
+fused loops instead of one PyTorch call each. The step's token count ``T`` is a dynamic
+dimension of the graph, so steps of every size share it (one graph for steps of at most
+``linears.PANEL_ROWS`` tokens, whose linear layers run on panels, and one for longer ones); the
+rows are padded to the engine's ``max_seqs`` with rows of no tokens, so that dimension is fixed.
+
+Per layer the attention (``ChunkStep.attend``) writes the step's keys and values into their slots by
+index assignment and runs every row, a prompt chunk or a decode row alike (a chunk of one token),
+through ``kvcache::paged_prefill``: causal inside the chunk, over the row's blocks before it. The
+logits come out only for each row's last token (``logits_to_keep``). A decode row in such a step
+reads its whole past on its own, not a shared prefix once with other rows (decode-only steps do).
+
+Inputs per step: ``ids``, ``positions`` int64 ``[1, T]``; ``slot_blocks``, ``slot_offsets`` int64
+``[T]``; ``tables`` int32 ``[S, W]`` (``W`` the pool's blocks), ``starts`` int64 ``[S + 1]``,
+``pasts`` int64 ``[S]``; ``keep`` int64 ``[S]`` (each row's last token; padding rows keep token 0).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import types
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..attention import graph_ops
+from ..hf.bridge import FORWARD_STEP, ForwardStep, use_kvcache_attention
+from ..hf.linears import PANEL_ROWS
+from .pool import BlockPool
+from .rows import Row
+from .step import check_call
+
+#: Fewest tokens a compiled prompt step takes (a step of one token would compile a graph of its own).
+MIN_TOKENS = 2
+
+
+class GraphChunk:
+    """The compiled prompt steps of ``model`` over ``pool`` for up to ``max_rows`` rows a step;
+    ``linears``: the engine's ``PackedLinears`` or None."""
+
+    def __init__(self, model: Any, pool: BlockPool, max_rows: int, linears: Any) -> None:
+        self.model, self.pool, self.rows, self.linears = model, pool, max_rows, linears
+        self.ops = graph_ops.register()
+        #: Graphs compiled so far (two at most: steps of up to and past ``PANEL_ROWS`` tokens).
+        self.graphs = 0
+
+        def forward(ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor, step: ChunkStep) -> torch.Tensor:
+            out = model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=keep, **{FORWARD_STEP: step})
+            return out.logits
+
+        # graphs live on the function's code object: a copy gives this engine graphs of its own
+        own = types.FunctionType(forward.__code__.replace(), forward.__globals__, "prompt_step", None, forward.__closure__)
+        self._compiled = torch.compile(own, backend=self._compile, fullgraph=True)
+
+    def takes(self, rows: Sequence[Row], scored: bool) -> bool:
+        """Whether a step of ``rows`` runs compiled: no prompt log-probabilities to score
+        (``scored``), at least ``MIN_TOKENS`` tokens, at most ``max_rows`` rows, every row in the
+        pool's blocks reporting no weights."""
+        return (
+            not scored
+            and 0 < len(rows) <= self.rows
+            and sum(r.count for r in rows) >= MIN_TOKENS
+            and all(r.weights is None and r.cache is None for r in rows)
+        )
+
+    def run(self, rows: Sequence[Row], ids: Sequence[int], positions: Sequence[int], keep: Sequence[int]) -> torch.Tensor:
+        """The logits ``[len(keep), vocab]`` at packed tokens ``keep`` (each a row's last) of a step
+        of ``rows`` (``takes`` them; their slots claimed) computing tokens ``ids`` at ``positions``."""
+        step = ChunkStep(self.pool, self.ops, rows, self.rows)
+        ids_t = torch.tensor([list(ids)], dtype=torch.long)
+        positions_t = torch.tensor([list(positions)], dtype=torch.long)
+        kept = torch.zeros(self.rows, dtype=torch.long)
+        kept[: len(keep)] = torch.tensor(list(keep), dtype=torch.long)
+        for t in (ids_t, positions_t):
+            torch._dynamo.mark_dynamic(t, 1)
+        for t in (step.slot_blocks, step.slot_offsets):
+            torch._dynamo.mark_dynamic(t, 0)
+        linears = self.linears.active() if self.linears is not None else contextlib.nullcontext()
+        with torch.inference_mode(), use_kvcache_attention(self.model), linears:
+            logits = self._compiled(ids_t, positions_t, kept, step)
+        return logits[0, : len(keep)]
+
+    def warm(self, scratch: int) -> None:
+        """Compile both graphs now (steps of up to and past ``PANEL_ROWS`` tokens), each by one
+        step of one row whose tokens all go to block ``scratch``."""
+        bs = self.pool.block_size
+        for tokens in (MIN_TOKENS, PANEL_ROWS + 1):
+            row = Row(0, tokens, 0, (scratch,) * -(-tokens // bs))
+            self.run([row], [0] * tokens, range(tokens), [tokens - 1])
+
+    def _compile(self, gm: torch.fx.GraphModule, example_inputs: list) -> Any:
+        from torch._inductor.compile_fx import compile_fx
+
+        self.graphs += 1
+        return compile_fx(gm, example_inputs, config_patches={"freezing": True})
+
+
+class ChunkStep(ForwardStep):
+    """One compiled prompt step's inputs over ``pool`` and its attention (module docstring)."""
+
+    def __init__(self, pool: BlockPool, ops: graph_ops.GraphOps, rows: Sequence[Row], size: int) -> None:
+        self.pool, self.ops, self.size = pool, ops, size
+        bs = pool.block_size
+        blocks, offsets, starts, pasts = [], [], [0], []
+        self.tables = torch.zeros(size, pool.total, dtype=torch.int32)
+        for i, r in enumerate(rows):
+            for p in range(r.past, r.length):
+                blocks.append(r.table[p // bs])
+                offsets.append(p % bs)
+            starts.append(starts[-1] + r.count)
+            pasts.append(r.past)
+            self.tables[i, : len(r.table)] = torch.tensor(r.table, dtype=torch.int32)
+        self.tokens = starts[-1]
+        starts += [self.tokens] * (size - len(rows))
+        pasts += [0] * (size - len(rows))
+        self.slot_blocks = torch.tensor(blocks, dtype=torch.long)
+        self.slot_offsets = torch.tensor(offsets, dtype=torch.long)
+        self.starts = torch.tensor(starts, dtype=torch.long)
+        self.pasts = torch.tensor(pasts, dtype=torch.long)
+        self.layers = [pool.storage.layer(i) for i in range(pool.layers)]
+
+    def attend(
+        self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        scaling: float | None, kwargs: dict,
+    ) -> torch.Tensor:  # fmt: skip
+        """Write ``key``/``value`` ``[1, Hkv, T, D]`` into their slots and attend every row
+        causally over its blocks; ``[1, T, Hq, Dv]``."""
+        tokens = self.slot_blocks.shape[0]  # the same (dynamic) size as the query's
+        layer = check_call(self.pool, module, query, key, value, kwargs, tokens)
+        blocks = self.layers[layer]
+        keys, values = blocks["keys"], blocks["values"]
+        keys[self.slot_blocks, :, self.slot_offsets] = key[0].transpose(0, 1).to(keys.dtype)
+        values[self.slot_blocks, :, self.slot_offsets] = value[0].transpose(0, 1).to(values.dtype)
+        q_heads, dim = query.shape[1], query.shape[-1]
+        kv_heads = self.pool.kv_heads
+        scale = 1.0 / math.sqrt(dim) if scaling is None else float(scaling)
+        q = query[0].reshape(kv_heads, q_heads // kv_heads, tokens, dim).transpose(1, 2)
+        out = self.ops.paged_prefill(q, keys, values, self.tables, self.starts, self.pasts, scale)  # [Hkv, T, R, Dv]
+        return out.transpose(1, 2).reshape(q_heads, tokens, -1).transpose(0, 1)[None].to(query.dtype)
