@@ -80,7 +80,7 @@ def test_bad_calls_are_refused_by_name():
         panels.linear(torch.randn(3, 8), packed, 33)
     with pytest.raises(ValueError, match="panels must be contiguous float32"):
         panels.linear(torch.randn(3, 8), w, 20)
-    with pytest.raises(ValueError, match=r"bias of shape \[5\], expected \[20\]"):
+    with pytest.raises(ValueError, match=r"bias must be float32 \[20\] on the CPU, got torch.float32 \[5\]"):
         panels.linear(torch.randn(3, 8), packed, 20, torch.randn(5))
     with pytest.raises(ValueError, match="cannot pack a torch.float16 weight"):
         panels.pack(w.half())

@@ -165,7 +165,7 @@ def _forward(packed: _Packed, module: torch.nn.Linear):
         if packed.panels is not None and x.numel() <= PANEL_ROWS * x.shape[-1]:
             if compiling:
                 return ops.linear(x, packed.panels, module.bias, module.out_features)
-            return panel_linear.linear(x, packed.panels, module.out_features, module.bias)
+            return panel_linear.run(x, packed.panels, module.out_features, module.bias)
         if packed.weight is not None:
             if compiling:  # inductor lowers mkldnn's own operator only over weights it froze itself
                 return ops.onednn_linear(x, packed.weight, module.bias, module.out_features)

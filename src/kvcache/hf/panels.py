@@ -45,6 +45,18 @@ def _library() -> ctypes.CDLL | None:
     return native_build.library("linear", _declare)
 
 
+_loaded: ctypes.CDLL | None = None
+
+
+def _load() -> ctypes.CDLL:
+    """The library for ``run``, looked up once (``run``'s callers checked that it loads)."""
+    global _loaded
+    _loaded = _library()
+    if _loaded is None:
+        raise RuntimeError("the panel linear library is not available (see native_build)")
+    return _loaded
+
+
 def available() -> bool:
     """Whether the panel library is built and on (building it now if needed)."""
     return _library() is not None
@@ -78,23 +90,32 @@ def linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | N
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != k or not 0 < n <= panels.shape[0] * WIDTH:
         raise ValueError(f"linear: expected float32 x [..., {k}] on the CPU and 0 < n <= {panels.shape[0] * WIDTH}; "
                          f"got {x.dtype} {list(x.shape)} on {x.device} and n={n}")  # fmt: skip
+    if bias is not None and (bias.shape != (n,) or bias.dtype != torch.float32 or bias.device.type != "cpu"):
+        raise ValueError(f"linear: bias must be float32 [{n}] on the CPU, got {bias.dtype} {list(bias.shape)}")
     lib = _library()
     if lib is None:
         raise RuntimeError("the panel linear library is not available (see native_build)")
+    return run(x, panels, n, bias)
+
+
+def run(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """``linear`` without its checks, for callers that made ``panels`` with ``pack`` from a weight
+    ``[n, K]`` and pass float32 CPU ``x`` ``[..., K]`` and ``bias`` (``PackedLinears``; the
+    library loaded): the per-call cost of a decode step's two hundred calls."""
+    k = panels.shape[1]
     rows = x.reshape(-1, k)
-    if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < k):
+    if rows.stride(-1) != 1 or rows.stride(0) < k:
         rows = rows.contiguous()
-    out = torch.empty(rows.shape[0], n, dtype=torch.float32)
-    if bias is not None:
-        bias = bias.detach().float().contiguous()
-        if bias.shape != (n,):
-            raise ValueError(f"linear: bias of shape {list(bias.shape)}, expected [{n}]")
-    if rows.shape[0]:
-        lib.kv_linear(
-            rows.data_ptr(), rows.shape[0], k, rows.stride(0), panels.data_ptr(), n,
+    count = rows.shape[0]
+    out = torch.empty(count, n, dtype=torch.float32)
+    if count:
+        if bias is not None and not bias.is_contiguous():
+            bias = bias.contiguous()
+        (_loaded or _load()).kv_linear(
+            rows.data_ptr(), count, k, rows.stride(0), panels.data_ptr(), n,
             0 if bias is None else bias.data_ptr(), out.data_ptr(), n, torch.get_num_threads(),
         )  # fmt: skip
-    return out.reshape(*x.shape[:-1], n)
+    return out.view(*x.shape[:-1], n)
 
 
 def operator() -> torch._ops.OpOverloadPacket:
