@@ -17,7 +17,8 @@ environment (see ``vllm_bench_serve.py``) as a child process per round, configur
 documentation says for a 2-core machine: both cores bound to its OpenMP threads
 (``VLLM_CPU_OMP_THREADS_BIND=0-1``, ``VLLM_CPU_NUM_OF_RESERVED_CPU=0``), prefix caching on,
 a 4 GiB KV space, ``dtype=float32`` unless ``--vllm-dtype`` says otherwise (``default``: vLLM's own
-choice, bfloat16 on CPUs with avx512_bf16). ``--dtype`` runs kvcache's model in bfloat16.
+choice, bfloat16 on CPUs with avx512_bf16). ``--dtype`` runs kvcache's model in bfloat16 (with
+oneDNN capped below AMX where this torch needs it, ``use_safe_isa``, in kvcache's process only).
 
     .venv/bin/python benchmarks/vllm_engine.py --vllm-python /tmp/vllm/bin/python --out DIR [--rounds 3] \\
         [--rows 16] [--workloads shared,distinct,long] [--dtype bfloat16] [--vllm-dtype default] [--eager]
@@ -116,9 +117,13 @@ def main() -> int:
     from kvcache.apps.bench.workload import load_model
 
     model, tokenizer, folder = load_model("smollm2")
+    vllm_env = {**os.environ, **VLLM_ENV}  # vLLM's own environment, before any cap of ours
     if args.dtype != "float32":
         import torch
 
+        from kvcache.attention import use_safe_isa
+
+        print(f"half precision on this CPU: {use_safe_isa().describe()}", flush=True)  # (AMX: oneDNN capped)
         model = model.to(getattr(torch, args.dtype))
     from kvcache.apps.bench.common import machine_info, machine_line
     import kvcache
@@ -142,7 +147,7 @@ def main() -> int:
                                "dtype": args.vllm_dtype}))
         got = {"kvcache": ours(engine, prompts, warmup, args.new)}
         done = subprocess.run([args.vllm_python, str(scratch / "vllm_side.py"), str(job), str(out / f"vllm{rnd}.json")],
-                              env={**os.environ, **VLLM_ENV}, capture_output=True, text=True)  # fmt: skip
+                              env=vllm_env, capture_output=True, text=True)  # fmt: skip
         if done.returncode != 0:
             print(done.stderr[-3000:], file=sys.stderr)
             return 1

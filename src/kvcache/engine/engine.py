@@ -79,13 +79,15 @@ class Engine:
     - ``store``: a ``PromptStore`` (or a backend for one: ``"memory"``, a folder, ``"redis://..."``)
       as the tier past the pool (``tier.py``): prompts load what it holds beyond the pool's hits,
       and computed prompts (and preempted requests) are written back. Float pools only.
-    - ``pack_linears``: run the model's linear layers on prepacked oneDNN copies of their weights
-      during steps (``linears.py``: about twice as fast at decode sizes on the CPU; costs those
-      weights' bytes again, ``engine.linears.bytes``). The model itself is left as it was.
-    - ``compile``: run steps in which every request decodes one token as one compiled graph per
-      row bucket (``graph_step.py``: inductor, weights frozen; float pools on the CPU, refused
-      otherwise); other steps run eagerly. A bucket compiles at its first step; the graphs' padding
-      rows hold one block of the pool.
+    - ``pack_linears``: run the model's linear layers on prepacked copies of their weights during
+      steps (``linears.py``: panels up to 64 rows, oneDNN past that; 2-3x ``F.linear`` at decode
+      sizes on the CPU; each layout costs those weights' bytes again, ``engine.linears.bytes``).
+      The model itself is left as it was.
+    - ``compile``: run steps as compiled graphs (inductor, weights frozen; float pools on the CPU,
+      refused otherwise): decode-only steps one graph per row bucket (``graph_step.py``), other
+      steps of pool rows one graph of a dynamic token count (``graph_chunk.py``); bounded rows run
+      eagerly. A graph compiles at its first step (or at ``warm_up``); the graphs' padding rows
+      hold one block of the pool.
     - ``spec``: the blocks' format (``formats.py``): ``"growable"`` (full precision, the model's
       dtype) or ``"quantized:bits=8"`` / ``4`` / ``2`` (coded blocks, each request's unfilled last
       block exact).
@@ -323,7 +325,8 @@ class Engine:
 
     def warm_up(self, rows: int | None = None) -> None:
         """With ``compile=True``, compile the decode steps of up to ``rows`` requests (default
-        ``max_seqs``) now rather than at the first step of each size; without, nothing to do."""
+        ``max_seqs``) and the prompt steps now rather than at the first step of each; without,
+        nothing to do."""
         if self.graph is not None:
             with self._lock:
                 self.graph.warm(rows)
