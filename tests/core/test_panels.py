@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcache.hf import panels
+from kvcache.hf import linear_ops, panels
 
 pytestmark = pytest.mark.skipif(not panels.available(), reason="the panel library cannot be built here")
 
@@ -59,7 +59,7 @@ def test_the_operator_in_a_compiled_graph_equals_the_eager_call():
     torch.manual_seed(2)
     w, b = torch.randn(48, 24), torch.randn(48)
     packed = panels.pack(w)
-    op = panels.operator()
+    op = linear_ops.register().linear
 
     def f(x: torch.Tensor) -> torch.Tensor:
         return torch.relu(op(x, packed, b, 48)) * 2.0

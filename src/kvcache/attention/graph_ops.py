@@ -12,19 +12,14 @@ they become single nodes that dynamo, AOT autograd and inductor pass through:
   ``native.paged_decode(..., lse=True)`` (``lse`` float32 ``[S, Hkv, R]``), what merging a shared
   prefix's pass with each row's own blocks needs (``engine/shared_prefix.py``);
 - ``torch.ops.kvcache.paged_prefill(q, key_pool, value_pool, tables, starts, pasts, scale)``: as
-  ``native.paged_prefill``, float32 ``[Hkv, N, R, Dv]``;
-- ``torch.ops.kvcache.linear(x, panels, bias, n)``: as ``hf.panels.linear``, float32 ``[..., n]``
-  (a linear layer over its weight packed in column panels, ``hf/linears.py``);
-- ``torch.ops.kvcache.onednn_linear(x, weight, bias)``: oneDNN's linear over a weight it packed
-  (``torch.ops.mkldnn._linear_pointwise``), as one opaque node: inductor's own lowering of that
-  operator takes only weights it froze itself.
+  ``native.paged_prefill``, float32 ``[Hkv, N, R, Dv]``.
 
 None changes its inputs. Each raises ``UnsupportedOperation`` where the library cannot take the
 call (no compiler, another device, a shape it does not serve); the eager callers check
 ``native.available()`` and the shapes before they choose these.
 
 Registering an operator is global to the process, so nothing registers at import: ``register()``
-does it once and returns the five operators.
+does it once and returns the three operators.
 """
 
 from __future__ import annotations
@@ -44,15 +39,12 @@ class GraphOps(NamedTuple):
     paged_decode: torch._ops.OpOverloadPacket
     paged_decode_lse: torch._ops.OpOverloadPacket
     paged_prefill: torch._ops.OpOverloadPacket
-    linear: torch._ops.OpOverloadPacket
-    onednn_linear: torch._ops.OpOverloadPacket
 
 
 @functools.cache
 def register() -> GraphOps:
-    """Register ``kvcache::paged_decode``, ``paged_decode_lse``, ``paged_prefill``, ``linear`` and
-    ``onednn_linear`` (once per process)."""
-    from ..hf import panels as panel_linear
+    """Register ``kvcache::paged_decode``, ``paged_decode_lse`` and ``paged_prefill`` (once per
+    process)."""
 
     @torch.library.custom_op("kvcache::paged_decode", mutates_args=())
     def paged_decode(
@@ -96,24 +88,7 @@ def register() -> GraphOps:
     def _(q, key_pool, value_pool, tables, starts, pasts, scale):
         return _output(q, value_pool)
 
-    @torch.library.custom_op("kvcache::linear", mutates_args=())
-    def linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
-        return panel_linear.run(x, panels, n, bias)  # (PackedLinears checked the call)
-
-    @linear.register_fake
-    def _(x, panels, bias, n):
-        return x.new_empty((*x.shape[:-1], n), dtype=torch.float32)
-
-    @torch.library.custom_op("kvcache::onednn_linear", mutates_args=())
-    def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-
-    @onednn_linear.register_fake
-    def _(x, weight, bias, n):
-        return x.new_empty((*x.shape[:-1], n))
-
-    ops = torch.ops.kvcache
-    return GraphOps(ops.paged_decode, ops.paged_decode_lse, ops.paged_prefill, ops.linear, ops.onednn_linear)
+    return GraphOps(torch.ops.kvcache.paged_decode, torch.ops.kvcache.paged_decode_lse, torch.ops.kvcache.paged_prefill)
 
 
 def _output(q: torch.Tensor, value_pool: torch.Tensor) -> torch.Tensor:

@@ -14,8 +14,8 @@ every ``torch.nn.Linear`` of ``model`` it can once, in one or both of two layout
 
 ``with packed.active():`` routes those layers' forward through the packed copies and restores them
 on exit, so the model is left as it was; inside a ``torch.compile`` trace the calls become the
-``kvcache::linear`` and ``kvcache::onednn_linear`` operators (``attention/graph_ops.py``), so the
-graph holds them. A packed copy is
+``kvcache::linear`` and ``kvcache::onednn_linear`` operators (``linear_ops.py``), so the graph
+holds them. A packed copy is
 remade when its weight was changed in place or replaced (checked on entry), so it never computes
 with stale weights. The copies cost the packed layers' weight bytes once per layout
 (``packed.bytes``).
@@ -35,6 +35,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
+from . import linear_ops
 from . import panels as panel_linear
 
 __all__ = ["PANEL_ROWS", "PackedLinears", "can_pack"]
@@ -153,9 +154,7 @@ def _packable(module: torch.nn.Linear) -> bool:
 
 
 def _forward(packed: _Packed, module: torch.nn.Linear):
-    from ..attention.graph_ops import register
-
-    ops = register()
+    ops = linear_ops.register()
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         dtype = packed.source.dtype

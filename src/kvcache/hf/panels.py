@@ -15,8 +15,8 @@ registers. On an Intel Xeon (AVX-512, 2 cores) it multiplies 16 rows by SmolLM2'
 Each output row is summed over K in order whatever the other rows, so a row's result does not
 depend on how many rows share the call: a decode step padded to a bucket computes the same
 numbers as the same rows alone. Both functions take float32 CPU tensors only and need the library
-(``available()``); ``kvcache::linear`` (``attention/graph_ops.py``) is ``linear`` as an operator
-a compiled graph holds.
+(``available()``); ``kvcache::linear`` (``linear_ops.py``) is ``run`` as an operator a compiled
+graph holds.
 """
 
 from __future__ import annotations
@@ -117,9 +117,3 @@ def run(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None
         )  # fmt: skip
     return out.view(*x.shape[:-1], n)
 
-
-def operator() -> torch._ops.OpOverloadPacket:
-    """``kvcache::linear``, registered (once per process) if it was not yet."""
-    from ..attention.graph_ops import register
-
-    return register().linear
