@@ -31,7 +31,7 @@ from ..formats.blocks import as_blocks, flat
 from . import shared_prefix
 from .paged import paged_decode
 from .pool import BlockPool
-from .rows import Row, StepRows, tables_of
+from .rows import Row, StepRows, slots_of, tables_of
 
 
 def block_io(pool: BlockPool, step: StepRows) -> SlotIO | OpenBlockIO:
@@ -44,9 +44,7 @@ class SlotIO:
         self.pool, self.step = pool, step
         bs, device = pool.block_size, pool.device
         rows = step.pooled_rows
-        slots = [(r.table[t // bs], t % bs) for r in rows for t in range(r.past, r.length)]
-        self.slot_blocks = torch.tensor([b for b, _ in slots], dtype=torch.long, device=device)
-        self.slot_offsets = torch.tensor([o for _, o in slots], dtype=torch.long, device=device)
+        self.slot_blocks, self.slot_offsets = slots_of(rows, bs, device)
         #: The packed positions of the pool's rows' tokens, when other rows have a cache of their own.
         self.pooled = (
             torch.tensor([t for r in rows for t in range(r.start, r.start + r.count)], dtype=torch.long, device=device)

@@ -11,12 +11,11 @@ chunks reported (``hf.scoring.compress``).
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
 
-from ..hf.bridge import FORWARD_STEP, use_kvcache_attention
+from ..hf.bridge import FORWARD_STEP
 from ..hf.build import make_cache
 from ..hf.linears import PackedLinears
 from ..hf.scoring import compress
@@ -29,7 +28,7 @@ from .probe import check_layers_run
 from .request import Request
 from .rows import Row
 from .sampling import choose
-from .step import PagedStep
+from .step import PagedStep, running
 
 
 class Forward:
@@ -95,8 +94,7 @@ class Forward:
         device = self.pool.device
         kept = torch.tensor(keep, dtype=torch.long, device=device)
         kwargs = {"logits_to_keep": kept} if self.keeps_logits else {}
-        linears = self.linears.active() if self.linears is not None else contextlib.nullcontext()
-        with torch.inference_mode(), use_kvcache_attention(self.model), linears:
+        with running(self.model, self.linears):
             out = self.model(
                 input_ids=torch.tensor([ids], device=device),
                 position_ids=torch.tensor([positions], device=device),

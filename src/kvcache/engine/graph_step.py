@@ -32,7 +32,6 @@ into the graphs: a model whose weights change after its first compiled step need
 
 from __future__ import annotations
 
-import contextlib
 import math
 import types
 from collections.abc import Sequence
@@ -42,12 +41,12 @@ import torch
 
 from ..attention import graph_ops, native
 from ..errors import UnsupportedOperation
-from ..hf.bridge import FORWARD_STEP, use_kvcache_attention
+from ..hf.bridge import FORWARD_STEP
 from ..hf.linears import PackedLinears
 from . import shared_prefix
 from .pool import BlockPool
 from .rows import Row, padded
-from .step import check_call
+from .step import check_call, running
 
 #: Row buckets (dynamo keeps up to 8 graphs of one function).
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -78,16 +77,18 @@ class GraphDecode:
         #: The block padding rows write into and read (held for good, never shared).
         self.scratch = pool.allocate(1)[0]
         self._buckets: dict[int, Bucket] = {}
-        #: Graphs compiled so far (one a bucket, unless something recompiles).
-        self.graphs = 0
+        #: Compiles this engine's decode graphs and counts them.
+        self.compiler = Compiler()
 
         def forward(ids: torch.Tensor, positions: torch.Tensor, step: Bucket) -> torch.Tensor:
             return model(input_ids=ids, position_ids=positions, use_cache=False, **{FORWARD_STEP: step}).logits
 
-        # dynamo keeps its graphs (at most 8) on the function's code object, which every engine's
-        # ``forward`` would share: a copy of the code object gives this engine graphs of its own.
-        own = types.FunctionType(forward.__code__.replace(), forward.__globals__, "decode_step", None, forward.__closure__)
-        self._compiled = torch.compile(own, backend=self._compile, fullgraph=True, dynamic=False)
+        self._compiled = self.compiler.compile(forward, "decode_step", dynamic=False)
+
+    @property
+    def graphs(self) -> int:
+        """Graphs compiled so far (one a bucket, unless something recompiles)."""
+        return self.compiler.graphs
 
     def takes(self, rows: Sequence[Row]) -> bool:
         """Whether a step of ``rows`` runs compiled: every row decodes one token over the pool's
@@ -107,8 +108,7 @@ class GraphDecode:
         if bucket is None:
             bucket = self._buckets[size] = Bucket(self, size)
         shared = bucket.fill(rows, ids, positions)
-        linears = self.linears.active() if self.linears is not None else contextlib.nullcontext()
-        with torch.inference_mode(), use_kvcache_attention(self.model), linears:
+        with running(self.model, self.linears):
             logits = self._compiled(bucket.ids, bucket.positions, bucket)
         return logits[0, : len(rows)], shared
 
@@ -124,7 +124,22 @@ class GraphDecode:
             if size <= top:
                 self.run([], [], [], size)
 
-    def _compile(self, gm: torch.fx.GraphModule, example_inputs: list) -> Any:
+
+class Compiler:
+    """``torch.compile`` for an engine's step function (inductor, ``fullgraph``, weights frozen),
+    counting the graphs it compiles (``graphs``)."""
+
+    def __init__(self) -> None:
+        self.graphs = 0
+
+    def compile(self, forward: Any, name: str, **options: Any) -> Any:
+        """``forward`` compiled. Dynamo keeps its graphs (at most 8) on the function's code object,
+        which every engine's ``forward`` would share: a copy of the code object gives this engine
+        graphs of its own."""
+        own = types.FunctionType(forward.__code__.replace(), forward.__globals__, name, None, forward.__closure__)
+        return torch.compile(own, backend=self._backend, fullgraph=True, **options)
+
+    def _backend(self, gm: torch.fx.GraphModule, example_inputs: list) -> Any:
         from torch._inductor.compile_fx import compile_fx
 
         self.graphs += 1
@@ -187,6 +202,8 @@ class Bucket:
         layer = check_call(self.pool, module, query, key, value, kwargs, self.size)
         blocks = self.layers[layer]
         keys, values = blocks["keys"], blocks["values"]
+        # by index assignment on the layer's tensors, not ``storage.write_slots``: traced through
+        # that, a compiled 16-row SmolLM2 step took 326 ms against 86
         keys[self.slot_blocks, :, self.slot_offsets] = key[0].transpose(0, 1).to(keys.dtype)
         values[self.slot_blocks, :, self.slot_offsets] = value[0].transpose(0, 1).to(values.dtype)
         size, q_heads, dim = self.size, query.shape[1], query.shape[-1]

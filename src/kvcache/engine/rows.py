@@ -43,6 +43,14 @@ def padded(tables: Sequence[Sequence[int]]) -> torch.Tensor:
     return out
 
 
+def slots_of(rows: Sequence[Row], block_size: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the rows' new tokens go, one after the other: their blocks and offsets in them, int64
+    ``[tokens]`` each, on ``device``."""
+    slots = [(r.table[t // block_size], t % block_size) for r in rows for t in range(r.past, r.length)]
+    blocks = torch.tensor([b for b, _ in slots], dtype=torch.long, device=device)
+    return blocks, torch.tensor([o for _, o in slots], dtype=torch.long, device=device)
+
+
 def tables_of(rows: list[Row]) -> torch.Tensor:
     """The rows' block tables as int32 ``[rows, longest]`` (``padded``)."""
     return padded([r.table for r in rows])

@@ -24,14 +24,18 @@ and values ``[1, Hkv, T, D]``. For each layer the step:
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
 from ..attention import attend, attend_weighted
 from ..errors import UnsupportedOperation
 from ..hf.attention_kwargs import AttentionExtras
-from ..hf.bridge import ForwardStep
+from ..hf.bridge import ForwardStep, use_kvcache_attention
 from .block_io import block_io
 from .pool import BlockPool
 from .rows import Row, StepRows
@@ -116,6 +120,15 @@ class PagedStep(ForwardStep):
             got, weights = attend(q, k, v, scale=scale, causal=True), {}
         self.reported.setdefault(self.rows.index(row), []).append((k, v, weights))
         return got
+
+
+@contextlib.contextmanager
+def running(model: Any, linears: Any) -> Iterator[None]:
+    """What every engine forward pass runs under, eager or compiled: inference mode, ``model``'s
+    attention as the ``"kvcache"`` implementation, and ``linears`` (a ``PackedLinears``, or None)
+    active."""
+    with torch.inference_mode(), use_kvcache_attention(model), linears.active() if linears is not None else contextlib.nullcontext():
+        yield
 
 
 def check_call(
