@@ -55,18 +55,25 @@ def test_a_row_gets_the_same_bits_whatever_rows_share_the_call(rows, row, seed):
     assert torch.equal(panels.linear(x, packed, 50)[row], panels.linear(x[row : row + 1], packed, 50)[0])
 
 
-def test_the_operator_in_a_compiled_graph_equals_the_eager_call():
+@pytest.mark.parametrize("rows", [5, linear_ops.PANEL_ROWS + 3])
+def test_the_operator_in_a_compiled_graph_equals_the_eager_call(rows):
+    """One graph of a dynamic row count: panels up to ``PANEL_ROWS`` rows, oneDNN past them."""
     torch.manual_seed(2)
     w, b = torch.randn(48, 24), torch.randn(48)
     packed = panels.pack(w)
-    op = linear_ops.register().linear
+    onednn = torch.ops.mkldnn._reorder_linear_weight(w, batch_size=16) if torch.backends.mkldnn.is_available() else None
+    op = linear_ops.register()
 
     def f(x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(op(x, packed, b, 48)) * 2.0
+        return torch.relu(op(x, w, b, packed, onednn, 48)) * 2.0
 
-    x = torch.randn(5, 24)
-    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
-    torch.testing.assert_close(compiled(x), torch.relu(panels.linear(x, packed, 48, b)) * 2.0, rtol=0, atol=0)
+    x = torch.randn(rows, 24)
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager", dynamic=True)
+    want = torch.relu(linear_ops.call(x, w, b, packed, onednn, 48)) * 2.0
+    torch.testing.assert_close(compiled(x), want, rtol=0, atol=0)
+    if rows <= linear_ops.PANEL_ROWS:
+        torch.testing.assert_close(want, torch.relu(panels.linear(x, packed, 48, b)) * 2.0, rtol=0, atol=0)
+    torch.testing.assert_close(want, torch.relu(torch.nn.functional.linear(x, w, b)) * 2.0, rtol=1e-5, atol=1e-5)
 
 
 def test_bad_calls_are_refused_by_name():

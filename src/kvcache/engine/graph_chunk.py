@@ -5,9 +5,9 @@ full-precision pool on the CPU, report no weights and want no prompt log-probabi
 model's forward compiled by ``torch.compile`` (inductor, ``fullgraph``, weights frozen), so the
 normalisations, rotations, activations and residual sums between the linear layers run as a few
 fused loops instead of one PyTorch call each. The step's token count ``T`` is a dynamic
-dimension of the graph, so steps of every size share it (one graph for steps of at most
-``linears.PANEL_ROWS`` tokens, whose linear layers run on panels, and one for longer ones); the
-rows are padded to the engine's ``max_seqs`` with rows of no tokens, so that dimension is fixed.
+dimension of the graph, so steps of every size share one graph (each linear layer picks its
+packed layout by the step's token count at run time, ``linear_ops.call``); the rows are padded
+to the engine's ``max_seqs`` with rows of no tokens, so that dimension is fixed.
 
 Per layer the attention (``ChunkStep.attend``) writes the step's keys and values into their slots by
 index assignment and runs every row, a prompt chunk or a decode row alike (a chunk of one token),
@@ -31,7 +31,6 @@ import torch
 from ..attention import graph_ops
 from ..errors import UnsupportedOperation
 from ..hf.bridge import FORWARD_STEP, ForwardStep
-from ..hf.linears import PANEL_ROWS
 from .graph_step import Compiler, refusal
 from .pool import BlockPool
 from .rows import Row, slots_of, tables_of
@@ -62,7 +61,7 @@ class GraphChunk:
 
     @property
     def graphs(self) -> int:
-        """Graphs compiled so far (two at most: steps of up to and past ``PANEL_ROWS`` tokens)."""
+        """Graphs compiled so far (one: every token count shares it)."""
         return self.compiler.graphs
 
     def takes(self, rows: Sequence[Row], scored: bool) -> bool:
@@ -93,12 +92,11 @@ class GraphChunk:
         return logits[0, : len(keep)]
 
     def warm(self, scratch: int) -> None:
-        """Compile both graphs now (steps of up to and past ``PANEL_ROWS`` tokens), each by one
-        step of one row whose tokens all go to block ``scratch``."""
+        """Compile the graph now, by one step of one row whose tokens all go to block ``scratch``."""
         bs = self.pool.block_size
-        for tokens in (MIN_TOKENS, PANEL_ROWS + 1):
-            row = Row(0, tokens, 0, (scratch,) * -(-tokens // bs))
-            self.run([row], [0] * tokens, range(tokens), [tokens - 1])
+        tokens = MIN_TOKENS
+        row = Row(0, tokens, 0, (scratch,) * -(-tokens // bs))
+        self.run([row], [0] * tokens, range(tokens), [tokens - 1])
 
 
 class ChunkStep(ForwardStep):

@@ -1,51 +1,58 @@
-"""The packed linear layers' calls as torch operators, so that a compiled graph holds them.
+"""A packed linear layer's call, eager and as one torch operator that a compiled graph holds.
 
-``PackedLinears`` (``linears.py``) reaches its kernels through ``ctypes`` (the panel library) and
-through oneDNN's operator on a weight oneDNN packed. Inside a ``torch.compile`` trace it calls
-these instead:
+``PackedLinears`` (``linears.py``) keeps up to two packed copies of a weight: the panel library's
+(``panels.py``, float32) and oneDNN's (``torch.ops.mkldnn._reorder_linear_weight``). ``call``
+chooses between them by the call's row count, at run time: panels for at most ``PANEL_ROWS`` rows,
+oneDNN past that, the plain weight where neither copy exists. Inside a ``torch.compile`` trace the
+same choice runs as ``torch.ops.kvcache.linear`` (``register()``), one opaque node, so a graph
+whose token count is a dynamic dimension holds one branch-free call per layer instead of a guard on
+the row count (which would compile a graph for each side of it). Opaque on purpose for oneDNN too:
+inductor's own lowering of ``mkldnn._linear_pointwise`` takes only weights it froze itself.
 
-- ``torch.ops.kvcache.linear(x, panels, bias, n)``: ``panels.run``, float32 ``[..., n]``;
-- ``torch.ops.kvcache.onednn_linear(x, weight, bias, n)``: ``torch.ops.mkldnn._linear_pointwise``
-  over ``weight`` (``[..., n]``) as one opaque node: inductor's own lowering of that operator takes
-  only weights it froze itself, and asserts on any other.
-
-Neither changes its inputs. Registering is global to the process, so nothing registers at import:
-``register()`` does it once (``PackedLinears`` calls it when it packs).
+The operator changes none of its inputs. Registering is global to the process, so nothing
+registers at import: ``register()`` does it once (``PackedLinears`` calls it when it packs).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from . import panels
 
+#: Most rows a call multiplies on panels; longer calls (prompt chunks) go to oneDNN, which is
+#: faster there (docs/benchmarks.md, ``benchmarks/panel_linears.py``).
+PANEL_ROWS = 64
 
-class LinearOps(NamedTuple):
-    linear: torch._ops.OpOverloadPacket
-    onednn_linear: torch._ops.OpOverloadPacket
+
+def call(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+    panel: torch.Tensor | None, onednn: torch.Tensor | None, n: int,
+) -> torch.Tensor:
+    """``x @ weight.T + bias`` (``[..., n]``) through the packed copy that suits ``x``'s row count
+    (``panel``/``onednn``: the copies, None where a layout is not packed)."""
+    if panel is not None and x.numel() <= PANEL_ROWS * x.shape[-1]:
+        return panels.run(x, panel, n, bias)  # (PackedLinears checked the layer)
+    if onednn is not None:
+        return torch.ops.mkldnn._linear_pointwise(x, onednn, bias, "none", [], "")
+    return F.linear(x, weight, bias)
 
 
 @functools.cache
-def register() -> LinearOps:
-    """Register ``kvcache::linear`` and ``kvcache::onednn_linear`` (once per process)."""
+def register() -> torch._ops.OpOverloadPacket:
+    """Register ``kvcache::linear`` (``call`` as an operator; once per process) and return it."""
 
     @torch.library.custom_op("kvcache::linear", mutates_args=())
-    def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
-        return panels.run(x, packed, n, bias)  # (PackedLinears checked the call)
+    def linear(
+        x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+        panel: torch.Tensor | None, onednn: torch.Tensor | None, n: int,
+    ) -> torch.Tensor:
+        return call(x, weight, bias, panel, onednn, n)
 
     @linear.register_fake
-    def _(x, packed, bias, n):
-        return x.new_empty((*x.shape[:-1], n), dtype=torch.float32)
+    def _(x, weight, bias, panel, onednn, n):
+        return x.new_empty((*x.shape[:-1], n))  # every path returns x's dtype (panels: float32 only)
 
-    @torch.library.custom_op("kvcache::onednn_linear", mutates_args=())
-    def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-
-    @onednn_linear.register_fake
-    def _(x, weight, bias, n):
-        return x.new_empty((*x.shape[:-1], n))
-
-    return LinearOps(torch.ops.kvcache.linear, torch.ops.kvcache.onednn_linear)
+    return torch.ops.kvcache.linear

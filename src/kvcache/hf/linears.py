@@ -13,10 +13,9 @@ every ``torch.nn.Linear`` of ``model`` it can once, in one or both of two layout
   the panel library is not built.
 
 ``with packed.active():`` routes those layers' forward through the packed copies and restores them
-on exit, so the model is left as it was; inside a ``torch.compile`` trace the calls become the
-``kvcache::linear`` and ``kvcache::onednn_linear`` operators (``linear_ops.py``), so the graph
-holds them. A packed copy is
-remade when its weight was changed in place or replaced (checked on entry), so it never computes
+on exit, so the model is left as it was. Each call picks its layout by its row count at run time
+(``linear_ops.call``); inside a ``torch.compile`` trace it is the ``kvcache::linear`` operator,
+so the graph holds one call per layer and no guard on the row count. A packed copy is remade when its weight was changed in place or replaced (checked on entry), so it never computes
 with stale weights. The copies cost the packed layers' weight bytes once per layout
 (``packed.bytes``).
 
@@ -36,12 +35,12 @@ import torch
 import torch.nn.functional as F
 
 from . import linear_ops
+from .linear_ops import PANEL_ROWS
 from . import panels as panel_linear
 
 __all__ = ["PANEL_ROWS", "PackedLinears", "can_pack"]
 
 #: The most rows a call multiplies on panels; calls of more rows take oneDNN's packed copy.
-PANEL_ROWS = 64
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -154,21 +153,12 @@ def _packable(module: torch.nn.Linear) -> bool:
 
 
 def _forward(packed: _Packed, module: torch.nn.Linear):
-    ops = linear_ops.register()
+    op = linear_ops.register()
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        dtype = packed.source.dtype
-        if x.dtype != dtype or x.device.type != "cpu":
+        if x.dtype != packed.source.dtype or x.device.type != "cpu":
             return F.linear(x, module.weight, module.bias)
-        compiling = torch.compiler.is_compiling()
-        if packed.panels is not None and x.numel() <= PANEL_ROWS * x.shape[-1]:
-            if compiling:
-                return ops.linear(x, packed.panels, module.bias, module.out_features)
-            return panel_linear.run(x, packed.panels, module.out_features, module.bias)
-        if packed.weight is not None:
-            if compiling:  # inductor lowers mkldnn's own operator only over weights it froze itself
-                return ops.onednn_linear(x, packed.weight, module.bias, module.out_features)
-            return torch.ops.mkldnn._linear_pointwise(x, packed.weight, module.bias, "none", [], "")
-        return F.linear(x, module.weight, module.bias)
+        call = op if torch.compiler.is_compiling() else linear_ops.call
+        return call(x, module.weight, module.bias, packed.panels, packed.weight, module.out_features)
 
     return forward

@@ -15,8 +15,8 @@ registers. On an Intel Xeon (AVX-512, 2 cores) it multiplies 16 rows by SmolLM2'
 Each output row is summed over K in order whatever the other rows, so a row's result does not
 depend on how many rows share the call: a decode step padded to a bucket computes the same
 numbers as the same rows alone. Both functions take float32 CPU tensors only and need the library
-(``available()``); ``kvcache::linear`` (``linear_ops.py``) is ``run`` as an operator a compiled
-graph holds.
+(``available()``); ``linear_ops.call`` (and its operator ``kvcache::linear``, which a compiled
+graph holds) calls ``run`` for calls of up to ``linear_ops.PANEL_ROWS`` rows.
 """
 
 from __future__ import annotations
