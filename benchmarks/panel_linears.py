@@ -3,7 +3,7 @@ from memory as in a step) at decode and prompt row counts: the panel library (``
 against oneDNN on its packed weights (``torch.ops.mkldnn``, what ``PackedLinears`` used before)
 and ``F.linear``, alternated call by call, medians of ``--calls`` passes over all layers.
 
-    .venv/bin/python benchmarks/panel_linears.py [--rows 1,4,16,32,64,512] [--calls 9]
+    .venv/bin/python benchmarks/panel_linears.py [--rows 1,4,16,32,64,512] [--calls 9] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -24,17 +24,20 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default="1,4,16,32,64,512")
     p.add_argument("--calls", type=int, default=9)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = p.parse_args()
+    dtype = getattr(torch, args.dtype)
     model, _, _ = load_model("smollm2")
+    model.to(dtype)
     layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     packed = [panels.pack(m.weight) for m in layers]
     onednn = [torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), batch_size=16) for m in layers]
-    weight_bytes = sum(m.weight.numel() * 4 for m in layers)
-    print(f"{machine_line(machine_info())}; {len(layers)} layers, {weight_bytes / 2**20:.0f} MiB of float32 weights")
+    weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in layers)
+    print(f"{machine_line(machine_info())}; {len(layers)} layers, {weight_bytes / 2**20:.0f} MiB of {args.dtype} weights")
     print("| rows | panels | oneDNN packed | F.linear | panels / oneDNN | panels' weight stream |")
     print("|---|---|---|---|---|---|")
     for rows in map(int, args.rows.split(",")):
-        x = {k: torch.randn(rows, k) for k in {m.in_features for m in layers}}
+        x = {k: torch.randn(rows, k).to(dtype) for k in {m.in_features for m in layers}}
         contenders = {
             "panels": lambda: [panels.run(x[m.in_features], w, m.out_features, None) for m, w in zip(layers, packed)],
             "onednn": lambda: [torch.ops.mkldnn._linear_pointwise(x[m.in_features], w, None, "none", [], "")

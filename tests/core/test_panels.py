@@ -1,7 +1,9 @@
 """The panel linear library (``hf.panels``, ``csrc/linear.cpp``): ``x W^T + b`` against float64
 matrix products at every row count its tiles split differently (one tile, a tile and a remainder,
-many tiles), column counts that are not whole panels, strided rows; a row's result independent of
-the rows beside it; the ``kvcache::linear`` operator inside a compiled graph; bad calls refused."""
+many tiles), column counts that are not whole panels, strided rows, in float32 and in bfloat16
+(whichever bfloat16 kernel this CPU runs: AMX tiles, ``vdpbf16ps`` or widened FMAs); a row's result
+independent of the rows beside it; the ``kvcache::linear`` operator inside a compiled graph; bad
+calls refused."""
 
 from __future__ import annotations
 
@@ -29,6 +31,51 @@ def test_linear_equals_the_matrix_product(rows, n, k):
     assert packed.shape == ((n + 15) // 16, k, 16)
     torch.testing.assert_close(panels.linear(x, packed, n, b), reference(x, w, b), rtol=1e-5, atol=1e-5 * k**0.5)
     torch.testing.assert_close(panels.linear(x, packed, n), reference(x, w, None), rtol=1e-5, atol=1e-5 * k**0.5)
+
+
+def bf16_taken() -> bool:
+    return panels.bf16_kernel() != "none"
+
+
+needs_bf16 = pytest.mark.skipif(not panels.available() or not bf16_taken(), reason="this build of the library takes no bfloat16 (narrower vectors than AVX-512)")
+
+
+@needs_bf16
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 40, 70])
+@pytest.mark.parametrize(("n", "k"), [(40, 64), (16, 6), (200, 96), (3, 130)])
+def test_bfloat16_linear_is_the_float32_sum_rounded_once(rows, n, k):
+    """Products exact, sums in float32, one rounding to bfloat16: within 2**-8 of the float64
+    result plus float32's summation error (``k`` multiples of 32 take the AMX tiles where usable)."""
+    torch.manual_seed(rows * 1000 + n + k)
+    x, w, b = (torch.randn(*shape).bfloat16() for shape in ((rows, k), (n, k), (n,)))
+    packed = panels.pack(w)
+    assert packed.dtype == torch.bfloat16 and packed.shape == ((n + 15) // 16, k, 16)
+    for bias in (b, None):
+        got = panels.linear(x, packed, n, bias)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+        want = reference(x, w, bias).double()
+        scale = x.double().abs() @ w.double().abs().T + (bias.double().abs() if bias is not None else 0)
+        assert ((got.double() - want).abs() <= 2**-8 * want.abs() + 1e-6 * k * scale + 1e-30).all()
+
+
+@needs_bf16
+def test_bfloat16_rows_do_not_depend_on_the_rows_beside_them():
+    torch.manual_seed(3)
+    w, x = torch.randn(70, 64).bfloat16(), torch.randn(37, 64).bfloat16()
+    packed = panels.pack(w)
+    whole = panels.linear(x, packed, 70)
+    for row in (0, 15, 16, 36):
+        assert torch.equal(whole[row], panels.linear(x[row : row + 1], packed, 70)[0])
+        assert torch.equal(whole[row], panels.linear(x[row : row + 5], packed, 70)[0])
+
+
+def test_bfloat16_is_refused_where_the_library_does_not_take_it():
+    w = torch.randn(20, 8).bfloat16()
+    assert not panels.fits(torch.randn(20, 7).bfloat16())  # K odd: the pairs layout needs it even
+    assert panels.fits(w) == bf16_taken()
+    if not bf16_taken():
+        with pytest.raises(ValueError, match="bfloat16 with K even where the library takes it"):
+            panels.pack(w)
 
 
 def test_leading_dimensions_strided_rows_and_no_rows():
@@ -91,3 +138,5 @@ def test_bad_calls_are_refused_by_name():
         panels.linear(torch.randn(3, 8), packed, 20, torch.randn(5))
     with pytest.raises(ValueError, match="cannot pack a torch.float16 weight"):
         panels.pack(w.half())
+    with pytest.raises(ValueError, match="expected float32 x"):
+        panels.linear(torch.randn(3, 8).bfloat16(), packed, 20)

@@ -1,15 +1,20 @@
-// float32 linear layers y = x W^T (+ bias) over a weight packed once into column panels
-// (kvcache.hf.panels). Built for the few rows of a decode step, where a BLAS call re-blocks the
+// Linear layers y = x W^T (+ bias) over a weight packed once into column panels
+// (kvcache.hf.panels), in float32 or bfloat16. Built for the few rows of a decode step, where a BLAS call re-blocks the
 // weight every time and reads it at a fraction of the memory bandwidth; any row count computes.
 //
 // One plain C entry point per operation, called through ctypes with raw pointers (no Python or
 // torch headers, so it builds in a second or two).
 //
-//   w       float32 [N, K]              row major (a torch Linear's weight)
-//   packed  float32 [ceil(N/16), K, 16] panel p holds columns 16p..16p+15 for every k, zero past N
-//   x       float32 [M, K]              row stride ldx, K contiguous
-//   bias    float32 [N] or null
-//   y       float32 [M, N]              row stride ldy
+//   w       T [N, K]              row major (a torch Linear's weight)
+//   packed  T [ceil(N/16), K, 16] panel p holds columns 16p..16p+15 for every k, zero past N
+//   x       T [M, K]              row stride ldx, K contiguous
+//   bias    T [N] or null
+//   y       T [M, N]              row stride ldy
+//
+// T is float (kv_linear*) or bfloat16 (kv_linear_bf16*, its bits as uint16). A bfloat16 weight
+// vector is widened to float32 as it is loaded, the products and sums run in float32 (a product of
+// two bfloat16 values is exact there), and each output is rounded to bfloat16 once, to nearest
+// even, after the bias: the weights stream at half the bytes, the arithmetic is float32's.
 //
 // Each thread takes a contiguous run of panels (the runs differ by at most one panel), so the
 // weight is read from memory once per call however many rows there are: in groups of kGroup panels
@@ -21,11 +26,23 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 #include <omp.h>
+#if defined(__AVX512BF16__) || defined(__AMX_BF16__)
+#include <immintrin.h>
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
 typedef float v16 __attribute__((vector_size(64)));
+typedef uint16_t h16 __attribute__((vector_size(32)));
+typedef uint32_t u16 __attribute__((vector_size(64)));
+typedef uint16_t bf16;  // bfloat16's bits
 
 constexpr int kPanel = 16;  // floats a panel is wide
 constexpr int kGroup = 8;   // panels a thread walks every row tile over before the next group
@@ -46,13 +63,52 @@ inline __attribute__((always_inline)) v16 load16(const float* p) {
     return v;
 }
 
-// Rows [0, MR) of x times panels [0, G) of a group: y's columns col .. col + 16G (cut at n).
-template <int MR, int G>
-inline void tile(const float* x, int64_t ldx, int64_t k, const float* panels, int64_t panel_stride,
-                 const float* bias, float* y, int64_t ldy, int64_t col, int64_t n) {
-    v16 acc[MR][G];
-    for (int r = 0; r < MR; ++r)
-        for (int g = 0; g < G; ++g) acc[r][g] = v16{};
+inline __attribute__((always_inline)) v16 load16(const bf16* p) {
+    h16 h;
+    __builtin_memcpy(&h, p, sizeof h);
+    const u16 bits = __builtin_convertvector(h, u16) << 16;
+    v16 v;
+    __builtin_memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
+inline float widen(float v) { return v; }
+
+inline float widen(bf16 v) {
+    const uint32_t bits = static_cast<uint32_t>(v) << 16;
+    float f;
+    __builtin_memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+// Round to nearest even, as torch's float32 -> bfloat16 conversion does (NaN stays a quiet NaN).
+inline bf16 narrow(float f) {
+    uint32_t bits;
+    __builtin_memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return static_cast<bf16>(bits >> 16);
+}
+
+inline void store(float* y, const v16& v, int64_t width) { __builtin_memcpy(y, &v, width * sizeof(float)); }
+
+inline void store(bf16* y, const v16& v, int64_t width) {
+#if defined(__AVX512BF16__)
+    // vcvtneps2bf16 rounds to nearest even as narrow does (a denormal input or output is flushed to 0)
+    __m512 f;
+    __builtin_memcpy(&f, &v, sizeof f);
+    const __m256i h = (__m256i)_mm512_cvtneps_pbh(f);
+    if (width == kPanel) _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), h);
+    else _mm256_mask_storeu_epi16(y, static_cast<__mmask16>((1u << width) - 1), h);
+#else
+    for (int64_t j = 0; j < width; ++j) y[j] = narrow(v[j]);
+#endif
+}
+
+// The products of rows [0, MR) of x and panels [0, G) of a group, summed over k in order: float32
+// x and panels (each bfloat16 weight vector widened as it is loaded).
+template <int MR, int G, typename T>
+inline void sums(const float* x, int64_t ldx, int64_t k, const T* panels, int64_t panel_stride, v16 (&acc)[MR][G]) {
     for (int64_t i = 0; i < k; ++i) {
         v16 w[G];
         for (int g = 0; g < G; ++g) {
@@ -64,6 +120,45 @@ inline void tile(const float* x, int64_t ldx, int64_t k, const float* panels, in
             for (int g = 0; g < G; ++g) acc[r][g] += b * w[g];
         }
     }
+}
+
+#if defined(__AVX512BF16__)
+// bfloat16 x and panels in k pairs ([K/2, 16, 2] per panel): one vdpbf16ps adds two products to
+// each of 16 float32 sums, pair after pair (the pair's two products added to the sum at once).
+template <int MR, int G>
+inline void sums(const bf16* x, int64_t ldx, int64_t k, const bf16* panels, int64_t panel_stride, v16 (&acc)[MR][G]) {
+    __m512 sum[MR][G];
+    for (int r = 0; r < MR; ++r)
+        for (int g = 0; g < G; ++g) sum[r][g] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k; i += 2) {
+        __m512bh w[G];
+        for (int g = 0; g < G; ++g) {
+            __builtin_prefetch(panels + g * panel_stride + (i + 64) * kPanel);
+            w[g] = (__m512bh)_mm512_loadu_si512(panels + g * panel_stride + i * kPanel);
+        }
+        for (int r = 0; r < MR; ++r) {
+            int32_t pair;
+            __builtin_memcpy(&pair, x + r * ldx + i, sizeof pair);
+            const __m512bh b = (__m512bh)_mm512_set1_epi32(pair);
+            for (int g = 0; g < G; ++g) sum[r][g] = _mm512_dpbf16_ps(sum[r][g], w[g], b);
+        }
+    }
+    for (int r = 0; r < MR; ++r)
+        for (int g = 0; g < G; ++g) __builtin_memcpy(&acc[r][g], &sum[r][g], sizeof(v16));
+}
+constexpr bool kPairs = true;  // bfloat16 panels hold k in pairs
+#else
+constexpr bool kPairs = false;
+#endif
+
+// Rows [0, MR) of x times panels [0, G) of a group: y's columns col .. col + 16G (cut at n).
+template <int MR, int G, typename X, typename T>
+inline void tile(const X* x, int64_t ldx, int64_t k, const T* panels, int64_t panel_stride,
+                 const T* bias, T* y, int64_t ldy, int64_t col, int64_t n) {
+    v16 acc[MR][G];
+    for (int r = 0; r < MR; ++r)
+        for (int g = 0; g < G; ++g) acc[r][g] = v16{};
+    sums<MR, G>(x, ldx, k, panels, panel_stride, acc);
     for (int g = 0; g < G; ++g) {
         const int64_t c0 = col + g * kPanel;
         const int64_t width = std::min<int64_t>(kPanel, n - c0);
@@ -71,19 +166,16 @@ inline void tile(const float* x, int64_t ldx, int64_t k, const float* panels, in
         v16 add = v16{};
         if (bias != nullptr) {
             if (width == kPanel) add = load16(bias + c0);
-            else for (int j = 0; j < width; ++j) add[j] = bias[c0 + j];
+            else for (int j = 0; j < width; ++j) add[j] = widen(bias[c0 + j]);
         }
-        for (int r = 0; r < MR; ++r) {
-            const v16 out = acc[r][g] + add;
-            __builtin_memcpy(y + r * ldy + c0, &out, width * sizeof(float));
-        }
+        for (int r = 0; r < MR; ++r) store(y + r * ldy + c0, acc[r][g] + add, width);
     }
 }
 
 // Tiles of MR rows over `count` panels starting at `first`, G at a time (fewer at the end).
-template <int MR>
-void rows_over(const float* x, int64_t ldx, int64_t k, const float* packed, int64_t first, int64_t count,
-               const float* bias, float* y, int64_t ldy, int64_t n) {
+template <int MR, typename X, typename T>
+void rows_over(const X* x, int64_t ldx, int64_t k, const T* packed, int64_t first, int64_t count,
+               const T* bias, T* y, int64_t ldy, int64_t n) {
     constexpr int G = std::max(1, std::min(kGroup, kAcc / MR));
     const int64_t stride = k * kPanel;
     int64_t p = first;
@@ -91,39 +183,38 @@ void rows_over(const float* x, int64_t ldx, int64_t k, const float* packed, int6
     for (; p < first + count; ++p) tile<MR, 1>(x, ldx, k, packed + p * stride, stride, bias, y, ldy, p * kPanel, n);
 }
 
-template <int MR>
-void rows_dispatch(int rows, const float* x, int64_t ldx, int64_t k, const float* packed, int64_t first,
-                   int64_t count, const float* bias, float* y, int64_t ldy, int64_t n) {
+template <int MR, typename X, typename T>
+void rows_dispatch(int rows, const X* x, int64_t ldx, int64_t k, const T* packed, int64_t first,
+                   int64_t count, const T* bias, T* y, int64_t ldy, int64_t n) {
     if constexpr (MR > 0) {
         if (rows == MR) return rows_over<MR>(x, ldx, k, packed, first, count, bias, y, ldy, n);
         return rows_dispatch<MR - 1>(rows, x, ldx, k, packed, first, count, bias, y, ldy, n);
     }
 }
 
-}  // namespace
+// Panel p's element for column 16p + j and row i of k (pairs: [K/2, 16, 2], else [K, 16]).
+template <bool Pairs>
+inline int64_t at(int64_t i, int j) {
+    return Pairs ? (i / 2) * 2 * kPanel + j * 2 + (i % 2) : i * kPanel + j;
+}
 
-extern "C" {
-
-// Panel width in floats (the packed layout's last dimension).
-int kv_linear_panel() { return kPanel; }
-
-// w [n, k] -> packed [ceil(n/16), k, 16]; columns past n are zeros.
-void kv_linear_pack(const float* w, int64_t n, int64_t k, float* packed, int threads) {
+template <bool Pairs, typename T>
+void pack(const T* w, int64_t n, int64_t k, T* packed, int threads) {
     const int64_t panels = (n + kPanel - 1) / kPanel;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t p = 0; p < panels; ++p) {
-        float* out = packed + p * k * kPanel;
+        T* out = packed + p * k * kPanel;
         for (int64_t i = 0; i < k; ++i)
             for (int j = 0; j < kPanel; ++j) {
                 const int64_t c = p * kPanel + j;
-                out[i * kPanel + j] = c < n ? w[c * k + i] : 0.0f;
+                out[at<Pairs>(i, j)] = c < n ? w[c * k + i] : T(0);
             }
     }
 }
 
-// y [m, n] = x [m, k] packed^T (+ bias).
-void kv_linear(const float* x, int64_t m, int64_t k, int64_t ldx, const float* packed, int64_t n,
-               const float* bias, float* y, int64_t ldy, int threads) {
+template <typename X, typename T>
+void linear(const X* x, int64_t m, int64_t k, int64_t ldx, const T* packed, int64_t n, const T* bias, T* y,
+            int64_t ldy, int threads) {
     const int64_t panels = (n + kPanel - 1) / kPanel;
     const int used = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, panels)));
 #pragma omp parallel num_threads(used)
@@ -139,6 +230,162 @@ void kv_linear(const float* x, int64_t m, int64_t k, int64_t ldx, const float* p
                 rows_dispatch<kRows>(static_cast<int>(m - r), x + r * ldx, ldx, k, packed, g, width, bias,
                                      y + r * ldy, ldy, n);
         }
+    }
+}
+
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+// AMX: a tile multiply adds a [16 rows, 32 k] block of x times a [32 k, 16 columns] block of a
+// panel (16 k pairs of the pairs layout, 1 KB contiguous) into a [16, 16] float32 tile. Tiles:
+// 0-3 the sums of four panels, 4 the rows of x, 5-7 panel blocks. x comes zero-padded to 16-row
+// blocks; each output row is still summed over k in the same order whatever the other rows.
+constexpr bool kAmx = true;
+
+struct TileConfig {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+};
+
+// Whether this process may use AMX tiles: the CPU has them, the OS saves their state (XCR0 bits 17
+// and 18) and grants this process the permission to use them (asked once).
+bool amx_usable() {
+    static const bool usable = [] {
+        unsigned a, b, c, d;
+        if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 22))) return false;
+        if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return false;  // OSXSAVE
+        unsigned lo, hi;
+        __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+        if ((lo & (3u << 17)) != (3u << 17)) return false;
+        constexpr long kReqPerm = 0x1023, kXtileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+        return syscall(SYS_arch_prctl, kReqPerm, kXtileData) == 0;
+    }();
+    return usable;
+}
+
+constexpr int64_t kAhead = 128;  // k rows of a panel prefetched ahead (4 KB)
+
+template <int G>
+inline void amx_block(const bf16* x16, int64_t k, const bf16* panels, int64_t stride) {
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    for (int64_t i = 0; i < k; i += 32) {
+        _tile_loadd(4, x16 + i, k * 2);
+        const bf16* b = panels + i * kPanel;  // 16 k pairs of 16 columns: 32 k rows of the panel
+        for (int g = 0; g < G; ++g)
+            for (int line = 0; line < 16; ++line) __builtin_prefetch(b + g * stride + kAhead * kPanel + line * 32);
+        _tile_loadd(5, b, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        if constexpr (G > 1) { _tile_loadd(6, b + stride, 64); _tile_dpbf16ps(1, 4, 6); }
+        if constexpr (G > 2) { _tile_loadd(7, b + 2 * stride, 64); _tile_dpbf16ps(2, 4, 7); }
+        if constexpr (G > 3) { _tile_loadd(5, b + 3 * stride, 64); _tile_dpbf16ps(3, 4, 5); }
+    }
+}
+
+// y rows [0, m) of panels [lo, hi), from x16 (rows padded to whole blocks of 16, stride k).
+void amx_panels(const bf16* x16, int64_t m, int64_t k, const bf16* packed, int64_t lo, int64_t hi,
+                const bf16* bias, bf16* y, int64_t ldy, int64_t n) {
+    TileConfig config;
+    for (int t = 0; t < 8; ++t) config.rows[t] = 16, config.colsb[t] = 64;
+    _tile_loadconfig(&config);
+    const int64_t stride = k * kPanel;
+    alignas(64) float sums[4][16][16];
+    for (int64_t p = lo; p < hi; p += 4) {
+        const int g = static_cast<int>(std::min<int64_t>(4, hi - p));
+        for (int64_t r0 = 0; r0 < m; r0 += 16) {
+            const bf16* xb = x16 + r0 * k;
+            const bf16* b = packed + p * stride;
+            if (g == 4) amx_block<4>(xb, k, b, stride);
+            else if (g == 3) amx_block<3>(xb, k, b, stride);
+            else if (g == 2) amx_block<2>(xb, k, b, stride);
+            else amx_block<1>(xb, k, b, stride);
+            _tile_stored(0, sums[0], 64); _tile_stored(1, sums[1], 64);
+            _tile_stored(2, sums[2], 64); _tile_stored(3, sums[3], 64);
+            const int64_t rows = std::min<int64_t>(16, m - r0);
+            for (int j = 0; j < g; ++j) {
+                const int64_t c0 = (p + j) * kPanel, width = std::min<int64_t>(kPanel, n - c0);
+                v16 add = v16{};
+                if (bias != nullptr) {
+                    if (width == kPanel) add = load16(bias + c0);
+                    else for (int64_t c = 0; c < width; ++c) add[c] = widen(bias[c0 + c]);
+                }
+                for (int64_t r = 0; r < rows; ++r) {
+                    v16 out;
+                    __builtin_memcpy(&out, sums[j][r], sizeof out);
+                    store(y + (r0 + r) * ldy + c0, out + add, width);
+                }
+            }
+        }
+    }
+    _tile_release();
+}
+
+bool amx_linear(const bf16* x, int64_t m, int64_t k, int64_t ldx, const bf16* packed, int64_t n,
+                const bf16* bias, bf16* y, int64_t ldy, int threads) {
+    if (k % 32 != 0 || !amx_usable()) return false;
+    const int64_t padded = (m + 15) / 16 * 16;
+    std::vector<bf16> x16(static_cast<size_t>(padded * k), 0);
+    for (int64_t r = 0; r < m; ++r) std::memcpy(x16.data() + r * k, x + r * ldx, k * sizeof(bf16));
+    const int64_t panels = (n + kPanel - 1) / kPanel;
+    const int used = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, panels)));
+#pragma omp parallel num_threads(used)
+    {
+        const int t = omp_get_thread_num(), count = omp_get_num_threads();
+        amx_panels(x16.data(), m, k, packed, panels * t / count, panels * (t + 1) / count, bias, y, ldy, n);
+    }
+    return true;
+}
+#else
+constexpr bool kAmx = false;
+bool amx_usable() { return false; }
+bool amx_linear(const bf16*, int64_t, int64_t, int64_t, const bf16*, int64_t, const bf16*, bf16*, int64_t, int) {
+    return false;
+}
+#endif
+
+}  // namespace
+
+extern "C" {
+
+// Panel width (the packed layout's last dimension).
+int kv_linear_panel() { return kPanel; }
+
+// How bfloat16 calls multiply: 2 AMX tiles (where K is a multiple of 32), 1 vdpbf16ps, 0 float32
+// FMAs on widened weights (AVX-512), -1 too slowly to be worth it (narrower vectors: the widening
+// and rounding are not vectorized there). Asks the OS for AMX permission the first time.
+int kv_linear_bf16_kernel() {
+    if (kAmx && amx_usable()) return 2;
+#if defined(__AVX512F__)
+    return kPairs ? 1 : 0;
+#else
+    return -1;
+#endif
+}
+
+// w [n, k] -> packed [ceil(n/16), k, 16]; columns past n are zeros.
+void kv_linear_pack(const float* w, int64_t n, int64_t k, float* packed, int threads) {
+    pack<false>(w, n, k, packed, threads);
+}
+
+void kv_linear_pack_bf16(const bf16* w, int64_t n, int64_t k, bf16* packed, int threads) {
+    pack<kPairs>(w, n, k, packed, threads);
+}
+
+// y [m, n] = x [m, k] packed^T (+ bias).
+void kv_linear(const float* x, int64_t m, int64_t k, int64_t ldx, const float* packed, int64_t n,
+               const float* bias, float* y, int64_t ldy, int threads) {
+    linear(x, m, k, ldx, packed, n, bias, y, ldy, threads);
+}
+
+void kv_linear_bf16(const bf16* x, int64_t m, int64_t k, int64_t ldx, const bf16* packed, int64_t n,
+                    const bf16* bias, bf16* y, int64_t ldy, int threads) {
+    if constexpr (kPairs) {
+        if (amx_linear(x, m, k, ldx, packed, n, bias, y, ldy, threads)) return;
+        linear(x, m, k, ldx, packed, n, bias, y, ldy, threads);
+    } else {  // rows widened once here, not at every broadcast
+        std::vector<float> rows(static_cast<size_t>(m * k));
+        for (int64_t r = 0; r < m; ++r)
+            for (int64_t i = 0; i < k; ++i) rows[r * k + i] = widen(x[r * ldx + i]);
+        linear(rows.data(), m, k, k, packed, n, bias, y, ldy, threads);
     }
 }
 

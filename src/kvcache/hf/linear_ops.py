@@ -2,8 +2,8 @@
 
 ``PackedLinears`` (``linears.py``) keeps up to two packed copies of a weight: the panel library's
 (``panels.py``, float32) and oneDNN's (``torch.ops.mkldnn._reorder_linear_weight``). ``call``
-chooses between them by the call's row count, at run time: panels for at most ``PANEL_ROWS`` rows,
-oneDNN past that, the plain weight where neither copy exists. Inside a ``torch.compile`` trace the
+chooses between them by the call's row count, at run time: panels for at most ``PANEL_ROWS`` rows
+in float32 (``BF16_PANEL_ROWS`` in bfloat16), oneDNN past that, the plain weight where neither copy exists. Inside a ``torch.compile`` trace the
 same choice runs as ``torch.ops.kvcache.linear`` (``register()``), one opaque node, so a graph
 whose token count is a dynamic dimension holds one branch-free call per layer instead of a guard on
 the row count (which would compile a graph for each side of it). Opaque on purpose for oneDNN too:
@@ -22,9 +22,18 @@ import torch.nn.functional as F
 
 from . import panels
 
-#: Most rows a call multiplies on panels; longer calls (prompt chunks) go to oneDNN, which is
-#: faster there (docs/benchmarks.md, ``benchmarks/panel_linears.py``).
+#: Most rows a float32 call multiplies on panels; longer calls (prompt chunks) go to oneDNN, which
+#: is faster there (docs/benchmarks.md, ``benchmarks/panel_linears.py``).
 PANEL_ROWS = 64
+
+#: The same for bfloat16, by the library's kernel (``panels.bf16_kernel()``), measured the same way.
+BF16_PANEL_ROWS = {"amx": 32, "dot": 8, "widen": 4, "none": 0}
+
+
+@functools.cache
+def panel_rows(dtype: torch.dtype) -> int:
+    """Most rows a call of ``dtype`` multiplies on panels (``PANEL_ROWS``, ``BF16_PANEL_ROWS``)."""
+    return PANEL_ROWS if dtype == torch.float32 else BF16_PANEL_ROWS[panels.bf16_kernel()]
 
 
 def call(
@@ -33,7 +42,7 @@ def call(
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` (``[..., n]``) through the packed copy that suits ``x``'s row count
     (``panel``/``onednn``: the copies, None where a layout is not packed)."""
-    if panel is not None and x.numel() <= PANEL_ROWS * x.shape[-1]:
+    if panel is not None and x.numel() <= panel_rows(panel.dtype) * x.shape[-1]:
         return panels.run(x, panel, n, bias)  # (PackedLinears checked the layer)
     if onednn is not None:
         return torch.ops.mkldnn._linear_pointwise(x, onednn, bias, "none", [], "")
