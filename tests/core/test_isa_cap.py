@@ -2,7 +2,8 @@
 the code a CPU with less would run: the float decode library's tests (dense and paged decode
 against SDPA, shared-prefix attention against per-row SDPA) and the panel linear library's (against
 float64 matrix products) pass when they are built for AVX2+FMA (the generic baseline on a CPU
-without AVX2), in a fresh process and extension folder. The coded library's tests
+without AVX2), in a fresh process and extension folder; where the CPU has AVX-512 BF16, the panel
+library's tests pass built for it without AMX, on its ``vdpbf16ps`` kernel. The coded library's tests
 take about a minute to build per cap, so they run under a cap on demand, not here:
 ``KVCACHE_ISA=avx2 python -m pytest tests/core/test_fused_coded_decode.py tests/core/test_paged_coded_decode.py``."""
 
@@ -38,6 +39,20 @@ def test_the_float_kernels_pass_their_tests_built_for_a_capped_isa(isa, tmp_path
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     for name in ("float_decode", "linear"):
         assert list(tmp_path.glob(f"{name}-*.so")), f"the {name} library was not built under the cap"
+
+
+@pytest.mark.skipif(not X86 or "avx512_bf16" not in cpu_flags().split(), reason="this CPU has no AVX-512 BF16")
+def test_the_bfloat16_dot_kernel_passes_the_panel_tests_built_without_amx(tmp_path):
+    code = (
+        "import sys, pytest\n"
+        "from kvcache.hf import panels\n"
+        "print('kernel:', panels.bf16_kernel())\n"
+        "sys.exit(pytest.main(['-q', '-p', 'no:randomly', '-p', 'no:cacheprovider', '-W', 'error::RuntimeWarning',\n"
+        "                      'tests/core/test_panels.py', '-k', 'bfloat16']))\n"
+    )
+    done = run(["-c", code], "avx512bf16", tmp_path)
+    assert done.returncode == 0 and "kernel: dot" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+    assert " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-3000:]
 
 
 def test_an_unknown_isa_warns_and_the_pytorch_path_runs(tmp_path):

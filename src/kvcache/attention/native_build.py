@@ -12,7 +12,8 @@ failed build, with one warning that says why.
 
 ``KVCACHE_ISA`` caps the instruction set the libraries are built for, so that a machine with
 AVX-512 can build, test and time the code another CPU would run: ``native`` (the default, every
-extension this CPU has), ``avx512`` (x86-64-v4: AVX-512 F/BW/CD/DQ/VL), ``avx2`` (x86-64-v3: AVX2,
+extension this CPU has), ``avx512bf16`` (Cooper Lake: x86-64-v4 with AVX-512 BF16, no AMX),
+``avx512`` (x86-64-v4: AVX-512 F/BW/CD/DQ/VL), ``avx2`` (x86-64-v3: AVX2,
 FMA), ``generic`` (x86-64-v2 on x86, Armv8-A NEON on Arm). A cap this CPU cannot run, or an unknown
 name, fails the build (one warning; the PyTorch paths run).
 """
@@ -39,6 +40,7 @@ _FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-Wno-psabi"]
 #: ``KVCACHE_ISA`` -> (the -march of x86-64, of Arm, the CPU flags it needs on x86).
 _ISAS: dict[str, tuple[str | None, str | None, tuple[str, ...]]] = {
     "native": ("native", "native", ()),
+    "avx512bf16": ("cooperlake", None, ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_bf16")),
     "avx512": ("x86-64-v4", None, ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")),
     "avx2": ("x86-64-v3", None, ("avx2", "fma")),
     "generic": ("x86-64-v2", "armv8-a", ()),
