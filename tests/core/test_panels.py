@@ -7,6 +7,10 @@ calls refused."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -67,6 +71,16 @@ def test_bfloat16_rows_do_not_depend_on_the_rows_beside_them():
     for row in (0, 15, 16, 36):
         assert torch.equal(whole[row], panels.linear(x[row : row + 1], packed, 70)[0])
         assert torch.equal(whole[row], panels.linear(x[row : row + 5], packed, 70)[0])
+
+
+def test_amx_is_left_alone_where_onednn_is_capped_below_it():
+    """Where torch's AMX kernels crash a CPU, kvcache caps oneDNN (``ONEDNN_MAX_CPU_ISA``); the
+    library then keeps off AMX too, in a process of its own (the choice is made once a process)."""
+    code = "from kvcache.hf import panels; print(panels.bf16_kernel())"
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] in ("dot", "widen", "none")
 
 
 def test_bfloat16_is_refused_where_the_library_does_not_take_it():

@@ -25,6 +25,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 #include <omp.h>
@@ -248,9 +249,13 @@ struct TileConfig {
 };
 
 // Whether this process may use AMX tiles: the CPU has them, the OS saves their state (XCR0 bits 17
-// and 18) and grants this process the permission to use them (asked once).
+// and 18) and grants this process the permission to use them (asked once), and oneDNN is not
+// capped below AMX (ONEDNN_MAX_CPU_ISA naming no AMX: set where AMX kernels crash this CPU,
+// kvcache.attention.half_precision), which the library honours as well.
 bool amx_usable() {
     static const bool usable = [] {
+        const char* cap = std::getenv("ONEDNN_MAX_CPU_ISA");
+        if (cap != nullptr && *cap != 0 && std::strstr(cap, "AMX") == nullptr) return false;
         unsigned a, b, c, d;
         if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 22))) return false;
         if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return false;  // OSXSAVE

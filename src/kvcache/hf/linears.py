@@ -4,9 +4,10 @@ On the CPU, ``torch.nn.functional.linear`` multiplies by the weight as stored (`
 major) through the BLAS, which re-blocks the weight on every call. ``PackedLinears(model)`` packs
 every ``torch.nn.Linear`` of ``model`` it can once, in one or both of two layouts:
 
-- **panels** (``panels.py``, kvcache's own C++ library; float32): for calls of at most
-  ``PANEL_ROWS`` rows, the decode steps, which it multiplies at the memory bandwidth (1.6x oneDNN
-  at 16 rows on SmolLM2's weights, docs/benchmarks.md);
+- **panels** (``panels.py``, kvcache's own C++ library; float32, and bfloat16 on AVX-512): for
+  calls of at most ``PANEL_ROWS`` rows in float32 (``linear_ops.BF16_PANEL_ROWS`` in bfloat16),
+  the decode steps, which it multiplies near the memory bandwidth (float32: 1.6x oneDNN at 16 rows
+  on SmolLM2's weights; bfloat16 on AMX: 1.2-1.6x at 1-32 rows; docs/benchmarks.md);
 - **oneDNN** (``torch.ops.mkldnn._reorder_linear_weight``, the packing ``torch.compile`` uses
   when it freezes a CPU model; float32, and bfloat16 where oneDNN runs it natively: AVX-512 with
   bfloat16 instructions or AMX): for more rows (prompt chunks), and for any row count where
@@ -15,8 +16,9 @@ every ``torch.nn.Linear`` of ``model`` it can once, in one or both of two layout
 ``with packed.active():`` routes those layers' forward through the packed copies and restores them
 on exit, so the model is left as it was. Each call picks its layout by its row count at run time
 (``linear_ops.call``); inside a ``torch.compile`` trace it is the ``kvcache::linear`` operator,
-so the graph holds one call per layer and no guard on the row count. A packed copy is remade when its weight was changed in place or replaced (checked on entry), so it never computes
-with stale weights. The copies cost the packed layers' weight bytes once per layout
+so the graph holds one call per layer and no guard on the row count. A packed copy is remade when
+its weight was changed in place or replaced (checked on entry), so it never computes with stale
+weights. The copies cost the packed layers' weight bytes once per layout
 (``packed.bytes``).
 
 Results differ from the BLAS path by rounding only (another summation order: about 1e-6 relative in
@@ -39,8 +41,6 @@ from .linear_ops import PANEL_ROWS
 from . import panels as panel_linear
 
 __all__ = ["PANEL_ROWS", "PackedLinears", "can_pack"]
-
-#: The most rows a call multiplies on panels; calls of more rows take oneDNN's packed copy.
 
 
 def can_pack(weight: torch.Tensor) -> bool:

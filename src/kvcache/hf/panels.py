@@ -78,8 +78,9 @@ def available() -> bool:
 
 
 def bf16_kernel() -> str:
-    """How the library multiplies in bfloat16 here: ``"amx"`` (AMX tiles: the CPU has them and the
-    OS granted this process their use, asked on the first call), ``"dot"`` (AVX-512 BF16's
+    """How the library multiplies in bfloat16 here: ``"amx"`` (AMX tiles: the CPU has them, the OS
+    granted this process their use, asked on the first call, and ``$ONEDNN_MAX_CPU_ISA`` does not
+    cap oneDNN below AMX), ``"dot"`` (AVX-512 BF16's
     ``vdpbf16ps``), ``"widen"`` (float32 FMAs on widened weights, AVX-512) or ``"none"`` (narrower
     vectors, where the library does not take bfloat16; ``fits`` refuses it); RuntimeError without
     the library."""
