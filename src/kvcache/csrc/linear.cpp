@@ -1,27 +1,31 @@
 // Linear layers y = x W^T (+ bias) over a weight packed once into column panels
-// (kvcache.hf.panels), in float32 or bfloat16. Built for the few rows of a decode step, where a BLAS call re-blocks the
-// weight every time and reads it at a fraction of the memory bandwidth; any row count computes.
+// (kvcache.hf.panels), in float32 or bfloat16. Built for the few rows of a decode step, where a
+// BLAS call re-blocks the weight every time and reads it at a fraction of the memory bandwidth; any
+// row count computes.
 //
 // One plain C entry point per operation, called through ctypes with raw pointers (no Python or
 // torch headers, so it builds in a second or two).
 //
 //   w       T [N, K]              row major (a torch Linear's weight)
 //   packed  T [ceil(N/16), K, 16] panel p holds columns 16p..16p+15 for every k, zero past N
+//                                 (bfloat16 with AVX-512 BF16: k in pairs, [K/2, 16, 2] a panel)
 //   x       T [M, K]              row stride ldx, K contiguous
 //   bias    T [N] or null
 //   y       T [M, N]              row stride ldy
 //
-// T is float (kv_linear*) or bfloat16 (kv_linear_bf16*, its bits as uint16). A bfloat16 weight
-// vector is widened to float32 as it is loaded, the products and sums run in float32 (a product of
-// two bfloat16 values is exact there), and each output is rounded to bfloat16 once, to nearest
-// even, after the bias: the weights stream at half the bytes, the arithmetic is float32's.
+// T is float (kv_linear*) or bfloat16 (kv_linear_bf16*, its bits as uint16). In bfloat16 the
+// products are exact in float32, the sums run in float32, and each output is rounded to bfloat16
+// once, to nearest even, after the bias: the weights stream at half the bytes. Three kernels, one
+// per build and CPU (kv_linear_bf16_kernel): AMX tiles, vdpbf16ps on k pairs, or float32 FMAs on
+// weights widened as they load.
 //
 // Each thread takes a contiguous run of panels (the runs differ by at most one panel), so the
 // weight is read from memory once per call however many rows there are: in groups of kGroup panels
 // (kept in L2), each tile of MR rows times G panels accumulates in registers over k, one weight
 // vector loaded per panel and k, one row value broadcast per row and k. MR and G are chosen per
 // row count and per register file: a tile holds at most kAcc accumulators of 16 floats.
-// Sums run over k in order, so a row's output does not depend on how many rows share the call.
+// Sums run over k in the same order whatever the row count, so a row's output does not depend on
+// how many rows share the call.
 
 #include <algorithm>
 #include <cstdint>
@@ -45,7 +49,7 @@ typedef uint16_t h16 __attribute__((vector_size(32)));
 typedef uint32_t u16 __attribute__((vector_size(64)));
 typedef uint16_t bf16;  // bfloat16's bits
 
-constexpr int kPanel = 16;  // floats a panel is wide
+constexpr int kPanel = 16;  // columns a panel is wide
 constexpr int kGroup = 8;   // panels a thread walks every row tile over before the next group
 #if defined(__AVX512F__)
 constexpr int kAcc = 24;  // of 32 vector registers: accumulators, the rest weights and a broadcast
