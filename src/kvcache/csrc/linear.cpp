@@ -275,10 +275,10 @@ bool amx_usable() {
 constexpr int64_t kAhead = 128;  // k rows of a panel prefetched ahead (4 KB)
 
 template <int G>
-inline void amx_block(const bf16* x16, int64_t k, const bf16* panels, int64_t stride) {
+inline void amx_block(const bf16* xs, int64_t ldx, int64_t k, const bf16* panels, int64_t stride) {
     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
     for (int64_t i = 0; i < k; i += 32) {
-        _tile_loadd(4, x16 + i, k * 2);
+        _tile_loadd(4, xs + i, ldx * 2);
         const bf16* b = panels + i * kPanel;  // 16 k pairs of 16 columns: 32 k rows of the panel
         for (int g = 0; g < G; ++g)
             for (int line = 0; line < 16; ++line) __builtin_prefetch(b + g * stride + kAhead * kPanel + line * 32);
@@ -290,23 +290,25 @@ inline void amx_block(const bf16* x16, int64_t k, const bf16* panels, int64_t st
     }
 }
 
-// y rows [0, m) of panels [lo, hi), from x16 (rows padded to whole blocks of 16, stride k).
-void amx_panels(const bf16* x16, int64_t m, int64_t k, const bf16* packed, int64_t lo, int64_t hi,
+// y rows [0, m) of panels [lo, hi), from xs (row stride ldx): at most 16 rows as they are, in tiles
+// of m rows (a row's sums are the same either way), or more rows padded to whole blocks of 16.
+void amx_panels(const bf16* xs, int64_t ldx, int64_t m, int64_t k, const bf16* packed, int64_t lo, int64_t hi,
                 const bf16* bias, bf16* y, int64_t ldy, int64_t n) {
     TileConfig config;
-    for (int t = 0; t < 8; ++t) config.rows[t] = 16, config.colsb[t] = 64;
+    const uint8_t tile_rows = static_cast<uint8_t>(std::min<int64_t>(16, m));  // sums and x; panels 16
+    for (int t = 0; t < 8; ++t) config.rows[t] = t < 5 ? tile_rows : 16, config.colsb[t] = 64;
     _tile_loadconfig(&config);
     const int64_t stride = k * kPanel;
     alignas(64) float sums[4][16][16];
     for (int64_t p = lo; p < hi; p += 4) {
         const int g = static_cast<int>(std::min<int64_t>(4, hi - p));
         for (int64_t r0 = 0; r0 < m; r0 += 16) {
-            const bf16* xb = x16 + r0 * k;
+            const bf16* xb = xs + r0 * ldx;
             const bf16* b = packed + p * stride;
-            if (g == 4) amx_block<4>(xb, k, b, stride);
-            else if (g == 3) amx_block<3>(xb, k, b, stride);
-            else if (g == 2) amx_block<2>(xb, k, b, stride);
-            else amx_block<1>(xb, k, b, stride);
+            if (g == 4) amx_block<4>(xb, ldx, k, b, stride);
+            else if (g == 3) amx_block<3>(xb, ldx, k, b, stride);
+            else if (g == 2) amx_block<2>(xb, ldx, k, b, stride);
+            else amx_block<1>(xb, ldx, k, b, stride);
             _tile_stored(0, sums[0], 64); _tile_stored(1, sums[1], 64);
             _tile_stored(2, sums[2], 64); _tile_stored(3, sums[3], 64);
             const int64_t rows = std::min<int64_t>(16, m - r0);
@@ -331,15 +333,19 @@ void amx_panels(const bf16* x16, int64_t m, int64_t k, const bf16* packed, int64
 bool amx_linear(const bf16* x, int64_t m, int64_t k, int64_t ldx, const bf16* packed, int64_t n,
                 const bf16* bias, bf16* y, int64_t ldy, int threads) {
     if (k % 32 != 0 || !amx_usable()) return false;
-    const int64_t padded = (m + 15) / 16 * 16;
-    std::vector<bf16> x16(static_cast<size_t>(padded * k), 0);
-    for (int64_t r = 0; r < m; ++r) std::memcpy(x16.data() + r * k, x + r * ldx, k * sizeof(bf16));
+    std::vector<bf16> x16;
+    if (m > 16) {  // rows padded with zeros to whole tiles
+        x16.assign(static_cast<size_t>((m + 15) / 16 * 16 * k), 0);
+        for (int64_t r = 0; r < m; ++r) std::memcpy(x16.data() + r * k, x + r * ldx, k * sizeof(bf16));
+    }
+    const bf16* xs = m > 16 ? x16.data() : x;
+    const int64_t xstride = m > 16 ? k : ldx;
     const int64_t panels = (n + kPanel - 1) / kPanel;
     const int used = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, panels)));
 #pragma omp parallel num_threads(used)
     {
         const int t = omp_get_thread_num(), count = omp_get_num_threads();
-        amx_panels(x16.data(), m, k, packed, panels * t / count, panels * (t + 1) / count, bias, y, ldy, n);
+        amx_panels(xs, xstride, m, k, packed, panels * t / count, panels * (t + 1) / count, bias, y, ldy, n);
     }
     return true;
 }
