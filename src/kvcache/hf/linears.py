@@ -7,7 +7,7 @@ every ``torch.nn.Linear`` of ``model`` it can once, in one or both of two layout
 - **panels** (``panels.py``, kvcache's own C++ library; float32, and bfloat16 on AVX-512): for
   calls of at most ``PANEL_ROWS`` rows in float32 (``linear_ops.BF16_PANEL_ROWS`` in bfloat16),
   the decode steps, which it multiplies near the memory bandwidth (float32: 1.6x oneDNN at 16 rows
-  on SmolLM2's weights; bfloat16 on AMX: 1.2-1.6x at 1-32 rows; docs/benchmarks.md);
+  on SmolLM2's weights; bfloat16 on AMX: 1.5-1.9x at 1-16 rows; docs/benchmarks.md);
 - **oneDNN** (``torch.ops.mkldnn._reorder_linear_weight``, the packing ``torch.compile`` uses
   when it freezes a CPU model; float32, and bfloat16 where oneDNN runs it natively: AVX-512 with
   bfloat16 instructions or AMX): for more rows (prompt chunks), and for any row count where
