@@ -110,6 +110,16 @@ inline void store(bf16* y, const v16& v, int64_t width) {
 #endif
 }
 
+// The bias of columns c0 .. c0 + width (width <= 16) as float32, zeros past them or without one.
+template <typename T>
+inline v16 bias16(const T* bias, int64_t c0, int64_t width) {
+    v16 add = v16{};
+    if (bias == nullptr) return add;
+    if (width == kPanel) return load16(bias + c0);
+    for (int64_t j = 0; j < width; ++j) add[j] = widen(bias[c0 + j]);
+    return add;
+}
+
 // The products of rows [0, MR) of x and panels [0, G) of a group, summed over k in order: float32
 // x and panels (each bfloat16 weight vector widened as it is loaded).
 template <int MR, int G, typename T>
@@ -168,11 +178,7 @@ inline void tile(const X* x, int64_t ldx, int64_t k, const T* panels, int64_t pa
         const int64_t c0 = col + g * kPanel;
         const int64_t width = std::min<int64_t>(kPanel, n - c0);
         if (width <= 0) break;
-        v16 add = v16{};
-        if (bias != nullptr) {
-            if (width == kPanel) add = load16(bias + c0);
-            else for (int j = 0; j < width; ++j) add[j] = widen(bias[c0 + j]);
-        }
+        const v16 add = bias16(bias, c0, width);
         for (int r = 0; r < MR; ++r) store(y + r * ldy + c0, acc[r][g] + add, width);
     }
 }
@@ -217,15 +223,23 @@ void pack(const T* w, int64_t n, int64_t k, T* packed, int threads) {
     }
 }
 
-template <typename X, typename T>
-void linear(const X* x, int64_t m, int64_t k, int64_t ldx, const T* packed, int64_t n, const T* bias, T* y,
-            int64_t ldy, int threads) {
+// run(lo, hi) on each of up to `threads` threads, over contiguous runs of the ceil(n/16) panels
+// that differ by at most one panel.
+template <typename F>
+void over_panel_runs(int64_t n, int threads, F&& run) {
     const int64_t panels = (n + kPanel - 1) / kPanel;
     const int used = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, panels)));
 #pragma omp parallel num_threads(used)
     {
         const int t = omp_get_thread_num(), count = omp_get_num_threads();
-        const int64_t lo = panels * t / count, hi = panels * (t + 1) / count;
+        run(panels * t / count, panels * (t + 1) / count);
+    }
+}
+
+template <typename X, typename T>
+void linear(const X* x, int64_t m, int64_t k, int64_t ldx, const T* packed, int64_t n, const T* bias, T* y,
+            int64_t ldy, int threads) {
+    over_panel_runs(n, threads, [&](int64_t lo, int64_t hi) {
         for (int64_t g = lo; g < hi; g += kGroup) {
             const int64_t width = std::min<int64_t>(kGroup, hi - g);
             int64_t r = 0;
@@ -235,15 +249,16 @@ void linear(const X* x, int64_t m, int64_t k, int64_t ldx, const T* packed, int6
                 rows_dispatch<kRows>(static_cast<int>(m - r), x + r * ldx, ldx, k, packed, g, width, bias,
                                      y + r * ldy, ldy, n);
         }
-    }
+    });
 }
 
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 // AMX: a tile multiply adds a [16 rows, 32 k] block of x times a [32 k, 16 columns] block of a
 // panel (16 k pairs of the pairs layout, 1 KB contiguous) into a [16, 16] float32 tile. Tiles:
-// 0-3 the sums of four panels, 4 the rows of x, 5-7 panel blocks. x comes zero-padded to 16-row
-// blocks; each output row is still summed over k in the same order whatever the other rows.
+// 0-3 the sums of four panels, 4 the rows of x, 5-7 panel blocks. A call of up to 16 rows takes
+// tiles of its own rows; more rows come zero-padded to 16-row blocks. Either way each output row is
+// summed over k in the same order whatever the other rows.
 constexpr bool kAmx = true;
 
 struct TileConfig {
@@ -314,11 +329,7 @@ void amx_panels(const bf16* xs, int64_t ldx, int64_t m, int64_t k, const bf16* p
             const int64_t rows = std::min<int64_t>(16, m - r0);
             for (int j = 0; j < g; ++j) {
                 const int64_t c0 = (p + j) * kPanel, width = std::min<int64_t>(kPanel, n - c0);
-                v16 add = v16{};
-                if (bias != nullptr) {
-                    if (width == kPanel) add = load16(bias + c0);
-                    else for (int64_t c = 0; c < width; ++c) add[c] = widen(bias[c0 + c]);
-                }
+                const v16 add = bias16(bias, c0, width);
                 for (int64_t r = 0; r < rows; ++r) {
                     v16 out;
                     __builtin_memcpy(&out, sums[j][r], sizeof out);
@@ -340,13 +351,9 @@ bool amx_linear(const bf16* x, int64_t m, int64_t k, int64_t ldx, const bf16* pa
     }
     const bf16* xs = m > 16 ? x16.data() : x;
     const int64_t xstride = m > 16 ? k : ldx;
-    const int64_t panels = (n + kPanel - 1) / kPanel;
-    const int used = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, panels)));
-#pragma omp parallel num_threads(used)
-    {
-        const int t = omp_get_thread_num(), count = omp_get_num_threads();
-        amx_panels(xs, xstride, m, k, packed, panels * t / count, panels * (t + 1) / count, bias, y, ldy, n);
-    }
+    over_panel_runs(n, threads, [&](int64_t lo, int64_t hi) {
+        amx_panels(xs, xstride, m, k, packed, lo, hi, bias, y, ldy, n);
+    });
     return true;
 }
 #else

@@ -1,13 +1,14 @@
 """A packed linear layer's call, eager and as one torch operator that a compiled graph holds.
 
 ``PackedLinears`` (``linears.py``) keeps up to two packed copies of a weight: the panel library's
-(``panels.py``, float32) and oneDNN's (``torch.ops.mkldnn._reorder_linear_weight``). ``call``
-chooses between them by the call's row count, at run time: panels for at most ``PANEL_ROWS`` rows
-in float32 (``BF16_PANEL_ROWS`` in bfloat16), oneDNN past that, the plain weight where neither copy exists. Inside a ``torch.compile`` trace the
-same choice runs as ``torch.ops.kvcache.linear`` (``register()``), one opaque node, so a graph
-whose token count is a dynamic dimension holds one branch-free call per layer instead of a guard on
-the row count (which would compile a graph for each side of it). Opaque on purpose for oneDNN too:
-inductor's own lowering of ``mkldnn._linear_pointwise`` takes only weights it froze itself.
+(``panels.py``, float32 or bfloat16) and oneDNN's (``torch.ops.mkldnn._reorder_linear_weight``).
+``call`` chooses between them by the call's row count, at run time: panels for at most
+``panel_rows(dtype)`` rows, oneDNN past that, the plain weight where neither copy exists. Inside a
+``torch.compile`` trace the same choice runs as ``torch.ops.kvcache.linear`` (``register()``), one
+opaque node, so a graph whose token count is a dynamic dimension holds one branch-free call per
+layer instead of a guard on the row count (which would compile a graph for each side of it).
+Opaque on purpose for oneDNN too: inductor's own lowering of ``mkldnn._linear_pointwise`` takes
+only weights it froze itself.
 
 The operator changes none of its inputs. Registering is global to the process, so nothing
 registers at import: ``register()`` does it once (``PackedLinears`` calls it when it packs).
@@ -62,6 +63,6 @@ def register() -> torch._ops.OpOverloadPacket:
 
     @linear.register_fake
     def _(x, weight, bias, panel, onednn, n):
-        return x.new_empty((*x.shape[:-1], n))  # every path returns x's dtype (panels: float32 only)
+        return x.new_empty((*x.shape[:-1], n))  # every path returns x's dtype (panels: their own, x's)
 
     return torch.ops.kvcache.linear

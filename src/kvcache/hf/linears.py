@@ -85,7 +85,7 @@ class _Packed:
             self.weight = (
                 torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_size=rows_hint) if can_pack(weight) else None
             )
-            self.panels = panel_linear.pack(weight) if _panels_fit(weight) else None
+            self.panels = panel_linear.pack(weight) if panel_linear.fits(weight) else None
         # made once, so a compiled graph traced through it sees the same function at every step
         self.forward = _forward(self, module)
 
@@ -142,14 +142,10 @@ class PackedLinears:
                 del module.forward
 
 
-def _panels_fit(weight: torch.Tensor) -> bool:
-    return panel_linear.fits(weight) and panel_linear.available()
-
-
 def _packable(module: torch.nn.Linear) -> bool:
     """Its weight can be packed in some layout and its bias (if any) is of the weight's dtype."""
     weight = module.weight
-    return (can_pack(weight) or _panels_fit(weight)) and (module.bias is None or module.bias.dtype == weight.dtype)
+    return (can_pack(weight) or panel_linear.fits(weight)) and (module.bias is None or module.bias.dtype == weight.dtype)
 
 
 def _forward(packed: _Packed, module: torch.nn.Linear):

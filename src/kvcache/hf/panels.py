@@ -18,14 +18,14 @@ BF16, a panel holds k in pairs (``[K/2, 16, 2]``, opaque to callers) and one ``v
 products to each of 16 float32 sums, or, where it also has AMX and K is a multiple of 32, one tile
 multiply adds a block of 16 rows x 32 k x 16 columns (``bf16_kernel()`` says which); elsewhere
 each weight is widened to float32 as it is loaded (AVX-512; with narrower vectors the library takes
-no bfloat16). Either way the products are exact in float32, the sums run in float32 and each output is rounded to
-bfloat16 once, after the bias, as oneDNN does on bfloat16 weights.
+no bfloat16). Either way the products are exact in float32, the sums run in float32 and each
+output is rounded to bfloat16 once, after the bias, as oneDNN does on bfloat16 weights.
 
 Each output row is summed over K in order whatever the other rows, so a row's result does not
 depend on how many rows share the call: a decode step padded to a bucket computes the same
 numbers as the same rows alone. Both functions take float32 or bfloat16 CPU tensors and need the
-library (``available()``); ``linear_ops.call`` (and its operator ``kvcache::linear``, which a compiled
-graph holds) calls ``run`` for calls of up to ``linear_ops.PANEL_ROWS`` rows.
+library (``available()``); ``linear_ops.call`` (and its operator ``kvcache::linear``, which a
+compiled graph holds) calls ``run`` for calls of up to ``linear_ops.panel_rows(dtype)`` rows.
 """
 
 from __future__ import annotations
@@ -80,10 +80,9 @@ def available() -> bool:
 def bf16_kernel() -> str:
     """How the library multiplies in bfloat16 here: ``"amx"`` (AMX tiles: the CPU has them, the OS
     granted this process their use, asked on the first call, and ``$ONEDNN_MAX_CPU_ISA`` does not
-    cap oneDNN below AMX), ``"dot"`` (AVX-512 BF16's
-    ``vdpbf16ps``), ``"widen"`` (float32 FMAs on widened weights, AVX-512) or ``"none"`` (narrower
-    vectors, where the library does not take bfloat16; ``fits`` refuses it); RuntimeError without
-    the library."""
+    cap oneDNN below AMX), ``"dot"`` (AVX-512 BF16's ``vdpbf16ps``), ``"widen"`` (float32 FMAs on
+    widened weights, AVX-512) or ``"none"`` (narrower vectors, where the library does not take
+    bfloat16; ``fits`` refuses it); RuntimeError without the library."""
     lib = _library()
     if lib is None:
         raise RuntimeError("the panel linear library is not available (see native_build)")
@@ -91,11 +90,12 @@ def bf16_kernel() -> str:
 
 
 def fits(weight: torch.Tensor) -> bool:
-    """Whether ``weight`` ``[N, K]`` can be packed: float32, or bfloat16 with K even where the
-    library takes bfloat16 (``bf16_kernel()``), on the CPU."""
-    if weight.dtype not in DTYPES or weight.device.type != "cpu" or weight.dim() != 2:
+    """Whether ``weight`` ``[N, K]`` can be packed here: the library available, and the weight
+    float32, or bfloat16 with K even where the library takes bfloat16 (``bf16_kernel()``), on the
+    CPU."""
+    if weight.dtype not in DTYPES or weight.device.type != "cpu" or weight.dim() != 2 or not available():
         return False
-    return weight.dtype == torch.float32 or (weight.shape[1] % 2 == 0 and available() and bf16_kernel() != "none")
+    return weight.dtype == torch.float32 or (weight.shape[1] % 2 == 0 and bf16_kernel() != "none")
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
