@@ -10,6 +10,12 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # process only spins. Set before torch is imported, so children inherit it.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# Inductor checks each vector ISA the CPU reports by building and loading a probe library: about
+# 17 s in a fresh cache, then 4 s in every process that compiles. The suite trusts the CPU's flags
+# instead (the compiler on these machines builds for all of them); a compiled test still builds
+# its kernels for the widest ISA, as a user's process would.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
+
 import pytest  # noqa: E402
 from slowest import slowest_files  # noqa: E402
 

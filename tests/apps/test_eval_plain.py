@@ -78,6 +78,7 @@ def test_plain_is_refused_for_the_tiny_model(capsys):
 
 
 @pytest.mark.real_model
+@pytest.mark.slow  # SmolLM2 end to end (about 12 s); the plan, the verdicts and the refusals are checked above
 def test_a_tiny_plain_run_on_smollm2_writes_its_report(tmp_path):
     from kvcache.apps.run_options import RunOptions
 

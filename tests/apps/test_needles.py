@@ -96,6 +96,7 @@ def test_summary_averages_depths_per_length_and_reads_text_rows():
 
 
 @pytest.mark.real_model
+@pytest.mark.slow  # SmolLM2 end to end (about 8 s); the README's `eval --model smollm2` runs the same harness in CI
 def test_real_eval_runs_every_kind_and_writes_its_report(tmp_path):
     """A tiny run of the harness on SmolLM2: one row per run and question, budgets that hold
     (kept slots within the budget: bytes per token at most the budget's share of the full

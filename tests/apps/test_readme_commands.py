@@ -35,6 +35,9 @@ README = (ROOT / "README.md").read_text()
 #: ``eval`` runs one budget: each budget runs the same code again.
 QUICK = {"demo": ["--repeats", "1", "--new-tokens", "8", "--prompt-tokens", "256", "--sessions", "4"], "bench": ["--tiny"],
          "eval": ["--tiny", "--budgets", "0.125"]}
+#: Further, for one ``bench`` suite: ``real`` traces each compiled contender once a batch size, and
+#: ``test_bench_real.py`` runs its batch sizes already.
+QUICK_SUITE = {"real": ["--batches", "1"]}
 
 
 def code_blocks(language: str) -> list[str]:
@@ -119,6 +122,8 @@ def quick(command: str) -> list[str]:
     """A documented command's arguments in its quick mode."""
     argv = shlex.split(command)[1:]
     argv += QUICK.get(argv[0], [])
+    if argv[0] == "bench":
+        argv += QUICK_SUITE.get(argv[1], [])
     if argv[0] == "demo" and "--model" in argv:  # a real model's prompt is text (--prompt), not a token count
         argv = [a for a, b in zip(argv, ["", *argv]) if a != "--prompt-tokens" and b != "--prompt-tokens"]
     return argv

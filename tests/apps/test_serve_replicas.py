@@ -20,6 +20,7 @@ def ask(process: ServeProcess, question: str):
     return c.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=12, temperature=0)
 
 
+@pytest.mark.slow  # two server processes and a redis-server (about 18 s); test_engine_tier.py covers the store's sharing and loss in process
 def test_replicas_share_prompts_through_redis_and_survive_its_loss(tmp_path):
     redis = RedisServer(tmp_path)
     redis.start()

@@ -16,6 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvcache.attention.native_build import cpu_flags, isa
 from kvcache.hf import linear_ops, panels
 
 pytestmark = pytest.mark.skipif(not panels.available(), reason="the panel library cannot be built here")
@@ -73,6 +74,8 @@ def test_bfloat16_rows_do_not_depend_on_the_rows_beside_them():
         assert torch.equal(whole[row], panels.linear(x[row : row + 5], packed, 70)[0])
 
 
+@pytest.mark.skipif("amx_bf16" not in cpu_flags().split() or isa() != "native",
+                    reason="no AMX in this build of the library (the CPU has none, or KVCACHE_ISA caps it): nothing to keep off")
 def test_amx_is_left_alone_where_onednn_is_capped_below_it():
     """Where torch's AMX kernels crash a CPU, kvcache caps oneDNN (``ONEDNN_MAX_CPU_ISA``); the
     library then keeps off AMX too, in a process of its own (the choice is made once a process)."""

@@ -56,7 +56,7 @@ class EngineMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.model = model_for("llama")
+        self.model = model_for("llama", num_hidden_layers=2)  # the engine tests' model (conftest.py)
         self.engine = Engine(self.model, self.spec, block_size=BS, blocks=self.blocks, max_batch_tokens=10, max_seqs=4)
         self.live: list = []  # (prompt, max_new, handle)
         self.cancelled: list = []

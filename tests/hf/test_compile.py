@@ -16,6 +16,9 @@ from kvcache.errors import UnsupportedOperation
 from tests.helpers import assert_same_tokens, left_padded, model_for, prompt
 
 STEPS = 12
+#: Two decoder layers, not the shared models' four: dynamo traces and inductor lowers every layer,
+#: so a compile costs about twice as much with four, and two still give a layer after a layer.
+LAYERS = {"num_hidden_layers": 2}
 
 
 @pytest.fixture(autouse=True)
@@ -43,7 +46,7 @@ def greedy(model, forward, cache, ids, steps=STEPS, after_first=None):
 
 
 def model_running(family, spec):
-    model = model_for(family)
+    model = model_for(family, **LAYERS)
     # compile=True keeps a model's sliding layers as fixed rings, which need the switch
     needs_ours = kvcache.make_cache(model, spec, compile=TOKENS).needs_kvcache_attention
     return model, (kvcache.use_kvcache_attention(model) if needs_ours else None)
@@ -140,7 +143,7 @@ def test_compiled_window_refuses_a_left_padded_batch():
 
 def test_inductor_decode_equals_eager():
     """What a benchmark runs: ``compiled_decode`` (inductor) over a static cache made to compile."""
-    model = model_for("llama")
+    model = model_for("llama", **LAYERS)
     ids = prompt(8, seed=5)
     spec = "static:capacity=32"
     reference = greedy(model, model.forward, kvcache.make_cache(model, spec), ids, steps=6)

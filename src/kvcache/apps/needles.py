@@ -29,6 +29,7 @@ opening). ``Context.document`` is where the document's tokens start, for KVzip's
 from __future__ import annotations
 
 import ast
+import collections
 import functools
 import inspect
 import random
@@ -90,9 +91,7 @@ def _paragraphs_of(split: str) -> tuple[str, ...]:
             tree = ast.parse((root / rel).read_text(encoding="utf-8", errors="replace"))
         except (SyntaxError, ValueError):
             continue
-        for node in ast.walk(tree):
-            if not isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                continue
+        for node in _documented(tree):
             doc = ast.get_docstring(node, clean=False)
             for para in re.split(r"\n\s*\n", inspect.cleandoc(doc) if doc else ""):
                 para = " ".join(para.split())
@@ -100,6 +99,24 @@ def _paragraphs_of(split: str) -> tuple[str, ...]:
                     seen.add(para)
                     out.append(para)
     return tuple(out)
+
+
+_DOCUMENTED = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+_STATEMENTS = (ast.stmt, ast.excepthandler, ast.match_case)
+
+
+def _documented(tree: ast.Module):
+    """The nodes that can hold a docstring, in ``ast.walk``'s order. Only statement lists are
+    searched (a definition is a statement): walking every expression node costs most of the time."""
+    todo = collections.deque([tree])
+    while todo:
+        node = todo.popleft()
+        if isinstance(node, _DOCUMENTED):
+            yield node
+        for field in node._fields:
+            value = getattr(node, field)
+            if isinstance(value, list):
+                todo.extend(child for child in value if isinstance(child, _STATEMENTS))
 
 
 def _prose(text: str) -> bool:
