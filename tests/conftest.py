@@ -54,15 +54,16 @@ def runs_half_precision(item: pytest.Item) -> bool:
 LONGEST_FIRST = (
     "hf/test_families.py",
     "apps/test_readme_commands.py",
-    "hf/test_compile.py",
     "apps/test_serve.py",
-    "hf/test_generate.py",
-    "apps/test_bench.py",
-    "engine/test_engine_compiled.py",
-    "engine/test_engine_state.py",
+    "hf/test_compile.py",
     "core/test_isa_cap.py",
+    "engine/test_engine_compiled.py",
+    "apps/test_bench.py",
+    "engine/test_engine_state.py",
+    "hf/test_generate.py",
+    "apps/test_kinds_answer.py",
+    "hf/test_bounded.py",
     "core/test_triton_decode.py",
-    "engine/test_engine_bounded.py",
 )
 
 
