@@ -4,6 +4,8 @@ passes' weights add up to the prompt's, and the report's arithmetic on a result 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -119,3 +121,26 @@ def test_real_eval_runs_every_kind_and_writes_its_report(tmp_path):
             assert r["bytes_per_token"] < 0.7 * full["bytes_per_token"], r
     assert {t["cache"] for t in result["text"]} == {"full", "h2o", "kvzip", "quantized-int4"}
     assert (tmp_path / "eval.json").exists() and "| full |" in (tmp_path / "eval.md").read_text()
+
+
+def test_paragraphs_are_kept_on_disk_and_read_back_unchanged(tmp_path, monkeypatch):
+    """The first read parses and keeps the paragraphs under ``$KVCACHE_HOME/prose``; the next reads
+    them back (nothing parsed) equal to a parse, and a file that is not a list of prose paragraphs
+    (damaged, or written by hand) is parsed again and replaced."""
+    monkeypatch.setenv("KVCACHE_HOME", str(tmp_path))
+    parsed = needles._parse("heldout")
+    needles._paragraphs_of.cache_clear()
+    try:
+        assert needles._paragraphs_of("heldout") == parsed
+        (kept,) = (tmp_path / "prose").glob("heldout-*.json")
+        needles._paragraphs_of.cache_clear()
+        with monkeypatch.context() as m:
+            m.setattr(needles, "_parse", lambda split: pytest.fail("parsed again"))
+            assert needles._paragraphs_of("heldout") == parsed
+        for damaged in ("[1, 2", '{"a": 1}', '["too short"]'):
+            kept.write_text(damaged)
+            needles._paragraphs_of.cache_clear()
+            assert needles._paragraphs_of("heldout") == parsed
+            assert tuple(json.loads(kept.read_text())) == parsed
+    finally:
+        needles._paragraphs_of.cache_clear()

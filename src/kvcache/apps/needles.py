@@ -31,9 +31,13 @@ from __future__ import annotations
 import ast
 import collections
 import functools
+import hashlib
 import inspect
+import json
+import os
 import random
 import re
+import sys
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,8 +85,46 @@ def paragraphs(split: str) -> tuple[str, ...]:
     return _paragraphs_of(split)
 
 
+#: Part of the key of the paragraphs kept on disk: bump it when the rule that picks them changes.
+RULE = 1
+
+
 @functools.lru_cache(maxsize=None)
 def _paragraphs_of(split: str) -> tuple[str, ...]:
+    """The paragraphs of ``split``, read from ``$KVCACHE_HOME/prose`` when this stdlib's files (paths,
+    sizes, times) and ``RULE`` are those they were kept for, else parsed (seconds) and kept there."""
+    kept = _kept_at(split)
+    try:
+        stored = json.loads(kept.read_text())
+        if isinstance(stored, list) and all(isinstance(p, str) and _prose(p) for p in stored):
+            return tuple(stored)
+    except (OSError, ValueError):
+        pass
+    out = _parse(split)
+    try:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        tmp = kept.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(out))
+        os.replace(tmp, kept)
+    except OSError:
+        pass  # a read-only home: parse again next time
+    return out
+
+
+def _kept_at(split: str) -> Path:
+    """``$KVCACHE_HOME/prose/<split>-<key>.json``; the key digests ``RULE``, the Python version and
+    each stdlib file of ``split`` (path, size, modification time)."""
+    from ..models.install import kvcache_home
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    key = hashlib.sha256(f"{RULE}\n{sys.version}\n{root}\n".encode())
+    for rel in tasks.filler_files(split):
+        stat = (root / rel).stat()
+        key.update(f"{rel}\t{stat.st_size}\t{stat.st_mtime_ns}\n".encode())
+    return kvcache_home() / "prose" / f"{split}-{key.hexdigest()[:20]}.json"
+
+
+def _parse(split: str) -> tuple[str, ...]:
     root = Path(sysconfig.get_paths()["stdlib"])
     seen: set[str] = set()
     out: list[str] = []
