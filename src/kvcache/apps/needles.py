@@ -114,7 +114,7 @@ def _paragraphs_of(split: str) -> tuple[str, ...]:
 def _kept_at(split: str) -> Path:
     """``$KVCACHE_HOME/prose/<split>-<key>.json``; the key digests ``RULE``, the Python version and
     each stdlib file of ``split`` (path, size, modification time)."""
-    from ..models.install import kvcache_home
+    from ..models import kvcache_home
 
     root = Path(sysconfig.get_paths()["stdlib"])
     key = hashlib.sha256(f"{RULE}\n{sys.version}\n{root}\n".encode())
