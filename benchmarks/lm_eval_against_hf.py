@@ -1,7 +1,7 @@
 """lm-evaluation-harness against ``kvcache serve``, compared with the harness's own ``hf`` backend.
 
-Writes two offline tasks from the shipped tiny model's held-out pass keys (``kv_mc``: multiple
-choice, four five-digit keys, scored by loglikelihood; ``kv_gen``: generate-until a newline), starts
+Writes two offline tasks from the shipped tiny model's held-out pass keys (``lm_eval_tasks``:
+``kv_mc``, multiple choice, scored by loglikelihood; ``kv_gen``, generate-until a newline), starts
 ``kvcache serve --model MODEL`` on a loopback port, runs ``lm_eval`` with ``local-completions``
 (default settings, then batches of 8 with 2 concurrent requests), with ``local-chat-completions``
 (``--apply_chat_template``, ``kv_gen``) and with ``hf`` on the same model folder (with and without
@@ -33,60 +33,9 @@ from pathlib import Path
 
 import httpx
 
-from kvcache.apps import tasks
+from kvcache.apps.bench import lm_eval_tasks
 from kvcache.apps.bench.serve_workload import tiny_chat_folder
 from kvcache.apps.bench.workload import resolve_model
-
-MC = """task: kv_mc
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {folder}/mc.jsonl
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{question}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{answer}}}}"
-target_delimiter: ""
-metric_list:
-  - metric: acc
-"""
-GEN = """task: kv_gen
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {folder}/gen.jsonl
-test_split: test
-output_type: generate_until
-doc_to_text: "{{{{prompt}}}}"
-doc_to_target: "{{{{target}}}}"
-generation_kwargs:
-  until: ["\\n"]
-  max_gen_toks: 12
-  do_sample: false
-filter_list:
-  - name: key
-    filter:
-      - function: regex
-        regex_pattern: "(\\\\d{{5}})"
-      - function: take_first
-metric_list:
-  - metric: exact_match
-"""
-
-
-def write_tasks(folder: Path, count: int) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    mc, gen = [], []
-    for i in range(count):
-        inst, choices, right = tasks.passkey_choices(2000 + i, length=384, depth=(i % 4) / 3, draw=i)
-        mc.append({"question": inst.prompt, "choices": choices, "answer": right})
-        gen.append({"prompt": inst.prompt, "target": inst.answer.strip()})
-    (folder / "mc.jsonl").write_text("".join(json.dumps(x) + "\n" for x in mc))
-    (folder / "gen.jsonl").write_text("".join(json.dumps(x) + "\n" for x in gen))
-    (folder / "kv_mc.yaml").write_text(MC.format(folder=folder))
-    (folder / "kv_gen.yaml").write_text(GEN.format(folder=folder))
-
 
 def samples(folder: Path, task: str) -> dict[int, dict]:
     path = sorted(glob.glob(f"{folder}/**/samples_{task}_*.jsonl", recursive=True))[-1]
@@ -129,7 +78,7 @@ def main() -> int:
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     folder = tiny_chat_folder(out) if args.model == "tiny" else resolve_model(args.model)
-    write_tasks(out / "tasks", args.count)
+    lm_eval_tasks.write(out / "tasks", lm_eval_tasks.documents(args.count, 2000, 384, 4))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     server = subprocess.Popen([sys.executable, "-m", "kvcache", "serve", "--model", str(folder), "--port", str(args.port)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)  # fmt: skip
