@@ -2,11 +2,12 @@
 
 Writes two offline tasks from the shipped tiny model's held-out pass keys (``lm_eval_tasks``:
 ``kv_mc``, multiple choice, scored by loglikelihood; ``kv_gen``, generate-until a newline), starts
-``kvcache serve --model MODEL`` on a loopback port, runs ``lm_eval`` with ``local-completions``
-(default settings, then batches of 8 with 2 concurrent requests), with ``local-chat-completions``
-(``--apply_chat_template``, ``kv_gen``) and with ``hf`` on the same model folder (with and without
-the chat template), and prints per-sample agreement: the largest loglikelihood difference,
-``is_greedy`` agreement, identical generations, each backend's accuracy.
+``kvcache serve --model MODEL`` on a free loopback port (its log: ``OUT/server.log``), runs
+``lm_eval`` with ``local-completions`` (default settings, then batches of 8 with 2 concurrent
+requests), with ``local-chat-completions`` (``--apply_chat_template``, ``kv_gen``) and with ``hf``
+on the same model folder (with and without the chat template), and prints per-sample agreement:
+the largest loglikelihood difference, ``is_greedy`` agreement, identical generations, each
+backend's accuracy.
 
 lm-eval lives in its own environment (it pins its own dependencies)::
 
@@ -31,11 +32,10 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
-
 from kvcache.apps.bench import lm_eval_tasks
-from kvcache.apps.bench.serve_workload import tiny_chat_folder
+from kvcache.apps.bench.serve_workload import serving, tiny_chat_folder
 from kvcache.apps.bench.workload import resolve_model
+
 
 def samples(folder: Path, task: str) -> dict[int, dict]:
     path = sorted(glob.glob(f"{folder}/**/samples_{task}_*.jsonl", recursive=True))[-1]
@@ -71,7 +71,6 @@ def main() -> int:
     p.add_argument("--lm-eval", required=True, help="the lm_eval executable of its own environment")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--count", type=int, default=12)
-    p.add_argument("--port", type=int, default=8123)
     p.add_argument("--model", default="tiny", help="tiny, a registered name (smollm2) or a model folder")
     args = p.parse_args()
     # the tiny model's tokenizer has no chat template: the copy bench serve makes gives it ChatML
@@ -80,16 +79,9 @@ def main() -> int:
     folder = tiny_chat_folder(out) if args.model == "tiny" else resolve_model(args.model)
     lm_eval_tasks.write(out / "tasks", lm_eval_tasks.documents(args.count, 2000, 384, 4))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    server = subprocess.Popen([sys.executable, "-m", "kvcache", "serve", "--model", str(folder), "--port", str(args.port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)  # fmt: skip
-    try:
-        for _ in range(120):
-            try:
-                if httpx.get(f"http://127.0.0.1:{args.port}/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        url = f"http://127.0.0.1:{args.port}/v1"
+    serve = lambda port: [sys.executable, "-m", "kvcache", "serve", "--model", str(folder), "--port", str(port)]  # noqa: E731
+    with serving(serve, dict(os.environ), out / "server.log") as root:
+        url = f"{root}/v1"
         bos = ",add_bos_token=True" if args.model == "tiny" else ""
         base = f"model={folder.name},base_url={url}/completions,tokenizer={folder},tokenizer_backend=huggingface{bos}"
         hf = ["--model", "hf", "--model_args", f"pretrained={folder},dtype=float32", "--device", "cpu"]
@@ -114,9 +106,6 @@ def main() -> int:
                 print(done.stdout[-3000:], done.stderr[-3000:], file=sys.stderr)
                 return 1
             print(f"{name}: {time.perf_counter() - started:.1f} s", flush=True)
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
     report = {}
     for name, run in folders.items():
         if name.startswith("serve"):
