@@ -1,12 +1,13 @@
 """lm-evaluation-harness against ``kvcache serve``, compared with the harness's own ``hf`` backend.
 
-Writes two offline tasks from the shipped tiny model's held-out pass keys (``kv_mc``: multiple
-choice, four five-digit keys, scored by loglikelihood; ``kv_gen``: generate-until a newline), starts
-``kvcache serve --model MODEL`` on a loopback port, runs ``lm_eval`` with ``local-completions``
-(default settings, then batches of 8 with 2 concurrent requests), with ``local-chat-completions``
-(``--apply_chat_template``, ``kv_gen``) and with ``hf`` on the same model folder (with and without
-the chat template), and prints per-sample agreement: the largest loglikelihood difference,
-``is_greedy`` agreement, identical generations, each backend's accuracy.
+Writes two offline tasks from the shipped tiny model's held-out pass keys (``lm_eval_tasks``:
+``kv_mc``, multiple choice, scored by loglikelihood; ``kv_gen``, generate-until a newline), starts
+``kvcache serve --model MODEL`` on a free loopback port (its log: ``OUT/server.log``), runs
+``lm_eval`` with ``local-completions`` (default settings, then batches of 8 with 2 concurrent
+requests), with ``local-chat-completions`` (``--apply_chat_template``, ``kv_gen``) and with ``hf``
+on the same model folder (with and without the chat template), and prints per-sample agreement:
+the largest loglikelihood difference, ``is_greedy`` agreement, identical generations, each
+backend's accuracy.
 
 lm-eval lives in its own environment (it pins its own dependencies)::
 
@@ -31,61 +32,9 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
-
-from kvcache.apps import tasks
-from kvcache.apps.bench.serve_workload import tiny_chat_folder
+from kvcache.apps.bench import lm_eval_tasks
+from kvcache.apps.bench.serve_workload import serving, tiny_chat_folder
 from kvcache.apps.bench.workload import resolve_model
-
-MC = """task: kv_mc
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {folder}/mc.jsonl
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{question}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{answer}}}}"
-target_delimiter: ""
-metric_list:
-  - metric: acc
-"""
-GEN = """task: kv_gen
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {folder}/gen.jsonl
-test_split: test
-output_type: generate_until
-doc_to_text: "{{{{prompt}}}}"
-doc_to_target: "{{{{target}}}}"
-generation_kwargs:
-  until: ["\\n"]
-  max_gen_toks: 12
-  do_sample: false
-filter_list:
-  - name: key
-    filter:
-      - function: regex
-        regex_pattern: "(\\\\d{{5}})"
-      - function: take_first
-metric_list:
-  - metric: exact_match
-"""
-
-
-def write_tasks(folder: Path, count: int) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    mc, gen = [], []
-    for i in range(count):
-        inst, choices, right = tasks.passkey_choices(2000 + i, length=384, depth=(i % 4) / 3, draw=i)
-        mc.append({"question": inst.prompt, "choices": choices, "answer": right})
-        gen.append({"prompt": inst.prompt, "target": inst.answer.strip()})
-    (folder / "mc.jsonl").write_text("".join(json.dumps(x) + "\n" for x in mc))
-    (folder / "gen.jsonl").write_text("".join(json.dumps(x) + "\n" for x in gen))
-    (folder / "kv_mc.yaml").write_text(MC.format(folder=folder))
-    (folder / "kv_gen.yaml").write_text(GEN.format(folder=folder))
 
 
 def samples(folder: Path, task: str) -> dict[int, dict]:
@@ -122,25 +71,17 @@ def main() -> int:
     p.add_argument("--lm-eval", required=True, help="the lm_eval executable of its own environment")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--count", type=int, default=12)
-    p.add_argument("--port", type=int, default=8123)
     p.add_argument("--model", default="tiny", help="tiny, a registered name (smollm2) or a model folder")
     args = p.parse_args()
     # the tiny model's tokenizer has no chat template: the copy bench serve makes gives it ChatML
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     folder = tiny_chat_folder(out) if args.model == "tiny" else resolve_model(args.model)
-    write_tasks(out / "tasks", args.count)
+    lm_eval_tasks.write(out / "tasks", lm_eval_tasks.documents(args.count, 2000, 384, 4))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    server = subprocess.Popen([sys.executable, "-m", "kvcache", "serve", "--model", str(folder), "--port", str(args.port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)  # fmt: skip
-    try:
-        for _ in range(120):
-            try:
-                if httpx.get(f"http://127.0.0.1:{args.port}/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        url = f"http://127.0.0.1:{args.port}/v1"
+    serve = lambda port: [sys.executable, "-m", "kvcache", "serve", "--model", str(folder), "--port", str(port)]  # noqa: E731
+    with serving(serve, dict(os.environ), out / "server.log") as root:
+        url = f"{root}/v1"
         bos = ",add_bos_token=True" if args.model == "tiny" else ""
         base = f"model={folder.name},base_url={url}/completions,tokenizer={folder},tokenizer_backend=huggingface{bos}"
         hf = ["--model", "hf", "--model_args", f"pretrained={folder},dtype=float32", "--device", "cpu"]
@@ -165,9 +106,6 @@ def main() -> int:
                 print(done.stdout[-3000:], done.stderr[-3000:], file=sys.stderr)
                 return 1
             print(f"{name}: {time.perf_counter() - started:.1f} s", flush=True)
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
     report = {}
     for name, run in folders.items():
         if name.startswith("serve"):

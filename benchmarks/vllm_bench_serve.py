@@ -38,12 +38,11 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
+from collections.abc import Callable
 from pathlib import Path
 
-import httpx
-
 from kvcache.apps.bench.common import machine_info, machine_line
+from kvcache.apps.bench.serve_workload import serving
 from kvcache.apps.bench.workload import resolve_model
 
 #: The load generator: vLLM's ``bench serve`` module with its own parser (see the module docstring).
@@ -76,38 +75,22 @@ WORKLOADS = {
 VLLM_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "4"}
 
 
-def wait_ready(url: str, process: subprocess.Popen, timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited with {process.returncode} before answering {url}")
-        try:
-            if httpx.get(url, timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"no answer from {url} in {timeout:.0f} s")
-
-
-def start(contender: str, folder: Path, port: int, vllm_python: str, log: Path, dtype: str) -> subprocess.Popen:
-    """The server of ``contender`` in ``dtype`` (``default``: the server's own choice)."""
+def server(contender: str, folder: Path, vllm_python: str, dtype: str) -> tuple[Callable[[int], list[str]], dict[str, str]]:
+    """The server of ``contender`` in ``dtype`` (``default``: the server's own choice): its command
+    for a port, and its environment (for ``serve_workload.serving``)."""
     as_asked = [] if dtype == "default" else ["--dtype", dtype]
     if contender == "kvcache":
-        cmd = [sys.executable, "-m", "kvcache", "serve", "--model", str(folder), "--port", str(port), "--max-seqs", "64",
-               *as_asked]  # fmt: skip
+        head, tail = [sys.executable, "-m", "kvcache", "serve"], ["--max-seqs", "64", *as_asked]
         env = dict(os.environ)
     else:
-        cmd = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--port", str(port),
-               "--served-model-name", folder.name, *as_asked, "--max-model-len", "8192"]  # fmt: skip
+        head = [vllm_python, "-m", "vllm.entrypoints.openai.api_server"]
+        tail = ["--served-model-name", folder.name, *as_asked, "--max-model-len", "8192"]
         env = {**os.environ, **VLLM_ENV}
-    process = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
-    wait_ready(f"http://127.0.0.1:{port}/health", process)
-    return process
+    return (lambda port: [*head, "--model", str(folder), "--port", str(port), *tail]), env
 
 
-def bench(vllm_python: str, entry: Path, folder: Path, port: int, workload: str, out: Path, name: str) -> dict:
-    cmd = [vllm_python, str(entry), "--backend", "openai", "--base-url", f"http://127.0.0.1:{port}",
+def bench(vllm_python: str, entry: Path, folder: Path, url: str, workload: str, out: Path, name: str) -> dict:
+    cmd = [vllm_python, str(entry), "--backend", "openai", "--base-url", url,
            "--endpoint", "/v1/completions", "--model", folder.name, "--tokenizer", str(folder),
            *WORKLOADS[workload], "--ignore-eos", "--temperature", "0", "--seed", "0",
            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,95",
@@ -134,7 +117,6 @@ def main() -> int:
     p.add_argument("--vllm-python", required=True, help="the python of vLLM's own environment")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--port", type=int, default=8131)
     p.add_argument("--with-vllm-server", action="store_true", help="run the same load against vLLM's server too")
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="kvcache serve's --dtype")
@@ -150,15 +132,12 @@ def main() -> int:
     results: dict[str, dict] = {}
     for contender in ["kvcache", "vllm"] if args.with_vllm_server else ["kvcache"]:
         dtype = args.dtype if contender == "kvcache" else args.vllm_dtype
-        server = start(contender, folder, args.port, args.vllm_python, out / f"{contender}-server.log", dtype)
-        try:
+        command, env = server(contender, folder, args.vllm_python, dtype)
+        with serving(command, env, out / f"{contender}-server.log", startup_s=600) as url:
             for workload in args.workloads.split(","):
                 name = f"{workload}.{contender}"
-                results[name] = bench(args.vllm_python, entry, folder, args.port, workload, out, name)
+                results[name] = bench(args.vllm_python, entry, folder, url, workload, out, name)
                 print(table({name: results[name]}).splitlines()[-1], flush=True)
-        finally:
-            server.terminate()
-            server.wait(timeout=120)
     dtypes = f"kvcache serve --dtype {args.dtype}" + (f", vLLM --dtype {args.vllm_dtype}" if args.with_vllm_server else "")
     text = machine_line(machine_info()) + f"; {dtypes}\n\n" + table(results)
     (out / "report.md").write_text(text)

@@ -6,19 +6,21 @@ subprocess, ``hf`` (``lm_eval.models.huggingface.HFLM``) runs the same model fol
 and each answers the same requests — loglikelihoods (what every multiple-choice task asks) and
 generate-until. The harness is installed without its task dependencies (``pip install --no-deps
 lm-eval``; its API models need only ``aiohttp``, ``tenacity`` and ``requests``, in the test extra),
-so the tasks are not read by its ``datasets`` loader: the requests are built here from held-out
-pass-key prompts, as a task's ``doc_to_text``/``doc_to_choice`` would. The whole command-line run on
-task files is ``benchmarks/lm_eval_against_hf.py``.
+so the tasks are not read by its ``datasets`` loader: the requests are built here from the
+documents and settings of the command-line run's task files (``kvcache.apps.bench.lm_eval_tasks``),
+as a task's ``doc_to_text``/``doc_to_choice`` would. That whole run is
+``benchmarks/lm_eval_against_hf.py``.
 
 Targets (issue 39): identical generations, loglikelihoods within 1e-3 in fp32, the same greedy flags.
 """
 
 from __future__ import annotations
 
+import copy
 
 import pytest
 
-from kvcache.apps import tasks
+from kvcache.apps.bench import lm_eval_tasks
 from serve_process import tiny_chat_model, tiny_chat_server
 
 pytest.importorskip("aiohttp")
@@ -32,14 +34,6 @@ DOCS = 6
 TOLERANCE = 1e-3
 
 
-def _docs() -> list[dict]:
-    out = []
-    for i in range(DOCS):
-        inst, choices, right = tasks.passkey_choices(7100 + i, length=160, depth=(i % 3) / 2, draw=i)
-        out.append({"prompt": inst.prompt, "choices": choices, "answer": right})
-    return out
-
-
 def _loglikelihood_requests(docs) -> list[Instance]:
     return [
         Instance("loglikelihood", doc, (doc["prompt"], choice), idx=j)
@@ -51,11 +45,10 @@ def _loglikelihood_requests(docs) -> list[Instance]:
 def _generate_requests(docs, lm) -> list[Instance]:
     """What a generate-until task with ``--apply_chat_template`` asks of ``lm``, or without it when
     ``lm`` is None: each backend renders the chat turn its own way (text, or messages as JSON)."""
-    until = {"until": ["\n"], "max_gen_toks": 12, "do_sample": False}
     out = []
     for i, doc in enumerate(docs):
         context = doc["prompt"] if lm is None else lm.apply_chat_template([{"role": "user", "content": doc["prompt"]}])
-        out.append(Instance("generate_until", doc, (context, dict(until)), idx=i))
+        out.append(Instance("generate_until", doc, (context, copy.deepcopy(lm_eval_tasks.UNTIL)), idx=i))
     return out
 
 
@@ -78,7 +71,7 @@ def hf(model_dir):
 
 @pytest.fixture(scope="module")
 def docs():
-    return _docs()
+    return lm_eval_tasks.documents(DOCS, 7100, 160, 3)
 
 
 @pytest.fixture(scope="module")

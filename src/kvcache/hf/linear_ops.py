@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from . import panels
 
 #: Most rows a float32 call multiplies on panels; longer calls (prompt chunks) go to oneDNN, which
-#: is faster there (docs/benchmarks.md, ``benchmarks/panel_linears.py``).
+#: is faster there (docs/benchmarks.md, ``benchmarks/panel_linears.py``
+#: at commit d428424).
 PANEL_ROWS = 64
 
 #: The same for bfloat16, by the library's kernel (``panels.bf16_kernel()``), measured the same way.
