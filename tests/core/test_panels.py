@@ -157,3 +157,22 @@ def test_bad_calls_are_refused_by_name():
         panels.pack(w.half())
     with pytest.raises(ValueError, match="expected float32 x"):
         panels.linear(torch.randn(3, 8).bfloat16(), packed, 20)
+
+
+@needs_bf16
+@pytest.mark.parametrize("k", [64, 40])
+def test_a_bfloat16_call_takes_panels_up_to_the_limit_of_the_kernel_that_runs_it(k, monkeypatch):
+    """The AMX kernel takes K a multiple of 32 only; the library runs other layers on its dot
+    kernel, so their calls take the dot kernel's row limit, not AMX's."""
+    kernel = panels.bf16_kernel()
+    ran = "dot" if kernel == "amx" and k % 32 else kernel
+    limit = linear_ops.panel_rows(torch.bfloat16, k)
+    assert limit == linear_ops.BF16_PANEL_ROWS[ran]
+    torch.manual_seed(4)
+    w = torch.randn(24, k).bfloat16()
+    packed, onednn = panels.pack(w), None
+    calls = []
+    monkeypatch.setattr(panels, "run", lambda *args: calls.append(args[0].shape[0]) or torch.zeros(args[0].shape[0], 24))
+    for rows in (limit, limit + 1):
+        linear_ops.call(torch.randn(rows, k).bfloat16(), w, None, packed, onednn, 24)
+    assert calls == [limit]

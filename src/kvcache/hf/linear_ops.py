@@ -3,7 +3,7 @@
 ``PackedLinears`` (``linears.py``) keeps up to two packed copies of a weight: the panel library's
 (``panels.py``, float32 or bfloat16) and oneDNN's (``torch.ops.mkldnn._reorder_linear_weight``).
 ``call`` chooses between them by the call's row count, at run time: panels for at most
-``panel_rows(dtype)`` rows, oneDNN past that, the plain weight where neither copy exists. Inside a
+``panel_rows(dtype, K)`` rows, oneDNN past that, the plain weight where neither copy exists. Inside a
 ``torch.compile`` trace the same choice runs as ``torch.ops.kvcache.linear`` (``register()``), one
 opaque node, so a graph whose token count is a dynamic dimension holds one branch-free call per
 layer instead of a guard on the row count (which would compile a graph for each side of it).
@@ -33,9 +33,14 @@ BF16_PANEL_ROWS = {"amx": 32, "dot": 8, "widen": 4, "none": 0}
 
 
 @functools.cache
-def panel_rows(dtype: torch.dtype) -> int:
-    """Most rows a call of ``dtype`` multiplies on panels (``PANEL_ROWS``, ``BF16_PANEL_ROWS``)."""
-    return PANEL_ROWS if dtype == torch.float32 else BF16_PANEL_ROWS[panels.bf16_kernel()]
+def panel_rows(dtype: torch.dtype, k: int) -> int:
+    """Most rows a call of ``dtype`` with ``k`` inputs a row multiplies on panels (``PANEL_ROWS``,
+    ``BF16_PANEL_ROWS``). The AMX kernel takes ``k`` a multiple of 32 only: the library runs other
+    layers on its dot kernel, so they take the dot kernel's limit."""
+    if dtype == torch.float32:
+        return PANEL_ROWS
+    kernel = panels.bf16_kernel()
+    return BF16_PANEL_ROWS["dot" if kernel == "amx" and k % 32 else kernel]
 
 
 def call(
@@ -44,7 +49,7 @@ def call(
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` (``[..., n]``) through the packed copy that suits ``x``'s row count
     (``panel``/``onednn``: the copies, None where a layout is not packed)."""
-    if panel is not None and x.numel() <= panel_rows(panel.dtype) * x.shape[-1]:
+    if panel is not None and x.numel() <= panel_rows(panel.dtype, x.shape[-1]) * x.shape[-1]:
         return panels.run(x, panel, n, bias)  # (PackedLinears checked the layer)
     if onednn is not None:
         return torch.ops.mkldnn._linear_pointwise(x, onednn, bias, "none", [], "")

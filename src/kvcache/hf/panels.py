@@ -25,7 +25,7 @@ Each output row is summed over K in order whatever the other rows, so a row's re
 depend on how many rows share the call: a decode step padded to a bucket computes the same
 numbers as the same rows alone. Both functions take float32 or bfloat16 CPU tensors and need the
 library (``available()``); ``linear_ops.call`` (and its operator ``kvcache::linear``, which a
-compiled graph holds) calls ``run`` for calls of up to ``linear_ops.panel_rows(dtype)`` rows.
+compiled graph holds) calls ``run`` for calls of up to ``linear_ops.panel_rows(dtype, K)`` rows.
 """
 
 from __future__ import annotations
