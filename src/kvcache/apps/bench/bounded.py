@@ -413,16 +413,3 @@ def plot(result: dict[str, Any], path: Path) -> None:
             bw = result["read_bandwidth_bytes_per_s"] / 1e9
             title = f"decode attention ({bw:.0f} GB/s read)"
             finish_axes(ax3, "tokens in cache (T)", "% of measured read bandwidth", title)
-
-
-if __name__ == "__main__":
-    import argparse
-
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--tiny", action="store_true")
-    p.add_argument("--contexts", type=lambda s: [int(x) for x in s.split(",")])
-    p.add_argument("--parts", type=lambda s: s.split(","))
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    args = p.parse_args()
-    print(table(run(RunOptions(quick=args.quick, out=args.out, tiny=args.tiny), contexts=args.contexts, parts=args.parts)))

@@ -191,14 +191,3 @@ def plot(result: dict[str, Any], path: Path) -> None:
                 ax.plot(*zip(*pts), marker="o", label=name)
             title = f"generate decode, {variant} ({heads} q heads / 8 KV heads)"
             finish_axes(ax, "context tokens", "decode tokens/s", title)
-
-
-if __name__ == "__main__":
-    import argparse
-
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--contexts", type=lambda s: [int(x) for x in s.split(",")])
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    args = p.parse_args()
-    print(table(run(RunOptions(quick=args.quick, out=args.out), contexts=args.contexts)))

@@ -118,15 +118,3 @@ def run(
         "model": f"llama-shaped: {setup.layers} layers x {setup.kv_heads} KV heads x {setup.head_dim}, {setup.dtype}, batch 1",
     }
     return report("memory", options, config, rows, table, plot)
-
-
-if __name__ == "__main__":
-    import argparse
-
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--tokens", type=int)
-    p.add_argument("--layers", type=int)
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    args = p.parse_args()
-    print(table(run(RunOptions(quick=args.quick, out=args.out), tokens=args.tokens, layers=args.layers)))

@@ -236,15 +236,3 @@ def plot(result: dict[str, Any], path: Path) -> None:
                 ax.plot(*zip(*pts), marker="o", label=name)
             title = f"{op}: {c['layers']} layer(s) x {c['kv_heads']}x{c['head_dim']} {c['dtype'].removeprefix('torch.')}"
             finish_axes(ax, "tokens in cache", f"{op} time, ms (median)", title, log_y=True)
-
-
-if __name__ == "__main__":
-    import argparse
-
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--layers", type=int, default=1)
-    p.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")])
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    args = p.parse_args()
-    print(table(run(RunOptions(quick=args.quick, out=args.out), layers=args.layers, lengths=args.lengths)))

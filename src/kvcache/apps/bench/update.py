@@ -229,13 +229,3 @@ def plot(result: dict[str, Any], path: Path) -> None:
             ax.plot(*zip(*pts), marker="o", label=name)
         title = f"Append cost per token (B={c['batch']}, {c['kv_heads']} KV heads x {c['head_dim']}, {c['dtype']})"
         finish_axes(ax, "tokens in cache (T)", "microseconds per appended token", title, log_y=True)
-
-
-if __name__ == "__main__":
-    import argparse
-
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    args = p.parse_args()
-    print(table(run(RunOptions(quick=args.quick, out=args.out))))
