@@ -44,9 +44,10 @@ appends (the last one, at T, is the largest). Every stepped append is checked to
 layer; its ``reallocations`` (T per layer) and ``spikes`` (T) are then given by that rule and the
 row says ``counts_extrapolated``.
 
-The pieces: :mod:`.memory_workload` (the sizes and the contender caches), :mod:`.memory_measure`
-(one contender's run, in its own process), :mod:`.rss` (the process's resident memory) and
-:mod:`.memory_report` (the table and the plot); this module runs them and writes the result.
+The pieces: :mod:`.memory_measure` (the sizes, the contender caches and one contender's run, in its
+own process) and :mod:`.rss` (the process's resident memory); this module runs them and writes the
+result, its table (one row per contender, with notes on how each figure was counted) and its plot
+(the cache bytes held and the process's peak RSS per sample window against the tokens appended).
 """
 
 from __future__ import annotations
@@ -58,10 +59,9 @@ from typing import Any
 import torch
 
 from ..run_options import RunOptions
+from .common import figure, human_bytes, markdown_table
 from .harness import report
-from .memory_measure import measure, measure_isolated
-from .memory_report import plot, table
-from .memory_workload import CONTENDERS, Setup
+from .memory_measure import CONTENDERS, Setup, measure, measure_isolated
 
 __all__ = ["CONTENDERS", "plot", "run", "table"]
 
@@ -118,3 +118,74 @@ def run(
         "model": f"llama-shaped: {setup.layers} layers x {setup.kv_heads} KV heads x {setup.head_dim}, {setup.dtype}, batch 1",
     }
     return report("memory", options, config, rows, table, plot)
+
+
+def mib(n: float) -> str:
+    """``n`` bytes for the table: in MiB from 16 MiB up, else in the unit that suits."""
+    return human_bytes(n) if abs(n) < 16 * 2**20 else f"{n / 2**20:,.0f} MiB"
+
+
+def table(result: dict[str, Any]) -> str:
+    c = result["config"]
+    header = [
+        "contender",
+        "tokens",
+        "peak RSS above baseline",
+        "peak RSS / bytes of T tokens",
+        "peak cache bytes",
+        "final cache bytes",
+        "reallocations",
+        "spikes",
+        "seconds",
+    ]
+    body = [
+        [
+            r["contender"] + (" *" if r["counts_extrapolated"] else ""),
+            r["tokens"],
+            mib(r["peak_rss_bytes"]),
+            r["peak_rss_over_needed"],
+            mib(r["peak_cache_bytes"]),
+            mib(r["final_cache_bytes"]),
+            r["reallocations"],
+            r["spikes"],
+            r["seconds"],
+        ]
+        for r in result["rows"]
+    ]
+    notes = (
+        f"\n{c['model']}; one token appended to every layer per step; T tokens need {mib(c['needed_bytes'])}. "
+        f"Reallocations are summed over the {c['layers']} layers (first allocation included); spikes are steps in "
+        "which any layer allocated. Peak RSS: the kernel's high-water mark in a fresh process per contender, minus "
+        "its RSS before the run; buffer capacity never written is not resident, so it can be below the cache bytes.\n"
+    )
+    if any(r["counts_extrapolated"] for r in result["rows"]):
+        stepped = next(r["stepped_tokens"] for r in result["rows"] if r["counts_extrapolated"])
+        notes += (
+            f"\n\\* concat was stepped one token at a time for {stepped} of its tokens (the last {c['window']} before each of "
+            f"{c['checkpoints']} checkpoints, T included) and brought between them by one chunk append, since stepping "
+            "all of them copies O(T²) bytes. Each stepped append reallocated every layer, so its counts are T per layer "
+            "and T spikes; its seconds are not comparable.\n"
+        )
+    return markdown_table(header, body) + notes
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    c = result["config"]
+    unit = 2**20
+    with figure(path, panels=2, size=(6.5, 4.5)) as (held, rss):
+        for r in result["rows"]:
+            # concat is sampled at few points (see the docstring): dashed with markers, on top.
+            style = dict(linestyle="--", marker="o", markersize=3, zorder=3) if r["counts_extrapolated"] else {}
+            xs, ys = zip(*r["bytes_curve"])
+            held.plot(xs, [y / unit for y in ys], label=r["contender"], **style)
+            pts = [(t, peak) for t, _, _, peak in r["samples"]]
+            rss.plot([t for t, _ in pts], [p / unit for _, p in pts], label=r["contender"], **style)
+        for ax, ylabel, title in (
+            (held, "MiB of storage held by the cache", "Cache bytes held"),
+            (rss, "MiB above baseline (peak per sample window)", "Process RSS"),
+        ):
+            ax.set_xlabel("tokens appended")
+            ax.set_ylabel(ylabel)
+            ax.set_title(f"{title}: {c['layers']} layers x {c['kv_heads']}x{c['head_dim']} {c['dtype']}")
+            ax.grid(True, alpha=0.3)
+            ax.legend()
