@@ -23,7 +23,6 @@ Output: ``eval.json`` (``{"runs": [{"cache", "budget", "task", "depth", "accurac
 
 from __future__ import annotations
 
-import json
 import math
 import random
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from kvcache import cache_kwargs
 from .. import make_cache, use_kvcache_attention
 from . import tasks
 from .contenders import SINKS, spec_for
+from .report import markdown, mean, write_files
 from .run_options import RunOptions
 from .trained import MODEL_DIR, load_trained
 
@@ -193,10 +193,6 @@ def run(
 # ---- report -------------------------------------------------------------------------------------
 
 
-def _mean(xs: list[float]) -> float:
-    return sum(xs) / len(xs) if xs else math.nan
-
-
 def summary(result: dict[str, Any]) -> list[dict[str, Any]]:
     """One line per (cache, budget): task accuracies, their mean, KL, top-1 and bytes per token."""
     keyed: dict[tuple[str, str], dict[str, Any]] = {}
@@ -207,21 +203,16 @@ def summary(result: dict[str, Any]) -> list[dict[str, Any]]:
         else:
             line["tasks"][r["task"]] = r["accuracy"]
     for line in keyed.values():
-        line["mean_accuracy"] = _mean(list(line["tasks"].values()))
+        line["mean_accuracy"] = mean(line["tasks"].values())
     return list(keyed.values())
 
 
 def table(result: dict[str, Any]) -> str:
-    lines = summary(result)
     names = [f"{t}-{w}" for t in TASKS for w in DEPTHS]
     header = ["cache", "budget", *names, "mean acc", "KL (nats)", "top-1", "bytes/token"]
-    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for line in lines:
-        cells = [line["cache"], line["budget"]]
-        cells += [f"{line['tasks'].get(n, math.nan):.0%}" for n in names]
-        cells += [f"{line['mean_accuracy']:.0%}", f"{line['kl']:.3f}", f"{line['top1']:.1%}", f"{line['bytes_per_token']:,.0f}"]
-        out.append("| " + " | ".join(cells) + " |")
-    return "\n".join(out)
+    return markdown(header, ([line["cache"], line["budget"], *[f"{line['tasks'].get(n, math.nan):.0%}" for n in names],
+                              f"{line['mean_accuracy']:.0%}", f"{line['kl']:.3f}", f"{line['top1']:.1%}",
+                              f"{line['bytes_per_token']:,.0f}"] for line in summary(result)))
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -239,16 +230,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 
 def write(result: dict[str, Any], out: Path) -> None:
-    from .bench.common import can_plot
-
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "eval.json").write_text(json.dumps(result, indent=1) + "\n")
     c = result["config"]
     head = (
         f"Quality against the full cache: trained model {c['model']}, context {c['context']} tokens, "
         f"{c['instances']} held-out instances per task and depth (early = depth {DEPTHS['early']}, "
         f"late = {DEPTHS['late']}), {c['text_samples']} held-out texts for KL / top-1.\n\n"
     )
-    (out / "eval.md").write_text(head + table(result) + "\n")
-    if can_plot():
-        plot(result, out / "eval.png")
+    write_files(out, "eval", result, head + table(result) + "\n", plot)

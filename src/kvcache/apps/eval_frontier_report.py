@@ -4,12 +4,13 @@ and ``frontier.json``/``.md``/``.png``."""
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
 from .frontier_points import AUTO, STORAGES, UNBOUNDED, context_seeds
+from .report import markdown, mean, pct, tokens_label, write_files
+
 
 def paired_difference(runs: list[dict[str, Any]], a: tuple, b: tuple) -> tuple[float, float, int]:
     """Accuracy of point ``a`` minus point ``b`` (each ``(cache, budget)``) over the questions both
@@ -71,14 +72,14 @@ def length_table(result: dict[str, Any]) -> str:
             worst = min(auto["by_depth"].items(), key=lambda kv: kv[1]) if auto else None
             top = max((r["bytes_per_token"] / fp32 for r in runs if (r["cache"], r["budget"]) == ("auto", b)), default=math.nan)
             out.append("| " + " | ".join([
-                str(L), f"{b:g}", _pct(auto["accuracy"]) if auto else "-", _difference(runs, ("auto", b), ("full", None)),
-                f"{_pct(worst[1])} (depth {worst[0]})" if worst else "-",
+                str(L), f"{b:g}", pct(auto["accuracy"]) if auto else "-", _difference(runs, ("auto", b), ("full", None)),
+                f"{pct(worst[1])} (depth {worst[0]})" if worst else "-",
                 f"{auto['bytes']:.3f} / {top:.3f}" if auto else "-",
-                f"{best['point']} ({best['bytes']:.3f})" if best else "-", _pct(best["accuracy"]) if best else "-",
+                f"{best['point']} ({best['bytes']:.3f})" if best else "-", pct(best["accuracy"]) if best else "-",
                 _difference(runs, ("auto", b), (best["point"], b)) if best else "-",
-                _pct(heads["accuracy"]) if heads else "-", _difference(runs, ("auto-heads", b), ("full", None)) if heads else "-",
-                _pct(snap["accuracy"]) if snap else "-", _pct(ada["accuracy"]) if ada else "-",
-                _pct(full["accuracy"]) if full else "-", str(auto["answers"]) if auto else "-",
+                pct(heads["accuracy"]) if heads else "-", _difference(runs, ("auto-heads", b), ("full", None)) if heads else "-",
+                pct(snap["accuracy"]) if snap else "-", pct(ada["accuracy"]) if ada else "-",
+                pct(full["accuracy"]) if full else "-", str(auto["answers"]) if auto else "-",
             ]) + " |")  # fmt: skip
     return "\n".join(out)
 
@@ -107,8 +108,8 @@ def points_of(result: dict[str, Any]) -> list[dict[str, Any]]:
         hits = line.pop("hits")
         line["accuracy"] = sum(h for *_, h in hits) / len(hits)
         line["answers"] = len(hits)
-        line["by_length"] = {L: _share([h for LL, _, h in hits if LL == L]) for L in sorted({h[0] for h in hits})}
-        line["by_depth"] = {d: _share([h for _, dd, h in hits if dd == d]) for d in sorted({h[1] for h in hits})}
+        line["by_length"] = {L: mean([h for LL, _, h in hits if LL == L]) for L in sorted({h[0] for h in hits})}
+        line["by_depth"] = {d: mean([h for _, dd, h in hits if dd == d]) for d in sorted({h[1] for h in hits})}
         line["bytes"] = sum(line["bytes"]) / len(line["bytes"])
         t = text.get((name, budget))
         line["kl"], line["top1"] = (t["kl"], t["top1"]) if t else (math.nan, math.nan)
@@ -117,10 +118,6 @@ def points_of(result: dict[str, Any]) -> list[dict[str, Any]]:
     for line in out:
         line["pareto"] = id(line) in front
     return out
-
-
-def _share(xs: list[bool]) -> float:
-    return sum(xs) / len(xs) if xs else math.nan
 
 
 def pareto(lines: list[dict[str, Any]]) -> set[int]:
@@ -133,10 +130,6 @@ def pareto(lines: list[dict[str, Any]]) -> set[int]:
     return front
 
 
-def _pct(x: float) -> str:
-    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.0%}"
-
-
 def budget_table(lines: list[dict[str, Any]], budgets: list[float]) -> str:
     """Per budget: auto, the best fixed mix within the budget (by measured bytes), snapkv/full."""
     full = line_of(lines, "full", None)
@@ -146,24 +139,23 @@ def budget_table(lines: list[dict[str, Any]], budgets: list[float]) -> str:
         auto, best, snap = line_of(lines, "auto", b), best_fixed(lines, b), line_of(lines, "snapkv/full", b)
         mix = ", ".join(f"{k} {v}" for k, v in sorted(auto["mix"].items())) if auto and auto["mix"] else "-"
         out.append("| " + " | ".join([
-            f"{b:g}", _pct(auto["accuracy"]) if auto else "-", f"{auto['bytes']:.3f}" if auto else "-", mix,
-            best["point"] if best else "-", _pct(best["accuracy"]) if best else "-", f"{best['bytes']:.3f}" if best else "-",
-            _pct(snap["accuracy"]) if snap else "-", _pct(full["accuracy"]) if full else "-",
+            f"{b:g}", pct(auto["accuracy"]) if auto else "-", f"{auto['bytes']:.3f}" if auto else "-", mix,
+            best["point"] if best else "-", pct(best["accuracy"]) if best else "-", f"{best['bytes']:.3f}" if best else "-",
+            pct(snap["accuracy"]) if snap else "-", pct(full["accuracy"]) if full else "-",
         ]) + " |")  # fmt: skip
     return "\n".join(out)
 
 
 def points_table(lines: list[dict[str, Any]], lengths: list[int], depths: list[float]) -> str:
-    header = ["point", "budget", "bytes (of fp32)", *[f"{L // 1024}K" if L % 1024 == 0 else str(L) for L in lengths], *[f"depth {d}" for d in depths],
+    header = ["point", "budget", "bytes (of fp32)", *map(tokens_label, lengths), *[f"depth {d}" for d in depths],
               "all", "answers", "KL (nats)", "top-1", "Pareto"]  # fmt: skip
-    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    rows = []
     for l in sorted(lines, key=lambda l: l["bytes"]):
         cells = [l["point"], "-" if l["budget"] is None else f"{l['budget']:g}", f"{l['bytes']:.3f}"]
-        cells += [_pct(l["by_length"].get(L, math.nan)) for L in lengths] + [_pct(l["by_depth"].get(d, math.nan)) for d in depths]
+        cells += [pct(l["by_length"].get(L, math.nan)) for L in lengths] + [pct(l["by_depth"].get(d, math.nan)) for d in depths]
         kl = "-" if math.isnan(l["kl"]) else f"{l['kl']:.3f}"
-        cells += [_pct(l["accuracy"]), str(l["answers"]), kl, _pct(l["top1"]), "yes" if l["pareto"] else ""]
-        out.append("| " + " | ".join(cells) + " |")
-    return "\n".join(out)
+        rows.append(cells + [pct(l["accuracy"]), str(l["answers"]), kl, pct(l["top1"]), "yes" if l["pareto"] else ""])
+    return markdown(header, rows)
 
 
 def panels_of(result: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
@@ -216,10 +208,6 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 
 def write(result: dict[str, Any], out: Path) -> None:
-    from .bench.common import can_plot
-
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "frontier.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
     c = result["config"]
     lines = points_of(result)
     counts = ", ".join(f"{len(v)} at {L}" for L, v in context_seeds(c).items())
@@ -244,7 +232,5 @@ def write(result: dict[str, Any], out: Path) -> None:
             + common
         )
         body = "By length:\n\n" + length_table(result) + "\n\n"
-    (out / "frontier.md").write_text(head + body + "All lengths together:\n\n" + budget_table(lines, c["budgets"])
-                                     + "\n\nEvery point:\n\n" + points_table(lines, c["lengths"], c["depths"]) + "\n")  # fmt: skip
-    if can_plot():
-        plot(result, out / "frontier.png")
+    write_files(out, "frontier", result, head + body + "All lengths together:\n\n" + budget_table(lines, c["budgets"])
+                + "\n\nEvery point:\n\n" + points_table(lines, c["lengths"], c["depths"]) + "\n", plot)

@@ -34,14 +34,13 @@ same needles, the verdict and its reason.
 
 from __future__ import annotations
 
-import json
-import math
 from pathlib import Path
 from typing import Any
 
 from kvcache import cache_kwargs
 
 from . import needles
+from .report import markdown, mean, pct, write_files
 from .run_options import RunOptions
 
 #: Kind -> spec template: ``{share}`` the budget as a share of the tokens seen (of the fp32 bytes,
@@ -167,10 +166,6 @@ def run(
     return result
 
 
-def _share(found: list[bool]) -> float:
-    return sum(found) / len(found) if found else math.nan
-
-
 def verdicts(result: dict[str, Any]) -> list[dict[str, Any]]:
     """Per (kind, budget): accuracy on the needles it is judged on, the full cache's on the same
     contexts, answers degenerated, and ``ok`` with the ``reason`` it is not."""
@@ -181,10 +176,10 @@ def verdicts(result: dict[str, Any]) -> list[dict[str, Any]]:
     for key in dict.fromkeys((r["cache"], r["budget"]) for r in rows):
         mine = [r for r in rows if (r["cache"], r["budget"]) == key]
         counted = [r for r in mine if judged(key[0], key[1], r["depth"])]
-        accuracy = _share([r["found"] for r in counted])
-        full = _share([reference[r["context"]] for r in counted if r["context"] in reference])
+        accuracy = mean(r["found"] for r in counted)
+        full = mean(reference[r["context"]] for r in counted if r["context"] in reference)
         bad = sum(r["degenerate"] for r in mine)
-        degenerate = _share([r["degenerate"] for r in counted])
+        degenerate = mean(r["degenerate"] for r in counted)
         checked = key[1] is None or key[1] >= result["config"].get("checked", CHECKED)
         reasons = []
         if checked and counted and degenerate > margin:
@@ -193,28 +188,21 @@ def verdicts(result: dict[str, Any]) -> list[dict[str, Any]]:
             reasons.append(f"{accuracy:.0%} found against the full cache's {full:.0%} (more than {margin:.0%} below)")
         out.append({
             "cache": key[0], "budget": key[1], "spec": mine[0]["spec"], "answers": len(mine), "judged": len(counted),
-            "accuracy": accuracy, "all": _share([r["found"] for r in mine]), "full": full, "degenerate": bad,
+            "accuracy": accuracy, "all": mean(r["found"] for r in mine), "full": full, "degenerate": bad,
             "bytes": sum(r["bytes"] for r in mine) / len(mine), "checked": checked, "ok": not reasons,
             "reason": "; ".join(reasons),
         })
     return out
 
 
-def _pct(x: float) -> str:
-    return "-" if math.isnan(x) else f"{x:.0%}"
-
-
 def table(result: dict[str, Any]) -> str:
     """Markdown: one line per kind and budget."""
     head = ["cache", "budget", "found (judged)", "full cache (same needles)", "found (all)", "degenerate", "MiB", "verdict"]
-    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for v in result["verdicts"]:
-        judged_on = "" if v["judged"] == v["answers"] else f" of {v['judged']}"
-        cells = [v["cache"], "-" if v["budget"] is None else f"{v['budget']:.0%}", _pct(v["accuracy"]) + judged_on,
-                 _pct(v["full"]), _pct(v["all"]), f"{v['degenerate']} of {v['answers']}", f"{v['bytes'] / 2**20:.1f}",
-                 ("ok" if v["ok"] else "FAIL: " + v["reason"]) if v["checked"] else "reported"]
-        out.append("| " + " | ".join(cells) + " |")
-    return "\n".join(out)
+    return markdown(head, ([v["cache"], "-" if v["budget"] is None else f"{v['budget']:.0%}",
+                            pct(v["accuracy"]) + ("" if v["judged"] == v["answers"] else f" of {v['judged']}"),
+                            pct(v["full"]), pct(v["all"]), f"{v['degenerate']} of {v['answers']}", f"{v['bytes'] / 2**20:.1f}",
+                            ("ok" if v["ok"] else "FAIL: " + v["reason"]) if v["checked"] else "reported"]
+                           for v in result["verdicts"]))
 
 
 def failures(result: dict[str, Any]) -> list[str]:
@@ -223,8 +211,6 @@ def failures(result: dict[str, Any]) -> list[str]:
 
 
 def write(result: dict[str, Any], out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "plain.json").write_text(json.dumps(result, indent=1) + "\n")
     c = result["config"]
     head = (
         f"Every kind used plainly on {c['model']}: `make_cache(model, spec)` in `generate`, greedy, the question in the "
@@ -233,4 +219,4 @@ def write(result: dict[str, Any], out: Path) -> None:
         f"the full cache on the needles it is judged on (window and lastrec: those inside the share they keep), or more "
         f"than {c['margin']:.0%} of its answers end in {c['run']} copies of one token; smaller budgets are reported.\n\n"
     )
-    (out / "plain.md").write_text(head + table(result) + "\n")
+    write_files(out, "plain", result, head + table(result) + "\n")

@@ -10,16 +10,11 @@ Markdown; :func:`write` puts ``eval.json``, ``eval.md`` and (where matplotlib is
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
-
-def _mean(xs) -> float:
-    xs = list(xs)
-    return sum(xs) / len(xs) if xs else math.nan
-
+from .report import markdown, mean, pct, tokens_label, write_files
 
 def summary(result: dict[str, Any]) -> list[dict[str, Any]]:
     """One line per (cache, mode, budget): accuracy per length and per depth, KL, top-1, bytes/token."""
@@ -41,19 +36,15 @@ def summary(result: dict[str, Any]) -> list[dict[str, Any]]:
         hits = line.pop("hits")
         lengths = sorted({L for L, _ in hits})
         depths = sorted({d for _, d in hits})
-        line["by_length"] = {L: _mean(_mean(hits[(L, d)]) for d in depths if (L, d) in hits) for L in lengths}
-        line["by_depth"] = {d: _mean(x for (L, dd), v in hits.items() if dd == d for x in v) for d in depths}
-        line["accuracy"] = _mean(x for v in hits.values() for x in v)
-        line["bytes_per_token"] = _mean(line.pop("bytes"))
-        line["needle_kept"] = _mean(line.pop("kept", []))
-        line["kl"] = _mean(line.get("kl", []))
-        line["top1"] = _mean(line.get("top1", []))
+        line["by_length"] = {L: mean(mean(hits[(L, d)]) for d in depths if (L, d) in hits) for L in lengths}
+        line["by_depth"] = {d: mean(x for (L, dd), v in hits.items() if dd == d for x in v) for d in depths}
+        line["accuracy"] = mean(x for v in hits.values() for x in v)
+        line["bytes_per_token"] = mean(line.pop("bytes"))
+        line["needle_kept"] = mean(line.pop("kept", []))
+        line["kl"] = mean(line.get("kl", []))
+        line["top1"] = mean(line.get("top1", []))
         out.append(line)
     return sorted(out, key=lambda l: l["mode"] != "question")  # stable: kinds in run order
-
-
-def _share(x: float) -> str:
-    return "-" if math.isnan(x) else f"{x:.0%}"
 
 
 def _budget(b) -> str:
@@ -64,18 +55,16 @@ def table(result: dict[str, Any]) -> str:
     lines = summary(result)
     lengths = result["config"]["lengths"]
     depths = result["config"]["depths"]
-    header = ["cache", "kept", "compressed", *[f"{L // 1024}K" if L % 1024 == 0 else str(L) for L in lengths],
-              *[f"depth {d}" for d in depths], "all", "key kept", "KL (nats)", "top-1", "bytes/token"]
-    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    header = ["cache", "kept", "compressed", *map(tokens_label, lengths), *[f"depth {d}" for d in depths], "all", "key kept",
+              "KL (nats)", "top-1", "bytes/token"]  # fmt: skip
+    rows = []
     for line in lines:
         cells = [line["cache"], _budget(line["budget"]), "with question" if line["mode"] == "question" else "once, reused"]
-        cells += [_share(line["by_length"].get(L, math.nan)) for L in lengths]
-        cells += [_share(line["by_depth"].get(d, math.nan)) for d in depths]
-        kept = "-" if math.isnan(line["needle_kept"]) else f"{line['needle_kept']:.0%}"
+        cells += [pct(line["by_length"].get(L, math.nan)) for L in lengths]
+        cells += [pct(line["by_depth"].get(d, math.nan)) for d in depths]
         text = ("-", "-") if math.isnan(line["kl"]) else (f"{line['kl']:.3f}", f"{line['top1']:.1%}")
-        cells += [f"{line['accuracy']:.0%}", kept, *text, f"{line['bytes_per_token']:,.0f}"]
-        out.append("| " + " | ".join(cells) + " |")
-    return "\n".join(out)
+        rows.append(cells + [f"{line['accuracy']:.0%}", pct(line["needle_kept"]), *text, f"{line['bytes_per_token']:,.0f}"])
+    return markdown(header, rows)
 
 
 def costs_table(result: dict[str, Any]) -> str:
@@ -97,13 +86,9 @@ def profile_table(result: dict[str, Any]) -> str:
     modes = [m for m in profiles[0] if m not in ("length", "depth")]
     layers = len(profiles[0][modes[0]]["lift"])
     header = ["layer", *[f"{m} lift" for m in modes], *[f"{m} heads ranking the needle in the top 12.5%" for m in modes]]
-    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for i in range(layers):
-        cells = [str(i)]
-        cells += [f"{_mean(h for p in profiles for h in p[m]['lift'][i]):.1f}" for m in modes]
-        cells += [f"{_mean(float(r < 0.125) for p in profiles for r in p[m]['rank'][i]):.0%}" for m in modes]
-        out.append("| " + " | ".join(cells) + " |")
-    return "\n".join(out)
+    return markdown(header, ([str(i), *[f"{mean(h for p in profiles for h in p[m]['lift'][i]):.1f}" for m in modes],
+                              *[f"{mean(float(r < 0.125) for p in profiles for r in p[m]['rank'][i]):.0%}" for m in modes]]
+                             for i in range(layers)))
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -125,10 +110,6 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 
 def write(result: dict[str, Any], out: Path) -> None:
-    from .bench.common import can_plot
-
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "eval.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
     c = result["config"]
     contexts = c["contexts"] if not isinstance(c["contexts"], dict) else ", ".join(f"{n} at {L}" for L, n in c["contexts"].items())
     head = (
@@ -137,7 +118,5 @@ def write(result: dict[str, Any], out: Path) -> None:
         f"per key; kept = share of the document's tokens; "
         f"KL / top-1 against the full cache over {c['text']['text_steps']} held-out tokens x {c['text']['text_samples']}.\n\n"
     )
-    (out / "eval.md").write_text(head + table(result) + "\n\nMeasured costs (first context of each length):\n\n"
-                                 + costs_table(result) + "\n\n" + profile_table(result) + "\n")
-    if can_plot():
-        plot(result, out / "eval.png")
+    write_files(out, "eval", result, head + table(result) + "\n\nMeasured costs (first context of each length):\n\n"
+                + costs_table(result) + "\n\n" + profile_table(result) + "\n", plot)
