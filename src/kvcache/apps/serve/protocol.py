@@ -99,10 +99,7 @@ def completion_params(body: dict[str, Any]) -> Params:
         raise ApiError("prompt is empty" if len(prompts) == 1 else f"prompt[{empty}] is empty", param="prompt")
     p.prompts = [x if isinstance(x, str) else list(x) for x in prompts]
     p.logprobs = _alternatives(body, "logprobs")
-    echo = body.get("echo", False)
-    if not isinstance(echo, bool):
-        raise ApiError(f"echo must be a boolean, got {echo!r}", param="echo")
-    p.echo = echo
+    p.echo = echo = _boolean(body, "echo", False)
     if type(body.get("max_tokens")) is int and body["max_tokens"] == 0:
         if not echo:
             raise ApiError("max_tokens 0 (scoring the prompt only) needs echo: true", param="max_tokens")
@@ -134,9 +131,7 @@ def chat_params(body: dict[str, Any]) -> Params:
         elif not isinstance(content, str):
             raise ApiError(f"messages[{i}].content must be a string", param=f"messages[{i}].content")
     p.messages = messages
-    wanted = body.get("logprobs")
-    if wanted is not None and not isinstance(wanted, bool):
-        raise ApiError(f"logprobs must be a boolean, got {wanted!r}", param="logprobs")
+    wanted = _boolean(body, "logprobs", None)
     top = _alternatives(body, "top_logprobs")
     if top and not wanted:
         raise ApiError("top_logprobs needs logprobs: true", param="top_logprobs")
@@ -182,10 +177,7 @@ def _common(body: dict[str, Any], endpoint: str) -> Params:
     if stop is not None and (not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) for s in stop)):
         raise ApiError("stop must be a string or a list of at most 4 strings", param="stop")
     p.stop = [s for s in stop or [] if s]
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise ApiError(f"stream must be a boolean, got {stream!r}", param="stream")
-    p.stream = stream
+    p.stream = _boolean(body, "stream", False)
     options = body.get("stream_options")
     if options is not None:
         if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
@@ -197,15 +189,20 @@ def _common(body: dict[str, Any], endpoint: str) -> Params:
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
         raise ApiError(f"n must be an integer in [1, {MAX_CHOICES}], got {n!r}", param="n")
     p.n = n
-    ignore_eos = body.get("ignore_eos", False)
-    if not isinstance(ignore_eos, bool):
-        raise ApiError(f"ignore_eos must be a boolean, got {ignore_eos!r}", param="ignore_eos")
-    p.ignore_eos = ignore_eos
+    p.ignore_eos = _boolean(body, "ignore_eos", False)
     cache = body.get("cache")
     if cache is not None and not isinstance(cache, str):
         raise ApiError(f"cache must be a cache spec string such as 'snapkv:budget=0.25', got {cache!r}", param="cache")
     p.cache = cache
     return p
+
+
+def _boolean(body: dict[str, Any], name: str, default: bool | None) -> bool | None:
+    """``body[name]``, which must be a boolean when given (``default`` when not)."""
+    value = body.get(name, default)
+    if value is not default and not isinstance(value, bool):
+        raise ApiError(f"{name} must be a boolean, got {value!r}", param=name)
+    return value
 
 
 def _number(body: dict[str, Any], name: str, default: float, low: float, high: float) -> float:
