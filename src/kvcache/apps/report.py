@@ -27,9 +27,10 @@ def tokens_label(length: int) -> str:
 
 
 def markdown(header: list[str], rows: Iterable[list[str]]) -> str:
-    """A Markdown table of text cells (no trailing newline)."""
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(cells) + " |" for cells in rows])
+    """A Markdown table of text cells (``bench.common.markdown_table``), without its last newline."""
+    from .bench.common import markdown_table
+
+    return markdown_table(header, [list(cells) for cells in rows]).removesuffix("\n")
 
 
 def write_files(out: Path, name: str, result: dict[str, Any], text: str,
