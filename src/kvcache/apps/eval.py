@@ -35,8 +35,9 @@ from kvcache import cache_kwargs
 
 from .. import make_cache, use_kvcache_attention
 from . import tasks
+from .bench.common import write_files
 from .contenders import SINKS, spec_for
-from .report import markdown, mean, write_files
+from .report import markdown, mean
 from .run_options import RunOptions
 from .trained import MODEL_DIR, load_trained
 

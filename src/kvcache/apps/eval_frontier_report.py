@@ -8,8 +8,9 @@ import math
 from pathlib import Path
 from typing import Any
 
+from .bench.common import write_files
 from .frontier_points import AUTO, STORAGES, UNBOUNDED, context_seeds
-from .report import markdown, mean, pct, tokens_label, write_files
+from .report import markdown, mean, pct, tokens_label
 
 
 def paired_difference(runs: list[dict[str, Any]], a: tuple, b: tuple) -> tuple[float, float, int]:
@@ -54,10 +55,10 @@ def length_table(result: dict[str, Any]) -> str:
     fixed mix on the same questions, its lowest depth, mean and largest bytes), the best fixed mix
     within the budget at that length, ``snapkv/full``, ``adakv/full`` and the full cache."""
     c = result["config"]
-    out = ["| tokens | budget | auto: found | auto - full cache (95%) | auto: lowest depth | auto: bytes (mean / max) "
-           "| best fixed mix | found | auto - best fixed (95%) | auto-heads: found | auto-heads - full cache (95%) | snapkv/full "
-           "| adakv/full | full cache | answers |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    header = ["tokens", "budget", "auto: found", "auto - full cache (95%)", "auto: lowest depth", "auto: bytes (mean / max)",
+              "best fixed mix", "found", "auto - best fixed (95%)", "auto-heads: found", "auto-heads - full cache (95%)",
+              "snapkv/full", "adakv/full", "full cache", "answers"]  # fmt: skip
+    rows = []
     fp32 = c["fp32_bytes_per_token"]
     for L in c["lengths"]:
         at_length = at(result, L)
@@ -71,7 +72,7 @@ def length_table(result: dict[str, Any]) -> str:
             snap, ada = line_of(lines, "snapkv/full", b), line_of(lines, "adakv/full", b)
             worst = min(auto["by_depth"].items(), key=lambda kv: kv[1]) if auto else None
             top = max((r["bytes_per_token"] / fp32 for r in runs if (r["cache"], r["budget"]) == ("auto", b)), default=math.nan)
-            out.append("| " + " | ".join([
+            rows.append([
                 str(L), f"{b:g}", pct(auto["accuracy"]) if auto else "-", _difference(runs, ("auto", b), ("full", None)),
                 f"{pct(worst[1])} (depth {worst[0]})" if worst else "-",
                 f"{auto['bytes']:.3f} / {top:.3f}" if auto else "-",
@@ -80,8 +81,8 @@ def length_table(result: dict[str, Any]) -> str:
                 pct(heads["accuracy"]) if heads else "-", _difference(runs, ("auto-heads", b), ("full", None)) if heads else "-",
                 pct(snap["accuracy"]) if snap else "-", pct(ada["accuracy"]) if ada else "-",
                 pct(full["accuracy"]) if full else "-", str(auto["answers"]) if auto else "-",
-            ]) + " |")  # fmt: skip
-    return "\n".join(out)
+            ])  # fmt: skip
+    return markdown(header, rows)
 
 
 def _difference(runs: list[dict[str, Any]], a: tuple, b: tuple) -> str:
@@ -133,17 +134,18 @@ def pareto(lines: list[dict[str, Any]]) -> set[int]:
 def budget_table(lines: list[dict[str, Any]], budgets: list[float]) -> str:
     """Per budget: auto, the best fixed mix within the budget (by measured bytes), snapkv/full."""
     full = line_of(lines, "full", None)
-    out = ["| budget (of fp32) | auto: found | auto: bytes | auto: layers chose | best fixed mix | found | bytes | snapkv/full: found | full cache: found |",
-           "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    header = ["budget (of fp32)", "auto: found", "auto: bytes", "auto: layers chose", "best fixed mix", "found", "bytes",
+              "snapkv/full: found", "full cache: found"]  # fmt: skip
+    rows = []
     for b in budgets:
         auto, best, snap = line_of(lines, "auto", b), best_fixed(lines, b), line_of(lines, "snapkv/full", b)
         mix = ", ".join(f"{k} {v}" for k, v in sorted(auto["mix"].items())) if auto and auto["mix"] else "-"
-        out.append("| " + " | ".join([
+        rows.append([
             f"{b:g}", pct(auto["accuracy"]) if auto else "-", f"{auto['bytes']:.3f}" if auto else "-", mix,
             best["point"] if best else "-", pct(best["accuracy"]) if best else "-", f"{best['bytes']:.3f}" if best else "-",
             pct(snap["accuracy"]) if snap else "-", pct(full["accuracy"]) if full else "-",
-        ]) + " |")  # fmt: skip
-    return "\n".join(out)
+        ])  # fmt: skip
+    return markdown(header, rows)
 
 
 def points_table(lines: list[dict[str, Any]], lengths: list[int], depths: list[float]) -> str:

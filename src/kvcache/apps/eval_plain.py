@@ -40,7 +40,8 @@ from typing import Any
 from kvcache import cache_kwargs
 
 from . import needles
-from .report import markdown, mean, pct, write_files
+from .bench.common import write_files
+from .report import markdown, mean, pct
 from .run_options import RunOptions
 
 #: Kind -> spec template: ``{share}`` the budget as a share of the tokens seen (of the fp32 bytes,

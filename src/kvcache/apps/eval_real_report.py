@@ -14,7 +14,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-from .report import markdown, mean, pct, tokens_label, write_files
+from .bench.common import write_files
+from .report import markdown, mean, pct, tokens_label
+
 
 def summary(result: dict[str, Any]) -> list[dict[str, Any]]:
     """One line per (cache, mode, budget): accuracy per length and per depth, KL, top-1, bytes/token."""

@@ -194,18 +194,13 @@ def finish_axes(ax, xlabel: str, ylabel: str, title: str, log_y: bool = False) -
     ax.legend(fontsize="small")
 
 
-def write_outputs(
-    result: dict[str, Any],
-    out: Path,
-    table: Callable[[dict[str, Any]], str],
-    plot: Callable[[dict[str, Any], Path], None],
-) -> None:
-    """Write ``<suite>.json``, ``<suite>.md`` and, when matplotlib is installed, ``<suite>.png``
-    into ``out``."""
+def write_files(out: Path, name: str, result: dict[str, Any], text: str,
+                plot: Callable[[dict[str, Any], Path], None] | None = None) -> None:  # fmt: skip
+    """``name.json`` (``result``), ``name.md`` (``text``) and, when ``plot`` is given and matplotlib
+    is installed, ``name.png`` (``plot(result, path)``) in folder ``out`` (made if missing)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    name = result["suite"]
     write_json(out / f"{name}.json", result)
-    (out / f"{name}.md").write_text(table(result))
-    if can_plot():
+    (out / f"{name}.md").write_text(text)
+    if plot is not None and can_plot():
         plot(result, out / f"{name}.png")

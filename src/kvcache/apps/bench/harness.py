@@ -18,7 +18,7 @@ from kvcache import cache_kwargs
 
 from ...hf import ATTENTION_NAME, use_kvcache_attention
 from ..run_options import RunOptions
-from .common import clock, machine_info, write_outputs
+from .common import clock, machine_info, write_files
 
 T = TypeVar("T")
 
@@ -103,5 +103,5 @@ def report(
     ``options.out`` as JSON, markdown and (with matplotlib) PNG when ``options.out`` is given."""
     result = {"suite": suite, "machine": machine_info(options.device), **extra, "config": config, "rows": rows}
     if options.out is not None:
-        write_outputs(result, Path(options.out), table, plot)
+        write_files(Path(options.out), suite, result, table(result), plot)
     return result
