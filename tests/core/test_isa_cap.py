@@ -1,11 +1,10 @@
 """``KVCACHE_ISA`` caps the instruction set the C++ libraries are built for, so this machine tests
 the code a CPU with less would run: the float decode library's tests (dense and paged decode
-against SDPA, shared-prefix attention against per-row SDPA) and the panel linear library's (against
-float64 matrix products) pass when they are built for AVX2+FMA (the generic baseline on a CPU
-without AVX2), in a fresh process and extension folder; where the CPU has AVX-512 BF16, the panel
-library's tests pass built for it without AMX, on its ``vdpbf16ps`` kernel. The coded library's tests
-take about a minute to build per cap, so they run under a cap on demand, not here:
-``KVCACHE_ISA=avx2 python -m pytest tests/core/test_fused_coded_decode.py tests/core/test_paged_coded_decode.py``."""
+against SDPA, shared-prefix attention against per-row SDPA), the coded decode library's (against
+attention over the dequantized keys and values) and the panel linear library's (against float64
+matrix products) pass when they are built for AVX2+FMA (the generic baseline on a CPU without
+AVX2), in a fresh process and extension folder; where the CPU has AVX-512 BF16, the panel
+library's tests pass built for it without AMX, on its ``vdpbf16ps`` kernel."""
 
 from __future__ import annotations
 
@@ -33,12 +32,13 @@ def run(code_or_args: list[str], isa: str, folder: Path) -> subprocess.Completed
 
 
 @pytest.mark.parametrize("isa", CAPS)
-def test_the_float_kernels_pass_their_tests_built_for_a_capped_isa(isa, tmp_path):
+def test_the_kernels_pass_their_tests_built_for_a_capped_isa(isa, tmp_path):
     done = run(["-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider", "-W", "error::RuntimeWarning",
                 "tests/core/test_native_decode.py", "tests/engine/test_shared_prefix.py", "tests/core/test_panels.py",
+                "tests/core/test_fused_coded_decode.py", "tests/core/test_paged_coded_decode.py",
                 "-k", "not engine"], isa, tmp_path)  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    for name in ("float_decode", "linear"):
+    for name in ("float_decode", "linear", "coded_decode"):
         assert list(tmp_path.glob(f"{name}-*.so")), f"the {name} library was not built under the cap"
 
 

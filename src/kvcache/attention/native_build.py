@@ -3,8 +3,8 @@
 The sources have no Python or torch headers: one ``g++ -O3 -march=native -fopenmp -shared`` call
 (``-march`` as ``KVCACHE_ISA`` says, below),
 a second or two, into a cache directory (``$KVCACHE_EXTENSION_DIR``, else ``$XDG_CACHE_HOME/kvcache``
-or ``~/.cache/kvcache``), named by a hash of the source, the command and this CPU's instruction-set
-flags, so a changed source, compiler or CPU builds anew. A library is loaded with ``ctypes`` after
+or ``~/.cache/kvcache``), named by a hash of the source, the headers beside it (``csrc/*.h``), the
+command and this CPU's instruction-set flags, so a changed source, header, compiler or CPU builds anew. A library is loaded with ``ctypes`` after
 torch, so its OpenMP calls resolve to the runtime torch already loaded.
 
 ``KVCACHE_NO_EXTENSION=1`` turns every library off (the pure PyTorch paths then run); so does a
@@ -121,7 +121,8 @@ def _build(source_path: Path) -> Path:
     if not compiler:
         raise RuntimeError("no C++ compiler found (g++ or c++ on PATH, or $CXX)")
     flags = [*_FLAGS, _march()]
-    source = source_path.read_bytes()
+    # The headers beside the sources (simd.h) count as part of each: a changed header builds anew.
+    source = source_path.read_bytes() + b"".join(h.read_bytes() for h in sorted(source_path.parent.glob("*.h")))
     tag = hashlib.sha256(source + repr((compiler, flags, sys.platform, cpu_flags())).encode()).hexdigest()[:16]
     target = _cache_dir() / f"{source_path.stem}-{tag}.so"
     if target.exists():

@@ -42,15 +42,11 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) && !defined(KV_NO_CLONES)
-#define KV_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define KV_CLONES
-#endif
-
-#define KV_INLINE inline __attribute__((always_inline))
+#include "simd.h"
 
 namespace {
+
+using namespace kv;
 
 constexpr int kMaxRows = 16;
 constexpr int kMaxDim = 512;
@@ -196,49 +192,14 @@ KV_INLINE void weighted_run(const float* __restrict p, int64_t p_row_stride, int
     }
 }
 
-// ---- fast paths: head dims of 64 or 128 (NV = D / 16 vectors of 16 floats), R <= 4 rows at a time,
-// the rows' products kept in registers (GCC vector extensions: the clones widen them to AVX-512,
-// split them for AVX2, or emulate them with SSE2).
-typedef float v16 __attribute__((vector_size(64)));
-typedef uint8_t u8x16 __attribute__((vector_size(16)));
-
-KV_INLINE v16 load16(const float* p) {
-    v16 v;
-    std::memcpy(&v, p, sizeof v);
-    return v;
-}
-
-KV_INLINE float hsum(v16 a) {
-    a += __builtin_shuffle(a, (v16)a, (__attribute__((vector_size(64))) int){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-    a += __builtin_shuffle(a, (__attribute__((vector_size(64))) int){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-    a += __builtin_shuffle(a, (__attribute__((vector_size(64))) int){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
-    a += __builtin_shuffle(a, (__attribute__((vector_size(64))) int){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
-    return a[0];
-}
-
-// y[t] = the sum of x[t]'s 16 lanes, for 16 vectors at once: four rounds of pairwise shuffles and
-// adds (15 of each, against 64 for one horizontal sum a vector).
-typedef int i32x16 __attribute__((vector_size(64)));
-
-KV_INLINE v16 fold(v16 a, v16 b, i32x16 lo, i32x16 hi) {
-    return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);
-}
-
-KV_INLINE v16 transposed_sums(const v16* x) {
-    const i32x16 lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-    const i32x16 hi8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
-    const i32x16 lo4 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
-    const i32x16 hi4 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
-    const i32x16 lo2 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
-    const i32x16 hi2 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
-    const i32x16 lo1 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
-    const i32x16 hi1 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
-    v16 z[8], w[4], u[2];
-    for (int i = 0; i < 8; ++i) z[i] = fold(x[i], x[i + 8], lo8, hi8);  // lanes 0-7: x[i], 8-15: x[i+8]
-    for (int i = 0; i < 4; ++i) w[i] = fold(z[i], z[i + 4], lo4, hi4);  // x[i], x[i+4], x[i+8], x[i+12]
-    for (int i = 0; i < 2; ++i) u[i] = fold(w[i], w[i + 2], lo2, hi2);  // x[i], x[i+2], ..., x[i+14]
-    return fold(u[0], u[1], lo1, hi1);                                     // x[0], x[1], ..., x[15]
-}
+// ---- fast paths: head dims of 64 or 128 (NV = D / 16 vectors of 16 floats), a few rows at a time,
+// the rows' products kept in registers (GCC vector extensions, sized by -march: simd.h). Scores sum
+// each key's 16 lanes with sums16; weighted values accumulate in vectors of the register width.
+#if defined(__AVX512F__)
+constexpr int kRowsTogether = 4;
+#else
+constexpr int kRowsTogether = 2;  // 16 registers of 8 floats: more rows' sums would spill
+#endif
 
 // One token's codes as NV float vectors in split order (see the top of the file). Plain loops
 // through memory: GCC 12 vectorizes them, while __builtin_convertvector from bytes goes scalar.
@@ -269,7 +230,7 @@ KV_INLINE void key_scores_fast(const float* qperm, const float* q, int group, co
                 qs[r][k] = load16(qperm + r * dim + 16 * k) * load16(s_split + 16 * k);
                 b += load16(q + r * dim + 16 * k) * load16(z + 16 * k);
             }
-            bias[r] = hsum(b);
+            bias[r] = hsum16(b);
         }
         const uint8_t* block_codes = codes + static_cast<int64_t>(blk) * group * packed;
         const int whole = group / 16 * 16;
@@ -286,7 +247,7 @@ KV_INLINE void key_scores_fast(const float* qperm, const float* q, int group, co
             }
             const int64_t col = static_cast<int64_t>(blk) * group + t0;
             for (int r = 0; r < R; ++r) {
-                const v16 sums = transposed_sums(partial[r]) + bias[r];
+                const v16 sums = sums16(partial[r]) + bias[r];
                 std::memcpy(out + r * out_row + col, &sums, sizeof sums);
             }
         }
@@ -297,20 +258,20 @@ KV_INLINE void key_scores_fast(const float* qperm, const float* q, int group, co
             for (int r = 0; r < R; ++r) {
                 v16 a = qs[r][0] * cf[0];
                 for (int k = 1; k < NV; ++k) a += qs[r][k] * cf[k];
-                out[r * out_row + col] = hsum(a) + bias[r];
+                out[r * out_row + col] = hsum16(a) + bias[r];
             }
         }
     }
 }
 
 // One token's codes coded per token, as unpack_vectors, each vector times its group's scale;
-// gidx[k]: the group of vector k (vector_groups).
+// One token's codes coded per token in groups of `group` channels, times their scales, as NV vectors.
 template <int BITS, int NV>
-KV_INLINE void unpack_scaled_vectors(const uint8_t* __restrict bytes, const float* scale, const int* gidx, v16* out) {
-    unpack_vectors<BITS, NV>(bytes, out);
-    for (int k = 0; k < NV; ++k) out[k] *= scale[gidx[k]];
+KV_INLINE void unpack_scaled_vectors(const uint8_t* __restrict bytes, const float* scale, int group, v16* out) {
+    alignas(64) float f[NV * 16];
+    unpack_scaled<BITS>(bytes, scale, NV * 16, group, f);
+    for (int k = 0; k < NV; ++k) out[k] = load16(f + 16 * k);
 }
-
 // gidx[k]: the group of vector k of a token in split order, for groups of `group` channels whose
 // codes take a multiple of 16 bytes (no vector straddles two groups).
 template <int BITS, int NV>
@@ -326,7 +287,7 @@ template <int BITS, int NV, int R>
 KV_INLINE void token_products(const v16 (&q)[R][NV], const float* qsum, int groups, const int* gidx,
                               const uint8_t* bytes, const float* scale, const float* minimum, v16* prod, float* bias) {
     v16 cf[NV];
-    unpack_scaled_vectors<BITS, NV>(bytes, scale, gidx, cf);
+    unpack_scaled_vectors<BITS, NV>(bytes, scale, NV * 16 / groups, cf);
     for (int r = 0; r < R; ++r) {
         v16 a = q[r][0] * cf[0];
         for (int k = 1; k < NV; ++k) a += q[r][k] * cf[k];
@@ -359,27 +320,29 @@ KV_INLINE void token_scores_fast(const float* qperm, const float* qsum, int grou
             for (int r = 0; r < R; ++r) partial[r][i] = prod[r], biases[r][i] = bias[r];
         }
         for (int r = 0; r < R; ++r) {
-            const v16 sums = transposed_sums(partial[r]) + biases[r];
+            const v16 sums = sums16(partial[r]) + biases[r];
             std::memcpy(out + r * out_row + t, &sums, sizeof sums);
         }
     }
     for (; t < last; ++t) {
         token_products<BITS, NV, R>(q, qsum, groups, gidx, codes + t * packed, scale + t * groups, minimum + t * groups,
                                     prod, bias);
-        for (int r = 0; r < R; ++r) out[r * out_row + t] = hsum(prod[r]) + bias[r];
+        for (int r = 0; r < R; ++r) out[r * out_row + t] = hsum16(prod[r]) + bias[r];
     }
 }
 
 // Weighted values of tokens [first, last) for R rows, added into acc [R, dim] (split order) and
-// zacc [R, groups]; gidx as for vector_groups.
+// zacc [R, groups]; gidx as for vector_groups. The sums are register-wide vectors (vw): a weight
+// times a vector wider than the registers would be broadcast through memory.
 template <int BITS, int NV, int R>
 KV_INLINE void weighted_fast(const float* p, int64_t p_row, int groups, const int* gidx, const uint8_t* codes,
                              const float* scale, const float* minimum, int64_t first, int64_t last, float* acc,
                              float* zacc) {
-    constexpr int dim = NV * 16, packed = dim * BITS / 8;
-    v16 a[R][NV];
+    constexpr int dim = NV * 16, packed = dim * BITS / 8, N = dim / kW, per16 = 16 / kW;
+    vw a[R][N];
     for (int r = 0; r < R; ++r)
-        for (int k = 0; k < NV; ++k) a[r][k] = load16(acc + r * dim + 16 * k);
+        for (int i = 0; i < N; ++i) a[r][i] = loadw(acc + r * dim + kW * i);
+    alignas(64) float f[dim];
     for (int64_t t = first; t < last; ++t) {
         float w[R];
         bool any = false;
@@ -388,32 +351,33 @@ KV_INLINE void weighted_fast(const float* p, int64_t p_row, int groups, const in
             any |= w[r] != 0.f;
         }
         if (!any) continue;  // masked keys (padding) cost no arithmetic
-        v16 cf[NV];
-        unpack_scaled_vectors<BITS, NV>(codes + t * packed, scale + t * groups, gidx, cf);
+        unpack_split<BITS>(codes + t * packed, dim, f);
+        const float* s = scale + t * groups;
+        vw x[N];
+        for (int i = 0; i < N; ++i) x[i] = loadw(f + kW * i) * s[gidx[i / per16]];
         const float* z = minimum + t * groups;
         for (int r = 0; r < R; ++r) {
-            for (int k = 0; k < NV; ++k) a[r][k] += w[r] * cf[k];
+            for (int i = 0; i < N; ++i) a[r][i] += w[r] * x[i];
             for (int g = 0; g < groups; ++g) zacc[r * groups + g] += w[r] * z[g];
         }
     }
     for (int r = 0; r < R; ++r)
-        for (int k = 0; k < NV; ++k) std::memcpy(acc + r * dim + 16 * k, &a[r][k], sizeof(v16));
+        for (int i = 0; i < N; ++i) __builtin_memcpy(acc + r * dim + kW * i, &a[r][i], sizeof(vw));
 }
 
-// fn(std::integral_constant<int, R>{}, r0) for the rows [r0, r0 + R) of a call: runs of 4 rows, then
-// the 3, 2 or 1 left, so each fast path keeps a compile-time number of rows in registers.
+// fn(std::integral_constant<int, R>{}, r0) for the rows [r0, r0 + R) of a call: runs of kRowsTogether
+// rows, then the 3, 2 or 1 left, so each fast path keeps a compile-time number of rows in registers.
 template <class Fn>
 KV_INLINE void in_row_runs(int rows, Fn&& fn) {
     for (int r0 = 0; r0 < rows;) {
         const int left = rows - r0;
-        if (left >= 4) fn(std::integral_constant<int, 4>{}, r0), r0 += 4;
+        if (left >= kRowsTogether) fn(std::integral_constant<int, kRowsTogether>{}, r0), r0 += kRowsTogether;
         else if (left == 3) fn(std::integral_constant<int, 3>{}, r0), r0 += 3;
         else if (left == 2) fn(std::integral_constant<int, 2>{}, r0), r0 += 2;
         else fn(std::integral_constant<int, 1>{}, r0), r0 += 1;
     }
 }
 
-// (The lambdas below are always inlined, so they are built for each clone's instruction set.)
 template <int BITS, int NV>
 KV_INLINE void key_scores_rows(const float* q, int rows, int group, const uint8_t* codes, const float* scale,
                                const float* minimum, int first, int last, float* out, int64_t out_row) {
@@ -457,18 +421,18 @@ KV_INLINE void weighted_rows(const float* p, int64_t p_row, int rows, int vgroup
     });
 }
 
-// One clone per instruction set for each width (the runtime picks the best the CPU has): the fast
+// Each width's entry, built for the instruction set of -march (KVCACHE_ISA caps it): the fast
 // paths for head dims 64 and 128 (per-token groups a multiple of 16 bytes), the plain loops otherwise.
 // token_scores_* are the scores of keys coded per token (first, last: tokens).
 #define KV_WRAP(BITS)                                                                                   \
-    KV_CLONES void key_scores_##BITS(const float* q, int rows, int dim, int group, const uint8_t* codes,   \
+    void key_scores_##BITS(const float* q, int rows, int dim, int group, const uint8_t* codes,   \
                                      const float* scale, const float* minimum, int first, int last,       \
                                      float* out, int64_t out_row) {                                       \
         if (dim == 64) key_scores_rows<BITS, 4>(q, rows, group, codes, scale, minimum, first, last, out, out_row); \
         else if (dim == 128) key_scores_rows<BITS, 8>(q, rows, group, codes, scale, minimum, first, last, out, out_row); \
         else key_scores_run<BITS>(q, rows, dim, group, codes, scale, minimum, first, last, out, out_row); \
     }                                                                                                     \
-    KV_CLONES void weighted_##BITS(const float* p, int64_t p_row, int rows, int dim, int vgroup,          \
+    void weighted_##BITS(const float* p, int64_t p_row, int rows, int dim, int vgroup,          \
                                    const uint8_t* codes, const float* scale, const float* minimum,        \
                                    int64_t first, int64_t last, float* acc, float* zacc) {                \
         const bool whole = (vgroup / (8 / BITS)) % 16 == 0;                                               \
@@ -476,7 +440,7 @@ KV_INLINE void weighted_rows(const float* p, int64_t p_row, int rows, int vgroup
         else if (dim == 128 && whole) weighted_rows<BITS, 8>(p, p_row, rows, vgroup, codes, scale, minimum, first, last, acc, zacc); \
         else weighted_run<BITS>(p, p_row, rows, dim, vgroup, codes, scale, minimum, first, last, acc, zacc); \
     }                                                                                                     \
-    KV_CLONES void token_scores_##BITS(const float* q, int rows, int dim, int group, const uint8_t* codes, \
+    void token_scores_##BITS(const float* q, int rows, int dim, int group, const uint8_t* codes, \
                                        const float* scale, const float* minimum, int first, int last,     \
                                        float* out, int64_t out_row) {                                     \
         const bool whole = (group / (8 / BITS)) % 16 == 0;                                                \

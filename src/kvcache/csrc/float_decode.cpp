@@ -24,11 +24,11 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 namespace {
+
+using namespace kv;
 
 constexpr int kMaxRows = 64;  // query rows of one task: a group's heads, or several sequences' (shared prefix)
 constexpr int kMaxDim = 512;
@@ -37,105 +37,14 @@ constexpr int kTile = 64;  // tokens scored before their values are summed (scor
 constexpr float kMasked = -1.0e30f;
 
 // ---- scores of 16 keys at a time for head dims that are a multiple of 16: each key's products
-// summed in a vector of 16 lanes, and the 16 vectors folded together by a shuffle tree into one
+// summed in a vector of 16 lanes, and the 16 vectors folded together (simd.h's sums16) into one
 // vector of 16 scores (GCC vector extensions; -march=native widens them to the CPU's registers).
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t i16 __attribute__((vector_size(64)));
-
-inline __attribute__((always_inline)) v16 load16(const float* p) {
-    v16 v;
-    __builtin_memcpy(&v, p, sizeof v);
-    return v;
-}
-
-// A vector V of float32 from as many bfloat16 (H: their vector, I: 32-bit integers of V's lanes),
-// widened in registers: a bfloat16 is the top half of a float32.
-template <typename V, typename H, typename I>
-inline __attribute__((always_inline)) V widen_bits(const uint16_t* p) {
-    H h;
-    __builtin_memcpy(&h, p, sizeof h);
-    const I bits = __builtin_convertvector(h, I) << 16;
-    V v;
-    __builtin_memcpy(&v, &bits, sizeof v);
-    return v;
-}
-
-typedef uint16_t h16 __attribute__((vector_size(32)));
-inline __attribute__((always_inline)) v16 load16(const uint16_t* p) { return widen_bits<v16, h16, i16>(p); }
-
-// Two vectors each holding 16 / WIDTH keys' partial sums, a group of WIDTH lanes per key -> one
-// vector holding all their keys in order (a's, then b's), WIDTH / 2 lanes per key: each group's
-// upper half added to its lower half.
-template <int WIDTH>
-inline __attribute__((always_inline)) v16 fold(v16 a, v16 b) {
-    i16 lo, hi;
-    for (int i = 0; i < 16; ++i) {
-        constexpr int keys = 16 / WIDTH;
-        const int group = i / (WIDTH / 2), lane = i % (WIDTH / 2);
-        const int source = group < keys ? group * WIDTH + lane : 16 + (group - keys) * WIDTH + lane;
-        lo[i] = source;
-        hi[i] = source + WIDTH / 2;
-    }
-    return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);
-}
-
 #if defined(__AVX512F__)
-// Scores of one query row (dim floats) against 16 keys (rows of `keys`, `stride` floats apart).
-// Lane t of the result: the sum of the 16 lanes of part[t].
-inline __attribute__((always_inline)) v16 sums16(const v16* part) {
-    v16 l8[8], l4[4], l2[2];
-    for (int i = 0; i < 8; ++i) l8[i] = fold<16>(part[2 * i], part[2 * i + 1]);
-    for (int i = 0; i < 4; ++i) l4[i] = fold<8>(l8[2 * i], l8[2 * i + 1]);
-    for (int i = 0; i < 2; ++i) l2[i] = fold<4>(l4[2 * i], l4[2 * i + 1]);
-    return fold<2>(l2[0], l2[1]);
-}
 // Query rows whose weighted value sums are kept in registers together (add_weighted_rows).
 constexpr int kRowsTogether = 4;
 // 16-float vectors per column block of the weighted value sums (64 columns).
 constexpr int kColumnVectors = 4;
 #else
-// Where registers hold 8 floats, a 16-lane shuffle spans two registers and compiles to
-// element-by-element moves through memory: each key's 16 lanes are first added into 8, and on
-// AVX2 8 keys' sums are folded by horizontal adds (two levels) and one 128-bit lane swap.
-typedef float v8 __attribute__((vector_size(32)));
-
-inline __attribute__((always_inline)) v8 half_sum(const v16& a) {
-    v8 lo, hi;
-    __builtin_memcpy(&lo, &a, sizeof lo);
-    __builtin_memcpy(&hi, reinterpret_cast<const float*>(&a) + 8, sizeof hi);
-    return lo + hi;
-}
-
-#if defined(__AVX2__)
-// Lane t: the sum of the 8 lanes of h[t].
-inline __attribute__((always_inline)) v8 sums8(const v8* h) {
-    const __m256 s01 = _mm256_hadd_ps((__m256)h[0], (__m256)h[1]), s23 = _mm256_hadd_ps((__m256)h[2], (__m256)h[3]);
-    const __m256 s45 = _mm256_hadd_ps((__m256)h[4], (__m256)h[5]), s67 = _mm256_hadd_ps((__m256)h[6], (__m256)h[7]);
-    const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
-    return (v8)_mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
-}
-#else
-inline __attribute__((always_inline)) v8 sums8(const v8* h) {
-    v8 out;
-    for (int t = 0; t < 8; ++t) {
-        float x = 0.f;
-        for (int i = 0; i < 8; ++i) x += h[t][i];
-        out[t] = x;
-    }
-    return out;
-}
-#endif
-
-inline __attribute__((always_inline)) v16 sums16(const v16* part) {
-    v8 h[8];
-    v16 out;
-    for (int half = 0; half < 2; ++half) {
-        for (int t = 0; t < 8; ++t) h[t] = half_sum(part[8 * half + t]);
-        const v8 got = sums8(h);
-        __builtin_memcpy(reinterpret_cast<float*>(&out) + 8 * half, &got, sizeof got);
-    }
-    return out;
-}
 // 16 registers of 8 floats: two query rows' running sums at a time, so they do not spill.
 constexpr int kRowsTogether = 2;
 constexpr int kColumnVectors = 2;  // 32 columns a block
@@ -156,24 +65,6 @@ inline __attribute__((always_inline)) v16 scores16(const float* __restrict q, co
     return sums16(part);
 }
 
-// The register-wide vector of the weighted value sums: a scalar times a vector wider than the
-// registers is broadcast through memory element by element, so these use the native width.
-#if defined(__AVX512F__)
-typedef v16 vw;
-#else
-typedef float vw __attribute__((vector_size(32)));
-#endif
-constexpr int kW = sizeof(vw) / sizeof(float);
-
-inline __attribute__((always_inline)) vw loadw(const float* p) {
-    vw v;
-    __builtin_memcpy(&v, p, sizeof v);
-    return v;
-}
-
-typedef uint16_t hw __attribute__((vector_size(2 * kW)));
-typedef int32_t iw __attribute__((vector_size(4 * kW)));
-inline __attribute__((always_inline)) vw loadw(const uint16_t* p) { return widen_bits<vw, hw, iw>(p); }
 
 // acc rows [0, RR) (each `acc_stride` floats apart; 16 * NV columns of them) += sum over the tile's
 // live tokens j of p[r][j] * value row j (its same 16 * NV columns; p rows kTile floats apart).

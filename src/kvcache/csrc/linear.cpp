@@ -33,6 +33,8 @@
 #include <cstring>
 #include <vector>
 #include <omp.h>
+
+#include "simd.h"
 #if defined(__AVX512BF16__) || defined(__AMX_BF16__)
 #include <immintrin.h>
 #endif
@@ -44,10 +46,7 @@
 
 namespace {
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef uint16_t h16 __attribute__((vector_size(32)));
-typedef uint32_t u16 __attribute__((vector_size(64)));
-typedef uint16_t bf16;  // bfloat16's bits
+using namespace kv;  // v16, bf16, load16, widen: simd.h
 
 constexpr int kPanel = 16;  // columns a panel is wide
 constexpr int kGroup = 8;   // panels a thread walks every row tile over before the next group
@@ -61,30 +60,6 @@ constexpr int kRows = 6;
 constexpr int kAcc = 3;
 constexpr int kRows = 3;
 #endif
-
-inline __attribute__((always_inline)) v16 load16(const float* p) {
-    v16 v;
-    __builtin_memcpy(&v, p, sizeof v);
-    return v;
-}
-
-inline __attribute__((always_inline)) v16 load16(const bf16* p) {
-    h16 h;
-    __builtin_memcpy(&h, p, sizeof h);
-    const u16 bits = __builtin_convertvector(h, u16) << 16;
-    v16 v;
-    __builtin_memcpy(&v, &bits, sizeof v);
-    return v;
-}
-
-inline float widen(float v) { return v; }
-
-inline float widen(bf16 v) {
-    const uint32_t bits = static_cast<uint32_t>(v) << 16;
-    float f;
-    __builtin_memcpy(&f, &bits, sizeof f);
-    return f;
-}
 
 // Round to nearest even, as torch's float32 -> bfloat16 conversion does (NaN stays a quiet NaN).
 inline bf16 narrow(float f) {
