@@ -201,13 +201,15 @@ constexpr int kRowsTogether = 4;
 constexpr int kRowsTogether = 2;  // 16 registers of 8 floats: more rows' sums would spill
 #endif
 
-// One token's codes as NV float vectors in split order (see the top of the file). Plain loops
-// through memory: GCC 12 vectorizes them, while __builtin_convertvector from bytes goes scalar.
+// One token's codes as NV float vectors in split order (see the top of the file), widened in
+// registers: vector k holds split positions [16k, 16k + 16), bytes 16k mod n on of chunk 16k / n
+// (n = the token's bytes); `scale`, where given, times each vector its group's (gidx: vector_groups).
 template <int BITS, int NV>
-KV_INLINE void unpack_vectors(const uint8_t* __restrict bytes, v16* out) {
-    alignas(64) float f[NV * 16];
-    unpack_split<BITS>(bytes, NV * 16, f);
-    for (int k = 0; k < NV; ++k) out[k] = load16(f + 16 * k);
+KV_INLINE void unpack_vectors(const uint8_t* __restrict bytes, v16* out, const float* scale = nullptr,
+                              const int* gidx = nullptr) {
+    constexpr int n = NV * 16 * BITS / 8;
+    for (int k = 0; k < NV; ++k)
+        out[k] = codes16<BITS>(bytes + 16 * k % n, BITS * (16 * k / n), scale ? scale[gidx[k]] : 1.f);
 }
 
 // Scores of R rows (qperm: the rows in split order, q: in channel order) against blocks [first, last).
@@ -264,14 +266,6 @@ KV_INLINE void key_scores_fast(const float* qperm, const float* q, int group, co
     }
 }
 
-// One token's codes coded per token, as unpack_vectors, each vector times its group's scale;
-// One token's codes coded per token in groups of `group` channels, times their scales, as NV vectors.
-template <int BITS, int NV>
-KV_INLINE void unpack_scaled_vectors(const uint8_t* __restrict bytes, const float* scale, int group, v16* out) {
-    alignas(64) float f[NV * 16];
-    unpack_scaled<BITS>(bytes, scale, NV * 16, group, f);
-    for (int k = 0; k < NV; ++k) out[k] = load16(f + 16 * k);
-}
 // gidx[k]: the group of vector k of a token in split order, for groups of `group` channels whose
 // codes take a multiple of 16 bytes (no vector straddles two groups).
 template <int BITS, int NV>
@@ -287,7 +281,7 @@ template <int BITS, int NV, int R>
 KV_INLINE void token_products(const v16 (&q)[R][NV], const float* qsum, int groups, const int* gidx,
                               const uint8_t* bytes, const float* scale, const float* minimum, v16* prod, float* bias) {
     v16 cf[NV];
-    unpack_scaled_vectors<BITS, NV>(bytes, scale, NV * 16 / groups, cf);
+    unpack_vectors<BITS, NV>(bytes, cf, scale, gidx);
     for (int r = 0; r < R; ++r) {
         v16 a = q[r][0] * cf[0];
         for (int k = 1; k < NV; ++k) a += q[r][k] * cf[k];
@@ -332,37 +326,47 @@ KV_INLINE void token_scores_fast(const float* qperm, const float* qsum, int grou
 }
 
 // Weighted values of tokens [first, last) for R rows, added into acc [R, dim] (split order) and
-// zacc [R, groups]; gidx as for vector_groups. The sums are register-wide vectors (vw): a weight
-// times a vector wider than the registers would be broadcast through memory.
+// zacc [R, groups]; gidx as for vector_groups. Columns in blocks of CV register-wide vectors (vw):
+// R x CV sums stay in registers while the tokens stream by, each token's codes of the block
+// widened in registers (a block lies in one chunk of the split order: CV * kW divides n).
 template <int BITS, int NV, int R>
 KV_INLINE void weighted_fast(const float* p, int64_t p_row, int groups, const int* gidx, const uint8_t* codes,
                              const float* scale, const float* minimum, int64_t first, int64_t last, float* acc,
                              float* zacc) {
-    constexpr int dim = NV * 16, packed = dim * BITS / 8, N = dim / kW, per16 = 16 / kW;
-    vw a[R][N];
-    for (int r = 0; r < R; ++r)
-        for (int i = 0; i < N; ++i) a[r][i] = loadw(acc + r * dim + kW * i);
-    alignas(64) float f[dim];
-    for (int64_t t = first; t < last; ++t) {
-        float w[R];
-        bool any = false;
-        for (int r = 0; r < R; ++r) {
-            w[r] = p[r * p_row + t];
-            any |= w[r] != 0.f;
+    constexpr int dim = NV * 16, n = dim * BITS / 8, CV = std::min(4, n / kW);
+    for (int r = 0; r < R; ++r)  // the minimums' share: one sum a row and group
+        for (int g = 0; g < groups; ++g) {
+            const float* __restrict pr = p + r * p_row;
+            float z = 0.f;
+#pragma omp simd reduction(+ : z)
+            for (int64_t t = first; t < last; ++t) z += pr[t] * minimum[t * groups + g];
+            zacc[r * groups + g] += z;
         }
-        if (!any) continue;  // masked keys (padding) cost no arithmetic
-        unpack_split<BITS>(codes + t * packed, dim, f);
-        const float* s = scale + t * groups;
-        vw x[N];
-        for (int i = 0; i < N; ++i) x[i] = loadw(f + kW * i) * s[gidx[i / per16]];
-        const float* z = minimum + t * groups;
-        for (int r = 0; r < R; ++r) {
-            for (int i = 0; i < N; ++i) a[r][i] += w[r] * x[i];
-            for (int g = 0; g < groups; ++g) zacc[r * groups + g] += w[r] * z[g];
+    for (int c = 0; c < dim; c += CV * kW) {
+        const int byte = c % n, shift = BITS * (c / n);
+        int g[CV];  // each vector's value group
+        for (int i = 0; i < CV; ++i) g[i] = gidx[(c + kW * i) / 16];
+        vw a[R][CV];
+        for (int r = 0; r < R; ++r)
+            for (int i = 0; i < CV; ++i) a[r][i] = loadw(acc + r * dim + c + kW * i);
+        for (int64_t t = first; t < last; ++t) {
+            float w[R];
+            bool any = false;
+            for (int r = 0; r < R; ++r) {
+                w[r] = p[r * p_row + t];
+                any |= w[r] != 0.f;
+            }
+            if (!any) continue;  // masked keys (padding) cost no arithmetic
+            const uint8_t* bytes = codes + t * n + byte;
+            const float* s = scale + t * groups;
+            vw x[CV];
+            for (int i = 0; i < CV; ++i) x[i] = codes_w<BITS>(bytes + kW * i, shift) * s[g[i]];
+            for (int r = 0; r < R; ++r)
+                for (int i = 0; i < CV; ++i) a[r][i] += w[r] * x[i];
         }
+        for (int r = 0; r < R; ++r)
+            for (int i = 0; i < CV; ++i) __builtin_memcpy(acc + r * dim + c + kW * i, &a[r][i], sizeof(vw));
     }
-    for (int r = 0; r < R; ++r)
-        for (int i = 0; i < N; ++i) __builtin_memcpy(acc + r * dim + kW * i, &a[r][i], sizeof(vw));
 }
 
 // fn(std::integral_constant<int, R>{}, r0) for the rows [r0, r0 + R) of a call: runs of kRowsTogether
@@ -539,26 +543,6 @@ struct ExactTail {
     int64_t from, len, vcoded;
 };
 
-// e^x for x <= 0, in a form that vectorizes: x = k ln2 + f with k whole and |f| <= ln2 / 2 (ln2 in two
-// parts, so f is exact), e^f by a minimax polynomial (relative error about 1e-7), 2^k written into
-// the exponent bits. Below -87, where e^x is under float32's normal range, it returns 0.
-inline float exp_at_most_zero(float x) {
-    const float xc = x < -87.f ? -87.f : x;
-    const float k = __builtin_floorf(xc * 1.44269504089f + 0.5f);
-    const float f = (xc - k * 0.693359375f) + k * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * f + 1.3981999507e-3f;
-    p = p * f + 8.3334519073e-3f;
-    p = p * f + 4.1665795894e-2f;
-    p = p * f + 1.6666665459e-1f;
-    p = p * f + 5.0000001201e-1f;
-    const float ef = p * f * f + f + 1.f;
-    const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
-    float two_k;
-    std::memcpy(&two_k, &bits, sizeof two_k);
-    return x < -87.f ? 0.f : ef * two_k;
-}
-
 // softcap * tanh(score / softcap) over the first n scores of each row (row stride width).
 inline void cap_scores(float* scores, int rows, int64_t width, int n, float softcap) {
     for (int r = 0; r < rows; ++r) {
@@ -584,13 +568,16 @@ inline void online_softmax_tile(float* scores, int64_t width, int n, const Dims&
             for (int g = 0; g < d.vgroups; ++g) st.zacc[r * d.vgroups + g] *= c;
             st.max[r] = m;
         }
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int j = 0; j < n; ++j) {
-            const float p = exp_at_most_zero(s[j] - m);
-            s[j] = p;
-            sum += p;
+        vw sums{};
+        int j = 0;
+        for (; j + kW <= n; j += kW) {
+            const vw p = exp_nonpositive(loadw(s + j) - m);
+            __builtin_memcpy(s + j, &p, sizeof p);
+            sums += p;
         }
+        float sum = 0.f;
+        for (int i = 0; i < kW; ++i) sum += sums[i];
+        for (; j < n; ++j) sum += s[j] = exp_nonpositive(s[j] - m);
         st.sum[r] += sum;
     }
 }

@@ -179,46 +179,6 @@ inline const float* widen(const uint16_t* __restrict row, int n, float* __restri
     return scratch;
 }
 
-// exp(x) for x <= 0 without std::exp (a scalar call): x = n ln2 + r with |r| <= ln2 / 2, exp(r) by
-// its degree-6 Taylor polynomial (relative error below 2e-7), and 2^n put straight into the
-// exponent bits. Below -87 the result is 0. exp_reduced is the polynomial (V: float or a vector).
-template <typename V>
-inline __attribute__((always_inline)) V exp_reduced(V x, V n) {
-    const V r = x - n * 0.693145752f - n * 1.42860677e-6f;
-    V p = V{} + 1.f / 720.f;
-    p = p * r + 1.f / 120.f;
-    p = p * r + 1.f / 24.f;
-    p = p * r + 1.f / 6.f;
-    p = p * r + 0.5f;
-    p = p * r + 1.f;
-    return p * r + 1.f;
-}
-
-inline float exp_nonpositive(float x) {
-    const float clamped = x < -87.f ? -87.f : x;
-    const float n = __builtin_floorf(clamped * 1.44269504f + 0.5f);
-    const float p = exp_reduced(clamped, n);
-    const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-    float scale;
-    __builtin_memcpy(&scale, &bits, 4);
-    return x < -87.f ? 0.f : p * scale;
-}
-
-// exp_nonpositive on a vector: the scalar one's bit moves keep GCC from vectorizing a loop over it,
-// so loops over whole vectors call this one.
-inline __attribute__((always_inline)) vw exp_nonpositive(vw x) {
-    const vw low = vw{} - 87.f;
-    const vw clamped = x < low ? low : x;
-    const vw y = clamped * 1.44269504f + 0.5f;
-    vw n = __builtin_convertvector(__builtin_convertvector(y, iw), vw);  // toward zero, then down
-    n = n > y ? n - 1.f : n;
-    const vw p = exp_reduced(clamped, n);
-    const iw bits = (__builtin_convertvector(n, iw) + 127) << 23;
-    vw scale;
-    __builtin_memcpy(&scale, &bits, sizeof scale);
-    return x < low ? vw{} : p * scale;
-}
-
 struct Partial {
     float max[kMaxRows];
     float sum[kMaxRows];

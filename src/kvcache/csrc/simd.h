@@ -7,6 +7,8 @@
 //   load16 / loadw   floats, or bfloat16 bits widened in registers (a bfloat16 is the top half of a float32)
 //   sums16  lane t = the sum of the 16 lanes of part[t], for 16 vectors at once
 //   hsum16  the sum of one vector's 16 lanes
+//   codes_w / codes16   codes of BITS bits as floats, widened in registers from bytes
+//   exp_nonpositive     e^x for x <= 0, on a float or a vw
 #pragma once
 
 #include <cstdint>
@@ -69,6 +71,39 @@ KV_INLINE vw loadw(const float* p) {
 }
 
 KV_INLINE vw loadw(const bf16* p) { return widen_bits<vw, hw, iw>(p); }
+
+// kW floats from kW bytes: (byte >> shift) & (2^BITS - 1), each a code of BITS bits (shift 0 for 8).
+template <int BITS>
+KV_INLINE vw codes_w(const uint8_t* p, int shift) {
+    constexpr int mask = (1 << BITS) - 1;
+#if defined(__AVX512F__)
+    __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    if (BITS < 8) x = _mm512_and_si512(_mm512_srl_epi32(x, _mm_cvtsi32_si128(shift)), _mm512_set1_epi32(mask));
+    return (vw)_mm512_cvtepi32_ps(x);
+#elif defined(__AVX2__)
+    __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    if (BITS < 8) x = _mm256_and_si256(_mm256_srl_epi32(x, _mm_cvtsi32_si128(shift)), _mm256_set1_epi32(mask));
+    return (vw)_mm256_cvtepi32_ps(x);
+#else
+    vw v;
+    for (int i = 0; i < kW; ++i) v[i] = static_cast<float>((p[i] >> shift) & mask);
+    return v;
+#endif
+}
+
+// 16 floats from 16 bytes as codes_w, each times `scale` (applied at the register width).
+template <int BITS>
+KV_INLINE v16 codes16(const uint8_t* p, int shift, float scale = 1.f) {
+#if defined(__AVX512F__)
+    return codes_w<BITS>(p, shift) * scale;
+#else
+    const vw lo = codes_w<BITS>(p, shift) * scale, hi = codes_w<BITS>(p + kW, shift) * scale;
+    v16 v;
+    __builtin_memcpy(&v, &lo, sizeof lo);
+    __builtin_memcpy(reinterpret_cast<float*>(&v) + kW, &hi, sizeof hi);
+    return v;
+#endif
+}
 
 #if defined(__AVX512F__)
 // Two vectors each holding 16 / WIDTH vectors' partial sums, a group of WIDTH lanes each -> one
@@ -148,5 +183,45 @@ KV_INLINE float hsum16(v16 a) {
     return x;
 }
 #endif
+
+// exp(x) for x <= 0 without std::exp (a scalar call): x = n ln2 + r with |r| <= ln2 / 2, exp(r) by
+// its degree-6 Taylor polynomial (relative error below 2e-7), and 2^n put straight into the
+// exponent bits. Below -87 the result is 0. exp_reduced is the polynomial (V: float or a vector).
+template <typename V>
+KV_INLINE V exp_reduced(V x, V n) {
+    const V r = x - n * 0.693145752f - n * 1.42860677e-6f;
+    V p = V{} + 1.f / 720.f;
+    p = p * r + 1.f / 120.f;
+    p = p * r + 1.f / 24.f;
+    p = p * r + 1.f / 6.f;
+    p = p * r + 0.5f;
+    p = p * r + 1.f;
+    return p * r + 1.f;
+}
+
+KV_INLINE float exp_nonpositive(float x) {
+    const float clamped = x < -87.f ? -87.f : x;
+    const float n = __builtin_floorf(clamped * 1.44269504f + 0.5f);
+    const float p = exp_reduced(clamped, n);
+    const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+    float scale;
+    __builtin_memcpy(&scale, &bits, 4);
+    return x < -87.f ? 0.f : p * scale;
+}
+
+// exp_nonpositive on a vector: the scalar one's bit moves keep GCC from vectorizing a loop over it,
+// so loops over whole vectors call this one.
+KV_INLINE vw exp_nonpositive(vw x) {
+    const vw low = vw{} - 87.f;
+    const vw clamped = x < low ? low : x;
+    const vw y = clamped * 1.44269504f + 0.5f;
+    vw n = __builtin_convertvector(__builtin_convertvector(y, iw), vw);  // toward zero, then down
+    n = n > y ? n - 1.f : n;
+    const vw p = exp_reduced(clamped, n);
+    const iw bits = (__builtin_convertvector(n, iw) + 127) << 23;
+    vw scale;
+    __builtin_memcpy(&scale, &bits, sizeof scale);
+    return x < low ? vw{} : p * scale;
+}
 
 }  // namespace kv
