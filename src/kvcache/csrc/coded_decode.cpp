@@ -202,7 +202,7 @@ constexpr int kRowsTogether = 2;  // 16 registers of 8 floats: more rows' sums w
 #endif
 
 // One token's codes as NV float vectors in split order (see the top of the file), widened in
-// registers: vector k holds split positions [16k, 16k + 16), bytes 16k mod n on of chunk 16k / n
+// registers: vector k holds split positions [16k, 16k + 16), the bytes from 16k mod n on, chunk 16k / n
 // (n = the token's bytes); `scale`, where given, times each vector its group's (gidx: vector_groups).
 template <int BITS, int NV>
 KV_INLINE void unpack_vectors(const uint8_t* __restrict bytes, v16* out, const float* scale = nullptr,
