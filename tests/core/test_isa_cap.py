@@ -68,3 +68,20 @@ def test_an_unknown_isa_warns_and_the_pytorch_path_runs(tmp_path, monkeypatch):
     with pytest.warns(RuntimeWarning, match="KVCACHE_ISA='avx9000' is not one of"):
         assert not native.available()
     assert not list(tmp_path.glob("*.so"))
+
+
+def test_a_changed_header_builds_the_library_anew(tmp_path, monkeypatch):
+    """A library's name hashes the headers beside its source (``csrc/simd.h``), so a changed header
+    is built and loaded, never an old library built against the header before it."""
+    import ctypes
+
+    monkeypatch.setenv("KVCACHE_EXTENSION_DIR", str(tmp_path / "built"))
+    source, header = tmp_path / "probe.cpp", tmp_path / "probe.h"
+    source.write_text('#include "probe.h"\nextern "C" int probe() { return PROBE; }\n')
+    header.write_text("#define PROBE 1\n")
+    first = native_build._build(source)
+    header.write_text("#define PROBE 2\n")
+    second = native_build._build(source)
+    assert first != second
+    assert ctypes.CDLL(str(first)).probe() == 1 and ctypes.CDLL(str(second)).probe() == 2
+    assert native_build._build(source) == second  # unchanged: the same library, not built again
