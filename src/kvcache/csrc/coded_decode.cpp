@@ -428,26 +428,26 @@ KV_INLINE void weighted_rows(const float* p, int64_t p_row, int rows, int vgroup
 // Each width's entry, built for the instruction set of -march (KVCACHE_ISA caps it): the fast
 // paths for head dims 64 and 128 (per-token groups a multiple of 16 bytes), the plain loops otherwise.
 // token_scores_* are the scores of keys coded per token (first, last: tokens).
-#define KV_WRAP(BITS)                                                                                   \
+#define KV_WRAP(BITS)                                                                            \
     void key_scores_##BITS(const float* q, int rows, int dim, int group, const uint8_t* codes,   \
-                                     const float* scale, const float* minimum, int first, int last,       \
-                                     float* out, int64_t out_row) {                                       \
+                           const float* scale, const float* minimum, int first, int last,        \
+                           float* out, int64_t out_row) {                                        \
         if (dim == 64) key_scores_rows<BITS, 4>(q, rows, group, codes, scale, minimum, first, last, out, out_row); \
         else if (dim == 128) key_scores_rows<BITS, 8>(q, rows, group, codes, scale, minimum, first, last, out, out_row); \
         else key_scores_run<BITS>(q, rows, dim, group, codes, scale, minimum, first, last, out, out_row); \
-    }                                                                                                     \
-    void weighted_##BITS(const float* p, int64_t p_row, int rows, int dim, int vgroup,          \
-                                   const uint8_t* codes, const float* scale, const float* minimum,        \
-                                   int64_t first, int64_t last, float* acc, float* zacc) {                \
-        const bool whole = (vgroup / (8 / BITS)) % 16 == 0;                                               \
+    }                                                                                            \
+    void weighted_##BITS(const float* p, int64_t p_row, int rows, int dim, int vgroup,           \
+                         const uint8_t* codes, const float* scale, const float* minimum,         \
+                         int64_t first, int64_t last, float* acc, float* zacc) {                 \
+        const bool whole = (vgroup / (8 / BITS)) % 16 == 0;                                      \
         if (dim == 64 && whole) weighted_rows<BITS, 4>(p, p_row, rows, vgroup, codes, scale, minimum, first, last, acc, zacc); \
         else if (dim == 128 && whole) weighted_rows<BITS, 8>(p, p_row, rows, vgroup, codes, scale, minimum, first, last, acc, zacc); \
         else weighted_run<BITS>(p, p_row, rows, dim, vgroup, codes, scale, minimum, first, last, acc, zacc); \
-    }                                                                                                     \
+    }                                                                                            \
     void token_scores_##BITS(const float* q, int rows, int dim, int group, const uint8_t* codes, \
-                                       const float* scale, const float* minimum, int first, int last,     \
-                                       float* out, int64_t out_row) {                                     \
-        const bool whole = (group / (8 / BITS)) % 16 == 0;                                                \
+                             const float* scale, const float* minimum, int first, int last,      \
+                             float* out, int64_t out_row) {                                      \
+        const bool whole = (group / (8 / BITS)) % 16 == 0;                                       \
         if (dim == 64 && whole) token_scores_rows<BITS, 4>(q, rows, group, codes, scale, minimum, first, last, out, out_row); \
         else if (dim == 128 && whole) token_scores_rows<BITS, 8>(q, rows, group, codes, scale, minimum, first, last, out, out_row); \
         else token_scores_run<BITS>(q, rows, dim, group, codes, scale, minimum, first, last, out, out_row); \

@@ -163,19 +163,11 @@ inline void add_weighted_tile(const float* scores, const T* v, int64_t v_t, int 
 }
 
 // A row of keys or values as float32: float rows are read where they are, bfloat16 rows widened
-// into `scratch` (a bfloat16 is the top half of a float32).
-inline float as_float(float x) { return x; }
-inline float as_float(uint16_t x) {
-    const uint32_t bits = static_cast<uint32_t>(x) << 16;
-    float f;
-    __builtin_memcpy(&f, &bits, 4);
-    return f;
-}
-
-inline const float* widen(const float* row, int, float*) { return row; }
-inline const float* widen(const uint16_t* __restrict row, int n, float* __restrict scratch) {
+// into `scratch` (simd.h's widen).
+inline const float* widen_row(const float* row, int, float*) { return row; }
+inline const float* widen_row(const uint16_t* __restrict row, int n, float* __restrict scratch) {
 #pragma omp simd
-    for (int d = 0; d < n; ++d) scratch[d] = as_float(row[d]);
+    for (int d = 0; d < n; ++d) scratch[d] = widen(row[d]);
     return scratch;
 }
 
@@ -294,7 +286,7 @@ inline __attribute__((always_inline)) void scores_by_token(const float* __restri
         vw x[NR];
         for (int i = 0; i < NR; ++i) x[i] = loadw(qt + d * rp + i * kW);
         for (int b = 0; b < KB; ++b) {
-            const float kd = as_float(k[b][d]);
+            const float kd = widen(k[b][d]);
             for (int i = 0; i < NR; ++i) a[b][i] += kd * x[i];
         }
     }
@@ -379,7 +371,7 @@ inline void tile_rows(const float* __restrict qt, int rows, int dim, int vdim, c
         if constexpr (std::is_same_v<T, float>) {
             vf[t] = v[t];
         } else {  // bfloat16 values widened once for every row
-            vf[t] = widen(v[t], vdim, vt + t * vdim);
+            vf[t] = widen_row(v[t], vdim, vt + t * vdim);
         }
     }
     add_weighted_values(st, vf, n, acc, rows, vdim, 1, rp);
@@ -414,7 +406,7 @@ inline void tile_at(const float* __restrict q, int rows, int dim, int vdim, cons
         }
     }
     for (int j = first; j < n; ++j) {
-        const float* kf = widen(k[j], dim, krow);
+        const float* kf = widen_row(k[j], dim, krow);
         for (int r = 0; r < rows; ++r) {
             const float* __restrict qr = q + r * dim;
             float s = 0.f;
@@ -430,7 +422,7 @@ inline void tile_at(const float* __restrict q, int rows, int dim, int vdim, cons
         return;
     }
     for (int j = 0; j < n; ++j) {
-        const float* vf = widen(v[j], vdim, vrow);
+        const float* vf = widen_row(v[j], vdim, vrow);
         for (int r = 0; r < rows; ++r) {
             const float p = scores[r * kTile + j];
             float* __restrict a = acc + r * vdim;
@@ -488,7 +480,7 @@ inline __attribute__((always_inline)) void chunk_pass(const float* __restrict q,
             }
         }
         for (int j = first; j < n; ++j) {
-            const float* kf = widen(k + (base + j) * k_t, dim, krow);
+            const float* kf = widen_row(k + (base + j) * k_t, dim, krow);
             for (int r = 0; r < rows; ++r) {
                 const float* __restrict qr = q + r * dim;
                 float s = 0.f;
@@ -510,7 +502,7 @@ inline __attribute__((always_inline)) void chunk_pass(const float* __restrict q,
         }
         for (int j = 0; j < n; ++j) {
             if (!live[j]) continue;
-            const float* vf = widen(v + (base + j) * v_t, vdim, vrow);
+            const float* vf = widen_row(v + (base + j) * v_t, vdim, vrow);
             for (int r = 0; r < rows; ++r) {
                 const float p = scores[r * kTile + j];
                 float* __restrict a = acc + r * vdim;
