@@ -125,7 +125,6 @@ def _split_of(rel: str) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-@functools.lru_cache(maxsize=None)
 def filler_files(split: str) -> tuple[str, ...]:
     """Relative paths (POSIX) of the stdlib files in ``split``, sorted (the stdlib is walked once a
     process and split)."""
