@@ -3,10 +3,12 @@
 the layer's dequantized content (``QuantizedLayer.view``: ``quant.py``'s reference dequantization
 plus the exact residual).
 
-The fused call covers the tokens whose keys and values are both coded; the rest (the tail: exact
-keys beside coded values, the exact residual, or, from a loaded state, coded keys beside exact
-values) is attended in PyTorch and merged by log-sum-exp. The cases below pick lengths that leave
-each kind of tail, and check which one they got.
+The fused call covers the tokens whose keys and values are both coded; the rest (the tail: the
+exact residual, or, from a loaded state, exact keys beside coded values or coded keys beside exact
+values) is attended in the same call or in PyTorch and merged by log-sum-exp. A layer's keys and
+values leave the residual together, a block at a time; states saved before 2026-11-29 hold values
+coded one token at a time, ahead of the keys (``filled_layer(old_values=True)`` makes one). The
+cases below pick lengths that leave each kind of tail, and check which one they got.
 
 Tolerance, float32: ``rtol = atol = 1e-5``. All three compute in float32 from the same codes; they
 differ in the order of their sums (scores with scale and minimum folded into the query, chunks of
@@ -43,8 +45,12 @@ def needs_library(monkeypatch):
         pytest.skip("the coded decode library cannot build here (no C++ compiler?)")
 
 
-def filled_layer(bits, batch, kv_heads, seen, dim, *, group_size=G, residual=RESIDUAL, dtype=torch.float32, seed=0):
-    """A quantized layer that has seen ``seen`` tokens: a prefill of all but one, then a decode step."""
+def filled_layer(
+    bits, batch, kv_heads, seen, dim, *, group_size=G, residual=RESIDUAL, dtype=torch.float32, seed=0, old_values=False
+):
+    """A quantized layer that has seen ``seen`` tokens: a prefill of all but one, then a decode step.
+    With ``old_values``, loaded from a state whose values are coded up to the last ``residual``
+    (as layers kept them before 2026-11-29: one value left the residual a token at a time)."""
     gen = torch.Generator().manual_seed(seed)
     keys = torch.randn(batch, kv_heads, seen, dim, generator=gen).to(dtype)
     values = torch.randn(batch, kv_heads, seen, dim, generator=gen).to(dtype)
@@ -53,7 +59,15 @@ def filled_layer(bits, batch, kv_heads, seen, dim, *, group_size=G, residual=RES
         layer.update(keys[:, :, :-1], values[:, :, :-1])
         layer.settle()
     layer.update(keys[:, :, -1:], values[:, :, -1:])
-    return layer
+    if not old_values:
+        return layer
+    layer.settle()
+    coded = seen - min(seen, residual)
+    t = dict(layer.state().tensors)
+    t.update(layer.codes.format.encode_values(values[:, :, :coded]), residual_values=values[:, :, coded:])
+    old = QuantizedLayer(bits=bits, group_size=group_size, residual=residual, block=64)
+    old.load_state(LayerState(old.kind, old.options(), seen, t))
+    return old
 
 
 def queries(batch, kv_heads, group, q_len, dim, dtype=torch.float32, seed=1):
@@ -116,7 +130,8 @@ def tail_kind(layer) -> str:
     return "exact keys, coded values" if tv > tk else "coded keys, exact values"
 
 
-# (residual, seen) and the tail each leaves with group size 32 (a prefill of seen - 1, then a decode step).
+# (residual, seen) and the tail each leaves with group size 32 (a prefill of seen - 1, then a decode
+# step; "exact keys, coded values" from an old state).
 LENGTHS = [
     (0, 128, "empty"),  # no residual, whole blocks: every token coded
     (RESIDUAL, RESIDUAL + 96, "exact"),  # the residual only: keys and values coded up to the same block
@@ -132,7 +147,7 @@ LENGTHS = [
 @pytest.mark.parametrize("dim", [64, 128])
 @pytest.mark.parametrize(("residual", "seen", "tail"), LENGTHS)
 def test_fused_decode_matches_todays_path_and_sdpa(monkeypatch, bits, group, batch, dim, residual, seen, tail):
-    layer = filled_layer(bits, batch, 2, seen, dim, residual=residual)
+    layer = filled_layer(bits, batch, 2, seen, dim, residual=residual, old_values=tail == "exact keys, coded values")
     assert tail_kind(layer) == tail
     query = queries(batch, 2, group, 1, dim)
     calls = Calls(monkeypatch)
@@ -373,7 +388,10 @@ def test_random_sizes(monkeypatch):
         value_group = min(group_size, dim)
         if dim % value_group:
             continue  # the layer refuses such a value head dim
-        layer = filled_layer(bits, batch, kv_heads, seen, dim, group_size=group_size, residual=residual, seed=case)
+        old_values = rng.random() < 0.5
+        layer = filled_layer(
+            bits, batch, kv_heads, seen, dim, group_size=group_size, residual=residual, seed=case, old_values=old_values
+        )
         query = queries(batch, kv_heads, group, q_len, dim, seed=1000 + case)
         before = calls.fused
         scale = 1 / math.sqrt(dim)
@@ -398,7 +416,7 @@ def test_a_long_exact_tail_runs_in_the_same_call(monkeypatch, bits, seen):
     """A residual longer than the library's tile (512 tokens) makes a tail of several tiles, with
     exact keys beside both coded and exact values: one library call, equal to SDPA over the layer's
     dequantized keys and values (same tolerance as above)."""
-    layer = filled_layer(bits, 2, 3, seen, 64, residual=600)
+    layer = filled_layer(bits, 2, 3, seen, 64, residual=600, old_values=True)
     codes = layer.codes
     assert codes.quantized_keys < codes.quantized_values < layer.seen and layer.seen - codes.quantized_keys > 512
     query = queries(2, 3, 4, 1, 64)

@@ -57,7 +57,7 @@ CASES = [
     ("llama", "window:window=6,sinks=2"),  # the ring wraps during decode (8 prompt + 12 tokens)
     ("llama", "window:window=5"),  # the prompt alone overflows the ring
     ("gemma2", "static:capacity=64"),  # full layers static, its sliding layers (window 16) fixed rings
-    # Keys leave the residual in blocks and values one by one during decode (8 prompt + 12 tokens).
+    # Keys and values leave the residual in blocks during decode (8 prompt + 12 tokens).
     ("llama", "quantized:bits=8,group_size=4,residual=3"),
     ("llama", "quantized:bits=4,group_size=4,residual=0"),
     ("llama", "quantized:bits=4,group_size=8,residual=2"),

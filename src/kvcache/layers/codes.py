@@ -5,7 +5,7 @@ minimum ``[B, Hkv, C/G, D]`` (quantized per channel); values a slot per token: c
 ``[B, Hkv, C, Dv']``, scale and minimum ``[B, Hkv, C, Dv/G]`` (per token, in groups of channels).
 ``D'`` is ``D * bits / 8`` (4- and 2-bit codes are packed two and four a byte). The two grow
 together. Beside them, the residual: the most recent keys ``[B, Hkv, residual + group_size, D]``
-and values ``[B, Hkv, max(residual, 1), Dv]`` in full precision.
+and values ``[B, Hkv, residual + group_size, Dv]`` in full precision.
 
 The codes are the ``formats.Codes`` format with ``key_block = group_size`` (the engine's coded pool
 keeps the same format a block of ``block_size`` tokens). Which tokens leave the residual, and how
@@ -127,10 +127,7 @@ class CodedStore:
         values (of ``[B, Hkv, m, Dv]``), then make ``exact_keys``/``exact_values`` ``[B, Hkv, r, D]``
         the whole residual."""
         self.version += 1
-        if not self.allocated:
-            self._allocate(0, g)
-            self.residual_keys.allocate(self.residual + self.group_size, g)
-            self.residual_values.allocate(max(self.residual, 1), g)
+        self._first(g)
         qk = 0 if keys is None else keys["kcodes"].shape[2] * self.group_size
         qv = 0 if values is None else values["vcodes"].shape[2]
         self._ensure(self.quantized_keys + qk, self.quantized_values + qv, g)
@@ -141,6 +138,21 @@ class CodedStore:
         self.residual_keys.write(0, {"keys": exact_keys})
         self.residual_values.write(0, {"values": exact_values})
         self.residual_keys.length, self.residual_values.length = exact_keys.shape[2], exact_values.shape[2]
+
+    def extend(self, g: Geometry, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write keys ``[B, Hkv, n, D]`` and values ``[B, Hkv, n, Dv]`` after the residual's tokens,
+        in place (the caller checked that they fit: no block leaves)."""
+        self.version += 1
+        self._first(g)
+        self.residual_keys.append({"keys": keys})
+        self.residual_values.append({"values": values})
+
+    def _first(self, g: Geometry) -> None:
+        """Allocate empty codes and the residual buffers, unless done."""
+        if not self.allocated:
+            self._allocate(0, g)
+            self.residual_keys.allocate(self.residual + self.group_size, g)
+            self.residual_values.allocate(self.residual + self.group_size, g)
 
     def _allocate(self, tokens: int, g: Geometry) -> None:
         """(Re)allocate the codes for ``tokens`` (a multiple of group_size), keeping their content."""
@@ -198,11 +210,11 @@ class CodedStore:
                 f"quantized layer state is inconsistent: {tk} quantized + {rk.shape[2]} "
                 f"residual keys, {tv} + {rv.shape[2]} values, {seen} tokens seen"
             )
-        if rk.shape[2] >= self.residual + self.group_size or rv.shape[2] > self.residual:
+        most = self.residual + self.group_size - 1
+        if max(rk.shape[2], rv.shape[2]) > most:
             raise ValueError(
                 f"quantized layer state keeps {rk.shape[2]} keys and {rv.shape[2]} values in full precision; "
-                f"residual {self.residual} with group size {self.group_size} keeps at most "
-                f"{self.residual + self.group_size - 1} and {self.residual}"
+                f"residual {self.residual} with group size {self.group_size} keeps at most {most} of each"
             )
         g = Geometry.of(rk, rv)
         self.values.check("quantized layer", t, g, tv)
@@ -210,16 +222,21 @@ class CodedStore:
 
     def load(self, t: dict[str, torch.Tensor]) -> Geometry:
         """Hold ``t``'s content (copied; ``check`` passed, the store is empty); returns its geometry."""
-        self.version += 1
-        rk, rv = t["residual_keys"], t["residual_values"]
-        g = Geometry.of(rk, rv)
+        g = Geometry.of(t["residual_keys"], t["residual_values"])
         tk, tv, G = t["kcodes"].shape[2], t["vcodes"].shape[2], self.group_size
         self._allocate(math.ceil(max(tk, tv) / G) * G, g)
-        self.keys.append(_key_blocks(t, G))
-        self.values.append({name: t[name] for name in _VALUE_SAVED})
-        self.residual_keys.load({"keys": rk}, g, self.residual + G)
-        self.residual_values.load({"values": rv}, g, max(self.residual, 1))
+        self.residual_keys.allocate(self.residual + G, g)
+        self.residual_values.allocate(self.residual + G, g)
+        self.fill(t)
         return g
+
+    def fill(self, t: dict[str, torch.Tensor]) -> None:
+        """Copy ``t``'s content (``check`` passed) into the allocated, empty store, which has room for it."""
+        self.version += 1
+        self.keys.append(_key_blocks(t, self.group_size))
+        self.values.append({name: t[name] for name in _VALUE_SAVED})
+        self.residual_keys.append({"keys": t["residual_keys"]})
+        self.residual_values.append({"values": t["residual_values"]})
 
 
 def _key_blocks(tensors: dict[str, torch.Tensor], group_size: int) -> dict[str, torch.Tensor]:

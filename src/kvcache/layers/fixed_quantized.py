@@ -2,10 +2,10 @@
 
 The codes are allocated for a fixed number of tokens (``capacity``) on the first update, zeroed,
 and never reallocated. A decode step (one token) does what ``QuantizedLayer._plan`` decides,
-with the decisions as tensors instead of Python branches: it writes the key into the residual at
-slot ``seen - quantized_keys``, always quantizes the residual's first ``group_size`` keys and the
-oldest exact value, and stores them (and shifts the residual) only where the eager layer would,
-through ``torch.where``; so the codes are the eager layer's, bit for bit. Attention then reads the
+with the decisions as tensors instead of Python branches: it writes the key and the value into the
+residual at slots ``seen - quantized_keys`` and ``seen - quantized_values``, always quantizes the
+residual's first ``group_size`` keys and values, and stores them (and shifts the residual) only
+where the eager layer would, through ``torch.where``; so the codes are the eager layer's, bit for bit. Attention then reads the
 whole capacity in position order: the codes dequantized where a position is quantized, the
 residual where it is not, masked past the query (inductor fuses the dequantization into it).
 
@@ -23,6 +23,7 @@ from ..errors import CacheFullError
 from .checks import Geometry
 from .fixed import Counter, CountedStore, FixedDecodeAttention
 from .quantized import QuantizedLayer
+from .state import LayerState
 
 
 class FixedQuantizedLayer(FixedDecodeAttention, QuantizedLayer):
@@ -65,6 +66,21 @@ class FixedQuantizedLayer(FixedDecodeAttention, QuantizedLayer):
             return super()._append(key, value)
         return self._decode_step(key, value)
 
+    def load_state(self, state: LayerState) -> None:
+        """As ``QuantizedLayer.load_state``, into buffers of the fixed capacity (refused past it)."""
+        self.check_state(state)
+        if int(state.seen) > self.token_capacity:
+            raise CacheFullError(
+                f"compiled quantized cache is too small for this state: capacity {self.token_capacity} tokens, "
+                f"the state holds {state.seen}. Nothing was changed; make the cache with a larger capacity."
+            )
+        self.reset()
+        if state.tensors:
+            t = state.tensors
+            self._allocate(Geometry.of(t["residual_keys"], t["residual_values"]))
+            self.codes.fill(t)
+        self._seen = int(state.seen)
+
     def _allocate(self, g: Geometry) -> None:
         """Every buffer at its final size, zeroed (unused code slots dequantize to finite zeros)."""
         self.codes.check_dims(torch.empty(0, 0, 0, g.key_dim), torch.empty(0, 0, 0, g.value_dim))
@@ -72,7 +88,7 @@ class FixedQuantizedLayer(FixedDecodeAttention, QuantizedLayer):
         codes.keys.allocate(self.token_capacity // G, g, zeroed=True)
         codes.values.allocate(self.token_capacity, g, zeroed=True)
         codes.residual_keys.allocate(R + G, g, zeroed=True)
-        codes.residual_values.allocate(max(R, 1), g, zeroed=True)
+        codes.residual_values.allocate(R + G, g, zeroed=True)
         self.seen_counter.to(g.device)
         self.geometry = g
 
@@ -85,20 +101,20 @@ class FixedQuantizedLayer(FixedDecodeAttention, QuantizedLayer):
         exact_keys, exact_values = seen - blocks * G, seen - quantized_values  # before this token
 
         rk.index_copy_(2, exact_keys.view(1), key)
-        block_full = exact_keys + 1 == R + G  # a block of G keys leaves the residual
-        _put_where(codes.keys, blocks, block_full, **codes.format.encode_keys(rk[:, :, :G].unsqueeze(2)))
-        rk.copy_(torch.where(block_full, rk.roll(-G, dims=2), rk))
+        keys_leave = exact_keys + 1 == R + G  # a block of G keys leaves the residual
+        _put_where(codes.keys, blocks.view(1), keys_leave, **codes.format.encode_keys(rk[:, :, :G].unsqueeze(2)))
+        rk.copy_(torch.where(keys_leave, rk.roll(-G, dims=2), rk))
 
-        value_leaves = exact_values + 1 > R  # the oldest exact value leaves the residual
-        oldest = torch.where(exact_values > 0, rv[:, :, :1], value)
-        _put_where(codes.values, quantized_values, value_leaves, **codes.format.encode_values(oldest))
-        placed = rv.index_copy(2, exact_values.clamp(max=rv.shape[2] - 1).view(1), value)
-        rv.copy_(torch.where(value_leaves, torch.cat([rv[:, :, 1:], value], dim=2), placed))
+        rv.index_copy_(2, exact_values.view(1), value)
+        values_leave = exact_values + 1 == R + G  # and of G values (in step with the keys but in a loaded state)
+        slots = quantized_values + torch.arange(G, device=rv.device)
+        _put_where(codes.values, slots, values_leave, **codes.format.encode_values(rv[:, :, :G]))
+        rv.copy_(torch.where(values_leave, rv.roll(-G, dims=2), rv))
 
-        codes.residual_keys.count.value.copy_(exact_keys + 1 - G * block_full.long())
-        codes.residual_values.count.value.copy_(exact_values + 1 - value_leaves.long())
-        blocks.add_(block_full.long())
-        quantized_values.add_(value_leaves.long())
+        codes.residual_keys.count.value.copy_(exact_keys + 1 - G * keys_leave.long())
+        codes.residual_values.count.value.copy_(exact_values + 1 - G * values_leave.long())
+        blocks.add_(keys_leave.long())
+        quantized_values.add_(G * values_leave.long())
         query_at = seen.clone()
         seen.add_(1)
         keys, values = self._in_order()
@@ -121,10 +137,11 @@ class FixedQuantizedLayer(FixedDecodeAttention, QuantizedLayer):
         return visible if mask is None else mask & visible
 
 
-def _put_where(store: CountedStore, slot: torch.Tensor, condition: torch.Tensor, **tensors: torch.Tensor) -> None:
-    """Write each ``[B, Hkv, 1, ...]`` tensor at ``slot`` of the store where ``condition`` holds;
-    elsewhere the slot keeps its content (a full store's last slot is rewritten unchanged)."""
-    at = slot.clamp(max=store.capacity - 1).view(1)
+def _put_where(store: CountedStore, slots: torch.Tensor, condition: torch.Tensor, **tensors: torch.Tensor) -> None:
+    """Write each ``[B, Hkv, M, ...]`` tensor at ``slots`` ``[M]`` of the store where ``condition``
+    holds; elsewhere the slots keep their content (slots past a full store's end are its last, rewritten
+    unchanged: ``condition`` never holds there)."""
+    at = slots.clamp(max=store.capacity - 1)
     for name, new in tensors.items():
         buffer = store.tensors[name]
         buffer.index_copy_(2, at, torch.where(condition, new, buffer.index_select(2, at)))

@@ -3,9 +3,10 @@
 Keys are quantized per channel over blocks of ``group_size`` tokens (keys have outlier channels,
 so each channel gets its own range); values per token, in groups of ``group_size`` channels. Codes
 of 4 and 2 bits are packed two and four per byte. The most recent ``residual`` tokens stay in full precision:
-values leave the residual one token at a time, keys a whole block of ``group_size`` once
+keys and values leave the residual together, a whole block of ``group_size`` once
 ``residual + group_size`` have gathered (so between ``residual`` and ``residual + group_size - 1``
-recent keys are exact). A prompt's tail stays exact the same way.
+recent tokens are exact), as KIVI's streaming quantization does. A decode step between two blocks
+only writes its token into the residual, in place. A prompt's tail stays exact the same way.
 
 Decode attention reads the store block by block (``block`` tokens at a time): the attention
 kernel gets a ``BlockReader`` (``StoreReader``) that dequantizes one block into a small temporary
@@ -120,9 +121,12 @@ class QuantizedLayer(OwnAttentionLayer):
                 copy = (torch.cat([past_k, key], dim=2), torch.cat([past_v, value], dim=2))
             else:
                 copy = (key, value)
-        plan = self._plan(key, value)  # quantizes (may raise); nothing stored yet
         geometry = self.geometry or Geometry.of(key, value)
-        self.codes.write(geometry, plan.get("k"), plan.get("v"), plan["src_k"][:, :, plan["qk"] :], plan["src_v"][:, :, plan["qv"] :])
+        plan = self._plan(key, value)  # quantizes (may raise); nothing stored yet
+        if plan is None:  # no block leaves the residual: the tokens join it in place
+            self.codes.extend(geometry, key, value)
+        else:
+            self.codes.write(geometry, plan.get("k"), plan.get("v"), plan["src_k"][:, :, plan["qk"] :], plan["src_v"][:, :, plan["qv"] :])
         self.geometry = geometry
         self._seen = seen + n
         if copy is not None:
@@ -131,13 +135,16 @@ class QuantizedLayer(OwnAttentionLayer):
         returned = (self.codes.exact_keys, self.codes.exact_values)
         return Reads(StoreReader(self), None, None, seen, n, all_visible=n == 1, returned=returned)
 
-    def _plan(self, key, value) -> dict[str, Any]:
-        """Which tokens leave the residual for the codes, quantized: computed before anything changes."""
+    def _plan(self, key, value) -> dict[str, Any] | None:
+        """Which tokens leave the residual for the codes, quantized: computed before anything
+        changes; None when none leave."""
         G, R = self.group_size, self.residual
         ck, cv = self.seen - self.codes.quantized_keys, self.seen - self.codes.quantized_values
         n = key.shape[2]
         qk = max(0, (ck + n - R) // G * G)
-        qv = max(0, cv + n - R)
+        qv = max(0, (cv + n - R) // G * G)
+        if not qk and not qv:
+            return None
         src_k = key if not ck else torch.cat([self.codes.exact_keys[:, :, :ck], key], dim=2)
         src_v = value if not cv else torch.cat([self.codes.exact_values[:, :, :cv], value], dim=2)
         plan: dict[str, Any] = {"qk": qk, "qv": qv, "src_k": src_k, "src_v": src_v}
