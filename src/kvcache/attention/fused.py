@@ -199,8 +199,7 @@ def decode_attention(
         q.data_ptr(), kcodes.data_ptr(), kscale.data_ptr(), kmin.data_ptr(),
         vcodes.data_ptr(), vscale.data_ptr(), vmin.data_ptr(), out.data_ptr(), lse.data_ptr(),
         batch, heads, rows, dim, vdim, group, value_group, bits, blocks,
-        kcodes.stride(0), kcodes.stride(1), kscale.stride(0), kscale.stride(1),
-        vcodes.stride(0), vcodes.stride(1), vscale.stride(0), vscale.stride(1),
+        *kcodes.stride()[:2], *kscale.stride()[:2], *vcodes.stride()[:2], *vscale.stride()[:2],
         chunk, scale, float(softcap or 0.0), threads,
         tail_keys.data_ptr() if tail_len else None, *(tail_keys.stride()[:3] if tail_len else (0, 0, 0)),
         tail_values.data_ptr() if exact_values else None, *(tail_values.stride()[:3] if exact_values else (0, 0, 0)),
@@ -348,6 +347,8 @@ def fits(rows: int, dim: int, bits: int, device: torch.device) -> bool:
 
 def inner_contiguous(t: torch.Tensor) -> torch.Tensor:
     """``t`` ``[B, Hkv, ...]`` with every dim after the first two contiguous (a store's view already is)."""
+    if t.is_contiguous():  # a store's whole buffer: the common case, checked in one call
+        return t
     expected, step = [], 1
     for size in reversed(t.shape[2:]):
         expected.append(step)
@@ -358,6 +359,9 @@ def inner_contiguous(t: torch.Tensor) -> torch.Tensor:
 def same_strides(scale: torch.Tensor, minimum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale and minimum as float32 with inner dims contiguous and equal strides (one pair of
     strides reaches both)."""
+    if scale.dtype == minimum.dtype == torch.float32 and scale.is_contiguous() and minimum.is_contiguous():
+        if scale.shape == minimum.shape:
+            return scale, minimum
     scale, minimum = inner_contiguous(scale.float()), inner_contiguous(minimum.float())
     if scale.stride() != minimum.stride():
         scale, minimum = scale.contiguous(), minimum.contiguous()

@@ -665,6 +665,7 @@ void attend_tail(const CodedKernels& kern, const float* q, const HeadCodes& h, c
                  int64_t width, float softcap, float* scores, ChunkState& st) {
     const int per_byte = 8 / d.bits;
     const int64_t split = d.vdim / per_byte;  // element e of a value sits at (e % per_byte) * split + e / per_byte
+    float v_split[kMaxDim];
     for (int64_t t0 = 0; t0 < tail.len; t0 += width) {
         const int n = static_cast<int>(std::min(width, tail.len - t0));
         for (int r = 0; r < d.rows; ++r) {
@@ -687,10 +688,17 @@ void attend_tail(const CodedKernels& kern, const float* q, const HeadCodes& h, c
         }
         for (int64_t t = std::max(t0, tail.vcoded); t < t0 + n; ++t) {
             const float* __restrict v = tail.values + (t - tail.vcoded) * tail.v_t;
+            const float* __restrict vs = v;  // the value in split order, as the accumulators hold it
+            if (per_byte > 1) {
+                for (int j = 0; j < per_byte; ++j)
+                    for (int64_t i = 0; i < split; ++i) v_split[j * split + i] = v[per_byte * i + j];
+                vs = v_split;
+            }
             for (int r = 0; r < d.rows; ++r) {
                 const float p = scores[r * width + (t - t0)];
                 float* __restrict a = st.acc + static_cast<int64_t>(r) * d.vdim;
-                for (int e = 0; e < d.vdim; ++e) a[(e % per_byte) * split + e / per_byte] += p * v[e];
+#pragma omp simd
+                for (int e = 0; e < d.vdim; ++e) a[e] += p * vs[e];
             }
         }
     }

@@ -315,7 +315,8 @@ class StoreReader(BlockReader):
         if seen == coded or tk != coded or tv < coded:
             return None
         # (float32 as the library reads them: a half-precision layer's few exact tokens are widened)
-        return codes.exact_keys[:, :, : seen - tk].float(), codes.exact_values[:, :, : seen - tv].float(), tv - coded
+        keys, values = codes.exact_keys.narrow(2, 0, seen - tk), codes.exact_values.narrow(2, 0, seen - tv)
+        return keys.float(), values.float(), tv - coded
 
     def _both_coded(self) -> int:
         """How many first tokens have both their key and their value coded (whole key blocks)."""
