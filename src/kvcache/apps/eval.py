@@ -62,7 +62,8 @@ class Setting:
 
 def setting(quick: bool = False, tiny: bool = False) -> Setting:
     if tiny:
-        return Setting(context=256, instances=2, text_context=64, text_samples=1)
+        # text_context past what a quantized cache keeps exact (up to residual + group_size - 1 = 95 tokens)
+        return Setting(context=256, instances=2, text_context=128, text_samples=1)
     if quick:
         return Setting(context=512, instances=8, text_context=512, text_samples=2)
     return Setting(context=1024, instances=24, text_context=1024, text_samples=4)

@@ -264,13 +264,14 @@ def run(
     if unknown:
         raise ValueError(f"unknown part(s) {unknown}; valid: {', '.join(PARTS)}")
     register_attention()
-    contexts = contexts or options.pick([64], [4096], [4096, 16384])
+    # tiny: 128 tokens, past what a quantized layer keeps exact (up to residual + group_size - 1 = 95)
+    contexts = contexts or options.pick([128], [4096], [4096, 16384])
     budget = budget or (16 if options.tiny else 1024)
     new_tokens = new_tokens or options.pick(4, 16, 32)
     repeats = repeats or options.pick(1, 1, 3)
     layers = 1 if options.tiny else LAYERS
-    bytes_lengths = lengths or ([64] if options.tiny else [1024, 4096, 16384])
-    bw_lengths = lengths or options.pick([64], [1024, 4096], [1024, 4096, 16384])
+    bytes_lengths = lengths or ([128] if options.tiny else [1024, 4096, 16384])
+    bw_lengths = lengths or options.pick([128], [1024, 4096], [1024, 4096, 16384])
     bw_repeats = options.pick(2, 10, 20)
 
     rows: list[dict[str, Any]] = []
