@@ -144,12 +144,15 @@ def test_targets_judge_ours_against_static_and_coded_against_growable():
         row(1, 1024, "hf_static", 10.0), row(1, 1024, "growable", 10.4), row(1, 1024, "static", 10.6),
         row(1, 1024, "quantized-int8", 9.0),  # batch 1 at 1K: no coded target covers it
         row(4, 4096, "hf_static", 10.0), row(4, 4096, "growable", 10.0), row(4, 4096, "static", None),
-        row(4, 4096, "quantized-int8", 11.0), row(4, 4096, "quantized-int4", 9.0),  # int4: from batch 8
+        row(4, 4096, "quantized-int8", 10.9), row(4, 4096, "quantized-int4", 9.0),  # int4: from 8K
+        row(8, 8192, "growable", 10.0), row(8, 8192, "quantized-int8", 11.0), row(8, 8192, "quantized-int4", 12.0),
     ]  # fmt: skip
     assert real.targets(rows) == [
         "batch 1 x 1024: ours (static) / StaticCache = 1.06 (target >= 1.05: met)",
         "batch 4 x 4096: ours (growable) / StaticCache = 1.00 (target >= 1.05: not met)",
-        "batch 4 x 4096: quantized-int8 / growable = 1.10 (target >= 1: met)",
+        "batch 4 x 4096: quantized-int8 / growable = 1.09 (target >= 1.1: not met)",
+        "batch 8 x 8192: quantized-int8 / growable = 1.10 (target >= 1.1: met)",
+        "batch 8 x 8192: quantized-int4 / growable = 1.20 (target >= 1.2: met)",
     ]
 
 

@@ -157,10 +157,10 @@ def compare(runs: dict[str, list[dict[str, Any]]], shape: ModelShape, machine: M
 #: Hugging Face's fixed cache, eager: what ours must beat (by ``AHEAD``) at every (batch, context).
 HF_STATIC = "hf_static"
 AHEAD = 1.05
-#: Coded caches against our fp32 ``growable``: (contender, least batch, least context) from which
-#: it must be at least as fast (the issue's targets: int8 from batch 4 at 1K and from batch 1 at
-#: 4K, int4 from batch 8 at 2K).
-CODED_TARGETS = (("quantized-int8", 4, 1024), ("quantized-int8", 1, 4096), ("quantized-int4", 8, 2048))
+#: Coded caches against our fp32 ``growable``: (contender, least batch, least context, least ratio
+#: of tokens/s) from which it must be that much faster (issue 60: int8 1.1x from 1 x 4K and from
+#: 8 x 1K, int4 1.2x from 8K); a point covered twice takes the higher ratio.
+CODED_TARGETS = (("quantized-int8", 1, 4096, 1.1), ("quantized-int8", 8, 1024, 1.1), ("quantized-int4", 1, 8192, 1.2))
 
 
 def targets(rows: list[dict[str, Any]]) -> list[str]:
@@ -178,13 +178,13 @@ def targets(rows: list[dict[str, Any]]) -> list[str]:
             verdict = "met" if ratio >= AHEAD else "not met"
             lines.append(f"batch {batch} x {context}: ours ({best}) / StaticCache = {ratio:.2f} (target >= {AHEAD}: {verdict})")
         growable = speed.get((batch, context, "growable"))
-        for name in dict.fromkeys(name for name, _, _ in CODED_TARGETS):
+        for name in dict.fromkeys(name for name, *_ in CODED_TARGETS):
             coded = speed.get((batch, context, name))
-            covered = any(n == name and batch >= b and context >= c for n, b, c in CODED_TARGETS)
-            if growable and coded and covered:
+            need = max((r for n, b, c, r in CODED_TARGETS if n == name and batch >= b and context >= c), default=None)
+            if growable and coded and need is not None:
                 ratio = coded / growable
-                verdict = "met" if ratio >= 1.0 else "not met"
-                lines.append(f"batch {batch} x {context}: {name} / growable = {ratio:.2f} (target >= 1: {verdict})")
+                verdict = "met" if ratio >= need else "not met"
+                lines.append(f"batch {batch} x {context}: {name} / growable = {ratio:.2f} (target >= {need}: {verdict})")
     return lines
 
 
