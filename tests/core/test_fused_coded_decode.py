@@ -95,7 +95,7 @@ def capped_reference(query, layer, scale, softcap):
 def todays_path(monkeypatch, query, layer, **options):
     """``attend_weighted`` with the fused decode declined: the blockwise path over the two products."""
     with monkeypatch.context() as patch:
-        patch.setattr(StoreReader, "decode_attention", lambda self, query, scale, softcap: None)
+        patch.setattr(StoreReader, "decode_attention", lambda self, query, scale, softcap, need_lse=False: None)
         return attend_weighted(query, StoreReader(layer), None, **options)
 
 
@@ -200,11 +200,9 @@ def test_more_rows_than_the_library_takes_go_blockwise(monkeypatch):
     torch.testing.assert_close(out, sdpa_over_dequantized(query, layer), **FP32)
 
 
-@pytest.mark.parametrize("bits", [8, 4, 2])
-def test_loaded_state_with_coded_keys_beyond_the_coded_values(monkeypatch, bits):
-    """A saved state may hold more coded keys than values (no residual keys, a residual of values):
-    the fused call stops at the last whole key block the values cover, and the tail starts with
-    coded keys beside coded, then exact, values."""
+def keys_ahead_layer(bits):
+    """A layer loaded from a state with more coded keys than values (no residual keys, a residual
+    of values): 96 keys coded, 88 values coded and 8 exact."""
     source = filled_layer(bits, 2, 2, 96, 64, residual=0)  # 96 keys and 96 values coded
     state = source.state()
     t = dict(state.tensors)
@@ -213,6 +211,14 @@ def test_loaded_state_with_coded_keys_beyond_the_coded_values(monkeypatch, bits)
     t["residual_values"] = exact_values
     layer = QuantizedLayer(bits=bits, group_size=G, residual=RESIDUAL, block=64)
     layer.load_state(LayerState(layer.kind, layer.options(), 96, t))
+    return layer
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_loaded_state_with_coded_keys_beyond_the_coded_values(monkeypatch, bits):
+    """A saved state may hold more coded keys than values: the fused call stops at the last whole
+    key block the values cover, and the tail starts with coded keys beside coded, then exact, values."""
+    layer = keys_ahead_layer(bits)
     assert tail_kind(layer) == "coded keys, exact values"
     query = queries(2, 2, 3, 1, 64)
     calls = Calls(monkeypatch)
@@ -297,21 +303,46 @@ def test_weights_asked_for_decline(monkeypatch, weights):
     torch.testing.assert_close(out, sdpa_over_dequantized(query, layer), **FP32)
 
 
-@pytest.mark.parametrize(
-    "group, q_len, options",
-    [
-        (3, 1, {"sinks": torch.randn(6, generator=torch.Generator().manual_seed(3))}),  # sinks
-        (2, 2, {"causal": True}),  # causal over several queries
-    ],
-    ids=["sinks", "causal-several-queries"],
-)
-def test_sinks_and_causal_over_several_queries_decline(monkeypatch, group, q_len, options):
+def test_causal_over_several_queries_declines(monkeypatch):
     layer = filled_layer(8, 2, 2, 150, 64)
-    query = queries(2, 2, group, q_len, 64)
+    query = queries(2, 2, 2, 2, 64)
     calls = Calls(monkeypatch)
-    out, _ = attend_weighted(query, StoreReader(layer), None, **options)
+    out, _ = attend_weighted(query, StoreReader(layer), None, causal=True)
     assert calls.fused == 0
-    torch.testing.assert_close(out, todays_path(monkeypatch, query, layer, **options)[0])
+    torch.testing.assert_close(out, todays_path(monkeypatch, query, layer, causal=True)[0])
+
+
+def with_sinks(query, layer, sinks, scale):
+    """Attention with sinks, written out: each row's softmax gets one more logit (its head's sink,
+    or its row's) whose weight goes to no value."""
+    keys, values = layer.view()
+    batch, heads, q_len, _ = query.shape
+    group = heads // keys.shape[1]
+    keys, values = keys.float().repeat_interleave(group, 1), values.float().repeat_interleave(group, 1)
+    scores = query.float() @ keys.transpose(-1, -2) * scale
+    sink = sinks.reshape(1, heads, 1, 1) if sinks.dim() == 1 else sinks
+    weights = torch.softmax(torch.cat([scores, sink.expand(batch, heads, q_len, 1)], dim=-1), dim=-1)
+    return weights[..., :-1] @ values
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("form", ["per head", "per row"])
+@pytest.mark.parametrize("tail", ["exact", "coded keys, exact values"])
+def test_sinks_join_the_one_call_through_its_log_sum_exp(monkeypatch, bits, form, tail):
+    """Attention sinks (gpt-oss's per head, or one per query row) over a quantized store take the
+    one library call: the output over the keys times sigmoid(lse - sink), equal to today's blockwise
+    path and to the softmax with the sink written out; also where the tail is merged in PyTorch."""
+    layer = filled_layer(bits, 2, 2, 150, 64) if tail == "exact" else keys_ahead_layer(bits)
+    assert tail_kind(layer) == tail
+    group, q_len = 3, 2
+    query = queries(2, 2, group, q_len, 64)
+    gen = torch.Generator().manual_seed(5)
+    sinks = torch.randn(6, generator=gen) if form == "per head" else torch.randn(2, 6, q_len, 1, generator=gen)
+    calls = Calls(monkeypatch)
+    out, _ = attend_weighted(query, StoreReader(layer), None, sinks=sinks)
+    assert calls.fused == 1
+    torch.testing.assert_close(out, todays_path(monkeypatch, query, layer, sinks=sinks)[0], **FP32)
+    torch.testing.assert_close(out, with_sinks(query, layer, sinks, 1 / math.sqrt(64)), **FP32)
 
 
 def test_nothing_fully_coded_declines(monkeypatch):
@@ -346,9 +377,12 @@ def test_route_offers_a_reader_the_whole_decode_step():
     assert route(False, plain._replace(softcap=5.0), 4, 1, 1, coded=True) == (True, 0)
     assert route(False, plain._replace(causal=True), 4, 1, 1, coded=True) == (True, 0)
     assert route(False, plain, 4, 4, 4, coded=True) == (True, 0)
-    # Declined: any mask, sinks, mask rows, weights, causal over several queries, too many rows.
+    # Sinks: a reader's decode takes them (through its log-sum-exp), the plain one-pass decode not.
+    sinks = torch.zeros(1, 2, 4, 1, 1)
+    assert route(False, plain._replace(sinks=sinks), 4, 1, 1, coded=True) == (True, 0)
+    assert route(True, plain._replace(sinks=sinks), 4, 1, 1) == (False, 0)
+    # Declined: any mask, mask rows, weights, causal over several queries, too many rows.
     assert route(False, plain._replace(mask=one_row), 4, 1, 1, coded=True) == (False, 0)
-    assert route(False, plain._replace(sinks=torch.zeros(1, 2, 4, 1, 1)), 4, 1, 1, coded=True) == (False, 0)
     assert route(False, plain._replace(mask_rows=lambda start, stop: None), 4, 1, 1, coded=True) == (False, 0)
     assert route(False, plain, 4, 1, 0, coded=True) == (False, 0)
     assert route(False, plain._replace(causal=True), 4, 2, 2, coded=True) == (False, 0)

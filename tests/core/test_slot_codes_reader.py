@@ -267,6 +267,22 @@ def test_layer_attention_over_the_codes_matches_the_dequantized_slots(monkeypatc
     torch.testing.assert_close(out, ref_out, **FP32)
 
 
+@pytest.mark.parametrize("storage", ["int8", "int4h"])
+def test_sinks_over_the_codes_take_the_one_pass(monkeypatch, storage):
+    """Attention sinks (one logit per query head) join the one pass over the codes through its
+    log-sum-exp: equal to the softmax with each head's sink as one more logit, written out."""
+    layer = filled_layer("snapkv", storage, window=8)
+    keys, values = (t.repeat_interleave(2, dim=1) for t in layer.view())
+    query = rows(2, 4, 1, 64)
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(9))
+    scores = query @ keys.transpose(-1, -2) * 0.125
+    weights = torch.softmax(torch.cat([scores, sinks.view(1, 4, 1, 1).expand(2, 4, 1, 1)], dim=-1), dim=-1)
+    spy = Spy(monkeypatch)
+    out = layer.attend(query, sinks=sinks)
+    assert spy.calls == {"token_decode_attention": 1}
+    torch.testing.assert_close(out, weights[..., :-1] @ values, **FP32)
+
+
 @pytest.mark.parametrize("storage", ["int4", "int4h"])
 def test_layer_attention_with_the_library_off(monkeypatch, storage):
     layer = filled_layer("h2o", storage)

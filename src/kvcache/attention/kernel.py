@@ -202,7 +202,8 @@ def route(
        would break the graph). The library may still decline (dtype, device, not built): then 2, 3.
        Over a ``coded`` reader, ``try_native`` offers the call to the reader's own decode
        (``decode_attention``; a quantized store's: one call of the coded library, ``fused.py``, plus
-       its few exact tokens) under the same conditions, but with no mask at all; if it declines, 3.
+       its few exact tokens) under the same conditions, but with no mask at all and sinks allowed
+       (added through the log-sum-exp the reader returns, ``_reader_decode``); if it declines, 3.
     2. Query rows ``0:sdpa_rows`` go through torch's fused SDPA, a block of rows at a time: plain
        keys, no softcap, no sinks, a boolean mask or none, and only rows whose weights nobody
        asked for (the blocks split at ``weighted_from``).
@@ -211,7 +212,9 @@ def route(
        for decode-shaped products, which a quantized store computes straight from its codes with
        the coded C++ library (``fused.py``, via the reader's ``decode_scores``/``decode_values``).
     """
-    mask, no_extras = settings.mask, settings.sinks is None and settings.mask_rows is None
+    mask = settings.mask
+    # A reader's own decode gives each row's log-sum-exp, with which the kernel adds sinks.
+    no_extras = settings.mask_rows is None and (settings.sinks is None or (coded and not plain))
     one_pass_mask = mask is None or (plain and mask.dtype == torch.bool and mask.shape[1:4] == (1, 1, 1))
     try_native = (
         (plain or coded)
@@ -351,10 +354,21 @@ def _native_decode(q5, key: torch.Tensor, value: torch.Tensor, settings: Setting
 
 def _reader_decode(q5, reader: BlockReader, settings: Settings) -> torch.Tensor | None:
     """A reader's own decode step ``[B, Hkv, group * Sq, Dv]`` (``BlockReader.decode_attention``),
-    or None where it declines (``route`` has checked everything else: no mask, sinks or weights)."""
+    or None where it declines (``route`` has checked everything else: no mask or weights). Sinks
+    join each row's softmax through its log-sum-exp ``lse``: the sink takes ``exp(sink)`` of the
+    denominator ``exp(lse) + exp(sink)``, so the output over the keys is scaled by
+    ``sigmoid(lse - sink)``."""
     batch, kv_heads, group, q_len, head_dim = q5.shape
     q = q5.reshape(batch, kv_heads, group * q_len, head_dim)
-    return reader.decode_attention(q, settings.scale, settings.softcap)
+    sinks = settings.sinks
+    done = reader.decode_attention(q, settings.scale, settings.softcap, need_lse=sinks is not None)
+    if done is None:
+        return None
+    out, lse = done
+    if sinks is None:
+        return out
+    sinks = sinks.expand(batch, kv_heads, group, q_len, 1).reshape(batch, kv_heads, group * q_len)
+    return (out.float() * torch.sigmoid(lse - sinks).unsqueeze(-1)).to(out.dtype)
 
 
 def _block_probs(q5, reader: BlockReader, settings: Settings, start: int, stop: int, limit: int) -> torch.Tensor:

@@ -63,11 +63,15 @@ class BlockReader(ABC):
         reader itself, or None: the kernel then reads ``value_blocks()``."""
         return None
 
-    def decode_attention(self, query: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor | None:
-        """A whole decode step computed by the reader itself (e.g. in one pass over codes): the
-        attention ``[B, Hkv, R, Dv]``, in the query's dtype, of query rows ``[B, Hkv, R, D]`` over
-        every key, scores ``scale * q . k`` capped as ``softcap * tanh(score / softcap)`` (None: no
-        cap), with no mask, sinks or weights; or None: the kernel then takes its blockwise path."""
+    def decode_attention(
+        self, query: torch.Tensor, scale: float, softcap: float | None, need_lse: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """A whole decode step computed by the reader itself (e.g. in one pass over codes), with no
+        mask or weights: ``(out, lse)``, the attention ``[B, Hkv, R, Dv]``, in the query's dtype, of
+        query rows ``[B, Hkv, R, D]`` over every key, scores ``scale * q . k`` capped as
+        ``softcap * tanh(score / softcap)`` (None: no cap), and each row's log-sum-exp of its scores
+        float32 ``[B, Hkv, R]`` (None where the reader's path has none, never when ``need_lse``: the
+        kernel adds attention sinks with it); or None: the kernel then takes its blockwise path."""
         return None
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor] | None:

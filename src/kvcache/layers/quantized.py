@@ -11,8 +11,8 @@ only writes its token into the residual, in place. A prompt's tail stays exact t
 Decode attention reads the store block by block (``block`` tokens at a time): the attention
 kernel gets a ``BlockReader`` (``StoreReader``) that dequantizes one block into a small temporary
 for the kernel to take its scores or its share of the output, so no full-precision copy of the
-cache is ever built on a decode step. A plain decode step (no mask, sinks or weights asked for)
-goes further: ``StoreReader.decode_attention`` attends the codes in one pass of the coded library,
+cache is ever built on a decode step. A plain decode step (no mask or weights asked for; sinks
+the kernel adds from the step's log-sum-exp) goes further: ``StoreReader.decode_attention`` attends the codes in one pass of the coded library,
 softmax included, and merges in the few tokens after them. A chunk longer than the
 residual (a prefill) attends its own tokens in full precision, as Hugging Face's quantized cache
 does, with the quantized past dequantized for that one pass.
@@ -268,11 +268,14 @@ class StoreReader(BlockReader):
             out += torch.matmul(weights[..., tv:], codes.exact_values[:, :, : layer.seen - tv]).float()
         return out.to(weights.dtype)
 
-    def decode_attention(self, query: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor | None:
-        """A plain decode step's whole attention (no mask, sinks or weights: the kernel's ``route``
-        checks) of query rows ``[B, Hkv, R, D]``, scores ``scale * q . k`` capped by ``softcap``:
-        ``[B, Hkv, R, Dv]`` in the query's dtype, or None to decline (the library cannot run, or no
-        token has both its key and its value coded).
+    def decode_attention(
+        self, query: torch.Tensor, scale: float, softcap: float | None, need_lse: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """A decode step's whole attention with no mask or weights (the kernel's ``route`` checks) of
+        query rows ``[B, Hkv, R, D]``, scores ``scale * q . k`` capped by ``softcap``: ``(out, lse)``
+        as ``BlockReader.decode_attention`` (``lse`` None only from the one-call device kernel, which
+        is skipped when ``need_lse``), or None to decline (the library cannot run, or no token has
+        both its key and its value coded).
 
         The tokens whose keys and values are both coded (whole key blocks) go through one library
         call (``fused.decode_attention``); the few after them through PyTorch (``_tail_attention``:
@@ -280,14 +283,14 @@ class StoreReader(BlockReader):
         state, coded keys beside exact values), the two merged by log-sum-exp."""
         layer, codes = self.layer, self.layer.codes
         k, v = codes.keys.tensors, codes.values.tensors
-        if k:  # a device that takes the whole step in one call (CUDA), residual included
+        if k and not need_lse:  # a device that takes the whole step in one call (CUDA), residual included
             whole = device_kernels.quantized_decode(
                 query, (k["kcodes"], k["kscale"], k["kmin"]), (v["vcodes"], v["vscale"], v["vmin"]), layer.bits,
                 layer.value_group, codes.quantized_keys, codes.quantized_values, codes.exact_keys, codes.exact_values,
                 layer.seen, scale, softcap,
             )  # fmt: skip
             if whole is not None:
-                return whole.to(query.dtype)
+                return whole.to(query.dtype), None
         coded = self._both_coded()
         if coded == 0:
             return None
@@ -296,15 +299,15 @@ class StoreReader(BlockReader):
         if tail is not None:  # the usual case: the tail in the same library call
             whole = fused.decode_attention(query, keys, values, layer.bits, blocks, layer.value_group, scale, softcap, tail)
             if whole is not None:
-                return whole[0].to(query.dtype)
+                return whole[0].to(query.dtype), whole[1]
         head = fused.decode_attention(query, keys, values, layer.bits, blocks, layer.value_group, scale, softcap)
         if head is None:
             return None
         out, lse = head
         if layer.seen > coded:
             tail_out, tail_lse = self._tail_attention(query, coded, scale, softcap)
-            out = fused.merge_attention(out, lse, tail_out, tail_lse)
-        return out.to(query.dtype)
+            out, lse = fused.merge_attention(out, lse, tail_out, tail_lse), torch.logaddexp(lse, tail_lse)
+        return out.to(query.dtype), lse
 
     def _exact_tail(self, coded: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
         """The tokens after the first ``coded`` as ``fused.decode_attention`` takes them in the same

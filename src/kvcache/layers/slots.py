@@ -134,14 +134,17 @@ class SlotCodesReader(BlockReader):
         out = fused.weighted_values(weights, *self._codes("v"), self.format.bits, self._group("v"))
         return None if out is None else self.format.unrotate(out).to(weights.dtype)
 
-    def decode_attention(self, query: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor | None:
-        """A plain decode step (no mask, sinks or weights: the kernel's ``route`` checks) of query rows
-        ``[B, Hkv, R, D]`` in one pass over the codes: ``[B, Hkv, R, Dv]`` in the query's dtype, or None
-        to decline (the library cannot run, or no slots)."""
+    def decode_attention(
+        self, query: torch.Tensor, scale: float, softcap: float | None, need_lse: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A decode step with no mask or weights (the kernel's ``route`` checks) of query rows
+        ``[B, Hkv, R, D]`` in one pass over the codes: ``(out, lse)`` as ``BlockReader.decode_attention``
+        (the rotation keeps every score, so the log-sum-exp is the unrotated one), or None to decline
+        (the library cannot run, or no slots)."""
         keys, values, groups = self._codes("k"), self._codes("v"), (self._group("k"), self._group("v"))
         turned = self.format.rotate(query)
         done = device_kernels.token_coded_decode(turned, keys, values, self.format.bits, self.length, *groups, scale, softcap)
-        return None if done is None else self.format.unrotate(done[0]).to(query.dtype)
+        return None if done is None else (self.format.unrotate(done[0]).to(query.dtype), done[1])
 
 
 def get_storage(name: str) -> Slots:
