@@ -216,13 +216,14 @@ def test_a_quantized_layers_step_equals_sdpa_over_its_dequantized_view(device, b
     assert codes.keys.tensors  # allocated on the first append, whether or not a block is coded yet
     keys, values = codes.keys.tensors, codes.values.tensors
     q = torch.randn(2, 2, 3, dim, generator=g)
-    out = back(td.quantized_decode(
+    out, lse = back(td.quantized_decode(
         *on(device, q), on(device, keys["kcodes"], keys["kscale"], keys["kmin"]),
         on(device, values["vcodes"], values["vscale"], values["vmin"]), bits, layer.value_group,
         codes.quantized_keys, codes.quantized_values, *on(device, codes.exact_keys, codes.exact_values), seen, 0.2,
     ))  # fmt: skip
     rk, rv = layer.view()
     torch.testing.assert_close(out, sdpa(q, rk, rv, 0.2), **TOL)
+    torch.testing.assert_close(lse, torch.logsumexp(q @ rk.transpose(-1, -2) * 0.2, dim=-1), **TOL)
 
 
 @pytest.mark.parametrize("launch", [td.Launch(block=32), td.Launch(block=128, warps=8, stages=1), td.Launch(dot="tf32")])

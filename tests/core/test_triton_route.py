@@ -121,3 +121,22 @@ def test_the_engine_on_cuda_gives_the_cpu_tokens(spec):
         return [h.result() for h in handles]
 
     assert run(gpu) == run(model)
+
+
+def test_sinks_over_a_quantized_store_through_triton(through_triton):
+    """Attention sinks (one logit per query head) over a quantized layer routed to Triton: its one
+    call returns each row's log-sum-exp, so the sinks join it, equal to the blockwise path."""
+    from kvcache.attention import attend_weighted
+    from kvcache.layers import QuantizedLayer, StoreReader
+
+    g = torch.Generator().manual_seed(2)
+    layer = QuantizedLayer(bits=4, group_size=8, residual=4)
+    layer.update(torch.randn(1, 2, 40, 32, generator=g), torch.randn(1, 2, 40, 32, generator=g))
+    layer.settle()
+    query, sinks = torch.randn(1, 4, 1, 32, generator=g), torch.randn(4, generator=g)
+    out, _ = attend_weighted(query, StoreReader(layer), None, sinks=sinks)
+    assert through_triton == {"quantized_decode": 1}
+    keys, values = (t.repeat_interleave(2, dim=1) for t in layer.view())
+    scores = query @ keys.transpose(-1, -2) / 32**0.5
+    weights = torch.softmax(torch.cat([scores, sinks.view(1, 4, 1, 1)], dim=-1), dim=-1)
+    torch.testing.assert_close(out, weights[..., :-1] @ values, rtol=1e-5, atol=1e-5)

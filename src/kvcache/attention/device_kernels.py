@@ -67,9 +67,10 @@ def token_coded_decode(q, keys, values, bits, tokens, key_group, value_group, sc
 
 
 def quantized_decode(q, keys, values, bits, value_group, coded_keys, coded_values, exact_keys, exact_values, seen, scale,
-                     softcap=None) -> torch.Tensor | None:  # fmt: skip
-    """A quantized layer's whole decode step in one call (``triton_decode.quantized_decode``), or
-    None: on the CPU the layer's reader splits the step itself over the C++ library."""
+                     softcap=None) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
+    """A quantized layer's whole decode step in one call (``triton_decode.quantized_decode``):
+    ``(out, lse)`` float32, or None: on the CPU the layer's reader splits the step itself over the
+    C++ library."""
     kernel = _choose(q.device, None, triton_decode.quantized_decode)
     args = (q, keys, values, bits, value_group, coded_keys, coded_values, exact_keys, exact_values, seen, scale, softcap)
     return None if kernel is None else kernel(*args)

@@ -275,12 +275,13 @@ def quantized_decode(
     values: tuple[torch.Tensor, torch.Tensor, torch.Tensor], bits: int, value_group: int, coded_keys: int,
     coded_values: int, exact_keys: torch.Tensor, exact_values: torch.Tensor, seen: int, scale: float,
     softcap: float | None = None, launch: Launch | None = None,
-) -> torch.Tensor | None:
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A quantized layer's decode step over all ``seen`` tokens in one call: its key blocks
     (codes ``[B, Hkv, n, G, D']``, scale and minimum ``[B, Hkv, n, D]``) up to ``coded_keys``, its
     value codes (``[B, Hkv, C, Dv']``, groups of ``value_group``) up to ``coded_values``, and the
     exact residual after each (``exact_keys`` ``[B, Hkv, r, D]`` from ``coded_keys``,
-    ``exact_values`` from ``coded_values``). The output float32 ``[B, Hkv, R, Dv]``, or None."""
+    ``exact_values`` from ``coded_values``). ``(out, lse)``: the output float32 ``[B, Hkv, R, Dv]``
+    and each row's log-sum-exp ``[B, Hkv, R]``; or None."""
     kcodes, kscale, kmin = keys
     vcodes, vscale, vmin = values
     batch, heads, rows, dim = query.shape
@@ -295,10 +296,9 @@ def quantized_decode(
     lengths = torch.full((batch,), int(seen), dtype=torch.int64, device=device)
     rows_of = torch.arange(batch, dtype=torch.int32, device=device)
     tail = (exact_keys, exact_values, rows_of, torch.full_like(lengths, int(coded_keys)), torch.full_like(lengths, int(coded_values)))
-    out, _ = _run(
+    return _run(
         query, rows, vcodes.shape[3] * 8 // bits, lengths, int(seen),
         keys=(flat_codes, *flat_codes.stride()[:3]), values=(vcodes, *vcodes.stride()[:3]), key_codes=1, value_codes=2,
         bits=bits, key_block=group, value_group=value_group, key_scale=(kscale, kmin, *kscale.stride()[:3]),
         value_scale=(vscale, vmin, *vscale.stride()[:3]), tail=tail, scale=scale, softcap=softcap, launch=launch,
     )  # fmt: skip
-    return out

@@ -273,9 +273,8 @@ class StoreReader(BlockReader):
     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """A decode step's whole attention with no mask or weights (the kernel's ``route`` checks) of
         query rows ``[B, Hkv, R, D]``, scores ``scale * q . k`` capped by ``softcap``: ``(out, lse)``
-        as ``BlockReader.decode_attention`` (``lse`` None only from the one-call device kernel, which
-        is skipped when ``need_lse``), or None to decline (the library cannot run, or no token has
-        both its key and its value coded).
+        as ``BlockReader.decode_attention`` (always with ``lse``), or None to decline (the library
+        cannot run, or no token has both its key and its value coded).
 
         The tokens whose keys and values are both coded (whole key blocks) go through one library
         call (``fused.decode_attention``); the few after them through PyTorch (``_tail_attention``:
@@ -283,14 +282,14 @@ class StoreReader(BlockReader):
         state, coded keys beside exact values), the two merged by log-sum-exp."""
         layer, codes = self.layer, self.layer.codes
         k, v = codes.keys.tensors, codes.values.tensors
-        if k and not need_lse:  # a device that takes the whole step in one call (CUDA), residual included
+        if k:  # a device that takes the whole step in one call (CUDA), residual included
             whole = device_kernels.quantized_decode(
                 query, (k["kcodes"], k["kscale"], k["kmin"]), (v["vcodes"], v["vscale"], v["vmin"]), layer.bits,
                 layer.value_group, codes.quantized_keys, codes.quantized_values, codes.exact_keys, codes.exact_values,
                 layer.seen, scale, softcap,
             )  # fmt: skip
             if whole is not None:
-                return whole.to(query.dtype), None
+                return whole[0].to(query.dtype), whole[1]
         coded = self._both_coded()
         if coded == 0:
             return None
