@@ -95,7 +95,7 @@ def capped_reference(query, layer, scale, softcap):
 def todays_path(monkeypatch, query, layer, **options):
     """``attend_weighted`` with the fused decode declined: the blockwise path over the two products."""
     with monkeypatch.context() as patch:
-        patch.setattr(StoreReader, "decode_attention", lambda self, query, scale, softcap, need_lse=False: None)
+        patch.setattr(StoreReader, "decode_attention", lambda self, query, scale, softcap: None)
         return attend_weighted(query, StoreReader(layer), None, **options)
 
 

@@ -361,7 +361,7 @@ def _reader_decode(q5, reader: BlockReader, settings: Settings) -> torch.Tensor 
     batch, kv_heads, group, q_len, head_dim = q5.shape
     q = q5.reshape(batch, kv_heads, group * q_len, head_dim)
     sinks = settings.sinks
-    done = reader.decode_attention(q, settings.scale, settings.softcap, need_lse=sinks is not None)
+    done = reader.decode_attention(q, settings.scale, settings.softcap)
     if done is None:
         return None
     out, lse = done

@@ -64,14 +64,14 @@ class BlockReader(ABC):
         return None
 
     def decode_attention(
-        self, query: torch.Tensor, scale: float, softcap: float | None, need_lse: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        self, query: torch.Tensor, scale: float, softcap: float | None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A whole decode step computed by the reader itself (e.g. in one pass over codes), with no
         mask or weights: ``(out, lse)``, the attention ``[B, Hkv, R, Dv]``, in the query's dtype, of
         query rows ``[B, Hkv, R, D]`` over every key, scores ``scale * q . k`` capped as
         ``softcap * tanh(score / softcap)`` (None: no cap), and each row's log-sum-exp of its scores
-        float32 ``[B, Hkv, R]`` (None where the reader's path has none, never when ``need_lse``: the
-        kernel adds attention sinks with it); or None: the kernel then takes its blockwise path."""
+        float32 ``[B, Hkv, R]`` (the kernel adds attention sinks with it); or None: the kernel then
+        takes its blockwise path."""
         return None
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor] | None:

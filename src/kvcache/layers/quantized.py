@@ -269,12 +269,12 @@ class StoreReader(BlockReader):
         return out.to(weights.dtype)
 
     def decode_attention(
-        self, query: torch.Tensor, scale: float, softcap: float | None, need_lse: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        self, query: torch.Tensor, scale: float, softcap: float | None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A decode step's whole attention with no mask or weights (the kernel's ``route`` checks) of
         query rows ``[B, Hkv, R, D]``, scores ``scale * q . k`` capped by ``softcap``: ``(out, lse)``
-        as ``BlockReader.decode_attention`` (always with ``lse``), or None to decline (the library
-        cannot run, or no token has both its key and its value coded).
+        as ``BlockReader.decode_attention``, or None to decline (the library cannot run, or no token
+        has both its key and its value coded).
 
         The tokens whose keys and values are both coded (whole key blocks) go through one library
         call (``fused.decode_attention``); the few after them through PyTorch (``_tail_attention``:

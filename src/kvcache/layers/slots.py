@@ -135,7 +135,7 @@ class SlotCodesReader(BlockReader):
         return None if out is None else self.format.unrotate(out).to(weights.dtype)
 
     def decode_attention(
-        self, query: torch.Tensor, scale: float, softcap: float | None, need_lse: bool = False
+        self, query: torch.Tensor, scale: float, softcap: float | None
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A decode step with no mask or weights (the kernel's ``route`` checks) of query rows
         ``[B, Hkv, R, D]`` in one pass over the codes: ``(out, lse)`` as ``BlockReader.decode_attention``
