@@ -277,9 +277,10 @@ class StoreReader(BlockReader):
         has both its key and its value coded).
 
         The tokens whose keys and values are both coded (whole key blocks) go through one library
-        call (``fused.decode_attention``); the few after them through PyTorch (``_tail_attention``:
-        keys still exact beside values already coded, then the exact residual; or, from a loaded
-        state, coded keys beside exact values), the two merged by log-sum-exp."""
+        call (``fused.decode_attention``), the few exact ones after them in the same call (the
+        residual; from a state saved before values left in blocks, values coded ahead of the keys
+        too). Only a loaded state with coded keys ahead of its coded values sends its tail through
+        PyTorch (``_tail_attention``), merged by log-sum-exp."""
         layer, codes = self.layer, self.layer.codes
         k, v = codes.keys.tensors, codes.values.tensors
         if k:  # a device that takes the whole step in one call (CUDA), residual included
