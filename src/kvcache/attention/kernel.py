@@ -214,7 +214,7 @@ def route(
     """
     mask = settings.mask
     # A reader's own decode gives each row's log-sum-exp, with which the kernel adds sinks.
-    no_extras = settings.mask_rows is None and (settings.sinks is None or (coded and not plain))
+    no_extras = settings.mask_rows is None and (settings.sinks is None or coded)
     one_pass_mask = mask is None or (plain and mask.dtype == torch.bool and mask.shape[1:4] == (1, 1, 1))
     try_native = (
         (plain or coded)

@@ -125,11 +125,7 @@ KV_INLINE void unpack_scaled(const uint8_t* __restrict bytes, const float* __res
 // q [rows, dim] in split order, into out.
 template <int BITS>
 KV_INLINE void split_rows(const float* __restrict q, int rows, int dim, float* __restrict out) {
-    constexpr int per_byte = 8 / BITS;
-    const int n = dim / per_byte;
-    for (int r = 0; r < rows; ++r)
-        for (int j = 0; j < per_byte; ++j)
-            for (int i = 0; i < n; ++i) out[r * dim + j * n + i] = q[r * dim + per_byte * i + j];
+    for (int r = 0; r < rows; ++r) to_split(q + r * dim, dim, 8 / BITS, out + r * dim);
 }
 
 // out [rows, dim / group]: each row's sum over each group of `group` channels of q [rows, dim].
@@ -217,13 +213,12 @@ template <int BITS, int NV, int R>
 KV_INLINE void key_scores_fast(const float* qperm, const float* q, int group, const uint8_t* codes,
                                const float* scale, const float* minimum, int first, int last, float* out,
                                int64_t out_row) {
-    constexpr int dim = NV * 16, per_byte = 8 / BITS, n = dim / per_byte, packed = dim * BITS / 8;
+    constexpr int dim = NV * 16, packed = dim * BITS / 8;
     alignas(64) float s_split[dim];
     for (int blk = first; blk < last; ++blk) {
         const float* s = scale + static_cast<int64_t>(blk) * dim;
         const float* z = minimum + static_cast<int64_t>(blk) * dim;
-        for (int j = 0; j < per_byte; ++j)
-            for (int i = 0; i < n; ++i) s_split[j * n + i] = s[per_byte * i + j];
+        to_split(s, dim, 8 / BITS, s_split);
         v16 qs[R][NV];
         float bias[R];
         for (int r = 0; r < R; ++r) {
@@ -568,17 +563,7 @@ inline void online_softmax_tile(float* scores, int64_t width, int n, const Dims&
             for (int g = 0; g < d.vgroups; ++g) st.zacc[r * d.vgroups + g] *= c;
             st.max[r] = m;
         }
-        vw sums{};
-        int j = 0;
-        for (; j + kW <= n; j += kW) {
-            const vw p = exp_nonpositive(loadw(s + j) - m);
-            __builtin_memcpy(s + j, &p, sizeof p);
-            sums += p;
-        }
-        float sum = 0.f;
-        for (int i = 0; i < kW; ++i) sum += sums[i];
-        for (; j < n; ++j) sum += s[j] = exp_nonpositive(s[j] - m);
-        st.sum[r] += sum;
+        st.sum[r] += exp_and_sum(s, n, m);
     }
 }
 
@@ -664,7 +649,6 @@ void attend_paged(const CodedKernels& kern, const float* q, const CodedTensors& 
 void attend_tail(const CodedKernels& kern, const float* q, const HeadCodes& h, const ExactTail& tail, const Dims& d,
                  int64_t width, float softcap, float* scores, ChunkState& st) {
     const int per_byte = 8 / d.bits;
-    const int64_t split = d.vdim / per_byte;  // element e of a value sits at (e % per_byte) * split + e / per_byte
     float v_split[kMaxDim];
     for (int64_t t0 = 0; t0 < tail.len; t0 += width) {
         const int n = static_cast<int>(std::min(width, tail.len - t0));
@@ -690,8 +674,7 @@ void attend_tail(const CodedKernels& kern, const float* q, const HeadCodes& h, c
             const float* __restrict v = tail.values + (t - tail.vcoded) * tail.v_t;
             const float* __restrict vs = v;  // the value in split order, as the accumulators hold it
             if (per_byte > 1) {
-                for (int j = 0; j < per_byte; ++j)
-                    for (int64_t i = 0; i < split; ++i) v_split[j * split + i] = v[per_byte * i + j];
+                to_split(v, d.vdim, per_byte, v_split);
                 vs = v_split;
             }
             for (int r = 0; r < d.rows; ++r) {

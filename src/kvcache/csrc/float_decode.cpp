@@ -213,23 +213,7 @@ inline __attribute__((always_inline)) void softmax_tile(float* __restrict scores
             for (int d = 0; d < vdim; ++d) a[d] *= c;
             part.max[r] = m;
         }
-        float* __restrict sr = scores + r * kTile;
-        vw total{};
-        int j = 0;
-        for (; j + kW <= n; j += kW) {  // the vector exp (the scalar one's loop stays scalar)
-            const vw x = loadw(sr + j);
-            const vw p = x > 0.5f * kMasked ? exp_nonpositive(x - m) : vw{};
-            __builtin_memcpy(sr + j, &p, sizeof p);
-            total += p;
-        }
-        float s = 0.f;
-        for (int i = 0; i < kW; ++i) s += total[i];
-        for (; j < n; ++j) {
-            const float p = sr[j] > 0.5f * kMasked ? exp_nonpositive(sr[j] - m) : 0.f;
-            sr[j] = p;
-            s += p;
-        }
-        part.sum[r] += s;
+        part.sum[r] += exp_and_sum<true>(scores + r * kTile, n, m, 0.5f * kMasked);
     }
 }
 

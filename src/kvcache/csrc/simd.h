@@ -9,6 +9,8 @@
 //   hsum16  the sum of one vector's 16 lanes
 //   codes_w / codes16   codes of BITS bits as floats, widened in registers from bytes
 //   exp_nonpositive     e^x for x <= 0, on a float or a vw
+//   exp_and_sum         a row of scores turned into their softmax numerators, and their sum
+//   to_split            a row of floats in the coded kernels' split channel order
 #pragma once
 
 #include <cstdint>
@@ -222,6 +224,37 @@ KV_INLINE vw exp_nonpositive(vw x) {
     vw scale;
     __builtin_memcpy(&scale, &bits, sizeof scale);
     return x < low ? vw{} : p * scale;
+}
+
+// s[j] = e^(s[j] - m) for j < n, in place (m: at least every score, so each exponent is <= 0), and
+// their sum. MASKED: a score at or below `floor` (a masked key's) becomes 0 instead.
+template <bool MASKED = false>
+KV_INLINE float exp_and_sum(float* __restrict s, int n, float m, float floor = 0.f) {
+    vw total{};
+    int j = 0;
+    for (; j + kW <= n; j += kW) {  // the vector exp (a loop over the scalar one stays scalar)
+        const vw x = loadw(s + j);
+        vw p = exp_nonpositive(x - m);
+        if constexpr (MASKED) p = x > floor ? p : vw{};
+        __builtin_memcpy(s + j, &p, sizeof p);
+        total += p;
+    }
+    float sum = 0.f;
+    for (int i = 0; i < kW; ++i) sum += total[i];
+    for (; j < n; ++j) {
+        const float p = MASKED && !(s[j] > floor) ? 0.f : exp_nonpositive(s[j] - m);
+        s[j] = p;
+        sum += p;
+    }
+    return sum;
+}
+
+// x [dim] in split order into out: element per_byte * i + j of x at j * (dim / per_byte) + i (the
+// order in which the coded kernels unpack a token's codes, per_byte of them a byte).
+KV_INLINE void to_split(const float* __restrict x, int dim, int per_byte, float* __restrict out) {
+    const int n = dim / per_byte;
+    for (int j = 0; j < per_byte; ++j)
+        for (int i = 0; i < n; ++i) out[j * n + i] = x[per_byte * i + j];
 }
 
 }  // namespace kv
