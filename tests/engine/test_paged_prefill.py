@@ -112,3 +112,104 @@ def test_the_engine_attends_its_chunks_in_one_call_and_answers_as_generate(model
         want = generate_reference(model, p, 6)
         assert same_or_near_tie(list(map(int, a)), want, f"request {i}, kernel") == 0
         assert same_or_near_tie(list(map(int, b)), want, f"request {i}, gathered") == 0
+
+
+AMX = native.amx_prefill_available()
+NO_AMX = "no AMX tiles here (CPU, OS grant, KVCACHE_ISA or a oneDNN cap): bfloat16 chunks take the float kernel, tested above"
+
+
+def rounding_bound(q, keys, values, tables, starts, pasts, scale):
+    """Per output element, what rounding the softmax weights to bfloat16 (relative 2^-9, counted as
+    2^-8) can move it: 2^-8 times the weights' average of |v|, plus float32 sums' 1e-5."""
+    return reference(q, keys, values.abs(), tables, starts, pasts, scale) * 2.0**-8 + 1e-5
+
+
+@pytest.mark.skipif(not AMX, reason=NO_AMX)
+@settings(max_examples=30, deadline=None)
+@given(
+    chunks=st.lists(st.tuples(st.integers(0, 300), st.integers(1, 150)), min_size=1, max_size=4),
+    rows=st.sampled_from([1, 3, 4, 7, 16]),
+    dims=st.sampled_from([(32, 32), (64, 64), (128, 128), (64, 16), (32, 48)]),
+    bs=st.sampled_from([32, 64]),
+    seed=st.integers(0, 2**16),
+)
+def test_bfloat16_queries_take_amx_tiles_within_the_weights_rounding(chunks, rows, dims, bs, seed):
+    """bfloat16 queries over bfloat16 blocks (a bfloat16 model's step) multiply on AMX tiles: scores
+    exact in float32, the weights rounded to bfloat16 before they multiply the values (as a bfloat16
+    attention rounds them), so each output is within that rounding of float64 attention."""
+    dim, vdim = dims
+    q, keys, values, tables, starts, pasts = layout(chunks, 2, rows, dim, bs, torch.bfloat16, seed)
+    values = torch.randn(*values.shape[:3], vdim, generator=torch.Generator().manual_seed(seed)).bfloat16()
+    q = q.bfloat16()
+    scale = 1 / math.sqrt(dim)
+    got = native.paged_prefill(q, keys, values, tables, starts, pasts, scale)
+    want = reference(q.float(), keys, values, tables, starts, pasts, scale)
+    assert got is not None and got.shape == want.shape
+    excess = (got - want).abs() - rounding_bound(q.float(), keys, values, tables, starts, pasts, scale)
+    assert excess.max() <= 0, f"off by up to {excess.max():.2e} past the weights' rounding"
+
+
+@pytest.mark.skipif(not AMX, reason=NO_AMX)
+def test_amx_tasks_split_over_threads_without_changing_a_bit_and_unwritten_slots_are_not_read():
+    """Several threads give the bits of one; slots past each chunk (never written: here NaN) change
+    nothing, the way a pool's free slots hold whatever was there."""
+    q, keys, values, tables, starts, pasts = layout([(100, 70), (0, 130), (33, 1), (40, 31)], 2, 3, 64, 32,
+                                                    torch.bfloat16, 5)  # fmt: skip
+    q = q.bfloat16()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = native.paged_prefill(q, keys, values, tables, starts, pasts, 0.125)
+        torch.set_num_threads(2)
+        two = native.paged_prefill(q, keys, values, tables, starts, pasts, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+    written = torch.zeros(keys.shape[:3], dtype=torch.bool)
+    for s in range(len(pasts)):
+        for position in range(int(pasts[s] + starts[s + 1] - starts[s])):
+            written[tables[s, position // 32], :, position % 32] = True
+    poisoned = keys.masked_fill(~written[..., None], float("nan")), values.masked_fill(~written[..., None], float("nan"))
+    assert torch.equal(native.paged_prefill(q, *poisoned, tables, starts, pasts, 0.125), one)
+
+
+def test_float32_queries_over_bfloat16_blocks_keep_the_float_kernel():
+    """Only bfloat16 queries round the weights: float32 ones over bfloat16 blocks stay exact (1e-5)."""
+    case = layout([(40, 50)], 2, 3, 64, 32, torch.bfloat16, 1)
+    torch.testing.assert_close(native.paged_prefill(*case, 0.125), reference(*case, 0.125), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not AMX, reason=NO_AMX)
+@pytest.mark.half_precision
+def test_a_bfloat16_engine_attends_its_chunks_on_amx_tiles_and_answers_as_generate(monkeypatch):
+    """A bfloat16 model (head dim 32) through the engine: its chunks go to the AMX library, and its
+    greedy tokens are generate's, but where generate's own two best bfloat16 logits lie within a
+    bfloat16 rounding of each other (0.1 here: a bfloat16 logit near 4 moves by 0.03 a rounding)."""
+    import copy
+
+    from helpers import model_for
+
+    model = copy.deepcopy(model_for("llama", num_hidden_layers=2, head_dim=32)).to(torch.bfloat16)
+    real = native.library
+    calls = []
+
+    class Counted:
+        def __init__(self, lib):
+            self.lib = lib
+
+        def __getattr__(self, name):
+            return getattr(self.lib, name)
+
+        def kv_amx_prefill(self, *args):
+            calls.append(args[7])  # chunks in the call
+            return self.lib.kv_amx_prefill(*args)
+
+    monkeypatch.setattr(native, "library", lambda name, declare: Counted(real(name, declare)) if name == "amx_prefill" else real(name, declare))
+    prompts = [ids(70, s) for s in range(3)] + [ids(5, 9)]
+    got = Engine(model, max_batch_tokens=64).generate_batch(prompts, max_new_tokens=6, eos_token_id=[])
+    assert calls and max(calls) >= 2
+    for i, (tokens, p) in enumerate(zip(got, prompts)):
+        want, gaps = generate_reference(model, p, 6)
+        tokens = list(map(int, tokens))
+        first = next((j for j, (a, b) in enumerate(zip(tokens, want)) if a != b), None)
+        assert first is None or gaps[first] < 0.1, f"request {i}: {tokens} against {want}, gaps {gaps}"

@@ -38,6 +38,21 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
+def _declare_amx(lib: ctypes.CDLL) -> ctypes.CDLL:
+    ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    lib.kv_amx_prefill.argtypes = [ptr] * 7 + [i64, i64, i32, i32, i32] + [i64] * 6 + [ctypes.c_float, i32]
+    lib.kv_amx_prefill.restype = i32
+    lib.kv_amx_prefill_usable.restype = i32
+    return lib
+
+
+def amx_prefill_available() -> bool:
+    """Whether bfloat16 prompt chunks run on AMX tiles here (``csrc/amx_prefill.cpp``): the library
+    built with AMX, the CPU and the OS granting the tiles, oneDNN not capped below them."""
+    lib = library("amx_prefill", _declare_amx)
+    return lib is not None and lib.kv_amx_prefill_usable() == 1
+
+
 def available() -> bool:
     """Whether the float decode library is built and on (building it now if needed)."""
     return library("float_decode", _declare) is not None
@@ -224,10 +239,19 @@ def paged_prefill(
     start, past = starts.to(torch.int64).contiguous(), pasts.to(torch.int64).contiguous()
     if int(start[0]) != 0 or int(start[-1]) != total or bool((start[1:] < start[:-1]).any()):
         raise ValueError(f"paged_prefill: starts must rise from 0 to the {total} queries, got {start.tolist()}")
-    qf = q.detach().float().contiguous()
     table = tables.to(torch.int32).contiguous()
     out = torch.empty(heads, total, rows, vdim, dtype=torch.float32)
     ks, vs = key_pool.stride(), value_pool.stride()
+    if q.dtype == torch.bfloat16 and key_pool.dtype == torch.bfloat16 and not softcap:
+        amx, qb = library("amx_prefill", _declare_amx), q.detach().contiguous()
+        failed = 2 if amx is None else amx.kv_amx_prefill(
+            qb.data_ptr(), key_pool.data_ptr(), value_pool.data_ptr(), table.data_ptr(),
+            start.data_ptr(), past.data_ptr(), out.data_ptr(), seqs, heads, rows, dim, vdim, block_size, table.shape[1],
+            ks[0], ks[1], vs[0], vs[1], float(scale), torch.get_num_threads(),
+        )  # fmt: skip
+        if failed == 0:
+            return out
+    qf = q.detach().float().contiguous()
     failed = lib.kv_paged_prefill(
         qf.data_ptr(), key_pool.data_ptr(), value_pool.data_ptr(), table.data_ptr(), start.data_ptr(), past.data_ptr(),
         out.data_ptr(), _DTYPES[key_pool.dtype], seqs, heads, rows, dim, vdim, block_size, table.shape[1],

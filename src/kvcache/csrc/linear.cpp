@@ -34,14 +34,10 @@
 #include <vector>
 #include <omp.h>
 
+#include "amx.h"
 #include "simd.h"
-#if defined(__AVX512BF16__) || defined(__AMX_BF16__)
+#if defined(__AVX512BF16__)
 #include <immintrin.h>
-#endif
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
 
 namespace {
@@ -234,34 +230,6 @@ void linear(const X* x, int64_t m, int64_t k, int64_t ldx, const T* packed, int6
 // 0-3 the sums of four panels, 4 the rows of x, 5-7 panel blocks. A call of up to 16 rows takes
 // tiles of its own rows; more rows come zero-padded to 16-row blocks. Either way each output row is
 // summed over k in the same order whatever the other rows.
-constexpr bool kAmx = true;
-
-struct TileConfig {
-    uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-};
-
-// Whether this process may use AMX tiles: the CPU has them, the OS saves their state (XCR0 bits 17
-// and 18) and grants this process the permission to use them (asked once), and oneDNN is not
-// capped below AMX (ONEDNN_MAX_CPU_ISA naming no AMX: set where AMX kernels crash this CPU,
-// kvcache.attention.half_precision), which the library honours as well.
-bool amx_usable() {
-    static const bool usable = [] {
-        const char* cap = std::getenv("ONEDNN_MAX_CPU_ISA");
-        if (cap != nullptr && *cap != 0 && std::strstr(cap, "AMX") == nullptr) return false;
-        unsigned a, b, c, d;
-        if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 22))) return false;
-        if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return false;  // OSXSAVE
-        unsigned lo, hi;
-        __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-        if ((lo & (3u << 17)) != (3u << 17)) return false;
-        constexpr long kReqPerm = 0x1023, kXtileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
-        return syscall(SYS_arch_prctl, kReqPerm, kXtileData) == 0;
-    }();
-    return usable;
-}
-
 constexpr int64_t kAhead = 128;  // k rows of a panel prefetched ahead (4 KB)
 
 template <int G>
@@ -332,8 +300,6 @@ bool amx_linear(const bf16* x, int64_t m, int64_t k, int64_t ldx, const bf16* pa
     return true;
 }
 #else
-constexpr bool kAmx = false;
-bool amx_usable() { return false; }
 bool amx_linear(const bf16*, int64_t, int64_t, int64_t, const bf16*, int64_t, const bf16*, bf16*, int64_t, int) {
     return false;
 }

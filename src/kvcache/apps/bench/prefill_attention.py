@@ -60,7 +60,7 @@ def _one(name: str, chunks: list[tuple[int, int]], dtype: torch.dtype, repeats: 
         order = order[count:]
     total = sum(count for _, count in chunks)
     rows_per_head = Q_HEADS // KV_HEADS
-    q = torch.randn(KV_HEADS, total, rows_per_head, HEAD_DIM, generator=gen)
+    q = torch.randn(KV_HEADS, total, rows_per_head, HEAD_DIM, generator=gen).to(dtype)  # as the model's queries
     starts = torch.tensor([0] + [count for _, count in chunks]).cumsum(0)
     pasts = torch.tensor([past for past, _ in chunks])
     scale = 1 / math.sqrt(HEAD_DIM)

@@ -1,0 +1,371 @@
+// Paged prefill attention in bfloat16 on AMX tiles (kvcache.attention.native.paged_prefill with
+// bfloat16 queries over bfloat16 blocks): the queries of prompt chunks over their past and
+// themselves, causal, as float_decode.cpp's paged_prefill takes them, but both products run on
+// tiles: scores = q k^T, and the weighted values = p v with the weights p rounded to bfloat16 (as
+// a bfloat16 attention rounds them). Sums, the running softmax and the output are float32.
+//
+//   q       bfloat16 [Hkv, N, R, D]   contiguous; chunk s's queries are N = starts[s] .. starts[s + 1],
+//                                     query i at position pasts[s] + i sees positions 0 .. pasts[s] + i
+//   k, v    bfloat16 pools [blocks, Hkv, bs, D] (Dv): block strides k_blk / v_blk, head strides
+//           k_h / v_h (elements), token rows contiguous; they hold each chunk's past and the chunk
+//   tables  int32 [seqs, table_stride]; starts int64 [seqs + 1]; pasts int64 [seqs]
+//   out     float32 [Hkv, N, R, Dv]
+//
+// Two passes. First every (block, head) the chunks reach is packed once into the tiles' operand
+// layouts (a shared prefix's blocks once for all the chunks that read them): keys as [bs/16][D/32]
+// tiles of 16 dim pairs x 16 tokens x 2, values as [bs/32][Dv/16] tiles of 16 token pairs x 16
+// columns x 2 (1 KB each). Then tasks (chunk, head, a block of query positions whose grouped heads
+// fill at most 64 rows, as float_decode's) walk their visible keys 32 at a time: two 16-key tiles of
+// scores for every 16 rows, the running softmax row by row in vectors, the rows' weights rounded to
+// bfloat16, and one 32-key tile product into the float32 sums, which stay in memory (a tile cannot
+// scale its rows by the softmax's correction). Rows past a task's own padded to 16 with zeros.
+//
+// Returns 0, 1 for inputs out of range, 2 where this build or CPU has no AMX tiles or the shapes do
+// not fit (D a multiple of 32 and Dv of 16, both <= 256; bs a multiple of 32): the caller then takes
+// float_decode's kernel.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "amx.h"
+#include "simd.h"
+
+namespace {
+
+using namespace kv;
+
+constexpr int kMaxRows = 64;    // query rows a task (four 16-row tiles)
+constexpr int kMaxDim = 256;
+constexpr int kPiece = 32;      // keys a weights tile multiplies (two 16-key score tiles), within one block
+constexpr int kStep = 128;      // keys a step: up to four pieces, the sums loaded and stored once
+constexpr int kTileElems = 512; // bfloat16 elements of a 1 KB operand tile
+constexpr float kMasked = -1.0e30f;  // a masked key's score: finite, below any real one
+
+bool fits(int rows, int dim, int vdim, int64_t block_size) {
+    return kAmx && rows >= 1 && rows <= kMaxRows && dim % 32 == 0 && dim >= 32 && dim <= kMaxDim && vdim % 16 == 0 &&
+           vdim >= 16 && vdim <= kMaxDim && block_size % kPiece == 0 && block_size > 0;
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+
+// One (block, head)'s keys [bs, D] as [bs/16][D/32] tiles: tile (g, c)'s row p holds dims
+// 32c + 2p and 32c + 2p + 1 of tokens 16g .. 16g + 15, in pairs (a row gathered from 16 tokens).
+void pack_keys(const uint16_t* k, int64_t bs, int dim, uint16_t* out) {
+    const int pieces = dim / 32;
+    const __m512i token = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                             _mm512_set1_epi32(dim / 2));  // each token's first pair
+    for (int64_t g = 0; g < bs / 16; ++g)
+        for (int c = 0; c < pieces; ++c) {
+            uint16_t* tile = out + (g * pieces + c) * kTileElems;
+            const uint16_t* first = k + g * 16 * dim + c * 32;
+            for (int p = 0; p < 16; ++p)
+                _mm512_storeu_si512(tile + p * 32, _mm512_i32gather_epi32(token, first + 2 * p, 4));
+        }
+}
+
+// One (block, head)'s values [bs, Dv] as [bs/32][Dv/16] tiles: tile (s, c)'s row p holds columns
+// 16c .. 16c + 15 of tokens 32s + 2p and 32s + 2p + 1, interleaved.
+void pack_values(const uint16_t* v, int64_t bs, int vdim, uint16_t* out) {
+    const int pieces = vdim / 16;
+    for (int64_t s = 0; s < bs / kPiece; ++s)
+        for (int c = 0; c < pieces; ++c) {
+            uint16_t* tile = out + (s * pieces + c) * kTileElems;
+            for (int p = 0; p < 16; ++p) {
+                const uint16_t* a = v + (kPiece * s + 2 * p) * vdim + 16 * c;
+                const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a));
+                const __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + vdim));
+                // in-lane interleaves give columns 0-3 + 8-11 and 4-7 + 12-15
+                const __m256i lo = _mm256_unpacklo_epi16(x, y), hi = _mm256_unpackhi_epi16(x, y);
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(tile + p * 32), _mm256_permute2x128_si256(lo, hi, 0x20));
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(tile + p * 32 + 16), _mm256_permute2x128_si256(lo, hi, 0x31));
+            }
+        }
+}
+
+// The scores [16 RT rows, 32 pieces keys] of a step into s (row stride kStep): q [16 RT, D] (row
+// stride D) times each piece's key tiles [2][D/32]. For each 16 rows, up to four 16-key tiles of
+// scores (tiles 0-3) sum over the head dim as four independent chains (query rows in tile 4, keys
+// in 5-7 and 5 again).
+inline void score_tiles(const uint16_t* q, int dim, const uint16_t* const* keys, int pieces, int row_tiles, float* s) {
+    const int parts = dim / 32, columns = 2 * pieces;
+    const int64_t q_stride = dim * 2, s_stride = kStep * 4;
+    for (int rt = 0; rt < row_tiles; ++rt) {
+        const uint16_t* qr = q + rt * 16 * dim;
+        for (int c0 = 0; c0 < columns; c0 += 4) {
+            const int n = std::min(4, columns - c0);
+            const uint16_t* k[4];
+            for (int i = 0; i < n; ++i) k[i] = keys[(c0 + i) / 2] + ((c0 + i) % 2) * parts * kTileElems;
+            _tile_zero(0);
+            if (n > 1) _tile_zero(1);
+            if (n > 2) _tile_zero(2);
+            if (n > 3) _tile_zero(3);
+            for (int c = 0; c < parts; ++c) {
+                _tile_loadd(4, qr + c * 32, q_stride);
+                _tile_loadd(5, k[0] + c * kTileElems, 64);
+                _tile_dpbf16ps(0, 4, 5);
+                if (n > 1) { _tile_loadd(6, k[1] + c * kTileElems, 64); _tile_dpbf16ps(1, 4, 6); }
+                if (n > 2) { _tile_loadd(7, k[2] + c * kTileElems, 64); _tile_dpbf16ps(2, 4, 7); }
+                if (n > 3) { _tile_loadd(5, k[3] + c * kTileElems, 64); _tile_dpbf16ps(3, 4, 5); }
+            }
+            float* out = s + rt * 16 * kStep + c0 * 16;
+            _tile_stored(0, out, s_stride);
+            if (n > 1) _tile_stored(1, out + 16, s_stride);
+            if (n > 2) _tile_stored(2, out + 32, s_stride);
+            if (n > 3) _tile_stored(3, out + 48, s_stride);
+        }
+    }
+}
+
+// The sums [16 RT rows, Dv] (row stride Dv) += the weights [16 RT, 32 pieces keys] (bfloat16, row
+// stride kStep) times each piece's value tiles [Dv/16]. For each 16 rows, up to four 16-column
+// tiles of sums (tiles 0-3) are loaded, take every piece's products (weights in tile 4, values in
+// 5-7 and 5 again) as four independent chains, and are stored once a step.
+inline void value_tiles(const uint16_t* p, const uint16_t* const* values, int pieces, int vdim, int row_tiles,
+                        float* sums) {
+    const int64_t stride = vdim * 4;
+    const int columns = vdim / 16;
+    for (int rt = 0; rt < row_tiles; ++rt) {
+        const uint16_t* w = p + rt * 16 * kStep;
+        for (int c0 = 0; c0 < columns; c0 += 4) {
+            const int n = std::min(4, columns - c0);
+            float* o = sums + rt * 16 * vdim + c0 * 16;
+            _tile_loadd(0, o, stride);
+            if (n > 1) _tile_loadd(1, o + 16, stride);
+            if (n > 2) _tile_loadd(2, o + 32, stride);
+            if (n > 3) _tile_loadd(3, o + 48, stride);
+            for (int j = 0; j < pieces; ++j) {
+                const uint16_t* v = values[j] + c0 * kTileElems;
+                _tile_loadd(4, w + j * kPiece, kStep * 2);
+                _tile_loadd(5, v, 64);
+                _tile_dpbf16ps(0, 4, 5);
+                if (n > 1) { _tile_loadd(6, v + kTileElems, 64); _tile_dpbf16ps(1, 4, 6); }
+                if (n > 2) { _tile_loadd(7, v + 2 * kTileElems, 64); _tile_dpbf16ps(2, 4, 7); }
+                if (n > 3) { _tile_loadd(5, v + 3 * kTileElems, 64); _tile_dpbf16ps(3, 4, 5); }
+            }
+            _tile_stored(0, o, stride);
+            if (n > 1) _tile_stored(1, o + 16, stride);
+            if (n > 2) _tile_stored(2, o + 32, stride);
+            if (n > 3) _tile_stored(3, o + 48, stride);
+        }
+    }
+}
+
+// A thread's scratch for one task at a time.
+struct Scratch {
+    std::vector<uint16_t> q = std::vector<uint16_t>(kMaxRows * kMaxDim);  // the task's rows, padded
+    std::vector<float> sums = std::vector<float>(kMaxRows * kMaxDim);     // weighted values
+    std::vector<float> scores = std::vector<float>(kMaxRows * kStep);
+    std::vector<uint16_t> weights = std::vector<uint16_t>(kMaxRows * kStep);
+    std::vector<uint16_t> tail = std::vector<uint16_t>(kMaxDim / 16 * kTileElems);  // a short piece's values
+    float max[kMaxRows];
+    __m512 total[kMaxRows];  // each row's summed weights, 16 lanes of partial sums
+};
+
+// e^x for the softmax's weights (rounded to bfloat16 after): x clamped to [-87, 88], 2^n times
+// e^r's degree-4 Taylor polynomial, |r| <= ln2 / 2 (relative error below 5e-5).
+inline __m512 exp_weights(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x));
+    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.f / 24.f), r, _mm512_set1_ps(1.f / 6.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+// How far a row's scores may rise above the maximum its weights are taken against before that
+// maximum moves (and its sums are rescaled): weights up to e^8, so most steps rescale nothing.
+constexpr float kSlack = 8.f;
+
+// The keys of 16-key vector i that a row seeing `seen` of the step's keys sees.
+inline __mmask16 visible(int seen, int i) {
+    const int n = std::clamp(seen - 16 * i, 0, 16);
+    return static_cast<__mmask16>((1u << n) - 1);
+}
+
+// The running softmax of one step's scores (`vectors` of 16 keys) for rows [0, m): with
+// `diagonal`, row r sees the step's first limit(r) keys, else all. Each row's weights e^(scale s -
+// max) rounded to bfloat16 into `weights`; where a score passes max + kSlack the row's max moves
+// to its largest score and its sums are rescaled.
+template <typename Limit>
+void softmax_step(Scratch& x, int m, int vdim, int vectors, float scale, bool diagonal, Limit limit) {
+    const __m512 masked = _mm512_set1_ps(kMasked), by = _mm512_set1_ps(scale);
+    constexpr int kMost = kStep / 16;
+    for (int r = 0; r < m; ++r) {
+        const int seen = diagonal ? limit(r) : kStep;
+        const float* s = x.scores.data() + r * kStep;
+        __m512 v[kMost];
+        __mmask16 keep[kMost];
+        __m512 top = masked;
+        for (int i = 0; i < vectors; ++i) {
+            keep[i] = visible(seen, i);
+            v[i] = _mm512_mask_blend_ps(keep[i], masked, _mm512_mul_ps(_mm512_loadu_ps(s + 16 * i), by));
+            top = _mm512_max_ps(top, v[i]);
+        }
+        if (_mm512_cmp_ps_mask(top, _mm512_set1_ps(x.max[r] + kSlack), _CMP_GT_OQ)) {
+            const float moved = _mm512_reduce_max_ps(top);
+            const float c = std::exp(x.max[r] - moved);  // 0 on the first step (max = kMasked)
+            x.total[r] = _mm512_mul_ps(x.total[r], _mm512_set1_ps(c));
+            float* o = x.sums.data() + r * vdim;
+            for (int d = 0; d < vdim; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), _mm512_set1_ps(c)));
+            x.max[r] = moved;
+        }
+        const __m512 base = _mm512_set1_ps(x.max[r]);
+        uint16_t* w = x.weights.data() + r * kStep;
+        for (int i = 0; i < vectors; i += 2) {  // vectors is even: whole 32-key pieces
+            const __m512 e0 = _mm512_maskz_mov_ps(keep[i], exp_weights(_mm512_sub_ps(v[i], base)));
+            const __m512 e1 = _mm512_maskz_mov_ps(keep[i + 1], exp_weights(_mm512_sub_ps(v[i + 1], base)));
+            x.total[r] = _mm512_add_ps(x.total[r], _mm512_add_ps(e0, e1));
+            _mm512_storeu_si512(w + 16 * i, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));  // keys 16i.. low, 16(i+1).. high
+        }
+    }
+}
+
+void steps(Scratch& x, int row_tiles, int m, int dim, int vdim, int64_t seen, const int32_t* table, int64_t block_size,
+           const std::vector<int32_t>& slot, const uint16_t* keys, const uint16_t* values, int64_t head,
+           int64_t heads, float scale, int64_t first_position, int rows) {
+    const int64_t key_tiles = block_size / 16 * (dim / 32), value_tiles_ = block_size / kPiece * (vdim / 16);
+    for (int64_t t = 0; t < seen; t += kStep) {
+        const int count = static_cast<int>(std::min<int64_t>(kStep, seen - t));
+        const int pieces = (count + kPiece - 1) / kPiece;
+        const uint16_t* k[kStep / kPiece];
+        const uint16_t* v[kStep / kPiece];
+        for (int j = 0; j < pieces; ++j) {  // a piece lies in one block
+            const int64_t at = t + j * kPiece, within = at % block_size;
+            const int64_t packed = static_cast<int64_t>(slot[table[at / block_size]]) * heads + head;
+            k[j] = keys + (packed * key_tiles + within / 16 * (dim / 32)) * kTileElems;
+            v[j] = values + (packed * value_tiles_ + within / kPiece * (vdim / 16)) * kTileElems;
+        }
+        if (count % kPiece != 0) {  // keys past the chunk may be unwritten: their values zeroed, not multiplied by 0
+            const int last = pieces - 1, valid = count - last * kPiece;
+            std::memcpy(x.tail.data(), v[last], vdim / 16 * kTileElems * sizeof(uint16_t));
+            for (int c = 0; c < vdim / 16; ++c)
+                for (int key = valid; key < kPiece; ++key)
+                    for (int j = 0; j < 16; ++j) x.tail[c * kTileElems + (key / 2) * 32 + 2 * j + key % 2] = 0;
+            v[last] = x.tail.data();
+        }
+        score_tiles(x.q.data(), dim, k, pieces, row_tiles, x.scores.data());
+        // row r (position first_position + r / rows) sees keys up to its own position: all of a
+        // step that ends before the first row's
+        const bool diagonal = count < pieces * kPiece || t + pieces * kPiece > first_position + 1;
+        softmax_step(x, m, vdim, 2 * pieces, scale, diagonal, [&](int r) {
+            return static_cast<int>(std::clamp<int64_t>(first_position + r / rows + 1 - t, 0, count));
+        });
+        value_tiles(x.weights.data(), v, pieces, vdim, row_tiles, x.sums.data());
+    }
+}
+
+int prefill(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int32_t* tables, const int64_t* starts,
+            const int64_t* pasts, float* out, int64_t seqs, int64_t heads, int rows, int dim, int vdim,
+            int64_t block_size, int64_t table_stride, int64_t k_blk, int64_t k_h, int64_t v_blk, int64_t v_h,
+            float scale, int threads) {
+    // the blocks the chunks reach, each packed once
+    int32_t top = -1;
+    for (int64_t s = 0; s < seqs; ++s) {
+        const int64_t n = starts[s + 1] - starts[s];
+        if (n < 0 || pasts[s] < 0) return 1;
+        const int64_t blocks = (pasts[s] + n + block_size - 1) / block_size;
+        if (blocks > table_stride) return 1;
+        for (int64_t b = 0; b < blocks; ++b) {
+            if (tables[s * table_stride + b] < 0) return 1;
+            top = std::max(top, tables[s * table_stride + b]);
+        }
+    }
+    std::vector<int32_t> slot(static_cast<size_t>(top) + 1, -1), used;
+    for (int64_t s = 0; s < seqs; ++s) {
+        const int64_t blocks = (pasts[s] + starts[s + 1] - starts[s] + block_size - 1) / block_size;
+        for (int64_t b = 0; b < blocks; ++b) {
+            const int32_t id = tables[s * table_stride + b];
+            if (slot[id] < 0) slot[id] = static_cast<int32_t>(used.size()), used.push_back(id);
+        }
+    }
+    const int64_t key_elems = block_size * dim, value_elems = block_size * vdim;
+    // the calling thread's packing buffers, kept between calls (grown, never zeroed: every element
+    // used is written below), so a long past is not mapped afresh at every layer
+    thread_local std::unique_ptr<uint16_t[]> keys, values;
+    thread_local size_t held = 0;
+    const size_t need = used.size() * heads * std::max(key_elems, value_elems);
+    if (need > held) keys.reset(new uint16_t[need]), values.reset(new uint16_t[need]), held = need;
+    uint16_t* const packed_keys = keys.get();  // (thread_local: read here, not in the OpenMP workers)
+    uint16_t* const packed_values = values.get();
+    const int64_t packs = static_cast<int64_t>(used.size()) * heads;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t i = 0; i < packs; ++i) {
+        const int64_t block = used[i / heads], h = i % heads;
+        pack_keys(k + block * k_blk + h * k_h, block_size, dim, packed_keys + i * key_elems);
+        pack_values(v + block * v_blk + h * v_h, block_size, vdim, packed_values + i * value_elems);
+    }
+
+    const int64_t most = kMaxRows / rows;  // query positions a task at most; a chunk's tasks take equal shares
+    const int64_t total = starts[seqs];
+    std::vector<int64_t> first(seqs + 1, 0);
+    for (int64_t s = 0; s < seqs; ++s)
+        first[s + 1] = first[s] + heads * ((starts[s + 1] - starts[s] + most - 1) / most);
+    const int64_t tasks = first[seqs];
+#pragma omp parallel num_threads(threads)
+    {
+        Scratch x;
+        TileConfig config;
+        for (int t = 0; t < 8; ++t) config.rows[t] = 16, config.colsb[t] = 64;
+        _tile_loadconfig(&config);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < tasks; ++task) {
+            const int64_t s = std::upper_bound(first.begin(), first.end(), task) - first.begin() - 1;
+            const int64_t n = starts[s + 1] - starts[s], query_blocks = (n + most - 1) / most;
+            const int64_t per_task = (n + query_blocks - 1) / query_blocks;
+            const int64_t local = task - first[s], h = local / query_blocks;
+            const int64_t i0 = (local % query_blocks) * per_task, i1 = std::min(n, i0 + per_task);
+            const int m = static_cast<int>((i1 - i0) * rows), padded = (m + 15) / 16 * 16;
+            const int64_t offset = (h * total + starts[s] + i0) * rows;  // the task's first row in q and out
+            std::memcpy(x.q.data(), q + offset * dim, sizeof(uint16_t) * m * dim);
+            std::memset(x.q.data() + m * dim, 0, sizeof(uint16_t) * (padded - m) * dim);
+            std::memset(x.sums.data(), 0, sizeof(float) * padded * vdim);
+            std::memset(x.weights.data(), 0, sizeof(uint16_t) * padded * kStep);  // padded rows weigh nothing
+            for (int r = 0; r < m; ++r) x.max[r] = kMasked, x.total[r] = _mm512_setzero_ps();
+            const int64_t seen = pasts[s] + i1;  // keys the task's last query sees
+            const int32_t* table = tables + s * table_stride;
+            const int64_t position = pasts[s] + i0;
+            steps(x, padded / 16, m, dim, vdim, seen, table, block_size, slot, packed_keys, packed_values, h, heads, scale,
+                  position, rows);
+            for (int r = 0; r < m; ++r) {
+                const __m512 inverse = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(x.total[r]));
+                const float* o = x.sums.data() + r * vdim;
+                float* y = out + (offset + r) * vdim;
+                for (int d = 0; d < vdim; d += 16) _mm512_storeu_ps(y + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), inverse));
+            }
+        }
+        _tile_release();
+    }
+    return 0;
+}
+#endif
+
+}  // namespace
+
+extern "C" {
+
+// 1 where this build and CPU multiply on AMX tiles (and oneDNN is not capped below them), else 0.
+int kv_amx_prefill_usable() { return kAmx && amx_usable() ? 1 : 0; }
+
+int kv_amx_prefill(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int32_t* tables,
+                   const int64_t* starts, const int64_t* pasts, float* out, int64_t seqs, int64_t heads, int rows,
+                   int dim, int vdim, int64_t block_size, int64_t table_stride, int64_t k_blk, int64_t k_h,
+                   int64_t v_blk, int64_t v_h, float scale, int threads) {
+    if (!fits(rows, dim, vdim, block_size) || !amx_usable()) return 2;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+    return prefill(q, k, v, tables, starts, pasts, out, seqs, heads, rows, dim, vdim, block_size, table_stride, k_blk,
+                   k_h, v_blk, v_h, scale, threads);
+#else
+    (void)q, (void)k, (void)v, (void)tables, (void)starts, (void)pasts, (void)out, (void)seqs, (void)heads;
+    (void)table_stride, (void)k_blk, (void)k_h, (void)v_blk, (void)v_h, (void)scale, (void)threads;
+    return 2;
+#endif
+}
+
+}  // extern "C"
