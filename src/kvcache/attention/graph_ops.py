@@ -3,7 +3,7 @@
 ``torch.compile`` cannot trace into a ``ctypes`` call. Reached from a traced function, the
 ``native`` kernels break the graph there, and the code after each break is compiled again for every
 layer (docs/benchmarks.md, "A decode step on an Intel Xeon"). Declared through ``torch.library``
-with a fake implementation (the output's shape and dtype, computed without running the kernel),
+(``op_library.define``) with a fake implementation (the output's shape and dtype, computed without running the kernel),
 they become single nodes that dynamo, AOT autograd and inductor pass through:
 
 - ``torch.ops.kvcache.paged_decode(q, key_pool, value_pool, tables, lengths, scale)``: as
@@ -30,7 +30,7 @@ from typing import NamedTuple
 import torch
 
 from ..errors import UnsupportedOperation
-from . import native
+from . import native, op_library
 
 __all__ = ["GraphOps", "register"]
 
@@ -46,49 +46,41 @@ def register() -> GraphOps:
     """Register ``kvcache::paged_decode``, ``paged_decode_lse`` and ``paged_prefill`` (once per
     process)."""
 
-    @torch.library.custom_op("kvcache::paged_decode", mutates_args=())
-    def paged_decode(
-        q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor, tables: torch.Tensor,
-        lengths: torch.Tensor, scale: float,
-    ) -> torch.Tensor:  # fmt: skip
+    def paged_decode(q, key_pool, value_pool, tables, lengths, scale):
         out = native.paged_decode(q, key_pool, value_pool, tables, lengths, scale)
         if out is None:
             raise UnsupportedOperation(_refused("paged_decode", q, key_pool))
         return out
 
-    @paged_decode.register_fake
-    def _(q, key_pool, value_pool, tables, lengths, scale):
-        return _output(q, value_pool)
-
-    @torch.library.custom_op("kvcache::paged_decode_lse", mutates_args=())
-    def paged_decode_lse(
-        q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor, tables: torch.Tensor,
-        lengths: torch.Tensor, scale: float,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def paged_decode_lse(q, key_pool, value_pool, tables, lengths, scale):
         got = native.paged_decode(q, key_pool, value_pool, tables, lengths, scale, lse=True)
         if got is None:
             raise UnsupportedOperation(_refused("paged_decode_lse", q, key_pool))
         return got
 
-    @paged_decode_lse.register_fake
-    def _(q, key_pool, value_pool, tables, lengths, scale):
-        return _output(q, value_pool), q.new_empty(q.shape[:-1], dtype=torch.float32)
-
-    @torch.library.custom_op("kvcache::paged_prefill", mutates_args=())
-    def paged_prefill(
-        q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor, tables: torch.Tensor,
-        starts: torch.Tensor, pasts: torch.Tensor, scale: float,
-    ) -> torch.Tensor:  # fmt: skip
+    def paged_prefill(q, key_pool, value_pool, tables, starts, pasts, scale):
         out = native.paged_prefill(q, key_pool, value_pool, tables, starts, pasts, scale)
         if out is None:
             raise UnsupportedOperation(_refused("paged_prefill", q, key_pool))
         return out
 
-    @paged_prefill.register_fake
-    def _(q, key_pool, value_pool, tables, starts, pasts, scale):
+    def decode_fake(q, key_pool, value_pool, tables, lengths, scale):
         return _output(q, value_pool)
 
-    return GraphOps(torch.ops.kvcache.paged_decode, torch.ops.kvcache.paged_decode_lse, torch.ops.kvcache.paged_prefill)
+    def decode_lse_fake(q, key_pool, value_pool, tables, lengths, scale):
+        return _output(q, value_pool), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+    def prefill_fake(q, key_pool, value_pool, tables, starts, pasts, scale):
+        return _output(q, value_pool)
+
+    pools = "Tensor q, Tensor key_pool, Tensor value_pool, Tensor tables"
+    return GraphOps(
+        op_library.define("paged_decode", f"({pools}, Tensor lengths, float scale) -> Tensor", paged_decode, decode_fake),
+        op_library.define("paged_decode_lse", f"({pools}, Tensor lengths, float scale) -> (Tensor, Tensor)",
+                          paged_decode_lse, decode_lse_fake),  # fmt: skip
+        op_library.define("paged_prefill", f"({pools}, Tensor starts, Tensor pasts, float scale) -> Tensor",
+                          paged_prefill, prefill_fake),  # fmt: skip
+    )
 
 
 def _output(q: torch.Tensor, value_pool: torch.Tensor) -> torch.Tensor:

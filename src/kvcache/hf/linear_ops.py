@@ -21,6 +21,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from ..attention import op_library
 from . import panels
 
 #: Most rows a float32 call multiplies on panels; longer calls (prompt chunks) go to oneDNN, which
@@ -60,15 +61,8 @@ def call(
 def register() -> torch._ops.OpOverloadPacket:
     """Register ``kvcache::linear`` (``call`` as an operator; once per process) and return it."""
 
-    @torch.library.custom_op("kvcache::linear", mutates_args=())
-    def linear(
-        x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-        panel: torch.Tensor | None, onednn: torch.Tensor | None, n: int,
-    ) -> torch.Tensor:
-        return call(x, weight, bias, panel, onednn, n)
-
-    @linear.register_fake
-    def _(x, weight, bias, panel, onednn, n):
+    def fake(x, weight, bias, panel, onednn, n):
         return x.new_empty((*x.shape[:-1], n))  # every path returns x's dtype (panels: their own, x's)
 
-    return torch.ops.kvcache.linear
+    schema = "(Tensor x, Tensor weight, Tensor? bias, Tensor? panel, Tensor? onednn, int n) -> Tensor"
+    return op_library.define("linear", schema, call, fake)
