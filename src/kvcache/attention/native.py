@@ -225,7 +225,10 @@ def paged_prefill(
     ``q[:, starts[s]:starts[s + 1]]``, int64 ``starts`` ``[S + 1]``, its query ``i`` at position
     ``pasts[s] + i`` seeing positions ``0 .. pasts[s] + i`` in blocks ``tables[s]``, int32
     ``[S, max_blocks]``). Float32 ``[Hkv, N, R, Dv]``, or None where the library cannot take it. The
-    caller checks that the tables' block ids are within the pool."""
+    caller checks that the tables' block ids are within the pool. bfloat16 queries over bfloat16
+    blocks run on AMX tiles where ``amx_prefill_available()`` (``csrc/amx_prefill.cpp``: the
+    weights rounded to bfloat16 before they multiply the values, as a bfloat16 attention rounds
+    them); float32 queries, and other CPUs, take the float library's kernel (float32 throughout)."""
     heads, total, rows, dim = q.shape
     block_size, vdim = key_pool.shape[2], value_pool.shape[3]
     seqs = tables.shape[0] if tables.dim() == 2 else -1

@@ -14,11 +14,14 @@
 // Two passes. First every (block, head) the chunks reach is packed once into the tiles' operand
 // layouts (a shared prefix's blocks once for all the chunks that read them): keys as [bs/16][D/32]
 // tiles of 16 dim pairs x 16 tokens x 2, values as [bs/32][Dv/16] tiles of 16 token pairs x 16
-// columns x 2 (1 KB each). Then tasks (chunk, head, a block of query positions whose grouped heads
-// fill at most 64 rows, as float_decode's) walk their visible keys 32 at a time: two 16-key tiles of
-// scores for every 16 rows, the running softmax row by row in vectors, the rows' weights rounded to
-// bfloat16, and one 32-key tile product into the float32 sums, which stay in memory (a tile cannot
-// scale its rows by the softmax's correction). Rows past a task's own padded to 16 with zeros.
+// columns x 2 (1 KB each), in buffers the calling thread keeps between calls. Then tasks (chunk,
+// head, a block of query positions whose grouped heads fill at most 64 rows, a chunk's tasks taking
+// equal shares) walk their visible keys 128 at a time, in pieces of 32 (a piece lies in one
+// block): the scores of every 16 rows as up to four independent 16-key tile products, the running
+// softmax row by row in vectors against a lazy maximum (kSlack), the weights rounded to bfloat16,
+// and the weighted values as tile products into float32 sums, which stay in memory (a tile cannot
+// scale its rows by the softmax's correction) and are loaded and stored once a step. Rows past a
+// task's own are padded to 16 with zeros.
 //
 // Returns 0, 1 for inputs out of range, 2 where this build or CPU has no AMX tiles or the shapes do
 // not fit (D a multiple of 32 and Dv of 16, both <= 256; bs a multiple of 32): the caller then takes
