@@ -8,7 +8,8 @@ engine's step holds them). Cases (fewer and shorter for ``tiny``):
 - ``1 x 512 after 0``: the first chunk of a prompt;
 - ``1 x 512 after 3,072``: the last chunk of a 3.5K prompt.
 
-Contenders, alternating within each repeat, in float32 and bfloat16 blocks:
+Contenders, alternating within each repeat, in float32 and bfloat16 (blocks and queries alike, as
+a model in that dtype gives them; bfloat16 chunks run on AMX tiles where the CPU has them):
 
 - ``paged-prefill``: ``native.paged_prefill``, every chunk in one call (what ``PagedStep`` runs);
 - ``gather+sdpa``: each chunk's past gathered out of the blocks, then ``kvcache.attend`` causal
@@ -73,7 +74,7 @@ def _one(name: str, chunks: list[tuple[int, int]], dtype: torch.dtype, repeats: 
             blocks = tables[s, : need[s]].long()
             k = keys[blocks].transpose(0, 1).reshape(1, KV_HEADS, -1, HEAD_DIM)[:, :, : past + count]
             v = values[blocks].transpose(0, 1).reshape(1, KV_HEADS, -1, HEAD_DIM)[:, :, : past + count]
-            qs = q[:, starts[s] : starts[s + 1]].permute(0, 2, 1, 3).reshape(1, Q_HEADS, count, HEAD_DIM).to(dtype)
+            qs = q[:, starts[s] : starts[s + 1]].permute(0, 2, 1, 3).reshape(1, Q_HEADS, count, HEAD_DIM)
             got = attend(qs, k, v, scale=scale, causal=True)  # [1, Hq, count, D]
             out.append(got[0].reshape(KV_HEADS, rows_per_head, count, HEAD_DIM).transpose(1, 2).float())
         return torch.cat(out, dim=1)
