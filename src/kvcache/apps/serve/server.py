@@ -36,7 +36,7 @@ class ServeOptions:
     max_seqs: int = 32
     max_bytes: int | None = None
     block_size: int = 32
-    max_batch_tokens: int = 512
+    max_batch_tokens: int = 2048
     max_queue: int = 64
     api_key: str | None = None
     device: str = "cpu"
