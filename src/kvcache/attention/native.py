@@ -22,6 +22,9 @@ MAX_ROWS, MAX_DIM = 16, 512
 #: Query rows per sequence the paged entry takes (several sequences' rows share a prefix's pass).
 PAGED_MAX_ROWS = 64
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+#: Query rows per sequence from which bfloat16 decode rows run on AMX tiles (a shared prefix's pass:
+#: many sequences' rows stacked); fewer rows would mostly multiply the tiles' zero padding.
+AMX_DECODE_ROWS = 16
 #: Tokens per task: enough to amortise a task, few enough that a long sequence splits across threads.
 _MIN_CHUNK, _TASKS_PER_THREAD = 256, 16
 
@@ -42,6 +45,8 @@ def _declare_amx(lib: ctypes.CDLL) -> ctypes.CDLL:
     ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     lib.kv_amx_prefill.argtypes = [ptr] * 7 + [i64, i64, i32, i32, i32] + [i64] * 6 + [ctypes.c_float, i32]
     lib.kv_amx_prefill.restype = i32
+    lib.kv_amx_decode.argtypes = [ptr] * 7 + [i64, i64, i32, i32, i32] + [i64] * 7 + [ctypes.c_float, i32]
+    lib.kv_amx_decode.restype = i32
     lib.kv_amx_prefill_usable.restype = i32
     return lib
 
@@ -182,7 +187,9 @@ def paged_decode(
     library takes ``blocks_per_task`` blocks of a sequence (default: about ``_MIN_CHUNK`` tokens).
     With ``lse``, ``(out, lse)``: ``lse`` float32 ``[S, Hkv, R]`` is each row's log-sum-exp of its
     scaled scores (-inf for a sequence of length 0), what merging with attention over other keys
-    needs. ``R`` may be up to ``PAGED_MAX_ROWS``."""
+    needs. ``R`` may be up to ``PAGED_MAX_ROWS``. bfloat16 queries of at least ``AMX_DECODE_ROWS``
+    rows over bfloat16 blocks run on AMX tiles where ``amx_prefill_available()`` (the weights rounded
+    to bfloat16, as ``paged_prefill``'s); others take the float kernel (float32 throughout)."""
     seqs, heads, rows, dim = q.shape
     block_size, vdim = key_pool.shape[2], value_pool.shape[3]
     ok = (
@@ -193,12 +200,21 @@ def paged_decode(
     if lib is None:
         return None
     per_task = blocks_per_task or max(1, _MIN_CHUNK // block_size)
-    qf = q.detach().float().contiguous()
     table = tables.to(torch.int32).contiguous()
     length = lengths.to(torch.int64).contiguous()
     out = torch.empty(seqs, heads, rows, vdim, dtype=torch.float32)
     sums = torch.empty(seqs, heads, rows, dtype=torch.float32) if lse else None
     ks, vs = key_pool.stride(), value_pool.stride()
+    if rows >= AMX_DECODE_ROWS and q.dtype == torch.bfloat16 and key_pool.dtype == torch.bfloat16 and not softcap:
+        amx, qb = library("amx_prefill", _declare_amx), q.detach().contiguous()
+        failed = 2 if amx is None else amx.kv_amx_decode(
+            qb.data_ptr(), key_pool.data_ptr(), value_pool.data_ptr(), table.data_ptr(), length.data_ptr(),
+            out.data_ptr(), None if sums is None else sums.data_ptr(), seqs, heads, rows, dim, vdim, block_size,
+            table.shape[1], ks[0], ks[1], vs[0], vs[1], per_task, float(scale), torch.get_num_threads(),
+        )  # fmt: skip
+        if failed == 0:
+            return (out, sums) if sums is not None else out
+    qf = q.detach().float().contiguous()
     failed = lib.kv_paged_decode(
         qf.data_ptr(), key_pool.data_ptr(), value_pool.data_ptr(), table.data_ptr(), length.data_ptr(), out.data_ptr(),
         None if sums is None else sums.data_ptr(), _DTYPES[key_pool.dtype], seqs, heads, rows, dim, vdim, block_size, table.shape[1],

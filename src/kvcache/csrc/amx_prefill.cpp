@@ -230,11 +230,12 @@ void softmax_step(Scratch& x, int m, int vdim, int vectors, float scale, bool di
     }
 }
 
-void steps(Scratch& x, int row_tiles, int m, int dim, int vdim, int64_t seen, const int32_t* table, int64_t block_size,
-           const std::vector<int32_t>& slot, const uint16_t* keys, const uint16_t* values, int64_t head,
-           int64_t heads, float scale, int64_t first_position, int rows) {
+// Keys [from, seen) (from a multiple of kPiece) into the task's running softmax and sums.
+void steps(Scratch& x, int row_tiles, int m, int dim, int vdim, int64_t from, int64_t seen, const int32_t* table,
+           int64_t block_size, const std::vector<int32_t>& slot, const uint16_t* keys, const uint16_t* values,
+           int64_t head, int64_t heads, float scale, int64_t first_position, int rows) {
     const int64_t key_tiles = block_size / 16 * (dim / 32), value_tiles_ = block_size / kPiece * (vdim / 16);
-    for (int64_t t = 0; t < seen; t += kStep) {
+    for (int64_t t = from; t < seen; t += kStep) {
         const int count = static_cast<int>(std::min<int64_t>(kStep, seen - t));
         const int pieces = (count + kPiece - 1) / kPiece;
         const uint16_t* k[kStep / kPiece];
@@ -264,30 +265,36 @@ void steps(Scratch& x, int row_tiles, int m, int dim, int vdim, int64_t seen, co
     }
 }
 
-int prefill(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int32_t* tables, const int64_t* starts,
-            const int64_t* pasts, float* out, int64_t seqs, int64_t heads, int rows, int dim, int vdim,
-            int64_t block_size, int64_t table_stride, int64_t k_blk, int64_t k_h, int64_t v_blk, int64_t v_h,
-            float scale, int threads) {
-    // the blocks the chunks reach, each packed once
+// The blocks in use, packed once each per head: `slot[id]` is block id's place (-1: not reached),
+// `keys` / `values` its packed tiles at (slot * heads + head) * the block's elements.
+struct Packed {
+    std::vector<int32_t> slot;
+    const uint16_t* keys = nullptr;
+    const uint16_t* values = nullptr;
+};
+
+// Packs the first reach[s] blocks of every table row s; false where a reached id is negative or a
+// row needs more blocks than the table holds.
+bool pack(const int32_t* tables, int64_t table_stride, const std::vector<int64_t>& reach, const uint16_t* k,
+          const uint16_t* v, int64_t heads, int dim, int vdim, int64_t block_size, int64_t k_blk, int64_t k_h,
+          int64_t v_blk, int64_t v_h, int threads, Packed& packed) {
+    const int64_t seqs = static_cast<int64_t>(reach.size());
     int32_t top = -1;
     for (int64_t s = 0; s < seqs; ++s) {
-        const int64_t n = starts[s + 1] - starts[s];
-        if (n < 0 || pasts[s] < 0) return 1;
-        const int64_t blocks = (pasts[s] + n + block_size - 1) / block_size;
-        if (blocks > table_stride) return 1;
-        for (int64_t b = 0; b < blocks; ++b) {
-            if (tables[s * table_stride + b] < 0) return 1;
+        if (reach[s] > table_stride) return false;
+        for (int64_t b = 0; b < reach[s]; ++b) {
+            if (tables[s * table_stride + b] < 0) return false;
             top = std::max(top, tables[s * table_stride + b]);
         }
     }
-    std::vector<int32_t> slot(static_cast<size_t>(top) + 1, -1), used;
-    for (int64_t s = 0; s < seqs; ++s) {
-        const int64_t blocks = (pasts[s] + starts[s + 1] - starts[s] + block_size - 1) / block_size;
-        for (int64_t b = 0; b < blocks; ++b) {
+    std::vector<int32_t>& slot = packed.slot;
+    slot.assign(static_cast<size_t>(top) + 1, -1);
+    std::vector<int32_t> used;
+    for (int64_t s = 0; s < seqs; ++s)
+        for (int64_t b = 0; b < reach[s]; ++b) {
             const int32_t id = tables[s * table_stride + b];
             if (slot[id] < 0) slot[id] = static_cast<int32_t>(used.size()), used.push_back(id);
         }
-    }
     const int64_t key_elems = block_size * dim, value_elems = block_size * vdim;
     // the calling thread's packing buffers, kept between calls (grown, never zeroed: every element
     // used is written below), so a long past is not mapped afresh at every layer
@@ -304,6 +311,27 @@ int prefill(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int32
         pack_keys(k + block * k_blk + h * k_h, block_size, dim, packed_keys + i * key_elems);
         pack_values(v + block * v_blk + h * v_h, block_size, vdim, packed_values + i * value_elems);
     }
+    packed.keys = packed_keys;
+    packed.values = packed_values;
+    return true;
+}
+
+int prefill(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int32_t* tables, const int64_t* starts,
+            const int64_t* pasts, float* out, int64_t seqs, int64_t heads, int rows, int dim, int vdim,
+            int64_t block_size, int64_t table_stride, int64_t k_blk, int64_t k_h, int64_t v_blk, int64_t v_h,
+            float scale, int threads) {
+    std::vector<int64_t> reach(seqs);  // blocks each chunk reaches
+    for (int64_t s = 0; s < seqs; ++s) {
+        const int64_t n = starts[s + 1] - starts[s];
+        if (n < 0 || pasts[s] < 0) return 1;
+        reach[s] = (pasts[s] + n + block_size - 1) / block_size;
+    }
+    Packed packed;
+    if (!pack(tables, table_stride, reach, k, v, heads, dim, vdim, block_size, k_blk, k_h, v_blk, v_h, threads, packed))
+        return 1;
+    const uint16_t* const packed_keys = packed.keys;
+    const uint16_t* const packed_values = packed.values;
+    const std::vector<int32_t>& slot = packed.slot;
 
     const int64_t most = kMaxRows / rows;  // query positions a task at most; a chunk's tasks take equal shares
     const int64_t total = starts[seqs];
@@ -334,8 +362,8 @@ int prefill(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int32
             const int64_t seen = pasts[s] + i1;  // keys the task's last query sees
             const int32_t* table = tables + s * table_stride;
             const int64_t position = pasts[s] + i0;
-            steps(x, padded / 16, m, dim, vdim, seen, table, block_size, slot, packed_keys, packed_values, h, heads, scale,
-                  position, rows);
+            steps(x, padded / 16, m, dim, vdim, 0, seen, table, block_size, slot, packed_keys, packed_values, h, heads,
+                  scale, position, rows);
             for (int r = 0; r < m; ++r) {
                 const __m512 inverse = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(x.total[r]));
                 const float* o = x.sums.data() + r * vdim;
@@ -344,6 +372,88 @@ int prefill(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int32
             }
         }
         _tile_release();
+    }
+    return 0;
+}
+
+// Decode rows over their sequences' blocks, not causal: sequence s's `rows` rows (several
+// sequences' grouped heads stacked, for a shared prefix's pass) all see its first lengths[s]
+// tokens. Tasks (sequence, head, a run of blocks_per_task blocks) each take their run's keys as a
+// prefill task takes a step's; the runs of a (sequence, head) are then merged by their log-sum-exps.
+int decode(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int32_t* tables, const int64_t* lengths,
+           float* out, float* lse, int64_t seqs, int64_t heads, int rows, int dim, int vdim, int64_t block_size,
+           int64_t table_stride, int64_t k_blk, int64_t k_h, int64_t v_blk, int64_t v_h, int64_t blocks_per_task,
+           float scale, int threads) {
+    if (blocks_per_task < 1) return 1;
+    std::vector<int64_t> reach(seqs), first(seqs + 1, 0);  // blocks a sequence reaches; its first task
+    for (int64_t s = 0; s < seqs; ++s) {
+        if (lengths[s] < 0) return 1;
+        reach[s] = (lengths[s] + block_size - 1) / block_size;
+        first[s + 1] = first[s] + heads * std::max<int64_t>(1, (reach[s] + blocks_per_task - 1) / blocks_per_task);
+    }
+    Packed packed;
+    if (!pack(tables, table_stride, reach, k, v, heads, dim, vdim, block_size, k_blk, k_h, v_blk, v_h, threads, packed))
+        return 1;
+    const int64_t tasks = first[seqs], run = blocks_per_task * block_size;
+    const int padded = (rows + 15) / 16 * 16;
+    std::vector<float> outs(static_cast<size_t>(tasks) * rows * vdim), sums(static_cast<size_t>(tasks) * rows);
+#pragma omp parallel num_threads(threads)
+    {
+        Scratch x;
+        TileConfig config;
+        for (int t = 0; t < 8; ++t) config.rows[t] = 16, config.colsb[t] = 64;
+        _tile_loadconfig(&config);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < tasks; ++task) {
+            const int64_t s = std::upper_bound(first.begin(), first.end(), task) - first.begin() - 1;
+            const int64_t per_head = (first[s + 1] - first[s]) / heads, local = task - first[s];
+            const int64_t h = local / per_head, t0 = (local % per_head) * run, t1 = std::min(lengths[s], t0 + run);
+            float* o = outs.data() + task * rows * vdim;
+            float* l = sums.data() + task * rows;
+            if (t1 <= t0) {  // an empty sequence
+                std::memset(o, 0, sizeof(float) * rows * vdim);
+                for (int r = 0; r < rows; ++r) l[r] = -INFINITY;
+                continue;
+            }
+            std::memcpy(x.q.data(), q + (s * heads + h) * rows * dim, sizeof(uint16_t) * rows * dim);
+            std::memset(x.q.data() + rows * dim, 0, sizeof(uint16_t) * (padded - rows) * dim);
+            std::memset(x.sums.data(), 0, sizeof(float) * padded * vdim);
+            std::memset(x.weights.data(), 0, sizeof(uint16_t) * padded * kStep);  // padded rows weigh nothing
+            for (int r = 0; r < rows; ++r) x.max[r] = kMasked, x.total[r] = _mm512_setzero_ps();
+            // every row at position t1 - 1: it sees all of the run
+            steps(x, padded / 16, rows, dim, vdim, t0, t1, tables + s * table_stride, block_size, packed.slot,
+                  packed.keys, packed.values, h, heads, scale, t1 - 1, rows);
+            for (int r = 0; r < rows; ++r) {
+                const float total = _mm512_reduce_add_ps(x.total[r]);
+                const __m512 inverse = _mm512_set1_ps(1.f / total);
+                for (int d = 0; d < vdim; d += 16)
+                    _mm512_storeu_ps(o + r * vdim + d, _mm512_mul_ps(_mm512_loadu_ps(x.sums.data() + r * vdim + d), inverse));
+                l[r] = x.max[r] + std::log(total);
+            }
+        }
+        _tile_release();
+#pragma omp for
+        for (int64_t sh = 0; sh < seqs * heads; ++sh) {  // each (sequence, head)'s runs merged
+            const int64_t s = sh / heads, h = sh % heads, per_head = (first[s + 1] - first[s]) / heads;
+            const int64_t base = first[s] + h * per_head;
+            for (int r = 0; r < rows; ++r) {
+                float m = -INFINITY;
+                for (int64_t c = 0; c < per_head; ++c) m = std::max(m, sums[(base + c) * rows + r]);
+                float* y = out + (sh * rows + r) * vdim;
+                std::memset(y, 0, sizeof(float) * vdim);
+                if (lse != nullptr) lse[sh * rows + r] = m;
+                if (m == -INFINITY) continue;
+                float total = 0.f;
+                for (int64_t c = 0; c < per_head; ++c) {
+                    const float w = std::exp(sums[(base + c) * rows + r] - m);
+                    total += w;
+                    const float* a = outs.data() + ((base + c) * rows + r) * vdim;
+                    for (int d = 0; d < vdim; ++d) y[d] += w * a[d];
+                }
+                for (int d = 0; d < vdim; ++d) y[d] /= total;
+                if (lse != nullptr) lse[sh * rows + r] = m + std::log(total);
+            }
+        }
     }
     return 0;
 }
@@ -367,6 +477,25 @@ int kv_amx_prefill(const uint16_t* q, const uint16_t* k, const uint16_t* v, cons
 #else
     (void)q, (void)k, (void)v, (void)tables, (void)starts, (void)pasts, (void)out, (void)seqs, (void)heads;
     (void)table_stride, (void)k_blk, (void)k_h, (void)v_blk, (void)v_h, (void)scale, (void)threads;
+    return 2;
+#endif
+}
+
+// Decode rows of bfloat16 queries q [S, Hkv, R, D] over bfloat16 pool blocks, not causal: sequence
+// s's R rows all see its first lengths[s] tokens, in blocks tables[s] (int32 [S, table_stride]).
+// out float32 [S, Hkv, R, Dv]; lse (or null) float32 [S, Hkv, R], each row's log-sum-exp of its
+// scaled scores (-inf for a sequence of length 0, whose rows get zeros). Returns as kv_amx_prefill.
+int kv_amx_decode(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int32_t* tables,
+                  const int64_t* lengths, float* out, float* lse, int64_t seqs, int64_t heads, int rows, int dim,
+                  int vdim, int64_t block_size, int64_t table_stride, int64_t k_blk, int64_t k_h, int64_t v_blk,
+                  int64_t v_h, int64_t blocks_per_task, float scale, int threads) {
+    if (!fits(rows, dim, vdim, block_size) || !amx_usable()) return 2;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+    return decode(q, k, v, tables, lengths, out, lse, seqs, heads, rows, dim, vdim, block_size, table_stride, k_blk,
+                  k_h, v_blk, v_h, blocks_per_task, scale, threads);
+#else
+    (void)q, (void)k, (void)v, (void)tables, (void)lengths, (void)out, (void)lse, (void)seqs, (void)heads;
+    (void)table_stride, (void)k_blk, (void)k_h, (void)v_blk, (void)v_h, (void)blocks_per_task, (void)scale, (void)threads;
     return 2;
 #endif
 }
