@@ -3,8 +3,13 @@ the code a CPU with less would run: the float decode library's tests (dense and 
 against SDPA, shared-prefix attention against per-row SDPA), the coded decode library's (against
 attention over the dequantized keys and values) and the panel linear library's (against float64
 matrix products) pass when they are built for AVX2+FMA (the generic baseline on a CPU without
-AVX2), in a fresh process and extension folder; where the CPU has AVX-512 BF16, the panel
-library's tests pass built for it without AMX, on its ``vdpbf16ps`` kernel."""
+AVX2), in a fresh process whose extension folder holds only that cap's builds; where the CPU has
+AVX-512 BF16, the panel library's tests pass built for it without AMX, on its ``vdpbf16ps`` kernel.
+
+A cap's folder lies in the libraries' cache (``capped-<isa>`` under ``$KVCACHE_EXTENSION_DIR`` or
+``~/.cache/kvcache``), as the uncapped builds do: a library's name hashes its source, headers,
+command and CPU flags, so a changed source builds anew there, and an unchanged one is not built
+again by every run of the suite (the three capped builds took about 25 of this file's 67 s)."""
 
 from __future__ import annotations
 
@@ -25,6 +30,11 @@ X86 = platform.machine().lower() in ("x86_64", "amd64")
 CAPS = ["avx2"] if X86 and {"avx2", "fma"} <= set(cpu_flags().split()) else ["generic"]
 
 
+def capped_folder(isa: str) -> Path:
+    """Where the libraries built under cap ``isa`` go (``native_build``'s cache, one folder a cap)."""
+    return native_build._cache_dir() / f"capped-{isa}"
+
+
 def run(code_or_args: list[str], isa: str, folder: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, ISA_ENV: isa, "KVCACHE_EXTENSION_DIR": str(folder), "OMP_NUM_THREADS": "1"}
     env.pop("KVCACHE_NO_EXTENSION", None)
@@ -32,18 +42,19 @@ def run(code_or_args: list[str], isa: str, folder: Path) -> subprocess.Completed
 
 
 @pytest.mark.parametrize("isa", CAPS)
-def test_the_kernels_pass_their_tests_built_for_a_capped_isa(isa, tmp_path):
+def test_the_kernels_pass_their_tests_built_for_a_capped_isa(isa):
+    folder = capped_folder(isa)
     done = run(["-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider", "-W", "error::RuntimeWarning",
                 "tests/core/test_native_decode.py", "tests/engine/test_shared_prefix.py", "tests/core/test_panels.py",
                 "tests/core/test_fused_coded_decode.py", "tests/core/test_paged_coded_decode.py",
-                "-k", "not engine"], isa, tmp_path)  # fmt: skip
+                "-k", "not engine"], isa, folder)  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     for name in ("float_decode", "linear", "coded_decode"):
-        assert list(tmp_path.glob(f"{name}-*.so")), f"the {name} library was not built under the cap"
+        assert list(folder.glob(f"{name}-*.so")), f"the {name} library was not built under the cap"
 
 
 @pytest.mark.skipif(not X86 or "avx512_bf16" not in cpu_flags().split(), reason="this CPU has no AVX-512 BF16")
-def test_the_bfloat16_dot_kernel_passes_the_panel_tests_built_without_amx(tmp_path):
+def test_the_bfloat16_dot_kernel_passes_the_panel_tests_built_without_amx():
     code = (
         "import sys, pytest\n"
         "from kvcache.hf import panels\n"
@@ -51,7 +62,7 @@ def test_the_bfloat16_dot_kernel_passes_the_panel_tests_built_without_amx(tmp_pa
         "sys.exit(pytest.main(['-q', '-p', 'no:randomly', '-p', 'no:cacheprovider', '-W', 'error::RuntimeWarning',\n"
         "                      'tests/core/test_panels.py', '-k', 'bfloat16']))\n"
     )
-    done = run(["-c", code], "avx512bf16", tmp_path)
+    done = run(["-c", code], "avx512bf16", capped_folder("avx512bf16"))
     assert done.returncode == 0 and "kernel: dot" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
     assert " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-3000:]
 
