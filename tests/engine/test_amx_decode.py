@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from amx_checks import assert_generate_but_near_ties, count_calls
 from kvcache.attention import native
 
 AMX = native.available() and native.amx_prefill_available()
@@ -102,21 +103,7 @@ def test_threads_and_splits_change_no_bit_and_unwritten_slots_are_not_read():
 def test_the_amx_library_takes_many_rows_and_fewer_keep_the_float_kernel(monkeypatch):
     """16 rows and more go to ``kv_amx_decode``; 15 rows, float32 queries and a softcap do not, and
     float32 queries stay exact (1e-5)."""
-    real = native.library
-    calls = []
-
-    class Counted:
-        def __init__(self, lib):
-            self.lib = lib
-
-        def __getattr__(self, name):
-            return getattr(self.lib, name)
-
-        def kv_amx_decode(self, *args):
-            calls.append(args[9])  # rows
-            return self.lib.kv_amx_decode(*args)
-
-    monkeypatch.setattr(native, "library", lambda name, declare: Counted(real(name, declare)) if name == "amx_prefill" else real(name, declare))
+    calls = count_calls(monkeypatch, "kv_amx_decode", 9)  # rows
     for rows in (15, 16):
         q, keys, values, tables, lens = layout([70], 2, rows, 64, 64, 32, rows)
         native.paged_decode(q, keys, values, tables, lens, 0.125)
@@ -133,33 +120,15 @@ def test_a_bfloat16_engine_reads_a_shared_prefix_on_amx_tiles_and_answers_as_gen
     the greedy tokens are generate's but where its two best bfloat16 logits lie within 0.1."""
     import copy
 
-    from engine_reference import ids, reference as generate_reference
+    from engine_reference import ids
     from helpers import model_for
 
     from kvcache import Engine
 
     model = copy.deepcopy(model_for("llama", num_hidden_layers=2, head_dim=32)).to(torch.bfloat16)
-    real = native.library
-    calls = []
-
-    class Counted:
-        def __init__(self, lib):
-            self.lib = lib
-
-        def __getattr__(self, name):
-            return getattr(self.lib, name)
-
-        def kv_amx_decode(self, *args):
-            calls.append(args[9])
-            return self.lib.kv_amx_decode(*args)
-
-    monkeypatch.setattr(native, "library", lambda name, declare: Counted(real(name, declare)) if name == "amx_prefill" else real(name, declare))
+    calls = count_calls(monkeypatch, "kv_amx_decode", 9)  # rows a sequence
     shared = ids(96, 1)
     prompts = [shared + ids(5, 10 + i) for i in range(8)]
     got = Engine(model, max_batch_tokens=256).generate_batch(prompts, max_new_tokens=6, eos_token_id=[])
     assert calls and min(calls) >= 16
-    for i, (tokens, p) in enumerate(zip(got, prompts)):
-        want, gaps = generate_reference(model, p, 6)
-        tokens = list(map(int, tokens))
-        first = next((j for j, (a, b) in enumerate(zip(tokens, want)) if a != b), None)
-        assert first is None or gaps[first] < 0.1, f"request {i}: {tokens} against {want}, gaps {gaps}"
+    assert_generate_but_near_ties(model, prompts, got, 6)

@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from amx_checks import assert_generate_but_near_ties, count_calls
 from engine_reference import ids, reference as generate_reference, same_or_near_tie
 from kvcache import Engine
 from kvcache.attention import device_kernels, native
@@ -184,32 +185,14 @@ def test_float32_queries_over_bfloat16_blocks_keep_the_float_kernel():
 def test_a_bfloat16_engine_attends_its_chunks_on_amx_tiles_and_answers_as_generate(monkeypatch):
     """A bfloat16 model (head dim 32) through the engine: its chunks go to the AMX library, and its
     greedy tokens are generate's, but where generate's own two best bfloat16 logits lie within a
-    bfloat16 rounding of each other (0.1 here: a bfloat16 logit near 4 moves by 0.03 a rounding)."""
+    bfloat16 rounding of each other (``amx_checks.BF16_NEAR_TIE``)."""
     import copy
 
     from helpers import model_for
 
     model = copy.deepcopy(model_for("llama", num_hidden_layers=2, head_dim=32)).to(torch.bfloat16)
-    real = native.library
-    calls = []
-
-    class Counted:
-        def __init__(self, lib):
-            self.lib = lib
-
-        def __getattr__(self, name):
-            return getattr(self.lib, name)
-
-        def kv_amx_prefill(self, *args):
-            calls.append(args[7])  # chunks in the call
-            return self.lib.kv_amx_prefill(*args)
-
-    monkeypatch.setattr(native, "library", lambda name, declare: Counted(real(name, declare)) if name == "amx_prefill" else real(name, declare))
+    calls = count_calls(monkeypatch, "kv_amx_prefill", 7)  # chunks in the call
     prompts = [ids(70, s) for s in range(3)] + [ids(5, 9)]
     got = Engine(model, max_batch_tokens=64).generate_batch(prompts, max_new_tokens=6, eos_token_id=[])
     assert calls and max(calls) >= 2
-    for i, (tokens, p) in enumerate(zip(got, prompts)):
-        want, gaps = generate_reference(model, p, 6)
-        tokens = list(map(int, tokens))
-        first = next((j for j, (a, b) in enumerate(zip(tokens, want)) if a != b), None)
-        assert first is None or gaps[first] < 0.1, f"request {i}: {tokens} against {want}, gaps {gaps}"
+    assert_generate_but_near_ties(model, prompts, got, 6)

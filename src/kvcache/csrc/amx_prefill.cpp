@@ -166,7 +166,49 @@ struct Scratch {
     std::vector<uint16_t> tail = std::vector<uint16_t>(kMaxDim / 16 * kTileElems);  // a short piece's values
     float max[kMaxRows];
     __m512 total[kMaxRows];  // each row's summed weights, 16 lanes of partial sums
+
+    // A task's m query rows (rows [m, D]) in, padded with zero rows to whole tiles, and its sums,
+    // weights and running softmax fresh; returns the padded row count.
+    int begin(const uint16_t* rows, int m, int dim, int vdim) {
+        const int padded = (m + 15) / 16 * 16;
+        std::memcpy(q.data(), rows, sizeof(uint16_t) * m * dim);
+        std::memset(q.data() + m * dim, 0, sizeof(uint16_t) * (padded - m) * dim);
+        std::memset(sums.data(), 0, sizeof(float) * padded * vdim);
+        std::memset(weights.data(), 0, sizeof(uint16_t) * padded * kStep);  // padded rows weigh nothing
+        for (int r = 0; r < m; ++r) max[r] = kMasked, total[r] = _mm512_setzero_ps();
+        return padded;
+    }
+
+    // Row r's weighted values over its summed weights into y [Dv]; returns the summed weights.
+    float finish(int r, int vdim, float* y) const {
+        const float sum = _mm512_reduce_add_ps(total[r]);
+        const __m512 inverse = _mm512_set1_ps(1.f / sum);
+        for (int d = 0; d < vdim; d += 16)
+            _mm512_storeu_ps(y + d, _mm512_mul_ps(_mm512_loadu_ps(sums.data() + r * vdim + d), inverse));
+        return sum;
+    }
 };
+
+// The sequence whose tasks include `task` (first[s]: sequence s's first task, rising).
+inline int64_t owner(const std::vector<int64_t>& first, int64_t task) {
+    return std::upper_bound(first.begin(), first.end(), task) - first.begin() - 1;
+}
+
+// body(x, task) for tasks [0, tasks) on the OpenMP threads, each thread with its own scratch x and
+// its tiles configured as 16 rows of 64 bytes.
+template <typename F>
+void run_tasks(int64_t tasks, int threads, F&& body) {
+#pragma omp parallel num_threads(threads)
+    {
+        Scratch x;
+        TileConfig config;
+        for (int t = 0; t < 8; ++t) config.rows[t] = 16, config.colsb[t] = 64;
+        _tile_loadconfig(&config);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < tasks; ++task) body(x, task);
+        _tile_release();
+    }
+}
 
 // e^x for the softmax's weights (rounded to bfloat16 after): x clamped to [-87, 88], 2^n times
 // e^r's degree-4 Taylor polynomial, |r| <= ln2 / 2 (relative error below 5e-5).
@@ -339,40 +381,22 @@ int prefill(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int32
     for (int64_t s = 0; s < seqs; ++s)
         first[s + 1] = first[s] + heads * ((starts[s + 1] - starts[s] + most - 1) / most);
     const int64_t tasks = first[seqs];
-#pragma omp parallel num_threads(threads)
-    {
-        Scratch x;
-        TileConfig config;
-        for (int t = 0; t < 8; ++t) config.rows[t] = 16, config.colsb[t] = 64;
-        _tile_loadconfig(&config);
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < tasks; ++task) {
-            const int64_t s = std::upper_bound(first.begin(), first.end(), task) - first.begin() - 1;
-            const int64_t n = starts[s + 1] - starts[s], query_blocks = (n + most - 1) / most;
-            const int64_t per_task = (n + query_blocks - 1) / query_blocks;
-            const int64_t local = task - first[s], h = local / query_blocks;
-            const int64_t i0 = (local % query_blocks) * per_task, i1 = std::min(n, i0 + per_task);
-            const int m = static_cast<int>((i1 - i0) * rows), padded = (m + 15) / 16 * 16;
-            const int64_t offset = (h * total + starts[s] + i0) * rows;  // the task's first row in q and out
-            std::memcpy(x.q.data(), q + offset * dim, sizeof(uint16_t) * m * dim);
-            std::memset(x.q.data() + m * dim, 0, sizeof(uint16_t) * (padded - m) * dim);
-            std::memset(x.sums.data(), 0, sizeof(float) * padded * vdim);
-            std::memset(x.weights.data(), 0, sizeof(uint16_t) * padded * kStep);  // padded rows weigh nothing
-            for (int r = 0; r < m; ++r) x.max[r] = kMasked, x.total[r] = _mm512_setzero_ps();
-            const int64_t seen = pasts[s] + i1;  // keys the task's last query sees
-            const int32_t* table = tables + s * table_stride;
-            const int64_t position = pasts[s] + i0;
-            steps(x, padded / 16, m, dim, vdim, 0, seen, table, block_size, slot, packed_keys, packed_values, h, heads,
-                  scale, position, rows);
-            for (int r = 0; r < m; ++r) {
-                const __m512 inverse = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(x.total[r]));
-                const float* o = x.sums.data() + r * vdim;
-                float* y = out + (offset + r) * vdim;
-                for (int d = 0; d < vdim; d += 16) _mm512_storeu_ps(y + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), inverse));
-            }
-        }
-        _tile_release();
-    }
+    run_tasks(tasks, threads, [&](Scratch& x, int64_t task) {
+        const int64_t s = owner(first, task);
+        const int64_t n = starts[s + 1] - starts[s], query_blocks = (n + most - 1) / most;
+        const int64_t per_task = (n + query_blocks - 1) / query_blocks;
+        const int64_t local = task - first[s], h = local / query_blocks;
+        const int64_t i0 = (local % query_blocks) * per_task, i1 = std::min(n, i0 + per_task);
+        const int m = static_cast<int>((i1 - i0) * rows);
+        const int64_t offset = (h * total + starts[s] + i0) * rows;  // the task's first row in q and out
+        const int padded = x.begin(q + offset * dim, m, dim, vdim);
+        const int64_t seen = pasts[s] + i1;  // keys the task's last query sees
+        const int32_t* table = tables + s * table_stride;
+        const int64_t position = pasts[s] + i0;
+        steps(x, padded / 16, m, dim, vdim, 0, seen, table, block_size, slot, packed_keys, packed_values, h, heads,
+              scale, position, rows);
+        for (int r = 0; r < m; ++r) x.finish(r, vdim, out + (offset + r) * vdim);
+    });
     return 0;
 }
 
@@ -395,64 +419,44 @@ int decode(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int32_
     if (!pack(tables, table_stride, reach, k, v, heads, dim, vdim, block_size, k_blk, k_h, v_blk, v_h, threads, packed))
         return 1;
     const int64_t tasks = first[seqs], run = blocks_per_task * block_size;
-    const int padded = (rows + 15) / 16 * 16;
     std::vector<float> outs(static_cast<size_t>(tasks) * rows * vdim), sums(static_cast<size_t>(tasks) * rows);
-#pragma omp parallel num_threads(threads)
-    {
-        Scratch x;
-        TileConfig config;
-        for (int t = 0; t < 8; ++t) config.rows[t] = 16, config.colsb[t] = 64;
-        _tile_loadconfig(&config);
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < tasks; ++task) {
-            const int64_t s = std::upper_bound(first.begin(), first.end(), task) - first.begin() - 1;
-            const int64_t per_head = (first[s + 1] - first[s]) / heads, local = task - first[s];
-            const int64_t h = local / per_head, t0 = (local % per_head) * run, t1 = std::min(lengths[s], t0 + run);
-            float* o = outs.data() + task * rows * vdim;
-            float* l = sums.data() + task * rows;
-            if (t1 <= t0) {  // an empty sequence
-                std::memset(o, 0, sizeof(float) * rows * vdim);
-                for (int r = 0; r < rows; ++r) l[r] = -INFINITY;
-                continue;
-            }
-            std::memcpy(x.q.data(), q + (s * heads + h) * rows * dim, sizeof(uint16_t) * rows * dim);
-            std::memset(x.q.data() + rows * dim, 0, sizeof(uint16_t) * (padded - rows) * dim);
-            std::memset(x.sums.data(), 0, sizeof(float) * padded * vdim);
-            std::memset(x.weights.data(), 0, sizeof(uint16_t) * padded * kStep);  // padded rows weigh nothing
-            for (int r = 0; r < rows; ++r) x.max[r] = kMasked, x.total[r] = _mm512_setzero_ps();
-            // every row at position t1 - 1: it sees all of the run
-            steps(x, padded / 16, rows, dim, vdim, t0, t1, tables + s * table_stride, block_size, packed.slot,
-                  packed.keys, packed.values, h, heads, scale, t1 - 1, rows);
-            for (int r = 0; r < rows; ++r) {
-                const float total = _mm512_reduce_add_ps(x.total[r]);
-                const __m512 inverse = _mm512_set1_ps(1.f / total);
-                for (int d = 0; d < vdim; d += 16)
-                    _mm512_storeu_ps(o + r * vdim + d, _mm512_mul_ps(_mm512_loadu_ps(x.sums.data() + r * vdim + d), inverse));
-                l[r] = x.max[r] + std::log(total);
-            }
+    run_tasks(tasks, threads, [&](Scratch& x, int64_t task) {
+        const int64_t s = owner(first, task);
+        const int64_t per_head = (first[s + 1] - first[s]) / heads, local = task - first[s];
+        const int64_t h = local / per_head, t0 = (local % per_head) * run, t1 = std::min(lengths[s], t0 + run);
+        float* o = outs.data() + task * rows * vdim;
+        float* l = sums.data() + task * rows;
+        if (t1 <= t0) {  // an empty sequence
+            std::memset(o, 0, sizeof(float) * rows * vdim);
+            for (int r = 0; r < rows; ++r) l[r] = -INFINITY;
+            return;
         }
-        _tile_release();
-#pragma omp for
-        for (int64_t sh = 0; sh < seqs * heads; ++sh) {  // each (sequence, head)'s runs merged
-            const int64_t s = sh / heads, h = sh % heads, per_head = (first[s + 1] - first[s]) / heads;
-            const int64_t base = first[s] + h * per_head;
-            for (int r = 0; r < rows; ++r) {
-                float m = -INFINITY;
-                for (int64_t c = 0; c < per_head; ++c) m = std::max(m, sums[(base + c) * rows + r]);
-                float* y = out + (sh * rows + r) * vdim;
-                std::memset(y, 0, sizeof(float) * vdim);
-                if (lse != nullptr) lse[sh * rows + r] = m;
-                if (m == -INFINITY) continue;
-                float total = 0.f;
-                for (int64_t c = 0; c < per_head; ++c) {
-                    const float w = std::exp(sums[(base + c) * rows + r] - m);
-                    total += w;
-                    const float* a = outs.data() + ((base + c) * rows + r) * vdim;
-                    for (int d = 0; d < vdim; ++d) y[d] += w * a[d];
-                }
-                for (int d = 0; d < vdim; ++d) y[d] /= total;
-                if (lse != nullptr) lse[sh * rows + r] = m + std::log(total);
+        const int padded = x.begin(q + (s * heads + h) * rows * dim, rows, dim, vdim);
+        // every row at position t1 - 1: it sees all of the run
+        steps(x, padded / 16, rows, dim, vdim, t0, t1, tables + s * table_stride, block_size, packed.slot,
+              packed.keys, packed.values, h, heads, scale, t1 - 1, rows);
+        for (int r = 0; r < rows; ++r) l[r] = x.max[r] + std::log(x.finish(r, vdim, o + r * vdim));
+    });
+#pragma omp parallel for num_threads(threads)
+    for (int64_t sh = 0; sh < seqs * heads; ++sh) {  // each (sequence, head)'s runs merged
+        const int64_t s = sh / heads, h = sh % heads, per_head = (first[s + 1] - first[s]) / heads;
+        const int64_t base = first[s] + h * per_head;
+        for (int r = 0; r < rows; ++r) {
+            float m = -INFINITY;
+            for (int64_t c = 0; c < per_head; ++c) m = std::max(m, sums[(base + c) * rows + r]);
+            float* y = out + (sh * rows + r) * vdim;
+            std::memset(y, 0, sizeof(float) * vdim);
+            if (lse != nullptr) lse[sh * rows + r] = m;
+            if (m == -INFINITY) continue;
+            float total = 0.f;
+            for (int64_t c = 0; c < per_head; ++c) {
+                const float w = std::exp(sums[(base + c) * rows + r] - m);
+                total += w;
+                const float* a = outs.data() + ((base + c) * rows + r) * vdim;
+                for (int d = 0; d < vdim; ++d) y[d] += w * a[d];
             }
+            for (int d = 0; d < vdim; ++d) y[d] /= total;
+            if (lse != nullptr) lse[sh * rows + r] = m + std::log(total);
         }
     }
     return 0;
