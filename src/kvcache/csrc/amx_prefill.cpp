@@ -36,6 +36,7 @@
 
 #include "amx.h"
 #include "amx_pack.h"
+#include "partials.h"
 #include "simd.h"
 
 namespace {
@@ -45,7 +46,7 @@ using namespace kv;
 constexpr int kMaxRows = 64;    // query rows a task (four 16-row tiles)
 constexpr int kMaxDim = 256;
 constexpr int kStep = 128;      // keys a step: up to four pieces, the sums loaded and stored once
-constexpr float kMasked = -1.0e30f;  // a masked key's score: finite, below any real one
+static_assert(kMaxRows <= kPartialRows, "a task's rows fit a Partial");
 
 bool fits(int rows, int dim, int vdim, int64_t block_size) {
     return kAmx && rows >= 1 && rows <= kMaxRows && dim % 32 == 0 && dim >= 32 && dim <= kMaxDim && vdim % 16 == 0 &&
@@ -144,13 +145,11 @@ struct Scratch {
         return padded;
     }
 
-    // Row r's weighted values over its summed weights into y [Dv]; returns the summed weights.
-    float finish(int r, int vdim, float* y) const {
-        const float sum = _mm512_reduce_add_ps(total[r]);
-        const __m512 inverse = _mm512_set1_ps(1.f / sum);
+    // Row r's weighted values over its summed weights into y [Dv].
+    void finish(int r, int vdim, float* y) const {
+        const __m512 inverse = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total[r]));
         for (int d = 0; d < vdim; d += 16)
             _mm512_storeu_ps(y + d, _mm512_mul_ps(_mm512_loadu_ps(sums.data() + r * vdim + d), inverse));
-        return sum;
     }
 };
 
@@ -317,7 +316,8 @@ int prefill(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int32
 // Decode rows over their sequences' blocks, not causal: sequence s's `rows` rows (several
 // sequences' grouped heads stacked, for a shared prefix's pass) all see its first lengths[s]
 // tokens. Tasks (sequence, head, a run of blocks_per_task blocks) each take their run's keys as a
-// prefill task takes a step's; the runs of a (sequence, head) are then merged by their log-sum-exps.
+// prefill task takes a step's, into a Partial; the runs of a (sequence, head) are then merged
+// (partials.h, as float_decode.cpp merges its tasks).
 int decode(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int32_t* tables, const int64_t* lengths,
            float* out, float* lse, int64_t seqs, int64_t heads, int rows, int dim, int vdim, int64_t block_size,
            int64_t table_stride, int64_t k_blk, int64_t k_h, int64_t v_blk, int64_t v_h, int64_t blocks_per_task,
@@ -333,45 +333,30 @@ int decode(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int32_
     if (!pack(tables, table_stride, reach, k, v, heads, dim, vdim, block_size, k_blk, k_h, v_blk, v_h, threads, packed))
         return 1;
     const int64_t tasks = first[seqs], run = blocks_per_task * block_size;
-    std::vector<float> outs(static_cast<size_t>(tasks) * rows * vdim), sums(static_cast<size_t>(tasks) * rows);
+    std::vector<Partial> parts(tasks);
+    std::vector<float> accs(static_cast<size_t>(tasks) * rows * vdim);
     run_tasks(tasks, threads, [&](Scratch& x, int64_t task) {
         const int64_t s = owner(first, task);
         const int64_t per_head = (first[s + 1] - first[s]) / heads, local = task - first[s];
         const int64_t h = local / per_head, t0 = (local % per_head) * run, t1 = std::min(lengths[s], t0 + run);
-        float* o = outs.data() + task * rows * vdim;
-        float* l = sums.data() + task * rows;
-        if (t1 <= t0) {  // an empty sequence
-            std::memset(o, 0, sizeof(float) * rows * vdim);
-            for (int r = 0; r < rows; ++r) l[r] = -INFINITY;
+        Partial& part = parts[task];
+        if (t1 <= t0) {  // an empty sequence: a part the merge skips
+            for (int r = 0; r < rows; ++r) part.max[r] = kMasked, part.sum[r] = 0.f;
             return;
         }
         const int padded = x.begin(q + (s * heads + h) * rows * dim, rows, dim, vdim);
         // every row at position t1 - 1: it sees all of the run
         steps(x, padded / 16, rows, dim, vdim, t0, t1, tables + s * table_stride, block_size, packed.slot,
               packed.keys, packed.values, h, heads, scale, t1 - 1, rows);
-        for (int r = 0; r < rows; ++r) l[r] = x.max[r] + std::log(x.finish(r, vdim, o + r * vdim));
+        for (int r = 0; r < rows; ++r) part.max[r] = x.max[r], part.sum[r] = _mm512_reduce_add_ps(x.total[r]);
+        std::memcpy(accs.data() + task * rows * vdim, x.sums.data(), sizeof(float) * rows * vdim);
     });
 #pragma omp parallel for num_threads(threads)
     for (int64_t sh = 0; sh < seqs * heads; ++sh) {  // each (sequence, head)'s runs merged
-        const int64_t s = sh / heads, h = sh % heads, per_head = (first[s + 1] - first[s]) / heads;
-        const int64_t base = first[s] + h * per_head;
-        for (int r = 0; r < rows; ++r) {
-            float m = -INFINITY;
-            for (int64_t c = 0; c < per_head; ++c) m = std::max(m, sums[(base + c) * rows + r]);
-            float* y = out + (sh * rows + r) * vdim;
-            std::memset(y, 0, sizeof(float) * vdim);
-            if (lse != nullptr) lse[sh * rows + r] = m;
-            if (m == -INFINITY) continue;
-            float total = 0.f;
-            for (int64_t c = 0; c < per_head; ++c) {
-                const float w = std::exp(sums[(base + c) * rows + r] - m);
-                total += w;
-                const float* a = outs.data() + ((base + c) * rows + r) * vdim;
-                for (int d = 0; d < vdim; ++d) y[d] += w * a[d];
-            }
-            for (int d = 0; d < vdim; ++d) y[d] /= total;
-            if (lse != nullptr) lse[sh * rows + r] = m + std::log(total);
-        }
+        const int64_t s = sh / heads, per_head = (first[s + 1] - first[s]) / heads;
+        const int64_t base = first[s] + (sh % heads) * per_head;
+        merge_partials(parts.data() + base, accs.data() + base * rows * vdim, per_head, rows, vdim, out + sh * rows * vdim,
+                       lse == nullptr ? nullptr : lse + sh * rows);
     }
     return 0;
 }

@@ -24,6 +24,7 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
+#include "partials.h"
 #include "simd.h"
 
 namespace {
@@ -33,8 +34,7 @@ using namespace kv;
 constexpr int kMaxRows = 64;  // query rows of one task: a group's heads, or several sequences' (shared prefix)
 constexpr int kMaxDim = 512;
 constexpr int kTile = 64;  // tokens scored before their values are summed (scores stay in L1)
-// The score of a masked key: finite (so no infinity meets the exponent), below any real score.
-constexpr float kMasked = -1.0e30f;
+static_assert(kMaxRows <= kPartialRows, "a task's rows fit a Partial");
 
 // ---- scores of 16 keys at a time for head dims that are a multiple of 16: each key's products
 // summed in a vector of 16 lanes, and the 16 vectors folded together (simd.h's sums16) into one
@@ -170,11 +170,6 @@ inline const float* widen_row(const uint16_t* __restrict row, int n, float* __re
     for (int d = 0; d < n; ++d) scratch[d] = widen(row[d]);
     return scratch;
 }
-
-struct Partial {
-    float max[kMaxRows];
-    float sum[kMaxRows];
-};
 
 // A scored tile of n tokens (raw q.k in scores [rows, kTile]) into the running softmax: scale (or
 // cap) the scores, masked tokens (live false) out; rescale part and acc [rows, vdim] to a new
@@ -494,33 +489,6 @@ inline __attribute__((always_inline)) void chunk_pass(const float* __restrict q,
                 for (int d = 0; d < vdim; ++d) a[d] += p * vf[d];
             }
         }
-    }
-}
-
-// The normalised output [rows, vdim] of `count` partials of one (batch, head) (consecutive, each
-// with its acc [rows, vdim] relative to its own max): every partial weighted by exp(its max - the
-// largest); a row no partial saw gets zeros.
-// With `lse`, each row's log of its summed weights (max + log sum; -inf for a row no partial saw),
-// so that attention over another part of the keys can be merged with this one.
-inline void merge_partials(const Partial* parts, const float* accs, int64_t count, int rows, int vdim, float* out,
-                           float* lse = nullptr) {
-    for (int r = 0; r < rows; ++r) {
-        float m = kMasked;
-        for (int64_t c = 0; c < count; ++c)
-            if (parts[c].sum[r] > 0.f && parts[c].max[r] > m) m = parts[c].max[r];
-        float total = 0.f;
-        float* o = out + static_cast<int64_t>(r) * vdim;
-        std::memset(o, 0, sizeof(float) * vdim);
-        for (int64_t c = 0; c < count; ++c) {
-            if (!(parts[c].sum[r] > 0.f)) continue;
-            const float w = std::exp(parts[c].max[r] - m);
-            total += parts[c].sum[r] * w;
-            const float* a = accs + (c * rows + r) * vdim;
-            for (int d = 0; d < vdim; ++d) o[d] += w * a[d];
-        }
-        if (total > 0.f)
-            for (int d = 0; d < vdim; ++d) o[d] /= total;
-        if (lse != nullptr) lse[r] = total > 0.f ? m + std::log(total) : -INFINITY;
     }
 }
 
