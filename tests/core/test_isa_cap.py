@@ -4,7 +4,8 @@ against SDPA, shared-prefix attention against per-row SDPA), the coded decode li
 attention over the dequantized keys and values) and the panel linear library's (against float64
 matrix products) pass when they are built for AVX2+FMA (the generic baseline on a CPU without
 AVX2), in a fresh process whose extension folder holds only that cap's builds; where the CPU has
-AVX-512 BF16, the panel library's tests pass built for it without AMX, on its ``vdpbf16ps`` kernel.
+AVX-512 BF16, the panel library's and the bfloat16 attention library's bfloat16 tests pass built for
+it without AMX, on their ``vdpbf16ps`` kernels.
 
 A cap's folder lies in the libraries' cache (``capped-<isa>`` under ``$KVCACHE_EXTENSION_DIR`` or
 ``~/.cache/kvcache``), as the uncapped builds do: a library's name hashes its source, headers,
@@ -54,16 +55,20 @@ def test_the_kernels_pass_their_tests_built_for_a_capped_isa(isa):
 
 
 @pytest.mark.skipif(not X86 or "avx512_bf16" not in cpu_flags().split(), reason="this CPU has no AVX-512 BF16")
-def test_the_bfloat16_dot_kernel_passes_the_panel_tests_built_without_amx():
+def test_the_bfloat16_dot_kernels_pass_their_tests_built_without_amx():
+    """Built for AVX-512 BF16 without AMX (a Cooper Lake or Zen 4), the panel linear library and the
+    bfloat16 attention library multiply on ``vdpbf16ps`` and pass their bfloat16 tests."""
     code = (
         "import sys, pytest\n"
+        "from kvcache.attention import native\n"
         "from kvcache.hf import panels\n"
-        "print('kernel:', panels.bf16_kernel())\n"
+        "print('kernels:', panels.bf16_kernel(), native.bf16_attention_kernel())\n"
         "sys.exit(pytest.main(['-q', '-p', 'no:randomly', '-p', 'no:cacheprovider', '-W', 'error::RuntimeWarning',\n"
-        "                      'tests/core/test_panels.py', '-k', 'bfloat16']))\n"
+        "                      'tests/core/test_panels.py', 'tests/engine/test_bf16_decode.py',\n"
+        "                      'tests/engine/test_paged_prefill.py', '-k', '(bfloat16 or bf16_decode) and not engine']))\n"
     )
     done = run(["-c", code], "avx512bf16", capped_folder("avx512bf16"))
-    assert done.returncode == 0 and "kernel: dot" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == 0 and "kernels: dot dot" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
     assert " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-3000:]
 
 

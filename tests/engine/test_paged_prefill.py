@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from amx_checks import assert_generate_but_near_ties, count_calls
+from bf16_checks import assert_generate_but_near_ties, count_calls
 from engine_reference import ids, reference as generate_reference, same_or_near_tie
 from kvcache import Engine
 from kvcache.attention import device_kernels, native
@@ -115,8 +115,8 @@ def test_the_engine_attends_its_chunks_in_one_call_and_answers_as_generate(model
         assert same_or_near_tie(list(map(int, b)), want, f"request {i}, gathered") == 0
 
 
-AMX = native.amx_prefill_available()
-NO_AMX = "no AMX tiles here (CPU, OS grant, KVCACHE_ISA or a oneDNN cap): bfloat16 chunks take the float kernel, tested above"
+BF16 = native.bf16_attention_kernel() != "none"
+NO_BF16 = "neither AMX tiles nor AVX-512 BF16 here (CPU, OS grant or KVCACHE_ISA): bfloat16 chunks take the float kernel, tested above"
 
 
 def rounding_bound(q, keys, values, tables, starts, pasts, scale):
@@ -125,7 +125,7 @@ def rounding_bound(q, keys, values, tables, starts, pasts, scale):
     return reference(q, keys, values.abs(), tables, starts, pasts, scale) * 2.0**-8 + 1e-5
 
 
-@pytest.mark.skipif(not AMX, reason=NO_AMX)
+@pytest.mark.skipif(not BF16, reason=NO_BF16)
 @settings(max_examples=30, deadline=None)
 @given(
     chunks=st.lists(st.tuples(st.integers(0, 300), st.integers(1, 150)), min_size=1, max_size=4),
@@ -134,8 +134,9 @@ def rounding_bound(q, keys, values, tables, starts, pasts, scale):
     bs=st.sampled_from([32, 64]),
     seed=st.integers(0, 2**16),
 )
-def test_bfloat16_queries_take_amx_tiles_within_the_weights_rounding(chunks, rows, dims, bs, seed):
-    """bfloat16 queries over bfloat16 blocks (a bfloat16 model's step) multiply on AMX tiles: scores
+def test_bfloat16_queries_take_the_bfloat16_library_within_the_weights_rounding(chunks, rows, dims, bs, seed):
+    """bfloat16 queries over bfloat16 blocks (a bfloat16 model's step) multiply in bfloat16 (AMX
+    tiles or ``vdpbf16ps``, ``native.bf16_attention_kernel()``): scores
     exact in float32, the weights rounded to bfloat16 before they multiply the values (as a bfloat16
     attention rounds them), so each output is within that rounding of float64 attention."""
     dim, vdim = dims
@@ -150,8 +151,8 @@ def test_bfloat16_queries_take_amx_tiles_within_the_weights_rounding(chunks, row
     assert excess.max() <= 0, f"off by up to {excess.max():.2e} past the weights' rounding"
 
 
-@pytest.mark.skipif(not AMX, reason=NO_AMX)
-def test_amx_tasks_split_over_threads_without_changing_a_bit_and_unwritten_slots_are_not_read():
+@pytest.mark.skipif(not BF16, reason=NO_BF16)
+def test_bfloat16_tasks_split_over_threads_without_changing_a_bit_and_unwritten_slots_are_not_read():
     """Several threads give the bits of one; slots past each chunk (never written: here NaN) change
     nothing, the way a pool's free slots hold whatever was there."""
     q, keys, values, tables, starts, pasts = layout([(100, 70), (0, 130), (33, 1), (40, 31)], 2, 3, 64, 32,
@@ -180,18 +181,18 @@ def test_float32_queries_over_bfloat16_blocks_keep_the_float_kernel():
     torch.testing.assert_close(native.paged_prefill(*case, 0.125), reference(*case, 0.125), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(not AMX, reason=NO_AMX)
+@pytest.mark.skipif(not BF16, reason=NO_BF16)
 @pytest.mark.half_precision
-def test_a_bfloat16_engine_attends_its_chunks_on_amx_tiles_and_answers_as_generate(monkeypatch):
-    """A bfloat16 model (head dim 32) through the engine: its chunks go to the AMX library, and its
+def test_a_bfloat16_engine_attends_its_chunks_in_bfloat16_and_answers_as_generate(monkeypatch):
+    """A bfloat16 model (head dim 32) through the engine: its chunks go to the bfloat16 library, and its
     greedy tokens are generate's, but where generate's own two best bfloat16 logits lie within a
-    bfloat16 rounding of each other (``amx_checks.BF16_NEAR_TIE``)."""
+    bfloat16 rounding of each other (``bf16_checks.BF16_NEAR_TIE``)."""
     import copy
 
     from helpers import model_for
 
     model = copy.deepcopy(model_for("llama", num_hidden_layers=2, head_dim=32)).to(torch.bfloat16)
-    calls = count_calls(monkeypatch, "kv_amx_prefill", 7)  # chunks in the call
+    calls = count_calls(monkeypatch, "kv_bf16_prefill", 7)  # chunks in the call
     prompts = [ids(70, s) for s in range(3)] + [ids(5, 9)]
     got = Engine(model, max_batch_tokens=64).generate_batch(prompts, max_new_tokens=6, eos_token_id=[])
     assert calls and max(calls) >= 2

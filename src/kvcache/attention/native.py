@@ -22,9 +22,9 @@ MAX_ROWS, MAX_DIM = 16, 512
 #: Query rows per sequence the paged entry takes (several sequences' rows share a prefix's pass).
 PAGED_MAX_ROWS = 64
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-#: Query rows per sequence from which bfloat16 decode rows run on AMX tiles (a shared prefix's pass:
-#: many sequences' rows stacked); fewer rows would mostly multiply the tiles' zero padding.
-AMX_DECODE_ROWS = 16
+#: Query rows per sequence from which bfloat16 decode rows take the bfloat16 library (a shared
+#: prefix's pass: many sequences' rows stacked); fewer rows would mostly multiply its zero padding.
+BF16_DECODE_ROWS = 16
 #: Tokens per task: enough to amortise a task, few enough that a long sequence splits across threads.
 _MIN_CHUNK, _TASKS_PER_THREAD = 256, 16
 
@@ -41,21 +41,23 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
-def _declare_amx(lib: ctypes.CDLL) -> ctypes.CDLL:
+def _declare_bf16(lib: ctypes.CDLL) -> ctypes.CDLL:
     ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    lib.kv_amx_prefill.argtypes = [ptr] * 7 + [i64, i64, i32, i32, i32] + [i64] * 6 + [ctypes.c_float, i32]
-    lib.kv_amx_prefill.restype = i32
-    lib.kv_amx_decode.argtypes = [ptr] * 7 + [i64, i64, i32, i32, i32] + [i64] * 7 + [ctypes.c_float, i32]
-    lib.kv_amx_decode.restype = i32
-    lib.kv_amx_prefill_usable.restype = i32
+    lib.kv_bf16_prefill.argtypes = [ptr] * 7 + [i64, i64, i32, i32, i32] + [i64] * 6 + [ctypes.c_float, i32]
+    lib.kv_bf16_prefill.restype = i32
+    lib.kv_bf16_decode.argtypes = [ptr] * 7 + [i64, i64, i32, i32, i32] + [i64] * 7 + [ctypes.c_float, i32]
+    lib.kv_bf16_decode.restype = i32
+    lib.kv_bf16_attention_kernel.restype = i32
     return lib
 
 
-def amx_prefill_available() -> bool:
-    """Whether bfloat16 prompt chunks run on AMX tiles here (``csrc/amx_prefill.cpp``): the library
-    built with AMX, the CPU and the OS granting the tiles, oneDNN not capped below them."""
-    lib = library("amx_prefill", _declare_amx)
-    return lib is not None and lib.kv_amx_prefill_usable() == 1
+def bf16_attention_kernel() -> str:
+    """How bfloat16 prompt chunks and shared-prefix passes multiply here (``csrc/bf16_attention.cpp``):
+    ``"amx"`` (AMX tiles: the CPU has them, the OS granted this process their use, and
+    ``$ONEDNN_MAX_CPU_ISA`` does not cap oneDNN below AMX), ``"dot"`` (AVX-512 BF16's ``vdpbf16ps``)
+    or ``"none"`` (the library absent or built without AVX-512 BF16: the float kernel takes them)."""
+    lib = library("bf16_attention", _declare_bf16)
+    return "none" if lib is None else ("none", "dot", "amx")[lib.kv_bf16_attention_kernel()]
 
 
 def available() -> bool:
@@ -187,9 +189,10 @@ def paged_decode(
     library takes ``blocks_per_task`` blocks of a sequence (default: about ``_MIN_CHUNK`` tokens).
     With ``lse``, ``(out, lse)``: ``lse`` float32 ``[S, Hkv, R]`` is each row's log-sum-exp of its
     scaled scores (-inf for a sequence of length 0), what merging with attention over other keys
-    needs. ``R`` may be up to ``PAGED_MAX_ROWS``. bfloat16 queries of at least ``AMX_DECODE_ROWS``
-    rows over bfloat16 blocks run on AMX tiles where ``amx_prefill_available()`` (the weights rounded
-    to bfloat16, as ``paged_prefill``'s); others take the float kernel (float32 throughout)."""
+    needs. ``R`` may be up to ``PAGED_MAX_ROWS``. bfloat16 queries of at least ``BF16_DECODE_ROWS``
+    rows over bfloat16 blocks take the bfloat16 library where ``bf16_attention_kernel()`` names one
+    (the weights rounded to bfloat16, as ``paged_prefill``'s); others take the float kernel (float32
+    throughout)."""
     seqs, heads, rows, dim = q.shape
     block_size, vdim = key_pool.shape[2], value_pool.shape[3]
     ok = (
@@ -205,9 +208,9 @@ def paged_decode(
     out = torch.empty(seqs, heads, rows, vdim, dtype=torch.float32)
     sums = torch.empty(seqs, heads, rows, dtype=torch.float32) if lse else None
     ks, vs = key_pool.stride(), value_pool.stride()
-    if rows >= AMX_DECODE_ROWS and q.dtype == torch.bfloat16 and key_pool.dtype == torch.bfloat16 and not softcap:
-        amx, qb = library("amx_prefill", _declare_amx), q.detach().contiguous()
-        failed = 2 if amx is None else amx.kv_amx_decode(
+    if rows >= BF16_DECODE_ROWS and q.dtype == torch.bfloat16 and key_pool.dtype == torch.bfloat16 and not softcap:
+        bf16, qb = library("bf16_attention", _declare_bf16), q.detach().contiguous()
+        failed = 2 if bf16 is None else bf16.kv_bf16_decode(
             qb.data_ptr(), key_pool.data_ptr(), value_pool.data_ptr(), table.data_ptr(), length.data_ptr(),
             out.data_ptr(), None if sums is None else sums.data_ptr(), seqs, heads, rows, dim, vdim, block_size,
             table.shape[1], ks[0], ks[1], vs[0], vs[1], per_task, float(scale), torch.get_num_threads(),
@@ -242,9 +245,10 @@ def paged_prefill(
     ``pasts[s] + i`` seeing positions ``0 .. pasts[s] + i`` in blocks ``tables[s]``, int32
     ``[S, max_blocks]``). Float32 ``[Hkv, N, R, Dv]``, or None where the library cannot take it. The
     caller checks that the tables' block ids are within the pool. bfloat16 queries over bfloat16
-    blocks run on AMX tiles where ``amx_prefill_available()`` (``csrc/amx_prefill.cpp``: the
-    weights rounded to bfloat16 before they multiply the values, as a bfloat16 attention rounds
-    them); float32 queries, and other CPUs, take the float library's kernel (float32 throughout)."""
+    blocks take the bfloat16 library where ``bf16_attention_kernel()`` names one
+    (``csrc/bf16_attention.cpp``, on AMX tiles or ``vdpbf16ps``: the weights rounded to bfloat16
+    before they multiply the values, as a bfloat16 attention rounds them); float32 queries, and other
+    CPUs, take the float library's kernel (float32 throughout)."""
     heads, total, rows, dim = q.shape
     block_size, vdim = key_pool.shape[2], value_pool.shape[3]
     seqs = tables.shape[0] if tables.dim() == 2 else -1
@@ -262,8 +266,8 @@ def paged_prefill(
     out = torch.empty(heads, total, rows, vdim, dtype=torch.float32)
     ks, vs = key_pool.stride(), value_pool.stride()
     if q.dtype == torch.bfloat16 and key_pool.dtype == torch.bfloat16 and not softcap:
-        amx, qb = library("amx_prefill", _declare_amx), q.detach().contiguous()
-        failed = 2 if amx is None else amx.kv_amx_prefill(
+        bf16, qb = library("bf16_attention", _declare_bf16), q.detach().contiguous()
+        failed = 2 if bf16 is None else bf16.kv_bf16_prefill(
             qb.data_ptr(), key_pool.data_ptr(), value_pool.data_ptr(), table.data_ptr(),
             start.data_ptr(), past.data_ptr(), out.data_ptr(), seqs, heads, rows, dim, vdim, block_size, table.shape[1],
             ks[0], ks[1], vs[0], vs[1], float(scale), torch.get_num_threads(),

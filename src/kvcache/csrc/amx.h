@@ -1,4 +1,4 @@
-// AMX tiles, shared by the libraries that multiply bfloat16 on them (linear.cpp, amx_prefill.cpp):
+// AMX tiles, shared by the libraries that multiply bfloat16 on them (linear.cpp, bf16_attention.cpp):
 // the tile configuration and whether this process may use the tiles at all.
 //
 //   kAmx        whether this build has AMX (bfloat16 tiles; -march as KVCACHE_ISA says)

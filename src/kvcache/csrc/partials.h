@@ -1,5 +1,5 @@
 // Softmax attention over parts of a sequence's keys, and their merge (float_decode.cpp's tasks,
-// amx_prefill.cpp's runs of blocks): a part keeps, per query row, the maximum its weights are taken
+// bf16_attention.cpp's runs of blocks): a part keeps, per query row, the maximum its weights are taken
 // against, their sum, and the weighted values relative to that maximum (acc [rows, Dv]); merged, every
 // part is weighted by exp(its maximum - the largest).
 #pragma once

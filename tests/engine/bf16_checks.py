@@ -1,4 +1,4 @@
-"""What the AMX tests share: counting calls of a library entry, and holding a bfloat16 engine's
+"""What the bfloat16 library's tests share: counting calls of a library entry, and holding a bfloat16 engine's
 greedy tokens to ``generate``'s but at its own near ties."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ BF16_NEAR_TIE = 0.1
 
 
 def count_calls(monkeypatch, entry: str, argument: int) -> list:
-    """Record argument ``argument`` of every call of ``entry`` in the AMX library (``native.library``
+    """Record argument ``argument`` of every call of ``entry`` in the bfloat16 library (``native.library``
     wrapped for the test); the list fills as calls come."""
     real = native.library
     calls: list = []
@@ -27,7 +27,7 @@ def count_calls(monkeypatch, entry: str, argument: int) -> list:
                 return attribute
             return lambda *args: calls.append(args[argument]) or attribute(*args)
 
-    monkeypatch.setattr(native, "library", lambda name, declare: Counted(real(name, declare)) if name == "amx_prefill" else real(name, declare))
+    monkeypatch.setattr(native, "library", lambda name, declare: Counted(real(name, declare)) if name == "bf16_attention" else real(name, declare))
     return calls
 
 

@@ -1,6 +1,6 @@
 """``native.paged_decode`` with bfloat16 queries of many rows (a shared prefix's pass: several
-sequences' grouped heads stacked) over bfloat16 blocks: on AMX tiles (``csrc/amx_prefill.cpp``'s
-``kv_amx_decode``), against float64 softmax attention over each sequence's gathered keys, within what
+sequences' grouped heads stacked) over bfloat16 blocks: on AMX tiles or ``vdpbf16ps``
+(``csrc/bf16_attention.cpp``'s ``kv_bf16_decode``; ``native.bf16_attention_kernel()`` says which), against float64 softmax attention over each sequence's gathered keys, within what
 rounding the weights to bfloat16 allows; the log-sum-exps a merge needs; empty sequences; thread
 and split invariance; unwritten slots never read; fewer rows keep the float kernel."""
 
@@ -13,11 +13,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from amx_checks import assert_generate_but_near_ties, count_calls
+from bf16_checks import assert_generate_but_near_ties, count_calls
 from kvcache.attention import native
 
-AMX = native.available() and native.amx_prefill_available()
-pytestmark = pytest.mark.skipif(not AMX, reason="no AMX tiles here (CPU, OS grant, KVCACHE_ISA or a oneDNN cap): bfloat16 rows take the float kernel")
+BF16 = native.available() and native.bf16_attention_kernel() != "none"
+pytestmark = pytest.mark.skipif(not BF16, reason="neither AMX tiles nor AVX-512 BF16 here (CPU, OS grant or KVCACHE_ISA): bfloat16 rows take the float kernel")
 
 
 def layout(lengths, heads, rows, dim, vdim, bs, seed):
@@ -65,7 +65,7 @@ def reference(q, keys, values, tables, lengths, scale):
     per_task=st.sampled_from([None, 1, 3]),
     seed=st.integers(0, 2**16),
 )
-def test_many_bfloat16_rows_take_amx_tiles_within_the_weights_rounding(lengths, rows, dims, bs, per_task, seed):
+def test_many_bfloat16_rows_take_the_bfloat16_library_within_the_weights_rounding(lengths, rows, dims, bs, per_task, seed):
     dim, vdim = dims
     q, keys, values, tables, lens = layout(lengths, 2, rows, dim, vdim, bs, seed)
     scale = 1 / math.sqrt(dim)
@@ -100,10 +100,10 @@ def test_threads_and_splits_change_no_bit_and_unwritten_slots_are_not_read():
     assert torch.equal(again[0], one[0]) and torch.equal(again[1], one[1])
 
 
-def test_the_amx_library_takes_many_rows_and_fewer_keep_the_float_kernel(monkeypatch):
-    """16 rows and more go to ``kv_amx_decode``; 15 rows, float32 queries and a softcap do not, and
+def test_the_bfloat16_library_takes_many_rows_and_fewer_keep_the_float_kernel(monkeypatch):
+    """16 rows and more go to ``kv_bf16_decode``; 15 rows, float32 queries and a softcap do not, and
     float32 queries stay exact (1e-5)."""
-    calls = count_calls(monkeypatch, "kv_amx_decode", 9)  # rows
+    calls = count_calls(monkeypatch, "kv_bf16_decode", 9)  # rows
     for rows in (15, 16):
         q, keys, values, tables, lens = layout([70], 2, rows, 64, 64, 32, rows)
         native.paged_decode(q, keys, values, tables, lens, 0.125)
@@ -114,9 +114,9 @@ def test_the_amx_library_takes_many_rows_and_fewer_keep_the_float_kernel(monkeyp
 
 
 @pytest.mark.half_precision
-def test_a_bfloat16_engine_reads_a_shared_prefix_on_amx_tiles_and_answers_as_generate(monkeypatch):
+def test_a_bfloat16_engine_reads_a_shared_prefix_in_bfloat16_and_answers_as_generate(monkeypatch):
     """Eight requests continuing one 96-token prompt in a bfloat16 engine (a tiny Llama, head dim
-    32): their decode rows read the shared blocks in one pass of at least 16 rows, on AMX tiles, and
+    32): their decode rows read the shared blocks in one pass of at least 16 rows, in the bfloat16 library, and
     the greedy tokens are generate's but where its two best bfloat16 logits lie within 0.1."""
     import copy
 
@@ -126,7 +126,7 @@ def test_a_bfloat16_engine_reads_a_shared_prefix_on_amx_tiles_and_answers_as_gen
     from kvcache import Engine
 
     model = copy.deepcopy(model_for("llama", num_hidden_layers=2, head_dim=32)).to(torch.bfloat16)
-    calls = count_calls(monkeypatch, "kv_amx_decode", 9)  # rows a sequence
+    calls = count_calls(monkeypatch, "kv_bf16_decode", 9)  # rows a sequence
     shared = ids(96, 1)
     prompts = [shared + ids(5, 10 + i) for i in range(8)]
     got = Engine(model, max_batch_tokens=256).generate_batch(prompts, max_new_tokens=6, eos_token_id=[])

@@ -1,8 +1,11 @@
-// Paged prefill attention in bfloat16 on AMX tiles (kvcache.attention.native.paged_prefill with
+// Paged attention in bfloat16 (kvcache.attention.native.paged_prefill and paged_decode with
 // bfloat16 queries over bfloat16 blocks): the queries of prompt chunks over their past and
-// themselves, causal, as float_decode.cpp's paged_prefill takes them, but both products run on
-// tiles: scores = q k^T, and the weighted values = p v with the weights p rounded to bfloat16 (as
-// a bfloat16 attention rounds them). Sums, the running softmax and the output are float32.
+// themselves, causal, as float_decode.cpp's paged_prefill takes them, and many decode rows over a
+// sequence's whole length (a shared prefix's pass). Both products run in bfloat16 with float32 sums:
+// scores = q k^T, and the weighted values = p v with the weights p rounded to bfloat16 (as a
+// bfloat16 attention rounds them). The running softmax and the output are float32. The products
+// run on AMX tiles where this process may use them (amx.h), else on AVX-512 BF16's vdpbf16ps; both
+// read the same packed operands (bf16_pack.h) and add the same pairs of products.
 //
 //   q       bfloat16 [Hkv, N, R, D]   contiguous; chunk s's queries are N = starts[s] .. starts[s + 1],
 //                                     query i at position pasts[s] + i sees positions 0 .. pasts[s] + i
@@ -11,21 +14,21 @@
 //   tables  int32 [seqs, table_stride]; starts int64 [seqs + 1]; pasts int64 [seqs]
 //   out     float32 [Hkv, N, R, Dv]
 //
-// Two passes. First every (block, head) the chunks reach is packed once (amx_pack.h) into the tiles' operand
-// layouts (a shared prefix's blocks once for all the chunks that read them): keys as [bs/16][D/32]
-// tiles of 16 dim pairs x 16 tokens x 2, values as [bs/32][Dv/16] tiles of 16 token pairs x 16
-// columns x 2 (1 KB each), in buffers the calling thread keeps between calls. Then tasks (chunk,
-// head, a block of query positions whose grouped heads fill at most 64 rows, a chunk's tasks taking
-// equal shares) walk their visible keys 128 at a time, in pieces of 32 (a piece lies in one
-// block): the scores of every 16 rows as up to four independent 16-key tile products, the running
-// softmax row by row in vectors against a lazy maximum (kSlack), the weights rounded to bfloat16,
-// and the weighted values as tile products into float32 sums, which stay in memory (a tile cannot
-// scale its rows by the softmax's correction) and are loaded and stored once a step. Rows past a
-// task's own are padded to 16 with zeros.
+// Two passes. First every (block, head) the chunks reach is packed once (bf16_pack.h) into the
+// operand layouts (a shared prefix's blocks once for all the chunks that read them): keys as
+// [bs/16][D/32] tiles of 16 dim pairs x 16 tokens x 2, values as [bs/32][Dv/16] tiles of 16 token
+// pairs x 16 columns x 2 (1 KB each), in buffers the calling thread keeps between calls. Then tasks
+// (chunk, head, a block of query positions whose grouped heads fill at most 64 rows, a chunk's tasks
+// taking equal shares) walk their visible keys 128 at a time, in pieces of 32 (a piece lies in one
+// block): the scores of every 16 rows (as up to four independent 16-key tile products, or in
+// registers 8 rows at a time), the running softmax row by row in vectors against a lazy maximum
+// (kSlack), the weights rounded to bfloat16, and the weighted values into float32 sums, which stay
+// in memory (a tile cannot scale its rows by the softmax's correction) and are loaded and stored once
+// a step. Rows past a task's own are padded to 16 with zeros.
 //
-// Returns 0, 1 for inputs out of range, 2 where this build or CPU has no AMX tiles or the shapes do
-// not fit (D a multiple of 32 and Dv of 16, both <= 256; bs a multiple of 32): the caller then takes
-// float_decode's kernel.
+// Returns 0, 1 for inputs out of range, 2 where this build or CPU has neither AMX tiles nor AVX-512
+// BF16 or the shapes do not fit (D a multiple of 32 and Dv of 16, both <= 256; bs a multiple of 32):
+// the caller then takes float_decode's kernel.
 
 #include <algorithm>
 #include <cmath>
@@ -35,7 +38,7 @@
 #include <vector>
 
 #include "amx.h"
-#include "amx_pack.h"
+#include "bf16_pack.h"
 #include "partials.h"
 #include "simd.h"
 
@@ -48,8 +51,14 @@ constexpr int kMaxDim = 256;
 constexpr int kStep = 128;      // keys a step: up to four pieces, the sums loaded and stored once
 static_assert(kMaxRows <= kPartialRows, "a task's rows fit a Partial");
 
+#if defined(__AVX512BF16__)
+constexpr bool kDots = true;  // this build has vdpbf16ps (and AVX-512: the softmax's vectors)
+#else
+constexpr bool kDots = false;
+#endif
+
 bool fits(int rows, int dim, int vdim, int64_t block_size) {
-    return kAmx && rows >= 1 && rows <= kMaxRows && dim % 32 == 0 && dim >= 32 && dim <= kMaxDim && vdim % 16 == 0 &&
+    return kDots && rows >= 1 && rows <= kMaxRows && dim % 32 == 0 && dim >= 32 && dim <= kMaxDim && vdim % 16 == 0 &&
            vdim >= 16 && vdim <= kMaxDim && block_size % kPiece == 0 && block_size > 0;
 }
 
@@ -123,8 +132,89 @@ inline void value_tiles(const uint16_t* p, const uint16_t* const* values, int pi
     }
 }
 
+#endif
+
+#if defined(__AVX512BF16__)
+
+// A 32-bit broadcast of the bfloat16 pair at p: the two values every lane's dot product takes.
+inline __m512bh pair_at(const uint16_t* p) {
+    int32_t pair;
+    std::memcpy(&pair, p, sizeof pair);
+    return (__m512bh)_mm512_set1_epi32(pair);
+}
+
+// score_tiles' products on vdpbf16ps: for each piece, the scores of 8 rows x its 32 keys sum over
+// the head dim's pairs in 16 registers (each pair row of the two key tiles loaded once for the 8
+// rows, each row's query pair broadcast once for the 32 keys).
+inline void score_dots(const uint16_t* q, int dim, const uint16_t* const* keys, int pieces, int row_tiles, float* s) {
+    const int parts = dim / 32, rows = row_tiles * 16;
+    for (int j = 0; j < pieces; ++j) {
+        const uint16_t* low = keys[j];                       // keys 0-15 of the piece, tiles (0, c)
+        const uint16_t* high = keys[j] + parts * kTileElems;  // keys 16-31
+        for (int r0 = 0; r0 < rows; r0 += 8) {
+            __m512 a[8], b[8];
+            for (int r = 0; r < 8; ++r) a[r] = b[r] = _mm512_setzero_ps();
+            for (int c = 0; c < parts; ++c)
+                for (int p = 0; p < 16; ++p) {
+                    const __m512bh x = (__m512bh)_mm512_loadu_si512(low + c * kTileElems + p * 32);
+                    const __m512bh y = (__m512bh)_mm512_loadu_si512(high + c * kTileElems + p * 32);
+                    const uint16_t* qp = q + r0 * dim + c * 32 + 2 * p;
+                    for (int r = 0; r < 8; ++r) {
+                        const __m512bh w = pair_at(qp + r * dim);
+                        a[r] = _mm512_dpbf16_ps(a[r], x, w);
+                        b[r] = _mm512_dpbf16_ps(b[r], y, w);
+                    }
+                }
+            for (int r = 0; r < 8; ++r) {
+                float* out = s + (r0 + r) * kStep + j * kPiece;
+                _mm512_storeu_ps(out, a[r]);
+                _mm512_storeu_ps(out + 16, b[r]);
+            }
+        }
+    }
+}
+
+// value_dots for 4 rows x N groups of 16 columns: their sums in registers over the step's token pairs.
+template <int N>
+inline void value_dots_block(const uint16_t* p, const uint16_t* const* values, int pieces, int vdim, float* sums) {
+    __m512 a[4][N];
+    for (int r = 0; r < 4; ++r)
+        for (int c = 0; c < N; ++c) a[r][c] = _mm512_loadu_ps(sums + r * vdim + c * 16);
+    for (int j = 0; j < pieces; ++j)
+        for (int t = 0; t < 16; ++t) {  // the piece's token pairs
+            __m512bh x[N];
+            for (int c = 0; c < N; ++c) x[c] = (__m512bh)_mm512_loadu_si512(values[j] + c * kTileElems + t * 32);
+            for (int r = 0; r < 4; ++r) {
+                const __m512bh w = pair_at(p + r * kStep + j * kPiece + 2 * t);
+                for (int c = 0; c < N; ++c) a[r][c] = _mm512_dpbf16_ps(a[r][c], x[c], w);
+            }
+        }
+    for (int r = 0; r < 4; ++r)
+        for (int c = 0; c < N; ++c) _mm512_storeu_ps(sums + r * vdim + c * 16, a[r][c]);
+}
+
+// value_tiles' products on vdpbf16ps, 4 rows and up to 64 columns at a time.
+inline void value_dots(const uint16_t* p, const uint16_t* const* values, int pieces, int vdim, int row_tiles,
+                       float* sums) {
+    const int groups = vdim / 16;
+    for (int r0 = 0; r0 < row_tiles * 16; r0 += 4)
+        for (int c0 = 0; c0 < groups; c0 += 4) {
+            const uint16_t* v[kStep / kPiece];
+            for (int j = 0; j < pieces; ++j) v[j] = values[j] + c0 * kTileElems;
+            const uint16_t* w = p + r0 * kStep;
+            float* o = sums + r0 * vdim + c0 * 16;
+            switch (std::min(4, groups - c0)) {
+                case 4: value_dots_block<4>(w, v, pieces, vdim, o); break;
+                case 3: value_dots_block<3>(w, v, pieces, vdim, o); break;
+                case 2: value_dots_block<2>(w, v, pieces, vdim, o); break;
+                default: value_dots_block<1>(w, v, pieces, vdim, o); break;
+            }
+        }
+}
+
 // A thread's scratch for one task at a time.
 struct Scratch {
+    bool tiles = false;  // the products on AMX tiles, else on vdpbf16ps
     std::vector<uint16_t> q = std::vector<uint16_t>(kMaxRows * kMaxDim);  // the task's rows, padded
     std::vector<float> sums = std::vector<float>(kMaxRows * kMaxDim);     // weighted values
     std::vector<float> scores = std::vector<float>(kMaxRows * kStep);
@@ -158,20 +248,42 @@ inline int64_t owner(const std::vector<int64_t>& first, int64_t task) {
     return std::upper_bound(first.begin(), first.end(), task) - first.begin() - 1;
 }
 
-// body(x, task) for tasks [0, tasks) on the OpenMP threads, each thread with its own scratch x and
-// its tiles configured as 16 rows of 64 bytes.
+// body(x, task) for tasks [0, tasks) on the OpenMP threads, each thread with its own scratch x and,
+// where this process may use AMX tiles, its tiles configured as 16 rows of 64 bytes.
 template <typename F>
 void run_tasks(int64_t tasks, int threads, F&& body) {
+    const bool tiles = amx_usable();
 #pragma omp parallel num_threads(threads)
     {
         Scratch x;
+        x.tiles = tiles;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
         TileConfig config;
         for (int t = 0; t < 8; ++t) config.rows[t] = 16, config.colsb[t] = 64;
-        _tile_loadconfig(&config);
+        if (tiles) _tile_loadconfig(&config);
+#endif
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; ++task) body(x, task);
-        _tile_release();
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+        if (tiles) _tile_release();
+#endif
     }
+}
+
+// A step's scores and weighted values, on the tiles or on vdpbf16ps as the scratch says.
+inline void scores(const Scratch& x, int dim, const uint16_t* const* keys, int pieces, int row_tiles, float* s) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (x.tiles) return score_tiles(x.q.data(), dim, keys, pieces, row_tiles, s);
+#endif
+    score_dots(x.q.data(), dim, keys, pieces, row_tiles, s);
+}
+
+inline void weighted_values(const Scratch& x, const uint16_t* const* values, int pieces, int vdim, int row_tiles,
+                            float* sums) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (x.tiles) return value_tiles(x.weights.data(), values, pieces, vdim, row_tiles, sums);
+#endif
+    value_dots(x.weights.data(), values, pieces, vdim, row_tiles, sums);
 }
 
 // e^x for the softmax's weights (rounded to bfloat16 after): x clamped to [-87, 88], 2^n times
@@ -260,14 +372,14 @@ void steps(Scratch& x, int row_tiles, int m, int dim, int vdim, int64_t from, in
                     for (int j = 0; j < 16; ++j) x.tail[c * kTileElems + (key / 2) * 32 + 2 * j + key % 2] = 0;
             v[last] = x.tail.data();
         }
-        score_tiles(x.q.data(), dim, k, pieces, row_tiles, x.scores.data());
+        scores(x, dim, k, pieces, row_tiles, x.scores.data());
         // row r (position first_position + r / rows) sees keys up to its own position: all of a
         // step that ends before the first row's
         const bool diagonal = count < pieces * kPiece || t + pieces * kPiece > first_position + 1;
         softmax_step(x, m, vdim, 2 * pieces, scale, diagonal, [&](int r) {
             return static_cast<int>(std::clamp<int64_t>(first_position + r / rows + 1 - t, 0, count));
         });
-        value_tiles(x.weights.data(), v, pieces, vdim, row_tiles, x.sums.data());
+        weighted_values(x, v, pieces, vdim, row_tiles, x.sums.data());
     }
 }
 
@@ -366,15 +478,16 @@ int decode(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int32_
 
 extern "C" {
 
-// 1 where this build and CPU multiply on AMX tiles (and oneDNN is not capped below them), else 0.
-int kv_amx_prefill_usable() { return kAmx && amx_usable() ? 1 : 0; }
+// How this build and CPU multiply: 2 on AMX tiles (the process may use them, oneDNN not capped
+// below them), 1 on AVX-512 BF16's vdpbf16ps, 0 neither (the entries below then return 2).
+int kv_bf16_attention_kernel() { return !kDots ? 0 : amx_usable() ? 2 : 1; }
 
-int kv_amx_prefill(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int32_t* tables,
-                   const int64_t* starts, const int64_t* pasts, float* out, int64_t seqs, int64_t heads, int rows,
-                   int dim, int vdim, int64_t block_size, int64_t table_stride, int64_t k_blk, int64_t k_h,
-                   int64_t v_blk, int64_t v_h, float scale, int threads) {
-    if (!fits(rows, dim, vdim, block_size) || !amx_usable()) return 2;
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+int kv_bf16_prefill(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int32_t* tables,
+                    const int64_t* starts, const int64_t* pasts, float* out, int64_t seqs, int64_t heads, int rows,
+                    int dim, int vdim, int64_t block_size, int64_t table_stride, int64_t k_blk, int64_t k_h,
+                    int64_t v_blk, int64_t v_h, float scale, int threads) {
+    if (!fits(rows, dim, vdim, block_size)) return 2;
+#if defined(__AVX512BF16__)
     return prefill(q, k, v, tables, starts, pasts, out, seqs, heads, rows, dim, vdim, block_size, table_stride, k_blk,
                    k_h, v_blk, v_h, scale, threads);
 #else
@@ -387,13 +500,13 @@ int kv_amx_prefill(const uint16_t* q, const uint16_t* k, const uint16_t* v, cons
 // Decode rows of bfloat16 queries q [S, Hkv, R, D] over bfloat16 pool blocks, not causal: sequence
 // s's R rows all see its first lengths[s] tokens, in blocks tables[s] (int32 [S, table_stride]).
 // out float32 [S, Hkv, R, Dv]; lse (or null) float32 [S, Hkv, R], each row's log-sum-exp of its
-// scaled scores (-inf for a sequence of length 0, whose rows get zeros). Returns as kv_amx_prefill.
-int kv_amx_decode(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int32_t* tables,
-                  const int64_t* lengths, float* out, float* lse, int64_t seqs, int64_t heads, int rows, int dim,
-                  int vdim, int64_t block_size, int64_t table_stride, int64_t k_blk, int64_t k_h, int64_t v_blk,
-                  int64_t v_h, int64_t blocks_per_task, float scale, int threads) {
-    if (!fits(rows, dim, vdim, block_size) || !amx_usable()) return 2;
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+// scaled scores (-inf for a sequence of length 0, whose rows get zeros). Returns as kv_bf16_prefill.
+int kv_bf16_decode(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int32_t* tables,
+                   const int64_t* lengths, float* out, float* lse, int64_t seqs, int64_t heads, int rows, int dim,
+                   int vdim, int64_t block_size, int64_t table_stride, int64_t k_blk, int64_t k_h, int64_t v_blk,
+                   int64_t v_h, int64_t blocks_per_task, float scale, int threads) {
+    if (!fits(rows, dim, vdim, block_size)) return 2;
+#if defined(__AVX512BF16__)
     return decode(q, k, v, tables, lengths, out, lse, seqs, heads, rows, dim, vdim, block_size, table_stride, k_blk,
                   k_h, v_blk, v_h, blocks_per_task, scale, threads);
 #else

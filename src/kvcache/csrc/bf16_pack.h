@@ -1,5 +1,7 @@
-// Pool blocks packed into AMX tiles' operand layouts, for amx_prefill.cpp: the keys and values of
+// Pool blocks packed into bfloat16 pair layouts, for bf16_attention.cpp: the keys and values of
 // every (block, head) a call reaches, packed once per call into buffers the calling thread keeps.
+// The layouts are AMX tiles' operands, and equally vdpbf16ps's: a 64-byte row holds 16 lanes of
+// two bfloat16 values each, the two that one lane's dot product adds.
 //
 //   keys    [bs/16][D/32] tiles of 16 dim pairs x 16 tokens x 2 (pack_keys)
 //   values  [bs/32][Dv/16] tiles of 16 token pairs x 16 columns x 2 (pack_values)
@@ -10,14 +12,14 @@
 #include <memory>
 #include <vector>
 
-#include "amx.h"
+#include <immintrin.h>
 
 namespace kv {
 
 constexpr int kPiece = 32;       // keys a weights tile multiplies (two 16-key score tiles), within one block
 constexpr int kTileElems = 512;  // bfloat16 elements of a 1 KB operand tile
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if defined(__AVX512BF16__)
 
 // One (block, head)'s keys [bs, D] as [bs/16][D/32] tiles: tile (g, c)'s row p holds dims
 // 32c + 2p and 32c + 2p + 1 of tokens 16g .. 16g + 15, in pairs (a row gathered from 16 tokens).
