@@ -1,8 +1,9 @@
-"""``native.paged_decode`` with bfloat16 queries of many rows (a shared prefix's pass: several
-sequences' grouped heads stacked) over bfloat16 blocks: on AMX tiles or ``vdpbf16ps``
+"""``native.paged_decode`` with bfloat16 queries over bfloat16 blocks, of many rows (a shared
+prefix's pass: several sequences' grouped heads stacked; packed blocks) and of few (a sequence's
+own grouped heads; read in place): on AMX tiles or ``vdpbf16ps``
 (``csrc/bf16_attention.cpp``'s ``kv_bf16_decode``; ``native.bf16_attention_kernel()`` says which), against float64 softmax attention over each sequence's gathered keys, within what
 rounding the weights to bfloat16 allows; the log-sum-exps a merge needs; empty sequences; thread
-and split invariance; unwritten slots never read; fewer rows keep the float kernel."""
+and split invariance; unwritten slots never read; float32 queries and a softcap keep the float kernel."""
 
 from __future__ import annotations
 
@@ -59,8 +60,8 @@ def reference(q, keys, values, tables, lengths, scale):
 @settings(max_examples=30, deadline=None)
 @given(
     lengths=st.lists(st.sampled_from([0, 1, 31, 32, 33, 100, 128, 129, 300, 600]), min_size=1, max_size=3),
-    rows=st.sampled_from([16, 21, 48, 64]),
-    dims=st.sampled_from([(32, 32), (64, 64), (128, 128), (64, 16)]),
+    rows=st.sampled_from([1, 3, 4, 8, 15, 16, 21, 48, 64]),
+    dims=st.sampled_from([(32, 32), (64, 64), (128, 128), (64, 16), (32, 48), (64, 80)]),
     bs=st.sampled_from([32, 64]),
     per_task=st.sampled_from([None, 1, 3]),
     seed=st.integers(0, 2**16),
@@ -77,11 +78,12 @@ def test_many_bfloat16_rows_take_the_bfloat16_library_within_the_weights_roundin
     torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-4)
 
 
-def test_threads_and_splits_change_no_bit_and_unwritten_slots_are_not_read():
+@pytest.mark.parametrize("rows", [3, 48], ids=["in place", "packed"])
+def test_threads_and_splits_change_no_bit_and_unwritten_slots_are_not_read(rows):
     """One thread gives the bits of two; slots past each sequence (never written: here NaN) change
     nothing. (Splits into tasks round each run's weights against its own maximum: the test above
     holds every split to the rounding bound.)"""
-    q, keys, values, tables, lens = layout([300, 45, 0, 129], 3, 48, 64, 64, 32, 7)
+    q, keys, values, tables, lens = layout([300, 45, 0, 129], 3, rows, 64, 64, 32, 7)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -100,9 +102,9 @@ def test_threads_and_splits_change_no_bit_and_unwritten_slots_are_not_read():
     assert torch.equal(again[0], one[0]) and torch.equal(again[1], one[1])
 
 
-def test_the_bfloat16_library_takes_many_rows_and_fewer_keep_the_float_kernel(monkeypatch):
-    """16 rows and more go to ``kv_bf16_decode``; 15 rows, float32 queries and a softcap do not, and
-    float32 queries stay exact (1e-5)."""
+def test_bfloat16_rows_take_the_bfloat16_library_and_float32_or_a_softcap_the_float_kernel(monkeypatch):
+    """bfloat16 queries of 15 rows (read in place) and 16 (packed) go to ``kv_bf16_decode``; float32
+    queries and a softcap do not, and float32 queries stay exact (1e-5)."""
     calls = count_calls(monkeypatch, "kv_bf16_decode", 9)  # rows
     for rows in (15, 16):
         q, keys, values, tables, lens = layout([70], 2, rows, 64, 64, 32, rows)
@@ -110,14 +112,15 @@ def test_the_bfloat16_library_takes_many_rows_and_fewer_keep_the_float_kernel(mo
         exact = native.paged_decode(q.float(), keys, values, tables, lens, 0.125)
         torch.testing.assert_close(exact.double(), reference(q.float(), keys, values, tables, lens, 0.125)[0], rtol=1e-5, atol=1e-5)
         native.paged_decode(q, keys, values, tables, lens, 0.125, softcap=30.0)
-    assert calls == [16]
+    assert calls == [15, 16]
 
 
 @pytest.mark.half_precision
 def test_a_bfloat16_engine_reads_a_shared_prefix_in_bfloat16_and_answers_as_generate(monkeypatch):
     """Eight requests continuing one 96-token prompt in a bfloat16 engine (a tiny Llama, head dim
-    32): their decode rows read the shared blocks in one pass of at least 16 rows, in the bfloat16 library, and
-    the greedy tokens are generate's but where its two best bfloat16 logits lie within 0.1."""
+    32): their decode rows read the shared blocks in one pass of at least 16 rows and their own in
+    place, all in the bfloat16 library, and the greedy tokens are generate's but where its two best
+    bfloat16 logits lie within 0.1."""
     import copy
 
     from engine_reference import ids
@@ -130,5 +133,5 @@ def test_a_bfloat16_engine_reads_a_shared_prefix_in_bfloat16_and_answers_as_gene
     shared = ids(96, 1)
     prompts = [shared + ids(5, 10 + i) for i in range(8)]
     got = Engine(model, max_batch_tokens=256).generate_batch(prompts, max_new_tokens=6, eos_token_id=[])
-    assert calls and min(calls) >= 16
+    assert calls and max(calls) >= 16
     assert_generate_but_near_ties(model, prompts, got, 6)

@@ -22,9 +22,6 @@ MAX_ROWS, MAX_DIM = 16, 512
 #: Query rows per sequence the paged entry takes (several sequences' rows share a prefix's pass).
 PAGED_MAX_ROWS = 64
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-#: Query rows per sequence from which bfloat16 decode rows take the bfloat16 library (a shared
-#: prefix's pass: many sequences' rows stacked); fewer rows would mostly multiply its zero padding.
-BF16_DECODE_ROWS = 16
 #: Tokens per task: enough to amortise a task, few enough that a long sequence splits across threads.
 _MIN_CHUNK, _TASKS_PER_THREAD = 256, 16
 
@@ -189,10 +186,10 @@ def paged_decode(
     library takes ``blocks_per_task`` blocks of a sequence (default: about ``_MIN_CHUNK`` tokens).
     With ``lse``, ``(out, lse)``: ``lse`` float32 ``[S, Hkv, R]`` is each row's log-sum-exp of its
     scaled scores (-inf for a sequence of length 0), what merging with attention over other keys
-    needs. ``R`` may be up to ``PAGED_MAX_ROWS``. bfloat16 queries of at least ``BF16_DECODE_ROWS``
-    rows over bfloat16 blocks take the bfloat16 library where ``bf16_attention_kernel()`` names one
-    (the weights rounded to bfloat16, as ``paged_prefill``'s); others take the float kernel (float32
-    throughout)."""
+    needs. ``R`` may be up to ``PAGED_MAX_ROWS``. bfloat16 queries over bfloat16 blocks take the
+    bfloat16 library where ``bf16_attention_kernel()`` names one (the weights rounded to bfloat16,
+    as ``paged_prefill``'s; 16 rows and more on packed blocks, fewer read in place); float32 queries,
+    a softcap and other CPUs take the float kernel (float32 throughout)."""
     seqs, heads, rows, dim = q.shape
     block_size, vdim = key_pool.shape[2], value_pool.shape[3]
     ok = (
@@ -208,7 +205,7 @@ def paged_decode(
     out = torch.empty(seqs, heads, rows, vdim, dtype=torch.float32)
     sums = torch.empty(seqs, heads, rows, dtype=torch.float32) if lse else None
     ks, vs = key_pool.stride(), value_pool.stride()
-    if rows >= BF16_DECODE_ROWS and q.dtype == torch.bfloat16 and key_pool.dtype == torch.bfloat16 and not softcap:
+    if q.dtype == torch.bfloat16 and key_pool.dtype == torch.bfloat16 and not softcap:
         bf16, qb = library("bf16_attention", _declare_bf16), q.detach().contiguous()
         failed = 2 if bf16 is None else bf16.kv_bf16_decode(
             qb.data_ptr(), key_pool.data_ptr(), value_pool.data_ptr(), table.data_ptr(), length.data_ptr(),

@@ -425,6 +425,106 @@ int prefill(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int32
     return 0;
 }
 
+// ---- few decode rows (fewer than a tile's 16: a sequence's own grouped heads), read in place:
+// packing a block costs more than these rows' products over it, so keys and values are read where
+// they lie. Scores: each key's dim pairs times a row's query pairs (vdpbf16ps, lanes = pairs), 16
+// keys' lanes folded together (sums16); weighted values: two tokens' value rows interleaved into
+// pairs in registers (vpermt2w) times each row's pair of weights.
+
+// The scores [m rows, count keys] of a step into s (row stride kStep): key[t] points at key t's row
+// (D bfloat16, D a multiple of 32); keys past count point at zeros.
+inline void scores_direct(const uint16_t* q, int m, int dim, const uint16_t* const* key, int count, float* s) {
+    const int parts = dim / 32;
+    for (int r = 0; r < m; ++r) {
+        __m512bh qr[kMaxDim / 32];
+        for (int c = 0; c < parts; ++c) qr[c] = (__m512bh)_mm512_loadu_si512(q + r * dim + 32 * c);
+        for (int t0 = 0; t0 < count; t0 += 16) {
+            v16 part[16];
+            for (int t = 0; t < 16; ++t) {
+                __m512 a = _mm512_setzero_ps();
+                for (int c = 0; c < parts; ++c)
+                    a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(key[t0 + t] + 32 * c), qr[c]);
+                part[t] = (v16)a;
+            }
+            const v16 total = sums16(part);
+            __builtin_memcpy(s + r * kStep + t0, &total, sizeof total);
+        }
+    }
+}
+
+// sums [4 rows, 16 N columns] (row stride Dv) += the weights [4 rows, count keys] (bfloat16, row
+// stride kStep) times the values of those keys (value[t]: key t's row, from column 0 of the block).
+template <int N>
+inline void values_direct_block(const uint16_t* w, const uint16_t* const* value, int count, int vdim, float* sums) {
+    // lane 2i takes the first token's column i, lane 2i + 1 the second's (index 32 + i: vpermt2w's second source)
+    alignas(64) static constexpr uint16_t kInterleave[32] = {0, 32, 1, 33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
+                                                             8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    const __m512i low = _mm512_load_si512(kInterleave), high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+    __m512 a[4][N];
+    for (int r = 0; r < 4; ++r)
+        for (int c = 0; c < N; ++c) a[r][c] = _mm512_loadu_ps(sums + r * vdim + c * 16);
+    for (int t = 0; t < count; t += 2) {  // count is even: a step's keys come in whole pieces
+        __m512bh x[N];
+        for (int c = 0; c < N; c += 2) {  // columns 16c .. 16c + 31 of both tokens (16 at the end of an odd N), in pairs
+            const __mmask32 in = c + 1 < N ? ~0u : 0xFFFFu;
+            const __m512i u = _mm512_maskz_loadu_epi16(in, value[t] + 16 * c);
+            const __m512i v = _mm512_maskz_loadu_epi16(in, value[t + 1] + 16 * c);
+            x[c] = (__m512bh)_mm512_permutex2var_epi16(u, low, v);
+            if (c + 1 < N) x[c + 1] = (__m512bh)_mm512_permutex2var_epi16(u, high, v);
+        }
+        for (int r = 0; r < 4; ++r) {
+            const __m512bh pair = pair_at(w + r * kStep + t);
+            for (int c = 0; c < N; ++c) a[r][c] = _mm512_dpbf16_ps(a[r][c], x[c], pair);
+        }
+    }
+    for (int r = 0; r < 4; ++r)
+        for (int c = 0; c < N; ++c) _mm512_storeu_ps(sums + r * vdim + c * 16, a[r][c]);
+}
+
+// values_direct_block over every 4 rows (of the scratch's padded rows) and 64 columns.
+inline void values_direct(const uint16_t* w, const uint16_t* const* value, int count, int vdim, int m, float* sums) {
+    const int groups = vdim / 16;
+    for (int r0 = 0; r0 < m; r0 += 4)
+        for (int c0 = 0; c0 < groups; c0 += 4) {
+            const uint16_t* v[kStep];
+            for (int t = 0; t < count; ++t) v[t] = value[t] + 16 * c0;
+            const uint16_t* rows = w + r0 * kStep;
+            float* o = sums + r0 * vdim + c0 * 16;
+            switch (std::min(4, groups - c0)) {
+                case 4: values_direct_block<4>(rows, v, count, vdim, o); break;
+                case 3: values_direct_block<3>(rows, v, count, vdim, o); break;
+                case 2: values_direct_block<2>(rows, v, count, vdim, o); break;
+                default: values_direct_block<1>(rows, v, count, vdim, o); break;
+            }
+        }
+}
+
+// Keys [t0, t1) of a sequence (its blocks `table`) into the task's running softmax and sums, for
+// its m < 16 rows, all seeing every key.
+void steps_direct(Scratch& x, int m, int dim, int vdim, int64_t t0, int64_t t1, const int32_t* table,
+                  int64_t block_size, const uint16_t* k, const uint16_t* v, int64_t k_blk, int64_t v_blk,
+                  float scale) {
+    static const std::vector<uint16_t> zeros(kMaxDim, 0);
+    for (int64_t t = t0; t < t1; t += kStep) {
+        const int count = static_cast<int>(std::min<int64_t>(kStep, t1 - t));
+        const int pieces = (count + kPiece - 1) / kPiece;
+        const uint16_t* key[kStep];
+        const uint16_t* value[kStep];
+        for (int j = 0; j < pieces * kPiece; ++j) {
+            if (j < count) {
+                const int64_t at = t + j, block = table[at / block_size], within = at % block_size;
+                key[j] = k + block * k_blk + within * dim;
+                value[j] = v + block * v_blk + within * vdim;
+            } else {
+                key[j] = value[j] = zeros.data();
+            }
+        }
+        scores_direct(x.q.data(), m, dim, key, pieces * kPiece, x.scores.data());
+        softmax_step(x, m, vdim, 2 * pieces, scale, count < pieces * kPiece, [&](int) { return count; });
+        values_direct(x.weights.data(), value, pieces * kPiece, vdim, m, x.sums.data());
+    }
+}
+
 // Decode rows over their sequences' blocks, not causal: sequence s's `rows` rows (several
 // sequences' grouped heads stacked, for a shared prefix's pass) all see its first lengths[s]
 // tokens. Tasks (sequence, head, a run of blocks_per_task blocks) each take their run's keys as a
@@ -441,9 +541,15 @@ int decode(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int32_
         reach[s] = (lengths[s] + block_size - 1) / block_size;
         first[s + 1] = first[s] + heads * std::max<int64_t>(1, (reach[s] + blocks_per_task - 1) / blocks_per_task);
     }
+    const bool direct = rows < 16;  // fewer rows than a tile: read in place, not packed
     Packed packed;
-    if (!pack(tables, table_stride, reach, k, v, heads, dim, vdim, block_size, k_blk, k_h, v_blk, v_h, threads, packed))
+    if (!direct &&
+        !pack(tables, table_stride, reach, k, v, heads, dim, vdim, block_size, k_blk, k_h, v_blk, v_h, threads, packed))
         return 1;
+    if (direct)
+        for (int64_t s = 0; s < seqs; ++s)
+            for (int64_t b = 0; b < reach[s]; ++b)
+                if (reach[s] > table_stride || tables[s * table_stride + b] < 0) return 1;
     const int64_t tasks = first[seqs], run = blocks_per_task * block_size;
     std::vector<Partial> parts(tasks);
     std::vector<float> accs(static_cast<size_t>(tasks) * rows * vdim);
@@ -457,9 +563,12 @@ int decode(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int32_
             return;
         }
         const int padded = x.begin(q + (s * heads + h) * rows * dim, rows, dim, vdim);
-        // every row at position t1 - 1: it sees all of the run
-        steps(x, padded / 16, rows, dim, vdim, t0, t1, tables + s * table_stride, block_size, packed.slot,
-              packed.keys, packed.values, h, heads, scale, t1 - 1, rows);
+        if (direct)
+            steps_direct(x, rows, dim, vdim, t0, t1, tables + s * table_stride, block_size, k + h * k_h,
+                         v + h * v_h, k_blk, v_blk, scale);
+        else  // every row at position t1 - 1: it sees all of the run
+            steps(x, padded / 16, rows, dim, vdim, t0, t1, tables + s * table_stride, block_size, packed.slot,
+                  packed.keys, packed.values, h, heads, scale, t1 - 1, rows);
         for (int r = 0; r < rows; ++r) part.max[r] = x.max[r], part.sum[r] = _mm512_reduce_add_ps(x.total[r]);
         std::memcpy(accs.data() + task * rows * vdim, x.sums.data(), sizeof(float) * rows * vdim);
     });
