@@ -35,6 +35,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "amx.h"
@@ -174,6 +175,17 @@ inline void score_dots(const uint16_t* q, int dim, const uint16_t* const* keys, 
     }
 }
 
+// body(N) with N = n (1 to 4) as a constant: the column groups a block of weighted values keeps in registers.
+template <typename F>
+inline void by_groups(int n, F&& body) {
+    switch (n) {
+        case 4: body(std::integral_constant<int, 4>{}); break;
+        case 3: body(std::integral_constant<int, 3>{}); break;
+        case 2: body(std::integral_constant<int, 2>{}); break;
+        default: body(std::integral_constant<int, 1>{}); break;
+    }
+}
+
 // value_dots for 4 rows x N groups of 16 columns: their sums in registers over the step's token pairs.
 template <int N>
 inline void value_dots_block(const uint16_t* p, const uint16_t* const* values, int pieces, int vdim, float* sums) {
@@ -203,12 +215,7 @@ inline void value_dots(const uint16_t* p, const uint16_t* const* values, int pie
             for (int j = 0; j < pieces; ++j) v[j] = values[j] + c0 * kTileElems;
             const uint16_t* w = p + r0 * kStep;
             float* o = sums + r0 * vdim + c0 * 16;
-            switch (std::min(4, groups - c0)) {
-                case 4: value_dots_block<4>(w, v, pieces, vdim, o); break;
-                case 3: value_dots_block<3>(w, v, pieces, vdim, o); break;
-                case 2: value_dots_block<2>(w, v, pieces, vdim, o); break;
-                default: value_dots_block<1>(w, v, pieces, vdim, o); break;
-            }
+            by_groups(std::min(4, groups - c0), [&](auto n) { value_dots_block<n()>(w, v, pieces, vdim, o); });
         }
 }
 
@@ -490,12 +497,7 @@ inline void values_direct(const uint16_t* w, const uint16_t* const* value, int c
             for (int t = 0; t < count; ++t) v[t] = value[t] + 16 * c0;
             const uint16_t* rows = w + r0 * kStep;
             float* o = sums + r0 * vdim + c0 * 16;
-            switch (std::min(4, groups - c0)) {
-                case 4: values_direct_block<4>(rows, v, count, vdim, o); break;
-                case 3: values_direct_block<3>(rows, v, count, vdim, o); break;
-                case 2: values_direct_block<2>(rows, v, count, vdim, o); break;
-                default: values_direct_block<1>(rows, v, count, vdim, o); break;
-            }
+            by_groups(std::min(4, groups - c0), [&](auto n) { values_direct_block<n()>(rows, v, count, vdim, o); });
         }
 }
 
