@@ -264,14 +264,14 @@ void run_tasks(int64_t tasks, int threads, F&& body) {
     {
         Scratch x;
         x.tiles = tiles;
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
         TileConfig config;
         for (int t = 0; t < 8; ++t) config.rows[t] = 16, config.colsb[t] = 64;
         if (tiles) _tile_loadconfig(&config);
 #endif
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; ++task) body(x, task);
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
         if (tiles) _tile_release();
 #endif
     }
@@ -279,7 +279,7 @@ void run_tasks(int64_t tasks, int threads, F&& body) {
 
 // A step's scores and weighted values, on the tiles or on vdpbf16ps as the scratch says.
 inline void scores(const Scratch& x, int dim, const uint16_t* const* keys, int pieces, int row_tiles, float* s) {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
     if (x.tiles) return score_tiles(x.q.data(), dim, keys, pieces, row_tiles, s);
 #endif
     score_dots(x.q.data(), dim, keys, pieces, row_tiles, s);
@@ -287,7 +287,7 @@ inline void scores(const Scratch& x, int dim, const uint16_t* const* keys, int p
 
 inline void weighted_values(const Scratch& x, const uint16_t* const* values, int pieces, int vdim, int row_tiles,
                             float* sums) {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
     if (x.tiles) return value_tiles(x.weights.data(), values, pieces, vdim, row_tiles, sums);
 #endif
     value_dots(x.weights.data(), values, pieces, vdim, row_tiles, sums);
