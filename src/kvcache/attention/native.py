@@ -49,7 +49,7 @@ def _declare_bf16(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 
 def bf16_attention_kernel() -> str:
-    """How bfloat16 prompt chunks and shared-prefix passes multiply here (``csrc/bf16_attention.cpp``):
+    """How bfloat16 prompt chunks and decode rows multiply here (``csrc/bf16_attention.cpp``):
     ``"amx"`` (AMX tiles: the CPU has them, the OS granted this process their use, and
     ``$ONEDNN_MAX_CPU_ISA`` does not cap oneDNN below AMX), ``"dot"`` (AVX-512 BF16's ``vdpbf16ps``)
     or ``"none"`` (the library absent or built without AVX-512 BF16: the float kernel takes them)."""
