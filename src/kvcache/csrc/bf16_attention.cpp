@@ -488,17 +488,18 @@ inline void values_direct_block(const uint16_t* w, const uint16_t* const* value,
         for (int c = 0; c < N; ++c) _mm512_storeu_ps(sums + r * vdim + c * 16, a[r][c]);
 }
 
-// values_direct_block over every 4 rows (of the scratch's padded rows) and 64 columns.
+// values_direct_block over every 64 columns and 4 rows (of the scratch's padded rows).
 inline void values_direct(const uint16_t* w, const uint16_t* const* value, int count, int vdim, int m, float* sums) {
     const int groups = vdim / 16;
-    for (int r0 = 0; r0 < m; r0 += 4)
-        for (int c0 = 0; c0 < groups; c0 += 4) {
-            const uint16_t* v[kStep];
-            for (int t = 0; t < count; ++t) v[t] = value[t] + 16 * c0;
+    for (int c0 = 0; c0 < groups; c0 += 4) {
+        const uint16_t* v[kStep];  // the keys' value rows from column 16 c0
+        for (int t = 0; t < count; ++t) v[t] = value[t] + 16 * c0;
+        for (int r0 = 0; r0 < m; r0 += 4) {
             const uint16_t* rows = w + r0 * kStep;
             float* o = sums + r0 * vdim + c0 * 16;
             by_groups(std::min(4, groups - c0), [&](auto n) { values_direct_block<n()>(rows, v, count, vdim, o); });
         }
+    }
 }
 
 // Keys [t0, t1) of a sequence (its blocks `table`) into the task's running softmax and sums, for
@@ -545,13 +546,10 @@ int decode(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int32_
     }
     const bool direct = rows < 16;  // fewer rows than a tile: read in place, not packed
     Packed packed;
-    if (!direct &&
-        !pack(tables, table_stride, reach, k, v, heads, dim, vdim, block_size, k_blk, k_h, v_blk, v_h, threads, packed))
+    if (direct ? !tables_reach(tables, table_stride, reach)
+               : !pack(tables, table_stride, reach, k, v, heads, dim, vdim, block_size, k_blk, k_h, v_blk, v_h,
+                       threads, packed))
         return 1;
-    if (direct)
-        for (int64_t s = 0; s < seqs; ++s)
-            for (int64_t b = 0; b < reach[s]; ++b)
-                if (reach[s] > table_stride || tables[s * table_stride + b] < 0) return 1;
     const int64_t tasks = first[seqs], run = blocks_per_task * block_size;
     std::vector<Partial> parts(tasks);
     std::vector<float> accs(static_cast<size_t>(tasks) * rows * vdim);

@@ -63,20 +63,26 @@ struct Packed {
     const uint16_t* values = nullptr;
 };
 
-// Packs the first reach[s] blocks of every table row s; false where a reached id is negative or a
-// row needs more blocks than the table holds.
+// Whether the first reach[s] entries of every table row s are block ids: within the table's
+// width and none negative.
+inline bool tables_reach(const int32_t* tables, int64_t table_stride, const std::vector<int64_t>& reach) {
+    for (size_t s = 0; s < reach.size(); ++s) {
+        if (reach[s] > table_stride) return false;
+        for (int64_t b = 0; b < reach[s]; ++b)
+            if (tables[s * table_stride + b] < 0) return false;
+    }
+    return true;
+}
+
+// Packs the first reach[s] blocks of every table row s; false where tables_reach is.
 inline bool pack(const int32_t* tables, int64_t table_stride, const std::vector<int64_t>& reach, const uint16_t* k,
           const uint16_t* v, int64_t heads, int dim, int vdim, int64_t block_size, int64_t k_blk, int64_t k_h,
           int64_t v_blk, int64_t v_h, int threads, Packed& packed) {
+    if (!tables_reach(tables, table_stride, reach)) return false;
     const int64_t seqs = static_cast<int64_t>(reach.size());
     int32_t top = -1;
-    for (int64_t s = 0; s < seqs; ++s) {
-        if (reach[s] > table_stride) return false;
-        for (int64_t b = 0; b < reach[s]; ++b) {
-            if (tables[s * table_stride + b] < 0) return false;
-            top = std::max(top, tables[s * table_stride + b]);
-        }
-    }
+    for (int64_t s = 0; s < seqs; ++s)
+        for (int64_t b = 0; b < reach[s]; ++b) top = std::max(top, tables[s * table_stride + b]);
     std::vector<int32_t>& slot = packed.slot;
     slot.assign(static_cast<size_t>(top) + 1, -1);
     std::vector<int32_t> used;
