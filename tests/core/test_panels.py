@@ -167,7 +167,7 @@ def test_a_bfloat16_call_takes_panels_up_to_the_limit_of_the_kernel_that_runs_it
     kernel = panels.bf16_kernel()
     ran = "dot" if kernel == "amx" and k % 32 else kernel
     limit = linear_ops.panel_rows(torch.bfloat16, k)
-    assert limit == linear_ops.BF16_PANEL_ROWS[ran]
+    assert limit == linear_ops.kernel_rows(ran)
     torch.manual_seed(4)
     w = torch.randn(24, k).bfloat16()
     packed, onednn = panels.pack(w), None
@@ -176,3 +176,19 @@ def test_a_bfloat16_call_takes_panels_up_to_the_limit_of_the_kernel_that_runs_it
     for rows in (limit, limit + 1):
         linear_ops.call(torch.randn(rows, k).bfloat16(), w, None, packed, onednn, 24)
     assert calls == [limit]
+
+
+@pytest.mark.parametrize("vendor, dot", [("AuthenticAMD", linear_ops.AMD_DOT_ROWS), ("GenuineIntel", 8), ("", 8)])
+def test_the_dot_kernels_row_limit_follows_the_cpu_vendor_and_no_other_kernel_does(vendor, dot, monkeypatch):
+    monkeypatch.setattr(linear_ops, "cpu_vendor", lambda: vendor)
+    assert linear_ops.kernel_rows("dot") == dot
+    assert [linear_ops.kernel_rows(k) for k in ("amx", "widen", "none")] == [32, 4, 0]
+
+
+def test_the_cpu_vendor_is_read_from_proc_cpuinfo():
+    try:
+        lines = open("/proc/cpuinfo", encoding="utf-8").read().splitlines()
+    except OSError:
+        lines = []
+    named = [line.split(":", 1)[1].strip() for line in lines if line.startswith("vendor_id")]
+    assert linear_ops.cpu_vendor() == (named[0] if named else "")

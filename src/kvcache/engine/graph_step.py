@@ -137,7 +137,7 @@ class Compiler:
         which every engine's ``forward`` would share: a copy of the code object gives this engine
         graphs of its own."""
         own = types.FunctionType(forward.__code__.replace(), forward.__globals__, name, None, forward.__closure__)
-        return torch.compile(own, backend=self._backend, fullgraph=True, **options)
+        return torch.compile(own, backend=self._backend, fullgraph=True, options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}, **options)
 
     def _backend(self, gm: torch.fx.GraphModule, example_inputs: list) -> Any:
         from torch._inductor.compile_fx import compile_fx

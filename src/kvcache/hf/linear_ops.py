@@ -29,19 +29,43 @@ from . import panels
 #: at commit d428424).
 PANEL_ROWS = 64
 
-#: The same for bfloat16, by the library's kernel (``panels.bf16_kernel()``), measured the same way.
+#: The same for bfloat16, by the library's kernel (``panels.bf16_kernel()``), measured the same way
+#: on an Intel Xeon (``vdpbf16ps``: capped below AMX, compute-bound past 8 rows).
 BF16_PANEL_ROWS = {"amx": 32, "dot": 8, "widen": 4, "none": 0}
+
+#: ``vdpbf16ps`` rows on an AMD CPU: a Zen 4's panels beat oneDNN's up to 32 rows (a SmolLM2 decode
+#: step's linear layers, 16 rows: 15.7 against 17.2 ms; docs/benchmarks.md).
+AMD_DOT_ROWS = 32
 
 
 @functools.cache
 def panel_rows(dtype: torch.dtype, k: int) -> int:
     """Most rows a call of ``dtype`` with ``k`` inputs a row multiplies on panels (``PANEL_ROWS``,
-    ``BF16_PANEL_ROWS``). The AMX kernel takes ``k`` a multiple of 32 only: the library runs other
+    ``kernel_rows``). The AMX kernel takes ``k`` a multiple of 32 only: the library runs other
     layers on its dot kernel, so they take the dot kernel's limit."""
     if dtype == torch.float32:
         return PANEL_ROWS
     kernel = panels.bf16_kernel()
-    return BF16_PANEL_ROWS["dot" if kernel == "amx" and k % 32 else kernel]
+    return kernel_rows("dot" if kernel == "amx" and k % 32 else kernel)
+
+
+def kernel_rows(kernel: str) -> int:
+    """Most rows a bfloat16 call multiplies on panels when ``kernel`` (a ``panels.bf16_kernel()``
+    name) runs it, on this CPU."""
+    return AMD_DOT_ROWS if kernel == "dot" and cpu_vendor() == "AuthenticAMD" else BF16_PANEL_ROWS[kernel]
+
+
+@functools.cache
+def cpu_vendor() -> str:
+    """The CPU's ``vendor_id`` (``GenuineIntel``, ``AuthenticAMD``), or "" where /proc/cpuinfo says none."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
 
 
 def call(

@@ -106,6 +106,7 @@ class PackedLinears:
     def __init__(self, model: torch.nn.Module, rows_hint: int = 16):
         self.model, self.rows_hint = model, rows_hint
         self._packed: dict[torch.nn.Linear, _Packed] = {}
+        self._depth = 0  # active() blocks entered and not left
         for module in model.modules():
             if isinstance(module, torch.nn.Linear) and _packable(module):
                 self._packed[module] = _Packed(module, rows_hint)
@@ -121,11 +122,14 @@ class PackedLinears:
     @contextmanager
     def active(self) -> Iterator[PackedLinears]:
         """Inside the block, each packed layer's forward uses its packed weight (grad mode off only:
-        the packed op has no backward, so under autograd the layers keep their own forward)."""
-        if torch.is_grad_enabled() or not self._packed:
+        the packed op has no backward, so under autograd the layers keep their own forward). A block
+        inside another on this object changes nothing: the outer one swapped and checked the
+        layers (an engine holds one over a run of steps, each step enters its own)."""
+        if torch.is_grad_enabled() or not self._packed or self._depth:
             yield self
             return
         swapped = []
+        self._depth += 1
         try:
             for module, packed in self._packed.items():
                 if not _packable(module):
@@ -138,6 +142,7 @@ class PackedLinears:
                 swapped.append(module)
             yield self
         finally:
+            self._depth -= 1
             for module in swapped:
                 del module.forward
 
