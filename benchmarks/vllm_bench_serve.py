@@ -15,7 +15,8 @@ The load generator is vLLM's module ``vllm.benchmarks.serve`` with its own argum
 workload writes vLLM's own JSON result; a Markdown table of both contenders is printed and written.
 
 ``--dtype`` sets ``kvcache serve``'s dtype, ``--vllm-dtype`` vLLM's (``default``: vLLM's own choice,
-bfloat16 on CPUs with avx512_bf16); both float32 unless asked.
+bfloat16 on CPUs with avx512_bf16); both float32 unless asked. ``--compile`` runs ``kvcache serve
+--compile`` (its steps compiled before it serves, as vLLM's server compiles its own when it starts).
 
 Workloads (SmolLM2-135M-Instruct, streamed completions, greedy, ``--ignore-eos``):
 
@@ -75,12 +76,15 @@ WORKLOADS = {
 VLLM_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "4"}
 
 
-def server(contender: str, folder: Path, vllm_python: str, dtype: str) -> tuple[Callable[[int], list[str]], dict[str, str]]:
-    """The server of ``contender`` in ``dtype`` (``default``: the server's own choice): its command
-    for a port, and its environment (for ``serve_workload.serving``)."""
+def server(
+    contender: str, folder: Path, vllm_python: str, dtype: str, compile: bool = False,
+) -> tuple[Callable[[int], list[str]], dict[str, str]]:  # fmt: skip
+    """The server of ``contender`` in ``dtype`` (``default``: the server's own choice; ``compile``:
+    kvcache's compiled steps): its command for a port, and its environment (for
+    ``serve_workload.serving``)."""
     as_asked = [] if dtype == "default" else ["--dtype", dtype]
     if contender == "kvcache":
-        head, tail = [sys.executable, "-m", "kvcache", "serve"], ["--max-seqs", "64", *as_asked]
+        head, tail = [sys.executable, "-m", "kvcache", "serve"], ["--max-seqs", "64", *as_asked, *(["--compile"] if compile else [])]
         env = dict(os.environ)
     else:
         head = [vllm_python, "-m", "vllm.entrypoints.openai.api_server"]
@@ -122,6 +126,7 @@ def main() -> int:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="kvcache serve's --dtype")
     p.add_argument("--vllm-dtype", default="float32", choices=("float32", "bfloat16", "default"),
                    help="vLLM's --dtype; default: its own choice (bfloat16 on CPUs with avx512_bf16)")
+    p.add_argument("--compile", action="store_true", help="kvcache serve --compile")
     args = p.parse_args()
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -132,13 +137,13 @@ def main() -> int:
     results: dict[str, dict] = {}
     for contender in ["kvcache", "vllm"] if args.with_vllm_server else ["kvcache"]:
         dtype = args.dtype if contender == "kvcache" else args.vllm_dtype
-        command, env = server(contender, folder, args.vllm_python, dtype)
+        command, env = server(contender, folder, args.vllm_python, dtype, args.compile)
         with serving(command, env, out / f"{contender}-server.log", startup_s=600) as url:
             for workload in args.workloads.split(","):
                 name = f"{workload}.{contender}"
                 results[name] = bench(args.vllm_python, entry, folder, url, workload, out, name)
                 print(table({name: results[name]}).splitlines()[-1], flush=True)
-    dtypes = f"kvcache serve --dtype {args.dtype}" + (f", vLLM --dtype {args.vllm_dtype}" if args.with_vllm_server else "")
+    dtypes = f"kvcache serve --dtype {args.dtype}{' --compile' * args.compile}" + (f", vLLM --dtype {args.vllm_dtype}" if args.with_vllm_server else "")
     text = machine_line(machine_info()) + f"; {dtypes}\n\n" + table(results)
     (out / "report.md").write_text(text)
     print(text)

@@ -10,6 +10,8 @@ compiled engine must have run its steps compiled, and never recompile.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -97,6 +99,19 @@ def test_a_shared_prefix_is_read_once_inside_the_graph(model, compiled):
     before = compiled.stats.shared_prefix_rows
     got, want, _ = run_both(model, compiled, BATCHES["a shared prefix"])
     assert got == want and compiled.stats.shared_prefix_rows > before
+
+
+@pytest.mark.parametrize("where", ["here", "on the background thread"])
+def test_generate_batch_runs_the_graphs_of_the_warm_up_without_compiling_again(model, compiled, where):
+    """generate_batch and the background loop hold the attention switch and the packed layers over
+    their steps; the tensors each step makes must still match what the graphs were traced with."""
+    compiled.reset_prefix_cache()
+    prompts = BATCHES["a shared prefix"] + BATCHES["distinct prompts, ragged"][:1]
+    with compiled.running() if where != "here" else contextlib.nullcontext():
+        got = compiled.generate_batch(prompts, max_new_tokens=NEW, eos_token_id=[])
+    for prompt, tokens in zip(prompts, got):
+        same_or_near_tie(tokens, reference(model, prompt, NEW), "compiled")
+    assert no_recompiles(compiled), "a step recompiled"
 
 
 def test_a_compiled_step_writes_its_rows_slots_and_the_scratch_block_only(model, compiled, monkeypatch):
