@@ -25,7 +25,7 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-bytes", type=byte_size, default=None, metavar="SIZE", help="the pool's size, e.g. 512M or 2G (default: 1,024 tokens for each of --max-seqs)")
     p.add_argument("--block-size", type=int, default=32, metavar="N", help="tokens per pool block (default: %(default)s)")
     p.add_argument("--max-batch-tokens", type=int, default=2048, metavar="N", help="tokens per forward pass (default: %(default)s)")
-    p.add_argument("--compile", action="store_true", help="run decode steps as compiled graphs, one per batch size up to --max-seqs, compiled before serving (a float --cache on the CPU; about a minute per size for SmolLM2 on 2 cores)")
+    p.add_argument("--compile", action="store_true", help="run steps as compiled graphs, decode steps one per batch size up to --max-seqs and prompt steps one of any length, compiled before serving (a float --cache on the CPU; about a minute per size for SmolLM2 on 2 cores, less once inductor has them on disk)")
     p.add_argument("--max-queue", type=int, default=64, metavar="N", help="requests waiting before new ones get 503 (default: %(default)s)")
     p.add_argument("--api-key", default=None, metavar="KEY", help="require 'Authorization: Bearer KEY' (default: $KVCACHE_API_KEY, else none)")
     p.add_argument("--ray", action="store_true", help="serve from replicas on Ray Serve (a local cluster, or --ray-address): needs 'pip install kvcache[ray]'")
