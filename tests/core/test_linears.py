@@ -101,3 +101,16 @@ def test_an_error_inside_restores_the_model():
         raise RuntimeError("inside")
     assert all("forward" not in m.__dict__ for m in model)
     assert torch.equal(model[0](torch.ones(1, 24)), F.linear(torch.ones(1, 24), model[0].weight, model[0].bias))
+
+
+def test_a_block_inside_another_changes_nothing_and_the_outer_one_restores():
+    model = mlp()
+    packed = PackedLinears(model)
+    with torch.inference_mode(), packed.active():
+        swapped = model[0].__dict__["forward"]
+        with packed.active():
+            assert model[0].__dict__["forward"] is swapped
+        assert model[0].__dict__["forward"] is swapped  # the inner block left the outer one's swap
+    assert all("forward" not in m.__dict__ for m in model)
+    with torch.inference_mode(), packed.active():  # and a later block swaps again
+        assert "forward" in model[0].__dict__
