@@ -25,7 +25,6 @@ from typing import Any
 import torch
 
 from ..errors import UnsupportedOperation
-from ..hf.bridge import use_kvcache_attention
 from ..hf.linears import PackedLinears
 from ..hf.spec import CacheSpec, parse_spec
 from ..persist.fingerprint import config_summary, fingerprint_of, text_config
@@ -43,6 +42,7 @@ from .probe import check_packing
 from .request import Request, RequestHandle, State, tell
 from .sampling import Sampling
 from .scheduler import Scheduler, blocks_for
+from .step import stepping
 from .tier import StoreTier, open_store
 
 
@@ -425,17 +425,9 @@ class Engine:
             with self._changed:
                 self._changed.wait_for(lambda: stop.is_set() or not self.idle, timeout=1.0)
 
-    @contextlib.contextmanager
-    def _stepping(self) -> Iterator[None]:
-        """The attention switch and the packed linear layers of each step (``step.running``),
-        entered once for a run of steps on the thread that steps: the steps' own entries inside it
-        then cost nothing, where alone each walks the model's modules twice (about 2 ms a step for
-        SmolLM2). Not inference mode, which each step enters itself: tensors made between steps
-        stay normal tensors, as the compiled graphs were traced with (an inference tensor fails
-        their guards and compiles the graph again)."""
-        # (no_grad: the packed layers swap in only without autograd)
-        with torch.no_grad(), use_kvcache_attention(self.model), self.linears.active() if self.linears is not None else contextlib.nullcontext():
-            yield
+    def _stepping(self) -> contextlib.AbstractContextManager:
+        """``step.stepping`` for this engine's model and packed layers."""
+        return stepping(self.model, self.linears)
 
     def _step_or_fail(self) -> bool:
         """``step()``; an error in it fails that step's requests and the engine goes on (True)."""
