@@ -112,8 +112,41 @@ inline void sums(const float* x, int64_t ldx, int64_t k, const T* panels, int64_
 // The same for float32 panels on AVX2 at the register width: each 16-float sum as two 8-float
 // registers, never a 64-byte generic vector (which GCC lowers through memory there: about 6x
 // slower). Same order of sums as above.
+// One panel (G = 1, every full tile of rows): each row's two sums in a variable of its own, as an
+// array of them, however indexed, GCC 12 also stores to the stack at every k (2.5x slower).
+#define KV_ROW(r)                                                                   \
+    if constexpr (MR > r) {                                                         \
+        const __m256 b = _mm256_broadcast_ss(x + r * ldx + i);                      \
+        lo##r = _mm256_fmadd_ps(b, wl, lo##r);                                      \
+        hi##r = _mm256_fmadd_ps(b, wh, hi##r);                                      \
+    }
+#define KV_OUT(r)                                                                   \
+    if constexpr (MR > r) {                                                         \
+        _mm256_storeu_ps(reinterpret_cast<float*>(&acc[r][0]), lo##r);              \
+        _mm256_storeu_ps(reinterpret_cast<float*>(&acc[r][0]) + 8, hi##r);          \
+    }
+template <int MR>
+inline void sums_one(const float* x, int64_t ldx, int64_t k, const float* panel, v16 (&acc)[MR][1]) {
+    static_assert(MR <= 6, "six rows at most: 12 sums and 2 weights of 16 registers");
+    __m256 lo0 = _mm256_setzero_ps(), hi0 = lo0, lo1 = lo0, hi1 = lo0, lo2 = lo0, hi2 = lo0;
+    __m256 lo3 = lo0, hi3 = lo0, lo4 = lo0, hi4 = lo0, lo5 = lo0, hi5 = lo0;
+    for (int64_t i = 0; i < k; ++i) {
+        const float* w = panel + i * kPanel;
+        __builtin_prefetch(w + 64 * kPanel);
+        const __m256 wl = _mm256_loadu_ps(w), wh = _mm256_loadu_ps(w + 8);
+        KV_ROW(0) KV_ROW(1) KV_ROW(2) KV_ROW(3) KV_ROW(4) KV_ROW(5)
+    }
+    KV_OUT(0) KV_OUT(1) KV_OUT(2) KV_OUT(3) KV_OUT(4) KV_OUT(5)
+}
+#undef KV_ROW
+#undef KV_OUT
+
 template <int MR, int G>
 inline void sums(const float* x, int64_t ldx, int64_t k, const float* panels, int64_t panel_stride, v16 (&acc)[MR][G]) {
+    if constexpr (G == 1 && MR <= 6) {
+        (void)panel_stride;
+        return sums_one<MR>(x, ldx, k, panels, acc);
+    }
     __m256 lo[MR][G], hi[MR][G];
     for (int r = 0; r < MR; ++r)
         for (int g = 0; g < G; ++g) {
