@@ -109,11 +109,9 @@ inline void sums(const float* x, int64_t ldx, int64_t k, const T* panels, int64_
 }
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-// The same for float32 panels on AVX2 at the register width: each 16-float sum as two 8-float
-// registers, never a 64-byte generic vector (which GCC lowers through memory there: about 6x
-// slower). Same order of sums as above.
-// One panel (G = 1, every full tile of rows): each row's two sums in a variable of its own, as an
-// array of them, however indexed, GCC 12 also stores to the stack at every k (2.5x slower).
+// One panel (G = 1, every full tile of rows) on AVX2: each row's two 8-float sums in variables of
+// their own; an array of them, however indexed, GCC 12 also stores to the stack at every k (2.5x
+// slower).
 #define KV_ROW(r)                                                                   \
     if constexpr (MR > r) {                                                         \
         const __m256 b = _mm256_broadcast_ss(x + r * ldx + i);                      \
@@ -141,6 +139,9 @@ inline void sums_one(const float* x, int64_t ldx, int64_t k, const float* panel,
 #undef KV_ROW
 #undef KV_OUT
 
+// The same as the generic sums for float32 panels on AVX2, at the register width: each 16-float
+// sum as two 8-float registers, never a 64-byte generic vector (which GCC lowers through memory
+// there: about 6x slower). Same order of sums.
 template <int MR, int G>
 inline void sums(const float* x, int64_t ldx, int64_t k, const float* panels, int64_t panel_stride, v16 (&acc)[MR][G]) {
     if constexpr (G == 1 && MR <= 6) {
