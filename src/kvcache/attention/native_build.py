@@ -21,6 +21,7 @@ name, fails the build (one warning; the PyTorch paths run).
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -82,15 +83,27 @@ def _cache_dir() -> Path:
     return Path(base) / "kvcache"
 
 
-def cpu_flags() -> str:
-    """This CPU's instruction-set flags (``-march=native`` code runs only where they hold)."""
+def _cpuinfo_line(*keys: str) -> str | None:
+    """The first line of /proc/cpuinfo that starts with one of ``keys``, or None (none, or no file)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
+            if line.startswith(keys):
                 return line
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return None
+
+
+def cpu_flags() -> str:
+    """This CPU's instruction-set flags (``-march=native`` code runs only where they hold)."""
+    return _cpuinfo_line("flags", "Features") or platform.processor() or platform.machine()
+
+
+@functools.cache
+def cpu_vendor() -> str:
+    """The CPU's ``vendor_id`` (``GenuineIntel``, ``AuthenticAMD``), or "" where /proc/cpuinfo says none."""
+    line = _cpuinfo_line("vendor_id")
+    return "" if line is None else line.split(":", 1)[1].strip()
 
 
 def isa() -> str:

@@ -137,13 +137,6 @@ inline void value_tiles(const uint16_t* p, const uint16_t* const* values, int pi
 
 #if defined(__AVX512BF16__)
 
-// A 32-bit broadcast of the bfloat16 pair at p: the two values every lane's dot product takes.
-inline __m512bh pair_at(const uint16_t* p) {
-    int32_t pair;
-    std::memcpy(&pair, p, sizeof pair);
-    return (__m512bh)_mm512_set1_epi32(pair);
-}
-
 // score_tiles' products on vdpbf16ps: for each piece, the scores of 8 rows x its 32 keys sum over
 // the head dim's pairs in 16 registers (each pair row of the two key tiles loaded once for the 8
 // rows, each row's query pair broadcast once for the 32 keys).

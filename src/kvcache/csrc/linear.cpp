@@ -36,7 +36,7 @@
 
 #include "amx.h"
 #include "simd.h"
-#if defined(__AVX512BF16__) || defined(__AVX2__)
+#if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
 
@@ -194,9 +194,7 @@ inline void sums(const bf16* x, int64_t ldx, int64_t k, const bf16* panels, int6
             w[g] = (__m512bh)_mm512_loadu_si512(panels + g * panel_stride + i * kPanel);
         }
         for (int r = 0; r < MR; ++r) {
-            int32_t pair;
-            __builtin_memcpy(&pair, x + r * ldx + i, sizeof pair);
-            const __m512bh b = (__m512bh)_mm512_set1_epi32(pair);
+            const __m512bh b = pair_at(x + r * ldx + i);
             for (int g = 0; g < G; ++g) sum[r][g] = _mm512_dpbf16_ps(sum[r][g], w[g], b);
         }
     }

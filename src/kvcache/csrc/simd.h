@@ -1,4 +1,4 @@
-// Vectors the C++ libraries share (float_decode.cpp, coded_decode.cpp, linear.cpp): GCC vector
+// Vectors the C++ libraries share (float_decode.cpp, coded_decode.cpp, linear.cpp, bf16_attention.cpp): GCC vector
 // extensions, sized by the instruction set the library is built for (-march, as KVCACHE_ISA says;
 // kvcache.attention.native_build hashes this header with each source).
 //
@@ -11,6 +11,7 @@
 //   exp_nonpositive     e^x for x <= 0, on a float or a vw
 //   exp_and_sum         a row of scores turned into their softmax numerators, and their sum
 //   to_split            a row of floats in the coded kernels' split channel order
+//   pair_at             (AVX-512 BF16) the bfloat16 pair at p in every lane, as vdpbf16ps takes it
 #pragma once
 
 #include <cstdint>
@@ -256,5 +257,14 @@ KV_INLINE void to_split(const float* __restrict x, int dim, int per_byte, float*
     for (int j = 0; j < per_byte; ++j)
         for (int i = 0; i < n; ++i) out[j * n + i] = x[per_byte * i + j];
 }
+
+#if defined(__AVX512BF16__)
+// A 32-bit broadcast of the bfloat16 pair at p: the two values every lane's dot product takes.
+KV_INLINE __m512bh pair_at(const bf16* p) {
+    int32_t pair;
+    __builtin_memcpy(&pair, p, sizeof pair);
+    return (__m512bh)_mm512_set1_epi32(pair);
+}
+#endif
 
 }  // namespace kv

@@ -127,7 +127,7 @@ def running(model: Any, linears: Any) -> Iterator[None]:
     """What every engine forward pass runs under, eager or compiled: inference mode, ``model``'s
     attention as the ``"kvcache"`` implementation, and ``linears`` (a ``PackedLinears``, or None)
     active."""
-    with torch.inference_mode(), use_kvcache_attention(model), linears.active() if linears is not None else contextlib.nullcontext():
+    with torch.inference_mode(), stepping(model, linears):
         yield
 
 

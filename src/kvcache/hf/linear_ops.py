@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import op_library
+from ..attention.native_build import cpu_vendor
 from . import panels
 
 #: Most rows a float32 call multiplies on panels; longer calls (prompt chunks) go to oneDNN, which
@@ -54,18 +55,6 @@ def kernel_rows(kernel: str) -> int:
     name) runs it, on this CPU."""
     return AMD_DOT_ROWS if kernel == "dot" and cpu_vendor() == "AuthenticAMD" else BF16_PANEL_ROWS[kernel]
 
-
-@functools.cache
-def cpu_vendor() -> str:
-    """The CPU's ``vendor_id`` (``GenuineIntel``, ``AuthenticAMD``), or "" where /proc/cpuinfo says none."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
 
 
 def call(
