@@ -75,6 +75,32 @@ WORKLOADS = {
 #: its OpenMP threads, prefix caching on (its default in V1), a 4 GiB KV space.
 VLLM_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "4"}
 
+#: What an AVX2-only CPU would run, on a CPU with AVX-512 (``--isa avx2``): torch's own kernels,
+#: inductor's generated code, oneDNN and MKL capped at AVX2 in both contenders' processes.
+AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+
+#: vLLM picks its C++ kernels (``_C`` or ``_C_AVX2``) and attention paths by torch's CPU
+#: capability map (``torch.cpu.get_capabilities``), which reads the CPU, not the caps above; this
+#: ``sitecustomize`` hides AVX-512 and AMX from that map in every process of vLLM's environment.
+HIDE_AVX512 = """
+import types
+import torch.cpu
+_caps = {k: (False if k.startswith(("avx512", "amx", "avx10")) else v) for k, v in torch.cpu.get_capabilities().items()}
+_caps = types.MappingProxyType(_caps)
+torch.cpu.get_capabilities = lambda: _caps
+"""
+
+
+def vllm_isa_env(isa: str, scratch: Path) -> dict[str, str]:
+    """What vLLM's processes add to their environment for ``isa`` (``native``: nothing; ``avx2``:
+    ``AVX2_ENV`` and ``HIDE_AVX512`` as a ``sitecustomize`` written into ``scratch``)."""
+    if isa == "native":
+        return {}
+    site = scratch / "avx2-site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(HIDE_AVX512)
+    return {**AVX2_ENV, "PYTHONPATH": os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)}
+
 
 def server(
     contender: str, folder: Path, vllm_python: str, dtype: str, compile: bool = False,

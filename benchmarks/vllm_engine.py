@@ -19,9 +19,12 @@ documentation says for a 2-core machine: both cores bound to its OpenMP threads
 a 4 GiB KV space, ``dtype=float32`` unless ``--vllm-dtype`` says otherwise (``default``: vLLM's own
 choice, bfloat16 on CPUs with avx512_bf16). ``--dtype`` runs kvcache's model in bfloat16 (with
 oneDNN capped below AMX where this torch needs it, ``use_safe_isa``, in kvcache's process only).
+``--isa avx2`` runs both as a CPU without AVX-512 would: kvcache's libraries built for AVX2
+(``KVCACHE_ISA``), torch's kernels, inductor's code, oneDNN and MKL capped at AVX2 in both
+processes, and vLLM's ``_C_AVX2`` kernels and AVX2 attention (``vllm_bench_serve.HIDE_AVX512``).
 
     .venv/bin/python benchmarks/vllm_engine.py --vllm-python /tmp/vllm/bin/python --out DIR [--rounds 3] \\
-        [--rows 16] [--workloads shared,distinct,long] [--dtype bfloat16] [--vllm-dtype default] [--eager]
+        [--rows 16] [--workloads shared,distinct,long] [--dtype bfloat16] [--vllm-dtype default] [--eager] [--isa avx2]
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from vllm_bench_serve import VLLM_ENV  # vLLM configured once, for both benchmarks
+from vllm_bench_serve import AVX2_ENV, VLLM_ENV, vllm_isa_env  # vLLM configured once, for both benchmarks
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hum".split()
 
@@ -108,10 +111,16 @@ def main() -> int:
     p.add_argument("--workloads", default="shared,distinct", help=f"comma-separated, of {', '.join(WORKLOADS)}")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="kvcache's model dtype")
     p.add_argument("--eager", action="store_true", help="kvcache's engine without compile=True")
+    p.add_argument("--isa", default="native", choices=("native", "avx2"),
+                   help="avx2: both contenders as on a CPU without AVX-512 (every library capped at AVX2)")
     p.add_argument("--vllm-dtype", default="float32", choices=("float32", "bfloat16", "default"),
                    help="vLLM's dtype; default: what vLLM picks itself (bfloat16 on CPUs with avx512_bf16)")
     args = p.parse_args()
     names = tuple(args.workloads.split(","))
+    capped = {**AVX2_ENV, "KVCACHE_ISA": "avx2"}
+    if args.isa == "avx2" and any(os.environ.get(k) != v for k, v in capped.items()):
+        # torch reads its caps when it starts (this process imported it already): run again under them
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **capped})
     if unknown := [n for n in names if n not in WORKLOADS]:
         p.error(f"unknown workloads {unknown}; expected some of {', '.join(WORKLOADS)}")
     from kvcache.apps.bench.workload import load_model
@@ -137,6 +146,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     held = tempfile.TemporaryDirectory()  # vLLM's side and its jobs (token ids): inputs, not results
     scratch = Path(held.name)
+    vllm_env.update(vllm_isa_env(args.isa, scratch))
     (scratch / "vllm_side.py").write_text(VLLM_SIDE)
     rows: list[dict] = []
     for rnd in range(args.rounds):
@@ -161,7 +171,8 @@ def main() -> int:
             rows.append(row)
             print(f"round {rnd} {name}: kvcache {row['kvcache']:.1f} tokens/s, vLLM {row['vllm']:.1f}, "
                   f"identical {row['agree']}/{row['requests']}", flush=True)  # fmt: skip
-    lines = [f"{machine_line(machine_info())}; {args.rounds} rounds, medians; kvcache in {args.dtype} "
+    capped_line = "; both contenders capped at AVX2 (--isa avx2)" if args.isa == "avx2" else ""
+    lines = [f"{machine_line(machine_info())}{capped_line}; {args.rounds} rounds, medians; kvcache in {args.dtype} "
              f"({'eager' if args.eager else 'compile=True'}), "
              f"vLLM in {vllm_dtype} (asked: {args.vllm_dtype})", "",
              "| workload | requests | kvcache tokens/s | vLLM tokens/s | kvcache / vLLM | identical answers |",
