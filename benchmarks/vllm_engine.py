@@ -117,12 +117,12 @@ def main() -> int:
                    help="vLLM's dtype; default: what vLLM picks itself (bfloat16 on CPUs with avx512_bf16)")
     args = p.parse_args()
     names = tuple(args.workloads.split(","))
+    if unknown := [n for n in names if n not in WORKLOADS]:
+        p.error(f"unknown workloads {unknown}; expected some of {', '.join(WORKLOADS)}")
     capped = {**AVX2_ENV, "KVCACHE_ISA": "avx2"}
     if args.isa == "avx2" and any(os.environ.get(k) != v for k, v in capped.items()):
         # torch reads its caps when it starts (this process imported it already): run again under them
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **capped})
-    if unknown := [n for n in names if n not in WORKLOADS]:
-        p.error(f"unknown workloads {unknown}; expected some of {', '.join(WORKLOADS)}")
     from kvcache.apps.bench.workload import load_model
 
     model, tokenizer, folder = load_model("smollm2")
