@@ -219,7 +219,7 @@ struct Scratch {
     std::vector<float> sums = std::vector<float>(kMaxRows * kMaxDim);     // weighted values
     std::vector<float> scores = std::vector<float>(kMaxRows * kStep);
     std::vector<uint16_t> weights = std::vector<uint16_t>(kMaxRows * kStep);
-    std::vector<uint16_t> tail = std::vector<uint16_t>(kMaxDim / 16 * kTileElems);  // a short piece's values
+    std::vector<uint16_t> tail = std::vector<uint16_t>(kMaxDim / 16 * kTileElems);  // a short piece's values (packed, or rows)
     float max[kMaxRows];
     __m512 total[kMaxRows];  // each row's summed weights, 16 lanes of partial sums
 
@@ -255,7 +255,11 @@ void run_tasks(int64_t tasks, int threads, F&& body) {
     const bool tiles = amx_usable();
 #pragma omp parallel num_threads(threads)
     {
-        Scratch x;
+        // kept per thread (a fresh one faults its pages in every call), on the heap: a dlopen'd
+        // library's thread-local storage need not keep Scratch's 64-byte alignment
+        static thread_local std::unique_ptr<Scratch> kept;
+        if (!kept) kept = std::make_unique<Scratch>();
+        Scratch& x = *kept;
         x.tiles = tiles;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
         TileConfig config;
@@ -429,95 +433,144 @@ int prefill(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int32
 // packing a block costs more than these rows' products over it, so keys and values are read where
 // they lie. Scores: each key's dim pairs times a row's query pairs (vdpbf16ps, lanes = pairs), 16
 // keys' lanes folded together (sums16); weighted values: two tokens' value rows interleaved into
-// pairs in registers (vpermt2w) times each row's pair of weights.
+// pairs in registers (vpermt2w) times each row's pair of weights. Both are compiled for the head
+// dim and the rows a block of values takes, so that their sums stay in registers.
 
-// The scores [m rows, count keys] of a step into s (row stride kStep): key[t] points at key t's row
-// (D bfloat16, D a multiple of 32); keys past count point at zeros.
-inline void scores_direct(const uint16_t* q, int m, int dim, const uint16_t* const* key, int count, float* s) {
-    const int parts = dim / 32;
-    for (int r = 0; r < m; ++r) {
-        __m512bh qr[kMaxDim / 32];
-        for (int c = 0; c < parts; ++c) qr[c] = (__m512bh)_mm512_loadu_si512(q + r * dim + 32 * c);
-        for (int t0 = 0; t0 < count; t0 += 16) {
-            v16 part[16];
-            for (int t = 0; t < 16; ++t) {
-                __m512 a = _mm512_setzero_ps();
-                for (int c = 0; c < parts; ++c)
-                    a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(key[t0 + t] + 32 * c), qr[c]);
-                part[t] = (v16)a;
-            }
-            const v16 total = sums16(part);
-            __builtin_memcpy(s + r * kStep + t0, &total, sizeof total);
-        }
+// body(P) with P = n (1 to 8) as a constant: a key's 32-dim parts (D / 32), so that a row's query
+// and 16 keys' partial sums stay in registers.
+template <typename F>
+inline void by_parts(int n, F&& body) {
+    switch (n) {
+        case 1: body(std::integral_constant<int, 1>{}); break;
+        case 2: body(std::integral_constant<int, 2>{}); break;
+        case 3: body(std::integral_constant<int, 3>{}); break;
+        case 4: body(std::integral_constant<int, 4>{}); break;
+        case 5: body(std::integral_constant<int, 5>{}); break;
+        case 6: body(std::integral_constant<int, 6>{}); break;
+        case 7: body(std::integral_constant<int, 7>{}); break;
+        default: body(std::integral_constant<int, 8>{}); break;
     }
 }
 
-// sums [4 rows, 16 N columns] (row stride Dv) += the weights [4 rows, count keys] (bfloat16, row
-// stride kStep) times the values of those keys (value[t]: key t's row, from column 0 of the block).
-template <int N>
-inline void values_direct_block(const uint16_t* w, const uint16_t* const* value, int count, int vdim, float* sums) {
+// The scores [m rows, count keys] of a step into s (row stride kStep): the step's keys lie in pieces
+// of 32 consecutive rows (key[j]: piece j's first key row, P * 32 bfloat16 each; null past the
+// step's keys, whose scores are left as they are: the softmax masks them).
+template <int P>
+inline void scores_direct(const uint16_t* q, int m, const uint16_t* const* key, int pieces, float* s,
+                          const uint16_t* const* next_key, const uint16_t* const* next_value, int next_pieces,
+                          int vdim) {
+    for (int r = 0; r < m; ++r) {
+        __m512bh qr[P];
+        for (int c = 0; c < P; ++c) qr[c] = (__m512bh)_mm512_loadu_si512(q + r * P * 32 + 32 * c);
+        for (int j = 0; j < pieces; ++j)
+            for (int h = 0; h < kPiece; h += 16) {
+                const uint16_t* k = key[j] + h * P * 32;
+                v16 part[16];
+                const bool fetch = r == 0 && j < next_pieces;
+                for (int t = 0; t < 16; ++t) {
+                    if (fetch) {
+                        const char* nk = reinterpret_cast<const char*>(next_key[j] + (h + t) * P * 32);
+                        const char* nv = reinterpret_cast<const char*>(next_value[j] + (h + t) * vdim);
+                        for (int b = 0; b < P * 64; b += 64) _mm_prefetch(nk + b, _MM_HINT_T0);
+                        for (int b = 0; b < vdim * 2; b += 64) _mm_prefetch(nv + b, _MM_HINT_T0);
+                    }
+                    __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(k + t * P * 32), qr[0]);
+                    for (int c = 1; c < P; ++c)
+                        a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(k + t * P * 32 + 32 * c), qr[c]);
+                    part[t] = (v16)a;
+                }
+                const v16 total = sums16(part);
+                __builtin_memcpy(s + r * kStep + j * kPiece + h, &total, sizeof total);
+            }
+    }
+}
+
+// sums [R rows, 16 N columns] (row stride Dv) += the weights [R rows, the step's keys] (bfloat16,
+// row stride kStep) times those keys' values (value[j]: piece j's first value row, from the block's
+// column 0 + col; row stride Dv).
+template <int R, int N>
+inline void values_direct_block(const uint16_t* w, const uint16_t* const* value, int col, int pieces, int vdim,
+                                float* sums) {
     // lane 2i takes the first token's column i, lane 2i + 1 the second's (index 32 + i: vpermt2w's second source)
     alignas(64) static constexpr uint16_t kInterleave[32] = {0, 32, 1, 33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
                                                              8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
     const __m512i low = _mm512_load_si512(kInterleave), high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
-    __m512 a[4][N];
-    for (int r = 0; r < 4; ++r)
+    __m512 a[R][N];
+    for (int r = 0; r < R; ++r)
         for (int c = 0; c < N; ++c) a[r][c] = _mm512_loadu_ps(sums + r * vdim + c * 16);
-    for (int t = 0; t < count; t += 2) {  // count is even: a step's keys come in whole pieces
-        __m512bh x[N];
-        for (int c = 0; c < N; c += 2) {  // columns 16c .. 16c + 31 of both tokens (16 at the end of an odd N), in pairs
-            const __mmask32 in = c + 1 < N ? ~0u : 0xFFFFu;
-            const __m512i u = _mm512_maskz_loadu_epi16(in, value[t] + 16 * c);
-            const __m512i v = _mm512_maskz_loadu_epi16(in, value[t + 1] + 16 * c);
-            x[c] = (__m512bh)_mm512_permutex2var_epi16(u, low, v);
-            if (c + 1 < N) x[c + 1] = (__m512bh)_mm512_permutex2var_epi16(u, high, v);
-        }
-        for (int r = 0; r < 4; ++r) {
-            const __m512bh pair = pair_at(w + r * kStep + t);
-            for (int c = 0; c < N; ++c) a[r][c] = _mm512_dpbf16_ps(a[r][c], x[c], pair);
+    for (int j = 0; j < pieces; ++j) {
+        const uint16_t* v = value[j] + col;
+        for (int t = 0; t < kPiece; t += 2, v += 2 * vdim) {
+            __m512bh x[N];
+            for (int c = 0; c < N; c += 2) {  // columns 16c .. 16c + 31 of both tokens (16 at the end of an odd N), in pairs
+                const __mmask32 in = c + 1 < N ? ~0u : 0xFFFFu;
+                const __m512i u = _mm512_maskz_loadu_epi16(in, v + 16 * c);
+                const __m512i y = _mm512_maskz_loadu_epi16(in, v + vdim + 16 * c);
+                x[c] = (__m512bh)_mm512_permutex2var_epi16(u, low, y);
+                if (c + 1 < N) x[c + 1] = (__m512bh)_mm512_permutex2var_epi16(u, high, y);
+            }
+            for (int r = 0; r < R; ++r) {
+                const __m512bh pair = pair_at(w + r * kStep + j * kPiece + t);
+                for (int c = 0; c < N; ++c) a[r][c] = _mm512_dpbf16_ps(a[r][c], x[c], pair);
+            }
         }
     }
-    for (int r = 0; r < 4; ++r)
+    for (int r = 0; r < R; ++r)
         for (int c = 0; c < N; ++c) _mm512_storeu_ps(sums + r * vdim + c * 16, a[r][c]);
 }
 
-// values_direct_block over every 64 columns and 4 rows (of the scratch's padded rows).
-inline void values_direct(const uint16_t* w, const uint16_t* const* value, int count, int vdim, int m, float* sums) {
+// values_direct_block over every 64 columns and 4 rows (the last block of rows as many as are left).
+inline void values_direct(const uint16_t* w, const uint16_t* const* value, int pieces, int vdim, int m, float* sums) {
     const int groups = vdim / 16;
-    for (int c0 = 0; c0 < groups; c0 += 4) {
-        const uint16_t* v[kStep];  // the keys' value rows from column 16 c0
-        for (int t = 0; t < count; ++t) v[t] = value[t] + 16 * c0;
+    for (int c0 = 0; c0 < groups; c0 += 4)
         for (int r0 = 0; r0 < m; r0 += 4) {
             const uint16_t* rows = w + r0 * kStep;
             float* o = sums + r0 * vdim + c0 * 16;
-            by_groups(std::min(4, groups - c0), [&](auto n) { values_direct_block<n()>(rows, v, count, vdim, o); });
+            const int n = std::min(4, groups - c0);
+            switch (std::min(4, m - r0)) {
+                case 4: by_groups(n, [&](auto g) { values_direct_block<4, g()>(rows, value, 16 * c0, pieces, vdim, o); }); break;
+                case 3: by_groups(n, [&](auto g) { values_direct_block<3, g()>(rows, value, 16 * c0, pieces, vdim, o); }); break;
+                case 2: by_groups(n, [&](auto g) { values_direct_block<2, g()>(rows, value, 16 * c0, pieces, vdim, o); }); break;
+                default: by_groups(n, [&](auto g) { values_direct_block<1, g()>(rows, value, 16 * c0, pieces, vdim, o); }); break;
+            }
         }
-    }
 }
 
 // Keys [t0, t1) of a sequence (its blocks `table`) into the task's running softmax and sums, for
-// its m < 16 rows, all seeing every key.
+// its m < 16 rows, all seeing every key. Each step's pieces are located once (a piece lies in one
+// block) and the next step's rows are prefetched while this step's scores run. A short last piece
+// reads its keys to the end of the block (the softmax masks their scores) and its values from the
+// scratch's zero-padded copy: a block's unwritten rows may hold anything, NaN included.
 void steps_direct(Scratch& x, int m, int dim, int vdim, int64_t t0, int64_t t1, const int32_t* table,
                   int64_t block_size, const uint16_t* k, const uint16_t* v, int64_t k_blk, int64_t v_blk,
                   float scale) {
-    static const std::vector<uint16_t> zeros(kMaxDim, 0);
-    for (int64_t t = t0; t < t1; t += kStep) {
-        const int count = static_cast<int>(std::min<int64_t>(kStep, t1 - t));
-        const int pieces = (count + kPiece - 1) / kPiece;
-        const uint16_t* key[kStep];
-        const uint16_t* value[kStep];
-        for (int j = 0; j < pieces * kPiece; ++j) {
-            if (j < count) {
-                const int64_t at = t + j, block = table[at / block_size], within = at % block_size;
-                key[j] = k + block * k_blk + within * dim;
-                value[j] = v + block * v_blk + within * vdim;
-            } else {
-                key[j] = value[j] = zeros.data();
-            }
+    const uint16_t* key[2][kStep / kPiece];
+    const uint16_t* value[2][kStep / kPiece];
+    auto locate = [&](int64_t t, int i) {  // step t's pieces into key[i], value[i]; their count
+        const int pieces = static_cast<int>((std::min<int64_t>(kStep, t1 - t) + kPiece - 1) / kPiece);
+        for (int j = 0; j < pieces; ++j) {  // t - t0 is a multiple of kPiece, and t0 of the block size
+            const int64_t at = t + j * kPiece, block = table[at / block_size], within = at % block_size;
+            key[i][j] = k + block * k_blk + within * dim;
+            value[i][j] = v + block * v_blk + within * vdim;
         }
-        scores_direct(x.q.data(), m, dim, key, pieces * kPiece, x.scores.data());
+        return pieces;
+    };
+    int next = locate(t0, 0);
+    for (int64_t t = t0, i = 0; t < t1; t += kStep, i ^= 1) {
+        const int count = static_cast<int>(std::min<int64_t>(kStep, t1 - t));
+        const int pieces = next;
+        next = t + kStep < t1 ? locate(t + kStep, i ^ 1) : 0;
+        if (const int short_by = pieces * kPiece - count; short_by > 0) {
+            const int kept = kPiece - short_by;
+            std::memcpy(x.tail.data(), value[i][pieces - 1], sizeof(uint16_t) * kept * vdim);
+            std::memset(x.tail.data() + kept * vdim, 0, sizeof(uint16_t) * short_by * vdim);
+            value[i][pieces - 1] = x.tail.data();
+        }
+        by_parts(dim / 32, [&](auto p) {
+            scores_direct<p()>(x.q.data(), m, key[i], pieces, x.scores.data(), key[i ^ 1], value[i ^ 1], next, vdim);
+        });
         softmax_step(x, m, vdim, 2 * pieces, scale, count < pieces * kPiece, [&](int) { return count; });
-        values_direct(x.weights.data(), value, pieces * kPiece, vdim, m, x.sums.data());
+        values_direct(x.weights.data(), value[i], pieces, vdim, m, x.sums.data());
     }
 }
 
@@ -544,8 +597,14 @@ int decode(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int32_
                        threads, packed))
         return 1;
     const int64_t tasks = first[seqs], run = blocks_per_task * block_size;
-    std::vector<Partial> parts(tasks);
-    std::vector<float> accs(static_cast<size_t>(tasks) * rows * vdim);
+    // the calling thread's, grown, not freed (fresh ones fault their pages in every call); named
+    // through references, which the tasks' threads see (a thread_local's name there is their own)
+    static thread_local std::vector<Partial> kept_parts;
+    static thread_local std::vector<float> kept_accs;
+    std::vector<Partial>& parts = kept_parts;
+    std::vector<float>& accs = kept_accs;
+    if (parts.size() < static_cast<size_t>(tasks)) parts.resize(tasks);
+    if (accs.size() < static_cast<size_t>(tasks) * rows * vdim) accs.resize(static_cast<size_t>(tasks) * rows * vdim);
     run_tasks(tasks, threads, [&](Scratch& x, int64_t task) {
         const int64_t s = owner(first, task);
         const int64_t per_head = (first[s + 1] - first[s]) / heads, local = task - first[s];
