@@ -23,7 +23,7 @@ EXACT = ("sequential", "sequential+store", "hf_generate_batch", "engine", "engin
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
     out = tmp_path_factory.mktemp("engine-out")
-    return engine.run(RunOptions(tiny=True, out=out, progress=False)), out
+    return engine.run(RunOptions(tiny=True, out=out, progress=False), eager=True), out  # compiled: see below
 
 
 def test_registered():
@@ -133,6 +133,28 @@ def test_a_spec_the_engine_refuses_is_a_row_not_a_crash(monkeypatch):
     assert row["reason"] == "not available: 'quantized:bits=8' blocks are not built yet" and row["tokens_per_s"] is None
     assert "not available: 'quantized:bits=8'" in engine.table(res)
     assert res["summary"]["burst"]["ratios"] == {"over_hf": None, "over_sequential": None, "ttft_p95_of_hf": None}
+
+
+def test_by_default_each_engine_asks_to_compile_and_is_made_once_for_every_run(monkeypatch):
+    """Each engine contender's one engine serves the warm-up and the runs, its prefix cache
+    forgotten and its counts reset before each (a run computes the system prompt once and counts
+    only its own tokens); int8's coded blocks, which the compiled step refuses, step eagerly. The
+    float engines here step eagerly too: compiling costs minutes (tests/engine checks compiled steps)."""
+    real, made = kvcache.Engine, []
+
+    def recording(model, spec="growable", *, compile=False, **kwargs):
+        made.append((spec, compile))
+        return real(model, spec, compile=compile and spec != "growable", **kwargs)  # int8: the real refusal
+
+    monkeypatch.setattr(kvcache, "Engine", recording)
+    res = engine.run(RunOptions(tiny=True, progress=False), contenders=["engine+sharing", "engine+int8"], arrivals=["burst"])
+    assert made == [("growable", True), ("quantized:bits=8", True), ("quantized:bits=8", False)]
+    assert res["config"]["engine_compile"] is True and "compile=True" in res["config"]["configured"]["engine+sharing"]
+    s = engine.sizes(RunOptions(tiny=True))
+    for r in res["rows"]:
+        if r["contender"] != "sequential":
+            assert r["prompt_tokens_computed"] == s.shared + s.sessions * s.user, r
+            assert r["forward_tokens"] == r["facts"]["engine_forward_tokens"] and r["facts"]["compiled"] is False
 
 
 def test_bad_options_are_refused_before_loading_anything():

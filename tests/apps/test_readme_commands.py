@@ -36,8 +36,9 @@ README = (ROOT / "README.md").read_text()
 QUICK = {"demo": ["--repeats", "1", "--new-tokens", "8", "--prompt-tokens", "256", "--sessions", "4"], "bench": ["--tiny"],
          "eval": ["--tiny", "--budgets", "0.125"]}
 #: Further, for one ``bench`` suite: ``real`` traces each compiled contender once a batch size, and
-#: ``test_bench_real.py`` runs its batch sizes already.
-QUICK_SUITE = {"real": ["--batches", "1"]}
+#: ``test_bench_real.py`` runs its batch sizes already; ``engine`` compiles its engines by default
+#: (minutes), which ``test_bench_engine.py`` checks the suite asks for.
+QUICK_SUITE = {"real": ["--batches", "1"], "engine": ["--eager"]}
 
 
 def code_blocks(language: str) -> list[str]:

@@ -17,6 +17,7 @@ import torch
 from engine_reference import ids, reference, same_or_near_tie
 from kvcache import Engine, cache_kwargs
 from kvcache.engine import PoolError, RequestCancelled
+from kvcache.engine.engine import EngineStats
 from kvcache.errors import UnsupportedOperation
 
 NEW = 10
@@ -99,6 +100,20 @@ def test_a_pool_too_small_for_all_preempts_and_every_request_completes(model):
     assert engine.stats.preemptions > 0
     assert sum(h.stats.preemptions for h in handles) == engine.stats.preemptions
     assert_all_match(model, prompts, handles, most_ties=1)
+
+
+def test_reset_stats_counts_from_zero_and_keeps_the_cached_prefixes(model):
+    bs, shared = 4, ids(16, 14)
+    engine = Engine(model, block_size=bs, blocks=40, max_batch_tokens=64, max_seqs=2)
+    first = [shared + ids(3 + i, 40 + i) for i in range(2)]
+    engine.generate_batch(first, max_new_tokens=3, eos_token_id=[])
+    assert engine.stats.steps > 0 and engine.stats.forward_tokens > 0
+    engine.reset_stats()
+    assert engine.stats == EngineStats()
+    again = shared + ids(2, 50)
+    engine.generate_batch([again], max_new_tokens=3, eos_token_id=[])
+    assert engine.stats.forward_tokens == 2 + 2  # the shared 16 from the cache, then 2 decode tokens
+    assert engine.stats.peak_rows == 1 and engine.stats.preemptions == 0
 
 
 def test_cancel_mid_decode_returns_the_blocks_at_once(model):

@@ -36,6 +36,7 @@ def add_bench(subparsers: argparse._SubParsersAction) -> None:
     prompt.add_argument("--workloads", type=name_list, default=None, metavar="NAME,...", help="some of chat, shared, backends (default: all)")
     engine = p.add_argument_group("suite engine (the paged engine; also --contenders)")
     engine.add_argument("--arrivals", type=name_list, default=None, metavar="NAME,...", help="some of burst, poisson (default: both)")
+    engine.add_argument("--eager", action="store_true", default=None, help="the engines' steps eagerly (default: compile=True, compiled before each engine's first run)")
     serve = p.add_argument_group("suite serve (kvcache serve against transformers serve; also --contenders)")
     serve.add_argument("--clients", type=int_list, default=None, metavar="N,...", help="concurrent client counts (default: 1,4,16,32; --quick 1,4; --ray: one count, 8)")
     serve.add_argument("--ray", action="store_true", default=None, help="two kvcache serve --ray replicas under each router: blocks, prefix (Ray Serve's, on text) and default (needs kvcache[ray])")
@@ -43,7 +44,7 @@ def add_bench(subparsers: argparse._SubParsersAction) -> None:
 #: Which suites take each suite-specific option.
 SUITE_OPTIONS = {
     "model": ("real", "mixes"), "contexts": ("real",), "batches": ("real",), "prefill_dir": ("real",), "contenders": ("real", "engine", "serve"),
-    "shapes": ("attention",), "workloads": ("prompt",), "arrivals": ("engine",), "clients": ("serve",),
+    "shapes": ("attention",), "workloads": ("prompt",), "arrivals": ("engine",), "eager": ("engine",), "clients": ("serve",),
     "ray": ("serve",),
 }  # fmt: skip
 
@@ -97,7 +98,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     given = {
         "model": args.model, "contexts": args.contexts, "batches": args.batches, "prefill_dir": args.prefill_cache,
         "contenders": args.contenders, "shapes": args.shapes, "workloads": args.workloads, "arrivals": args.arrivals,
-        "clients": args.clients, "ray": args.ray,
+        "eager": args.eager, "clients": args.clients, "ray": args.ray,
     }  # fmt: skip
     given = {k: v for k, v in given.items() if v is not None}
     misplaced = [k for k in given if args.suite not in SUITE_OPTIONS[k]]

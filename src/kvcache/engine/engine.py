@@ -336,6 +336,13 @@ class Engine:
                 if self.chunks is not None:
                     self.chunks.warm(self.graph.scratch)
 
+    def reset_stats(self) -> None:
+        """Count from zero again: ``stats`` (steps, tokens, peaks, preemptions, store tokens), as a
+        benchmark's rounds on one engine need. Requests and cached blocks are not touched."""
+        with self._lock:
+            self.stats = EngineStats()
+            self.scheduler.preemptions = self.scheduler.store_tokens = 0
+
     def reset_prefix_cache(self) -> int:
         """Forget every block cached for reuse (requests that finished), so later prompts compute
         their prefixes again; blocks of running requests stay. Returns the blocks freed."""

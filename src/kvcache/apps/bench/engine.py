@@ -9,7 +9,8 @@ patterns: ``burst`` (all at once) and ``poisson`` (seeded exponential gaps whose
 ``gap_share`` (1/4) of one sequential request's time, measured in the warm-up, so requests overlap).
 
 Contenders (``CONTENDERS``, ``--contenders``; ``sequential``, the reference, always runs), each run
-in a fresh state (a new cache, store, manager or engine) made before the first arrival:
+in a fresh state made before the first arrival (a new cache, store or manager; each engine
+contender's one engine, made and compiled before its first run, its prefix cache forgotten):
 
 - ``sequential``: one request after another in arrival order, ``model.generate`` with a new
   ``DynamicCache``; a request waits for the one before it (TTFT includes that wait).
@@ -17,9 +18,10 @@ in a fresh state (a new cache, store, manager or engine) made before the first a
   -> ``put`` (the first request computes the system prompt, the others reuse it).
 - ``hf_generate_batch``: ``transformers``' continuous batching through the manager its
   ``generate_batch`` runs (``engine_workload.serve_hf``), pool sized to the workload.
-- ``engine`` / ``engine+sharing``: ``Engine(model, "growable", ...)`` without and with prefix
-  sharing, stepping on its background thread; ``engine+int8``: ``spec="quantized:bits=8"`` with
-  sharing ("not available" while the engine refuses that spec).
+- ``engine`` / ``engine+sharing``: ``Engine(model, "growable", compile=True, ...)`` without and with
+  prefix sharing, stepping on its background thread; ``engine+int8``: ``spec="quantized:bits=8"``
+  with sharing (its coded blocks step eagerly: the compiled step takes float blocks). ``--eager``
+  (``eager=True``): the engines without ``compile=True``.
 
 Contenders and patterns alternate round by round (``harness.alternate``). Per row: output tokens/s,
 TTFT p50/p95, TPOT, K/V bytes, prompt tokens computed, and the requests whose tokens equal
@@ -40,8 +42,8 @@ from ...errors import KVCacheError
 from ..run_options import RunOptions
 from .engine_report import REFERENCE, plot, rows, summarize, table
 from .engine_workload import (
-    HFSettings, Run, Workload, arrival_times, engine_settings, hf_settings, make_workload, serve_engine,
-    serve_hf, serve_sequential,
+    HFSettings, Run, Workload, arrival_times, engine_settings, hf_settings, make_engine, make_workload,
+    serve_engine, serve_hf, serve_sequential,
 )  # fmt: skip
 from .harness import alternate, report
 from .prompt_request import Prompts
@@ -118,14 +120,23 @@ def chosen(given: Sequence[str] | None, valid: Sequence[str], what: str) -> list
 Runner = Callable[[Workload, Sequence[float]], Run]
 
 
-def runners(model: Any, s: Sizes) -> dict[str, Runner]:
-    """Contender name -> a function serving a workload at given arrival times (a fresh cache, store,
-    manager or engine each call, sized to that workload)."""
+def runners(model: Any, s: Sizes, full: Workload, compile: bool) -> dict[str, Runner]:
+    """Contender name -> a function serving a workload at given arrival times: a fresh cache, store
+    or manager each call, sized to that workload; each engine contender's one engine, sized to
+    ``full`` and made (with ``compile``, compiled) at its first call, kept for the others."""
     from ...prompts import PromptStore
+
+    kept: dict[str, Any] = {}
 
     def engine(name: str) -> Runner:
         spec, share = ENGINES[name]
-        return lambda w, at: serve_engine(model, w, at, spec, share, engine_settings(w, s.block_size, s.max_batch_tokens))
+
+        def serve(w: Workload, at: Sequence[float]) -> Run:
+            if name not in kept:
+                kept[name] = make_engine(model, spec, share, engine_settings(full, s.block_size, s.max_batch_tokens), compile)
+            return serve_engine(model, kept[name], w, at)
+
+        return serve
 
     out: dict[str, Runner] = {
         REFERENCE: lambda w, at: serve_sequential(model, w, at),
@@ -154,13 +165,16 @@ def warm_up(serve: dict[str, Runner], w: Workload, names: Sequence[str]) -> floa
     return seq[1].finish - seq[0].finish
 
 
-def configured(s: Sizes, w: Workload) -> dict[str, str]:
+def configured(s: Sizes, w: Workload, compile: bool) -> dict[str, str]:
     """How each contender is set up, in words, with this run's numbers."""
     e, h = engine_settings(w, s.block_size, s.max_batch_tokens), hf_settings(w, s.page_size, s.max_batch_tokens)
     n, prompt = len(w.prompts), len(w.prompts[0])
     pool = (f"block_size={e.block_size}, blocks={e.blocks} ({n} x ceil(({prompt} + {w.new_tokens} - 1) / {e.block_size}): "
             f"every request at once, nothing shared), max_batch_tokens={e.max_batch_tokens}, max_seqs={e.max_seqs}")
-    stepping = "stepping on its background thread (`engine.running()`), each request submitted at its arrival; a new engine each run"
+    steps = (", compile=True (its steps compiled before the first run, `warm_up`; blocks the compiled step refuses, "
+             "int8's, step eagerly)") if compile else ""
+    stepping = ("stepping on its background thread (`engine.running()`), each request submitted at its arrival; one engine "
+                "for every run (as a server keeps one), its prefix cache forgotten (`reset_prefix_cache`) before each")
     return {
         REFERENCE: f"one request at a time in arrival order: `model.generate(ids, max_new_tokens={w.new_tokens}, do_sample=False, "
         "past_key_values=DynamicCache(config=model.config))`, sdpa attention; TTFT from a streamer's first new token",
@@ -172,9 +186,9 @@ def configured(s: Sizes, w: Workload) -> dict[str, str]:
         f"{h.page_size})), max_batch_tokens={h.max_batch_tokens}, max_requests_per_batch={n}))`, block sharing on (its default), "
         "sdpa (no flash attention on the CPU); warmed up and started before the first arrival, `add_requests` at each arrival "
         "(those due together in one call, as `generate_batch` adds them), `get_result`; a new manager each run",
-        "engine": f"`Engine(model, 'growable', {pool}, share_prefixes=False)`, {stepping}",
-        "engine+sharing": f"`Engine(model, 'growable', {pool}, share_prefixes=True)`, {stepping}",
-        "engine+int8": f"`Engine(model, 'quantized:bits=8', {pool}, share_prefixes=True)`, {stepping}",
+        "engine": f"`Engine(model, 'growable', {pool}, share_prefixes=False{steps})`, {stepping}",
+        "engine+sharing": f"`Engine(model, 'growable', {pool}, share_prefixes=True{steps})`, {stepping}",
+        "engine+int8": f"`Engine(model, 'quantized:bits=8', {pool}, share_prefixes=True{steps})`, {stepping}",
     }
 
 
@@ -183,9 +197,11 @@ def run(
     *,
     contenders: Sequence[str] | None = None,
     arrivals: Sequence[str] | None = None,
+    eager: bool = False,
 ) -> dict[str, Any]:
     """Run the suite (``contenders`` and ``arrivals``: some of ``CONTENDERS`` and ``ARRIVALS``,
-    default all); write ``engine.json``/``.md``/``.png`` into ``options.out`` if given."""
+    default all; ``eager``: the engines without ``compile=True``); write
+    ``engine.json``/``.md``/``.png`` into ``options.out`` if given."""
     from tqdm.auto import tqdm
 
     names = chosen(contenders, CONTENDERS, "contender")
@@ -194,7 +210,7 @@ def run(
     s = sizes(options)
     model, prompts, model_name, pad = load(options)
     w = make_workload(prompts, s.sessions, s.shared, s.user, s.new_tokens, model.config.vocab_size, pad)
-    serve = runners(model, s)
+    serve = runners(model, s, w, compile=not eager)
     request_s = warm_up(serve, w, names)
     mean_gap = s.gap_share * request_s
     schedule = {p: arrival_times(p, s.sessions, mean_gap, s.seed) for p in patterns}
@@ -209,11 +225,12 @@ def run(
         "text": "random token ids" if options.tiny else "the kvcache package's source text",
         "contenders": names,
         "arrivals": patterns,
+        "engine_compile": not eager,
         "sequential_request_s": request_s,
         "mean_gap_s": mean_gap if "poisson" in patterns else None,
         "arrival_s": schedule,
         "arrivals_text": _arrivals_text(patterns, s, request_s, mean_gap, schedule),
-        "configured": {k: v for k, v in configured(s, w).items() if k in names},
+        "configured": {k: v for k, v in configured(s, w, not eager).items() if k in names},
         "judged": judged,
         "quick": options.quick,
         "tiny": options.tiny,

@@ -302,20 +302,41 @@ def engine_settings(w: Workload, block_size: int, max_batch_tokens: int) -> Engi
     return EngineSettings(block_size, len(w.prompts) * per_request, max_batch_tokens, len(w.prompts))
 
 
-def serve_engine(model: Any, w: Workload, arrivals: Sequence[float], spec: str, share: bool, settings: EngineSettings) -> Run:
-    """``kvcache.Engine`` (made before the first arrival) stepping on its background thread, each
-    request submitted at its arrival; times from each request's ``RequestStats``. An engine that
-    cannot hold ``spec`` blocks (``UnsupportedOperation``) is a run with that reason."""
+def make_engine(model: Any, spec: str, share: bool, settings: EngineSettings, compile: bool) -> Any:
+    """``kvcache.Engine`` for ``spec`` blocks with ``settings``; with ``compile``, its steps compiled
+    now (``warm_up`` of ``max_seqs`` rows: the graphs a server builds when it starts), or eager where
+    the compiled step refuses the pool (coded blocks, a GPU: ``engine.graph`` is then None). An
+    engine that cannot hold ``spec`` blocks (``UnsupportedOperation``) is returned as the reason, a str."""
     from ... import Engine
     from ...errors import UnsupportedOperation
 
-    try:
-        engine = Engine(
+    def made(compiled: bool) -> Any:
+        return Engine(
             model, spec, block_size=settings.block_size, blocks=settings.blocks, max_batch_tokens=settings.max_batch_tokens,
-            max_seqs=settings.max_seqs, share_prefixes=share,
+            max_seqs=settings.max_seqs, share_prefixes=share, compile=compiled,
         )  # fmt: skip
-    except UnsupportedOperation as e:
-        return Run(reason=f"not available: {e}")
+
+    try:
+        engine = made(compile)
+    except UnsupportedOperation as refused:
+        if not compile:
+            return f"not available: {refused}"
+        try:
+            engine = made(False)  # the compiled step refuses these blocks or this device: eager steps
+        except UnsupportedOperation as e:
+            return f"not available: {e}"
+    engine.warm_up(settings.max_seqs)
+    return engine
+
+
+def serve_engine(model: Any, engine: Any, w: Workload, arrivals: Sequence[float]) -> Run:
+    """``engine`` (``make_engine``'s, kept from run to run: its prefix cache forgotten and its
+    counts reset first) stepping on its background thread, each request submitted at its arrival;
+    times from each request's ``RequestStats``. A reason (``make_engine``'s str) is a run with it."""
+    if isinstance(engine, str):
+        return Run(reason=engine)
+    engine.reset_prefix_cache()
+    engine.reset_stats()
     clock, counter = Clock(), ForwardCounter()
     with counter.on(model), engine.running():
         clock.start()
@@ -330,5 +351,8 @@ def serve_engine(model: Any, w: Workload, arrivals: Sequence[float], spec: str, 
         "engine_forward_tokens": s.forward_tokens, "steps": s.steps, "peak_rows": s.peak_rows, "peak_owned_blocks": s.peak_owned_blocks,
         "preemptions": s.preemptions, "reused_pool": sum(h.stats.reused_pool for h in handles),
         "reused_store": sum(h.stats.reused_store for h in handles), "blocks": engine.pool.total,
+        "compiled": engine.graph is not None,
     }  # fmt: skip
-    return Run(served, int(engine.pool.nbytes), counter.tokens, facts)
+    # compiled steps run the model's modules without its forward (no hook sees them): their count is the engine's
+    tokens = counter.tokens if engine.graph is None else s.forward_tokens
+    return Run(served, int(engine.pool.nbytes), tokens, facts)

@@ -319,7 +319,7 @@ def _decode(model, name: str, ids: torch.Tensor, steps: int, kvcache) -> tuple[f
 
 
 def engine_rows(device, dtype, options: RunOptions) -> list[dict[str, Any]]:
-    from .engine_workload import Workload, engine_settings, hf_settings, serve_engine, serve_hf
+    from .engine_workload import Workload, engine_settings, hf_settings, make_engine, serve_engine, serve_hf
 
     model = _model(device, dtype, options.pick("tiny", "smollm2", "smollm2"))
     sessions, shared, user, new = options.pick((4, 32, 8, 4), (64, 1024, 64, 64), (64, 1024, 64, 64))
@@ -330,7 +330,9 @@ def engine_rows(device, dtype, options: RunOptions) -> list[dict[str, Any]]:
     w = Workload(prompts, shared, new, vocab, 0)  # eos outside the vocabulary: every request runs to its length
     arrivals = [0.0] * sessions
     runs = {
-        "kvcache-engine": lambda: serve_engine(model, w, arrivals, "growable", True, engine_settings(w, BLOCK, 2048)),
+        "kvcache-engine": lambda: serve_engine(
+            model, make_engine(model, "growable", True, engine_settings(w, BLOCK, 2048), compile=True), w, arrivals
+        ),  # compiled where the engine compiles (the CPU), eager on a GPU
         "transformers-generate_batch": lambda: serve_hf(model, w, arrivals, hf_settings(w, BLOCK, 2048)),
     }
     rows, tokens = [], {}
