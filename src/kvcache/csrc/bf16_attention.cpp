@@ -290,16 +290,16 @@ inline void weighted_values(const Scratch& x, const uint16_t* const* values, int
     value_dots(x.weights.data(), values, pieces, vdim, row_tiles, sums);
 }
 
-// e^x for the softmax's weights (rounded to bfloat16 after): x clamped to [-87, 88], 2^n times
-// e^r's degree-4 Taylor polynomial, |r| <= ln2 / 2 (relative error below 5e-5).
-inline __m512 exp_weights(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x));
-    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.f / 24.f), r, _mm512_set1_ps(1.f / 6.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+// 2^x for the softmax's weights (rounded to bfloat16 after), x <= kSlack2: 2^n times 2^r's degree-4
+// Taylor polynomial, n = round(x), |r| <= 1/2 (relative error below 5e-5). x is held at -126 and
+// above, so that no weight is subnormal (each would cost a microcode assist).
+inline __m512 exp2_weights(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(9.61812911e-3f), r, _mm512_set1_ps(5.55041087e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.40226507e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.93147181e-1f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
     return _mm512_scalef_ps(p, n);
 }
@@ -307,6 +307,8 @@ inline __m512 exp_weights(__m512 x) {
 // How far a row's scores may rise above the maximum its weights are taken against before that
 // maximum moves (and its sums are rescaled): weights up to e^8, so most steps rescale nothing.
 constexpr float kSlack = 8.f;
+// The softmax runs in base 2: scores times scale / ln 2, maxima and slack in those units.
+constexpr float kLog2e = 1.44269504f, kLn2 = 0.693147181f, kSlack2 = kSlack * kLog2e;
 
 // The keys of 16-key vector i that a row seeing `seen` of the step's keys sees.
 inline __mmask16 visible(int seen, int i) {
@@ -316,11 +318,12 @@ inline __mmask16 visible(int seen, int i) {
 
 // The running softmax of one step's scores (`vectors` of 16 keys) for rows [0, m): with
 // `diagonal`, row r sees the step's first limit(r) keys, else all. Each row's weights e^(scale s -
-// max) rounded to bfloat16 into `weights`; where a score passes max + kSlack the row's max moves
-// to its largest score and its sums are rescaled.
+// max) (as 2^(scale s / ln 2 - max), the row's max kept in those units) rounded to bfloat16 into
+// `weights`; where a score passes max + kSlack the row's max moves to its largest score and its
+// sums are rescaled.
 template <typename Limit>
 void softmax_step(Scratch& x, int m, int vdim, int vectors, float scale, bool diagonal, Limit limit) {
-    const __m512 masked = _mm512_set1_ps(kMasked), by = _mm512_set1_ps(scale);
+    const __m512 masked = _mm512_set1_ps(kMasked), by = _mm512_set1_ps(scale * kLog2e);
     constexpr int kMost = kStep / 16;
     for (int r = 0; r < m; ++r) {
         const int seen = diagonal ? limit(r) : kStep;
@@ -333,9 +336,9 @@ void softmax_step(Scratch& x, int m, int vdim, int vectors, float scale, bool di
             v[i] = _mm512_mask_blend_ps(keep[i], masked, _mm512_mul_ps(_mm512_loadu_ps(s + 16 * i), by));
             top = _mm512_max_ps(top, v[i]);
         }
-        if (_mm512_cmp_ps_mask(top, _mm512_set1_ps(x.max[r] + kSlack), _CMP_GT_OQ)) {
+        if (_mm512_cmp_ps_mask(top, _mm512_set1_ps(x.max[r] + kSlack2), _CMP_GT_OQ)) {
             const float moved = _mm512_reduce_max_ps(top);
-            const float c = std::exp(x.max[r] - moved);  // 0 on the first step (max = kMasked)
+            const float c = std::exp2(x.max[r] - moved);  // 0 on the first step (max = kMasked)
             x.total[r] = _mm512_mul_ps(x.total[r], _mm512_set1_ps(c));
             float* o = x.sums.data() + r * vdim;
             for (int d = 0; d < vdim; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), _mm512_set1_ps(c)));
@@ -344,8 +347,8 @@ void softmax_step(Scratch& x, int m, int vdim, int vectors, float scale, bool di
         const __m512 base = _mm512_set1_ps(x.max[r]);
         uint16_t* w = x.weights.data() + r * kStep;
         for (int i = 0; i < vectors; i += 2) {  // vectors is even: whole 32-key pieces
-            const __m512 e0 = _mm512_maskz_mov_ps(keep[i], exp_weights(_mm512_sub_ps(v[i], base)));
-            const __m512 e1 = _mm512_maskz_mov_ps(keep[i + 1], exp_weights(_mm512_sub_ps(v[i + 1], base)));
+            const __m512 e0 = _mm512_maskz_mov_ps(keep[i], exp2_weights(_mm512_sub_ps(v[i], base)));
+            const __m512 e1 = _mm512_maskz_mov_ps(keep[i + 1], exp2_weights(_mm512_sub_ps(v[i + 1], base)));
             x.total[r] = _mm512_add_ps(x.total[r], _mm512_add_ps(e0, e1));
             _mm512_storeu_si512(w + 16 * i, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));  // keys 16i.. low, 16(i+1).. high
         }
@@ -621,7 +624,7 @@ int decode(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int32_
         else  // every row at position t1 - 1: it sees all of the run
             steps(x, padded / 16, rows, dim, vdim, t0, t1, tables + s * table_stride, block_size, packed.slot,
                   packed.keys, packed.values, h, heads, scale, t1 - 1, rows);
-        for (int r = 0; r < rows; ++r) part.max[r] = x.max[r], part.sum[r] = _mm512_reduce_add_ps(x.total[r]);
+        for (int r = 0; r < rows; ++r) part.max[r] = x.max[r] * kLn2, part.sum[r] = _mm512_reduce_add_ps(x.total[r]);
         std::memcpy(accs.data() + task * rows * vdim, x.sums.data(), sizeof(float) * rows * vdim);
     });
 #pragma omp parallel for num_threads(threads)

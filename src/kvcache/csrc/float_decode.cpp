@@ -239,7 +239,7 @@ constexpr int kVectorMaxDim = 128;
 #if defined(__AVX512F__)
 constexpr int kKeysTogether = 4;  // 4 keys x 4 row vectors = 16 sums + 4 query vectors of 32 registers
 #else
-constexpr int kKeysTogether = 1;  // 4 sums + 4 query vectors of 16 registers
+constexpr int kKeysTogether = 2;  // 2 keys x 4 row vectors = 8 sums (two FMA chains a port) + 4 query vectors of 16
 #endif
 constexpr int kRowVectors = 4;
 
