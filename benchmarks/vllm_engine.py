@@ -11,9 +11,10 @@ Workloads (SmolLM2-135M-Instruct fp32, greedy, 32 new tokens, the same token ids
 
 kvcache's one ``Engine`` (``compile=True`` unless ``--eager``; its decode buckets up to ``--rows``
 compiled before the first round, as vLLM compiles its own when it starts) and vLLM's one ``LLM``
-(a child process per round) each run every workload with their prefix caches reset
-(``reset_prefix_cache``) after the same 2-request warm-up. vLLM runs in its own
-environment (see ``vllm_bench_serve.py``) as a child process per round, configured as its CPU
+(one child process for the whole run, idle while kvcache runs) each run every workload with their
+prefix caches reset (``reset_prefix_cache``) after the same 2-request warm-up, the two alternating
+workload by workload (which goes first alternates too), so that the machine's drifts in speed fall
+on both. vLLM runs in its own environment (see ``vllm_bench_serve.py``), configured as its CPU
 documentation says for a 2-core machine: both cores bound to its OpenMP threads
 (``VLLM_CPU_OMP_THREADS_BIND=0-1``, ``VLLM_CPU_NUM_OF_RESERVED_CPU=0``), prefix caching on,
 a 4 GiB KV space, ``dtype=float32`` unless ``--vllm-dtype`` says otherwise (``default``: vLLM's own
@@ -45,25 +46,56 @@ from vllm_bench_serve import AVX2_ENV, VLLM_ENV, vllm_isa_env  # vLLM configured
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hum".split()
 
 VLLM_SIDE = r'''
-import json, os, sys, time
+import json, sys, time
 if __name__ == "__main__":
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
-    job = json.load(open(sys.argv[1]))
-    dtype = {} if job["dtype"] == "default" else {"dtype": job["dtype"]}
-    llm = LLM(model=job["model"], enable_prefix_caching=True, max_model_len=8192, seed=0, **dtype)
-    results = {"dtype": str(llm.llm_engine.model_config.dtype).removeprefix("torch.")}
-    params = SamplingParams(temperature=0.0, max_tokens=job["new"], ignore_eos=True)
-    for name, prompts in job["workloads"].items():
+    model, dtype, new = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    llm = LLM(model=model, enable_prefix_caching=True, max_model_len=8192, seed=0, **({} if dtype == "default" else {"dtype": dtype}))
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    print("READY", str(llm.llm_engine.model_config.dtype).removeprefix("torch."), flush=True)
+    for line in sys.stdin:  # one job a line: {"warmup": [...], "prompts": [...], "out": path}
+        job = json.loads(line)
         llm.reset_prefix_cache()
         llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["warmup"]], params, use_tqdm=False)
         llm.reset_prefix_cache()
         t0 = time.perf_counter()
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["prompts"]], params, use_tqdm=False)
         seconds = time.perf_counter() - t0
-        results[name] = {"seconds": seconds, "tokens": [list(o.outputs[0].token_ids) for o in outs]}
-    json.dump(results, open(sys.argv[2], "w"))
+        json.dump({"seconds": seconds, "tokens": [list(o.outputs[0].token_ids) for o in outs]}, open(job["out"], "w"))
+        print("DONE", job["out"], flush=True)
 '''
+
+
+class VLLMWorker:
+    """vLLM's one ``LLM`` in a child process of its own environment for the whole run (as kvcache's
+    engine is kept): each ``run`` sends one workload and waits for its result; idle between runs."""
+
+    def __init__(self, python: str, scratch: Path, folder: Path, dtype: str, new: int, env: dict[str, str]):
+        (scratch / "vllm_side.py").write_text(VLLM_SIDE)
+        self.scratch, self.log = scratch, open(scratch / "vllm.log", "w")
+        self.proc = subprocess.Popen([python, str(scratch / "vllm_side.py"), str(folder), dtype, str(new)], env=env, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log)  # fmt: skip
+        self.dtype = self._wait("READY")
+
+    def _wait(self, marker: str) -> str:
+        for line in self.proc.stdout:  # vLLM may print lines of its own here too
+            if line.startswith(marker + " "):
+                return line.split(" ", 1)[1].strip()
+        self.log.flush()
+        raise RuntimeError(f"vLLM's worker ended ({self.proc.wait()}): {(self.scratch / 'vllm.log').read_text()[-3000:]}")
+
+    def run(self, prompts: list[list[int]], warmup: list[list[int]], tag: str) -> dict:
+        out = self.scratch / f"{tag}.json"
+        self.proc.stdin.write(json.dumps({"warmup": warmup, "prompts": prompts, "out": str(out)}) + "\n")
+        self.proc.stdin.flush()
+        self._wait("DONE")
+        return json.loads(out.read_text())
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
+        self.log.close()
 
 
 def text_ids(tokenizer, count: int, seed: int) -> list[int]:
@@ -87,18 +119,15 @@ def workloads(tokenizer, rows: int, seed: int, names: tuple[str, ...] = WORKLOAD
     return {name: made[name]() for name in names}
 
 
-def ours(engine, prompts: dict[str, list[list[int]]], warmup: list[list[int]], new: int) -> dict:
-    """Each workload through ``engine`` (kept for every round, as vLLM keeps its ``LLM``), after the
+def ours(engine, prompts: list[list[int]], warmup: list[list[int]], new: int) -> dict:
+    """One workload through ``engine`` (kept for every round, as vLLM keeps its ``LLM``), after the
     warm-up, its cached prefixes forgotten before the warm-up and before the timed run."""
-    out = {}
-    for name, batch in prompts.items():
-        engine.reset_prefix_cache()
-        engine.generate_batch(warmup, max_new_tokens=new, eos_token_id=[])
-        engine.reset_prefix_cache()
-        t0 = time.perf_counter()
-        tokens = engine.generate_batch(batch, max_new_tokens=new, eos_token_id=[])
-        out[name] = {"seconds": time.perf_counter() - t0, "tokens": [list(map(int, t)) for t in tokens]}
-    return out
+    engine.reset_prefix_cache()
+    engine.generate_batch(warmup, max_new_tokens=new, eos_token_id=[])
+    engine.reset_prefix_cache()
+    t0 = time.perf_counter()
+    tokens = engine.generate_batch(prompts, max_new_tokens=new, eos_token_id=[])
+    return {"seconds": time.perf_counter() - t0, "tokens": [list(map(int, t)) for t in tokens]}
 
 
 def main() -> int:
@@ -144,44 +173,48 @@ def main() -> int:
 
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    held = tempfile.TemporaryDirectory()  # vLLM's side and its jobs (token ids): inputs, not results
+    held = tempfile.TemporaryDirectory()  # vLLM's side, its log and its results: inputs, not results
     scratch = Path(held.name)
     vllm_env.update(vllm_isa_env(args.isa, scratch))
-    (scratch / "vllm_side.py").write_text(VLLM_SIDE)
+    started = time.perf_counter()
+    vllm = VLLMWorker(args.vllm_python, scratch, folder, args.vllm_dtype, args.new, vllm_env)
+    vllm_dtype = vllm.dtype
+    print(f"vLLM ({vllm_dtype}) ready in {time.perf_counter() - started:.0f} s", flush=True)
     rows: list[dict] = []
-    for rnd in range(args.rounds):
-        prompts = workloads(tokenizer, args.rows, rnd, names)
-        warmup = [text_ids(tokenizer, 200, 9000 + rnd + i) for i in range(2)]
-        job = scratch / f"job{rnd}.json"
-        job.write_text(json.dumps({"model": str(folder), "new": args.new, "workloads": prompts, "warmup": warmup,
-                               "dtype": args.vllm_dtype}))
-        got = {"kvcache": ours(engine, prompts, warmup, args.new)}
-        done = subprocess.run([args.vllm_python, str(scratch / "vllm_side.py"), str(job), str(out / f"vllm{rnd}.json")],
-                              env=vllm_env, capture_output=True, text=True)  # fmt: skip
-        if done.returncode != 0:
-            print(done.stderr[-3000:], file=sys.stderr)
-            return 1
-        got["vllm"] = json.loads((out / f"vllm{rnd}.json").read_text())
-        vllm_dtype = got["vllm"].pop("dtype")
-        for name in prompts:
-            a, b = got["kvcache"][name], got["vllm"][name]
-            tokens = len(prompts[name]) * args.new
-            row = {"round": rnd, "workload": name, "requests": len(prompts[name]), "kvcache": tokens / a["seconds"],
-                   "vllm": tokens / b["seconds"], "agree": sum(x == y for x, y in zip(a["tokens"], b["tokens"]))}  # fmt: skip
-            rows.append(row)
-            print(f"round {rnd} {name}: kvcache {row['kvcache']:.1f} tokens/s, vLLM {row['vllm']:.1f}, "
-                  f"identical {row['agree']}/{row['requests']}", flush=True)  # fmt: skip
+    try:
+        for rnd in range(args.rounds):
+            prompts = workloads(tokenizer, args.rows, rnd, names)
+            warmup = [text_ids(tokenizer, 200, 9000 + rnd + i) for i in range(2)]
+            for i, name in enumerate(names):  # contenders alternate workload by workload, first one then the other
+                order = ("kvcache", "vllm") if (rnd + i) % 2 == 0 else ("vllm", "kvcache")
+                got = {}
+                for who in order:
+                    batch = prompts[name]
+                    got[who] = ours(engine, batch, warmup, args.new) if who == "kvcache" else vllm.run(batch, warmup, f"{name}{rnd}")
+                (out / f"{name}{rnd}.json").write_text(json.dumps({"order": order, **got}) + "\n")
+                a, b = got["kvcache"], got["vllm"]
+                tokens = len(prompts[name]) * args.new
+                row = {"round": rnd, "workload": name, "requests": len(prompts[name]), "first": order[0],
+                       "kvcache": tokens / a["seconds"], "vllm": tokens / b["seconds"],
+                       "agree": sum(x == y for x, y in zip(a["tokens"], b["tokens"]))}  # fmt: skip
+                rows.append(row)
+                print(f"round {rnd} {name}: kvcache {row['kvcache']:.1f} tokens/s, vLLM {row['vllm']:.1f}, "
+                      f"identical {row['agree']}/{row['requests']} ({order[0]} first)", flush=True)  # fmt: skip
+    finally:
+        vllm.close()
     capped_line = "; both contenders capped at AVX2 (--isa avx2)" if args.isa == "avx2" else ""
-    lines = [f"{machine_line(machine_info())}{capped_line}; {args.rounds} rounds, medians; kvcache in {args.dtype} "
+    lines = [f"{machine_line(machine_info())}{capped_line}; {args.rounds} rounds, medians, the contenders alternating "
+             f"workload by workload; kvcache in {args.dtype} "
              f"({'eager' if args.eager else 'compile=True'}), "
              f"vLLM in {vllm_dtype} (asked: {args.vllm_dtype})", "",
-             "| workload | requests | kvcache tokens/s | vLLM tokens/s | kvcache / vLLM | identical answers |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
+             "| workload | requests | kvcache tokens/s | vLLM tokens/s | kvcache / vLLM | rounds' ratios | identical answers |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
     for name in names:
         mine = [r for r in rows if r["workload"] == name]
         k, v = statistics.median(r["kvcache"] for r in mine), statistics.median(r["vllm"] for r in mine)
         agree, asked = sum(r["agree"] for r in mine), sum(r["requests"] for r in mine)
-        lines.append(f"| {name} | {mine[0]['requests']} | {k:.1f} | {v:.1f} | {k / v:.2f}x | {agree}/{asked} |")
+        ratios = ", ".join(f"{r['kvcache'] / r['vllm']:.2f}" for r in mine)
+        lines.append(f"| {name} | {mine[0]['requests']} | {k:.1f} | {v:.1f} | {k / v:.2f}x | {ratios} | {agree}/{asked} |")
     (out / "report.md").write_text("\n".join(lines) + "\n")
     (out / "rounds.json").write_text(json.dumps(rows, indent=1) + "\n")
     print("\n".join(lines))

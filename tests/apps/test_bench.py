@@ -315,6 +315,24 @@ def test_attention_quantized_rows(tiny_results):
             assert r["ms"] > 0 and r["bandwidth_fraction"] > 0 and len(r["samples_ms"]) > 0
 
 
+def test_attention_paged_rows(tiny_results):
+    """The engine's paged decode: every contender at every block size, bytes read as the layouts say
+    (bfloat16 blocks half of float32's, int8 less), outputs near the dense reference's."""
+    _, result = tiny_results("attention")
+    rows = result["paged_rows"]
+    sizes = {r["block_size"] for r in rows}
+    assert len(rows) == 4 * len(sizes)
+    for bs in sizes:
+        by = {r["contender"]: r for r in rows if r["block_size"] == bs}
+        assert set(by) == {"paged", "paged-bf16", "paged-int8", "dense"}
+        assert by["paged-bf16"]["bytes_read"] * 2 == by["paged"]["bytes_read"] == 2 * by["paged"]["tokens"] * 3 * 64 * 4
+        assert by["paged-int8"]["bytes_read"] < by["paged-bf16"]["bytes_read"]
+        near = {"paged": 1e-4, "paged-bf16": 2e-2, "paged-int8": 0.05, "dense": 0.0}
+        for name, r in by.items():
+            assert r["max_abs_diff_vs_dense"] <= near[name], (name, r["max_abs_diff_vs_dense"])
+            assert r["ms"] > 0 and r["bandwidth_fraction"] > 0 and len(r["samples_ms"]) > 0
+
+
 def test_attention_prefill_rows(tiny_results):
     """The prompt part: both contenders in both dtypes at every case, the same attention (in
     bfloat16 the SDPA contender's queries and outputs are rounded to bfloat16)."""

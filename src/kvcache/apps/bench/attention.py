@@ -18,7 +18,7 @@ alternating within each repeat; medians reported, with the largest difference be
 
 Then the quantized caches' decode attention beside fp32 (``coded_attention``: SmolLM2 geometry,
 batch 1 and 8, 4K and 16K tokens), and the engine's paged decode over block tables
-(``paged_attention``: 16 sequences of mixed lengths, float and int8 blocks), on the same measured
+(``paged_attention``: 16 sequences of mixed lengths, float32, bfloat16 and int8 blocks), on the same measured
 bandwidth; and prompt chunks over the pool's blocks (``prefill_attention``: the paged prefill
 kernel against gathering each chunk's past for SDPA), by work per second.
 """

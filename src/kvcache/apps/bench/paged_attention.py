@@ -7,6 +7,9 @@ block size (16, 32, 64, 256 tokens), alternating within each repeat, every call 
 ``evict_caches``:
 
 - ``paged``: ``native.paged_decode`` over float32 blocks (what ``PagedStep`` runs);
+- ``paged-bf16``: the same over bfloat16 blocks with bfloat16 queries (a bfloat16 engine's own
+  rows: ``csrc/bf16_attention.cpp`` reads blocks of 32 tokens and more in place where the CPU has
+  AVX-512 BF16, else the float kernel widens them);
 - ``paged-int8``: ``fused_paged.paged_decode_attention`` over int8 blocks with an exact open block per
   sequence (what ``PagedStep`` runs over a coded pool);
 - ``dense``: ``kvcache.attend`` over one padded contiguous batch ``[S, Hkv, longest, D]`` with a
@@ -34,7 +37,7 @@ from .common import clock_cold, markdown_table, median
 from .harness import alternate
 
 KV_HEADS, Q_HEADS, HEAD_DIM = 3, 9, 64  # SmolLM2-135M
-CONTENDERS = ("paged", "paged-int8", "dense")
+CONTENDERS = ("paged", "paged-bf16", "paged-int8", "dense")
 
 
 def run(options: RunOptions, bandwidth: float, repeats: int) -> list[dict[str, Any]]:
@@ -65,6 +68,7 @@ def _one(bs: int, lengths: list[int], gen: torch.Generator, bandwidth: float, re
     values = torch.randn(total, KV_HEADS, bs, HEAD_DIM, generator=gen)
     pool.storage.write_blocks(0, torch.arange(total), keys, values)
     blocks = pool.storage.layer(0)
+    half = {name: blocks[name].bfloat16() for name in ("keys", "values")}
     coded = _coded(keys, values, tables, lengths, bs)
     query = torch.randn(seqs, KV_HEADS, Q_HEADS // KV_HEADS, HEAD_DIM, generator=gen)
     width = max(need)
@@ -75,10 +79,13 @@ def _one(bs: int, lengths: list[int], gen: torch.Generator, bandwidth: float, re
     dense_k, dense_v, mask = _dense(pool, tables, lengths)
     scale = 1 / math.sqrt(HEAD_DIM)
     q4 = query.reshape(seqs, Q_HEADS, 1, HEAD_DIM)
+    query_bf16 = query.bfloat16()
 
     def call(name: str) -> torch.Tensor:
         if name == "paged":
             out = native.paged_decode(query, blocks["keys"], blocks["values"], table, lens, scale)
+        elif name == "paged-bf16":
+            out = native.paged_decode(query_bf16, half["keys"], half["values"], table, lens, scale)
         elif name == "paged-int8":
             out = coded["call"](query, scale)
         else:
@@ -89,6 +96,7 @@ def _one(bs: int, lengths: list[int], gen: torch.Generator, bandwidth: float, re
     diffs = {name: (call(name) - reference).abs().max().item() for name in CONTENDERS}  # warm-up + check
     read = {
         "paged": sum(lengths) * KV_HEADS * HEAD_DIM * 4 * 2,
+        "paged-bf16": sum(lengths) * KV_HEADS * HEAD_DIM * 2 * 2,
         "paged-int8": coded["bytes"],
         "dense": dense_k.nbytes + sum(lengths) * KV_HEADS * HEAD_DIM * 4,  # every key row; value rows of live tokens only
     }
