@@ -16,8 +16,7 @@ import torch
 
 from engine_reference import ids, reference, same_or_near_tie
 from kvcache import Engine, cache_kwargs
-from kvcache.engine import PoolError, RequestCancelled
-from kvcache.engine.engine import EngineStats
+from kvcache.engine import EngineStats, PoolError, RequestCancelled
 from kvcache.errors import UnsupportedOperation
 
 NEW = 10

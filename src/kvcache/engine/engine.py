@@ -19,7 +19,6 @@ import itertools
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,30 +40,10 @@ from .pool_setup import engine_spec, make_pool, pool_shape
 from .probe import check_packing
 from .request import Request, RequestHandle, State, tell
 from .sampling import Sampling
+from .stats import EngineStats
 from .scheduler import Scheduler, blocks_for
 from .step import stepping
 from .tier import StoreTier, open_store
-
-
-@dataclass
-class EngineStats:
-    """Counts over the engine's life."""
-
-    steps: int = 0
-    #: Tokens run through the model (prefill chunks, recomputation and decode rows).
-    forward_tokens: int = 0
-    #: Most requests in one step, and most blocks owned at the end of a step.
-    peak_rows: int = 0
-    peak_owned_blocks: int = 0
-    #: Most requests past their prompt (holding their whole context, decoding) after one step.
-    peak_decoding: int = 0
-    preemptions: int = 0
-    #: Prompt tokens loaded from the store tier (first admissions and reloads after preemption).
-    store_tokens: int = 0
-    #: Decode rows that read a shared prefix once with other rows (``shared_prefix.py``), over all steps.
-    shared_prefix_rows: int = 0
-    #: Steps run through a compiled graph (``compile=True``: decode-only steps, ``graph_step.py``).
-    compiled_steps: int = 0
 
 
 class Engine:
