@@ -168,15 +168,14 @@ inline void score_dots(const uint16_t* q, int dim, const uint16_t* const* keys, 
     }
 }
 
-// body(N) with N = n (1 to 4) as a constant: the column groups a block of weighted values keeps in registers.
-template <typename F>
-inline void by_groups(int n, F&& body) {
-    switch (n) {
-        case 4: body(std::integral_constant<int, 4>{}); break;
-        case 3: body(std::integral_constant<int, 3>{}); break;
-        case 2: body(std::integral_constant<int, 2>{}); break;
-        default: body(std::integral_constant<int, 1>{}); break;
+// body(N) with N = n as a constant, n held to [1, Most]: the column groups, rows or head-dim parts a
+// kernel keeps in registers.
+template <int Most, int N = 1, typename F>
+inline void as_constant(int n, F&& body) {
+    if constexpr (N < Most) {
+        if (n > N) return as_constant<Most, N + 1>(n, body);
     }
+    body(std::integral_constant<int, N>{});
 }
 
 // value_dots for 4 rows x N groups of 16 columns: their sums in registers over the step's token pairs.
@@ -208,7 +207,7 @@ inline void value_dots(const uint16_t* p, const uint16_t* const* values, int pie
             for (int j = 0; j < pieces; ++j) v[j] = values[j] + c0 * kTileElems;
             const uint16_t* w = p + r0 * kStep;
             float* o = sums + r0 * vdim + c0 * 16;
-            by_groups(std::min(4, groups - c0), [&](auto n) { value_dots_block<n()>(w, v, pieces, vdim, o); });
+            as_constant<4>(groups - c0, [&](auto n) { value_dots_block<n()>(w, v, pieces, vdim, o); });
         }
 }
 
@@ -439,22 +438,6 @@ int prefill(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int32
 // pairs in registers (vpermt2w) times each row's pair of weights. Both are compiled for the head
 // dim and the rows a block of values takes, so that their sums stay in registers.
 
-// body(P) with P = n (1 to 8) as a constant: a key's 32-dim parts (D / 32), so that a row's query
-// and 16 keys' partial sums stay in registers.
-template <typename F>
-inline void by_parts(int n, F&& body) {
-    switch (n) {
-        case 1: body(std::integral_constant<int, 1>{}); break;
-        case 2: body(std::integral_constant<int, 2>{}); break;
-        case 3: body(std::integral_constant<int, 3>{}); break;
-        case 4: body(std::integral_constant<int, 4>{}); break;
-        case 5: body(std::integral_constant<int, 5>{}); break;
-        case 6: body(std::integral_constant<int, 6>{}); break;
-        case 7: body(std::integral_constant<int, 7>{}); break;
-        default: body(std::integral_constant<int, 8>{}); break;
-    }
-}
-
 // The scores [m rows, count keys] of a step into s (row stride kStep): the step's keys lie in pieces
 // of 32 consecutive rows (key[j]: piece j's first key row, P * 32 bfloat16 each; null past the
 // step's keys, whose scores are left as they are: the softmax masks them).
@@ -529,13 +512,9 @@ inline void values_direct(const uint16_t* w, const uint16_t* const* value, int p
         for (int r0 = 0; r0 < m; r0 += 4) {
             const uint16_t* rows = w + r0 * kStep;
             float* o = sums + r0 * vdim + c0 * 16;
-            const int n = std::min(4, groups - c0);
-            switch (std::min(4, m - r0)) {
-                case 4: by_groups(n, [&](auto g) { values_direct_block<4, g()>(rows, value, 16 * c0, pieces, vdim, o); }); break;
-                case 3: by_groups(n, [&](auto g) { values_direct_block<3, g()>(rows, value, 16 * c0, pieces, vdim, o); }); break;
-                case 2: by_groups(n, [&](auto g) { values_direct_block<2, g()>(rows, value, 16 * c0, pieces, vdim, o); }); break;
-                default: by_groups(n, [&](auto g) { values_direct_block<1, g()>(rows, value, 16 * c0, pieces, vdim, o); }); break;
-            }
+            as_constant<4>(m - r0, [&](auto r) {
+                as_constant<4>(groups - c0, [&](auto g) { values_direct_block<r(), g()>(rows, value, 16 * c0, pieces, vdim, o); });
+            });
         }
 }
 
@@ -569,7 +548,7 @@ void steps_direct(Scratch& x, int m, int dim, int vdim, int64_t t0, int64_t t1, 
             std::memset(x.tail.data() + kept * vdim, 0, sizeof(uint16_t) * short_by * vdim);
             value[i][pieces - 1] = x.tail.data();
         }
-        by_parts(dim / 32, [&](auto p) {
+        as_constant<kMaxDim / 32>(dim / 32, [&](auto p) {
             scores_direct<p()>(x.q.data(), m, key[i], pieces, x.scores.data(), key[i ^ 1], value[i ^ 1], next, vdim);
         });
         softmax_step(x, m, vdim, 2 * pieces, scale, count < pieces * kPiece, [&](int) { return count; });
