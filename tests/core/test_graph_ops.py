@@ -86,7 +86,12 @@ def test_a_compiled_write_and_read_is_one_graph_equal_to_eager():
 
 
 def test_a_call_the_library_cannot_take_is_refused_by_name(monkeypatch):
-    ops = graph_ops.register()
+    """The Python kernels (the CPU's where the C++ ones do not build; ``test_step_ops.py`` has theirs)."""
     monkeypatch.setattr(native, "paged_decode", lambda *args, **kwargs: None)
     with pytest.raises(UnsupportedOperation, match="kvcache::paged_decode"):
-        ops.paged_decode(*decode_args())
+        graph_ops.paged_decode(*decode_args())
+    with pytest.raises(UnsupportedOperation, match="kvcache::paged_decode_lse"):
+        graph_ops.paged_decode_lse(*decode_args())
+    monkeypatch.setattr(native, "paged_prefill", lambda *args, **kwargs: None)
+    with pytest.raises(UnsupportedOperation, match="kvcache::paged_prefill"):
+        graph_ops.paged_prefill(*prefill_args())

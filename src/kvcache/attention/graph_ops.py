@@ -15,7 +15,9 @@ they become single nodes that dynamo, AOT autograd and inductor pass through:
   ``native.paged_prefill``, float32 ``[Hkv, N, R, Dv]``.
 
 None changes its inputs. Each raises ``UnsupportedOperation`` where the library cannot take the
-call (no compiler, another device, a shape it does not serve); the eager callers check
+call (no compiler, another device, a shape it does not serve; a ``RuntimeError`` naming the
+operator from the C++ kernels of the two decode operators, which take CPU calls where
+``op_library.native()`` builds: ``csrc/step_ops.cpp``); the eager callers check
 ``native.available()`` and the shapes before they choose these.
 
 Registering an operator is global to the process, so nothing registers at import: ``register()``
@@ -41,28 +43,34 @@ class GraphOps(NamedTuple):
     paged_prefill: torch._ops.OpOverloadPacket
 
 
+def paged_decode(q, key_pool, value_pool, tables, lengths, scale):
+    """``kvcache::paged_decode``'s Python kernel (the CPU's where ``op_library.native()`` is None)."""
+    out = native.paged_decode(q, key_pool, value_pool, tables, lengths, scale)
+    if out is None:
+        raise UnsupportedOperation(_refused("paged_decode", q, key_pool))
+    return out
+
+
+def paged_decode_lse(q, key_pool, value_pool, tables, lengths, scale):
+    """``kvcache::paged_decode_lse``'s Python kernel (as ``paged_decode``'s)."""
+    got = native.paged_decode(q, key_pool, value_pool, tables, lengths, scale, lse=True)
+    if got is None:
+        raise UnsupportedOperation(_refused("paged_decode_lse", q, key_pool))
+    return got
+
+
+def paged_prefill(q, key_pool, value_pool, tables, starts, pasts, scale):
+    """``kvcache::paged_prefill``'s kernel."""
+    out = native.paged_prefill(q, key_pool, value_pool, tables, starts, pasts, scale)
+    if out is None:
+        raise UnsupportedOperation(_refused("paged_prefill", q, key_pool))
+    return out
+
+
 @functools.cache
 def register() -> GraphOps:
     """Register ``kvcache::paged_decode``, ``paged_decode_lse`` and ``paged_prefill`` (once per
-    process)."""
-
-    def paged_decode(q, key_pool, value_pool, tables, lengths, scale):
-        out = native.paged_decode(q, key_pool, value_pool, tables, lengths, scale)
-        if out is None:
-            raise UnsupportedOperation(_refused("paged_decode", q, key_pool))
-        return out
-
-    def paged_decode_lse(q, key_pool, value_pool, tables, lengths, scale):
-        got = native.paged_decode(q, key_pool, value_pool, tables, lengths, scale, lse=True)
-        if got is None:
-            raise UnsupportedOperation(_refused("paged_decode_lse", q, key_pool))
-        return got
-
-    def paged_prefill(q, key_pool, value_pool, tables, starts, pasts, scale):
-        out = native.paged_prefill(q, key_pool, value_pool, tables, starts, pasts, scale)
-        if out is None:
-            raise UnsupportedOperation(_refused("paged_prefill", q, key_pool))
-        return out
+    process), the first two with C++ kernels for the CPU where ``op_library.native()`` builds."""
 
     def decode_fake(q, key_pool, value_pool, tables, lengths, scale):
         return _output(q, value_pool)
@@ -73,6 +81,10 @@ def register() -> GraphOps:
     def prefill_fake(q, key_pool, value_pool, tables, starts, pasts, scale):
         return _output(q, value_pool)
 
+    kernels, entries = op_library.native(), native.decode_entries()
+    if kernels is not None and entries is not None:  # C++ kernels take the CPU's decode calls
+        kernels.kv_step_ops_bind_decode(*(op_library.address(f) for f in entries), native.PAGED_MAX_ROWS,
+                                        native.MAX_DIM, native.PAGED_CHUNK)  # fmt: skip
     pools = "Tensor q, Tensor key_pool, Tensor value_pool, Tensor tables"
     return GraphOps(
         op_library.define("paged_decode", f"({pools}, Tensor lengths, float scale) -> Tensor", paged_decode, decode_fake),

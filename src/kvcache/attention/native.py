@@ -24,6 +24,8 @@ PAGED_MAX_ROWS = 64
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 #: Tokens per task: enough to amortise a task, few enough that a long sequence splits across threads.
 _MIN_CHUNK, _TASKS_PER_THREAD = 256, 16
+#: Tokens a task of the paged decode entry takes (rounded to whole blocks), ``paged_decode``'s default.
+PAGED_CHUNK = _MIN_CHUNK
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -55,6 +57,17 @@ def bf16_attention_kernel() -> str:
     or ``"none"`` (the library absent or built without AVX-512 BF16: the float kernel takes them)."""
     lib = library("bf16_attention", _declare_bf16)
     return "none" if lib is None else ("none", "dot", "amx")[lib.kv_bf16_attention_kernel()]
+
+
+def decode_entries() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr | None] | None:
+    """The paged decode entry points, the float library's ``kv_paged_decode`` and the bfloat16
+    library's ``kv_bf16_decode`` (None without it), for the C++ operators that call them
+    (``graph_ops.register``); None without the float library."""
+    lib = library("float_decode", _declare)
+    if lib is None:
+        return None
+    bf16 = library("bf16_attention", _declare_bf16)
+    return lib.kv_paged_decode, None if bf16 is None else bf16.kv_bf16_decode
 
 
 def available() -> bool:
@@ -183,7 +196,7 @@ def paged_decode(
     ...`` (int32 ``[S, max_blocks]``; ``lengths`` int64 ``[S]``): float32 ``[S, Hkv, R, Dv]``, a
     sequence of length 0 getting zeros; None where the library cannot take it (see the module
     docstring). The caller checks that the table's block ids are within the pool. A task of the
-    library takes ``blocks_per_task`` blocks of a sequence (default: about ``_MIN_CHUNK`` tokens).
+    library takes ``blocks_per_task`` blocks of a sequence (default: about ``PAGED_CHUNK`` tokens).
     With ``lse``, ``(out, lse)``: ``lse`` float32 ``[S, Hkv, R]`` is each row's log-sum-exp of its
     scaled scores (-inf for a sequence of length 0), what merging with attention over other keys
     needs. ``R`` may be up to ``PAGED_MAX_ROWS``. bfloat16 queries over bfloat16 blocks take the
@@ -199,7 +212,7 @@ def paged_decode(
     lib = library("float_decode", _declare) if ok else None
     if lib is None:
         return None
-    per_task = blocks_per_task or max(1, _MIN_CHUNK // block_size)
+    per_task = blocks_per_task or max(1, PAGED_CHUNK // block_size)
     table = tables.to(torch.int32).contiguous()
     length = lengths.to(torch.int64).contiguous()
     out = torch.empty(seqs, heads, rows, vdim, dtype=torch.float32)

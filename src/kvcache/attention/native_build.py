@@ -56,14 +56,16 @@ def disabled() -> bool:
     return os.environ.get(DISABLE_ENV, "") not in ("", "0")
 
 
-def library(name: str, declare: Callable[[ctypes.CDLL], ctypes.CDLL]) -> ctypes.CDLL | None:
+def library(name: str, declare: Callable[[ctypes.CDLL], ctypes.CDLL], torch_abi: bool = False) -> ctypes.CDLL | None:
     """The library built from ``csrc/<name>.cpp``, with its functions' types set by ``declare``;
-    None when disabled or when it cannot build (warned once)."""
+    None when disabled or when it cannot build (warned once). ``torch_abi``: the source uses
+    torch's stable C ABI (``torch/csrc/stable``) and links torch's own libraries; loading it
+    registers the operator kernels it declares."""
     if disabled() or name in _failed:
         return None
     if name not in _loaded:
         try:
-            _loaded[name] = declare(ctypes.CDLL(str(_build(CSRC / f"{name}.cpp"))))
+            _loaded[name] = declare(ctypes.CDLL(str(_build(CSRC / f"{name}.cpp", torch_abi))))
         except (OSError, subprocess.SubprocessError, RuntimeError) as err:
             _failed[name] = str(err)
             warnings.warn(
@@ -129,14 +131,25 @@ def _march() -> str:
     return f"-march={arch}"
 
 
-def _build(source_path: Path) -> Path:
+def _torch_flags() -> list[str]:
+    """The include, link and load-path flags of a library on torch's stable C ABI, for the torch
+    this process runs (its version is part of the flags, so another torch builds anew)."""
+    import torch
+
+    root = Path(torch.__file__).resolve().parent
+    lib = root / "lib"
+    return [f"-I{root / 'include'}", f"-L{lib}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{lib}", f"-DKV_TORCH={torch.__version__}"]
+
+
+def _build(source_path: Path, torch_abi: bool = False) -> Path:
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not compiler:
         raise RuntimeError("no C++ compiler found (g++ or c++ on PATH, or $CXX)")
     flags = [*_FLAGS, _march()]
     # The headers beside the sources (simd.h) count as part of each: a changed header builds anew.
     source = source_path.read_bytes() + b"".join(h.read_bytes() for h in sorted(source_path.parent.glob("*.h")))
-    tag = hashlib.sha256(source + repr((compiler, flags, sys.platform, cpu_flags())).encode()).hexdigest()[:16]
+    extra = _torch_flags() if torch_abi else []
+    tag = hashlib.sha256(source + repr((compiler, flags, extra, sys.platform, cpu_flags())).encode()).hexdigest()[:16]
     target = _cache_dir() / f"{source_path.stem}-{tag}.so"
     if target.exists():
         return target
@@ -145,7 +158,8 @@ def _build(source_path: Path) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *flags, str(source_path), "-o", tmp], capture_output=True, text=True, timeout=300)
+        # the torch flags after the source: the linker resolves left to right
+        done = subprocess.run([compiler, *flags, str(source_path), "-o", tmp, *extra], capture_output=True, text=True, timeout=300)
         if done.returncode:
             raise RuntimeError(f"{compiler} exited with {done.returncode}: {done.stderr}")
         os.replace(tmp, target)

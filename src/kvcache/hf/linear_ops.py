@@ -64,10 +64,31 @@ def call(
     """``x @ weight.T + bias`` (``[..., n]``) through the packed copy that suits ``x``'s row count
     (``panel``/``onednn``: the copies, None where a layout is not packed)."""
     if panel is not None and x.numel() <= panel_rows(panel.dtype, x.shape[-1]) * x.shape[-1]:
-        return panels.run(x, panel, n, bias)  # (PackedLinears checked the layer)
+        fast = native_panels()  # (PackedLinears checked the layer)
+        return panels.run(x, panel, n, bias) if fast is None else fast(x, panel, n, bias)
     if onednn is not None:
         return torch.ops.mkldnn._linear_pointwise(x, onednn, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+def static_panels(x: torch.Tensor, limit: int) -> bool:
+    """Whether a traced call of ``x`` (its row count fixed, not a dynamic dimension) takes the panels
+    at every run (``limit``: the layer's ``panel_rows``): the graph can then hold
+    ``kvcache::panel_linear`` (where it is built) instead of ``kvcache::linear``'s choice."""
+    numel = x.numel()
+    return type(numel) is int and numel <= limit * x.shape[-1]
+
+
+@functools.cache
+def native_panels() -> torch._ops.OpOverload | None:
+    """``kvcache::panel_linear`` (``op_library.native``'s C++ kernel, ``panels.run`` without
+    Python's per-call cost) bound to the panel library, or None where either is not built."""
+    kernels = op_library.native()
+    if kernels is None or not panels.available():
+        return None
+    kernels.kv_step_ops_bind_linear(*(op_library.address(f) for f in panels.entries()))
+    torch.library.register_fake("kvcache::panel_linear")(lambda x, panel, n, bias: x.new_empty((*x.shape[:-1], n)))
+    return torch.ops.kvcache.panel_linear.default
 
 
 @functools.cache

@@ -154,12 +154,16 @@ def _packable(module: torch.nn.Linear) -> bool:
 
 
 def _forward(packed: _Packed, module: torch.nn.Linear):
-    op = linear_ops.register()
+    op, fast = linear_ops.register(), linear_ops.native_panels()  # resolved here: a trace cannot load libraries
+    limit = 0 if packed.panels is None else linear_ops.panel_rows(packed.panels.dtype, module.in_features)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         if x.dtype != packed.source.dtype or x.device.type != "cpu":
             return F.linear(x, module.weight, module.bias)
-        call = op if torch.compiler.is_compiling() else linear_ops.call
-        return call(x, module.weight, module.bias, packed.panels, packed.weight, module.out_features)
+        if not torch.compiler.is_compiling():
+            return linear_ops.call(x, module.weight, module.bias, packed.panels, packed.weight, module.out_features)
+        if fast is not None and packed.panels is not None and linear_ops.static_panels(x, limit):
+            return fast(x, packed.panels, module.out_features, module.bias)
+        return op(x, module.weight, module.bias, packed.panels, packed.weight, module.out_features)
 
     return forward

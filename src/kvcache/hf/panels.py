@@ -89,6 +89,15 @@ def bf16_kernel() -> str:
     return ("none", "widen", "dot", "amx")[lib.kv_linear_bf16_kernel() + 1]
 
 
+def entries() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr]:
+    """The library's float32 and bfloat16 linear entry points (``kv_linear``, ``kv_linear_bf16``),
+    for the C++ operator that calls them (``linear_ops.native_panels``); RuntimeError without it."""
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("the panel linear library is not available (see native_build)")
+    return lib.kv_linear, lib.kv_linear_bf16
+
+
 def fits(weight: torch.Tensor) -> bool:
     """Whether ``weight`` ``[N, K]`` can be packed here: the library available, and the weight
     float32, or bfloat16 with K even where the library takes bfloat16 (``bf16_kernel()``), on the
