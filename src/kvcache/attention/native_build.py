@@ -1,6 +1,7 @@
 """Builds and loads the project's small C++ libraries (``csrc/*.cpp``) on first use.
 
-The sources have no Python or torch headers: one ``g++ -O3 -march=native -fopenmp -shared`` call
+The sources have no Python or torch headers (but ``step_ops.cpp``, on torch's stable C ABI,
+``torch_abi``): one ``g++ -O3 -march=native -fopenmp -shared`` call
 (``-march`` as ``KVCACHE_ISA`` says, below),
 a second or two, into a cache directory (``$KVCACHE_EXTENSION_DIR``, else ``$XDG_CACHE_HOME/kvcache``
 or ``~/.cache/kvcache``), named by a hash of the source, the headers beside it (``csrc/*.h``), the
