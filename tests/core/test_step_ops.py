@@ -97,3 +97,37 @@ def test_an_older_torch_keeps_the_python_kernels(monkeypatch):
         monkeypatch.undo()
         op_library.native.cache_clear()
     assert op_library.native() is not None
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
+def test_a_traced_layer_holds_panel_linear_for_a_fixed_row_count_and_the_choice_for_a_dynamic_one():
+    """A decode bucket's rows are fixed: its graph calls the panels directly. A prompt graph's token
+    count is a dynamic dimension: its graph keeps ``kvcache::linear``'s choice, with no guard on
+    the count (one graph past the panels' limit too)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from kvcache.hf.linears import PackedLinears
+
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.GELU(), torch.nn.Linear(40, 8, bias=False))
+    packed = PackedLinears(model)
+    seen: list[set[str]] = []
+
+    def backend(gm, example_inputs):
+        seen.append({str(n.target).removesuffix(".default") for n in gm.graph.nodes if n.op == "call_function"})
+        return gm.forward
+
+    for dynamic, sizes in ((False, [3]), (True, [3, linear_ops.PANEL_ROWS + 5])):
+        counter = CompileCounterWithBackend(backend)
+        compiled = torch.compile(model, fullgraph=True, backend=counter)
+        with torch.inference_mode(), packed.active():
+            for rows in sizes:
+                x = torch.randn(rows, 24)
+                if dynamic:
+                    torch._dynamo.mark_dynamic(x, 0)
+                want = torch.nn.functional.linear(torch.nn.functional.gelu(model[0](x)), model[2].weight)
+                torch.testing.assert_close(compiled(x), want, rtol=1e-5, atol=1e-5)
+        assert counter.frame_count == 1
+        torch._dynamo.reset()
+    assert "kvcache.panel_linear" in seen[0] and "kvcache.linear" not in seen[0]
+    assert "kvcache.linear" in seen[1] and "kvcache.panel_linear" not in seen[1]

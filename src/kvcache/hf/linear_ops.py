@@ -20,6 +20,7 @@ import functools
 
 import torch
 import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..attention import op_library
 from ..attention.native_build import cpu_vendor
@@ -75,8 +76,8 @@ def static_panels(x: torch.Tensor, limit: int) -> bool:
     """Whether a traced call of ``x`` (its row count fixed, not a dynamic dimension) takes the panels
     at every run (``limit``: the layer's ``panel_rows``): the graph can then hold
     ``kvcache::panel_linear`` (where it is built) instead of ``kvcache::linear``'s choice."""
-    numel = x.numel()
-    return type(numel) is int and numel <= limit * x.shape[-1]
+    # statically_known_true: no guard on a dynamic row count (type() of one reads int under dynamo)
+    return statically_known_true(x.numel() <= limit * x.shape[-1])
 
 
 @functools.cache
