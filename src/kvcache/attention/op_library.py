@@ -14,8 +14,9 @@ Where it builds (torch 2.10 or later, a C++ compiler, the libraries on), ``nativ
 ``csrc/step_ops.cpp``: C++ kernels for the CPU of ``kvcache::paged_decode`` and
 ``kvcache::paged_decode_lse`` (which then take CPU calls instead of the Python kernels) and the
 operator ``kvcache::panel_linear``, about 2 µs a call against 20-25 µs through Python. Its
-kernels call the other libraries' entry points, handed to it by the registering callers
-(``bind_linear``, ``bind_decode``); an operator whose entry points were not handed raises.
+kernels call the other libraries' entry points, handed to it by the callers that register the
+operators (``graph_ops.register``: ``kv_step_ops_bind_decode``; ``linear_ops.native_panels``:
+``kv_step_ops_bind_linear``); an operator whose entry points were not handed raises.
 """
 
 from __future__ import annotations
