@@ -134,12 +134,19 @@ def _march() -> str:
 
 def _torch_flags() -> list[str]:
     """The include, link and load-path flags of a library on torch's stable C ABI, for the torch
-    this process runs (its version is part of the flags, so another torch builds anew)."""
+    this process runs."""
     import torch
 
     root = Path(torch.__file__).resolve().parent
     lib = root / "lib"
-    return [f"-I{root / 'include'}", f"-L{lib}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{lib}", f"-DKV_TORCH={torch.__version__}"]
+    return [f"-I{root / 'include'}", f"-L{lib}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{lib}"]
+
+
+def _torch_version() -> str:
+    """The version of the torch this process runs (part of a torch-ABI library's tag)."""
+    import torch
+
+    return torch.__version__
 
 
 def _build(source_path: Path, torch_abi: bool = False) -> Path:
@@ -149,8 +156,11 @@ def _build(source_path: Path, torch_abi: bool = False) -> Path:
     flags = [*_FLAGS, _march()]
     # The headers beside the sources (simd.h) count as part of each: a changed header builds anew.
     source = source_path.read_bytes() + b"".join(h.read_bytes() for h in sorted(source_path.parent.glob("*.h")))
+    built_for = (compiler, flags, sys.platform, cpu_flags())
     extra = _torch_flags() if torch_abi else []
-    tag = hashlib.sha256(source + repr((compiler, flags, extra, sys.platform, cpu_flags())).encode()).hexdigest()[:16]
+    if torch_abi:  # another torch builds anew
+        built_for += (extra, _torch_version())
+    tag = hashlib.sha256(source + repr(built_for).encode()).hexdigest()[:16]
     target = _cache_dir() / f"{source_path.stem}-{tag}.so"
     if target.exists():
         return target

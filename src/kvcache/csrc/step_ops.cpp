@@ -106,45 +106,51 @@ void check_pools(const Tensor& q, const Tensor& keys, const Tensor& values, cons
                     "kvcache::paged_decode: expected int32 tables [S, width] (rows contiguous) and int64 lengths [S]");
 }
 
-// Decode attention of q [S, Hkv, R, D] over pool blocks, as native.paged_decode(..., lse=True):
-// (float32 [S, Hkv, R, Dv], float32 [S, Hkv, R]).
-std::tuple<Tensor, Tensor> paged_decode_lse(Tensor q, Tensor keys, Tensor values, Tensor tables, Tensor lengths,
-                                            double scale) {
-    STD_TORCH_CHECK(bound.float_decode != nullptr, "kvcache::paged_decode_lse: the decode library is not bound");
-    check_pools(q, keys, values, tables, lengths);
+// Decode attention of q [S, Hkv, R, D] over pool blocks, as native.paged_decode: float32
+// [S, Hkv, R, Dv], each row's log-sum-exp into lse (float32 [S, Hkv, R]) where it is not null.
+Tensor decode(const Tensor& q, const Tensor& keys, const Tensor& values, const Tensor& tables, const Tensor& lengths,
+              double scale, float* lse) {
+    STD_TORCH_CHECK(bound.float_decode != nullptr, "kvcache::paged_decode: the decode library is not bound");
     const int64_t seqs = q.size(0), heads = q.size(1), block_size = keys.size(2);
     const int rows = static_cast<int>(q.size(2)), dim = static_cast<int>(q.size(3)),
               vdim = static_cast<int>(values.size(3));
     const int64_t per_task = std::max<int64_t>(1, bound.min_chunk / block_size);
     const int threads = static_cast<int>(torch::stable::get_num_threads());
-    const std::vector<int64_t> shape{seqs, heads, rows, vdim};
-    Tensor out = torch::stable::empty(shape, ScalarType::Float);
-    Tensor lse = torch::stable::empty({shape.data(), 3}, ScalarType::Float);
+    Tensor out = torch::stable::empty({seqs, heads, static_cast<int64_t>(rows), static_cast<int64_t>(vdim)},
+                                      ScalarType::Float);
     float* o = static_cast<float*>(out.data_ptr());
-    float* l = static_cast<float*>(lse.data_ptr());
     const int32_t* t = static_cast<const int32_t*>(tables.data_ptr());
     const int64_t* n = static_cast<const int64_t*>(lengths.data_ptr());
     const bool half = q.scalar_type() == ScalarType::BFloat16 && keys.scalar_type() == ScalarType::BFloat16;
     if (half && bound.bf16_decode != nullptr) {
         Tensor qc = q.is_contiguous() ? q : torch::stable::contiguous(q);
-        if (bound.bf16_decode(qc.data_ptr(), keys.data_ptr(), values.data_ptr(), t, n, o, l, seqs, heads, rows, dim,
+        if (bound.bf16_decode(qc.data_ptr(), keys.data_ptr(), values.data_ptr(), t, n, o, lse, seqs, heads, rows, dim,
                               vdim, block_size, tables.stride(0), keys.stride(0), keys.stride(1), values.stride(0),
                               values.stride(1), per_task, static_cast<float>(scale), threads) == 0)
-            return {out, lse};
+            return out;
     }
     Tensor qf = torch::stable::contiguous(torch::stable::to(q, ScalarType::Float));
     const int failed = bound.float_decode(
-        static_cast<const float*>(qf.data_ptr()), keys.data_ptr(), values.data_ptr(), t, n, o, l,
+        static_cast<const float*>(qf.data_ptr()), keys.data_ptr(), values.data_ptr(), t, n, o, lse,
         keys.scalar_type() == ScalarType::Float ? 0 : 1, seqs, heads, rows, dim, vdim, block_size, tables.stride(0),
         keys.stride(0), keys.stride(1), values.stride(0), values.stride(1), per_task, static_cast<float>(scale), 0.f,
         threads);
-    STD_TORCH_CHECK(failed == 0, "kvcache::paged_decode_lse: the library refused the call (a negative length, or one ",
+    STD_TORCH_CHECK(failed == 0, "kvcache::paged_decode: the library refused the call (a negative length, or one ",
                     "past the blocks its table row holds)");
+    return out;
+}
+
+std::tuple<Tensor, Tensor> paged_decode_lse(Tensor q, Tensor keys, Tensor values, Tensor tables, Tensor lengths,
+                                            double scale) {
+    check_pools(q, keys, values, tables, lengths);
+    Tensor lse = torch::stable::empty({q.size(0), q.size(1), q.size(2)}, ScalarType::Float);
+    Tensor out = decode(q, keys, values, tables, lengths, scale, static_cast<float*>(lse.data_ptr()));
     return {out, lse};
 }
 
 Tensor paged_decode(Tensor q, Tensor keys, Tensor values, Tensor tables, Tensor lengths, double scale) {
-    return std::get<0>(paged_decode_lse(q, keys, values, tables, lengths, scale));
+    check_pools(q, keys, values, tables, lengths);
+    return decode(q, keys, values, tables, lengths, scale, nullptr);  // no log-sum-exps computed
 }
 
 }  // namespace
