@@ -17,7 +17,7 @@ workload by workload (which goes first alternates too), so that the machine's dr
 on both. vLLM runs in its own environment (see ``vllm_bench_serve.py``), configured as its CPU
 documentation says for a 2-core machine: both cores bound to its OpenMP threads
 (``VLLM_CPU_OMP_THREADS_BIND=0-1``, ``VLLM_CPU_NUM_OF_RESERVED_CPU=0``), prefix caching on,
-a 4 GiB KV space, ``dtype=float32`` unless ``--vllm-dtype`` says otherwise (``default``: vLLM's own
+a 4 GiB KV space (kvcache's pool is given the same bytes, ``max_bytes``), ``dtype=float32`` unless ``--vllm-dtype`` says otherwise (``default``: vLLM's own
 choice, bfloat16 on CPUs with avx512_bf16). ``--dtype`` runs kvcache's model in bfloat16 (with
 oneDNN capped below AMX where this torch needs it, ``use_safe_isa``, in kvcache's process only).
 ``--isa avx2`` runs both as a CPU without AVX-512 would: kvcache's libraries built for AVX2
@@ -42,6 +42,9 @@ import time
 from pathlib import Path
 
 from vllm_bench_serve import AVX2_ENV, VLLM_ENV, vllm_isa_env  # vLLM configured once, for both benchmarks
+
+#: Bytes of K/V each contender holds: vLLM's ``VLLM_CPU_KVCACHE_SPACE`` (GiB), kvcache's pool (``max_bytes``).
+KV_SPACE = int(VLLM_ENV["VLLM_CPU_KVCACHE_SPACE"]) << 30
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hum".split()
 
@@ -167,7 +170,8 @@ def main() -> int:
     import kvcache
 
     started = time.perf_counter()
-    engine = kvcache.Engine(model, max_seqs=max(32, args.rows), compile=not args.eager)
+    # the KV space vLLM is given (VLLM_CPU_KVCACHE_SPACE), so that neither side queues for blocks the other has
+    engine = kvcache.Engine(model, max_seqs=max(32, args.rows), compile=not args.eager, max_bytes=KV_SPACE)
     engine.warm_up(args.rows)  # vLLM compiles its batch sizes when it starts, too
     print(f"kvcache's engine ({'eager' if args.eager else 'compiled'}) ready in {time.perf_counter() - started:.0f} s", flush=True)
 

@@ -175,6 +175,28 @@ def test_bfloat16_tasks_split_over_threads_without_changing_a_bit_and_unwritten_
     assert torch.equal(native.paged_prefill(q, *poisoned, tables, starts, pasts, 0.125), one)
 
 
+@pytest.mark.skipif(not BF16, reason=NO_BF16)
+@pytest.mark.parametrize("rows", [1, 3, 15])
+def test_a_bfloat16_decode_row_beside_prompt_chunks_reads_its_blocks_as_paged_decode_does(rows):
+    """A chunk of one position with fewer rows than a tile (a decode row in a prompt step) is read in
+    place, as ``paged_decode``'s rows are: the same bits as that kernel's (one task over the row's
+    keys), and within the weights' rounding of float64 attention; the prompt chunks beside it keep
+    theirs."""
+    chunks = [(70, 40), (300, 1), (0, 1), (129, 1)]
+    q, keys, values, tables, starts, pasts = layout(chunks, 2, rows, 64, 32, torch.bfloat16, 7)
+    q, scale = q.bfloat16(), 0.125
+    got = native.paged_prefill(q, keys, values, tables, starts, pasts, scale)
+    want = reference(q.float(), keys, values, tables, starts, pasts, scale)
+    excess = (got - want).abs() - rounding_bound(q.float(), keys, values, tables, starts, pasts, scale)
+    assert excess.max() <= 0, f"off by up to {excess.max():.2e} past the weights' rounding"
+    at = starts[1:].tolist()[:3]  # the one-position chunks' queries
+    decoded = native.paged_decode(q[:, at].transpose(0, 1).contiguous(), keys, values, tables[1:], pasts[1:] + 1,
+                                  scale, blocks_per_task=tables.shape[1])  # fmt: skip
+    assert torch.equal(got[:, at].transpose(0, 1), decoded)
+    alone = native.paged_prefill(q[:, :40], keys, values, tables[:1], starts[:2], pasts[:1], scale)
+    assert torch.equal(got[:, :40], alone)
+
+
 def test_float32_queries_over_bfloat16_blocks_keep_the_float_kernel():
     """Only bfloat16 queries round the weights: float32 ones over bfloat16 blocks stay exact (1e-5)."""
     case = layout([(40, 50)], 2, 3, 64, 32, torch.bfloat16, 1)
