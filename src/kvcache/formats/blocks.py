@@ -1,7 +1,8 @@
 """A pool's blocks in one format: the tensors, and writing and reading whole blocks or single slots.
 
 For each tensor of the format's layouts one tensor ``[layers, blocks, Hkv, ...]``, allocated zeroed
-once (a masked slot read by a matmul must not be NaN) and never grown. Values are kept a token
+once (a masked slot read by a matmul must not be NaN; on the CPU on 2 MiB pages where Linux gives
+them, ``huge_pages.py``) and never grown. Values are kept a token
 each (``[..., block_size, ...]``); keys likewise when the format codes them per token, or one unit
 a block when it codes them per channel over the block (``key_block == block_size``).
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import ShapeError
+from . import huge_pages
 from .base import Format, layout_bytes
 
 
@@ -37,9 +39,9 @@ class BlockStorage:
         key_unit = per_token if format.key_block == 1 else ()
         self.tensors: dict[str, torch.Tensor] = {}
         for name, (shape, dt) in format.key_layout(key_dim, dtype).items():
-            self.tensors[name] = torch.zeros(*lead, *key_unit, *shape, dtype=dt, device=device)
+            self.tensors[name] = huge_pages.zeros(*lead, *key_unit, *shape, dtype=dt, device=device)
         for name, (shape, dt) in format.value_layout(value_dim, dtype).items():
-            self.tensors[name] = torch.zeros(*lead, *per_token, *shape, dtype=dt, device=device)
+            self.tensors[name] = huge_pages.zeros(*lead, *per_token, *shape, dtype=dt, device=device)
         self.key_names = tuple(format.key_layout(key_dim, dtype))
         self.value_names = tuple(format.value_layout(value_dim, dtype))
         self.device = next(iter(self.tensors.values())).device
