@@ -36,7 +36,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from . import gated_mlp, linear_ops
+from . import linear_ops
 from .linear_ops import PANEL_ROWS
 from . import panels as panel_linear
 
@@ -110,9 +110,6 @@ class PackedLinears:
         for module in model.modules():
             if isinstance(module, torch.nn.Linear) and _packable(module):
                 self._packed[module] = _Packed(module, rows_hint)
-        #: Gated SiLU MLPs whose gate and up layers are packed for oneDNN (``gated_mlp.py``): their
-        #: forward, and the two packed layers it was made from.
-        self._mlps: dict[torch.nn.Module, tuple[_Packed, _Packed, object]] = {}
 
     def __len__(self) -> int:
         return len(self._packed)
@@ -143,51 +140,11 @@ class PackedLinears:
                     continue  # someone else's instance-level forward: left alone
                 module.forward = packed.forward
                 swapped.append(module)
-            swapped += self._swap_mlps()
             yield self
         finally:
             self._depth -= 1
             for module in swapped:
                 del module.forward
-
-
-    def _swap_mlps(self) -> list[torch.nn.Module]:
-        """Route each fusable MLP's forward through ``gated_mlp`` (made again where its gate or up
-        layer was packed again); the MLPs swapped."""
-        swapped = []
-        for mlp in self.model.modules():
-            if "forward" in mlp.__dict__ or not gated_mlp.fusable(mlp):
-                continue
-            gate, up = self._packed.get(mlp.gate_proj), self._packed.get(mlp.up_proj)
-            if gate is None or up is None or gate.weight is None or up.weight is None:
-                continue
-            made = self._mlps.get(mlp)
-            if made is None or made[0] is not gate or made[1] is not up:
-                made = self._mlps[mlp] = (gate, up, _mlp_forward(mlp, gate, up))
-            mlp.forward = made[2]
-            swapped.append(mlp)
-        return swapped
-
-
-def _mlp_forward(mlp: torch.nn.Module, gate: _Packed, up: _Packed):
-    """``mlp``'s forward with its gate and up layers as one ``gated_mlp`` call where the rows
-    pass the panels' limit (prompt chunks); its own forward (through the packed layers) otherwise."""
-    op = gated_mlp.register()
-    g, u = mlp.gate_proj, mlp.up_proj
-    limit = 0 if gate.panels is None else linear_ops.panel_rows(gate.panels.dtype, g.in_features)
-    own = type(mlp).forward.__get__(mlp)
-    inputs = (g.weight, g.bias, gate.panels, gate.weight, u.weight, u.bias, up.panels, up.weight, g.out_features)
-
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.bfloat16 or x.device.type != "cpu":
-            return own(x)
-        if not torch.compiler.is_compiling():
-            return mlp.down_proj(gated_mlp.call(x, *inputs))
-        if linear_ops.static_panels(x, limit):
-            return own(x)
-        return mlp.down_proj(op(x, *inputs))
-
-    return forward
 
 
 def _packable(module: torch.nn.Linear) -> bool:
