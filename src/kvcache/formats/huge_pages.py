@@ -4,8 +4,9 @@ A pool's blocks are read in pieces of a few KiB scattered over gigabytes: on 4 K
 every block a kernel reads costs a TLB miss and a page walk. Linux backs memory with 2 MiB pages
 when a mapping asks (``madvise(MADV_HUGEPAGE)``; ``/sys/kernel/mm/transparent_hugepage/enabled``
 set to ``madvise`` or ``always``), which torch's allocator never does. ``zeros`` maps anonymous
-memory (zero-filled by the kernel, touched only when written: a pool costs nothing until it
-fills), aligns it to 2 MiB and asks for huge pages. Where the platform has no such request, for
+memory (zero-filled by the kernel, resident only once written: a pool's memory grows as its
+blocks fill, 2 MiB at a time, and the pool hands out its lowest blocks first), aligns it to 2 MiB
+and asks for huge pages. Where the platform has no such request, for
 small tensors and off the CPU it is ``torch.zeros``. SmolLM2's paged decode over 16 x 1,100 tokens
 scattered in a pool: 1.06 ms a layer against 1.15 on 4 KiB pages (docs/benchmarks.md).
 """
