@@ -555,17 +555,13 @@ int prefill(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int32
         const int m = static_cast<int>((i1 - i0) * rows);
         const int64_t offset = (h * total + starts[s] + i0) * rows;  // the task's first row in q and out
         const int padded = x.begin(q + offset * dim, m, dim, vdim);
-        if (direct[s]) {  // its one position sees keys 0 .. pasts[s]
-            steps_direct(x, m, dim, vdim, 0, pasts[s] + 1, tables + s * table_stride, block_size, k + h * k_h,
-                         v + h * v_h, k_blk, v_blk, scale);
-            for (int r = 0; r < m; ++r) x.finish(r, vdim, out + (offset + r) * vdim);
-            return;
-        }
-        const int64_t seen = pasts[s] + i1;  // keys the task's last query sees
         const int32_t* table = tables + s * table_stride;
-        const int64_t position = pasts[s] + i0;
-        steps(x, padded / 16, m, dim, vdim, 0, seen, table, block_size, slot, packed_keys, packed_values, h, heads,
-              scale, position, rows);
+        if (direct[s])  // its one position sees keys 0 .. pasts[s]
+            steps_direct(x, m, dim, vdim, 0, pasts[s] + 1, table, block_size, k + h * k_h, v + h * v_h, k_blk, v_blk,
+                         scale);
+        else  // the task's last query sees keys 0 .. pasts[s] + i1 - 1
+            steps(x, padded / 16, m, dim, vdim, 0, pasts[s] + i1, table, block_size, slot, packed_keys, packed_values,
+                  h, heads, scale, pasts[s] + i0, rows);
         for (int r = 0; r < m; ++r) x.finish(r, vdim, out + (offset + r) * vdim);
     });
     return 0;

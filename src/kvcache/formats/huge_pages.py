@@ -13,6 +13,7 @@ scattered in a pool: 1.06 ms a layer against 1.15 on 4 KiB pages (docs/benchmark
 
 from __future__ import annotations
 
+import ctypes
 import math
 import mmap
 
@@ -27,16 +28,15 @@ _ADVICE = getattr(mmap, "MADV_HUGEPAGE", None)
 def zeros(*shape: int, dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:
     """``torch.zeros(*shape, dtype=dtype, device=device)``, on huge pages where it can be (module
     docstring)."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if _ADVICE is None or nbytes < HUGE or torch.device(device or "cpu").type != "cpu" or dtype.is_complex:
+    nbytes = math.prod(shape) * dtype.itemsize
+    if _ADVICE is None or nbytes < HUGE or torch.device(device or "cpu").type != "cpu":
         return torch.zeros(*shape, dtype=dtype, device=device)
     # private and anonymous (a shared one is shmem, which huge pages skip): zero-filled, each page
-    # mapped on first write
+    # mapped on first write; a huge page more than asked, for the alignment
     region = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     start = -_address(region) % HUGE
-    length = (nbytes + HUGE - 1) // HUGE * HUGE
     try:
-        region.madvise(_ADVICE, start, min(length, len(region) - start))
+        region.madvise(_ADVICE, start, len(region) - start)
     except OSError:  # huge pages off (``never``) or not offered for anonymous memory here
         pass
     flat = torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=start)
@@ -45,6 +45,4 @@ def zeros(*shape: int, dtype: torch.dtype, device: torch.device | str | None = N
 
 def _address(region: mmap.mmap) -> int:
     """Where ``region``'s memory starts."""
-    import ctypes
-
     return ctypes.addressof(ctypes.c_char.from_buffer(region))
