@@ -12,7 +12,9 @@ they become single nodes that dynamo, AOT autograd and inductor pass through:
   ``native.paged_decode(..., lse=True)`` (``lse`` float32 ``[S, Hkv, R]``), what merging a shared
   prefix's pass with each row's own blocks needs (``engine/shared_prefix.py``);
 - ``torch.ops.kvcache.paged_prefill(q, key_pool, value_pool, tables, starts, pasts, scale)``: as
-  ``native.paged_prefill``, float32 ``[Hkv, N, R, Dv]``.
+  ``native.paged_prefill``, float32 ``[Hkv, N, R, Dv]``;
+- ``torch.ops.kvcache.kept(x)``: a copy of ``x``, which the compiler cannot inline into the loops
+  that read it (``engine/rotary_tables.py``).
 
 None changes its inputs. Each raises ``UnsupportedOperation`` where the library cannot take the
 call (no compiler, another device, a shape it does not serve; a ``RuntimeError`` naming the
@@ -21,7 +23,7 @@ operator from the C++ kernels of the two decode operators, which take CPU calls 
 ``native.available()`` and the shapes before they choose these.
 
 Registering an operator is global to the process, so nothing registers at import: ``register()``
-does it once and returns the three operators.
+does it once and returns the four operators.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class GraphOps(NamedTuple):
     paged_decode: torch._ops.OpOverloadPacket
     paged_decode_lse: torch._ops.OpOverloadPacket
     paged_prefill: torch._ops.OpOverloadPacket
+    kept: torch._ops.OpOverloadPacket
 
 
 def paged_decode(q, key_pool, value_pool, tables, lengths, scale):
@@ -69,8 +72,9 @@ def paged_prefill(q, key_pool, value_pool, tables, starts, pasts, scale):
 
 @functools.cache
 def register() -> GraphOps:
-    """Register ``kvcache::paged_decode``, ``paged_decode_lse`` and ``paged_prefill`` (once per
-    process), the first two with C++ kernels for the CPU where ``op_library.native()`` builds."""
+    """Register ``kvcache::paged_decode``, ``paged_decode_lse``, ``paged_prefill`` and ``kept``
+    (once per process), the first two with C++ kernels for the CPU where ``op_library.native()``
+    builds."""
 
     def decode_fake(q, key_pool, value_pool, tables, lengths, scale):
         return _output(q, value_pool)
@@ -92,6 +96,7 @@ def register() -> GraphOps:
                           paged_decode_lse, decode_lse_fake),  # fmt: skip
         op_library.define("paged_prefill", f"({pools}, Tensor starts, Tensor pasts, float scale) -> Tensor",
                           paged_prefill, prefill_fake),  # fmt: skip
+        op_library.define("kept", "(Tensor x) -> Tensor", torch.clone, torch.empty_like),
     )
 
 

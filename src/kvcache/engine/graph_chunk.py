@@ -33,6 +33,7 @@ from ..errors import UnsupportedOperation
 from ..hf.bridge import FORWARD_STEP, ForwardStep
 from .graph_step import Compiler, refusal
 from .pool import BlockPool
+from .rotary_tables import RotaryTables
 from .rows import Row, slots_of, tables_of
 from .step import check_call, running
 
@@ -50,6 +51,7 @@ class GraphChunk:
             raise UnsupportedOperation(why + "; create the engine with compile=False")
         self.model, self.pool, self.rows, self.linears = model, pool, max_rows, linears
         self.ops = graph_ops.register()
+        self.rotary = RotaryTables(model, self.ops.kept)
         #: Compiles this engine's prompt graphs and counts them.
         self.compiler = Compiler()
 
@@ -87,7 +89,7 @@ class GraphChunk:
             torch._dynamo.mark_dynamic(t, 1)
         for t in (step.slot_blocks, step.slot_offsets):
             torch._dynamo.mark_dynamic(t, 0)
-        with running(self.model, self.linears):
+        with running(self.model, self.linears), self.rotary.active():
             logits = self._compiled(ids_t, positions_t, kept, step)
         return logits[0, : len(keep)]
 

@@ -47,6 +47,7 @@ from ..hf.bridge import FORWARD_STEP
 from ..hf.linears import PackedLinears
 from . import shared_prefix
 from .pool import BlockPool
+from .rotary_tables import RotaryTables
 from .rows import Row, padded
 from .step import check_call, running
 
@@ -75,6 +76,7 @@ class GraphDecode:
             raise UnsupportedOperation(why + "; create the engine with compile=False")
         self.model, self.pool, self.linears = model, pool, linears
         self.ops = graph_ops.register()
+        self.rotary = RotaryTables(model, self.ops.kept)
         self.buckets = tuple(b for b in BUCKETS if b < max_rows) + (next((b for b in BUCKETS if b >= max_rows), BUCKETS[-1]),)
         #: The block padding rows write into and read (held for good, never shared).
         self.scratch = pool.allocate(1)[0]
@@ -110,7 +112,7 @@ class GraphDecode:
         if bucket is None:
             bucket = self._buckets[size] = Bucket(self, size)
         shared = bucket.fill(rows, ids, positions)
-        with running(self.model, self.linears):
+        with running(self.model, self.linears), self.rotary.active():
             logits = self._compiled(bucket.ids, bucket.positions, bucket)
         return logits[0, : len(rows)], shared
 
