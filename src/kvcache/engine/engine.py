@@ -313,9 +313,7 @@ class Engine:
             with self._lock:
                 self.graph.warm(rows)
                 if self.chunks is not None:
-                    # a full step's tokens: inductor sizes its loops' threads by the token count it traces with
-                    tokens = min(self._max_batch_tokens, self.pool.total * self.pool.block_size)
-                    self.chunks.warm(self.graph.scratch, tokens)
+                    self.chunks.warm(self.graph.scratch, self._max_batch_tokens)
 
     def reset_stats(self) -> None:
         """Count from zero again: ``stats`` (steps, tokens, peaks, preemptions, store tokens), as a

@@ -96,10 +96,12 @@ class GraphChunk:
             logits = self._compiled(ids_t, positions_t, kept, step)
         return logits[0, : len(keep)]
 
-    def warm(self, scratch: int, tokens: int = MIN_TOKENS) -> None:
-        """Compile the graph now, by one step of one row of ``tokens`` tokens, all written to block
-        ``scratch``."""
+    def warm(self, scratch: int, tokens: int) -> None:
+        """Compile the graph now, by one step of one row of ``tokens`` tokens (at most what the
+        pool's blocks hold), all written to block ``scratch``: a full step's tokens, since inductor
+        gives a loop several threads by the token count it traces with (module docstring)."""
         bs = self.pool.block_size
+        tokens = max(MIN_TOKENS, min(tokens, self.pool.total * bs))
         row = Row(0, tokens, 0, (scratch,) * -(-tokens // bs))
         self.run([row], [0] * tokens, range(tokens), [tokens - 1])
 
