@@ -95,9 +95,8 @@ def main() -> int:
             "serve chat, 2 concurrent": ["--model", "local-chat-completions", "--model_args",
                                          f"model={folder.name},base_url={url}/chat/completions,num_concurrent=2", *chat],
         }  # fmt: skip
-        folders = {}
-        for i, (name, extra) in enumerate(runs.items()):
-            folders[name] = out / f"run{i}"
+        folders = {name: out / f"run{i}" for i, name in enumerate(runs)}
+        for name, extra in runs.items():
             cmd = [args.lm_eval, *extra, "--include_path", str(out / "tasks"),
                    "--output_path", str(folders[name]), "--log_samples"]  # fmt: skip
             started = time.perf_counter()
@@ -106,11 +105,8 @@ def main() -> int:
                 print(done.stdout[-3000:], done.stderr[-3000:], file=sys.stderr)
                 return 1
             print(f"{name}: {time.perf_counter() - started:.1f} s", flush=True)
-    report = {}
-    for name, run in folders.items():
-        if name.startswith("serve"):
-            chat = "chat" in name
-            report[name] = compare(folders["hf, chat template" if chat else "hf"], run, chat)
+    report = {name: compare(folders["hf, chat template" if "chat" in name else "hf"], run, "chat" in name)
+              for name, run in folders.items() if name.startswith("serve")}  # fmt: skip
     (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     for name, r in report.items():
         line = f"{name}: generations identical {r['generations_identical']}/{r['generations']}, exact match (hf, serve) {r['gen_exact_match']}"

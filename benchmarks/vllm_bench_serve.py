@@ -56,18 +56,16 @@ if __name__ == "__main__":
     main(parser.parse_args())
 """
 
+#: The shared-prefix workloads' requests: one 1,024-token prefix, a distinct 64-token suffix, 32 new tokens.
+SHARED_PREFIX = ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "1024",
+                 "--prefix-repetition-suffix-len", "64", "--prefix-repetition-num-prefixes", "1",
+                 "--prefix-repetition-output-len", "32"]  # fmt: skip
 WORKLOADS = {
-    "shared-prefix": ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "1024",
-                      "--prefix-repetition-suffix-len", "64", "--prefix-repetition-num-prefixes", "1",
-                      "--prefix-repetition-output-len", "32", "--num-prompts", "16", "--max-concurrency", "16"],
+    "shared-prefix": [*SHARED_PREFIX, "--num-prompts", "16", "--max-concurrency", "16"],
     "random": ["--dataset-name", "random", "--random-input-len", "512", "--random-output-len", "64",
                "--num-prompts", "32", "--max-concurrency", "8"],
-    "shared-prefix-64": ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "1024",
-                         "--prefix-repetition-suffix-len", "64", "--prefix-repetition-num-prefixes", "1",
-                         "--prefix-repetition-output-len", "32", "--num-prompts", "64", "--max-concurrency", "64"],
-    "shared-prefix-poisson": ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "1024",
-                              "--prefix-repetition-suffix-len", "64", "--prefix-repetition-num-prefixes", "1",
-                              "--prefix-repetition-output-len", "32", "--num-prompts", "64", "--request-rate", "4"],
+    "shared-prefix-64": [*SHARED_PREFIX, "--num-prompts", "64", "--max-concurrency", "64"],
+    "shared-prefix-poisson": [*SHARED_PREFIX, "--num-prompts", "64", "--request-rate", "4"],
     "long": ["--dataset-name", "random", "--random-input-len", "4096", "--random-output-len", "32",
              "--num-prompts", "8", "--max-concurrency", "4"],
 }  # fmt: skip

@@ -110,12 +110,9 @@ WORKLOADS = ("shared", "distinct", "long")
 
 
 def workloads(tokenizer, rows: int, seed: int, names: tuple[str, ...] = WORKLOADS) -> dict[str, list[list[int]]]:
-    def shared() -> list[list[int]]:
-        prefix = text_ids(tokenizer, 1024, 1)
-        return [prefix + text_ids(tokenizer, 64, 1000 * seed + r) for r in range(rows)]
-
+    prefix = text_ids(tokenizer, 1024, 1) if "shared" in names else []
     made = {
-        "shared": shared,
+        "shared": lambda: [prefix + text_ids(tokenizer, 64, 1000 * seed + r) for r in range(rows)],
         "distinct": lambda: [text_ids(tokenizer, 1088, 2000 * seed + r) for r in range(rows)],
         "long": lambda: [text_ids(tokenizer, 4096, 3000 * seed + r) for r in range(max(1, rows // 2))],
     }
@@ -182,8 +179,7 @@ def main() -> int:
     vllm_env.update(vllm_isa_env(args.isa, scratch))
     started = time.perf_counter()
     vllm = VLLMWorker(args.vllm_python, scratch, folder, args.vllm_dtype, args.new, vllm_env)
-    vllm_dtype = vllm.dtype
-    print(f"vLLM ({vllm_dtype}) ready in {time.perf_counter() - started:.0f} s", flush=True)
+    print(f"vLLM ({vllm.dtype}) ready in {time.perf_counter() - started:.0f} s", flush=True)
     rows: list[dict] = []
     try:
         for rnd in range(args.rounds):
@@ -191,14 +187,14 @@ def main() -> int:
             warmup = [text_ids(tokenizer, 200, 9000 + rnd + i) for i in range(2)]
             for i, name in enumerate(names):  # contenders alternate workload by workload, first one then the other
                 order = ("kvcache", "vllm") if (rnd + i) % 2 == 0 else ("vllm", "kvcache")
-                got = {}
-                for who in order:
-                    batch = prompts[name]
-                    got[who] = ours(engine, batch, warmup, args.new) if who == "kvcache" else vllm.run(batch, warmup, f"{name}{rnd}")
+                batch = prompts[name]
+                jobs = {"kvcache": lambda: ours(engine, batch, warmup, args.new),
+                        "vllm": lambda: vllm.run(batch, warmup, f"{name}{rnd}")}
+                got = {who: jobs[who]() for who in order}
                 (out / f"{name}{rnd}.json").write_text(json.dumps({"order": order, **got}) + "\n")
                 a, b = got["kvcache"], got["vllm"]
-                tokens = len(prompts[name]) * args.new
-                row = {"round": rnd, "workload": name, "requests": len(prompts[name]), "first": order[0],
+                tokens = len(batch) * args.new
+                row = {"round": rnd, "workload": name, "requests": len(batch), "first": order[0],
                        "kvcache": tokens / a["seconds"], "vllm": tokens / b["seconds"],
                        "agree": sum(x == y for x, y in zip(a["tokens"], b["tokens"]))}  # fmt: skip
                 rows.append(row)
@@ -210,7 +206,7 @@ def main() -> int:
     lines = [f"{machine_line(machine_info())}{capped_line}; {args.rounds} rounds, medians, the contenders alternating "
              f"workload by workload; kvcache in {args.dtype} "
              f"({'eager' if args.eager else 'compile=True'}), "
-             f"vLLM in {vllm_dtype} (asked: {args.vllm_dtype})", "",
+             f"vLLM in {vllm.dtype} (asked: {args.vllm_dtype})", "",
              "| workload | requests | kvcache tokens/s | vLLM tokens/s | kvcache / vLLM | rounds' ratios | identical answers |",
              "|---|---|---|---|---|---|---|"]  # fmt: skip
     for name in names:

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from gguf_tiny import sha256_file, write_wheel
 from kvcache import cache_kwargs, models
-from kvcache.apps import demo_real
+from kvcache.apps import demo
 from kvcache.apps.cli import main
 from kvcache.apps.trained import MODEL_DIR
 from kvcache.models import CONVERTERS, MODELS, Converter, fetch
@@ -139,10 +139,10 @@ def test_demo_with_a_model_folder_answers_the_prompt_with_each_cache(capsys, tmp
     assert rc == 0, err
     results = json.loads(path.read_text())["results"]
     names = [r["cache"] for r in results]
-    assert names == ["DynamicCache", "concat", "growable", "static", *demo_real.QUANTIZED]
+    assert names == ["DynamicCache", "concat", "growable", "static", *demo.QUANTIZED]
     reference = reference_tokens(MODEL_DIR, "The pass key is 4242. The pass key is", 4)
     tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)
-    assert results[0]["reply"] == demo_real.reply_of(tokenizer, reference)
+    assert results[0]["reply"] == demo.reply_of(tokenizer, reference)
     assert all(r["identical"] for r in results if not r["bounded"])
     assert f"DynamicCache's reply: {results[0]['reply'].strip()!r}" in out
 
@@ -161,8 +161,8 @@ def test_demo_refuses_options_that_do_not_go_together(capsys, argv, message):
 
 def test_chat_prompt_follows_the_tokenizers_chat_template(tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)
-    assert demo_real.chat_prompt(tokenizer, "hi there").tolist() == [tokenizer.encode("hi there")]
+    assert demo.chat_prompt(tokenizer, "hi there").tolist() == [tokenizer.encode("hi there")]
     tokenizer.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
     expected = tokenizer.encode("<user>hi there<assistant>", add_special_tokens=False)
-    assert demo_real.chat_prompt(tokenizer, "hi there").tolist() == [expected]
+    assert demo.chat_prompt(tokenizer, "hi there").tolist() == [expected]
     assert models.find_entry("SMOLLM2") is MODELS["smollm2"]

@@ -13,7 +13,7 @@ import torch
 
 import kvcache
 from kvcache import cache_kwargs
-from kvcache.apps import eval_frontier, eval_frontier_report, frontier_points
+from kvcache.apps import eval_frontier, frontier_points
 from kvcache.apps.bench.common import can_plot
 from kvcache.apps.cli import main
 
@@ -49,7 +49,7 @@ def line(point, budget, b, acc):
 
 def test_the_pareto_front_keeps_what_nothing_beats():
     lines = [line("a", 0.5, 0.5, 0.9), line("b", 0.25, 0.2, 0.9), line("c", 0.25, 0.25, 0.8), line("d", 0.1, 0.1, 0.5), line("e", 0.1, 0.1, 0.5)]
-    front = {l["point"] for l in lines if id(l) in eval_frontier_report.pareto(lines)}
+    front = {l["point"] for l in lines if id(l) in eval_frontier.pareto(lines)}
     assert front == {"b", "d", "e"}  # a: b finds as many in fewer bytes; c: b is better and smaller; d, e tie
 
 
@@ -64,11 +64,11 @@ def test_the_report_counts_answers_bytes_and_the_best_fixed_mix():
                          "correct": bool(hit), "bytes_per_token": per_token, "storages": {"int4": 2} if point == "auto" else None})  # fmt: skip
     result = {"config": {"fp32_bytes_per_token": fp32, "budgets": [0.25], "lengths": [1024, 2048], "depths": [0.1, 0.9]}, "runs": runs,
               "text": [{"cache": "auto", "budget": 0.25, "kl": 0.5, "top1": 0.75}]}  # fmt: skip
-    lines = {l["point"]: l for l in eval_frontier_report.points_of(result)}
+    lines = {l["point"]: l for l in eval_frontier.points_of(result)}
     assert lines["auto"]["accuracy"] == 0.5 and lines["auto"]["bytes"] == pytest.approx(0.24)
     assert lines["auto"]["by_depth"] == {0.1: 1.0, 0.9: 0.0} and lines["auto"]["mix"] == {"int4": 8}
     assert lines["auto"]["kl"] == 0.5 and math.isnan(lines["full"]["kl"])
-    table = eval_frontier_report.budget_table(list(lines.values()), [0.25])
+    table = eval_frontier.budget_table(list(lines.values()), [0.25])
     # h2o/int8 found more but took 0.26 of fp32, over the budget: the best within it is snapkv/int4.
     assert "| 0.25 | 50% | 0.240 | int4 8 | snapkv/int4 | 75% | 0.180 | 25% | 75% |" in table
     assert {p for p, l in lines.items() if l["pareto"]} == {"snapkv/int4", "h2o/int8"}
@@ -131,7 +131,7 @@ def test_the_paired_difference_counts_only_questions_both_answered():
     runs = [answer("full", None, c, d, True) for c in range(2) for d in ("red", "blue")]
     runs += [answer("auto", 0.25, 0, "red", True), answer("auto", 0.25, 0, "blue", False), answer("auto", 0.25, 1, "red", True),
              answer("auto", 0.25, 1, "blue", True), answer("auto", 0.25, 9, "red", False)]  # fmt: skip
-    diff, half, n = eval_frontier_report.paired_difference(runs, ("auto", 0.25), ("full", None))
+    diff, half, n = eval_frontier.paired_difference(runs, ("auto", 0.25), ("full", None))
     # d = 0, -1, 0, 0: mean -0.25, sample sd 0.5, half-width 1.96 * 0.5 / 2
     assert n == 4 and diff == pytest.approx(-0.25) and half == pytest.approx(1.96 * 0.25)
 
@@ -141,7 +141,7 @@ def test_the_length_table_reports_auto_against_the_full_cache_at_each_length():
     runs += [answer("auto", 0.25, c, "red", c != 0, length=1024, per_token=200 + c) for c in range(4)]
     runs += [answer("auto", 0.25, c, "red", True, length=2048, per_token=250) for c in range(4)]
     runs += [answer("snapkv/full", 0.25, c, "red", c < 2, length=L, per_token=240) for c in range(4) for L in (1024, 2048)]
-    table = eval_frontier_report.length_table(result_of(runs, range(4), lengths=(1024, 2048)))
+    table = eval_frontier.length_table(result_of(runs, range(4), lengths=(1024, 2048)))
     # auto - snapkv/full at 1024: d = -1, 0, 1, 1 (mean 0.25, sample sd 0.957)
     assert ("| 1024 | 0.25 | 75% | -25.0 ± 49.0 pts | 75% (depth 0.1) | 0.202 / 0.203 | snapkv/full (0.240) | 50% "
             "| +25.0 ± 93.8 pts | - | - | 50% | - | 100% | 4 |") in table
@@ -178,13 +178,13 @@ def test_a_family_table_per_task_family(tmp_path):
     runs += [{**answer("auto", 0.25, c, f, f == "turn", per_token=200), "family": f} for c in range(2) for f in ("turn", "kv-lookup")]
     result = result_of(runs, range(2))
     result["config"].update(tasks=["turn", "kv-lookup"], split="held-out")
-    eval_frontier_report.write(result, tmp_path)
+    eval_frontier.write(result, tmp_path)
     report = (tmp_path / "frontier.md").read_text()
     turn, lookup = report.split("## turn")[1].split("## kv-lookup")
     assert "| 1024 | 0.25 | 100% | +0.0 ± 0.0 pts |" in turn
     assert "| 1024 | 0.25 | 0% | -100.0 ± 0.0 pts |" in lookup.split("## All")[0]
     assert "| 1024 | 0.25 | 50% | -50.0 ± " in report.split("## All families together")[1]
-    assert [title for title, _ in eval_frontier_report.panels_of(result)] == ["all families, 1024 tokens", "turn, 1024 tokens", "kv-lookup, 1024 tokens"]
+    assert [title for title, _ in eval_frontier.panels_of(result)] == ["all families, 1024 tokens", "turn, 1024 tokens", "kv-lookup, 1024 tokens"]
 
 
 @pytest.mark.real_model

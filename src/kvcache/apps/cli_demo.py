@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import argparse
 
-from . import tasks
 from ..errors import KVCacheError
+from . import demo, demo_sessions, demo_table, tasks
 from .cli_load import TINY, load_model
 from .cli_options import add_command, int_at_least, output_file, probability, write_json
-from .demo import DEPTH, RANDOM_PROMPT_TOKENS, TRAINED_PROMPT_TOKENS
-from .demo_sessions import SESSIONS
 from .tiny import FAMILIES
 
 
@@ -20,22 +18,19 @@ def add_demo(subparsers: argparse._SubParsersAction) -> None:
     which.add_argument(
         "--family",
         choices=FAMILIES,
-        default=None,
         help="use a random tiny model of this family instead of the trained one",
     )
     which.add_argument(
         "--model",
-        default=None,
         metavar="NAME|DIR",
         help="use a real model instead: a name from kvcache models list (downloaded and converted once) "
         "or a local Hugging Face model folder; it answers --prompt",
     )
-    p.add_argument("--prompt", default=None, metavar="TEXT", help="with --model: the user message it answers")
+    p.add_argument("--prompt", metavar="TEXT", help="with --model: the user message it answers")
     p.add_argument(
         "--prompt-tokens",
         **count,
-        default=None,
-        help=f"prompt length (default: {TRAINED_PROMPT_TOKENS}, or {RANDOM_PROMPT_TOKENS} with --family)",
+        help=f"prompt length (default: {demo.TRAINED_PROMPT_TOKENS}, or {demo.RANDOM_PROMPT_TOKENS} with --family)",
     )
     p.add_argument(
         "--new-tokens",
@@ -47,7 +42,7 @@ def add_demo(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--depth",
         type=probability,
-        default=DEPTH,
+        default=demo.DEPTH,
         metavar="D",
         help="where the pass key sits, 0 = start, 1 = just before the question (default: %(default)s)",
     )
@@ -56,12 +51,12 @@ def add_demo(subparsers: argparse._SubParsersAction) -> None:
         "--sessions",
         type=int_at_least(0),
         metavar="N",
-        default=SESSIONS,
+        default=demo_sessions.SESSIONS,
         help="then N sessions at once through the engine against generate one after another, on the "
         "shipped model (default: %(default)s; 0: skip)",
     )
-    p.add_argument("--threads", **count, default=None, help="torch threads (default: torch's own setting)")
-    p.add_argument("--json", type=output_file, default=None, metavar="FILE", help="also write the results as JSON")
+    p.add_argument("--threads", **count, help="torch threads (default: torch's own setting)")
+    p.add_argument("--json", type=output_file, metavar="FILE", help="also write the results as JSON")
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -79,8 +74,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     instead (unbounded caches only). With --model (e.g. smollm2), a real model answering a short
     chat prompt with the unbounded and the quantized caches.
     """
-    from . import demo, demo_table
-
     if args.prompt is not None and args.model is None:
         raise KVCacheError("--prompt applies only with --model")
     if args.model is not None and args.model != TINY:
@@ -88,14 +81,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     tokenizer = None
     if args.family is None:
         model, tokenizer = load_model(TINY)
-        prompt_tokens = args.prompt_tokens or TRAINED_PROMPT_TOKENS
+        prompt_tokens = args.prompt_tokens or demo.TRAINED_PROMPT_TOKENS
         try:
             tasks.passkey(0, length=prompt_tokens - 1, depth=args.depth)
         except ValueError as e:
             raise KVCacheError(f"--prompt-tokens {prompt_tokens}: {e}") from None
     else:
         model = demo.build_model(args.family)
-        prompt_tokens = args.prompt_tokens or RANDOM_PROMPT_TOKENS
+        prompt_tokens = args.prompt_tokens or demo.RANDOM_PROMPT_TOKENS
     header = demo_table.header_line(
         model, args.family, prompt_tokens, args.new_tokens, args.repeats, args.threads, depth=args.depth
     )
@@ -113,8 +106,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(demo_table.format_table(results), flush=True)
     sessions = None
     if args.family is None and args.sessions:
-        from . import demo_sessions
-
         print(flush=True)
         with demo.torch_threads(args.threads):
             sessions = demo_sessions.run_sessions(model, tokenizer, args.sessions, depth=args.depth)
@@ -127,18 +118,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def demo_real_model(args: argparse.Namespace) -> int:
-    """``kvcache demo --model NAME|DIR``: see :mod:`kvcache.apps.demo_real`."""
-    from . import demo, demo_real, demo_table
-
+    """``kvcache demo --model NAME|DIR``: see :func:`kvcache.apps.demo.run_real_demo`."""
     if args.prompt_tokens is not None:
         raise KVCacheError("--prompt-tokens applies to the tiny models; with --model the prompt is --prompt")
     model, tokenizer = load_model(args.model)
-    text = args.prompt or demo_real.DEFAULT_PROMPT
+    text = args.prompt or demo.DEFAULT_PROMPT
     with demo.torch_threads(args.threads):  # before the header, so it shows the count the run uses
-        prompt = demo_real.chat_prompt(tokenizer, text)
-        header = demo_real.header_line(model, args.model, prompt, text, args.new_tokens, args.repeats)
+        prompt = demo.chat_prompt(tokenizer, text)
+        header = demo_table.real_header_line(model, args.model, prompt, text, args.new_tokens, args.repeats)
         print(header, flush=True)
-        results, _ = demo_real.run_real_demo(model, tokenizer, text, args.new_tokens, args.repeats)
+        results, _ = demo.run_real_demo(model, tokenizer, text, args.new_tokens, args.repeats)
     print(demo_table.format_table(results), flush=True)
     print(f"{demo.REFERENCE}'s reply: {results[0]['reply'].strip()!r}", flush=True)
     if args.json:
@@ -146,4 +135,3 @@ def demo_real_model(args: argparse.Namespace) -> int:
         settings |= {"threads": args.threads, "prompt_tokens": int(prompt.shape[1])}
         write_json(args.json, {"header": header, "settings": settings, "results": results})
     return 0
-

@@ -1,8 +1,5 @@
-"""``--model``: the model and tokenizer a command runs on, by name or folder.
-
-``generate`` and ``demo`` both take ``--model NAME|DIR|tiny``; this module turns that argument into a
-loaded ``(model, tokenizer)`` and says, as a ``KVCacheError`` the command line prints in one line,
-why it cannot. It holds nothing of any one command, so every command's module can import it.
+"""``--model NAME|DIR|tiny``: the model and tokenizer a command runs on, loaded, or a ``KVCacheError``
+(one line on the command line) saying why not. Nothing of any one command, so every command can import it.
 """
 
 from __future__ import annotations

@@ -114,12 +114,14 @@ def check_half_precision(what: str) -> None:
         raise KVCacheError(f"{what}: {found.describe()} (--dtype float32)")
 
 
-def output_dir(path: str) -> Path:
-    """``--out`` as a Path; refused if it exists and is not a directory."""
-    out = Path(path)
-    if out.exists() and not out.is_dir():
-        raise KVCacheError(f"--out: {out} exists and is not a directory")
-    return out
+def text_table(rows: list[tuple[str, ...]], right: tuple[int, ...] = ()) -> list[str]:
+    """``rows`` (the head first) as lines of columns two spaces apart, each as wide as its widest cell,
+    left-aligned but the ``right`` ones; a rule of dashes under the head."""
+    widths = [max(len(cell) for cell in column) for column in zip(*rows)]
+    cells = [[c.rjust(w) if j in right else c.ljust(w) for j, (c, w) in enumerate(zip(row, widths))] for row in rows]
+    lines = ["  ".join(row).rstrip() for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return lines
 
 
 def add_command(
@@ -160,7 +162,9 @@ def add_run_options(p: argparse.ArgumentParser, quick_help: str) -> None:
 def run_options(args: argparse.Namespace) -> RunOptions:
     """The parsed ``add_run_options`` as :class:`RunOptions`; refuses an ``--out`` that is a file
     and a ``--device cuda`` without CUDA before the run starts."""
-    out = output_dir(args.out)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise KVCacheError(f"--out: {out} exists and is not a directory")
     check_device(args.device)
     return RunOptions(quick=args.quick, out=out, device=args.device, progress=args.progress, tiny=args.tiny)
 

@@ -54,8 +54,13 @@ def _suites(names: tuple[str, ...]) -> str:
     return ("suite " if len(names) == 1 else "suites ") + ", ".join(map(repr, names))
 
 
+def _items(text: str, sep: str = ",") -> tuple[str, ...]:
+    """The non-empty items of a ``sep``-separated list, stripped."""
+    return tuple(x.strip() for x in text.split(sep) if x.strip())
+
+
 def name_list(text: str) -> list[str]:
-    names = [x.strip() for x in text.split(",") if x.strip()]
+    names = list(_items(text))
     if not names:
         raise argparse.ArgumentTypeError(f"expected names like growable,hf_static, got {text!r}")
     return names
@@ -72,9 +77,9 @@ def shape_list(text: str) -> list:
 
 def int_list(text: str) -> list[int]:
     try:
-        values = [int(x) for x in text.split(",") if x.strip()]
+        values = [int(x) for x in _items(text)]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected positive integers like 1024,4096, got {text!r}") from None
+        values = []
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers like 1024,4096, got {text!r}")
     return values
@@ -95,11 +100,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if e.name != f"kvcache.apps.bench.{args.suite}":
             raise
         raise KVCacheError(f"benchmark suite {args.suite!r} is not available in this version of kvcache") from e
-    given = {
-        "model": args.model, "contexts": args.contexts, "batches": args.batches, "prefill_dir": args.prefill_cache,
-        "contenders": args.contenders, "shapes": args.shapes, "workloads": args.workloads, "arrivals": args.arrivals,
-        "eager": args.eager, "clients": args.clients, "ray": args.ray,
-    }  # fmt: skip
+    given = {k: getattr(args, "prefill_cache" if k == "prefill_dir" else k) for k in SUITE_OPTIONS}
     given = {k: v for k, v in given.items() if v is not None}
     misplaced = [k for k in given if args.suite not in SUITE_OPTIONS[k]]
     if misplaced:
@@ -123,14 +124,12 @@ def add_eval(subparsers: argparse._SubParsersAction) -> None:
     add_run_options(p, "a smaller run (under three minutes on 2 cores)")
     p.add_argument(
         "--caches",
-        default=None,
         metavar="KIND,...",
         help=f"cache kinds, from: {', '.join(k for k in KINDS if k != 'full')} (default: {','.join(DEFAULT_KINDS)}); "
         "for a real model see `kvcache.apps.eval_real_plan.KINDS` (default: all of them)",
     )
     p.add_argument(
         "--budgets",
-        default=None,
         metavar="F,...",
         help=(
             "budgets as fractions of the context, for window and eviction (default: "
@@ -139,7 +138,6 @@ def add_eval(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--model",
-        default=None,
         metavar="NAME|DIR",
         help="a real model by name (smollm2: needles in prose through its chat template, see --lengths), "
         "or a trained model folder (default: the shipped tiny one)",
@@ -156,33 +154,32 @@ def add_eval(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--frontier",
         action="store_true",
+        default=None,
         help="real model: quality per byte instead: at each byte budget (--budgets, shares of the fp32 cache; default "
         "0.5,0.25,0.125,0.0625) every eviction kind (--caches, from snapkv,pyramidkv,adakv,h2o,tova,tova-layer,lastrec) "
         "with each slot storage, and auto:bytes=; writes frontier.json, frontier.md and frontier.png",
     )
     p.add_argument(
         "--autos",
-        default=None,
         metavar="POINT;...",
         help="with --frontier: the points that choose their own mix, auto or auto-heads with options after a comma "
         "(e.g. 'auto;auto-heads,tolerance=0.3,margin=0.01'; default auto;auto-heads)",
     )
     p.add_argument(
         "--tasks",
-        default=None,
         metavar="FAMILY,...",
         help="with --frontier: task families instead of the needles (needle-digits, needle-words, needle-mixed, multi-key, "
         "kv-lookup, turn; or all), one item per family and context seed; the caches default to snapkv,adakv",
     )
     p.add_argument(
         "--split",
-        default=None,
         choices=("tuned", "held-out"),
         help="with --tasks: which split's items (other prose, phrasings and seeds; default held-out)",
     )
     p.add_argument(
         "--plain",
         action="store_true",
+        default=None,
         help="real model: every documented kind used plainly (make_cache in generate, the question in the prompt) at "
         "--budgets (default 0.5,0.25) on pass keys in held-out prose (--lengths: one length, default 2048; --contexts, "
         "default 15); exits 1 when a kind finds far fewer needles than the full cache or an answer degenerates; "
@@ -197,14 +194,12 @@ def add_eval(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--merge",
-        default=None,
         metavar="DIR,...",
         help="with --frontier: run nothing; merge the frontier.json of these folders (other lengths or contexts of the same "
         "frontier) into one report in --out",
     )
     p.add_argument(
         "--reuse",
-        default=None,
         metavar="KIND,...",
         help="real model: kinds also run with the document compressed once and reused for every question (kvzip always is)",
     )
@@ -214,7 +209,7 @@ def _budgets(args: argparse.Namespace) -> tuple[float, ...] | None:
     if args.budgets is None:
         return None
     try:
-        budgets = tuple(float(b) for b in args.budgets.split(",") if b.strip())
+        budgets = tuple(map(float, _items(args.budgets)))
     except ValueError:
         raise KVCacheError(f"--budgets: expected fractions like 0.5,0.25, got {args.budgets!r}") from None
     if not budgets or not all(0 < b < 1 for b in budgets):
@@ -223,22 +218,34 @@ def _budgets(args: argparse.Namespace) -> tuple[float, ...] | None:
 
 
 def _names(value: str, valid, what: str, noun: str = "kind(s)") -> tuple[str, ...]:
-    names = tuple(k.strip() for k in value.split(",") if k.strip())
+    names = _items(value)
     unknown = [k for k in names if k not in valid]
     if unknown or not names:
         raise KVCacheError(f"{what}: unknown {noun} {', '.join(unknown) or '(none given)'}; valid: {', '.join(valid)}")
     return names
 
 
+def _refuse(args: argparse.Namespace, names: tuple[str, ...], why: str) -> None:
+    """Refuse the first of the options ``names`` that was given (is not None): ``--NAME why``."""
+    for name in names:
+        if getattr(args, name) is not None:
+            raise KVCacheError(f"--{name.replace('_', '-')} {why}")
+
+
+def _refuse_frontier_options(args: argparse.Namespace) -> None:
+    """Options that only ``--frontier`` takes, refused elsewhere."""
+    names = ("merge", "tasks", "split", "autos") + (("first_context",) if args.first_context else ())
+    _refuse(args, names, "applies to --frontier")
+
+
 def _eval_real(args: argparse.Namespace) -> int:
-    from . import eval_real
+    from . import eval_real, eval_real_report
     from .eval_real_plan import DEFAULT_CONTEXT_KINDS, DEFAULT_KINDS, KINDS
-    from .eval_real_report import table
 
     lengths = None
     if args.lengths is not None:
         try:
-            lengths = tuple(int(n) for n in args.lengths.split(",") if n.strip())
+            lengths = tuple(map(int, _items(args.lengths)))
         except ValueError:
             raise KVCacheError(f"--lengths: expected token counts like 1024,2048, got {args.lengths!r}") from None
         if not lengths or min(lengths) < 256:
@@ -264,19 +271,19 @@ def _eval_real(args: argparse.Namespace) -> int:
                                needles_per_context=args.needles)
     except ValueError as e:
         raise KVCacheError(str(e)) from e
-    print(table(result))
+    print(eval_real_report.table(result))
     list_written(options.out, "eval", plots)
     return 0
 
 
 def _eval_frontier(args: argparse.Namespace, lengths: tuple[int, ...] | None) -> int:
-    from . import eval_frontier, eval_frontier_report, frontier_points
+    from . import eval_frontier, frontier_points
 
     if args.reuse is not None:
         raise KVCacheError("--reuse does not apply to --frontier (every point compresses with the question in the prompt)")
     if args.first_context < 0:
         raise KVCacheError(f"--first-context must be 0 or more, got {args.first_context}")
-    kinds = None if args.caches is None else tuple(k.strip() for k in args.caches.split(",") if k.strip())
+    kinds = None if args.caches is None else _items(args.caches)
     tasks = None
     if args.tasks is not None:
         from .families import FAMILIES
@@ -289,24 +296,23 @@ def _eval_frontier(args: argparse.Namespace, lengths: tuple[int, ...] | None) ->
         if args.merge is not None:
             raise KVCacheError("--autos runs points; --merge runs nothing: give one")
         try:
-            autos = frontier_points.check_autos(tuple(a.strip() for a in args.autos.split(";") if a.strip()))
+            autos = frontier_points.check_autos(_items(args.autos, ";"))
         except ValueError as e:
             raise KVCacheError(f"--autos: {e}") from None
     options = run_options(args)
     plots = say_if_no_plots()
     try:
         if args.merge is not None:
-            result = eval_frontier.merge([_frontier_of(Path(d.strip())) for d in args.merge.split(",") if d.strip()])
+            result = eval_frontier.merge([_frontier_of(Path(d)) for d in _items(args.merge)])
             if options.out is not None:
-                eval_frontier_report.write(result, Path(options.out))
+                eval_frontier.write(result, Path(options.out))
         else:
             result = eval_frontier.run(options, model_name=args.model, kinds=kinds, lengths=lengths, contexts=args.contexts,
                                        needles_per_context=args.needles, budgets=_budgets(args), first_context=args.first_context,
                                        tasks=tasks, split=args.split or "held-out", autos=autos)  # fmt: skip
     except ValueError as e:
         raise KVCacheError(str(e)) from e
-    lines = eval_frontier_report.points_of(result)
-    print(eval_frontier_report.budget_table(lines, result["config"]["budgets"]))
+    print(eval_frontier.budget_table(eval_frontier.points_of(result), result["config"]["budgets"]))
     list_written(options.out, "frontier", plots)
     return 0
 
@@ -314,9 +320,8 @@ def _eval_frontier(args: argparse.Namespace, lengths: tuple[int, ...] | None) ->
 def _eval_plain(args: argparse.Namespace, lengths: tuple[int, ...] | None) -> int:
     from . import eval_plain
 
-    for name in ("reuse",) + (("needles",) if args.needles != 1 else ()):
-        if getattr(args, name) is not None:
-            raise KVCacheError(f"--{name} does not apply to --plain (one needle per context, the question in the prompt)")
+    _refuse(args, ("reuse",) + (("needles",) if args.needles != 1 else ()),
+            "does not apply to --plain (one needle per context, the question in the prompt)")
     if lengths is not None and len(lengths) != 1:
         raise KVCacheError(f"--plain runs one length, got --lengths {args.lengths}")
     kinds = tuple(eval_plain.PLAIN) if args.caches is None else _names(args.caches, tuple(eval_plain.PLAIN), "--caches")
@@ -332,13 +337,6 @@ def _eval_plain(args: argparse.Namespace, lengths: tuple[int, ...] | None) -> in
     for line in failed:
         print(f"{PROG} eval --plain: FAIL {line}", file=sys.stderr)
     return 1 if failed else 0
-
-
-def _refuse_frontier_options(args: argparse.Namespace) -> None:
-    """Options that only ``--frontier`` takes, refused elsewhere."""
-    for name in ("merge", "tasks", "split", "autos") + (("first_context",) if args.first_context else ()):
-        if getattr(args, name) is not None:
-            raise KVCacheError(f"--{name.replace('_', '-')} applies to --frontier")
 
 
 def _frontier_of(folder: Path) -> dict:
@@ -366,17 +364,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     if args.model is not None and find_entry(args.model) is not None:
         return _eval_real(args)
-    for flag in ("frontier", "plain"):
-        if getattr(args, flag):
-            raise KVCacheError(f"--{flag} applies to a real model (--model smollm2), not to the trained tiny one")
+    real_only = "applies to a real model (--model smollm2), not to the trained tiny one"
+    _refuse(args, ("frontier", "plain"), real_only)
     _refuse_frontier_options(args)
-    for name in ("lengths", "contexts", "reuse") + (("needles",) if args.needles != 1 else ()):
-        if getattr(args, name) is not None:
-            raise KVCacheError(f"--{name} applies to a real model (--model smollm2), not to the trained tiny one")
-    kinds = tuple(k.strip() for k in (args.caches or ",".join(DEFAULT_KINDS)).split(",") if k.strip())
-    unknown = [k for k in kinds if k not in KINDS]
-    if unknown or not kinds:
-        raise KVCacheError(f"--caches: unknown kind(s) {', '.join(unknown) or '(none given)'}; valid: {', '.join(KINDS)}")
+    names = ("lengths", "contexts", "reuse") + (("needles",) if args.needles != 1 else ())
+    _refuse(args, names, real_only)
+    kinds = _names(args.caches or ",".join(DEFAULT_KINDS), KINDS, "--caches")
     budgets = _budgets(args)
     options = run_options(args)
     plots = say_if_no_plots()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import re
-from dataclasses import replace
+from dataclasses import fields
 
 from ..errors import KVCacheError
 from .cli_options import DTYPES, add_command
@@ -63,12 +63,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for name in ("store_chunk", "port", "max_seqs", "block_size", "max_batch_tokens", "max_queue"):
         if getattr(args, name) < 1:
             raise KVCacheError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    options = ServeOptions(
-        model=args.model, dtype=args.dtype, cache=args.cache, prompt_store=args.prompt_store, store_chunk=args.store_chunk, host=args.host,
-        port=args.port, max_seqs=args.max_seqs, max_bytes=args.max_bytes, block_size=args.block_size,
-        max_batch_tokens=args.max_batch_tokens, max_queue=args.max_queue, api_key=args.api_key, log_level=args.log_level,
-        compile=args.compile,
-    )  # fmt: skip
+    # every ServeOptions field is an option of the same name, but device (no --device: the CPU)
+    options = ServeOptions(**{f.name: getattr(args, f.name) for f in fields(ServeOptions) if f.name != "device"})
     ray_flags = {"--replicas": args.replicas, "--max-replicas": args.max_replicas, "--router": args.router, "--imbalance": args.imbalance,
                  "--ray-address": args.ray_address}  # fmt: skip
     if not args.ray:
@@ -85,7 +81,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     replicas = args.replicas or 2
     if args.max_replicas is not None and args.max_replicas < replicas:
         raise KVCacheError(f"--max-replicas must be at least --replicas ({replicas}), got {args.max_replicas}")
-    ray_options = RayOptions(replicas=replicas, router=args.router or "blocks", max_replicas=args.max_replicas)
-    if args.imbalance is not None:
-        ray_options = replace(ray_options, imbalance=args.imbalance)
+    imbalance = RayOptions.imbalance if args.imbalance is None else args.imbalance
+    ray_options = RayOptions(replicas, args.router or "blocks", imbalance, max_replicas=args.max_replicas)
     return serve_ray(options, ray_options, args.ray_address)

@@ -1,80 +1,50 @@
-"""``kvcache demo``: greedy generation with each cache, side by side, on a small local model.
+"""``kvcache demo``: greedy generation with each cache, side by side, on a small local model (a run,
+and what it shows: docs/cli.md, "The demo").
 
-By default the model is the one trained here and shipped with the package
-(:mod:`kvcache.apps.trained`), and the prompt is a pass-key retrieval task on held-out text: a five-digit
-key hidden at ``depth`` (0 = the start, 1 = just before the question) in a long prompt. So the
-table shows both sides of the trade: what each cache costs in bytes and speed, and whether the
-model still finds the key with it. Contenders, all run through ``model.generate`` (greedy):
+By default the model is the one trained here and shipped with the package (:mod:`kvcache.apps.trained`)
+and the prompt a pass-key retrieval task on held-out text, a five-digit key hidden at ``depth`` (0 = the
+start, 1 = just before the question): the table shows what each cache costs in bytes and speed, and
+whether the model still finds the key with it. Contenders, all through greedy ``model.generate``:
+``DynamicCache`` (Hugging Face's default, on the model's own attention), the reference; unbounded
+kvcache caches, whose tokens must be the reference's; bounded ones (:data:`BOUNDED`), which drop or
+round what they hold, so their tokens may differ. Every kvcache contender runs inside
+``kvcache.use_kvcache_attention(model)``, as the README recommends. With ``family``, a random tiny
+model widened where the cache lives (:data:`DEMO_SHAPE`: 8 KiB a token and layer, so the cost of the
+cache itself shows on a CPU) runs the unbounded kinds on random tokens; a real model
+(:func:`run_real_demo`) answers a chat prompt with them and the quantized caches of :data:`QUANTIZED`.
+The second part (:func:`run_sessions`) answers many prompts at once through the engine, against
+``generate`` one after another.
 
-* ``DynamicCache`` -- Hugging Face's default, ``transformers.DynamicCache(config=model.config)``,
-  on the model's own attention; the reference for the output tokens;
-* ``growable`` (and with a random model also ``concat`` and ``static``, capacity = prompt + new
-  tokens) -- ``kvcache.make_cache``, unbounded, so their tokens must equal the reference's; like
-  every kvcache contender they run as the README recommends, inside
-  ``kvcache.use_kvcache_attention(model)``;
-* bounded caches (:data:`BOUNDED`), each with the reason it keeps the key or loses it: the
-  query-aware kinds (SnapKV, Ada-KV) and ``auto`` at an eighth of the cache, 4-bit storage, and
-  a sliding window with sinks and H2O at a quarter of the prompt. They drop or round what they
-  hold, so their tokens may differ; the ``answer`` column says whether the pass key survived.
-
-With ``family`` set, the model is instead a tiny random-weight model of that family
-(:func:`kvcache.apps.tiny.tiny_model`, nothing downloaded) widened where the cache lives: 8 key/value
-heads of dimension 128, so one token costs 8 KiB per layer and the cost of the cache itself shows
-on a CPU; the prompt is random tokens and only the unbounded contenders run.
-
-They alternate within one process, round-robin over the repeats (the starting contender rotates
-each repeat), and the table reports medians. Measured, not taken from the library, except where
-said:
-
-* decode tokens/s: a logits processor stamps the time after every forward pass; decode time is
-  from the first stamp (end of prefill) to the last, minus the probe's own time;
-* cache bytes: bytes of the distinct storages behind every layer's keys and values at the end
-  (for bounded caches, whose layers hold codes, slot positions and scores beside a view, the
-  library's own ``nbytes``);
-* reallocations: how many times a layer's key/value storage moved (its storage pointer changed,
-  the first allocation included), observed after every forward pass and summed over layers (for
-  bounded caches, the library's own counter);
-* identical: the generated tokens equal ``DynamicCache``'s in every repeat;
-* answer: the first generated line, and whether it is the pass key (trained model only).
-
-This module builds the contenders and runs them; :mod:`kvcache.apps.demo_measure` measures one
-generation, :mod:`kvcache.apps.demo_table` prints the header line and the table.
+Contenders alternate within one process, round-robin over the repeats (the first one rotates), and
+the table reports medians. Measured by :func:`measured_generate`, not taken from the library (but for
+bounded caches, whose layers hold codes, slot positions and scores beside a view: their own
+``nbytes`` and ``reallocations``): decode time from the end of the first forward pass to the end of
+the last, stamped by a logits processor, its own time taken out; the bytes of the distinct storages
+behind every layer's keys and values at the end; and reallocations, the times a layer's key/value
+storage pointer changed (the first allocation included), summed over layers.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import statistics
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from tqdm import tqdm
-from transformers import PreTrainedModel
+from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel
 
 import kvcache
 
 from . import tasks
 from .. import make_cache, use_kvcache_attention
-from .bench.harness import alternate
+from .bench.harness import alternate, greedy_generate
 from .contenders import make_contender, spec_for
-from .demo_measure import measured_generate
 from .tiny import tiny_model
-
-__all__ = [
-    "BOUNDED",
-    "DEMO_SHAPE",
-    "DEPTH",
-    "RANDOM_PROMPT_TOKENS",
-    "REFERENCE",
-    "TRAINED_PROMPT_TOKENS",
-    "build_model",
-    "results_of",
-    "run_contenders",
-    "run_demo",
-    "torch_threads",
-]
 
 #: Config overrides applied to the random tiny model: 16 query heads sharing 8 key/value heads of 128.
 DEMO_SHAPE: dict[str, int] = {"num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128}
@@ -91,6 +61,9 @@ RANDOM_PROMPT_TOKENS = 2048
 #: Default depth of the pass key in the prompt: early enough that a window of a quarter loses it.
 DEPTH = 0.25
 
+#: The unbounded kvcache contenders beside the reference (the trained model runs growable only).
+UNBOUNDED = ("concat", "growable", "static")
+
 #: The bounded contenders: name -> (contender, share it keeps, why it keeps the key or loses it).
 #: The share: of the prompt's tokens (the window's becomes slots); for ``auto``, of the fp32
 #: cache's bytes; None for storage that keeps every token.
@@ -102,6 +75,12 @@ BOUNDED: dict[str, tuple[str, float | None, str]] = {
     "window 25%": ("window", 0.25, "keeps the newest tokens only; the key came earlier"),
     "h2o 25%": ("h2o", 0.25, "keeps what earlier tokens attended to, before the question came"),
 }
+
+#: The user message a real model answers by default.
+DEFAULT_PROMPT = "In two sentences, why do language models cache keys and values when they generate text?"
+
+#: Table name -> contender name of the quantized caches that run beside a real model's unbounded ones.
+QUANTIZED: dict[str, str] = {"quantized int8": "quantized-int8", "quantized int4": "quantized-int4"}
 
 
 def build_model(family: str = "llama", seed: int = 0) -> PreTrainedModel:
@@ -118,19 +97,30 @@ class Contender:
     why: str = ""  # a bounded kind's reason for keeping the key or losing it
 
 
-def contenders(model: PreTrainedModel, prompt_tokens: int, new_tokens: int, bounded: bool) -> dict[str, Contender]:
-    """Name -> contender, the reference first: with ``bounded`` (the trained model's pass key)
-    growable and :data:`BOUNDED`, else the unbounded kinds concat, growable and static."""
-    capacity = prompt_tokens + new_tokens
+def contenders(
+    model: PreTrainedModel,
+    prompt_tokens: int,
+    new_tokens: int,
+    unbounded: tuple[str, ...],
+    bounded: dict[str, tuple[str, float | None, str]],
+) -> dict[str, Contender]:
+    """Name -> contender: the reference, the ``unbounded`` kinds, then the ``bounded`` ones (as in
+    :data:`BOUNDED`)."""
     out = {REFERENCE: Contender("transformers.DynamicCache", lambda: make_contender("dynamic", model), ours=False)}
-    for name in ("growable",) if bounded else ("concat", "growable", "static"):
-        spec = spec_for(name, capacity=capacity)
+    for name in unbounded:
+        spec = spec_for(name, capacity=prompt_tokens + new_tokens)
         out[name] = Contender(spec, lambda spec=spec: make_cache(model, spec))
-    if bounded:
-        for name, (kind, share, why) in BOUNDED.items():
-            spec = spec_for(kind, slots=max(1, int(prompt_tokens * share)) if kind == "window" else share)
-            out[name] = Contender(spec, lambda spec=spec: make_cache(model, spec), bounded=True, why=why)
+    for name, (kind, share, why) in bounded.items():
+        spec = spec_for(kind, slots=max(1, int(prompt_tokens * share)) if kind == "window" else share)
+        out[name] = Contender(spec, lambda spec=spec: make_cache(model, spec), bounded=True, why=why)
     return out
+
+
+def _at_least(*limits: tuple[str, int | None, int]) -> None:
+    """``ValueError`` for the first ``(name, value, least)`` whose value is below ``least`` (None passes)."""
+    for name, value, least in limits:
+        if value is not None and int(value) < least:
+            raise ValueError(f"{name} must be >= {least}, got {value}")
 
 
 def run_demo(
@@ -168,11 +158,7 @@ def run_demo(
     if prompt_tokens is None:
         prompt_tokens = RANDOM_PROMPT_TOKENS if family is not None else TRAINED_PROMPT_TOKENS
     limits = (("prompt_tokens", prompt_tokens, 1), ("new_tokens", new_tokens, 2), ("repeats", repeats, 1))
-    for name, value, least in limits:
-        if int(value) < least:
-            raise ValueError(f"{name} must be >= {least}, got {value}")
-    if threads is not None and int(threads) < 1:
-        raise ValueError(f"threads must be >= 1, got {threads}")
+    _at_least(*limits, ("threads", threads, 1))
     if family is None:
         if model is None:
             from .trained import load_trained
@@ -182,15 +168,15 @@ def run_demo(
             raise ValueError("run_demo: a trained model needs its tokenizer")
         instance = tasks.passkey(seed, length=prompt_tokens - 1, depth=depth)  # + <bos>
         prompt = torch.tensor([tokenizer.encode(instance.prompt)])
+        entries = contenders(model, prompt_tokens, new_tokens, ("growable",), BOUNDED)
     else:
         model = build_model(family, seed) if model is None else model
         instance = None
         generator = torch.Generator().manual_seed(seed)
         body = torch.randint(3, model.config.vocab_size, (1, prompt_tokens - 1), generator=generator)
         prompt = torch.cat([torch.tensor([[model.config.bos_token_id]]), body], dim=1)
-    entries = contenders(model, prompt_tokens, new_tokens, bounded=instance is not None)
-    with torch_threads(threads):
-        runs, caches = run_contenders(model, prompt, entries, new_tokens, repeats, progress)
+        entries = contenders(model, prompt_tokens, new_tokens, UNBOUNDED, {})
+    runs, caches = run_contenders(model, prompt, entries, new_tokens, repeats, progress, threads)
     return results_of(entries, runs, caches, instance, tokenizer)
 
 
@@ -213,38 +199,30 @@ def run_contenders(
     new_tokens: int,
     repeats: int,
     progress: bool,
+    threads: int | None = None,
 ) -> tuple[dict[str, list[dict[str, Any]]], dict[str, Any]]:
-    """Every contender once untimed, then ``repeats`` timed runs round-robin on ``prompt`` ``[1, T]``:
-    the runs per contender and each contender's cache of its last run."""
-    names = list(entries)
+    """Every contender once untimed, then ``repeats`` timed runs round-robin on ``prompt`` ``[1, T]``
+    with ``threads`` torch threads: the runs per contender and each contender's cache of its last run."""
     caches: dict[str, Any] = {}  # each contender's cache of its latest run
 
-    def generate(name: str, tokens: int) -> tuple[dict[str, Any], Any]:
+    def generate(name: str, tokens: int) -> dict[str, Any]:
         # kvcache contenders run as the README recommends; the reference on the model's own attention.
-        context = use_kvcache_attention(model) if entries[name].ours else contextlib.nullcontext()
-        with context:
-            cache = entries[name].make()
-            return measured_generate(model, prompt, cache, tokens), cache
+        with use_kvcache_attention(model) if entries[name].ours else contextlib.nullcontext():
+            caches[name] = entries[name].make()
+            return measured_generate(model, prompt, caches[name], tokens)
 
-    bar = tqdm(total=len(names) * (repeats + 1), desc="kvcache demo", unit="run", disable=not progress, leave=False)
-    try:
+    bar = tqdm(total=len(entries) * (repeats + 1), desc="kvcache demo", unit="run", disable=not progress, leave=False)
+    with bar, torch_threads(threads):
         # Warm-up, untimed: every path runs once on the real shapes before anything is measured.
-        for name in names:
+        for name in entries:
             bar.set_postfix_str(f"warm-up {name}")
             generate(name, min(new_tokens, 4))
             bar.update()
-
-        def measure(name: str) -> dict[str, Any]:
-            result, caches[name] = generate(name, new_tokens)
-            return result
-
-        runs = alternate(names, repeats, measure, bar)
-    finally:
-        bar.close()
-    return runs, caches
+        return alternate(list(entries), repeats, lambda name: generate(name, new_tokens), bar), caches
 
 
-def _first_line(tokenizer: Any, tokens: list[int]) -> str:
+def first_line(tokenizer: Any, tokens: list[int]) -> str:
+    """The first line of the text of ``tokens``, special tokens skipped."""
     return tokenizer.decode(tokens, skip_special_tokens=True).split("\n", 1)[0]
 
 
@@ -257,23 +235,22 @@ def results_of(
 ) -> list[dict[str, Any]]:
     """One result dict per contender (keys in :func:`run_demo`); answers only with ``instance``."""
     reference_tokens = runs[REFERENCE][0]["tokens"]
-    reference_speed = statistics.median(_speeds(runs[REFERENCE]))
+    speeds = {name: [run["decode_steps"] / run["decode_s"] for run in runs[name]] for name in entries}
     results = []
     for name, entry in entries.items():
-        speeds = _speeds(runs[name])
         last, cache = runs[name][-1], caches[name]
         ours = isinstance(cache, kvcache.KVCache)
-        answers = [_first_line(tokenizer, run["tokens"]) for run in runs[name]] if instance else None
+        answers = [first_line(tokenizer, run["tokens"]) for run in runs[name]] if instance else None
         results.append(
             {
                 "cache": name,
                 "spec": entry.spec,
                 "bounded": entry.bounded,
                 "why": entry.why,
-                "tokens_per_s": statistics.median(speeds),
-                "tokens_per_s_runs": speeds,
+                "tokens_per_s": statistics.median(speeds[name]),
+                "tokens_per_s_runs": speeds[name],
                 "prefill_s": statistics.median(run["prefill_s"] for run in runs[name]),
-                "speedup": statistics.median(speeds) / reference_speed,
+                "speedup": statistics.median(speeds[name]) / statistics.median(speeds[REFERENCE]),
                 "cache_bytes": last["bytes"],
                 "reallocations": last["reallocations"],
                 "reported_nbytes": cache.nbytes if ours else None,
@@ -287,5 +264,118 @@ def results_of(
     return results
 
 
-def _speeds(runs: list[dict[str, Any]]) -> list[float]:
-    return [run["decode_steps"] / run["decode_s"] for run in runs]
+# ---- one measured generation -----------------------------------------------------------------
+
+
+def _storages(cache: Any) -> list[tuple[tuple[int, int], int]]:
+    """Per cache layer with content: ((keys storage ptr, values storage ptr), bytes of both storages)."""
+    out = []
+    for layer in cache.layers:
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor) or keys.numel() == 0:
+            out.append(((0, 0), 0))
+            continue
+        ks, vs = keys.untyped_storage(), values.untyped_storage()
+        out.append(((ks.data_ptr(), vs.data_ptr()), ks.nbytes() + vs.nbytes()))
+    return out
+
+
+class StepProbe(LogitsProcessor):
+    """Called by ``generate`` after every forward pass: stamps the time (its own time excluded) and,
+    if ``watch``, counts the layers whose key/value storage pointers changed since the last call (not
+    for bounded caches: their ``keys`` may be a dequantized copy, built per call)."""
+
+    def __init__(self, cache: Any, watch: bool = True) -> None:
+        self.cache = cache
+        self.watch = watch
+        self.stamps: list[float] = []  # time after each forward, probe time excluded
+        self.overhead = 0.0
+        self.pointers: list[tuple[int, int]] | None = None
+        self.moves = 0
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        start = time.perf_counter()
+        self.stamps.append(start - self.overhead)
+        if self.watch:
+            pointers = [ptr for ptr, _ in _storages(self.cache)]
+            before = self.pointers if self.pointers is not None else [(0, 0)] * len(pointers)
+            self.moves += sum(new != (0, 0) and new != old for old, new in zip(before, pointers))
+            self.pointers = pointers
+        self.overhead += time.perf_counter() - start
+        return scores
+
+
+def measured_generate(model: PreTrainedModel, prompt: torch.Tensor, cache: Any, new_tokens: int) -> dict[str, Any]:
+    """One greedy generation into ``cache``: the tokens and what the :class:`StepProbe` measured (for
+    a bounded cache, its own byte and reallocation counters instead)."""
+    bounded = getattr(cache, "needs_kvcache_attention", False)
+    probe = StepProbe(cache, watch=not bounded)
+    with torch.inference_mode():
+        started = time.perf_counter()
+        out = greedy_generate(
+            model,
+            prompt,
+            cache,
+            new_tokens,
+            attention_mask=torch.ones_like(prompt),
+            logits_processor=LogitsProcessorList([probe]),
+            pad_token_id=model.config.pad_token_id,
+        )
+    decode_steps = len(probe.stamps) - 1
+    return {
+        "tokens": out[0, prompt.shape[1] :].tolist(),
+        "prefill_s": probe.stamps[0] - started,
+        "decode_steps": decode_steps,
+        "decode_s": probe.stamps[-1] - probe.stamps[0] if decode_steps > 0 else math.nan,
+        "reallocations": cache.reallocations if bounded else probe.moves,
+        "bytes": cache.nbytes if bounded else sum(nbytes for _, nbytes in _storages(cache)),
+    }
+
+
+# ---- a real model (kvcache demo --model NAME|DIR) --------------------------------------------
+
+
+def chat_prompt(tokenizer: Any, text: str) -> torch.Tensor:
+    """``text`` as a user turn of the tokenizer's chat template (generation prompt added), else as
+    plain text: token ids ``[1, T]``."""
+    if getattr(tokenizer, "chat_template", None):
+        turn = [{"role": "user", "content": text}]
+        ids = tokenizer.apply_chat_template(turn, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # a BatchEncoding in some versions
+            ids = ids["input_ids"]
+    else:
+        ids = tokenizer.encode(text)
+    return torch.tensor([list(ids)], dtype=torch.long)
+
+
+def run_real_demo(
+    model: Any,
+    tokenizer: Any,
+    text: str = DEFAULT_PROMPT,
+    new_tokens: int = 64,
+    repeats: int = 3,
+    *,
+    progress: bool = True,
+    threads: int | None = None,
+) -> tuple[list[dict[str, Any]], torch.Tensor]:
+    """Each contender ``repeats`` times, round-robin, answering ``text``: the result dicts of
+    :func:`run_demo` (``answer`` the reply's first line, ``correct`` None, and ``reply``) and the
+    prompt ids ``[1, T]``. The unbounded caches' replies must be DynamicCache's token for token."""
+    _at_least(("new_tokens", new_tokens, 2), ("repeats", repeats, 1))
+    prompt = chat_prompt(tokenizer, text)
+    quantized = {name: (kind, None, "") for name, kind in QUANTIZED.items()}
+    entries = contenders(model, prompt.shape[1], new_tokens, UNBOUNDED, quantized)
+    runs, caches = run_contenders(model, prompt, entries, new_tokens, repeats, progress, threads)
+    results = results_of(entries, runs, caches, None, tokenizer)
+    for result in results:
+        result["reply"] = reply_of(tokenizer, runs[result["cache"]][-1]["tokens"])
+        result["answer"], result["correct"] = result["reply"].strip().split("\n", 1)[0], None
+    return results, prompt
+
+
+def reply_of(tokenizer: Any, tokens: list[int]) -> str:
+    """The generated text up to the first end-of-sequence token (``generate`` ran on past it)."""
+    eos = tokenizer.eos_token_id
+    if eos is not None and eos in tokens:
+        tokens = tokens[: tokens.index(eos)]
+    return tokenizer.decode(tokens, skip_special_tokens=True)

@@ -1,12 +1,4 @@
-"""The demo's report: the header line above its table, and the table of its results.
-
-:func:`header_line` says what ran (the model and its key/value shape, the prompt, the sizes, the
-library versions, the thread count); :func:`format_table` turns :func:`kvcache.apps.demo.run_demo`'s
-result dicts into a plain-text table (decode tokens/s, speed against ``DynamicCache``, cache bytes
-in MiB and as a share of the reference's, reallocations, whether the tokens match the
-reference's, the answer and, for a bounded kind, why it keeps the key or loses it) with a legend.
-``kvcache demo`` prints both, for the tiny models and (through :mod:`kvcache.apps.demo_real`) real ones.
-"""
+"""The demo's report (:mod:`kvcache.apps.demo`): a header line and the table of its contenders."""
 
 from __future__ import annotations
 
@@ -18,16 +10,27 @@ from transformers import PreTrainedModel
 
 import kvcache
 
+from .cli_options import text_table
 from .demo import DEPTH, REFERENCE
 
-__all__ = ["format_table", "header_line"]
+
+def _kv_shape(model: Any) -> tuple[str, str]:
+    """For a header line: the attention heads and the weights' dtype; the keys and values per token."""
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    weights = next(model.parameters())
+    per_token = 2 * c.num_key_value_heads * head_dim * weights.element_size() * c.num_hidden_layers
+    dtype = str(weights.dtype).removeprefix("torch.")
+    heads = f"{c.num_attention_heads} query / {c.num_key_value_heads} KV heads x {head_dim}, {dtype}"
+    return heads, f"{per_token / 1024:g} KiB of KV per token"
 
 
-def _describe(model: PreTrainedModel, family: str | None) -> str:
-    if family is not None:
-        return f"tiny {family} (random weights; "
-    n_params = sum(p.numel() for p in model.parameters())
-    return f"kvcache tiny retrieval model (trained, {n_params / 1e6:.2f}M parameters; "
+def _versions() -> str:
+    return f"kvcache {kvcache.__version__}, torch {torch.__version__}, transformers {transformers.__version__}"
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
 
 
 def header_line(
@@ -41,27 +44,33 @@ def header_line(
 ) -> str:
     """One line: the model, the prompt, the sizes, and the library versions."""
     c = model.config
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    if family is not None:
+        described = f"tiny {family} (random weights; "
+        prompt = f"prompt {prompt_tokens}"
+    else:
+        n_params = sum(p.numel() for p in model.parameters())
+        described = f"kvcache tiny retrieval model (trained, {n_params / 1e6:.2f}M parameters; "
+        prompt = f"pass-key prompt {prompt_tokens} (key at depth {depth:g}, held-out text)"
+    heads, per_token = _kv_shape(model)
     attn = getattr(c, "_attn_implementation", None) or "default"
-    per_token = 2 * c.num_key_value_heads * head_dim * next(model.parameters()).element_size() * c.num_hidden_layers
-    threads = threads or torch.get_num_threads()
-    prompt = (
-        f"prompt {prompt_tokens}"
-        if family is not None
-        else f"pass-key prompt {prompt_tokens} (key at depth {depth:g}, held-out text)"
-    )
     return (
-        f"kvcache demo: {_describe(model, family)}{c.num_hidden_layers} layers, hidden {c.hidden_size}, "
-        f"{c.num_attention_heads} query / {c.num_key_value_heads} KV heads x {head_dim}, {dtype}; DynamicCache on {attn} attention, kvcache on kvcache attention; "
-        f"{per_token / 1024:g} KiB of KV per token) | {prompt} + {new_tokens} new tokens, batch 1, "
-        f"greedy, {_plural(repeats, 'repeat')} | kvcache {kvcache.__version__}, "
-        f"torch {torch.__version__}, transformers {transformers.__version__}, {_plural(threads, 'thread')}"
+        f"kvcache demo: {described}{c.num_hidden_layers} layers, hidden {c.hidden_size}, {heads}; "
+        f"DynamicCache on {attn} attention, kvcache on kvcache attention; {per_token}) | {prompt} + {new_tokens} new "
+        f"tokens, batch 1, greedy, {_plural(repeats, 'repeat')} | {_versions()}, "
+        f"{_plural(threads or torch.get_num_threads(), 'thread')}"
     )
 
 
-def _mib(nbytes: int) -> str:
-    return f"{nbytes / 2**20:.2f} MiB"
+def real_header_line(model: Any, where: str, prompt: torch.Tensor, text: str, new_tokens: int, repeats: int) -> str:
+    """:func:`header_line` for :func:`run_real_demo`: the model, the prompt, the sizes, the versions."""
+    heads, per_token = _kv_shape(model)
+    n_params = sum(p.numel() for p in model.parameters())
+    return (
+        f"kvcache demo: {where} ({type(model).__name__}, {n_params / 1e6:.0f}M parameters, "
+        f"{model.config.num_hidden_layers} layers, {heads}; {per_token}) | "
+        f"prompt {text!r}, {prompt.shape[1]} tokens, + {new_tokens} new tokens, batch 1, greedy, "
+        f"{_plural(repeats, 'repeat')} | {_versions()}, {torch.get_num_threads()} threads"
+    )
 
 
 def _identical_cell(result: dict[str, Any]) -> str:
@@ -83,26 +92,20 @@ def format_table(results: list[dict[str, Any]]) -> str:
     answers = any(r.get("answer") is not None for r in results)
     reference = next((r["cache_bytes"] for r in results if r["cache"] == REFERENCE), 0)
     head = ("cache", "tokens/s", f"vs {REFERENCE}", "cache bytes", "reallocations", "identical output")
-    head += ("answer", "why") if answers else ()
-    rows = [
+    rows = [head + (("answer", "why") if answers else ())]
+    rows += [
         (
             r["cache"],
             f"{r['tokens_per_s']:.1f}",
             f"{r['speedup']:.2f}x",
-            _mib(r["cache_bytes"]) + (f" ({r['cache_bytes'] / reference:.0%})" if reference else ""),
+            f"{r['cache_bytes'] / 2**20:.2f} MiB" + (f" ({r['cache_bytes'] / reference:.0%})" if reference else ""),
             str(r["reallocations"]),
             _identical_cell(r),
         )
         + ((_answer_cell(r), r.get("why", "")) if answers else ())
         for r in results
     ]
-    widths = [max(len(cell) for cell in column) for column in zip(head, *rows)]
-    lines = []
-    for i, row in enumerate([head, *rows]):
-        cells = [cell.ljust(w) if j in (0, 6, 7) else cell.rjust(w) for j, (cell, w) in enumerate(zip(row, widths))]
-        lines.append("  ".join(cells).rstrip())
-        if i == 0:
-            lines.append("  ".join("-" * w for w in widths))
+    lines = text_table(rows, right=(1, 2, 3, 4, 5))
     lines.append(
         f"tokens/s: decode, median over repeats; cache bytes: storage held at the end (share of {REFERENCE}'s); "
         "reallocations: times a layer's key/value storage moved, summed over layers (measured from storage pointers)"
@@ -115,7 +118,3 @@ def format_table(results: list[dict[str, Any]]) -> str:
             f"Bounded caches ({specs}) report their own bytes and reallocations and may change the output."
         )
     return "\n".join(lines)
-
-
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}" + ("" if n == 1 else "s")

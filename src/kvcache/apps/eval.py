@@ -60,13 +60,13 @@ class Setting:
     seed: int = 0
 
 
-def setting(quick: bool = False, tiny: bool = False) -> Setting:
-    if tiny:
-        # text_context past what a quantized cache keeps exact (up to residual + group_size - 1 = 95 tokens)
-        return Setting(context=256, instances=2, text_context=128, text_samples=1)
-    if quick:
-        return Setting(context=512, instances=8, text_context=512, text_samples=2)
-    return Setting(context=1024, instances=24, text_context=1024, text_samples=4)
+def setting(options: RunOptions) -> Setting:
+    return options.pick(
+        # tiny: text_context past what a quantized cache keeps exact (up to residual + group_size - 1 = 95 tokens)
+        tiny=Setting(context=256, instances=2, text_context=128, text_samples=1),
+        quick=Setting(context=512, instances=8, text_context=512, text_samples=2),
+        full=Setting(context=1024, instances=24, text_context=1024, text_samples=4),
+    )
 
 
 def specs_for(kinds: tuple[str, ...], budgets: tuple[float, ...], context: int) -> list[tuple[str, str, str]]:
@@ -78,7 +78,7 @@ def specs_for(kinds: tuple[str, ...], budgets: tuple[float, ...], context: int) 
         if kind == "quantized":
             out += [("quantized", f"int{bits}", spec_for(f"quantized-int{bits}")) for bits in (8, 4, 2)]
             continue
-        if kind not in ("window", "lastrec", "h2o", "tova", "h2o-int8"):
+        if kind not in KINDS:
             raise ValueError(f"unknown cache kind {kind!r} for eval; valid: {', '.join(KINDS)}")
         for b in budgets:
             slots = max(SINKS + 1, round(b * context))
@@ -116,16 +116,14 @@ def text_logprobs(model, tokenizer, spec: str, s: Setting) -> tuple[torch.Tensor
     cache = make_cache(model, spec)
     out = []
     with torch.inference_mode(), use_kvcache_attention(model):
-        logits = model(ids[:, :half], **cache_kwargs(model, cache), use_cache=True).logits[:, -1]
-        out.append(logits.float().log_softmax(-1))
-        for t in range(half, ids.shape[1] - 1):
-            logits = model(ids[:, t : t + 1], **cache_kwargs(model, cache), use_cache=True).logits[:, -1]
+        for part in (ids[:, :half], *ids[:, half:-1].split(1, dim=1)):  # the prefill, then one token at a time
+            logits = model(part, **cache_kwargs(model, cache), use_cache=True).logits[:, -1]
             out.append(logits.float().log_softmax(-1))
     return torch.stack(out, dim=1), cache.nbytes / (cache.seen * ids.shape[0])
 
 
 def kl_and_top1(reference: torch.Tensor, ours: torch.Tensor) -> tuple[float, float]:
-    """Mean per-token KL(reference || ours) in nats, and top-1 agreement, over ``[N, T, V]`` log-probs."""
+    """Mean per-token KL(reference || ours) in nats, and top-1 agreement, over log-probs ``[..., V]``."""
     kl = (reference.exp() * (reference - ours)).sum(-1).mean().item()
     top1 = (reference.argmax(-1) == ours.argmax(-1)).float().mean().item()
     return max(kl, 0.0), top1
@@ -145,7 +143,7 @@ def run(
     """Run the harness; write ``eval.json``/``eval.md``/``eval.png`` into ``options.out`` if given."""
     from tqdm.auto import tqdm
 
-    s = setting(options.quick, options.tiny)
+    s = setting(options)
     if budgets is None:
         budgets = QUICK_BUDGETS if options.quick or options.tiny else DEFAULT_BUDGETS
     model, tokenizer = load_trained(model_dir, options.device)
@@ -174,17 +172,8 @@ def run(
     bar.close()
     result = {
         "suite": "eval",
-        "config": {
-            "model": str(model_dir or MODEL_DIR.name),
-            "context": s.context,
-            "instances": s.instances,
-            "text_context": s.text_context,
-            "text_samples": s.text_samples,
-            "depths": DEPTHS,
-            "sinks": SINKS,
-            "quick": options.quick,
-            "tiny": options.tiny,
-        },
+        "config": {"model": str(model_dir or MODEL_DIR.name), **{k: v for k, v in vars(s).items() if k != "seed"},
+                   "depths": DEPTHS, "sinks": SINKS, "quick": options.quick, "tiny": options.tiny},
         "runs": rows,
     }
     if options.out is not None:

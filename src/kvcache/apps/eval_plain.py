@@ -51,19 +51,10 @@ PLAIN: dict[str, str] = {
     "static": "static:capacity={capacity}",
     "concat": "concat",
     "window": "window:window={window},sinks=4",
-    "h2o": "h2o:budget={share}",
-    "tova": "tova:budget={share}",
-    "tova-layer": "tova-layer:budget={share}",
-    "lastrec": "lastrec:budget={share}",
-    "snapkv": "snapkv:budget={share}",
-    "pyramidkv": "pyramidkv:budget={share}",
-    "adakv": "adakv:budget={share}",
-    "kvzip": "kvzip:budget={share}",
-    "quantized-int8": "quantized:bits=8",
-    "quantized-int4": "quantized:bits=4",
-    "quantized-int2": "quantized:bits=2",
-    "auto": "auto:bytes={share}",
-    "auto-heads": "auto-heads:bytes={share}",
+    **{k: k + ":budget={share}"
+       for k in ("h2o", "tova", "tova-layer", "lastrec", "snapkv", "pyramidkv", "adakv", "kvzip")},
+    **{f"quantized-int{bits}": f"quantized:bits={bits}" for bits in (8, 4, 2)},
+    **{k: k + ":bytes={share}" for k in ("auto", "auto-heads")},
 }
 #: The reference every kind is held against.
 REFERENCE = "growable"

@@ -20,19 +20,11 @@ SINKS = 4
 KINDS: dict[str, str] = {
     "full": "static:capacity={capacity}",  # sized to the run: its bytes are the tokens' own
     "window": "window:window={window},sinks=" + str(SINKS),
-    "lastrec": "lastrec:budget={slots}",
-    "h2o": "h2o:budget={slots}",
-    "tova": "tova:budget={slots}",
-    "tova-layer": "tova-layer:budget={slots}",
-    "snapkv": "snapkv:budget={slots}",
-    "pyramidkv": "pyramidkv:budget={slots}",
-    "adakv": "adakv:budget={slots}",
+    **{k: k + ":budget={slots}" for k in ("lastrec", "h2o", "tova", "tova-layer", "snapkv", "pyramidkv", "adakv")},
     "adakv-int4": "adakv:budget={slots},storage=int4",
     "kvzip": "kvzip:budget={slots}",
     "snapkv-int4": "snapkv:budget={slots},storage=int4",
-    "quantized-int8": "quantized:bits=8",
-    "quantized-int4": "quantized:bits=4",
-    "quantized-int2": "quantized:bits=2",
+    **{f"quantized-int{bits}": f"quantized:bits={bits}" for bits in (8, 4, 2)},
 }
 #: Kinds without a budget (one run each, no budget column).
 UNBUDGETED = ("full", "quantized-int8", "quantized-int4", "quantized-int2")
@@ -72,7 +64,8 @@ def spec_of(kind: str, slots: int, capacity: int | None = None) -> str:
 
 
 def runs_for(kinds, context_kinds, budgets) -> list[tuple[str, str, float | None]]:
-    """``(kind, mode, budget)`` of every run, the full reference first."""
+    """``(kind, mode, budget)`` of every run, the full reference first: ``mode`` ``"question"`` or
+    ``"context"``, ``budget`` a share of the document's tokens (None for kinds that keep every token)."""
     out = [("full", "question", None)]
     for kind in kinds:
         if kind == "full":

@@ -97,8 +97,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     from .bench.common import figure
 
     lines = summary(result)
-    with figure(path, panels=1, size=(7.5, 5)) as axes:
-        ax = axes[0] if isinstance(axes, (list, tuple)) else axes
+    with figure(path, panels=1, size=(7.5, 5)) as (ax,):
         for kind in sorted({(l["cache"], l["mode"]) for l in lines}):
             pts = sorted((l["bytes_per_token"], l["accuracy"]) for l in lines if (l["cache"], l["mode"]) == kind)
             label = kind[0] + (" (once, reused)" if kind[1] == "context" else "")

@@ -103,8 +103,9 @@ def make_item(tokenizer, family: str, length: int, seed: int, split: str) -> Ite
         answer = _key(rng, kind)
         planted = [(depth, needle_text.format(what=what, key=answer))]
         question, opening = question.format(what=what), opening.format(what=what, What=what.capitalize())
-    prose_split = "train" if split == "tuned" else "heldout"
-    document = _document(tokenizer, length, seed, prose_split, planted)
+    planted_tokens = sum(len(tokenizer(text, add_special_tokens=False)["input_ids"]) + 1 for _, text in planted)
+    budget = max(length - RESERVE - planted_tokens - 48, 64)  # 48: the template and the introduction
+    document = needles.haystack(tokenizer, budget, seed, "train" if split == "tuned" else "heldout", planted)
     question = f"{question} {ASK}"
     if family == "turn":
         messages = [
@@ -135,27 +136,6 @@ def _key(rng: random.Random, kind: str) -> str:
         letters = "ABCDEFGHJKLMNPQRSTUVWXYZ"
         return f"{rng.choice(letters)}{rng.randrange(10)}{rng.choice(letters)}-{rng.randrange(10, 100)}{rng.choice(letters)}"
     return str(rng.randrange(10000, 100000))
-
-
-def _document(tokenizer, length: int, seed: int, split: str, planted: list[tuple[float, str]]) -> str:
-    """Prose of about ``length - RESERVE`` tokens with each planted text at the paragraph boundary
-    nearest its depth, between document tags."""
-    planted_tokens = sum(len(tokenizer(text, add_special_tokens=False)["input_ids"]) + 1 for _, text in planted)
-    budget = max(length - RESERVE - planted_tokens - 48, 64)  # 48: the template and the introduction
-    paras = needles.prose(tokenizer, budget, seed, split)
-    sizes = [len(tokenizer(p, add_special_tokens=False)["input_ids"]) + 1 for p in paras]
-    while sum(sizes) > budget and len(paras) > 1:
-        paras, sizes = paras[:-1], sizes[:-1]
-    bounds = [0]
-    for n in sizes:
-        bounds.append(bounds[-1] + n)
-    body: list[str] = []
-    at = [min(range(len(bounds)), key=lambda i: abs(bounds[i] - d * bounds[-1])) for d, _ in planted]
-    for i in range(len(paras) + 1):
-        body += [text for j, (_, text) in enumerate(planted) if at[j] == i]
-        if i < len(paras):
-            body.append(paras[i])
-    return "<document>\n" + "\n".join(body) + "\n</document>"
 
 
 def _normal(text: str) -> str:

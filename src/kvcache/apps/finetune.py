@@ -1,15 +1,11 @@
 """``kvcache finetune``: a LoRA adapter trained over long documents through the cache the model will
-be served with (``kvcache.train.chunked_loss``), scored under that cache before and after.
+be served with (``kvcache.train.chunked_loss``), scored before and after: held-out loss under that
+cache (fed ``chunk`` tokens at a time, as serving would feed them) and under the full cache, and with
+``--needles N`` the pass-key accuracy of ``N`` needle contexts answered through the cache.
 
-Documents: the Python standard library's source files (present on every machine with Python),
-split into train and held-out files by ``tasks.filler_files``; each document is the first
-``length`` tokens of a file at least that long, in a seeded order. Source code reuses names
-defined thousands of tokens earlier, which is what a bounded cache loses.
-
-Evaluation, before training and after: the mean held-out loss under ``--cache``
-(``kvcache.train.cache_loss``, the documents fed ``chunk`` tokens at a time as serving would feed
-them) and under the full cache, and, with ``--needles N``, the pass-key accuracy of ``N`` needle
-contexts (``needles.make_context``) answered through ``--cache``.
+The documents are the Python standard library's source files (present on every machine with Python;
+train and held-out files split by ``tasks.filler_files``): source code reuses names defined thousands
+of tokens earlier, which is what a bounded cache loses.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
-"""What a point of the quality-per-byte frontier is (``eval_frontier.py`` runs them,
-``eval_frontier_report.py`` reports them): the byte budgets, the fixed mixes (an eviction kind x a
-slot storage), the kinds that choose their own mix (``auto``), and the spec each point gets at a
-budget for a prompt of a given length."""
+"""What a point of the quality-per-byte frontier is (``eval_frontier.py`` runs and reports them):
+the byte budgets, the fixed mixes (an eviction kind x a slot storage), the kinds that choose their
+own mix (``auto``), and the spec each point gets at a budget for a prompt of a given length."""
 
 from __future__ import annotations
 

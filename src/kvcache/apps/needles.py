@@ -30,9 +30,11 @@ from __future__ import annotations
 
 import ast
 import collections
+import contextlib
 import functools
 import hashlib
 import inspect
+import itertools
 import json
 import os
 import random
@@ -91,29 +93,9 @@ RULE = 1
 
 @functools.lru_cache(maxsize=None)
 def _paragraphs_of(split: str) -> tuple[str, ...]:
-    """The paragraphs of ``split``, read from ``$KVCACHE_HOME/prose`` when this stdlib's files (paths,
-    sizes, times) and ``RULE`` are those they were kept for, else parsed (seconds) and kept there."""
-    kept = _kept_at(split)
-    try:
-        stored = json.loads(kept.read_text())
-        if isinstance(stored, list) and all(isinstance(p, str) and _prose(p) for p in stored):
-            return tuple(stored)
-    except (OSError, ValueError):
-        pass
-    out = _parse(split)
-    try:
-        kept.parent.mkdir(parents=True, exist_ok=True)
-        tmp = kept.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(out))
-        os.replace(tmp, kept)
-    except OSError:
-        pass  # a read-only home: parse again next time
-    return out
-
-
-def _kept_at(split: str) -> Path:
-    """``$KVCACHE_HOME/prose/<split>-<key>.json``; the key digests ``RULE``, the Python version and
-    each stdlib file of ``split`` (path, size, modification time)."""
+    """The paragraphs of ``split``, read from ``$KVCACHE_HOME/prose/<split>-<key>.json`` when the key
+    (a digest of ``RULE``, the Python version and each stdlib file of ``split``: path, size,
+    modification time) matches, else parsed (seconds) and kept there."""
     from ..models import kvcache_home
 
     root = Path(sysconfig.get_paths()["stdlib"])
@@ -121,7 +103,18 @@ def _kept_at(split: str) -> Path:
     for rel in tasks.filler_files(split):
         stat = (root / rel).stat()
         key.update(f"{rel}\t{stat.st_size}\t{stat.st_mtime_ns}\n".encode())
-    return kvcache_home() / "prose" / f"{split}-{key.hexdigest()[:20]}.json"
+    kept = kvcache_home() / "prose" / f"{split}-{key.hexdigest()[:20]}.json"
+    with contextlib.suppress(OSError, ValueError):
+        stored = json.loads(kept.read_text())
+        if isinstance(stored, list) and all(isinstance(p, str) and _prose(p) for p in stored):
+            return tuple(stored)
+    out = _parse(split)
+    with contextlib.suppress(OSError):  # a read-only home: parse again next time
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        tmp = kept.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(out))
+        os.replace(tmp, kept)
+    return out
 
 
 def _parse(split: str) -> tuple[str, ...]:
@@ -178,10 +171,25 @@ def prose(tokenizer, tokens: int, seed: int, split: str = "train") -> list[str]:
         if total >= tokens:
             break
         out.append(para)
-        total += len(tokenizer(para, add_special_tokens=False)["input_ids"]) + 1
+        total += len(_ids(tokenizer, para)) + 1
     if total < tokens:
         raise RuntimeError(f"the standard library's docstrings hold fewer than {tokens} tokens of prose here")
     return out
+
+
+def haystack(tokenizer, tokens: int, seed: int, split: str, planted: list[tuple[float, str]]) -> str:
+    """Paragraphs of ``split`` (:func:`prose`) within ``tokens`` tokens, each planted ``(depth, text)`` at
+    the paragraph boundary nearest its depth (boundary i: after paragraph i - 1), between document tags."""
+    paras = prose(tokenizer, tokens, seed, split)
+    sizes = [len(_ids(tokenizer, p)) + 1 for p in paras]
+    while sum(sizes) > tokens and len(paras) > 1:  # drop the last paragraph while over
+        paras, sizes = paras[:-1], sizes[:-1]
+    bounds = list(itertools.accumulate(sizes, initial=0))
+    at = [min(range(len(bounds)), key=lambda i: abs(bounds[i] - d * bounds[-1])) for d, _ in planted]
+    body = [text for (_, text), b in zip(planted, at) if b == 0]
+    for i, para in enumerate(paras, 1):
+        body += [para] + [text for (_, text), b in zip(planted, at) if b == i]
+    return "<document>\n" + "\n".join(body) + "\n</document>"
 
 
 def make_context(tokenizer, length: int, seed: int, reserve: int = 48, count: int = 1, split: str = "train") -> Context:
@@ -193,53 +201,28 @@ def make_context(tokenizer, length: int, seed: int, reserve: int = 48, count: in
     keys = [str(rng.randrange(10000, 100000)) for _ in DEPTHS]
     depths = DEPTHS if count == 3 else (DEPTHS[seed % 3],)
     doors, keys = doors[: len(depths)], keys[: len(depths)]
-    budget = length - reserve - _overhead(tokenizer)
-    paras = prose(tokenizer, budget, seed, split)
-    sizes = [len(tokenizer(p, add_special_tokens=False)["input_ids"]) + 1 for p in paras]
-    while sum(sizes) > budget and len(paras) > 1:  # drop the last paragraph while over
-        paras, sizes = paras[:-1], sizes[:-1]
-    # A needle goes at the paragraph boundary nearest its depth (boundary i: after paragraph i - 1).
-    bounds = [0]
-    for n in sizes:
-        bounds.append(bounds[-1] + n)
-    at = [min(range(len(bounds)), key=lambda i: abs(bounds[i] - d * bounds[-1])) for d in depths]
-    body: list[str] = []
-    for i in range(len(paras) + 1):
-        body += [NEEDLE.format(door=doors[j], key=keys[j]) for j, b in enumerate(at) if b == i]
-        if i < len(paras):
-            body.append(paras[i])
-    doc = "<document>\n" + "\n".join(body) + "\n</document>"
-    rendered = tokenizer.apply_chat_template(
-        [{"role": "user", "content": f"{INTRO}\n\n{doc}{MARK}"}], tokenize=False, add_generation_prompt=True
-    )
-    head, tail = rendered.split(MARK)
+    # The prose leaves room for the template, the introduction, the document tags and three needles.
+    room = " ".join(NEEDLE.format(door="violet", key="12345") for _ in DEPTHS)
+    overhead = len(_ids(tokenizer, _chat(tokenizer, f"{INTRO}\n\n<document>\n{room}\n</document>", prompt=False)))
+    planted = [(depth, NEEDLE.format(door=door, key=key)) for depth, door, key in zip(depths, doors, keys)]
+    doc = haystack(tokenizer, length - reserve - overhead, seed, split, planted)
+    head, tail = _chat(tokenizer, f"{INTRO}\n\n{doc}{MARK}").split(MARK)
     intro_at = head.index("<document>")
-    prefix_ids = _ids(tokenizer, head[:intro_at]) + _ids(tokenizer, head[intro_at:])
-    document = len(_ids(tokenizer, head[:intro_at]))
+    intro = _ids(tokenizer, head[:intro_at])
+    prefix_ids = intro + _ids(tokenizer, head[intro_at:])
     questions = tuple(
         Question(door, key, depth, _ids(tokenizer, "\n\n" + QUESTION.format(door=door) + tail + ANSWER.format(door=door)))
         for door, key, depth in zip(doors, keys, depths)
     )
-    # The end of the document's user turn, the request, and the assistant's turn repeating the document.
-    repeat_ids = _ids(tokenizer, _repeat_request(tokenizer)) + prefix_ids[document:]
-    return Context(length, seed, prefix_ids, document, questions, repeat_ids)
+    # The end of the document's user turn, the request in a new one, and the assistant's turn repeating the document.
+    repeat_ids = _ids(tokenizer, _chat(tokenizer, MARK, REPEAT).split(MARK, 1)[1]) + prefix_ids[len(intro) :]
+    return Context(length, seed, prefix_ids, len(intro), questions, repeat_ids)
 
 
-def _repeat_request(tokenizer) -> str:
-    """The text that closes the document's user turn and asks, in a new one, for the document back."""
-    rendered = tokenizer.apply_chat_template(
-        [{"role": "user", "content": MARK}, {"role": "user", "content": REPEAT}], tokenize=False, add_generation_prompt=True
-    )
-    return rendered.split(MARK, 1)[1]
-
-
-def _overhead(tokenizer) -> int:
-    """Tokens of the template, the introduction, the document tags and three needles."""
-    needles = " ".join(NEEDLE.format(door="violet", key="12345") for _ in DEPTHS)  # room for three
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": f"{INTRO}\n\n<document>\n{needles}\n</document>"}], tokenize=False, add_generation_prompt=False
-    )
-    return len(_ids(tokenizer, text))
+def _chat(tokenizer, *turns: str, prompt: bool = True) -> str:
+    """The chat template around user turns ``turns``, as text (with the generation prompt if ``prompt``)."""
+    messages = [{"role": "user", "content": turn} for turn in turns]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt)
 
 
 def _ids(tokenizer, text: str) -> list[int]:

@@ -1,5 +1,5 @@
 """What the quality harnesses' reports share (``eval.py``, ``eval_plain.py``, ``eval_real_report.py``,
-``eval_frontier_report.py``): means and shares, Markdown tables (the files: ``bench.common.write_files``)."""
+``eval_frontier.py``): means and shares, Markdown tables (the files: ``bench.common.write_files``)."""
 
 from __future__ import annotations
 

@@ -49,6 +49,7 @@ import os
 import random
 import string
 import sysconfig
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -119,11 +120,6 @@ def _check_split(split: str) -> None:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
 
 
-def _split_of(rel: str) -> str:
-    first = hashlib.sha256(rel.encode("utf-8")).digest()[0]
-    return "heldout" if first < HELDOUT_BYTE_BELOW else "train"
-
-
 @functools.lru_cache(maxsize=None)
 def filler_files(split: str) -> tuple[str, ...]:
     """Relative paths (POSIX) of the stdlib files in ``split``, sorted (the stdlib is walked once a
@@ -136,29 +132,25 @@ def filler_files(split: str) -> tuple[str, ...]:
         for name in files:
             if name.endswith(".py"):
                 rel = Path(folder, name).relative_to(root).as_posix()
-                if _split_of(rel) == split:
+                if (hashlib.sha256(rel.encode("utf-8")).digest()[0] < HELDOUT_BYTE_BELOW) == (split == "heldout"):
                     out.append(rel)
     if not out:
         raise RuntimeError(f"no Python sources found under {root} for split {split!r}")
     return tuple(sorted(out))
 
 
-def _clean(text: str) -> str:
-    """Printable ASCII plus newline and tab: other non-ASCII characters become ``?``."""
-    text = text.replace("\r\n", "\n").encode("ascii", errors="replace").decode("ascii")
-    return text.translate(_DROP)
-
-
 @functools.lru_cache(maxsize=None)
 def filler_text(split: str) -> str:
-    """All files of ``split``, cleaned to printable ASCII, joined by blank lines (one string)."""
+    """All files of ``split``, cleaned to printable ASCII (``?`` for other characters, control
+    characters but newline and tab dropped), joined by blank lines (one string)."""
     root = Path(sysconfig.get_paths()["stdlib"])
     parts = []
     for rel in filler_files(split):
         try:
-            parts.append(_clean((root / rel).read_text(encoding="utf-8", errors="replace")))
+            text = (root / rel).read_text(encoding="utf-8", errors="replace")
         except OSError:
             continue
+        parts.append(text.replace("\r\n", "\n").encode("ascii", errors="replace").decode("ascii").translate(_DROP))
     return "\n\n".join(parts)
 
 
@@ -192,10 +184,12 @@ def _check_depth(depth: float) -> float:
     return depth
 
 
-def _assemble(
-    rng: random.Random, *, needle: str, question: str, length: int, depth: float, split: str, task: str
-) -> tuple[str, tuple[int, int]]:
-    """``filler[:k] + needle + filler[k:] + question``, exactly ``length`` characters long."""
+def _instance(
+    task: str, split: str, seed: int, depth: float, rng: random.Random, *, needle: str, question: str, answer: str,
+    length: int, meta: dict, asked: tuple[tuple[int, int], ...] = (),
+) -> Instance:
+    """The instance whose prompt is ``filler[:k] + needle + filler[k:] + question``, exactly ``length``
+    characters long; ``asked``: the spans, inside ``question``, of the answers it already states."""
     room = length - len(needle) - len(question)
     if room < 0:
         need = len(needle) + len(question)
@@ -204,21 +198,22 @@ def _assemble(
     k = round(depth * room)
     prompt = text[:k] + needle + text[k:] + question
     assert len(prompt) == length
-    return prompt, (k, k + len(needle))
+    q0 = length - len(question)
+    spans = tuple((q0 + a, q0 + b) for a, b in asked) + ((length, length + len(answer)),)
+    return Instance(task, split, seed, depth, prompt, answer, (k, k + len(needle)), spans, meta)
 
 
 def _digits(rng: random.Random, n: int) -> str:
     return str(rng.randrange(10 ** (n - 1), 10**n))
 
 
-def _distinct_words(rng: random.Random, count: int, size: int, alphabet: str) -> list[str]:
-    seen: set[str] = set()
-    out = []
+def _distinct(count: int, draw: Callable[[], str]) -> list[str]:
+    """``count`` different values of ``draw()``, in the order first drawn."""
+    out: list[str] = []
     while len(out) < count:
-        w = "".join(rng.choice(alphabet) for _ in range(size))
-        if w not in seen:
-            seen.add(w)
-            out.append(w)
+        value = draw()
+        if value not in out:
+            out.append(value)
     return out
 
 
@@ -231,12 +226,8 @@ def passkey(seed: int, *, length: int, depth: float, split: str = "heldout", dig
     rng = _rng("passkey", split, seed)
     key = _digits(rng, digits)
     needle = f"\nThe pass key is {key}. Remember it.\n"
-    prompt, span = _assemble(
-        rng, needle=needle, question=PASSKEY_QUESTION, length=length, depth=depth, split=split, task="passkey"
-    )
-    answer = " " + key
-    spans = ((length, length + len(answer)),)
-    return Instance("passkey", split, seed, depth, prompt, answer, span, spans, {"key": key})
+    return _instance("passkey", split, seed, depth, rng, needle=needle, question=PASSKEY_QUESTION, answer=" " + key,
+                     length=length, meta={"key": key})
 
 
 def assoc_recall(
@@ -254,25 +245,20 @@ def assoc_recall(
     if n_pairs < 1 or not 1 <= n_queries <= n_pairs:
         raise ValueError(f"assoc: need 1 <= n_queries <= n_pairs, got n_pairs={n_pairs}, n_queries={n_queries}")
     rng = _rng("assoc", split, seed)
-    keys = _distinct_words(rng, n_pairs, 4, string.ascii_lowercase)
+    keys = _distinct(n_pairs, lambda: "".join(rng.choice(string.ascii_lowercase) for _ in range(4)))
     values = [_digits(rng, 3) for _ in keys]
     asked = rng.sample(range(n_pairs), n_queries)
     needle = ASSOC_HEADER + "".join(f"{k}: {v}\n" for k, v in zip(keys, values))
     question = ASSOC_QUERY_HEADER
-    spans_in_question = []
+    spans = []
     for i in asked[:-1]:
         question += f"{keys[i]}:"
-        spans_in_question.append((len(question), len(question) + 4))
+        spans.append((len(question), len(question) + 4))
         question += f" {values[i]}\n"
     question += f"{keys[asked[-1]]}:"
-    answer = " " + values[asked[-1]]
-    prompt, span = _assemble(
-        rng, needle=needle, question=question, length=length, depth=depth, split=split, task="assoc"
-    )
-    q0 = length - len(question)
-    spans = tuple((q0 + a, q0 + b) for a, b in spans_in_question) + ((length, length + len(answer)),)
     meta = {"pairs": dict(zip(keys, values)), "queries": [keys[i] for i in asked]}
-    return Instance("assoc", split, seed, depth, prompt, answer, span, spans, meta)
+    return _instance("assoc", split, seed, depth, rng, needle=needle, question=question, answer=" " + values[asked[-1]],
+                     length=length, meta=meta, asked=tuple(spans))
 
 
 def var_tracking(
@@ -291,32 +277,20 @@ def var_tracking(
     if hops < 1 or chains < 1:
         raise ValueError(f"vartrack: need hops >= 1 and chains >= 1, got hops={hops}, chains={chains}")
     rng = _rng("vartrack", split, seed)
-    names = _distinct_words(rng, hops * chains, 3, string.ascii_uppercase)
-    values = []
-    while len(values) < chains:
-        v = _digits(rng, 5)
-        if v not in values:
-            values.append(v)
-    lines_of = []
+    names = _distinct(hops * chains, lambda: "".join(rng.choice(string.ascii_uppercase) for _ in range(3)))
+    values = _distinct(chains, lambda: _digits(rng, 5))
+    lines = []
     for c in range(chains):
         chain = names[c * hops : (c + 1) * hops]
-        lines_of.append([f"VAR {chain[0]} = {values[c]}\n"] + [f"VAR {b} = {a}\n" for a, b in zip(chain, chain[1:])])
+        lines.append(iter([f"VAR {chain[0]} = {values[c]}\n"] + [f"VAR {b} = {a}\n" for a, b in zip(chain, chain[1:])]))
     # Interleave the chains at random, each keeping its own order.
     order = [c for c in range(chains) for _ in range(hops)]
     rng.shuffle(order)
-    cursor = [0] * chains
-    block = []
-    for c in order:
-        block.append(lines_of[c][cursor[c]])
-        cursor[c] += 1
-    needle = "\n" + "".join(block)
+    needle = "\n" + "".join(next(lines[c]) for c in order)
     question = f"\nWhich variables equal {values[0]}? Answer:"
     answer = " " + " ".join(names[:hops])
-    prompt, span = _assemble(
-        rng, needle=needle, question=question, length=length, depth=depth, split=split, task="vartrack"
-    )
-    meta = {"value": values[0], "chain": names[:hops]}
-    return Instance("vartrack", split, seed, depth, prompt, answer, span, ((length, length + len(answer)),), meta)
+    return _instance("vartrack", split, seed, depth, rng, needle=needle, question=question, answer=answer,
+                     length=length, meta={"value": values[0], "chain": names[:hops]})
 
 
 _MAKERS = {"passkey": passkey, "assoc": assoc_recall, "vartrack": var_tracking}

@@ -6,17 +6,14 @@ rotary embeddings, sliding windows, cache updates) runs exactly as it would for
 a pretrained checkpoint; only the sizes are shrunk and the weights are random.
 Nothing is downloaded.
 
-Common shape of every tiny model (unless overridden):
+Common shape of every tiny model (unless overridden): 4 decoder layers,
+``hidden_size=64``, ``intermediate_size=128``, 4 query heads sharing 2 key/value
+heads of ``head_dim=16`` (one cached layer holds ``[batch, 2, seq_len, 16]``),
+``vocab_size=256`` with pad/BOS/EOS ids 0/1/2, ``max_position_embeddings=4096``.
 
-* 4 decoder layers, ``hidden_size=64``, ``intermediate_size=128``
-* 4 query heads, 2 key/value heads (grouped-query attention, group size 2),
-  ``head_dim=16`` -- so one cached layer holds key/value tensors of shape
-  ``[batch, 2, seq_len, 16]``
-* ``vocab_size=256`` with ``pad_token_id=0``, ``bos_token_id=1``,
-  ``eos_token_id=2``
-* ``max_position_embeddings=4096``
-
-Sliding windows (see :func:`tiny_config`):
+Sliding windows (``sliding_window`` of :func:`tiny_config`: None keeps the default
+below, a positive value sets the window and turns sliding on where the table
+says, 0 turns it off; llama and gemma refuse a non-zero window):
 
 =========  ==========================================================
 family     attention layout by default
@@ -98,15 +95,26 @@ HEAD_DIM = 16
 INITIALIZER_RANGE = 0.2
 _FAMILY_INITIALIZER_RANGE: dict[str, float] = {"gemma2": 0.1}
 
-_FAMILY_CLASSES: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel]]] = {
-    "llama": (LlamaConfig, LlamaForCausalLM),
-    "mistral": (MistralConfig, MistralForCausalLM),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
-    "phi3": (Phi3Config, Phi3ForCausalLM),
-    "gemma": (GemmaConfig, GemmaForCausalLM),
-    "gemma2": (Gemma2Config, Gemma2ForCausalLM),
-    "smollm3": (SmolLM3Config, SmolLM3ForCausalLM),
+#: Family -> config class, model class and the family's own config fields (its sliding-window
+#: layout apart, see :func:`_sliding`).
+_FAMILY_CLASSES: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], dict[str, Any]]] = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {"head_dim": HEAD_DIM}),
+    "mistral": (MistralConfig, MistralForCausalLM, {"head_dim": HEAD_DIM}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": HEAD_DIM}),
+    # Phi3 has no head_dim field (derived as hidden_size // num_heads) and fuses q/k/v into
+    # ``qkv_proj`` and gate/up into ``gate_up_proj``.
+    "phi3": (Phi3Config, Phi3ForCausalLM, {"original_max_position_embeddings": 4096}),
+    # Gemma's default head_dim is 256, not hidden_size // num_heads.
+    "gemma": (GemmaConfig, GemmaForCausalLM, {"head_dim": HEAD_DIM, "hidden_act": "gelu_pytorch_tanh"}),
+    # query_pre_attn_scalar: the default is 256 (the real model's head_dim); use 1/sqrt(head_dim) scaling.
+    "gemma2": (
+        Gemma2Config,
+        Gemma2ForCausalLM,
+        {"head_dim": HEAD_DIM, "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": HEAD_DIM},
+    ),
+    # A NoPE layer every ``no_rope_layer_interval`` layers (layer 3 of 4).
+    "smollm3": (SmolLM3Config, SmolLM3ForCausalLM, {"no_rope_layer_interval": 4}),
 }
 
 # Gemma2 in transformers 5.x declares ``_supports_sdpa = False`` (SDPA cannot
@@ -117,98 +125,39 @@ _FAMILY_CLASSES: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel]]]
 _DEFAULT_ATTN: dict[str, str] = {"gemma2": "eager"}
 
 
-def _check_family(family: str) -> None:
-    if family not in _FAMILY_CLASSES:
-        raise ValueError(f"unknown model family {family!r}; expected one of: {', '.join(FAMILIES)}")
-
-
-def _family_kwargs(family: str, sliding_window: int | None) -> dict[str, Any]:
-    """Family-specific config kwargs, including the sliding-window layout.
-
-    ``sliding_window`` is ``None`` (family default), a positive window length,
-    or ``0`` (disable sliding attention where the family has it).
-    """
-    if sliding_window is not None and sliding_window < 0:
-        raise ValueError(f"sliding_window must be >= 0 or None, got {sliding_window}")
-    window = DEFAULT_SLIDING_WINDOW if sliding_window is None else sliding_window
-
+def _sliding(family: str, window: int | None, layers: int) -> dict[str, Any]:
+    """The config fields of ``family``'s sliding-window layout (module docstring) for ``window``
+    over ``layers`` decoder layers."""
+    if window is not None and window < 0:
+        raise ValueError(f"sliding_window must be >= 0 or None, got {window}")
     if family in ("llama", "gemma"):
-        if sliding_window:
+        if window:
             raise ValueError(f"family {family!r} has no sliding-window attention")
-        if family == "gemma":
-            # Gemma's default head_dim is 256, not hidden_size // num_heads.
-            return {"head_dim": HEAD_DIM, "hidden_act": "gelu_pytorch_tanh"}
-        return {"head_dim": HEAD_DIM}
-
-    if family == "mistral":
-        # No ``layer_types``: one window for every layer (None = full attention).
-        return {"head_dim": HEAD_DIM, "sliding_window": window or None}
-
+        return {}
+    if family == "mistral":  # no ``layer_types``: one window for every layer (None = full attention)
+        return {"sliding_window": DEFAULT_SLIDING_WINDOW if window is None else window or None}
     if family == "gemma2":
-        layer_types = [
-            "sliding_attention" if window and i % 2 == 0 else "full_attention" for i in range(NUM_LAYERS)
-        ]
-        return {
-            "head_dim": HEAD_DIM,
-            "hidden_activation": "gelu_pytorch_tanh",
-            # Default is 256 (the real model's head_dim); use 1/sqrt(head_dim) scaling.
-            "query_pre_attn_scalar": HEAD_DIM,
-            "sliding_window": window or DEFAULT_SLIDING_WINDOW,
-            "layer_types": layer_types,
-        }
-
+        types = ["sliding_attention" if window != 0 and i % 2 == 0 else "full_attention" for i in range(layers)]
+        return {"sliding_window": window or DEFAULT_SLIDING_WINDOW, "layer_types": types}
     if family in ("qwen2", "qwen3"):
-        kwargs: dict[str, Any] = {"head_dim": HEAD_DIM} if family == "qwen3" else {}
-        if sliding_window:
-            # Layers with index >= max_window_layers use the window.
-            kwargs |= {
-                "use_sliding_window": True,
-                "sliding_window": sliding_window,
-                "max_window_layers": NUM_LAYERS // 2,
-            }
-        else:
-            kwargs |= {"use_sliding_window": False}
-        return kwargs
-
+        if not window:
+            return {"use_sliding_window": False}
+        # Layers with index >= max_window_layers use the window.
+        return {"use_sliding_window": True, "sliding_window": window, "max_window_layers": NUM_LAYERS // 2}
     if family == "phi3":
-        # Phi3 has no head_dim field (derived as hidden_size // num_heads) and
-        # fuses q/k/v into ``qkv_proj`` and gate/up into ``gate_up_proj``.
-        return {
-            "original_max_position_embeddings": 4096,
-            "sliding_window": sliding_window or None,
-        }
-
-    # smollm3: a NoPE layer every ``no_rope_layer_interval`` layers (layer 3 of 4);
-    # when sliding is enabled, the NoPE layers are the sliding ones.
-    return {
-        "no_rope_layer_interval": 4,
-        "use_sliding_window": bool(sliding_window),
-        "sliding_window": sliding_window or None,
-    }
+        return {"sliding_window": window or None}
+    # smollm3: when sliding is enabled, the NoPE layers are the sliding ones.
+    return {"use_sliding_window": bool(window), "sliding_window": window or None}
 
 
 def tiny_config(family: str, *, sliding_window: int | None = None, **overrides: Any) -> PretrainedConfig:
-    """Return a tiny config of the given family.
-
-    Args:
-        family: one of :data:`FAMILIES`.
-        sliding_window: ``None`` keeps the family default (mistral: every layer
-            with window 16; gemma2: alternating sliding/full with window 16;
-            the others: no sliding). A positive value sets the window and
-            enables sliding attention for qwen2/qwen3 (upper half of the
-            layers), phi3 (all layers) and smollm3 (its NoPE layers). ``0``
-            disables sliding attention (gemma2 becomes all-full). Llama and
-            gemma reject a non-zero window.
-        **overrides: any config field, applied last (e.g. ``num_hidden_layers``,
-            ``attn_implementation``, ``initializer_range``). Note that derived
-            fields such as gemma2's ``layer_types`` are computed for the default
-            4 layers; pass ``layer_types`` too when changing the depth.
-
-    Raises:
-        ValueError: for an unknown family or an unsupported window.
-    """
-    _check_family(family)
-    config_cls, _ = _FAMILY_CLASSES[family]
+    """A tiny config of ``family`` (one of :data:`FAMILIES`), ``sliding_window`` as in the module
+    docstring; ``overrides`` are config fields applied last (e.g. ``num_hidden_layers``,
+    ``attn_implementation``, ``initializer_range``). Raises ``ValueError`` for an unknown family or
+    an unsupported window."""
+    if family not in _FAMILY_CLASSES:
+        raise ValueError(f"unknown model family {family!r}; expected one of: {', '.join(FAMILIES)}")
+    config_cls, _, fields = _FAMILY_CLASSES[family]
     kwargs: dict[str, Any] = {
         "vocab_size": VOCAB_SIZE,
         "hidden_size": HIDDEN_SIZE,
@@ -223,16 +172,9 @@ def tiny_config(family: str, *, sliding_window: int | None = None, **overrides: 
         "eos_token_id": EOS_TOKEN_ID,
         "attn_implementation": _DEFAULT_ATTN.get(family, "sdpa"),
     }
-    kwargs |= _family_kwargs(family, sliding_window)
-    if "num_hidden_layers" in overrides and family == "gemma2" and "layer_types" not in overrides:
-        # Re-derive the alternating pattern for the requested depth.
-        n = overrides["num_hidden_layers"]
-        sliding = any(t == "sliding_attention" for t in kwargs["layer_types"])
-        kwargs["layer_types"] = [
-            "sliding_attention" if sliding and i % 2 == 0 else "full_attention" for i in range(n)
-        ]
-    kwargs |= overrides
-    return config_cls(**kwargs)
+    # gemma2's layer pattern follows the requested depth (unless ``layer_types`` is given too).
+    kwargs |= fields | _sliding(family, sliding_window, overrides.get("num_hidden_layers", NUM_LAYERS))
+    return config_cls(**kwargs | overrides)
 
 
 def tiny_model(
@@ -244,35 +186,24 @@ def tiny_model(
     suppress_eos: bool = True,
     **overrides: Any,
 ) -> PreTrainedModel:
-    """Build a tiny random causal LM of the given family, in ``eval()`` mode.
+    """A tiny random causal LM of ``family`` in ``eval()`` mode: ``input_ids`` ``[B, T]`` to logits
+    ``[B, T, 256]``; ``sliding_window`` and ``overrides`` as in :func:`tiny_config`.
 
-    The model maps ``input_ids`` of shape ``[batch, seq_len]`` to logits of
-    shape ``[batch, seq_len, 256]`` and works with ``model.generate``.
-
-    Args:
-        family: one of :data:`FAMILIES`.
-        seed: weights are a pure function of ``(family, seed, config)``; the
-            global torch RNG state is left unchanged.
-        sliding_window: see :func:`tiny_config`.
-        dtype: parameter dtype; weights are drawn in float32 then cast, so
-            different dtypes share the same underlying values.
-        suppress_eos: zero the output-embedding row of the EOS token so its
-            logit is exactly 0 while the other 255 random logits have their
-            maximum far above 0: greedy and beam search never pick EOS and
-            never stop early. With tied embeddings (gemma, gemma2, smollm3)
-            this also zeroes EOS's input embedding, which is harmless.
-        **overrides: config fields, see :func:`tiny_config`.
+    The weights are a pure function of ``(family, seed, config)`` (the global torch RNG state is left
+    unchanged), drawn in float32 and then cast to ``dtype``, so dtypes share the same values.
+    ``suppress_eos`` zeroes the EOS token's output-embedding row so its logit is exactly 0 while the
+    other 255 random logits have their maximum far above 0: greedy and beam search never pick EOS
+    and never stop early (with tied embeddings, gemma, gemma2 and smollm3, EOS's input embedding too,
+    which is harmless).
     """
     config = tiny_config(family, sliding_window=sliding_window, **overrides)
-    _, model_cls = _FAMILY_CLASSES[family]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = model_cls(config)
+        model = _FAMILY_CLASSES[family][1](config)
     if suppress_eos:
         eos = config.eos_token_id
-        eos_ids = eos if isinstance(eos, list) else [eos]
         with torch.no_grad():
-            for token_id in eos_ids:
+            for token_id in eos if isinstance(eos, list) else [eos]:
                 if token_id is not None:
                     model.get_output_embeddings().weight[token_id].zero_()
     return model.to(dtype=dtype).eval()

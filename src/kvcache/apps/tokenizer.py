@@ -160,7 +160,11 @@ class TokenStreamer(BaseStreamer):
     def _write(self, text: str) -> None:
         if not text:
             return
-        if _isatty(self._stream):
+        try:
+            tty = bool(self._stream.isatty())
+        except (AttributeError, ValueError):
+            tty = False
+        if tty:
             text = text.translate(_CONTROL_ESCAPES)
         try:
             self._stream.write(text)
@@ -171,10 +175,3 @@ class TokenStreamer(BaseStreamer):
 
 
 _CONTROL_ESCAPES = {c: f"\\x{c:02x}" for c in [*range(0x20), 0x7F] if chr(c) not in "\n\t"}
-
-
-def _isatty(stream: Any) -> bool:
-    try:
-        return bool(stream.isatty())
-    except (AttributeError, ValueError):
-        return False

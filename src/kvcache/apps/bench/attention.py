@@ -16,15 +16,14 @@ batch 1 x 8K and batch 8 x 4K; ``--shapes`` runs only the shapes given
 ``torch.nn.functional.scaled_dot_product_attention`` (``enable_gqa=True``) and ``kvcache.attend``,
 alternating within each repeat; medians reported, with the largest difference between the two outputs.
 
-Then the quantized caches' decode attention beside fp32 (``coded_attention``: SmolLM2 geometry,
-batch 1 and 8, 4K and 16K tokens), and the engine's paged decode over block tables
-(``paged_attention``: 16 sequences of mixed lengths, float32, bfloat16 and int8 blocks), on the same measured
-bandwidth; and prompt chunks over the pool's blocks (``prefill_attention``: the paged prefill
-kernel against gathering each chunk's past for SDPA), by work per second.
+Then, on the same measured bandwidth, the quantized caches' decode attention beside fp32
+(:mod:`.coded_attention`) and the engine's paged decode over block tables (:mod:`.paged_attention`);
+and prompt chunks over the pool's blocks by work per second (:mod:`.prefill_attention`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,15 +31,15 @@ import torch
 import torch.nn.functional as F
 
 from ...attention import attend
-from . import coded_attention, paged_attention, prefill_attention
-from dataclasses import dataclass
-
 from ...errors import KVCacheError
-from .common import clock_cold, figure, finish_axes, machine_line, markdown_table, median, read_bandwidth
-from .harness import alternate, report
 from ..run_options import RunOptions
+from . import coded_attention, paged_attention, prefill_attention
+from .common import clock_cold, column_table, figure, finish_axes, machine_line, median, read_bandwidth
+from .harness import alternate, report
 
-CONTENDERS = ("sdpa", "attend")
+#: The contenders, each a function ``(query, key, value) -> output``.
+FUNCTIONS = {"sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), "attend": attend}
+CONTENDERS = tuple(FUNCTIONS)
 VARIANTS = {"mha": 8, "gqa": 32}
 KV_HEADS, HEAD_DIM = 8, 128
 
@@ -86,14 +85,6 @@ def parse_shapes(text: str) -> list[Shape]:
 SMOLLM2_SHAPES = (Shape(9, 3, 64, 1, 8192, "smollm2"), Shape(9, 3, 64, 8, 4096, "smollm2"))
 
 
-def contender(name: str):
-    if name == "sdpa":
-        return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-    if name == "attend":
-        return attend
-    raise ValueError(f"unknown contender {name!r}; valid: {', '.join(CONTENDERS)}")
-
-
 def run(
     options: RunOptions = RunOptions(),
     *,
@@ -108,12 +99,10 @@ def run(
     if lengths is None:
         top = options.pick(2**7, 2**14, 2**16)
         lengths = [2**i for i in range(6 if options.tiny else 10, top.bit_length())]
-    if shapes is None:
-        sweep = [Shape(q_heads, KV_HEADS, HEAD_DIM, 1, total, variant) for variant, q_heads in VARIANTS.items() for total in lengths]
+    coded = shapes is None
+    if coded:
+        sweep = [Shape(q, KV_HEADS, HEAD_DIM, 1, t, variant) for variant, q in VARIANTS.items() for t in lengths]
         shapes = sweep + ([] if options.tiny else list(SMOLLM2_SHAPES))
-        coded = True
-    else:
-        coded = False
     repeats = repeats or options.pick(2, 10, 20)
     dtypes = [torch.float32] + ([torch.bfloat16] if options.device.startswith("cuda") else [])
     bandwidth = read_bandwidth(options.device, mib=16 if options.tiny else 512)
@@ -147,73 +136,65 @@ def run(
 def _measure(shape: Shape, dtype: torch.dtype, gen: torch.Generator, device: str, bandwidth: float, repeats: int) -> list[dict[str, Any]]:
     """The rows (one per contender) of one shape: medians of alternated cold calls."""
     buffer = (shape.batch, shape.kv_heads, shape.tokens + 256, shape.head_dim)
-    kbuf = torch.randn(buffer, generator=gen).to(device, dtype)
-    vbuf = torch.randn(buffer, generator=gen).to(device, dtype)
+    kbuf, vbuf = (torch.randn(buffer, generator=gen).to(device, dtype) for _ in range(2))
     key, value = kbuf[:, :, : shape.tokens], vbuf[:, :, : shape.tokens]
     query = torch.randn(shape.batch, shape.query_heads, 1, shape.head_dim, generator=gen).to(device, dtype)
-    fns = {name: contender(name) for name in CONTENDERS}
-    outputs = {name: fn(query, key, value) for name, fn in fns.items()}  # warm-up + check
+    outputs = {name: fn(query, key, value) for name, fn in FUNCTIONS.items()}  # warm-up + check
     diff = (outputs["attend"].float() - outputs["sdpa"].float()).abs().max().item()
-    times = alternate(CONTENDERS, repeats, lambda name: clock_cold(lambda: fns[name](query, key, value), device))
+    times = alternate(CONTENDERS, repeats, lambda name: clock_cold(lambda: FUNCTIONS[name](query, key, value), device))
     nbytes = key.nbytes + value.nbytes
-    rows = []
-    for name in CONTENDERS:
-        seconds = median(times[name])
-        rows.append(
-            {
-                "dtype": str(dtype).removeprefix("torch."),
-                "variant": shape.name,
-                "query_heads": shape.query_heads,
-                "kv_heads": shape.kv_heads,
-                "head_dim": shape.head_dim,
-                "batch": shape.batch,
-                "tokens": shape.tokens,
-                "contender": name,
-                "ms": seconds * 1e3,
-                "kv_bytes": nbytes,
-                "bandwidth_fraction": nbytes / seconds / bandwidth,
-                "max_abs_diff_vs_sdpa": diff if name == "attend" else 0.0,
-                "samples_ms": [t * 1e3 for t in times[name]],
-            }
-        )
-    return rows
+    seconds = {name: median(samples) for name, samples in times.items()}
+    return [
+        {
+            "dtype": str(dtype).removeprefix("torch."),
+            "variant": shape.name,
+            "query_heads": shape.query_heads,
+            "kv_heads": shape.kv_heads,
+            "head_dim": shape.head_dim,
+            "batch": shape.batch,
+            "tokens": shape.tokens,
+            "contender": name,
+            "ms": seconds[name] * 1e3,
+            "kv_bytes": nbytes,
+            "bandwidth_fraction": nbytes / seconds[name] / bandwidth,
+            "max_abs_diff_vs_sdpa": diff if name == "attend" else 0.0,
+            "samples_ms": [t * 1e3 for t in times[name]],
+        }
+        for name in CONTENDERS
+    ]
 
 
 def table(result: dict[str, Any]) -> str:
     bw = result["read_bandwidth_bytes_per_s"] / 1e9
-    header = ["dtype", "variant", "B", "T", "contender", "ms", "fraction of read bandwidth", "max |attend - sdpa|"]
-    body = [
-        [
-            r["dtype"],
-            f"{r['variant']} ({r['query_heads']}q/{r.get('kv_heads', KV_HEADS)}kv x {r.get('head_dim', HEAD_DIM)})",
-            r.get("batch", 1),
-            r["tokens"],
-            r["contender"],
-            r["ms"],
-            f"{r['bandwidth_fraction']:.0%}",
-            f"{r['max_abs_diff_vs_sdpa']:.1e}" if r["contender"] == "attend" else "",
-        ]
-        for r in result["rows"]
-    ]
-    coded = coded_attention.table(result["quantized_rows"]) if result.get("quantized_rows") else ""
-    coded += paged_attention.table(result["paged_rows"]) if result.get("paged_rows") else ""
-    coded += prefill_attention.table(result["prefill_rows"]) if result.get("prefill_rows") else ""
+    columns = {
+        "dtype": "dtype",
+        "variant": lambda r: (
+            f"{r['variant']} ({r['query_heads']}q/{r.get('kv_heads', KV_HEADS)}kv x {r.get('head_dim', HEAD_DIM)})"
+        ),
+        "B": lambda r: r.get("batch", 1),
+        "T": "tokens",
+        "contender": "contender",
+        "ms": "ms",
+        "fraction of read bandwidth": lambda r: f"{r['bandwidth_fraction']:.0%}",
+        "max |attend - sdpa|": lambda r: f"{r['max_abs_diff_vs_sdpa']:.1e}" if r["contender"] == "attend" else "",
+    }
+    parts = ((coded_attention, "quantized_rows"), (paged_attention, "paged_rows"), (prefill_attention, "prefill_rows"))
+    coded = "".join(part.table(result[key]) for part, key in parts if result.get(key))
     timing = result["config"].get("timing", "")
-    machine = machine_line(result.get("machine", {}))
-    return f"{machine}\n\nMeasured read bandwidth: {bw:.1f} GB/s; {timing}\n\n" + markdown_table(header, body) + coded
+    head = f"{machine_line(result.get('machine', {}))}\n\nMeasured read bandwidth: {bw:.1f} GB/s; {timing}\n\n"
+    return head + column_table(result["rows"], columns) + coded
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
     dtypes = result["config"]["dtypes"]
     with figure(path, panels=len(dtypes), size=(7, 4.5)) as axes:
         for ax, dtype in zip(axes, dtypes):
-            series = dict.fromkeys((r["variant"], r.get("batch", 1), r["contender"]) for r in result["rows"] if r["dtype"] == dtype)
-            for variant, batch, name in series:
-                pts = [
-                    (r["tokens"], 100 * r["bandwidth_fraction"])
-                    for r in result["rows"]
-                    if (r["dtype"], r["variant"], r.get("batch", 1), r["contender"]) == (dtype, variant, batch, name)
-                ]
+            series: dict[tuple[str, int, str], list[tuple[int, float]]] = {}
+            for r in result["rows"]:
+                if r["dtype"] == dtype:
+                    key = (r["variant"], r.get("batch", 1), r["contender"])
+                    series.setdefault(key, []).append((r["tokens"], 100 * r["bandwidth_fraction"]))
+            for (variant, batch, name), pts in series.items():
                 ax.plot(*zip(*pts), marker="o", label=f"{name} {variant}" + (f" B={batch}" if batch > 1 else ""))
             ax.axhline(50, color="grey", linestyle="--", linewidth=1)
             ax.set_ylim(0, 100)

@@ -3,15 +3,12 @@
 Three parts, one report:
 
 1. ``decode``: end-to-end ``generate`` tokens/s at long context with a budget, against the full
-   ``growable`` cache. The model is ``bench.decode.build_model`` (Llama-shaped cache: 8 KV heads x
-   128 per layer, fp32, hidden 256, 4 layers), in its GQA (32 query heads) and MHA (8) variants,
-   with random weights. For each context the prompt is prefilled ONCE with the model (untimed; a
-   16K prefill costs minutes on 2 cores). Every contender gets a fresh ``make_cache(model, spec)``
-   filled with that prefill's keys and values by ``KVCache.extend``, then ``generate`` runs
-   ``new_tokens`` greedy decode steps from prompt + first token with the ``"kvcache"`` attention
-   implementation, timed. Contenders alternate within each repeat; medians are reported, with the
-   ratio to ``growable``, the cache's ``nbytes`` after the run and whether the tokens equal
-   ``growable``'s.
+   ``growable`` cache, on suite ``decode``'s model (``decode.build_model``, 4 layers, GQA with 32
+   query heads and MHA with 8) and its one untimed prefill per context. Every contender gets a
+   fresh ``make_cache(model, spec)`` filled with that prefill's keys and values by
+   ``KVCache.extend``, then ``new_tokens`` greedy decode steps with the ``"kvcache"`` attention,
+   timed, contenders alternating; medians, the ratio to ``growable``, the cache's ``nbytes`` after
+   the run and whether the tokens equal ``growable``'s.
 
    The bounded caches received the prefill without attention scores (``extend`` runs no attention
    pass): each kept what its policy keeps with no scores (H2O and TOVA: the recent tokens their
@@ -49,7 +46,7 @@ from ...hf import register_attention
 from ...layers import GrowableLayer, QuantizedLayer
 from .. import contenders
 from ..contenders import SINKS
-from .common import cache_config, clock, figure, finish_axes, human_bytes, markdown_table, median, read_bandwidth
+from .common import cache_config, clock, column_table, figure, finish_axes, human_bytes, median, read_bandwidth
 from .decode import compare_decode, decode_table, prefilled
 from .harness import alternate, report, timed_generate
 from ..run_options import RunOptions
@@ -93,11 +90,8 @@ def spec_for(name: str, budget: int, tokens: int = 0) -> str:
 
 
 def decode_once(model, spec: str, past, ids: torch.Tensor, new_tokens: int) -> tuple[float, torch.Tensor, int]:
-    """(seconds for ``new_tokens`` greedy decode steps, all tokens, cache bytes after) for one spec.
-
-    A fresh cache receives the shared prefill's keys/values by ``extend`` (untimed, no attention
-    pass), then ``generate`` continues from ``ids`` (prompt + first token).
-    """
+    """(seconds, all tokens, cache bytes after) of ``new_tokens`` greedy steps from ``ids`` with a fresh
+    ``spec`` cache that ``extend`` filled with ``past`` (untimed, no attention pass)."""
     cache = make_cache(model, spec)
     cache.extend(past)
     seconds, out = timed_generate(model, cache, ids, new_tokens, "kvcache")
@@ -112,9 +106,8 @@ def run_decode(contexts, budget, new_tokens, repeats, layers, device, tiny, bar)
         decode_once(model, "growable", past, ids, 1)  # warm-up, untimed
         decode = lambda name: decode_once(model, specs[name], past, ids, new_tokens)  # noqa: E731
         fields = compare_decode(names, repeats, decode, new_tokens, "growable", bar)
-        for name in names:
-            row = {"part": "decode", "variant": variant, "query_heads": heads, "context": ctx, "contender": name}
-            rows.append({**row, "spec": specs[name], **fields[name]})
+        row = {"part": "decode", "variant": variant, "query_heads": heads, "context": ctx}
+        rows += [{**row, "contender": name, "spec": specs[name], **fields[name]} for name in names]
     return rows
 
 
@@ -160,20 +153,15 @@ def run_bytes(lengths, budget, device, bar) -> list[dict[str, Any]]:
 
 
 def make_layer(name: str):
-    if name == "growable":
-        return GrowableLayer()
-    if name in ("quantized-int8", "quantized-int4"):
-        return QuantizedLayer(bits=int(name[-1]))
-    raise ValueError(f"unknown contender {name!r}; valid: {', '.join(BANDWIDTH_CONTENDERS)}")
+    if name not in BANDWIDTH_CONTENDERS:
+        raise ValueError(f"unknown contender {name!r}; valid: {', '.join(BANDWIDTH_CONTENDERS)}")
+    return GrowableLayer() if name == "growable" else QuantizedLayer(bits=int(name[-1]))
 
 
 def decode_step(layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """One decode attention call: append one token, attend the query over everything stored."""
-    if isinstance(layer, GrowableLayer):
-        layer.update(key, value)
-        return attend(query, *layer.view())
     layer.update(key, value)
-    return layer.attend(query)
+    return attend(query, *layer.view()) if isinstance(layer, GrowableLayer) else layer.attend(query)
 
 
 def bytes_read(layer) -> int:
@@ -184,21 +172,17 @@ def bytes_read(layer) -> int:
 def run_bandwidth(lengths, repeats, bandwidth, device, bar) -> list[dict[str, Any]]:
     rows = []
     gen = torch.Generator().manual_seed(2)
+    rand = lambda *shape: torch.randn(shape, generator=gen).to(device)  # noqa: E731
     for variant, heads in VARIANTS.items():
         for total in lengths:
-            shape = (1, KV_HEADS, total, HEAD_DIM)
-            keys = torch.randn(shape, generator=gen).to(device)
-            values = torch.randn(shape, generator=gen).to(device)
-            layers = {}
-            for name in BANDWIDTH_CONTENDERS:
-                layer = make_layer(name)
+            keys, values = rand(1, KV_HEADS, total, HEAD_DIM), rand(1, KV_HEADS, total, HEAD_DIM)
+            layers = {name: make_layer(name) for name in BANDWIDTH_CONTENDERS}
+            for layer in layers.values():
                 layer.update(keys, values)
                 layer.settle()  # the prompt goes unattended
-                layers[name] = layer
             del keys, values
-            query = torch.randn(1, heads, 1, HEAD_DIM, generator=gen).to(device)
-            key = torch.randn(1, KV_HEADS, 1, HEAD_DIM, generator=gen).to(device)
-            value = torch.randn(1, KV_HEADS, 1, HEAD_DIM, generator=gen).to(device)
+            query = rand(1, heads, 1, HEAD_DIM)
+            key, value = rand(1, KV_HEADS, 1, HEAD_DIM), rand(1, KV_HEADS, 1, HEAD_DIM)
 
             outputs, nbytes = {}, {}
             for name, layer in layers.items():  # warm-up, the output for the check, the bytes read
@@ -345,72 +329,54 @@ def table(result: dict[str, Any]) -> str:
         )
     rows = _part(result, "bytes")
     if rows:
-        header = ["T", "contender", "cache bytes", "bytes/token", "x fp16 of T tokens"]
-        body = [
-            [
-                r["tokens"],
-                r["contender"],
-                human_bytes(r["cache_bytes"]),
-                r["bytes_per_token"],
-                f"{r['ratio_to_fp16']:.3f}",
-            ]
-            for r in rows
-        ]
-        sections.append("Bytes per token, fp16, 4 layers x 8 KV heads x 128\n\n" + markdown_table(header, body))
+        columns = {
+            "T": "tokens",
+            "contender": "contender",
+            "cache bytes": lambda r: human_bytes(r["cache_bytes"]),
+            "bytes/token": "bytes_per_token",
+            "x fp16 of T tokens": lambda r: f"{r['ratio_to_fp16']:.3f}",
+        }
+        sections.append("Bytes per token, fp16, 4 layers x 8 KV heads x 128\n\n" + column_table(rows, columns))
     rows = _part(result, "bandwidth")
     if rows:
         bw = result["read_bandwidth_bytes_per_s"] / 1e9
-        header = ["variant", "T", "contender", "ms", "bytes read", "GB/s", "fraction of read bandwidth"]
-        header.append("max |diff| vs fp32")
-        body = [
-            [
-                _variant(r),
-                r["tokens"],
-                r["contender"],
-                r["ms"],
-                human_bytes(r["bytes_read"]),
-                r["GBps"],
-                f"{r['bandwidth_fraction']:.0%}",
-                f"{r['max_abs_diff_vs_growable']:.1e}",
-            ]
-            for r in rows
-        ]
+        columns = {
+            "variant": _variant,
+            "T": "tokens",
+            "contender": "contender",
+            "ms": "ms",
+            "bytes read": lambda r: human_bytes(r["bytes_read"]),
+            "GB/s": "GBps",
+            "fraction of read bandwidth": lambda r: f"{r['bandwidth_fraction']:.0%}",
+            "max |diff| vs fp32": lambda r: f"{r['max_abs_diff_vs_growable']:.1e}",
+        }
         sections.append(
             f"Decode attention (update 1 token + attend), fp32; measured read bandwidth {bw:.1f} GB/s\n\n"
-            + markdown_table(header, body)
+            + column_table(rows, columns)
         )
     return "\n".join(sections)
 
 
-def plot(result: dict[str, Any], path: Path) -> None:
-    styles = {"gqa": "-", "mha": "--"}
-    with figure(path, panels=3, size=(7, 4.5)) as (ax1, ax2, ax3):
-        rows = _part(result, "decode")
-        for i, name in enumerate(CONTENDERS):  # one colour per contender, one line style per variant
-            for variant, style in styles.items():
-                mine = [r for r in rows if (r["contender"], r["variant"]) == (name, variant)]
-                pts = sorted((r["context"], r["tokens_per_s"]) for r in mine)
-                if pts:
-                    ax1.plot(*zip(*pts), style, color=f"C{i}", marker="o", label=f"{name} {variant}")
-        budget = result["config"]["decode"]["budget"]
-        if rows:
-            finish_axes(ax1, "context tokens", "decode tokens/s", f"generate decode, budget {budget}", log_y=True)
-        rows = _part(result, "bytes")
-        for name in BYTES_CONTENDERS:
-            pts = sorted((r["tokens"], r["bytes_per_token"]) for r in rows if r["contender"] == name)
+def _lines(ax, rows: list[dict[str, Any]], x: str, y: str, scale: float = 1, styles=(("gqa", "-"), ("mha", "--"))):
+    """One line per contender (a colour each) and variant (a line style each; the bytes part has none)."""
+    for i, name in enumerate(CONTENDERS):
+        for variant, style in styles:
+            mine = [r for r in rows if (r["contender"], r.get("variant", "")) == (name, variant)]
+            pts = sorted((r[x], scale * r[y]) for r in mine)
             if pts:
-                ax2.plot(*zip(*pts), color=f"C{CONTENDERS.index(name)}", marker="o", label=name)
-        if rows:
+                ax.plot(*zip(*pts), style, color=f"C{i}", marker="o", label=f"{name} {variant}".strip())
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    with figure(path, panels=3, size=(7, 4.5)) as (ax1, ax2, ax3):
+        if rows := _part(result, "decode"):
+            _lines(ax1, rows, "context", "tokens_per_s")
+            title = f"generate decode, budget {result['config']['decode']['budget']}"
+            finish_axes(ax1, "context tokens", "decode tokens/s", title, log_y=True)
+        if rows := _part(result, "bytes"):
+            _lines(ax2, rows, "tokens", "bytes_per_token", styles=(("", "-"),))
             finish_axes(ax2, "tokens (T)", "cache bytes / T", "bytes per token, fp16 geometry", log_y=True)
-        rows = _part(result, "bandwidth")
-        for name in BANDWIDTH_CONTENDERS:
-            for variant, style in styles.items():
-                mine = [r for r in rows if (r["contender"], r["variant"]) == (name, variant)]
-                pts = sorted((r["tokens"], 100 * r["bandwidth_fraction"]) for r in mine)
-                if pts:
-                    color = f"C{CONTENDERS.index(name)}"
-                    ax3.plot(*zip(*pts), style, color=color, marker="o", label=f"{name} {variant}")
-        if rows:
-            bw = result["read_bandwidth_bytes_per_s"] / 1e9
-            title = f"decode attention ({bw:.0f} GB/s read)"
+        if rows := _part(result, "bandwidth"):
+            _lines(ax3, rows, "tokens", "bandwidth_fraction", scale=100)
+            title = f"decode attention ({result['read_bandwidth_bytes_per_s'] / 1e9:.0f} GB/s read)"
             finish_axes(ax3, "tokens in cache (T)", "% of measured read bandwidth", title)

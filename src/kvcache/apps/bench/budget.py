@@ -32,19 +32,13 @@ from kvcache import cache_kwargs
 
 from ... import make_cache, use_kvcache_attention
 from ..run_options import RunOptions
-from .common import clock, figure, human_bytes, markdown_table
+from .common import clock, column_table, figure, human_bytes
 from .harness import report
 from .workload import load_model, make_prompts
 
 #: The kinds whose budget can be a share of the sequence, with the options each runs with.
 KINDS = {
-    "snapkv": "snapkv:budget={budget}",
-    "pyramidkv": "pyramidkv:budget={budget}",
-    "adakv": "adakv:budget={budget}",
-    "h2o": "h2o:budget={budget}",
-    "tova": "tova:budget={budget}",
-    "lastrec": "lastrec:budget={budget}",
-    "kvzip": "kvzip:budget={budget}",
+    **{k: f"{k}:budget={{budget}}" for k in ("snapkv", "pyramidkv", "adakv", "h2o", "tova", "lastrec", "kvzip")},
     "snapkv-int8": "snapkv:budget={budget},storage=int8",
 }
 BUDGET_TYPES = ("share", "count")
@@ -56,13 +50,7 @@ TRACE_EVERY = 8  # decode steps between two points of the bytes trace
 
 def kept_slots(cache) -> int:
     """Slots held, summed over layers (per KV head: a flat Ada-KV store counts its slots / heads)."""
-    total = 0
-    for store in cache.kv_layers:
-        if store is None:
-            continue
-        heads = getattr(store, "kv_heads", 1) or 1
-        total += store.length // heads
-    return total
+    return sum(store.length // (getattr(store, "kv_heads", 1) or 1) for store in cache.kv_layers if store is not None)
 
 
 def run_one(model, prompt: torch.Tensor, spec: str, new: int) -> dict[str, Any]:
@@ -149,32 +137,18 @@ def run(
 
 def table(result: dict[str, Any]) -> str:
     c = result["config"]
-    header = [
-        "kind",
-        "spec",
-        "bytes after prompt",
-        "bytes at end",
-        "most held",
-        "slots kept at end",
-        "bytes vs count",
-        "reallocations (decode, all layers)",
-        "decode tok/s",
-    ]
-    body = [
-        [
-            r["kind"],
-            f"`{r['spec']}`",
-            human_bytes(r["bytes_after_prompt"]),
-            human_bytes(r["bytes_end"]),
-            human_bytes(r["bytes_peak"]),
-            r["kept_slots_end"],
-            f"{r['bytes_vs_count']:.3f}",
-            r["reallocations_decode"],
-            r["decode_tokens_per_s"],
-        ]
-        for r in result["rows"]
-    ]
-    return markdown_table(header, body) + (
+    columns = {
+        "kind": "kind",
+        "spec": lambda r: f"`{r['spec']}`",
+        "bytes after prompt": lambda r: human_bytes(r["bytes_after_prompt"]),
+        "bytes at end": lambda r: human_bytes(r["bytes_end"]),
+        "most held": lambda r: human_bytes(r["bytes_peak"]),
+        "slots kept at end": "kept_slots_end",
+        "bytes vs count": lambda r: f"{r['bytes_vs_count']:.3f}",
+        "reallocations (decode, all layers)": "reallocations_decode",
+        "decode tok/s": "decode_tokens_per_s",
+    }
+    return column_table(result["rows"], columns) + (
         f"\n{c['model_name']} ({c['dtype'].removeprefix('torch.')}), a {c['prompt_tokens']}-token prompt then "
         f"{c['new_tokens']} greedy tokens, kvcache attention; share {c['share']} of the tokens seen against the count "
         f"it reaches at the end ({c['count']}). Bytes: `cache.nbytes` (every allocated slot); slots: per KV head, "

@@ -13,6 +13,7 @@ fp32), its median time, that time over fp32's, and the fraction of the read band
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 from typing import Any
 
@@ -26,10 +27,7 @@ from .harness import alternate
 
 KV_HEADS, Q_HEADS, HEAD_DIM = 3, 9, 64  # SmolLM2-135M
 BITS = (8, 4)
-
-
-def contenders() -> tuple[str, ...]:
-    return ("fp32", *(f"int{b}" for b in BITS), *(f"int{b}-pytorch" for b in BITS))
+CONTENDERS = ("fp32", *(f"int{b}" for b in BITS), *(f"int{b}-pytorch" for b in BITS))
 
 
 def run(options: RunOptions, bandwidth: float, repeats: int) -> list[dict[str, Any]]:
@@ -38,11 +36,8 @@ def run(options: RunOptions, bandwidth: float, repeats: int) -> list[dict[str, A
     lengths = options.pick([300, 600], [4096, 16384], [4096, 16384])
     fused.library()  # build it before timing anything
     gen = torch.Generator().manual_seed(0)
-    rows = []
-    for batch in batches:
-        for tokens in lengths:
-            rows += _one(batch, tokens, gen, options.device, bandwidth, repeats)
-    return rows
+    cases = itertools.product(batches, lengths)
+    return [row for batch, tokens in cases for row in _one(batch, tokens, gen, options.device, bandwidth, repeats)]
 
 
 def _one(batch, tokens, gen, device, bandwidth, repeats) -> list[dict[str, Any]]:
@@ -60,28 +55,26 @@ def _one(batch, tokens, gen, device, bandwidth, repeats) -> list[dict[str, Any]]
         with _library_off(bool(fallback)):
             return attend_weighted(query, StoreReader(layers[int(bits)]), None)[0]
 
-    names = contenders()
     reference = call("fp32")
-    diffs = {name: (call(name) - reference).abs().max().item() for name in names}  # warm-up + check
-    times = alternate(names, repeats, lambda name: clock_cold(lambda: call(name), device))  # from memory, as in a model
-    fp32 = median(times["fp32"])
-    rows = []
-    for name in names:
-        seconds, read = median(times[name]), nbytes[name.partition("-")[0]]
-        rows.append(
-            {
-                "batch": batch,
-                "tokens": tokens,
-                "contender": name,
-                "ms": seconds * 1e3,
-                "vs_fp32": seconds / fp32,
-                "bytes_read": read,
-                "bandwidth_fraction": read / seconds / bandwidth,
-                "max_abs_diff_vs_fp32": diffs[name],
-                "samples_ms": [t * 1e3 for t in times[name]],
-            }
-        )
-    return rows
+    diffs = {name: (call(name) - reference).abs().max().item() for name in CONTENDERS}  # warm-up + check
+    # from memory, as in a model
+    times = alternate(CONTENDERS, repeats, lambda name: clock_cold(lambda: call(name), device))
+    seconds = {name: median(times[name]) for name in CONTENDERS}
+    read = {name: nbytes[name.partition("-")[0]] for name in CONTENDERS}
+    return [
+        {
+            "batch": batch,
+            "tokens": tokens,
+            "contender": name,
+            "ms": seconds[name] * 1e3,
+            "vs_fp32": seconds[name] / seconds["fp32"],
+            "bytes_read": read[name],
+            "bandwidth_fraction": read[name] / seconds[name] / bandwidth,
+            "max_abs_diff_vs_fp32": diffs[name],
+            "samples_ms": [t * 1e3 for t in times[name]],
+        }
+        for name in CONTENDERS
+    ]
 
 
 @contextlib.contextmanager

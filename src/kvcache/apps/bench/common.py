@@ -6,8 +6,8 @@ each repeat (so drift and noise hit them alike), and reports give medians and ra
 
 from __future__ import annotations
 
+import functools
 import importlib.util
-
 import json
 import os
 import platform
@@ -83,7 +83,9 @@ def clock(fn: Callable[[], Any], device: str | torch.device = "cpu") -> float:
     return time.perf_counter() - start
 
 
-_EVICT: dict[str, torch.Tensor] = {}
+@functools.cache
+def _evict_buffer(mib: int) -> torch.Tensor:
+    return torch.ones(mib * 2**20 // 4)
 
 
 def evict_caches(device: str | torch.device = "cpu", mib: int = 96) -> None:
@@ -91,11 +93,8 @@ def evict_caches(device: str | torch.device = "cpu", mib: int = 96) -> None:
     weights do between one layer's attention and the next: a call timed after this reads its
     keys and values from memory, as in a decode step, not from a cache warmed by the call before.
     Nothing to do on a GPU (its L2 is small next to these reads)."""
-    if str(device).startswith("cuda"):
-        return
-    if "cpu" not in _EVICT:
-        _EVICT["cpu"] = torch.ones(mib * 2**20 // 4)
-    _EVICT["cpu"].sum()
+    if not str(device).startswith("cuda"):
+        _evict_buffer(mib).sum()
 
 
 def clock_cold(fn: Callable[[], Any], device: str | torch.device = "cpu") -> float:
@@ -148,9 +147,16 @@ def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def column_table(rows: list[dict[str, Any]], columns: dict[str, str | Callable[[dict[str, Any]], Any]]) -> str:
+    """``markdown_table`` of ``rows`` with one column per item of ``columns``: its header, and the
+    row's key to show or a function of the row giving the cell."""
+    body = [[r[cell] if isinstance(cell, str) else cell(r) for cell in columns.values()] for r in rows]
+    return markdown_table(list(columns), body)
+
+
 def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
+    for unit in ("B", "KiB", "MiB"):
+        if abs(n) < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} GiB"

@@ -25,10 +25,10 @@ from transformers import DynamicCache
 from kvcache import cache_kwargs
 
 from ...hf import register_attention
-from ..contenders import make_contender as make_named
+from ..contenders import make_contender
 from ..run_options import RunOptions
 from ..tiny import tiny_model
-from .common import figure, finish_axes, human_bytes, markdown_table, median
+from .common import column_table, figure, finish_axes, human_bytes, median
 from .harness import alternate, report, timed_generate
 
 CONTENDERS = ("dynamic", "hf_static", "growable", "static", "growable+attend")
@@ -47,12 +47,6 @@ def build_model(query_heads: int, layers: int = 4, device: str = "cpu"):
         max_position_embeddings=65536,
     )
     return model.to(device)
-
-
-def make_contender(name: str, model, capacity: int):
-    if name not in CONTENDERS:
-        raise ValueError(f"unknown contender {name!r}; valid: {', '.join(CONTENDERS)}")
-    return make_named(name.removesuffix("+attend"), model, capacity=capacity)
 
 
 def cache_bytes(cache) -> int:
@@ -74,12 +68,9 @@ def prefill(model, prompt: torch.Tensor) -> tuple[list[tuple[torch.Tensor, torch
 
 
 def decode_once(model, name: str, past, ids: torch.Tensor, new_tokens: int) -> tuple[float, torch.Tensor, int]:
-    """(seconds for ``new_tokens`` greedy decode steps, all tokens, cache bytes) for one contender.
-
-    The contender's cache is filled with the shared prefill's keys/values (untimed), then
-    ``generate`` continues from ``ids`` (prompt + first token), feeding only the uncached token.
-    """
-    cache = make_contender(name, model, ids.shape[1] + new_tokens + 8)
+    """(seconds, all tokens, cache bytes) of ``new_tokens`` greedy steps from ``ids`` (prompt + first
+    token) with a fresh cache of contender ``name`` holding ``past`` (filled untimed)."""
+    cache = make_contender(name.removesuffix("+attend"), model, capacity=ids.shape[1] + new_tokens + 8)
     for layer_idx, (keys, values) in enumerate(past):
         cache.update(keys, values, layer_idx)
     attention = "kvcache" if name.endswith("+attend") else "sdpa"
@@ -107,18 +98,17 @@ def compare_decode(names, repeats: int, decode, new_tokens: int, reference: str,
     runs = alternate(names, repeats, decode, bar)
     seconds = {name: [s for s, _, _ in samples] for name, samples in runs.items()}
     rate = {name: new_tokens / median(samples) for name, samples in seconds.items()}
-    _, reference_tokens, _ = runs[reference][-1]
-    fields = {}
-    for name, samples in runs.items():
-        _, tokens, nbytes = samples[-1]
-        fields[name] = {
+    last = {name: samples[-1] for name, samples in runs.items()}  # (seconds, tokens, cache bytes)
+    return {
+        name: {
             "tokens_per_s": rate[name],
             f"speedup_vs_{reference}": rate[name] / rate[reference],
-            f"identical_to_{reference}": bool(torch.equal(tokens, reference_tokens)),
+            f"identical_to_{reference}": bool(torch.equal(tokens, last[reference][1])),
             "cache_bytes": nbytes,
             "samples_s": seconds[name],
         }
-    return fields
+        for name, (_, tokens, nbytes) in last.items()
+    }
 
 
 def run(
@@ -145,8 +135,8 @@ def run(
     for variant, heads, ctx, model, past, ids in prefilled(chosen, contexts, layers, options.device):
         decode = lambda name: decode_once(model, name, past, ids, new_tokens)  # noqa: E731
         fields = compare_decode(CONTENDERS, repeats, decode, new_tokens, "dynamic", bar)
-        for name in CONTENDERS:
-            rows.append({"variant": variant, "query_heads": heads, "context": ctx, "contender": name, **fields[name]})
+        row = {"variant": variant, "query_heads": heads, "context": ctx}
+        rows += [{**row, "contender": name, **fields[name]} for name in CONTENDERS]
     bar.close()
     config = {
         "model": "llama-shaped, hidden 256, 8 KV heads x 128, fp32, random weights",
@@ -154,7 +144,7 @@ def run(
         "contexts": contexts,
         "new_tokens": new_tokens,
         "repeats": repeats,
-        "variants": {v: VARIANTS[v] for v in variants},
+        "variants": chosen,
         "quick": options.quick,
     }
     return report("decode", options, config, rows, table, plot)
@@ -166,20 +156,16 @@ def table(result: dict[str, Any]) -> str:
 
 def decode_table(rows, reference: str, reference_label: str, variant_cell, differs: str) -> str:
     """The markdown table of ``compare_decode`` rows; ``differs`` is the word for tokens unlike the reference's."""
-    header = ["variant", "context", "contender", "tokens/s", f"x {reference_label}", "identical", "cache bytes"]
-    body = [
-        [
-            variant_cell(r),
-            r["context"],
-            r["contender"],
-            r["tokens_per_s"],
-            r[f"speedup_vs_{reference}"],
-            "yes" if r[f"identical_to_{reference}"] else differs,
-            human_bytes(r["cache_bytes"]),
-        ]
-        for r in rows
-    ]
-    return markdown_table(header, body)
+    columns = {
+        "variant": variant_cell,
+        "context": "context",
+        "contender": "contender",
+        "tokens/s": "tokens_per_s",
+        f"x {reference_label}": f"speedup_vs_{reference}",
+        "identical": lambda r: "yes" if r[f"identical_to_{reference}"] else differs,
+        "cache bytes": lambda r: human_bytes(r["cache_bytes"]),
+    }
+    return column_table(rows, columns)
 
 
 def plot(result: dict[str, Any], path: Path) -> None:

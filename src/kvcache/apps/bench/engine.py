@@ -8,20 +8,16 @@ suite ``prompt``), ``new_tokens`` (64) greedy new tokens each, end of sequence i
 patterns: ``burst`` (all at once) and ``poisson`` (seeded exponential gaps whose mean is
 ``gap_share`` (1/4) of one sequential request's time, measured in the warm-up, so requests overlap).
 
-Contenders (``CONTENDERS``, ``--contenders``; ``sequential``, the reference, always runs), each run
-in a fresh state made before the first arrival (a new cache, store or manager; each engine
-contender's one engine, made and compiled before its first run, its prefix cache forgotten):
-
-- ``sequential``: one request after another in arrival order, ``model.generate`` with a new
-  ``DynamicCache``; a request waits for the one before it (TTFT includes that wait).
-- ``sequential+store``: the same through ``PromptStore("memory")``: ``cache_for`` -> ``generate``
-  -> ``put`` (the first request computes the system prompt, the others reuse it).
-- ``hf_generate_batch``: ``transformers``' continuous batching through the manager its
-  ``generate_batch`` runs (``engine_workload.serve_hf``), pool sized to the workload.
-- ``engine`` / ``engine+sharing``: ``Engine(model, "growable", compile=True, ...)`` without and with
-  prefix sharing, stepping on its background thread; ``engine+int8``: ``spec="quantized:bits=8"``
-  with sharing (its coded blocks step eagerly: the compiled step takes float blocks). ``--eager``
-  (``eager=True``): the engines without ``compile=True``.
+Contenders (``CONTENDERS``, ``--contenders``; ``sequential``, the reference, always runs; ``configured``
+says how each is set up), each run in a fresh state made before the first arrival (a new cache, store
+or manager; each engine contender's one engine, made and compiled before its first run, its prefix
+cache forgotten): ``sequential`` (``model.generate`` one request after another in arrival order, a
+new ``DynamicCache`` each; TTFT includes the wait for the one before), ``sequential+store`` (the same
+through ``PromptStore("memory")``: the first request computes the system prompt, the others reuse
+it), ``hf_generate_batch`` (``transformers``' continuous batching, pool sized to the workload) and
+``engine`` / ``engine+sharing`` / ``engine+int8`` (``Engine(..., compile=True)`` on ``ENGINES``' blocks,
+stepping on its background thread; int8's coded blocks step eagerly: the compiled step takes float
+blocks; ``--eager``: none compiled).
 
 Contenders and patterns alternate round by round (``harness.alternate``). Per row: output tokens/s,
 TTFT p50/p95, TPOT, K/V bytes, prompt tokens computed, and the requests whose tokens equal
@@ -32,6 +28,7 @@ prompt computed once.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -42,16 +39,16 @@ from ...errors import KVCacheError
 from ..run_options import RunOptions
 from .engine_report import REFERENCE, plot, rows, summarize, table
 from .engine_workload import (
-    HFSettings, Run, Workload, arrival_times, engine_settings, hf_settings, make_engine, make_workload,
-    serve_engine, serve_hf, serve_sequential,
+    Run, Workload, arrival_times, engine_settings, hf_settings, make_engine, make_workload, serve_engine, serve_hf,
+    serve_sequential,
 )  # fmt: skip
 from .harness import alternate, report
 from .prompt_request import Prompts
 
-CONTENDERS = (REFERENCE, "sequential+store", "hf_generate_batch", "engine", "engine+sharing", "engine+int8")
-ARRIVALS = ("burst", "poisson")
 #: Block formats of the engine contenders: (spec, share_prefixes).
 ENGINES = {"engine": ("growable", False), "engine+sharing": ("growable", True), "engine+int8": ("quantized:bits=8", True)}
+CONTENDERS = (REFERENCE, "sequential+store", "hf_generate_batch", *ENGINES)
+ARRIVALS = ("burst", "poisson")
 __all__ = ["ARRIVALS", "CONTENDERS", "REFERENCE", "plot", "run", "sizes", "table"]
 
 
@@ -78,8 +75,7 @@ FULL = Sizes(sessions=16, shared=1024, user=64, new_tokens=64, repeats=3, block_
 
 
 def sizes(options: RunOptions) -> Sizes:
-    """``full``: the issue's workload, 3 rounds; ``quick``: 4 sessions, a 256-token system prompt,
-    16 new tokens, 1 round; ``tiny``: seconds on the shipped tiny model."""
+    """``FULL``, or smaller for ``quick`` (1 round) and ``tiny`` (seconds on the shipped tiny model)."""
     return options.pick(
         tiny=replace(FULL, sessions=3, shared=64, user=16, new_tokens=6, repeats=1, block_size=16, page_size=16,
                      max_batch_tokens=48, store_chunk=32),
@@ -94,18 +90,15 @@ def load(options: RunOptions) -> tuple[Any, Prompts, str, int]:
     if options.tiny:
         from ..trained import MODEL_DIR, load_pretrained
 
-        model, _ = load_pretrained(MODEL_DIR, options.device)
+        (model, _), tokenizer = load_pretrained(MODEL_DIR, options.device), None
         name = "the shipped tiny model (random ids)"
-        prompts = Prompts(None, model.config.vocab_size)
     else:
         from ... import models
 
         model, tokenizer = models.load("smollm2", device=options.device, progress=options.progress)
         name = "smollm2 (SmolLM2-135M-Instruct, fp32)"
-        prompts = Prompts(tokenizer, model.config.vocab_size)
     model.set_attn_implementation("sdpa")
-    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
-    return model, prompts, name, pad
+    return model, Prompts(tokenizer, model.config.vocab_size), name, model.config.pad_token_id or 0
 
 
 def chosen(given: Sequence[str] | None, valid: Sequence[str], what: str) -> list[str]:
@@ -121,37 +114,30 @@ Runner = Callable[[Workload, Sequence[float]], Run]
 
 
 def runners(model: Any, s: Sizes, full: Workload, compile: bool) -> dict[str, Runner]:
-    """Contender name -> a function serving a workload at given arrival times: a fresh cache, store
-    or manager each call, sized to that workload; each engine contender's one engine, sized to
-    ``full`` and made (with ``compile``, compiled) at its first call, kept for the others."""
+    """Contender name -> a function serving a workload at given arrival times; each engine
+    contender's one engine sized to ``full`` and made at its first call; a failure inside
+    ``transformers`` is its contender's row, not the run's end."""
     from ...prompts import PromptStore
 
     kept: dict[str, Any] = {}
+    settings = engine_settings(full, s.block_size, s.max_batch_tokens)
 
-    def engine(name: str) -> Runner:
-        spec, share = ENGINES[name]
+    def engine(name: str, w: Workload, at: Sequence[float]) -> Run:
+        if name not in kept:
+            kept[name] = make_engine(model, *ENGINES[name], settings, compile)
+        return serve_engine(model, kept[name], w, at)
 
-        def serve(w: Workload, at: Sequence[float]) -> Run:
-            if name not in kept:
-                kept[name] = make_engine(model, spec, share, engine_settings(full, s.block_size, s.max_batch_tokens), compile)
-            return serve_engine(model, kept[name], w, at)
+    def hf(w: Workload, at: Sequence[float]) -> Run:
+        try:
+            return serve_hf(model, w, at, hf_settings(w, s.page_size, s.max_batch_tokens))
+        except Exception as e:  # noqa: BLE001 - another library's machinery: its row says why, the rest is measured
+            return Run(reason=f"failed: {type(e).__name__}: {e}")
 
-        return serve
-
-    out: dict[str, Runner] = {
+    return {
         REFERENCE: lambda w, at: serve_sequential(model, w, at),
         "sequential+store": lambda w, at: serve_sequential(model, w, at, PromptStore("memory", chunk=s.store_chunk)),
-        "hf_generate_batch": lambda w, at: _hf(model, w, at, hf_settings(w, s.page_size, s.max_batch_tokens)),
-    }
-    return out | {name: engine(name) for name in ENGINES}
-
-
-def _hf(model: Any, w: Workload, arrivals: Sequence[float], settings: HFSettings) -> Run:
-    """``serve_hf``; a failure inside ``transformers`` is this contender's row, not the run's end."""
-    try:
-        return serve_hf(model, w, arrivals, settings)
-    except Exception as e:  # noqa: BLE001 - another library's machinery: report it, keep measuring the rest
-        return Run(reason=f"failed: {type(e).__name__}: {e}")
+        "hf_generate_batch": hf,
+    } | {name: functools.partial(engine, name) for name in ENGINES}
 
 
 def warm_up(serve: dict[str, Runner], w: Workload, names: Sequence[str]) -> float:
@@ -199,9 +185,8 @@ def run(
     arrivals: Sequence[str] | None = None,
     eager: bool = False,
 ) -> dict[str, Any]:
-    """Run the suite (``contenders`` and ``arrivals``: some of ``CONTENDERS`` and ``ARRIVALS``,
-    default all; ``eager``: the engines without ``compile=True``); write
-    ``engine.json``/``.md``/``.png`` into ``options.out`` if given."""
+    """Run the suite (``contenders``, ``arrivals``: some of ``CONTENDERS``, ``ARRIVALS``, default all);
+    write ``engine.json``/``.md``/``.png`` into ``options.out`` if given."""
     from tqdm.auto import tqdm
 
     names = chosen(contenders, CONTENDERS, "contender")
@@ -214,6 +199,11 @@ def run(
     request_s = warm_up(serve, w, names)
     mean_gap = s.gap_share * request_s
     schedule = {p: arrival_times(p, s.sessions, mean_gap, s.seed) for p in patterns}
+    texts = {"burst": f"burst, all {s.sessions} at t=0"}
+    if "poisson" in schedule:
+        texts["poisson"] = (f"poisson, exponential gaps of mean {mean_gap:.3g} s ({s.gap_share:g} x one warm "
+                            f"sequential request's {request_s:.3g} s; seed {s.seed}; the last arrives at "
+                            f"{schedule['poisson'][-1]:.3g} s)")
     keys = [(n, p) for n in names for p in patterns]
     with tqdm(total=len(keys) * s.repeats, desc="bench engine", disable=not options.progress) as bar:
         samples = alternate(keys, s.repeats, lambda key: serve[key[0]](w, schedule[key[1]]), bar)
@@ -229,7 +219,7 @@ def run(
         "sequential_request_s": request_s,
         "mean_gap_s": mean_gap if "poisson" in patterns else None,
         "arrival_s": schedule,
-        "arrivals_text": _arrivals_text(patterns, s, request_s, mean_gap, schedule),
+        "arrivals_text": "; ".join(texts[p] for p in patterns),
         "configured": {k: v for k, v in configured(s, w, not eager).items() if k in names},
         "judged": judged,
         "quick": options.quick,
@@ -237,15 +227,3 @@ def run(
     }
     return report("engine", options, config, table_rows, table, plot, summary=summarize(table_rows, w, judged))
 
-
-def _arrivals_text(patterns: Sequence[str], s: Sizes, request_s: float, mean_gap: float, schedule: dict[str, list[float]]) -> str:
-    parts = []
-    if "burst" in patterns:
-        parts.append(f"burst, all {s.sessions} at t=0")
-    if "poisson" in patterns:
-        last = schedule["poisson"][-1]
-        parts.append(
-            f"poisson, exponential gaps of mean {mean_gap:.3g} s ({s.gap_share:g} x one warm sequential request's "
-            f"{request_s:.3g} s; seed {s.seed}; the last arrives at {last:.3g} s)"
-        )
-    return "; ".join(parts)

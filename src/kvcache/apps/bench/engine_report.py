@@ -15,9 +15,15 @@ REFERENCE = "sequential"
 OURS, HF = "engine+sharing", "hf_generate_batch"
 #: A first differing token is a near-tie when the reference's top-1 and top-2 logits there differ by less.
 NEAR_TIE = 1e-4
-#: The issue's targets: tokens/s over Hugging Face's continuous batching and over sequential
-#: requests, and TTFT p95 at most this share of Hugging Face's.
-OVER_HF, OVER_SEQUENTIAL, TTFT_P95_OF_HF = 1.5, 4.0, 0.5
+#: The issue's targets, each a ratio of ``OURS``'s measure to another contender's: its key, the other
+#: contender, the measure, its words, the bound and whether the ratio is to be at least (else at most) it.
+TARGETS = (
+    ("over_hf", HF, "tokens_per_s", f"{OURS} / {HF} tokens/s", 1.5, True),
+    ("over_sequential", REFERENCE, "tokens_per_s", f"{OURS} / {REFERENCE} tokens/s", 4.0, True),
+    ("ttft_p95_of_hf", HF, "ttft_p95_s", f"{OURS} TTFT p95 / {HF}'s", 0.5, False),
+)
+#: What a row keeps of each round's numbers.
+TIMES = ("tokens_per_s", "wall_s", "ttft_p50_s", "ttft_p95_s", "tpot_s")
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -78,7 +84,7 @@ def rows(samples: dict[tuple[str, str], list[Run]], w: Workload) -> list[dict[st
         for round_, (run, ref) in enumerate(zip(runs, samples[(REFERENCE, pattern)])):
             diverged += [d | {"round": round_ + 1} for d in compare_tokens(run, ref)]
         compared = len(runs) * len(w.prompts)
-        out.append(head | {key: median([f[key] for f in facts]) for key in ("tokens_per_s", "wall_s", "ttft_p50_s", "ttft_p95_s", "tpot_s")} | {
+        out.append(head | {key: median([f[key] for f in facts]) for key in TIMES} | {
             "cache_bytes": runs[-1].cache_bytes,
             "forward_tokens": runs[-1].forward_tokens,
             "prompt_tokens_computed": facts[-1]["prompt_tokens_computed"],
@@ -87,28 +93,23 @@ def rows(samples: dict[tuple[str, str], list[Run]], w: Workload) -> list[dict[st
             "near_ties": sum(d["near_tie"] for d in diverged),
             "divergences": diverged,
             "facts": runs[-1].facts,
-            "samples": [{k: f[k] for k in ("tokens_per_s", "wall_s", "ttft_p50_s", "ttft_p95_s", "tpot_s", "ttft_s")} for f in facts],
+            "samples": [{k: f[k] for k in (*TIMES, "ttft_s")} for f in facts],
             "reason": "",
         })  # fmt: skip
     return out
 
 
 def summarize(table_rows: list[dict[str, Any]], w: Workload, judged: bool) -> dict[str, Any]:
-    """Per pattern the ratios the issue names (engine+sharing's tokens/s over hf_generate_batch's
-    and over sequential's; its TTFT p95 over hf_generate_batch's) and the targets: each ratio
-    against its bound (a verdict only when ``judged``: the issue's workload) and whether the
-    shared prompt was computed once (prompt tokens computed = shared + N x user turn)."""
+    """Per pattern the ``TARGETS``' ratios, each against its bound (a verdict only when ``judged``:
+    the issue's workload), and whether the shared prompt was computed once (prompt tokens computed
+    = shared + N x user turn)."""
     by = {(r["contender"], r["arrivals"]): r for r in table_rows if not r["reason"]}
     out: dict[str, Any] = {}
     for pattern in dict.fromkeys(r["arrivals"] for r in table_rows):
-        ours, hf, seq = by.get((OURS, pattern)), by.get((HF, pattern)), by.get((REFERENCE, pattern))
-        ratios = {
-            "over_hf": ours["tokens_per_s"] / hf["tokens_per_s"] if ours and hf else None,
-            "over_sequential": ours["tokens_per_s"] / seq["tokens_per_s"] if ours and seq else None,
-            "ttft_p95_of_hf": ours["ttft_p95_s"] / hf["ttft_p95_s"] if ours and hf else None,
-        }
-        bounds = {"over_hf": (OVER_HF, True), "over_sequential": (OVER_SEQUENTIAL, True), "ttft_p95_of_hf": (TTFT_P95_OF_HF, False)}
-        met = {k: verdict(v, *bounds[k]) if judged else None for k, v in ratios.items()}
+        ours = by.get((OURS, pattern))
+        ratios = {key: ours[measure] / by[(other, pattern)][measure] if ours and (other, pattern) in by else None
+                  for key, other, measure, *_ in TARGETS}  # fmt: skip
+        met = {key: verdict(ratios[key], bound, least) if judged else None for key, *_, bound, least in TARGETS}
         once = len(w.prompts[0]) - w.shared  # each user turn
         least = w.shared + len(w.prompts) * once
         computed = ours["prompt_tokens_computed"] if ours else None
@@ -161,16 +162,12 @@ def table(result: dict[str, Any]) -> str:
         f"requests of (finish - first token) / (tokens - 1). K/V bytes: what the contender allocated for keys and values "
         f"(sequential: the largest one request's cache; +store: that plus the store's entries; engines and "
         f"hf_generate_batch: the pool). prompt tokens computed: tokens through the model's forward passes (a hook counts "
-        f"every call's input_ids) less the decode rows; the shared prompt computed once is {_least(result)}. identical: "
+        f"every call's input_ids) less the decode rows; the shared prompt computed once is {c['shared']} + "
+        f"{c['sessions']} x {c['user']} = {c['shared'] + c['sessions'] * c['user']}. identical: "
         f"requests whose tokens equal sequential's for the same prompt, over all rounds; a difference is a near-tie when "
         f"sequential's top-1 and top-2 logits at the first differing token are within {NEAR_TIE:g}.\n",
     ]
     return "\n".join(lines)
-
-
-def _least(result: dict[str, Any]) -> str:
-    c = result["config"]
-    return f"{c['shared']} + {c['sessions']} x {c['user']} = {c['shared'] + c['sessions'] * c['user']}"
 
 
 def _targets(result: dict[str, Any]) -> list[str]:
@@ -178,14 +175,11 @@ def _targets(result: dict[str, Any]) -> list[str]:
     judged = "" if c["judged"] else " (not judged: this run is smaller than the issue's 16 x (1,024 + 64) tokens + 64 new)"
     lines = [f"## Targets{judged}\n"]
     for pattern, s in summary.items():
-        r, met = s["ratios"], s["met"]
-        lines += [
-            f"- {pattern}: {OURS} / {HF} tokens/s = {times(r['over_hf'])} (>= {OVER_HF:g}x: {MET[met['over_hf']]})",
-            f"- {pattern}: {OURS} / {REFERENCE} tokens/s = {times(r['over_sequential'])} (>= {OVER_SEQUENTIAL:g}x: {MET[met['over_sequential']]})",
-            f"- {pattern}: {OURS} TTFT p95 / {HF}'s = {times(r['ttft_p95_of_hf'])} (<= {TTFT_P95_OF_HF:g}x: {MET[met['ttft_p95_of_hf']]})",
-            f"- {pattern}: prompt tokens {OURS} computed: {_s(s['prompt_tokens_computed'])}, the shared prompt once is "
-            f"{s['prompt_tokens_least']} ({MET[s['shared_once']]})",
-        ]
+        for key, _, _, words, bound, least in TARGETS:
+            lines.append(f"- {pattern}: {words} = {times(s['ratios'][key])} ({'>=' if least else '<='} {bound:g}x: "
+                         f"{MET[s['met'][key]]})")
+        lines.append(f"- {pattern}: prompt tokens {OURS} computed: {_s(s['prompt_tokens_computed'])}, the shared "
+                     f"prompt once is {s['prompt_tokens_least']} ({MET[s['shared_once']]})")
     lines.append("")
     return lines
 

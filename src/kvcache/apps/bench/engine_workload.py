@@ -14,12 +14,12 @@ the logits are never edited (``min_new_tokens`` would mask the model's real end-
 
 from __future__ import annotations
 
-import contextlib
+import itertools
 import math
 import random
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -42,14 +42,9 @@ class Workload:
     never: int
     pad: int
 
-    @property
-    def user(self) -> int:
-        """Tokens of each user turn."""
-        return len(self.prompts[0]) - self.shared
-
     def head(self, n: int) -> Workload:
         """The first ``n`` requests."""
-        return Workload(self.prompts[:n], self.shared, self.new_tokens, self.never, self.pad)
+        return replace(self, prompts=self.prompts[:n])
 
 
 def make_workload(prompts: Prompts, sessions: int, shared: int, user: int, new_tokens: int, vocab: int, pad: int) -> Workload:
@@ -71,10 +66,7 @@ def arrival_times(pattern: str, n: int, mean_gap: float, seed: int) -> list[floa
     if pattern != "poisson":
         raise KVCacheError(f"unknown arrival pattern {pattern!r}")
     draw = random.Random(seed)
-    times = [0.0]
-    for _ in range(n - 1):
-        times.append(times[-1] + draw.expovariate(1.0 / mean_gap))
-    return times
+    return list(itertools.accumulate((draw.expovariate(1.0 / mean_gap) for _ in range(n - 1)), initial=0.0))
 
 
 # ---- what a run records --------------------------------------------------------------------
@@ -103,21 +95,33 @@ class Run:
     reason: str = ""
 
 
-class Clock:
-    """Seconds since ``start()`` (the first arrival), and sleeping until a given second."""
+class Meter:
+    """While in use (``with``): seconds since it began (the first arrival), and the tokens run through
+    ``model``'s forward passes (a forward pre-hook reading each call's ``input_ids`` ``[B, T]``, else
+    its ``inputs_embeds`` ``[B, T, H]``: ``B x T`` tokens)."""
 
-    def __init__(self) -> None:
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.tokens = 0
+
+    def __enter__(self) -> Meter:
+        self.hook = self.model.register_forward_pre_hook(self.count, with_kwargs=True)
         self.zero = time.perf_counter()
+        return self
 
-    def start(self) -> None:
-        self.zero = time.perf_counter()
+    def __exit__(self, *exc: object) -> None:
+        self.hook.remove()
 
-    def now(self) -> float:
-        return time.perf_counter() - self.zero
+    def count(self, module: Any, args: tuple, kwargs: dict) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        self.tokens += ids.numel() if ids is not None else math.prod(kwargs["inputs_embeds"].shape[:2])
 
     def since(self, at: float) -> float:
         """``perf_counter`` time ``at`` as seconds since the start."""
         return at - self.zero
+
+    def now(self) -> float:
+        return self.since(time.perf_counter())
 
     def wait(self, second: float) -> None:
         left = second - self.now()
@@ -125,74 +129,39 @@ class Clock:
             time.sleep(left)
 
 
-class ForwardCounter:
-    """Tokens run through ``model``'s forward passes while in use (a forward pre-hook reading each
-    call's ``input_ids`` ``[B, T]``: ``B x T`` tokens)."""
-
-    def __init__(self) -> None:
-        self.tokens = 0
-
-    def __call__(self, module: Any, args: tuple, kwargs: dict) -> None:
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        if ids is None:
-            embeds = kwargs["inputs_embeds"]
-            self.tokens += embeds.shape[0] * embeds.shape[1]
-        else:
-            self.tokens += ids.numel()
-
-    @contextlib.contextmanager
-    def on(self, model: Any) -> Iterator[ForwardCounter]:
-        handle = model.register_forward_pre_hook(self, with_kwargs=True)
-        try:
-            yield self
-        finally:
-            handle.remove()
-
-
 # ---- sequential: one request after another ----------------------------------------------------
 
 
 def serve_sequential(model: Any, w: Workload, arrivals: Sequence[float], store: Any = None) -> Run:
-    """Requests one at a time in arrival order, each a greedy ``model.generate`` with a new
-    ``DynamicCache``, or through ``store`` (a ``PromptStore``: ``cache_for``, ``generate``, ``put``).
-    A request waits for its arrival and for the one before it to finish (and be stored)."""
-    clock, counter, served, largest = Clock(), ForwardCounter(), [], 0
-    with counter.on(model):
-        clock.start()
+    """Requests one at a time in arrival order, each ``model.generate`` with a new ``DynamicCache`` or
+    through ``store`` (a ``PromptStore``), waiting for its arrival and for the one before it."""
+    from transformers import DynamicCache
+
+    served, largest = [], 0
+    with Meter(model) as meter:
         for ids, arrival in zip(w.prompts, arrivals):
-            clock.wait(arrival)
-            one, nbytes = _one_sequential(model, w, ids, store, clock)
-            one.arrival = arrival
-            served.append(one)
-            largest = max(largest, nbytes)
+            meter.wait(arrival)
+            x = torch.tensor([ids])
+            cache = DynamicCache(config=model.config) if store is None else store.cache_for(model, x, "growable")[0]
+            first = FirstToken()
+            out = model.generate(
+                x, attention_mask=torch.ones_like(x), **cache_kwargs(model, cache), max_new_tokens=w.new_tokens,
+                do_sample=False, eos_token_id=w.never, pad_token_id=w.pad, streamer=first, output_logits=True,
+                return_dict_in_generate=True,
+            )  # fmt: skip
+            finish = time.perf_counter()
+            if store is not None:
+                store.put(cache, out.sequences)
+            top2 = torch.cat(out.logits).float().topk(2, dim=-1).values  # [new_tokens, 2]
+            tokens = out.sequences[0, len(ids) :].tolist()
+            gaps = (top2[:, 0] - top2[:, 1]).tolist()
+            served.append(Served(arrival, meter.since(first.at or finish), meter.since(finish), tokens, gaps))
+            largest = max(largest, _cache_bytes(cache))
     held = store.backend.nbytes() if store is not None else 0
     facts = {"largest_cache_bytes": largest, "store_bytes": held}
     if store is not None:
         facts["reused_store"] = store.stats.reused_tokens
-    return Run(served, largest + held, counter.tokens, facts)
-
-
-def _one_sequential(model: Any, w: Workload, ids: Sequence[int], store: Any, clock: Clock) -> tuple[Served, int]:
-    """One request (times from ``clock``) and the bytes its cache held."""
-    from transformers import DynamicCache
-
-    x = torch.tensor([ids])
-    if store is None:
-        cache = DynamicCache(config=model.config)
-    else:
-        cache, _ = store.cache_for(model, x, "growable")
-    first = FirstToken()
-    out = model.generate(
-        x, attention_mask=torch.ones_like(x), **cache_kwargs(model, cache), max_new_tokens=w.new_tokens, do_sample=False,
-        eos_token_id=w.never, pad_token_id=w.pad, streamer=first, output_logits=True, return_dict_in_generate=True,
-    )  # fmt: skip
-    finish = time.perf_counter()
-    if store is not None:
-        store.put(cache, out.sequences)
-    top2 = torch.cat(out.logits).float().topk(2, dim=-1).values  # [new_tokens, 2]
-    tokens = out.sequences[0, len(ids) :].tolist()
-    one = Served(0.0, clock.since(first.at or finish), clock.since(finish), tokens, (top2[:, 0] - top2[:, 1]).tolist())
-    return one, _cache_bytes(cache)
+    return Run(served, largest + held, meter.tokens, facts)
 
 
 def _cache_bytes(cache: Any) -> int:
@@ -222,17 +191,12 @@ def hf_settings(w: Workload, page_size: int, max_batch_tokens: int) -> HFSetting
 
 
 def serve_hf(model: Any, w: Workload, arrivals: Sequence[float], settings: HFSettings) -> Run:
-    """``transformers``' continuous batching through its manager, the one ``generate_batch`` runs:
-    made, warmed up (its cache allocated) and started before the first arrival; requests added as
-    they arrive (``add_requests``, as ``generate_batch`` adds them, for those due together), results
-    collected with ``get_result``; first-token and finish times from its per-token timestamps."""
+    """``transformers``' continuous batching through the manager ``generate_batch`` runs, started
+    before the first arrival (``engine.configured``); times from its per-token timestamps."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
     generation = GenerationConfig(max_new_tokens=w.new_tokens, do_sample=False, eos_token_id=w.never, pad_token_id=w.pad)
-    batching = ContinuousBatchingConfig(
-        page_size=settings.page_size, num_blocks=settings.num_blocks, max_batch_tokens=settings.max_batch_tokens,
-        max_requests_per_batch=len(w.prompts),
-    )  # fmt: skip
+    batching = ContinuousBatchingConfig(**asdict(settings), max_requests_per_batch=len(w.prompts))
     model.set_attn_implementation("sdpa")
     manager = model.init_continuous_batching(generation_config=generation, continuous_batching_config=batching)
     try:
@@ -241,33 +205,31 @@ def serve_hf(model: Any, w: Workload, arrivals: Sequence[float], settings: HFSet
         facts = {"num_blocks": cache.num_blocks, "max_batch_tokens": cache.max_batch_tokens, "prefix_sharing": cache.use_prefix_sharing}
         nbytes = cache.cache_tensor.nbytes
         manager.start()
-        clock, counter = Clock(), ForwardCounter()
-        with counter.on(model):
-            clock.start()
-            results = _feed(manager, w, arrivals, clock)
+        with Meter(model) as meter:
+            results = _feed(manager, w, arrivals, meter)
     finally:
         manager.stop(block=True)
         manager.destroy()
     failed = [r.error for r in results.values() if r.error is not None]
     if failed:
         return Run(reason=f"transformers' continuous batching failed a request: {failed[0]}")
-    served = [_served_hf(results[i], arrival, clock) for i, arrival in enumerate(arrivals)]
-    return Run(served, nbytes, counter.tokens, facts)
+    served = [_served_hf(results[i], arrival, meter) for i, arrival in enumerate(arrivals)]
+    return Run(served, nbytes, meter.tokens, facts)
 
 
-def _feed(manager: Any, w: Workload, arrivals: Sequence[float], clock: Clock) -> dict[int, Any]:
+def _feed(manager: Any, w: Workload, arrivals: Sequence[float], meter: Meter) -> dict[int, Any]:
     """Add each request at its arrival and wait for every result: request index -> its output."""
     ids: dict[str, int] = {}
     results: dict[int, Any] = {}
     due = 0
     while len(results) < len(arrivals):
-        now = clock.now()
+        now = meter.now()
         batch = [i for i in range(due, len(arrivals)) if arrivals[i] <= now]
         if batch:
             names = manager.add_requests([list(w.prompts[i]) for i in batch], max_new_tokens=w.new_tokens, record_timestamps=True)
             ids.update(zip(names, batch))
             due = batch[-1] + 1
-        wait = arrivals[due] - clock.now() if due < len(arrivals) else 0.5
+        wait = arrivals[due] - meter.now() if due < len(arrivals) else 0.5
         result = manager.get_result(timeout=min(max(wait, 1e-3), 0.5))
         if result is not None and result.is_finished():
             results[ids[result.request_id]] = result
@@ -276,9 +238,9 @@ def _feed(manager: Any, w: Workload, arrivals: Sequence[float], clock: Clock) ->
     return results
 
 
-def _served_hf(result: Any, arrival: float, clock: Clock) -> Served:
+def _served_hf(result: Any, arrival: float, meter: Meter) -> Served:
     stamps = result.timestamps or [result.lifespan[1]]
-    return Served(arrival, clock.since(stamps[0]), clock.since(stamps[-1]), list(result.generated_tokens))
+    return Served(arrival, meter.since(stamps[0]), meter.since(stamps[-1]), list(result.generated_tokens))
 
 
 # ---- kvcache's engine -------------------------------------------------------------------------
@@ -303,49 +265,38 @@ def engine_settings(w: Workload, block_size: int, max_batch_tokens: int) -> Engi
 
 
 def make_engine(model: Any, spec: str, share: bool, settings: EngineSettings, compile: bool) -> Any:
-    """``kvcache.Engine`` for ``spec`` blocks with ``settings``; with ``compile``, its steps compiled
-    now (``warm_up`` of ``max_seqs`` rows: the graphs a server builds when it starts), or eager where
-    the compiled step refuses the pool (coded blocks, a GPU: ``engine.graph`` is then None). An
-    engine that cannot hold ``spec`` blocks (``UnsupportedOperation``) is returned as the reason, a str."""
+    """``kvcache.Engine`` warmed up for ``max_seqs`` rows (with ``compile``, its steps compiled now, as
+    a server does when it starts; eager where the compiled step refuses the pool: ``engine.graph`` is
+    then None), or why it cannot hold ``spec`` blocks (``UnsupportedOperation``), a str."""
     from ... import Engine
     from ...errors import UnsupportedOperation
 
-    def made(compiled: bool) -> Any:
-        return Engine(
-            model, spec, block_size=settings.block_size, blocks=settings.blocks, max_batch_tokens=settings.max_batch_tokens,
-            max_seqs=settings.max_seqs, share_prefixes=share, compile=compiled,
-        )  # fmt: skip
-
-    try:
-        engine = made(compile)
-    except UnsupportedOperation as refused:
-        if not compile:
-            return f"not available: {refused}"
+    for compiled in dict.fromkeys((compile, False)):  # where the compiled step refuses the blocks or the device: eager
         try:
-            engine = made(False)  # the compiled step refuses these blocks or this device: eager steps
+            engine = Engine(model, spec, **asdict(settings), share_prefixes=share, compile=compiled)
         except UnsupportedOperation as e:
-            return f"not available: {e}"
-    engine.warm_up(settings.max_seqs)
-    return engine
+            reason = f"not available: {e}"
+        else:
+            engine.warm_up(settings.max_seqs)
+            return engine
+    return reason
 
 
 def serve_engine(model: Any, engine: Any, w: Workload, arrivals: Sequence[float]) -> Run:
-    """``engine`` (``make_engine``'s, kept from run to run: its prefix cache forgotten and its
-    counts reset first) stepping on its background thread, each request submitted at its arrival;
-    times from each request's ``RequestStats``. A reason (``make_engine``'s str) is a run with it."""
+    """``engine`` (``make_engine``'s: its prefix cache and counts reset first; a str is the run's
+    reason) stepping on its background thread; times from each request's ``RequestStats``."""
     if isinstance(engine, str):
         return Run(reason=engine)
     engine.reset_prefix_cache()
     engine.reset_stats()
-    clock, counter = Clock(), ForwardCounter()
-    with counter.on(model), engine.running():
-        clock.start()
+    with engine.running(), Meter(model) as meter:
         handles = []
         for ids, arrival in zip(w.prompts, arrivals):
-            clock.wait(arrival)
+            meter.wait(arrival)
             handles.append(engine.submit(list(ids), max_new_tokens=w.new_tokens, eos_token_id=w.never))
         tokens = [h.result() for h in handles]
-    served = [Served(a, clock.since(h.stats.first_token), clock.since(h.stats.finished), t) for a, h, t in zip(arrivals, handles, tokens)]
+    served = [Served(a, meter.since(h.stats.first_token), meter.since(h.stats.finished), t)
+              for a, h, t in zip(arrivals, handles, tokens)]  # fmt: skip
     s = engine.stats
     facts = {
         "engine_forward_tokens": s.forward_tokens, "steps": s.steps, "peak_rows": s.peak_rows, "peak_owned_blocks": s.peak_owned_blocks,
@@ -354,5 +305,5 @@ def serve_engine(model: Any, engine: Any, w: Workload, arrivals: Sequence[float]
         "compiled": engine.graph is not None,
     }  # fmt: skip
     # compiled steps run the model's modules without its forward (no hook sees them): their count is the engine's
-    tokens = counter.tokens if engine.graph is None else s.forward_tokens
+    tokens = meter.tokens if engine.graph is None else s.forward_tokens
     return Run(served, int(engine.pool.nbytes), tokens, facts)

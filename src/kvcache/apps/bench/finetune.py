@@ -24,6 +24,8 @@ from .harness import report
 
 #: arm -> the cache it trains through (None: the serving cache itself).
 CONTENDERS: dict[str, str | None] = {"through the cache": None, "full attention": "growable"}
+#: A row's held-out losses: under the serving cache and under the full cache, before and after training.
+LOSSES = ("before_under_cache", "after_under_cache", "before_full", "after_full")
 
 
 @dataclass(frozen=True)
@@ -42,8 +44,7 @@ FULL = Sizes("smollm2", "h2o:budget=0.25", 4096, 10, 256, (0, 1, 2), 2, 1e-3)
 
 
 def sizes(options: RunOptions) -> Sizes:
-    """``full``: SmolLM2, h2o at 25%, 4K-token documents, 10 steps, three seeds; ``quick``: 1K
-    tokens, 4 steps, one seed; ``tiny``: the shipped model, 96 tokens, 2 steps, two seeds."""
+    """The sizes of this run (``tiny``: the shipped model)."""
     return options.pick(
         tiny=Sizes("tiny", "h2o:budget=24", 96, 2, 32, (0, 1), 1, 1e-3),
         quick=replace(FULL, length=1024, steps=4, seeds=(0,), eval_docs=1),
@@ -80,10 +81,7 @@ def _stats(xs: list[float]) -> dict[str, float]:
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Per arm the mean and spread (max - min over seeds) of each loss; the gap under the cache
     (full-attention arm minus cache arm: positive when training through the cache helps)."""
-    arms = {}
-    for arm in CONTENDERS:
-        mine = [r for r in rows if r["contender"] == arm]
-        arms[arm] = {k: _stats([r[k] for r in mine]) for k in ("before_under_cache", "after_under_cache", "before_full", "after_full")}
+    arms = {arm: {k: _stats([r[k] for r in rows if r["contender"] == arm]) for k in LOSSES} for arm in CONTENDERS}
     by_seed = {}
     for r in rows:
         by_seed.setdefault(r["seed"], {})[r["contender"]] = r["after_under_cache"]
@@ -108,8 +106,8 @@ def verdict(gaps: list[float]) -> str:
 
 def table(result: dict[str, Any]) -> str:
     c, summary = result["config"], result["summary"]
-    body = [[r["contender"], r["seed"], r["trained_through"], f"{r['before_under_cache']:.4f}", f"{r['after_under_cache']:.4f}",
-             f"{r['before_full']:.4f}", f"{r['after_full']:.4f}", f"{r['tokens_per_s']:.0f}"] for r in result["rows"]]  # fmt: skip
+    body = [[r["contender"], r["seed"], r["trained_through"], *(f"{r[k]:.4f}" for k in LOSSES),
+             f"{r['tokens_per_s']:.0f}"] for r in result["rows"]]  # fmt: skip
     gap = summary["gap_under_cache"]
     lines = [
         "# bench finetune\n",

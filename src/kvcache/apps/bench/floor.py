@@ -35,30 +35,21 @@ class Machine:
         return asdict(self)
 
 
-def matmul_throughput(n: int = 1024, repeats: int = 5, device: str = "cpu") -> float:
-    """FLOP/s of an ``[n, n] @ [n, n]`` fp32 product (2 n^3 FLOPs), median of ``repeats``."""
-    a = torch.randn(n, n, device=device)
-    b = torch.randn(n, n, device=device)
+def product_throughput(m: int, k: int, n: int, repeats: int = 5, device: str = "cpu") -> float:
+    """FLOP/s of an fp32 ``[m, k] @ [k, n]`` product (2 m k n FLOPs), median of ``repeats``."""
+    a = torch.randn(m, k, device=device)
+    b = torch.randn(k, n, device=device)
     a @ b  # warm up the library's kernels and the pages
     seconds = median([clock(lambda: a @ b, device) for _ in range(repeats)])
-    return 2 * n**3 / seconds
-
-
-def gemv_throughput(batch: int, hidden: int, repeats: int = 5, device: str = "cpu") -> float:
-    """FLOP/s of ``[batch, hidden] @ [hidden, 4 * hidden]`` fp32, median of ``repeats``."""
-    x = torch.randn(batch, hidden, device=device)
-    w = torch.randn(hidden, 4 * hidden, device=device)
-    x @ w
-    seconds = median([clock(lambda: x @ w, device) for _ in range(repeats)])
-    return 2 * batch * hidden * 4 * hidden / seconds
+    return 2 * m * k * n / seconds
 
 
 def measure_machine(batch: int, hidden: int, device: str = "cpu", bandwidth_mib: int = 512, gemm: int = 1024) -> Machine:
     """The rates the floor divides by, measured now (``bandwidth_mib`` should dwarf the caches)."""
     return Machine(
         read_bytes_per_s=read_bandwidth(device, mib=bandwidth_mib),
-        matmul_flops_per_s=matmul_throughput(gemm, device=device),
-        gemv_flops_per_s=gemv_throughput(batch, hidden, device=device),
+        matmul_flops_per_s=product_throughput(gemm, gemm, gemm, device=device),
+        gemv_flops_per_s=product_throughput(batch, hidden, 4 * hidden, device=device),
     )
 
 
@@ -115,16 +106,11 @@ def step_flops(shape: ModelShape, batch: int, context: int) -> float:
     return float(weights + head + attention)
 
 
-def step_bytes(shape: ModelShape, kv_bytes_read: int) -> float:
-    """Bytes one decode step reads at least: every weight once plus the cache's keys and values."""
-    return float(shape.weight_bytes + kv_bytes_read)
-
-
 def floor_seconds(shape: ModelShape, machine: Machine, batch: int, context: int, kv_bytes_read: int) -> dict[str, float]:
     """The roofline of one step: ``memory_s`` (bytes / read bandwidth) and its parts ``weights_s``
     and ``kv_s``, ``compute_s`` (FLOPs / matmul throughput) and ``floor_s``, the larger of the two."""
     weights = shape.weight_bytes / machine.read_bytes_per_s
     kv = kv_bytes_read / machine.read_bytes_per_s
-    memory = step_bytes(shape, kv_bytes_read) / machine.read_bytes_per_s
+    memory = float(shape.weight_bytes + kv_bytes_read) / machine.read_bytes_per_s  # every weight once, and the K/V
     compute = step_flops(shape, batch, context) / machine.matmul_flops_per_s
     return {"memory_s": memory, "weights_s": weights, "kv_s": kv, "compute_s": compute, "floor_s": max(memory, compute)}

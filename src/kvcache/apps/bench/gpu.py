@@ -1,17 +1,15 @@
 """Suite ``gpu``: kvcache's decode paths on a CUDA device, against the device's copy bandwidth and
 against Hugging Face's caches and continuous batching.
 
-Models are random-init in a real model's shape (weights do not change speed, and a lent GPU
-machine has no network for a checkpoint): Llama-3.1-8B (32 query heads on 8 KV heads x 128, 32
-layers, hidden 4096) in bfloat16 for the kernels and the decode step, SmolLM2-135M's shape for the
-engine. Three parts, each a list of rows:
+Models are random-init in a real model's shape (``SHAPES``: weights do not change speed, and a
+lent GPU machine has no network for a checkpoint): Llama-3.1-8B in bfloat16 for the kernels and
+the decode step, SmolLM2-135M's shape for the engine. Three parts, each a list of rows:
 
 - ``kernel``: one decode call of the 8B shape's attention (one layer) at batch x tokens: over views
-  (``views-bf16``), over paged blocks of 16 tokens in bfloat16 (``paged-bf16``) and coded int8 /
-  int4 (``paged-int8``, ``paged-int4``; an open block per sequence), and torch's SDPA over the same
-  views (``sdpa``, HF's path). Each row: the bytes the call must read, its median time (CUDA
-  events through ``clock``), and that as a share of the copy bandwidth measured in the same run
-  (bytes read + written by a device copy of 1 GiB, per second).
+  (``views``), over paged blocks of 16 tokens (``paged``) and coded int8 / int4 (``paged-int8``,
+  ``paged-int4``; an open block per sequence), and torch's SDPA over the same views (``sdpa``,
+  HF's path). Each row: the bytes the call must read, its median time (``clock``), and that as a
+  share of the copy bandwidth measured in the same run (``copy_bandwidth``).
 - ``step``: a whole decode step of the 8B shape (batch x context): ``kvcache`` (``make_cache``
   growable with the ``kvcache`` attention), HF ``DynamicCache`` (sdpa), HF ``StaticCache`` eager and
   compiled (``torch.compile(mode="reduce-overhead")``, CUDA graphs); tokens per second and whether
@@ -41,6 +39,19 @@ from .harness import report
 #: Llama-3.1-8B's attention and model shape.
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 BLOCK = 16  # tokens a block (vLLM's default)
+#: The models (``LlamaConfig`` fields): Llama-3.1-8B's shape, SmolLM2-135M's, and a toy one for ``tiny``.
+SHAPES = {
+    "8b": dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=Q_HEADS,
+        num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
+    ),
+    "smollm2": dict(
+        hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+        head_dim=64, vocab_size=49152, max_position_embeddings=8192, tie_word_embeddings=True,
+    ),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=256),
+}  # fmt: skip
 #: Every contender of the three parts (a run reports each, with its numbers or why it could not run).
 CONTENDERS = (
     "sdpa", "views", "paged", "paged-int8", "paged-int4",
@@ -51,7 +62,9 @@ CONTENDERS = (
 
 def run(options: RunOptions = RunOptions()) -> dict[str, Any]:
     """Run the suite on ``options.device`` (a CUDA device; the CPU only with ``tiny``)."""
-    device = _device(options)
+    device = torch.device("cuda" if options.device == "cpu" and not options.tiny else options.device)
+    if not options.tiny and (device.type != "cuda" or not torch.cuda.is_available()):
+        raise KVCacheError("suite gpu measures a CUDA device and there is none here (--tiny runs its code on the CPU, numbers meaning nothing)")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     bandwidth = copy_bandwidth(device, mib=options.pick(16, 1024, 1024))
     repeats = options.pick(2, 10, 20)
@@ -68,15 +81,6 @@ def run(options: RunOptions = RunOptions()) -> dict[str, Any]:
     return report("gpu", options, config, rows, table, plot, gpu=gpu, copy_bandwidth_bytes_per_s=bandwidth)
 
 
-def _device(options: RunOptions) -> torch.device:
-    if options.tiny:
-        return torch.device(options.device)
-    device = torch.device("cuda" if options.device == "cpu" else options.device)
-    if device.type != "cuda" or not torch.cuda.is_available():
-        raise KVCacheError("suite gpu measures a CUDA device and there is none here (--tiny runs its code on the CPU, numbers meaning nothing)")
-    return device
-
-
 def copy_bandwidth(device: torch.device, mib: int = 1024, repeats: int = 5) -> float:
     """Bytes read plus written per second by a device copy of ``mib`` MiB (median of ``repeats``)."""
     src = torch.ones(mib * 2**20 // 4, device=device)
@@ -86,10 +90,8 @@ def copy_bandwidth(device: torch.device, mib: int = 1024, repeats: int = 5) -> f
     return 2 * src.nbytes / seconds
 
 
-# ---- kernels --------------------------------------------------------------------------------------
-
-
 def kernel_rows(device, dtype, batches, lengths, bandwidth, repeats) -> list[dict[str, Any]]:
+    """The ``kernel`` part: one decode call of each contender at each batch x tokens."""
     rows = []
     gen = torch.Generator(device="cpu").manual_seed(0)
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 2**31
@@ -101,16 +103,15 @@ def kernel_rows(device, dtype, batches, lengths, bandwidth, repeats) -> list[dic
                 continue
             calls = _kernel_calls(device, dtype, batch, tokens, gen)
             for name, (call, nbytes) in calls.items():
+                row = {"part": "kernel", "batch": batch, "tokens": tokens, "contender": name}
                 try:
                     seconds = median([clock(call, device) for _ in range(repeats + 1)][1:])
                 except Exception as e:  # noqa: BLE001 (a row says why a contender could not run)
-                    rows.append({"part": "kernel", "batch": batch, "tokens": tokens, "contender": name, "reason": repr(e)[:200]})
+                    rows.append(row | {"reason": repr(e)[:200]})
                     _free(device)
                     continue
-                rows.append({
-                    "part": "kernel", "batch": batch, "tokens": tokens, "contender": name, "ms": seconds * 1e3,
-                    "bytes_read": nbytes, "bandwidth_fraction": nbytes / seconds / bandwidth,
-                })  # fmt: skip
+                rows.append(row | {"ms": seconds * 1e3, "bytes_read": nbytes,
+                                   "bandwidth_fraction": nbytes / seconds / bandwidth})
             del calls
             _free(device)
     return rows
@@ -131,9 +132,10 @@ def _kernel_calls(device, dtype, batch, tokens, gen) -> dict[str, tuple[Any, int
     v = torch.randn(batch, KV_HEADS, tokens, HEAD_DIM, generator=gen).to(device, dtype)
     q = torch.randn(batch, KV_HEADS, group, HEAD_DIM, generator=gen).to(device, dtype)
     q4 = q.reshape(batch, Q_HEADS, 1, HEAD_DIM)
+    kv_bytes = k.nbytes + v.nbytes
     calls: dict[str, tuple[Any, int]] = {
-        "sdpa": (lambda: F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True), k.nbytes + v.nbytes),
-        "views": (lambda launch=None: _need(_kernels(launch).decode_views(q, k, v, None, None, scale, **_how(launch))), k.nbytes + v.nbytes),
+        "sdpa": (lambda: F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True), kv_bytes),
+        "views": (lambda launch=None: _kernel("decode_views", launch, q, k, v, None, None, scale), kv_bytes),
     }
     per_seq = -(-tokens // BLOCK)
     order = torch.randperm(batch * per_seq, generator=gen)
@@ -141,23 +143,24 @@ def _kernel_calls(device, dtype, batch, tokens, gen) -> dict[str, tuple[Any, int
     kb = _as_blocks(k, batch, per_seq)[order.argsort()].contiguous()
     vb = _as_blocks(v, batch, per_seq)[order.argsort()].contiguous()
     lengths = torch.full((batch,), tokens, dtype=torch.int64, device=device)
-    calls["paged"] = (lambda launch=None: _need(_kernels(launch).paged_decode(q, kb, vb, table, lengths, scale, **_how(launch))), k.nbytes + v.nbytes)
+    calls["paged"] = (lambda launch=None: _kernel("paged_decode", launch, q, kb, vb, table, lengths, scale), kv_bytes)
     for bits in (8, 4):
         calls[f"paged-int{bits}"] = _coded_call(q, kb, vb, table, tokens, bits, scale)
     return calls
 
 
-def _kernels(launch):
-    """The module whose decode call is measured: the library's choice, or Triton's with ``launch``."""
+def _kernel(name: str, launch, *args) -> torch.Tensor:
+    """The decode call measured: ``device_kernels.<name>(*args)`` (the library's choice), or with a
+    ``launch`` Triton's kernel with it; a kernel that declines the call raises."""
     if launch is None:
-        return device_kernels
-    from ...attention import triton_decode
+        out = getattr(device_kernels, name)(*args)
+    else:
+        from ...attention import triton_decode
 
-    return triton_decode
-
-
-def _how(launch) -> dict[str, Any]:
-    return {} if launch is None else {"launch": launch}
+        out = getattr(triton_decode, name)(*args, launch=launch)
+    if out is None:
+        raise KVCacheError("the device's kernel declined the call (see attention.device_kernels)")
+    return out
 
 
 def _as_blocks(x: torch.Tensor, batch: int, per_seq: int) -> torch.Tensor:
@@ -192,24 +195,16 @@ def _coded_call(q, kb, vb, table, tokens, bits, scale) -> tuple[Any, int]:
     nbytes = int(batch * full * storage.block_nbytes + batch * rest * KV_HEADS * HEAD_DIM * 8)
 
     def call(launch=None):
-        return _need(_kernels(launch).paged_coded_decode(
-            q, (c["kcodes"], c["kscale"], c["kmin"]), (c["vcodes"], c["vscale"], c["vmin"]), bits, 64, table, coded,
-            tails_k, tails_v, tails, open_, scale, **_how(launch),
-        ))  # fmt: skip
+        return _kernel(
+            "paged_coded_decode", launch, q, (c["kcodes"], c["kscale"], c["kmin"]),
+            (c["vcodes"], c["vscale"], c["vmin"]), bits, 64, table, coded, tails_k, tails_v, tails, open_, scale,
+        )  # fmt: skip
 
     return call, nbytes
 
 
-def _need(out):
-    if out is None:
-        raise KVCacheError("the device's kernel declined the call (see attention.device_kernels)")
-    return out
-
-
-# ---- a whole decode step --------------------------------------------------------------------------
-
-
 def step_rows(device, dtype, options: RunOptions) -> list[dict[str, Any]]:
+    """The ``step`` part: a whole decode step of the 8B shape with each contender's cache."""
     import kvcache
 
     model = _model(device, dtype, options.pick("tiny", "8b", "8b"))
@@ -224,20 +219,20 @@ def step_rows(device, dtype, options: RunOptions) -> list[dict[str, Any]]:
             ids = torch.randint(0, model.config.vocab_size, (batch, context), device=device)
             reference = None
             for name in ("dynamic", "kvcache", "static", "static-compiled"):
+                row = {"part": "step", "batch": batch, "context": context, "contender": name}
                 if name == "static-compiled" and (device.type != "cuda" or context not in compiled):
                     why = "CUDA graphs need a CUDA device" if device.type != "cuda" else "compiled at the first context only (--quick)"
-                    rows.append({"part": "step", "batch": batch, "context": context, "contender": name, "reason": why})
+                    rows.append(row | {"reason": why})
                     continue
                 try:
                     seconds, tokens = _decode(model, name, ids, steps, kvcache)
                 except Exception as e:  # noqa: BLE001 (a row says why a contender could not run)
-                    rows.append({"part": "step", "batch": batch, "context": context, "contender": name, "reason": repr(e)[:200]})
-                    _free(device)
+                    rows.append(row | {"reason": repr(e)[:200]})
                     continue
-                _free(device)
+                finally:
+                    _free(device)
                 reference = tokens if name == "dynamic" else reference
-                rows.append({
-                    "part": "step", "batch": batch, "context": context, "contender": name,
+                rows.append(row | {
                     "tokens_per_s": batch * steps / seconds, "ms_per_step": seconds / steps * 1e3,
                     "same_tokens_as_dynamic": reference is not None and tokens == reference,
                 })  # fmt: skip
@@ -248,21 +243,9 @@ def step_rows(device, dtype, options: RunOptions) -> list[dict[str, Any]]:
 def _model(device, dtype, shape: str):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    if shape == "8b":
-        config = LlamaConfig(
-            hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=Q_HEADS,
-            num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
-        )  # fmt: skip
-    elif shape == "smollm2":
-        config = LlamaConfig(
-            hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-            head_dim=64, vocab_size=49152, max_position_embeddings=8192, tie_word_embeddings=True,
-        )  # fmt: skip
-    else:
-        config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
     torch.manual_seed(0)
     with torch.device(device):
-        model = LlamaForCausalLM(config).to(dtype)
+        model = LlamaForCausalLM(LlamaConfig(**SHAPES[shape])).to(dtype)
     return model.eval()
 
 
@@ -291,16 +274,17 @@ def _decode(model, name: str, ids: torch.Tensor, steps: int, kvcache) -> tuple[f
     def at(start: int, n: int) -> dict[str, torch.Tensor]:  # static caches are told where they write
         return {"cache_position": torch.arange(start, start + n, device=device)} if static else {}
 
+    def prefill() -> torch.Tensor:  # the next token
+        return model(ids, **kwargs, use_cache=True, logits_to_keep=1, **at(0, context)).logits[:, -1:].argmax(-1)
+
     chosen = []
     with torch.inference_mode():
-        out = model(ids, **kwargs, use_cache=True, logits_to_keep=1, **at(0, context))
-        token = out.logits[:, -1:].argmax(-1)
-        for warm in range(2 if name == "static-compiled" else 0):  # compile and record the graphs first
-            forward(token, **kwargs, use_cache=True, **at(context + warm, 1))
-        if name == "static-compiled":  # the warm-up wrote two tokens: start again from the prefill
-            cache.reset()
-            out = model(ids, **kwargs, use_cache=True, logits_to_keep=1, **at(0, context))
-            token = out.logits[:, -1:].argmax(-1)
+        token = prefill()
+        if name == "static-compiled":
+            for warm in range(2):  # compile and record the graphs first
+                forward(token, **kwargs, use_cache=True, **at(context + warm, 1))
+            cache.reset()  # the warm-up wrote two tokens: start again from the prefill
+            token = prefill()
 
         def run():
             nonlocal token
@@ -315,10 +299,8 @@ def _decode(model, name: str, ids: torch.Tensor, steps: int, kvcache) -> tuple[f
     return seconds, chosen
 
 
-# ---- the engine against transformers' continuous batching ----------------------------------------
-
-
 def engine_rows(device, dtype, options: RunOptions) -> list[dict[str, Any]]:
+    """The ``engine`` part: the engine against transformers' continuous batching."""
     from .engine_workload import Workload, engine_settings, hf_settings, make_engine, serve_engine, serve_hf
 
     model = _model(device, dtype, options.pick("tiny", "smollm2", "smollm2"))
@@ -339,11 +321,11 @@ def engine_rows(device, dtype, options: RunOptions) -> list[dict[str, Any]]:
     for name, serve in runs.items():
         try:
             result = serve()
+            reason = result.reason
         except Exception as e:  # noqa: BLE001 (a row says why a contender could not run)
-            rows.append({"part": "engine", "contender": name, "sessions": sessions, "reason": repr(e)[:200]})
-            continue
-        if result.reason:
-            rows.append({"part": "engine", "contender": name, "sessions": sessions, "reason": result.reason})
+            reason = repr(e)[:200]
+        if reason:
+            rows.append({"part": "engine", "contender": name, "sessions": sessions, "reason": reason})
             continue
         finish = max(r.finish for r in result.requests)
         tokens[name] = [r.tokens for r in result.requests]
@@ -359,9 +341,6 @@ def engine_rows(device, dtype, options: RunOptions) -> list[dict[str, Any]]:
     return rows
 
 
-# ---- the report -------------------------------------------------------------------------------------
-
-
 def table(result: dict[str, Any]) -> str:
     machine = result["machine"]
     lines = [
@@ -369,24 +348,23 @@ def table(result: dict[str, Any]) -> str:
         f"{result['copy_bandwidth_bytes_per_s'] / 1e9:.0f} GB/s (read + written)",
     ]
     rows = result["rows"]
-    kernels = [r for r in rows if r["part"] == "kernel"]
     lines.append(markdown_table(
         ["batch", "tokens", "contender", "ms", "MB read", "share of copy bandwidth"],
         [[r["batch"], r["tokens"], r["contender"], f"{r['ms']:.3f}" if "ms" in r else r["reason"],
           f"{r['bytes_read'] / 1e6:.1f}" if "bytes_read" in r else "", f"{r['bandwidth_fraction']:.0%}" if "ms" in r else ""]
-         for r in kernels],
+         for r in rows if r["part"] == "kernel"],
     ))  # fmt: skip
-    steps = [r for r in rows if r["part"] == "step"]
     lines.append(markdown_table(
         ["batch", "context", "contender", "tokens/s", "ms/step", "tokens = DynamicCache's"],
         [[r["batch"], r["context"], r["contender"], f"{r['tokens_per_s']:.1f}" if "tokens_per_s" in r else r["reason"],
-          f"{r['ms_per_step']:.2f}" if "ms_per_step" in r else "", r.get("same_tokens_as_dynamic", "")] for r in steps],
+          f"{r['ms_per_step']:.2f}" if "ms_per_step" in r else "", r.get("same_tokens_as_dynamic", "")]
+         for r in rows if r["part"] == "step"],
     ))  # fmt: skip
-    engine = [r for r in rows if r["part"] == "engine"]
     lines.append(markdown_table(
         ["contender", "sessions", "tokens/s", "seconds", "same tokens"],
         [[r["contender"], r["sessions"], f"{r['tokens_per_s']:.1f}" if "tokens_per_s" in r else r["reason"],
-          f"{r['seconds']:.2f}" if "seconds" in r else "", r.get("same_tokens_requests", "")] for r in engine],
+          f"{r['seconds']:.2f}" if "seconds" in r else "", r.get("same_tokens_requests", "")]
+         for r in rows if r["part"] == "engine"],
     ))  # fmt: skip
     return "\n\n".join(lines) + "\n"
 
@@ -397,20 +375,18 @@ def plot(result: dict[str, Any], path) -> None:
     from .common import figure, finish_axes
 
     rows = [r for r in result["rows"] if "reason" not in r]
-    with figure(path, panels=2) as (left, right):
-        kernels = [r for r in rows if r["part"] == "kernel"]
-        if kernels:
-            batch = max(r["batch"] for r in kernels)
-            for name in CONTENDERS[:5]:
-                points = sorted((r["tokens"], 100 * r["bandwidth_fraction"]) for r in kernels if r["contender"] == name and r["batch"] == batch)
+    panels = (  # part, its contenders, x, y of a row, the axes' labels and title
+        ("kernel", CONTENDERS[:5], "tokens", lambda r: 100 * r["bandwidth_fraction"],
+         ("tokens", "% of copy bandwidth", f"decode attention, {Q_HEADS}/{KV_HEADS}x{HEAD_DIM}")),
+        ("step", CONTENDERS[5:9], "context", lambda r: r["tokens_per_s"],
+         ("context", "tokens/s", "a whole decode step")),
+    )  # fmt: skip
+    with figure(path, panels=2) as axes:
+        for ax, (part, names, x, y, labels) in zip(axes, panels):
+            mine = [r for r in rows if r["part"] == part]
+            batch = max((r["batch"] for r in mine), default=None)
+            for name in names:
+                points = sorted((r[x], y(r)) for r in mine if r["contender"] == name and r["batch"] == batch)
                 if points:
-                    left.plot(*zip(*points), marker="o", label=name)
-        finish_axes(left, "tokens", "% of copy bandwidth", f"decode attention, {Q_HEADS}/{KV_HEADS}x{HEAD_DIM}")
-        steps = [r for r in rows if r["part"] == "step"]
-        if steps:
-            batch = max(r["batch"] for r in steps)
-            for name in CONTENDERS[5:9]:
-                points = sorted((r["context"], r["tokens_per_s"]) for r in steps if r["contender"] == name and r["batch"] == batch)
-                if points:
-                    right.plot(*zip(*points), marker="o", label=name)
-        finish_axes(right, "context", "tokens/s", "a whole decode step")
+                    ax.plot(*zip(*points), marker="o", label=name)
+            finish_axes(ax, *labels)

@@ -59,15 +59,10 @@ def timed_generate(model, cache, ids: torch.Tensor, new_tokens: int, attention: 
     recommends; any other name runs the model on that implementation. The model is back on sdpa after.
     """
     model.set_attn_implementation("sdpa")
-    context = use_kvcache_attention(model) if attention == ATTENTION_NAME else _attention(model, attention)
-    result = {}
-
-    def decode() -> None:
-        result["out"] = greedy_generate(model, ids, cache, new_tokens)
-
-    with context:
-        seconds = clock(decode, ids.device)
-    return seconds, result["out"]
+    out = []
+    with use_kvcache_attention(model) if attention == ATTENTION_NAME else _attention(model, attention):
+        seconds = clock(lambda: out.append(greedy_generate(model, ids, cache, new_tokens)), ids.device)
+    return seconds, out[0]
 
 
 @contextlib.contextmanager

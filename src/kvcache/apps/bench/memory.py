@@ -9,20 +9,18 @@ Contenders (one cache object each, used through its model-level ``update``):
 
 - ``concat``: Hugging Face ``DynamicCache`` (``torch.cat`` per append);
 - ``step256``: a buffer grown by a fixed 256 slots when full (mlx-lm's scheme; one
-  ``kvcache.apps.bench.update.Step256`` per layer behind a small cache adapter);
+  ``kvcache.apps.bench.update.Step256`` per layer behind a small cache adapter, :class:`Step256Cache`);
 - ``growable``: ours, ``make_cache(config)`` (doubling from 256 slots);
 - ``static``: ours, ``make_cache(config, "static", capacity=T)``.
 
 Every contender runs in its own fresh process (``multiprocessing``: forked from a ``forkserver`` that
-has only imported the measuring module, else spawned), one after another, so that no allocator state or
-resident memory carries over. In that process, after imports and a
-short warm-up of the same code path, the baseline is the current RSS (``/proc/self/statm``) and the
-kernel's peak-RSS mark is reset (``/proc/self/clear_refs`` = 5). Measured:
+has only imported this module, else spawned), one after another, so that no allocator state or
+resident memory carries over. There, after a short warm-up of the same code path, the baseline is
+the current RSS and the kernel's peak-RSS mark is reset (:mod:`.rss`). Measured:
 
-- ``peak_rss_bytes``: the largest RSS during the run minus the baseline. Every ``sample_every``
-  steps ``VmHWM`` (``/proc/self/status``, the kernel's high-water mark, which sees transient peaks
-  that happen inside a step) is read and reset, so each sample is the peak of its window. Where
-  the mark cannot be reset, ``ru_maxrss`` of the fresh process is used instead (``config.rss_method``).
+- ``peak_rss_bytes``: the largest RSS during the run minus the baseline, the peak of each window of
+  ``sample_every`` steps (``rss.PeakRSS``: the kernel's high-water mark, which sees transient peaks
+  inside a step; ``ru_maxrss`` of the fresh process where it cannot be reset, ``config.rss_method``).
 - ``final_cache_bytes`` and the cache-bytes curve: storage the cache holds, counted as distinct
   storages (``untyped_storage().nbytes()``) of every layer's key and value tensors, after each step.
 - ``peak_cache_bytes``: the largest, over all layer updates, of the bytes held before the update
@@ -44,26 +42,237 @@ appends (the last one, at T, is the largest). Every stepped append is checked to
 layer; its ``reallocations`` (T per layer) and ``spikes`` (T) are then given by that rule and the
 row says ``counts_extrapolated``.
 
-The pieces: :mod:`.memory_measure` (the sizes, the contender caches and one contender's run, in its
-own process) and :mod:`.rss` (the process's resident memory); this module runs them and writes the
-result, its table (one row per contender, with notes on how each figure was counted) and its plot
-(the cache bytes held and the process's peak RSS per sample window against the tokens appended).
+The table has one row per contender, with notes on how each figure was counted; the plot, the cache
+bytes held and the process's peak RSS per sample window against the tokens appended.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict
+import gc
+import multiprocessing as mp
+import queue
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..contenders import make_contender as make_named
 from ..run_options import RunOptions
-from .common import figure, human_bytes, markdown_table
-from .harness import report
-from .memory_measure import CONTENDERS, Setup, measure, measure_isolated
+from .common import cache_config, column_table, figure, human_bytes
+from .harness import report, storage_of
+from .rss import PeakRSS, current_rss
+from .update import Step256
 
 __all__ = ["CONTENDERS", "plot", "run", "table"]
+
+CONTENDERS = ("concat", "step256", "growable", "static")
+
+
+@dataclass
+class Setup:
+    """What one contender's run does (picklable, sent to the worker process)."""
+
+    tokens: int
+    layers: int = 4
+    kv_heads: int = 8
+    head_dim: int = 128
+    dtype: str = "float32"
+    samples: int = 512  # RSS samples over the run (about)
+    checkpoints: int = 16  # concat: lengths it is brought to
+    window: int = 4  # concat: single-token appends before each checkpoint
+
+    @property
+    def sample_every(self) -> int:
+        return max(1, self.tokens // self.samples)
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of one token's keys and values in one layer."""
+        return 2 * self.kv_heads * self.head_dim * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+
+
+class Step256Cache:
+    """``update(k, v, layer_idx)`` over one ``Step256`` per layer, like a model-level cache."""
+
+    def __init__(self, layers: int) -> None:
+        self.layers = [Step256() for _ in range(layers)]
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> None:
+        self.layers[layer_idx].update(key, value)
+
+
+def make_contender(name: str, setup: Setup):
+    """A fresh cache and a function giving layer i's storage tensors ``(keys, values)`` (or Nones)."""
+    if name not in CONTENDERS:
+        raise ValueError(f"unknown contender {name!r}; valid: {', '.join(CONTENDERS)}")
+    if name == "step256":
+        cache = Step256Cache(setup.layers)
+    else:  # concat: Hugging Face's DynamicCache, torch.cat on every append
+        config = cache_config(setup.layers, setup.kv_heads, setup.head_dim, setup.tokens)
+        cache = make_named("dynamic" if name == "concat" else name, config, capacity=setup.tokens)
+    if name in ("concat", "step256"):
+        return cache, lambda i: (cache.layers[i].keys, cache.layers[i].values)
+    return cache, lambda i: cache.kv_layers[i].view()  # views of the buffers: their storage is the whole buffer
+
+
+class Tracker:
+    """A contender's cache, and the storage behind its layers across updates: bytes held, the peak
+    while a layer reallocates, reallocations, spikes."""
+
+    def __init__(self, name: str, setup: Setup) -> None:
+        self.cache, self.storages = make_contender(name, setup)
+        self.layer_storage: list[dict[int, int]] = [{} for _ in range(setup.layers)]
+        self.held = self.peak = self.reallocations = self.spikes = 0
+
+    def step(self, k: torch.Tensor, v: torch.Tensor) -> int:
+        """Append ``k``, ``v`` to every layer; returns how many layers allocated new storage."""
+        changed = 0
+        for i, before in enumerate(self.layer_storage):
+            self.cache.update(k, v, i)
+            now = storage_of(self.storages(i))
+            if now.keys() != before.keys():
+                fresh = sum(n for ptr, n in now.items() if ptr not in before)
+                self.peak = max(self.peak, self.held + fresh)  # old and new alive together while copying
+                self.held += sum(now.values()) - sum(before.values())
+                self.layer_storage[i] = now
+                self.reallocations += 1
+                changed += 1
+        self.spikes += changed > 0
+        return changed
+
+
+def measure(name: str, setup: Setup, progress: Callable[[int], None] = lambda t: None) -> dict[str, Any]:
+    """One contender's run in this process (see the module docstring). ``progress(n)`` gets token counts."""
+    dtype = getattr(torch, setup.dtype)
+    k = torch.randn(1, setup.kv_heads, 1, setup.head_dim, dtype=dtype)
+    v = torch.randn(1, setup.kv_heads, 1, setup.head_dim, dtype=dtype)
+
+    # Warm-up: the same code path on a small throwaway cache (one head of 8), so lazy initialisation
+    # is not counted and little freed memory is left for the measured run to reuse.
+    warm = Tracker(name, replace(setup, tokens=8, kv_heads=1, head_dim=8))
+    wk = torch.randn(1, 1, 1, 8, dtype=dtype)
+    for _ in range(8):
+        warm.step(wk, wk)
+    del warm, wk
+    gc.collect()
+
+    tracker = Tracker(name, setup)
+    rss = PeakRSS()
+    baseline = current_rss()
+    rss.start()
+    samples: list[tuple[int, int, int, int]] = []  # (tokens, cache bytes held, rss above baseline, window peak)
+    bytes_curve: list[tuple[int, int]] = [(0, 0)]  # (tokens, cache bytes held): every change of slope
+
+    def sample(t: int) -> None:
+        peak = rss.window_peak() - baseline
+        samples.append((t, tracker.held, current_rss() - baseline, peak))
+
+    start = time.perf_counter()
+    if name == "concat":
+        stepped = done = 0
+        marks = sorted({max(1, round(setup.tokens * (j + 1) / setup.checkpoints)) for j in range(setup.checkpoints)})
+        for mark in marks:
+            jump = max(0, mark - setup.window) - done
+            if jump > 0:
+                # One chunk append to mark - window: an expanded view of the token, no memory of its own.
+                tracker.step(k.expand(-1, -1, jump, -1), v.expand(-1, -1, jump, -1))
+                done += jump
+                bytes_curve.append((done, tracker.held))
+                sample(done)
+            while done < mark:
+                changed = tracker.step(k, v)
+                if changed != setup.layers:
+                    raise RuntimeError(
+                        f"concat: a single-token append reallocated {changed} of {setup.layers} layers "
+                        f"(at {done + 1} tokens); the sampling shortcut assumes every append reallocates"
+                    )
+                done += 1
+                stepped += 1
+                bytes_curve.append((done, tracker.held))
+                sample(done)
+            progress(done)
+        reallocations, spikes, extrapolated = setup.tokens * setup.layers, setup.tokens, True
+    else:
+        stepped = setup.tokens
+        for t in range(1, setup.tokens + 1):
+            held_before = tracker.held
+            if tracker.step(k, v):
+                bytes_curve += [(t - 1, held_before), (t, tracker.held)]
+            if t % setup.sample_every == 0 or t == setup.tokens:
+                sample(t)
+                progress(t)
+        bytes_curve.append((setup.tokens, tracker.held))
+        reallocations, spikes, extrapolated = tracker.reallocations, tracker.spikes, False
+    seconds = time.perf_counter() - start
+
+    cache = tracker.cache
+    length = cache.get_seq_length() if hasattr(cache, "get_seq_length") else cache.layers[0].length
+    if length != setup.tokens:
+        raise RuntimeError(f"{name}: the cache holds {length} tokens, expected {setup.tokens}")
+    return {
+        "contender": name,
+        "tokens": setup.tokens,
+        "stepped_tokens": stepped,
+        "peak_rss_bytes": max(0, *(peak for *_, peak in samples)),
+        "final_rss_bytes": current_rss() - baseline,
+        "baseline_rss_bytes": baseline,
+        "final_cache_bytes": tracker.held,
+        "peak_cache_bytes": tracker.peak,
+        "reallocations": reallocations,
+        "spikes": spikes,
+        "counts_extrapolated": extrapolated,
+        "reported_reallocations": int(cache.reallocations) if hasattr(cache, "reallocations") else None,
+        "reported_nbytes": int(cache.nbytes) if hasattr(cache, "nbytes") else None,
+        "seconds": seconds,
+        "rss_method": rss.method,
+        "bytes_curve": bytes_curve,
+        "samples": samples,
+    }
+
+
+def _worker(name: str, setup: Setup, channel) -> None:
+    try:
+        channel.put(("done", measure(name, setup, progress=lambda t: channel.put(("progress", t)))))
+    except BaseException:  # report everything, the parent raises it
+        channel.put(("error", traceback.format_exc()))
+
+
+def measure_isolated(name: str, setup: Setup, progress: Callable[[int], None], timeout=1800.0) -> dict[str, Any]:
+    """``measure`` in a fresh process of its own: from a ``forkserver`` that has imported this module
+    (and so torch and transformers) but run nothing, without the import time of ``spawn``."""
+    if "forkserver" in mp.get_all_start_methods():
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload([__name__])
+    else:
+        ctx = mp.get_context("spawn")
+    channel = ctx.Queue()
+    proc = ctx.Process(target=_worker, args=(name, setup, channel), daemon=True)
+    proc.start()
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            try:
+                kind, payload = channel.get(timeout=1.0)
+            except queue.Empty:
+                if not proc.is_alive():
+                    raise RuntimeError(f"memory bench worker for {name!r} died (exit code {proc.exitcode})") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"memory bench worker for {name!r} ran past {timeout:.0f} s") from None
+                continue
+            if kind == "error":
+                raise RuntimeError(f"memory bench worker for {name!r} failed:\n{payload}")
+            progress(payload if kind == "progress" else setup.tokens)
+            if kind == "done":
+                return payload
+    finally:
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
 
 
 def run(
@@ -89,18 +298,9 @@ def run(
         setup = Setup(tokens=tokens or (4096 if options.quick else 32768), layers=layers or 4)
     bar = tqdm(total=setup.tokens * len(contenders), desc="memory", unit="tok", disable=not options.progress)
     rows = []
-    for name in contenders:
-        if isolate:
-            row = measure_isolated(name, setup, bar)
-        else:
-            last = [0]
-
-            def tick(t: int) -> None:
-                bar.update(t - last[0])
-                last[0] = t
-
-            row = measure(name, setup, tick)
-        rows.append(row)
+    for i, name in enumerate(contenders):
+        advance = lambda t: bar.update(i * setup.tokens + t - bar.n)  # noqa: E731 (t: this contender's tokens so far)
+        rows.append((measure_isolated if isolate else measure)(name, setup, advance))
     bar.close()
 
     needed = setup.token_bytes * setup.layers * setup.tokens
@@ -127,31 +327,17 @@ def mib(n: float) -> str:
 
 def table(result: dict[str, Any]) -> str:
     c = result["config"]
-    header = [
-        "contender",
-        "tokens",
-        "peak RSS above baseline",
-        "peak RSS / bytes of T tokens",
-        "peak cache bytes",
-        "final cache bytes",
-        "reallocations",
-        "spikes",
-        "seconds",
-    ]
-    body = [
-        [
-            r["contender"] + (" *" if r["counts_extrapolated"] else ""),
-            r["tokens"],
-            mib(r["peak_rss_bytes"]),
-            r["peak_rss_over_needed"],
-            mib(r["peak_cache_bytes"]),
-            mib(r["final_cache_bytes"]),
-            r["reallocations"],
-            r["spikes"],
-            r["seconds"],
-        ]
-        for r in result["rows"]
-    ]
+    columns = {
+        "contender": lambda r: r["contender"] + (" *" if r["counts_extrapolated"] else ""),
+        "tokens": "tokens",
+        "peak RSS above baseline": lambda r: mib(r["peak_rss_bytes"]),
+        "peak RSS / bytes of T tokens": "peak_rss_over_needed",
+        "peak cache bytes": lambda r: mib(r["peak_cache_bytes"]),
+        "final cache bytes": lambda r: mib(r["final_cache_bytes"]),
+        "reallocations": "reallocations",
+        "spikes": "spikes",
+        "seconds": "seconds",
+    }
     notes = (
         f"\n{c['model']}; one token appended to every layer per step; T tokens need {mib(c['needed_bytes'])}. "
         f"Reallocations are summed over the {c['layers']} layers (first allocation included); spikes are steps in "
@@ -166,7 +352,7 @@ def table(result: dict[str, Any]) -> str:
             "all of them copies O(T²) bytes. Each stepped append reallocated every layer, so its counts are T per layer "
             "and T spikes; its seconds are not comparable.\n"
         )
-    return markdown_table(header, body) + notes
+    return column_table(result["rows"], columns) + notes
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -178,8 +364,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
             style = dict(linestyle="--", marker="o", markersize=3, zorder=3) if r["counts_extrapolated"] else {}
             xs, ys = zip(*r["bytes_curve"])
             held.plot(xs, [y / unit for y in ys], label=r["contender"], **style)
-            pts = [(t, peak) for t, _, _, peak in r["samples"]]
-            rss.plot([t for t, _ in pts], [p / unit for _, p in pts], label=r["contender"], **style)
+            rss.plot([s[0] for s in r["samples"]], [s[3] / unit for s in r["samples"]], label=r["contender"], **style)
         for ax, ylabel, title in (
             (held, "MiB of storage held by the cache", "Cache bytes held"),
             (rss, "MiB above baseline (peak per sample window)", "Process RSS"),

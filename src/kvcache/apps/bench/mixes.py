@@ -17,7 +17,6 @@ kvpress does it), ``snapkv`` over int4 slots keeping the tokens 0.125 affords, a
 
 from __future__ import annotations
 
-import statistics
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,7 @@ from kvcache import cache_kwargs
 
 from ... import make_cache, use_kvcache_attention
 from ..run_options import RunOptions
-from .common import clock, figure, human_bytes, markdown_table
+from .common import clock, figure, human_bytes, markdown_table, median
 from .harness import report
 from .workload import load_model, make_prompts
 
@@ -89,10 +88,10 @@ def run(options: RunOptions = RunOptions(), *, model: str | None = None, context
                 times[c].append(clock(decode, options.device) / steps)
                 bar.update()
     bar.close()
-    ref = statistics.median(times[REFERENCE])
+    ref = median(times[REFERENCE])
     rows = []
     for c in CONTENDERS:
-        ms = statistics.median(times[c])
+        ms = median(times[c])
         rows.append({"contender": c, "spec": specs[c], "ms_per_step": 1000 * ms, "vs_growable": ms / ref, "nbytes": caches[c].nbytes,
                      "bytes_share": caches[c].nbytes / fp32_bytes(caches[c]), "samples_ms": [1000 * t for t in times[c]]})  # fmt: skip
     config = {"model": str(folder), "model_name": name, "context": context, "steps_per_round": steps, "rounds": rounds,

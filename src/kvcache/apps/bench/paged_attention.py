@@ -1,24 +1,22 @@
 """The paged part of suite ``attention``: the engine's decode attention over block tables.
 
-Setting: SmolLM2-135M's geometry (9 query heads on 3 KV heads x 64), ``sequences`` (16) sequences
-of mixed lengths (seeded, uniform in 512-3,903 tokens; fewer and shorter for ``tiny``), their
-blocks handed out shuffled from one pool (as a long-running engine's tables are). Contenders per
-block size (16, 32, 64, 256 tokens), alternating within each repeat, every call after
-``evict_caches``:
+Setting: SmolLM2-135M's geometry, 16 sequences of mixed lengths (seeded, uniform in 512-3,903
+tokens; fewer and shorter for ``tiny``), their blocks handed out shuffled from one pool (as a
+long-running engine's tables are). Contenders per block size (16, 32, 64, 256 tokens),
+alternating within each repeat, every call after ``evict_caches``:
 
 - ``paged``: ``native.paged_decode`` over float32 blocks (what ``PagedStep`` runs);
 - ``paged-bf16``: the same over bfloat16 blocks with bfloat16 queries (a bfloat16 engine's own
   rows: ``csrc/bf16_attention.cpp`` reads blocks of 32 tokens and more in place where the CPU has
   AVX-512 BF16, else the float kernel widens them);
-- ``paged-int8``: ``fused_paged.paged_decode_attention`` over int8 blocks with an exact open block per
-  sequence (what ``PagedStep`` runs over a coded pool);
+- ``paged-int8``: ``fused_paged.paged_decode_attention`` over int8 blocks with an exact open block
+  per sequence (what ``PagedStep`` runs over a coded pool);
 - ``dense``: ``kvcache.attend`` over one padded contiguous batch ``[S, Hkv, longest, D]`` with a
   padding mask, the layout of a batched ``generate`` (a reference point: it reads the padding's
   keys too, not its values).
 
-Each row: the bytes the contender must read (keys and values in use; codes, scales, minimums and
-the open blocks for int8; the padded keys and the live values for dense), its median time, and the fraction of the
-read bandwidth (measured by the suite in the same run). Target (issue 24): ``paged`` >= 60% at 16
+Each row: the bytes the contender must read, its median time, and the fraction of the read
+bandwidth (measured by the suite in the same run). Target (issue 24): ``paged`` >= 60% at 16
 sequences of mixed lengths.
 """
 
@@ -44,24 +42,20 @@ def run(options: RunOptions, bandwidth: float, repeats: int) -> list[dict[str, A
     """Rows (one per block size and contender)."""
     sequences = options.pick(4, 16, 16)
     low, high = options.pick((40, 200), (512, 3903), (512, 3903))
-    block_sizes = options.pick([16], [32, 256], [16, 32, 64, 256])
     gen = torch.Generator().manual_seed(0)
     lengths = torch.randint(low, high + 1, (sequences,), generator=gen).tolist()
-    rows = []
-    for bs in block_sizes:
-        rows += _one(bs, lengths, gen, bandwidth, repeats)
-    return rows
+    block_sizes = options.pick([16], [32, 256], [16, 32, 64, 256])
+    return [row for bs in block_sizes for row in _one(bs, lengths, gen, bandwidth, repeats)]
 
 
 def _one(bs: int, lengths: list[int], gen: torch.Generator, bandwidth: float, repeats: int) -> list[dict[str, Any]]:
     seqs = len(lengths)
     need = [math.ceil(n / bs) for n in lengths]
     total = sum(need)
-    order = torch.randperm(total, generator=gen).tolist()
-    tables, at = [], 0
-    for n in need:
-        tables.append(order[at : at + n])
-        at += n
+    tables = [blocks.tolist() for blocks in torch.randperm(total, generator=gen).split(need)]
+    table = torch.zeros(seqs, max(need), dtype=torch.int32)
+    for s, t in enumerate(tables):
+        table[s, : len(t)] = torch.tensor(t, dtype=torch.int32)
     pool = BlockPool(1, KV_HEADS, HEAD_DIM, bs, total)
     pool.allocate(total)
     keys = torch.randn(total, KV_HEADS, bs, HEAD_DIM, generator=gen)
@@ -69,55 +63,45 @@ def _one(bs: int, lengths: list[int], gen: torch.Generator, bandwidth: float, re
     pool.storage.write_blocks(0, torch.arange(total), keys, values)
     blocks = pool.storage.layer(0)
     half = {name: blocks[name].bfloat16() for name in ("keys", "values")}
-    coded = _coded(keys, values, tables, lengths, bs)
+    coded, coded_bytes = _coded(keys, values, table, lengths, bs)
     query = torch.randn(seqs, KV_HEADS, Q_HEADS // KV_HEADS, HEAD_DIM, generator=gen)
-    width = max(need)
-    table = torch.zeros(seqs, width, dtype=torch.int32)
-    for s, t in enumerate(tables):
-        table[s, : len(t)] = torch.tensor(t, dtype=torch.int32)
     lens = torch.tensor(lengths, dtype=torch.int64)
     dense_k, dense_v, mask = _dense(pool, tables, lengths)
     scale = 1 / math.sqrt(HEAD_DIM)
     q4 = query.reshape(seqs, Q_HEADS, 1, HEAD_DIM)
     query_bf16 = query.bfloat16()
+    calls = {
+        "paged": lambda: native.paged_decode(query, blocks["keys"], blocks["values"], table, lens, scale),
+        "paged-bf16": lambda: native.paged_decode(query_bf16, half["keys"], half["values"], table, lens, scale),
+        "paged-int8": lambda: coded(query, scale),
+        "dense": lambda: attend(q4, dense_k, dense_v, mask=mask, scale=scale),
+    }
 
     def call(name: str) -> torch.Tensor:
-        if name == "paged":
-            out = native.paged_decode(query, blocks["keys"], blocks["values"], table, lens, scale)
-        elif name == "paged-bf16":
-            out = native.paged_decode(query_bf16, half["keys"], half["values"], table, lens, scale)
-        elif name == "paged-int8":
-            out = coded["call"](query, scale)
-        else:
-            out = attend(q4, dense_k, dense_v, mask=mask, scale=scale)
-        return out.reshape(seqs, Q_HEADS, HEAD_DIM)
+        return calls[name]().reshape(seqs, Q_HEADS, HEAD_DIM)
 
     reference = call("dense")
     diffs = {name: (call(name) - reference).abs().max().item() for name in CONTENDERS}  # warm-up + check
-    read = {
-        "paged": sum(lengths) * KV_HEADS * HEAD_DIM * 4 * 2,
-        "paged-bf16": sum(lengths) * KV_HEADS * HEAD_DIM * 2 * 2,
-        "paged-int8": coded["bytes"],
-        "dense": dense_k.nbytes + sum(lengths) * KV_HEADS * HEAD_DIM * 4,  # every key row; value rows of live tokens only
-    }
+    live = sum(lengths) * KV_HEADS * HEAD_DIM  # keys (or values) in use
+    # int8: codes, scales, minimums and the open blocks; dense: every key row, value rows of live tokens only
+    read = {"paged": 2 * live * 4, "paged-bf16": 2 * live * 2, "paged-int8": coded_bytes}
+    read["dense"] = dense_k.nbytes + live * 4
     times = alternate(CONTENDERS, repeats, lambda name: clock_cold(lambda: call(name)))
-    rows = []
-    for name in CONTENDERS:
-        seconds = median(times[name])
-        rows.append(
-            {
-                "block_size": bs,
-                "sequences": seqs,
-                "tokens": sum(lengths),
-                "contender": name,
-                "ms": seconds * 1e3,
-                "bytes_read": read[name],
-                "bandwidth_fraction": read[name] / seconds / bandwidth,
-                "max_abs_diff_vs_dense": diffs[name],
-                "samples_ms": [t * 1e3 for t in times[name]],
-            }
-        )
-    return rows
+    seconds = {name: median(times[name]) for name in CONTENDERS}
+    return [
+        {
+            "block_size": bs,
+            "sequences": seqs,
+            "tokens": sum(lengths),
+            "contender": name,
+            "ms": seconds[name] * 1e3,
+            "bytes_read": read[name],
+            "bandwidth_fraction": read[name] / seconds[name] / bandwidth,
+            "max_abs_diff_vs_dense": diffs[name],
+            "samples_ms": [t * 1e3 for t in times[name]],
+        }
+        for name in CONTENDERS
+    ]
 
 
 def _dense(pool: BlockPool, tables: list[list[int]], lengths: list[int]):
@@ -133,7 +117,7 @@ def _dense(pool: BlockPool, tables: list[list[int]], lengths: list[int]):
     return k, v, mask
 
 
-def _coded(keys: torch.Tensor, values: torch.Tensor, tables: list[list[int]], lengths: list[int], bs: int) -> dict[str, Any]:
+def _coded(keys: torch.Tensor, values: torch.Tensor, table: torch.Tensor, lengths: list[int], bs: int):
     """An int8 pool of the same blocks: every full block coded, each sequence's last partial block
     in its open block; the call and the bytes it reads."""
     seqs = len(lengths)
@@ -144,17 +128,12 @@ def _coded(keys: torch.Tensor, values: torch.Tensor, tables: list[list[int]], le
     coded = torch.tensor([n // bs * bs for n in lengths], dtype=torch.int64)
     open_ = torch.tensor([n % bs for n in lengths], dtype=torch.int64)
     tails = torch.arange(seqs, dtype=torch.int32)
-    for s, (t, n) in enumerate(zip(tables, lengths)):
+    for s, n in enumerate(lengths):
         if n % bs:
-            last = t[n // bs]
+            last = int(table[s, n // bs])
             tail["keys"][s] = keys[last]
             tail["values"][s] = values[last]
-    width = max(len(t) for t in tables)
-    table = torch.zeros(seqs, width, dtype=torch.int32)
-    for s, t in enumerate(tables):
-        table[s, : len(t)] = torch.tensor(t, dtype=torch.int32)
-    per_block = pool.block_nbytes
-    nbytes = int(sum(n // bs for n in lengths) * per_block + sum(lengths[s] % bs for s in range(seqs)) * KV_HEADS * HEAD_DIM * 8)
+    nbytes = int(sum(n // bs for n in lengths) * pool.block_nbytes + sum(open_.tolist()) * KV_HEADS * HEAD_DIM * 8)
 
     def call(query: torch.Tensor, scale: float) -> torch.Tensor:
         c = pool.storage.layer(0)
@@ -163,7 +142,7 @@ def _coded(keys: torch.Tensor, values: torch.Tensor, tables: list[list[int]], le
             table, coded, tail["keys"], tail["values"], tails, open_, scale,
         )  # fmt: skip
 
-    return {"call": call, "bytes": nbytes}
+    return call, nbytes
 
 
 def table(rows: list[dict[str, Any]]) -> str:

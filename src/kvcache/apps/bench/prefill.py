@@ -1,29 +1,24 @@
 """Suite ``prefill``: peak process memory and time of a long prompt's prefill, the full cache against
 bounded caches fed in chunks (``kvcache.prefill``).
 
-Contenders (``CONTENDERS``), each one prefill of the whole prompt:
+Contenders (``CONTENDERS``), each one prefill of the whole prompt: the full cache and ``h2o`` /
+``window`` bounded to ``budget`` (1,024), fed ``chunk`` tokens per forward pass (a bounded layer
+holds at most the budget plus one chunk); and the full cache fed the prompt in one pass (fused
+SDPA): the plain prefill, the time to beat. (A bounded kind fed in one pass must also score every
+query against every key, minutes at 32K, and holds the whole prompt meanwhile: it shows nothing
+that row does not.)
 
-- ``full chunked``: ``growable`` (every key and value kept), ``chunk`` tokens per forward pass;
-- ``h2o chunked`` / ``window chunked``: ``h2o:budget=1024`` / ``window:window=1024``, chunked: each
-  layer holds at most the budget plus one chunk;
-- ``full unchunked``: ``growable`` fed the prompt in one forward pass (fused SDPA): the plain
-  prefill, the time to beat. (A bounded kind fed in one pass must also score every query against
-  every key, minutes at 32K, and holds the whole prompt meanwhile: it shows nothing this row
-  does not.)
+Models (``sizes``): SmolLM2-135M (real text) at 8K tokens, and ``WIDE`` (random weights, as many
+K/V bytes per token as a model many times its size) at 16K and 32K; ``--quick`` 1K / 2K / 4K
+with a budget and chunk of 256. Each row names its model.
 
-Models: SmolLM2-135M (``kvcache.models.load("smollm2")``, real text, 8K context) at 8K tokens, and
-a random-weight model built from a config (``WIDE``: 2 Llama layers of 16 query and 16 KV heads of
-64, RoPE over 64K positions: as many K/V bytes per token as a model many times its size) at 16K
-and 32K; ``--quick`` 1K / 2K / 4K with a budget and chunk of 256. Each row names its model.
-
-How: every run in a fresh process (forked from a ``forkserver`` that has imported this module and
-nothing else), one after another. There, after loading the model, making the prompt and a short
-warm-up forward pass, the baseline is the current RSS and the kernel's peak-RSS mark is reset
-(``rss.PeakRSS``); after the prefill, the mark is the process peak. Per row: seconds, the ratio
-to the full cache's time, the process peak and the peak over the baseline (what the prefill
+How: every run in a fresh process (``fresh_processes``), one after another. There, after loading
+the model, making the prompt and a short warm-up pass, the baseline is the current RSS and the
+kernel's peak-RSS mark is reset (``rss.PeakRSS``); after the prefill, the mark is the process
+peak. Per row (``measure``): seconds, the peak and the peak over the baseline (what the prefill
 added: K/V, activations, attention blocks), the cache's ``nbytes`` (largest after any chunk, the
-bound the tests check), the K/V bytes a full cache holds for the prompt, and the model's weight
-bytes, with the peak and the K/V held as fractions of the weights.
+bound the tests check), the K/V bytes a full cache holds for the prompt and the weights' bytes;
+``run`` adds the ratios to the full cache's time and to the weights.
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """The prompt part of suite ``attention``: prompt chunks over the engine's pool blocks (issue 58).
 
-Setting: SmolLM2-135M's geometry (9 query heads on 3 KV heads x 64), blocks of 32 tokens handed
-out shuffled from one pool, each chunk's past and the chunk itself already in its blocks (as the
-engine's step holds them). Cases (fewer and shorter for ``tiny``):
-
-- ``16 x 64 after 1,024``: the turns of 16 sessions that share a 1,024-token system prompt;
-- ``1 x 512 after 0``: the first chunk of a prompt;
-- ``1 x 512 after 3,072``: the last chunk of a 3.5K prompt.
-
-Contenders, alternating within each repeat, in float32 and bfloat16 (blocks and queries alike, as
-a model in that dtype gives them; bfloat16 chunks run on AMX tiles where the CPU has them):
+Setting: SmolLM2-135M's geometry, blocks of 32 tokens handed out shuffled from one pool, each
+chunk's past and the chunk itself already in its blocks (as the engine's step holds them); the
+cases (``CASES``) are the turns of 16 sessions that share a 1,024-token system prompt, and the
+first and the last chunk of a 3.5K prompt. Contenders, alternating within each repeat, in float32
+and bfloat16 (blocks and queries alike, as a model in that dtype gives them; bfloat16 chunks run
+on AMX tiles where the CPU has them):
 
 - ``paged-prefill``: ``native.paged_prefill``, every chunk in one call (what ``PagedStep`` runs);
 - ``gather+sdpa``: each chunk's past gathered out of the blocks, then ``kvcache.attend`` causal
@@ -33,32 +29,27 @@ from .harness import alternate
 
 KV_HEADS, Q_HEADS, HEAD_DIM, BLOCK = 3, 9, 64, 32  # SmolLM2-135M
 CONTENDERS = ("paged-prefill", "gather+sdpa")
+#: (name, [(past tokens, chunk tokens) of each chunk]); ``tiny`` runs 4 x 16 after 64.
+CASES = [("16 x 64 after 1,024", [(1024, 64)] * 16), ("1 x 512 after 0", [(0, 512)]),
+         ("1 x 512 after 3,072", [(3072, 512)])]  # fmt: skip
 
 
 def run(options: RunOptions, repeats: int) -> list[dict[str, Any]]:
     """Rows, one per case, dtype and contender."""
-    cases = options.pick(
-        [("4 x 16 after 64", [(64, 16)] * 4)],
-        [("16 x 64 after 1,024", [(1024, 64)] * 16), ("1 x 512 after 0", [(0, 512)]), ("1 x 512 after 3,072", [(3072, 512)])],
-        [("16 x 64 after 1,024", [(1024, 64)] * 16), ("1 x 512 after 0", [(0, 512)]), ("1 x 512 after 3,072", [(3072, 512)])],
-    )
-    rows = []
-    for name, chunks in cases:
-        for dtype in (torch.float32, torch.bfloat16):
-            rows += _one(name, chunks, dtype, repeats)
-    return rows
+    cases = options.pick([("4 x 16 after 64", [(64, 16)] * 4)], CASES, CASES)
+    dtypes = (torch.float32, torch.bfloat16)
+    return [row for name, chunks in cases for dtype in dtypes for row in _one(name, chunks, dtype, repeats)]
 
 
 def _one(name: str, chunks: list[tuple[int, int]], dtype: torch.dtype, repeats: int) -> list[dict[str, Any]]:
     gen = torch.Generator().manual_seed(0)
     need = [math.ceil((past + count) / BLOCK) for past, count in chunks]
-    order = torch.randperm(sum(need), generator=gen).tolist()
+    order = torch.randperm(sum(need), generator=gen)
     keys = torch.randn(sum(need), KV_HEADS, BLOCK, HEAD_DIM, generator=gen).to(dtype)
     values = torch.randn(sum(need), KV_HEADS, BLOCK, HEAD_DIM, generator=gen).to(dtype)
     tables = torch.zeros(len(chunks), max(need), dtype=torch.int32)
-    for s, count in enumerate(need):
-        tables[s, :count] = torch.tensor(order[:count], dtype=torch.int32)
-        order = order[count:]
+    for s, blocks in enumerate(order.split(need)):
+        tables[s, : len(blocks)] = blocks
     total = sum(count for _, count in chunks)
     rows_per_head = Q_HEADS // KV_HEADS
     q = torch.randn(KV_HEADS, total, rows_per_head, HEAD_DIM, generator=gen).to(dtype)  # as the model's queries

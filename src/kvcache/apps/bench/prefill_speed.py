@@ -6,15 +6,10 @@ attention with our caches, whole prompt and chunked, and every bounded kind agai
     python -m kvcache.apps.bench.prefill_speed --tokens 1024,4096 --batches 1,8 --repeats 3
     python -m kvcache.apps.bench.prefill_speed --tokens 2048 --contenders sdpa,growable,adakv
 
-Contenders (``CONTENDERS``; ``--contenders`` picks some by name):
-
-- ``sdpa``: the model on ``attn_implementation="sdpa"`` with ``DynamicCache``, the prompt in one
-  forward pass (what ``model(ids)`` or ``generate`` do): the time to match;
-- ``sdpa chunked``: the same fed ``chunk`` tokens per pass (``generate(prefill_chunk_size=N)``);
-- ``growable`` / ``growable chunked``: ``kvcache.make_cache(model, "growable")`` under
-  ``use_kvcache_attention``, through ``kvcache.prefill`` in one pass / ``chunk`` tokens per pass;
-- one row per bounded kind (``snapkv:budget=0.25``, ``adakv:budget=0.25``, ``h2o``, ``tova``,
-  ``window``), one pass, and the same chunked (``... chunked``).
+Contenders (``CONTENDERS``; ``--contenders`` picks some by name): ``sdpa``, the model on
+``attn_implementation="sdpa"`` with ``DynamicCache`` and the prompt in one forward pass (what
+``model(ids)`` or ``generate`` do): the time to match; our caches under ``use_kvcache_attention``
+through ``kvcache.prefill``; each in one pass or ``chunk`` tokens per pass (``... chunked``).
 
 Every contender runs once per round, the order rotated each round (``harness.alternate``), after
 one untimed warm-up pass each; the table gives the median seconds and their ratios to ``sdpa`` and

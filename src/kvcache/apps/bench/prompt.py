@@ -16,11 +16,8 @@ Workloads (``workload`` in each row), every request greedy with ``new_tokens`` n
 
 Contenders (``CONTENDERS``) alternate within each turn, request or round (``harness``): ``recompute``
 (a new growable cache, plain ``generate``) and the store on each backend (``chat`` and ``shared``
-use ``memory``). Every row says whether its tokens equal recompute's for the same prompt. Timing
-(``prompt_request``): TTFT from before the cache lookup to the streamer's first new token; the
-lookup (the reuse time: the cache ready) split into backend reads, entry header checks and
-assembly (the entries copied into the cache's buffers, digests checked on the way); ``store_s``
-is the ``put`` after. Storage: entry bytes per token against the model's fp32 K/V bytes per token.
+use ``memory``). Every row says whether its tokens equal recompute's for the same prompt. Timing:
+see ``prompt_request``. Storage: entry bytes per token against the model's fp32 K/V bytes per token.
 Each reuse's floor: the entry bytes read / the read bandwidth of its medium, measured in the same
 run (memory: summing a tensor; folder: reading the entry files; Redis: ``GET``-ting the entries
 on a plain socket), the least time any store could load them from there.
@@ -69,9 +66,8 @@ class Sizes:
 
 
 def sizes(options: RunOptions) -> Sizes:
-    """The sizes of this run: ``full`` as issue 14 asks (8 turns, a 2K system prompt, 4K backend
-    rows; 5 rounds of those, so that two disturbed rounds cannot move the median), ``quick`` 1K
-    prefixes and 4 turns once, ``tiny`` seconds on the tiny model."""
+    """The sizes of this run: ``full`` as issue 14 asks (5 backend rounds, so that two disturbed
+    rounds cannot move the median), ``quick`` 1K prefixes and 4 turns once, ``tiny`` seconds."""
     full = Sizes(turns=8, chat_rounds=3, message_tokens=(60, 100), chat_chunk=64, shared_prefix=2048, requests=8,
                  question_tokens=40, backend_prefix=4096, repeats=5, chunk=256, new_tokens=32)
     return options.pick(
@@ -142,8 +138,7 @@ def run(options: RunOptions = RunOptions(), *, workloads: Sequence[str] = WORKLO
 
 
 def warm_up(model: Any, prompts: Prompts, s: Sizes) -> None:
-    """Requests each way at the chat's size, so first-call costs (thread pools, kernels picked for
-    new shapes, allocations) land in no measurement."""
+    """Requests each way, so first-call costs (thread pools, kernels, allocations) land in no measurement."""
     ids = torch.cat([prompts.system(2 * s.chunk), prompts.user(999, s.question_tokens, False)], 1)
     store = PromptStore("memory", chunk=s.chunk)
     for _ in range(2):
@@ -151,15 +146,16 @@ def warm_up(model: Any, prompts: Prompts, s: Sizes) -> None:
         timed_request(model, ids, s.new_tokens)
 
 
-def compared(workload: str, round_: int, step: int, results: dict[str, dict[str, Any]], backend: dict[str, str]) -> list[dict[str, Any]]:
+def compared(workload: str, round_: int, step: int, results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """Rows of one step (a turn, a request or a backends round): each contender's times, and
     whether its tokens are recompute's (``out`` leaves the rows)."""
     reference = results[REFERENCE]["out"]
     rows = []
     for name, result in results.items():
-        out = result.pop("out")
-        head = {"workload": workload, "round": round_, "step": step, "contender": name, "backend": backend.get(name, "none")}
-        rows.append(head | result | {"identical": bool(torch.equal(out, reference)), "reason": ""})
+        identical = bool(torch.equal(result.pop("out"), reference))
+        backend = "none" if name == REFERENCE else name
+        head = {"workload": workload, "round": round_, "step": step, "contender": name, "backend": backend}
+        rows.append(head | result | {"identical": identical, "reason": ""})
     return rows
 
 
@@ -175,8 +171,7 @@ def both_ways(model: Any, ids: torch.Tensor, s: Sizes, store: PromptStore, step:
 
 
 def chat(model: Any, prompts: Prompts, s: Sizes, bar: Any) -> list[dict[str, Any]]:
-    """The multi-turn chat (module docstring), ``chat_rounds`` times with a new store each: turn
-    ``t`` continues recompute's tokens of turn ``t - 1``."""
+    """The multi-turn chat, ``chat_rounds`` times with a new store each; a turn continues recompute's tokens."""
     low, high = s.message_tokens
     messages = [prompts.user(turn, low + (turn * 37) % (high - low + 1), after_reply=turn > 0) for turn in range(s.turns)]
     rows = []
@@ -187,7 +182,7 @@ def chat(model: Any, prompts: Prompts, s: Sizes, bar: Any) -> list[dict[str, Any
             ids = torch.cat([history, message], 1)
             results = both_ways(model, ids, s, store, round_ + turn, bar, f"chat round {round_ + 1} turn {turn + 1}")
             history = results[REFERENCE]["out"]
-            rows += compared("chat", round_ + 1, turn + 1, results, {"memory": "memory"})
+            rows += compared("chat", round_ + 1, turn + 1, results)
     return rows
 
 
@@ -199,14 +194,13 @@ def shared(model: Any, prompts: Prompts, s: Sizes, bar: Any) -> list[dict[str, A
     for request in range(s.requests):
         ids = torch.cat([system, prompts.user(100 + request, s.question_tokens, False)], 1)
         results = both_ways(model, ids, s, store, request, bar, f"shared request {request + 1}")
-        rows += compared("shared", 1, request + 1, results, {"memory": "memory"})
+        rows += compared("shared", 1, request + 1, results)
     return rows
 
 
 def backends(model: Any, prompts: Prompts, s: Sizes, bar: Any) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]], dict[str, float]]:
-    """The shared prefix through each backend (module docstring): rows, per backend what its
-    entries of the prefix take (``storage``), and the read bandwidth of the folder and of the Redis
-    server, measured on those entries after the rounds (their floors)."""
+    """The shared prefix through each backend: rows, per backend what its entries take (``storage``),
+    and the read bandwidths of the folder and the Redis server, measured on those entries after."""
     prefix = prompts.system(s.backend_prefix)
     questions = [prompts.user(200 + r, s.question_tokens, False) for r in range(s.repeats)]
     with tempfile.TemporaryDirectory(prefix="kvcache-bench-store-") as folder, redis_server() as (url, why):
@@ -229,15 +223,14 @@ def backends(model: Any, prompts: Prompts, s: Sizes, bar: Any) -> tuple[list[dic
             getattr(store.backend, "close", lambda: None)()
     rows = []
     for r in range(s.repeats):
-        rows += compared("backends", r + 1, 1, {n: samples[n][r] for n in names}, {n: n for n in stores})
+        rows += compared("backends", r + 1, 1, {n: samples[n][r] for n in names})
     rows += [{"workload": "backends", "round": 1, "step": 1, "contender": n, "backend": n, "identical": None, "reason": why} for n, why in skipped.items()]
     return rows, storage, bandwidths
 
 
 def open_stores(locations: dict[str, str], chunk: int) -> tuple[dict[str, PromptStore], dict[str, str]]:
-    """Stores by contender name, each timed by a ``StoreTimer`` of its own (``store.timer``), and
-    the reason for each that could not be opened. A location not a URL for ``redis`` is the reason
-    there is no server."""
+    """Stores by contender name, each with a ``StoreTimer`` of its own, and why each other could not
+    be opened (for ``redis``, a location not a URL is why there is no server)."""
     stores, skipped = {}, {}
     for name, location in locations.items():
         if name == "redis" and not location.startswith("redis://"):

@@ -56,9 +56,8 @@ def summarize(rows: list[dict[str, Any]], backend_prefix: int) -> dict[str, Any]
         facts = {key: median([r[key] for r in rs]) for key in ("prompt_tokens", "reused_tokens", "ttft_s", "e2e_s", "store_s")}
         if "split_s" in rs[0]:
             facts["split_s"] = {part: median([r["split_s"][part] for r in rs]) for part in rs[0]["split_s"]}
-            facts["read_bytes"] = median([r["read_bytes"] for r in rs])
-            facts["floor_s"] = median([r.get("floor_s", float("nan")) for r in rs])
-            facts["reuse_s"] = median([r["reuse_s"] for r in rs])
+            for key in ("read_bytes", "floor_s", "reuse_s"):
+                facts[key] = median([r.get(key, float("nan")) for r in rs])
             facts["reuse_over_floor"] = median([r["reuse_s"] / r["floor_s"] for r in rs if r.get("floor_s")])
         backends[name] = facts | {"identical": all(r["identical"] for r in rs), "samples_ttft_s": [r["ttft_s"] for r in rs]}
     for group in (shared, backends):

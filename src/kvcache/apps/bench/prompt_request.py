@@ -50,11 +50,10 @@ class FirstToken:
 
 
 class StoreTimer:
-    """Seconds a ``PromptStore`` spends reading its backend (``fetch``) and opening entries
-    (``open``: checking their headers), and the entry bytes it read, since ``reset``.
-
-    The store's ``timer`` hook: ``PromptStore(..., timer=StoreTimer())`` calls it after each backend
-    read and each entry it opens, so only that store is timed."""
+    """A store's ``timer`` hook (``PromptStore(..., timer=StoreTimer())`` calls it after each backend
+    read and each entry it opens, so only that store is timed): the seconds spent reading the backend
+    (``fetch``) and opening entries (``open``: checking their headers), and the entry bytes read, since
+    ``reset``."""
 
     def __init__(self) -> None:
         self.reset()
@@ -74,15 +73,12 @@ def timed_request(model: Any, ids: torch.Tensor, new_tokens: int, store: Any = N
     or through ``store`` (``cache_for``, ``generate``, ``put``), its lookup split by its
     ``StoreTimer`` (``store.timer``) where it has one. Returns the tokens (``out``
     ``[1, T + new_tokens]``) and the times in seconds (see the module docstring)."""
-    timer = store.timer if store is not None else None
+    timer = getattr(store, "timer", None)
     if timer is not None:
         timer.reset()
     mask = torch.ones_like(ids)
     start = time.perf_counter()
-    if store is None:
-        cache, reused = make_cache(model, "growable"), 0
-    else:
-        cache, reused = store.cache_for(model, ids, "growable")
+    cache, reused = (make_cache(model, "growable"), 0) if store is None else store.cache_for(model, ids, "growable")
     looked_up = time.perf_counter()
     first = FirstToken()
     out = greedy_generate(model, ids, cache, new_tokens, attention_mask=mask, streamer=first)
@@ -127,25 +123,23 @@ class Prompts:
         if tokenizer is not None:
             from .workload import corpus
 
-            self.text = list(tokenizer.encode(corpus(), add_special_tokens=False))
+            self.text = self._encode(corpus())
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def _random(self, n: int, seed: int) -> list[int]:
-        return torch.randint(3, self.vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    def _random(self, n: int, seed: int) -> torch.Tensor:
+        return torch.randint(3, self.vocab, (1, n), generator=torch.Generator().manual_seed(seed))
 
     def _body(self, n: int, where: int) -> list[int]:
         """``n`` token ids of text starting ``where`` tokens into the corpus (wrapping)."""
-        if self.tokenizer is None:
-            return self._random(n, where)
         start = where % len(self.text)
         return (self.text[start:] + self.text)[:n]
 
     def system(self, tokens: int) -> torch.Tensor:
         """A system turn of exactly ``tokens`` ids (text from the corpus' start)."""
         if self.tokenizer is None:
-            return torch.tensor([self._random(tokens, 0)])
+            return self._random(tokens, 0)
         head = self._encode("<|im_start|>system\nYou are a helpful assistant. Answer questions about this source code:\n")
         tail = self._encode("<|im_end|>\n")
         return torch.tensor([head + self._body(tokens - len(head) - len(tail), 0) + tail])
@@ -153,9 +147,9 @@ class Prompts:
     def user(self, index: int, tokens: int, after_reply: bool) -> torch.Tensor:
         """User message ``index`` (``tokens`` ids of text from the corpus' far half) and the
         assistant's turn opening; ``after_reply``: closing the assistant's reply before it first."""
-        where = len(self.text) // 2 + index * 997 if self.tokenizer is not None else 10_000 + index
         if self.tokenizer is None:
-            return torch.tensor([self._random(tokens, where)])
+            return self._random(tokens, 10_000 + index)
+        where = len(self.text) // 2 + index * 997
         opening = self._encode(("<|im_end|>\n" if after_reply else "") + "<|im_start|>user\nWhat does this do?\n")
         closing = self._encode("<|im_end|>\n<|im_start|>assistant\n")
         return torch.tensor([opening + self._body(tokens, where) + closing])

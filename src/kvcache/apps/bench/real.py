@@ -1,23 +1,17 @@
 """Suite ``real``: greedy decode on a real pretrained model, against its floor.
 
 ``kvcache bench real --model DIR`` (SmolLM2-135M is the reference workload): batch 1, 4, 8 and
-16, contexts 1K/4K/8K, medians of 5 alternated rounds (``--quick``: batch 1 and 8 at 1K, 2 rounds). Contenders (``real_decode.CONTENDERS``): Hugging Face
-``DynamicCache``, ``StaticCache`` (eager and compiled) and ``QuantizedCache`` (quanto int4, HQQ
-int8/int4, where the backend is installed); ours ``growable``, ``static`` (eager and compiled),
-``quantized`` int8 and int4, all with ``use_kvcache_attention``.
+16, contexts 1K/4K/8K, medians of 5 alternated rounds (``--quick``: batch 1 and 8 at 1K, 2
+rounds). Contenders (``real_decode.CONTENDERS``): Hugging Face's caches, and ours with
+``use_kvcache_attention``.
 
-How: one prefill per run at the largest context (``workload``: real text, one prompt per batch
-row, chunked), whose keys and values fill every contender's cache for each context (the first
-``C`` positions of a causal model's prefill are exactly a ``C``-token prefill); then ``steps``
-greedy tokens from the same next token, timed. Contenders alternate over ``repeats`` rounds
-(``harness.alternate``); rows give medians. Per row: tokens/s (batch x steps / seconds),
-the ratios to ``DynamicCache`` and to Hugging Face's ``StaticCache``, whether the tokens equal
-``DynamicCache``'s, cache bytes, and the step time over its floor (``floor``: max(bytes read /
-read bandwidth, FLOPs / matmul throughput), measured in the same run, with its parts: the weights'
-bytes and the K/V bytes over the bandwidth, and the compute; K/V bytes read are fp32 keys and
-values of the context, or for quantized caches the bytes they hold at the context). The targets
-section judges each (batch, context): ours (the faster of ``growable`` and ``static``, eager) at
-least 1.05x ``StaticCache`` eager, and the coded caches against our fp32 ``growable``.
+How: one prefill per run at the largest context (``workload``), whose first ``C`` positions fill
+every contender's cache for context ``C`` (exactly what a ``C``-token prefill gives a causal
+model); then ``steps`` greedy tokens from the same next token, timed. Per row: tokens/s (batch x
+steps / seconds), the ratios to ``DynamicCache`` and to ``StaticCache``, whether the tokens equal
+``DynamicCache``'s, cache bytes, and the step time over its floor (``floor``, measured in the same
+run, with its parts; K/V bytes read are fp32 keys and values of the context, or for quantized
+caches the bytes they hold at the context). ``targets`` judges each (batch, context).
 """
 
 from __future__ import annotations
@@ -38,6 +32,21 @@ from .workload import load_model, prefill_stored, prompts_pinned
 
 #: The model the suite runs when none is named (a ``tiny`` run: the small model shipped with kvcache).
 DEFAULT_MODEL = "smollm2"
+#: Hugging Face's fixed cache, eager: what ours must beat (by ``AHEAD``) at every (batch, context).
+HF_STATIC = "hf_static"
+AHEAD = 1.05
+#: Coded caches against our fp32 ``growable``: (contender, least batch, least context, least ratio
+#: of tokens/s) from which it must be that much faster (issue 60: int8 1.1x from 1 x 4K and from
+#: 8 x 1K, int4 1.2x from 8K); a point covered twice takes the higher ratio.
+CODED_TARGETS = (("quantized-int8", 1, 4096, 1.1), ("quantized-int8", 8, 1024, 1.1), ("quantized-int4", 1, 8192, 1.2))
+#: The table's columns: header -> row field.
+COLUMNS = {
+    "batch": "batch", "context": "context", "contender": "contender", "tokens/s": "tokens_per_s",
+    "x DynamicCache": f"speedup_vs_{REFERENCE}", "x StaticCache": f"speedup_vs_{HF_STATIC}",
+    "identical": f"identical_to_{REFERENCE}", "cache bytes": "cache_bytes", "step ms": "step_ms",
+    "floor ms": "floor_ms", "weights ms": "weights_floor_ms", "K/V ms": "kv_floor_ms", "compute ms": "compute_floor_ms",
+    "step / floor": "step_over_floor", "compile s": "compile_s", "note": "reason",
+}  # fmt: skip
 
 
 def run(
@@ -51,8 +60,8 @@ def run(
     contenders: list[str] | None = None,
     prefill_dir: Path | None = None,
 ) -> dict[str, Any]:
-    """Run the suite; write ``real.json``/``.csv``/``.md``/``.png`` into ``options.out`` if given.
-    ``prefill_dir`` keeps the prefill's keys and values for a later run of the same model and sizes."""
+    """Run the suite (``real.csv`` too); ``prefill_dir`` keeps the prefill's keys and values for a later
+    run of the same model and sizes."""
     from tqdm.auto import tqdm
 
     names = list(contenders or CONTENDERS)
@@ -111,7 +120,8 @@ def run(
 def compare(runs: dict[str, list[dict[str, Any]]], shape: ModelShape, machine: Machine, batch: int, context: int, steps: int) -> list[dict[str, Any]]:
     """The rows of one (batch, context) from each contender's rounds of ``Runner.decode``."""
     reference = runs[REFERENCE][-1]
-    reference_seconds = median([r["seconds"] for r in runs[REFERENCE]]) if "seconds" in reference else None
+    done = {name: runs.get(name, [{}]) for name in (REFERENCE, HF_STATIC)}
+    base = {name: median([r["seconds"] for r in d]) if "seconds" in d[-1] else None for name, d in done.items()}
     rows = []
     for name, samples in runs.items():
         row: dict[str, Any] = {"batch": batch, "context": context, "contender": name, "compiled": CONTENDERS[name].compiled}
@@ -125,25 +135,19 @@ def compare(runs: dict[str, list[dict[str, Any]]], shape: ModelShape, machine: M
         kv_read = last["kv_bytes_at_context"] if CONTENDERS[name].quantized else fp32_kv
         floor = floor_seconds(shape, machine, batch, context, kv_read)
         same = last["tokens"] == reference["tokens"] if "tokens" in reference else None
-        static = runs.get(HF_STATIC, [{}])
-        static_seconds = median([r["seconds"] for r in static]) if "seconds" in static[-1] else None
         rows.append(
             row
             | {
                 "tokens_per_s": batch / step_s,
                 # the same steps at the same batch: the ratio of the median times (exactly 1 for the reference)
-                f"speedup_vs_{REFERENCE}": reference_seconds / median(seconds) if reference_seconds else None,
-                f"speedup_vs_{HF_STATIC}": static_seconds / median(seconds) if static_seconds else None,
+                **{f"speedup_vs_{ref}": s / median(seconds) if s else None for ref, s in base.items()},
                 f"identical_to_{REFERENCE}": None if same is None else bool(same.all()),
                 "token_agreement": None if same is None else float(same.float().mean()),
                 "cache_bytes": last["cache_bytes"],
                 "kv_bytes_read": kv_read,
                 "step_ms": step_s * 1e3,
                 "floor_ms": floor["floor_s"] * 1e3,
-                "memory_floor_ms": floor["memory_s"] * 1e3,
-                "compute_floor_ms": floor["compute_s"] * 1e3,
-                "weights_floor_ms": floor["weights_s"] * 1e3,
-                "kv_floor_ms": floor["kv_s"] * 1e3,
+                **{f"{part}_floor_ms": floor[f"{part}_s"] * 1e3 for part in ("memory", "compute", "weights", "kv")},
                 "step_over_floor": step_s / floor["floor_s"],
                 "compile_s": last["compile_s"],
                 "capacity": last.get("capacity"),
@@ -152,15 +156,6 @@ def compare(runs: dict[str, list[dict[str, Any]]], shape: ModelShape, machine: M
             }
         )
     return rows
-
-
-#: Hugging Face's fixed cache, eager: what ours must beat (by ``AHEAD``) at every (batch, context).
-HF_STATIC = "hf_static"
-AHEAD = 1.05
-#: Coded caches against our fp32 ``growable``: (contender, least batch, least context, least ratio
-#: of tokens/s) from which it must be that much faster (issue 60: int8 1.1x from 1 x 4K and from
-#: 8 x 1K, int4 1.2x from 8K); a point covered twice takes the higher ratio.
-CODED_TARGETS = (("quantized-int8", 1, 4096, 1.1), ("quantized-int8", 8, 1024, 1.1), ("quantized-int4", 1, 8192, 1.2))
 
 
 def targets(rows: list[dict[str, Any]]) -> list[str]:
@@ -189,47 +184,27 @@ def targets(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
-    fields: list[str] = []
-    for row in rows:
-        fields += [k for k in row if k not in fields]
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
+        writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for row in rows for k in row)))
         writer.writeheader()
         for row in rows:
             writer.writerow({k: ";".join(f"{x:.6g}" for x in v) if isinstance(v, list) else v for k, v in row.items()})
 
 
 def table(result: dict[str, Any]) -> str:
-    header = [
-        "batch", "context", "contender", "tokens/s", "x DynamicCache", "x StaticCache", "identical", "cache bytes", "step ms",
-        "floor ms", "weights ms", "K/V ms", "compute ms", "step / floor", "compile s", "note",
-    ]  # fmt: skip
+    def cell(r: dict[str, Any], key: str) -> Any:
+        value = r.get(key)
+        if value is None:
+            return "—"
+        if key == "cache_bytes":
+            return human_bytes(value)
+        if key == f"identical_to_{REFERENCE}":
+            return "yes" if value else f"no ({r['token_agreement']:.0%} agree)"
+        return value
 
-    def cell(value: Any, fmt: Any = None) -> Any:
-        return "—" if value is None else fmt(value) if fmt else value
-
-    body = [
-        [
-            r["batch"],
-            r["context"],
-            r["contender"],
-            cell(r["tokens_per_s"]),
-            cell(r.get(f"speedup_vs_{REFERENCE}")),
-            cell(r.get(f"speedup_vs_{HF_STATIC}")),
-            cell(r.get(f"identical_to_{REFERENCE}"), lambda same: "yes" if same else f"no ({r['token_agreement']:.0%} agree)"),
-            cell(r.get("cache_bytes"), human_bytes),
-            cell(r.get("step_ms")),
-            cell(r.get("floor_ms")),
-            cell(r.get("weights_floor_ms")),
-            cell(r.get("kv_floor_ms")),
-            cell(r.get("compute_floor_ms")),
-            cell(r.get("step_over_floor")),
-            cell(r.get("compile_s")),
-            r.get("reason", ""),
-        ]
-        for r in result["rows"]
-    ]
+    header = list(COLUMNS)
+    body = [[cell(r, key) for key in COLUMNS.values()] for r in result["rows"]]
     rates = result.get("machine_rates", {})
     notes = [
         f"- batch {b}: read bandwidth {m['read_bytes_per_s'] / 1e9:.1f} GB/s, fp32 GEMM {m['matmul_flops_per_s'] / 1e9:.1f} "

@@ -1,20 +1,12 @@
 """The contenders of suite ``real`` and one timed greedy decode of each.
 
-A contender is a cache from the one contender table (``apps.contenders``), the attention the model
-runs with it, and whether the model's forward is compiled
+A contender (:class:`Contender`) is a cache from the one contender table (``apps.contenders``),
+the attention the model runs with it, and whether the model's forward is compiled
 (``torch.compile(model.forward, fullgraph=True, dynamic=False)``). Every contender decodes with the
-same plain loop (:func:`greedy_steps`): one token per forward pass, argmax, explicit
-``cache_position``; only the steps are timed, never the filling of the cache.
-
-Every fixed-capacity cache (Hugging Face's ``StaticCache``, ours ``static``) is sized to the
-request, as a competent user sizes it: the context plus the steps decoded (``capacity_for``), so a
-static cache never attends more slots than the request needs. ``CONFIGURED`` says how each
-contender is set up; the suite's table prints it.
-
-Compiled contenders keep one cache object per (batch size, context), reset and refilled before
-every decode, so the compiled graph (specialised on shapes and on the cache's static buffers) is
-traced once per (batch, context); the first decode of each compiles, untimed, and reports how long
-it took.
+same plain loop (:func:`greedy_steps`); only the steps are timed, never the filling of the cache.
+A fixed-capacity cache is sized to the request, as a competent user sizes it (``capacity_for``:
+it never attends more slots than the request needs). The first decode of a compiled contender at
+each (batch, context) compiles, untimed, and reports how long it took.
 """
 
 from __future__ import annotations
@@ -90,28 +82,26 @@ CONFIGURED: dict[str, str] = {
 #: What every row is compared with.
 REFERENCE = "dynamic"
 
-
-def capacity_for(context: int, steps: int) -> int:
-    """A fixed cache's capacity for a decode of ``steps`` tokens after ``context``: exactly what
-    the request holds at its end (the prompt and the tokens fed back)."""
-    return context + steps
-
 #: The package each Hugging Face quantized backend needs.
 BACKEND_PACKAGES = {"quanto": "optimum.quanto", "hqq": "hqq"}
 
 
+def capacity_for(context: int, steps: int) -> int:
+    """A fixed cache's capacity: exactly what the request holds at its end (the prompt and the tokens fed back)."""
+    return context + steps
+
+
 def unavailable(name: str) -> str | None:
     """Why contender ``name`` cannot run here (its backend is not installed), or None."""
-    if name in HF_QUANTIZED:
-        backend = HF_QUANTIZED[name][0]
-        package = BACKEND_PACKAGES[backend]
-        try:
-            found = importlib.util.find_spec(package) is not None
-        except ModuleNotFoundError:
-            found = False
-        if not found:
-            return f"backend {backend!r} needs the package {package!r}, not installed"
-    return None
+    if name not in HF_QUANTIZED:
+        return None
+    backend = HF_QUANTIZED[name][0]
+    package = BACKEND_PACKAGES[backend]
+    try:
+        found = importlib.util.find_spec(package) is not None
+    except ModuleNotFoundError:
+        found = False
+    return None if found else f"backend {backend!r} needs the package {package!r}, not installed"
 
 
 def held_bytes(obj: Any) -> int:
@@ -122,11 +112,9 @@ def held_bytes(obj: Any) -> int:
             names, _ = obj.__tensor_flatten__()
             return sum(held_bytes(getattr(obj, n)) for n in names)
         return obj.numel() * obj.element_size()
-    if isinstance(obj, (tuple, list)):
-        return sum(held_bytes(x) for x in obj)
     if isinstance(obj, dict):
-        return sum(held_bytes(x) for x in obj.values())
-    return 0
+        obj = list(obj.values())
+    return sum(held_bytes(x) for x in obj) if isinstance(obj, (tuple, list)) else 0
 
 
 def cache_bytes(cache: Any) -> int:
@@ -175,25 +163,21 @@ class Runner:
         self.compile_s: dict[tuple[str, int, int], float] = {}
         self.failed: dict[tuple[str, int, int], str] = {}
 
-    def cache_for(self, contender: Contender, batch: int, context: int) -> Any:
-        # Our compiled contenders take make_cache(..., compile=True): fixed shapes, one graph.
-        fixed = contender.compiled and contender.attention == ATTENTION_NAME
+    def filled(self, contender: Contender, batch: int, context: int) -> Any:
+        """The contender's cache holding the first ``batch`` rows and ``context`` positions of the
+        prefill: a fresh one, or a shared contender's kept one, reset."""
+        fixed = contender.compiled and contender.attention == ATTENTION_NAME  # ours compiled: make_cache(compile=True)
         capacity = capacity_for(context, self.steps)
-        if not contender.shared:
-            return make_contender(contender.cache, self.model, capacity=capacity, compile=fixed)
-        key = (contender.cache, fixed, batch, context)
-        if key not in self.caches:
-            self.caches[key] = make_contender(contender.cache, self.model, capacity=capacity, compile=fixed)
-        cache = self.caches[key]
-        cache.reset()
+        if contender.shared:
+            key = (contender.cache, fixed, batch, context)
+            if key not in self.caches:
+                self.caches[key] = make_contender(contender.cache, self.model, capacity=capacity, compile=fixed)
+            cache = self.caches[key]
+            cache.reset()
+        else:
+            cache = make_contender(contender.cache, self.model, capacity=capacity, compile=fixed)
+        fill(cache, self.past, batch, context)
         return cache
-
-    def forward_for(self, name: str, contender: Contender) -> Any:
-        if not contender.compiled:
-            return self.model.forward
-        if name not in self.forwards:
-            self.forwards[name] = torch.compile(self.model.forward, fullgraph=True, dynamic=False, backend=self.backend)
-        return self.forwards[name]
 
     def decode(self, name: str, batch: int, context: int) -> dict[str, Any]:
         """One timed decode: ``seconds``, ``tokens`` ``[batch, steps]``, ``cache_bytes`` and
@@ -204,19 +188,19 @@ class Runner:
         if reason is not None:
             return {"reason": reason}
         token = self.prompts[:batch, context : context + 1]
-        forward = self.forward_for(name, contender)
+        if contender.compiled and name not in self.forwards:
+            self.forwards[name] = torch.compile(self.model.forward, fullgraph=True, dynamic=False, backend=self.backend)
+        forward = self.forwards[name] if contender.compiled else self.model.forward
         self.model.set_attn_implementation("sdpa")
         switch = use_kvcache_attention(self.model) if contender.attention == ATTENTION_NAME else nullcontext()
         with switch, torch._dynamo.config.patch(recompile_limit=64):
             if contender.compiled and (name, batch, context) not in self.compile_s:
                 try:
-                    cache = self.cache_for(contender, batch, context)
-                    fill(cache, self.past, batch, context)
+                    cache = self.filled(contender, batch, context)
                     self.compile_s[name, batch, context] = clock(lambda: greedy_steps(forward, cache, token, context, WARMUP_STEPS, cache_name(self.model)))
                 except Exception as e:  # a graph break, an unsupported op: the row reports it
                     return self._fail(name, batch, context, "compile failed", e)
-            cache = self.cache_for(contender, batch, context)
-            fill(cache, self.past, batch, context)
+            cache = self.filled(contender, batch, context)
             at_context = cache_bytes(cache)
             result: dict[str, torch.Tensor] = {}
             # After warm-up a compiled decode must not compile again (fixed shapes); if it would, say so.
@@ -238,7 +222,9 @@ class Runner:
         }
 
     def _fail(self, name: str, batch: int, context: int, what: str, error: Exception) -> dict[str, str]:
-        self.failed[name, batch, context] = f"{what}: {type(error).__name__}: {_first_line(error)}"
+        text = (str(error).strip().splitlines() or ["(no message)"])[0]
+        text = text if len(text) <= 240 else text[:237] + "..."
+        self.failed[name, batch, context] = f"{what}: {type(error).__name__}: {text}"
         contender = CONTENDERS[name]
         self.caches.pop((contender.cache, contender.compiled and contender.attention == ATTENTION_NAME, batch, context), None)
         return {"reason": self.failed[name, batch, context]}
@@ -246,8 +232,3 @@ class Runner:
     def close(self) -> None:
         self.caches.clear()
         self.forwards.clear()
-
-
-def _first_line(error: Exception, limit: int = 240) -> str:
-    text = " ".join(str(error).strip().splitlines()[:1]) or "(no message)"
-    return text if len(text) <= limit else text[: limit - 3] + "..."

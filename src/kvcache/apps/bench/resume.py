@@ -38,7 +38,7 @@ from safetensors.torch import load_file, save_file
 
 from ... import load_cache, make_cache
 from ...persist import checksum
-from .common import cache_config, clock, figure, finish_axes, human_bytes, markdown_table, median
+from .common import cache_config, clock, column_table, figure, finish_axes, human_bytes, median
 from .harness import alternate, report
 from ..run_options import RunOptions
 
@@ -67,41 +67,31 @@ def cache_tensors(cache) -> dict[str, torch.Tensor]:
     return out
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save_fn(name: str, cache, path: Path):
-    if name == "kvcache":
-        return lambda: cache.save(path)
     views = cache_tensors(cache)
 
-    def plain() -> None:
-        save_file({k: t.contiguous().cpu() for k, t in views.items()}, str(path))
+    def save() -> None:
+        if name == "kvcache":
+            cache.save(path)
+        else:
+            save_file({k: t.contiguous().cpu() for k, t in views.items()}, str(path))
         if name == "safetensors+fsync":
-            _fsync(path)
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
 
-    return plain
+    return save
 
 
 def load_fn(name: str, config, path: Path, device: str, sink: dict):
-    if name == "kvcache":
-
-        def ours() -> None:
+    def load() -> None:
+        if name == "kvcache":
             sink[name] = cache_tensors(load_cache(path, config, device=device))
+        else:
+            # load_file maps the file; the bytes are read on first use. Copy them into memory the
+            # process owns, as a cache that will be appended to must hold them.
+            sink[name] = {k: t.clone() for k, t in load_file(str(path), device=str(device)).items()}
 
-        return ours
-
-    def plain() -> None:
-        # load_file maps the file; the bytes are read on first use. Copy them into memory the
-        # process owns, as a cache that will be appended to must hold them.
-        sink[name] = {k: t.clone() for k, t in load_file(str(path), device=str(device)).items()}
-
-    return plain
+    return load
 
 
 def identical(loaded: dict[str, torch.Tensor], original: dict[str, torch.Tensor]) -> bool:
@@ -149,10 +139,8 @@ def run(
             runs = alternate(CONTENDERS, repeats, save_and_load, bar)
             saves = {name: [s for s, _, _ in samples] for name, samples in runs.items()}
             loads = {name: [s for _, s, _ in samples] for name, samples in runs.items()}
-            same = {name: all(ok for _, _, ok in samples) for name, samples in runs.items()}
             checksum_s = median([clock(lambda: [checksum(t.cpu()) for t in original.values()]) for _ in range(3)])
-            floor_save, floor_load = median(saves[FLOOR]), median(loads[FLOOR])
-            for name in CONTENDERS:
+            for name, samples in runs.items():
                 save_s, load_s = median(saves[name]), median(loads[name])
                 nbytes = paths[name].stat().st_size
                 rows.append(
@@ -165,10 +153,10 @@ def run(
                         "tensor_bytes": sum(t.nbytes for t in original.values()),
                         "save_MBps": nbytes / save_s / 1e6,
                         "load_MBps": nbytes / load_s / 1e6,
-                        "save_x_floor": save_s / floor_save,
-                        "load_x_floor": load_s / floor_load,
+                        "save_x_floor": save_s / median(saves[FLOOR]),
+                        "load_x_floor": load_s / median(loads[FLOOR]),
                         "checksum_ms": checksum_s * 1e3,
-                        "identical": bool(same[name]),
+                        "identical": all(ok for _, _, ok in samples),
                         "save_samples_ms": [s * 1e3 for s in saves[name]],
                         "load_samples_ms": [s * 1e3 for s in loads[name]],
                     }
@@ -192,36 +180,21 @@ def run(
 
 
 def table(result: dict[str, Any]) -> str:
-    header = [
-        "tokens",
-        "contender",
-        "file",
-        "save ms",
-        "load ms",
-        "save MB/s",
-        "load MB/s",
-        "save x floor",
-        "load x floor",
-        "identical",
-    ]
-    body = [
-        [
-            r["tokens"],
-            r["contender"],
-            human_bytes(r["file_bytes"]),
-            r["save_ms"],
-            r["load_ms"],
-            r["save_MBps"],
-            r["load_MBps"],
-            r["save_x_floor"],
-            r["load_x_floor"],
-            "yes" if r["identical"] else "NO",
-        ]
-        for r in result["rows"]
-    ]
+    columns = {
+        "tokens": "tokens",
+        "contender": "contender",
+        "file": lambda r: human_bytes(r["file_bytes"]),
+        "save ms": "save_ms",
+        "load ms": "load_ms",
+        "save MB/s": "save_MBps",
+        "load MB/s": "load_MBps",
+        "save x floor": "save_x_floor",
+        "load x floor": "load_x_floor",
+        "identical": lambda r: "yes" if r["identical"] else "NO",
+    }
     sums = ", ".join(f"{r['tokens']}: {r['checksum_ms']:.3g} ms" for r in result["rows"] if r["contender"] == "kvcache")
     return (
-        markdown_table(header, body)
+        column_table(result["rows"], columns)
         + f"\n{result['config']['model']}; floor = plain safetensors save_file / load_file + clone. "
         + f"SHA-256 of the tensors once (paid by kvcache's save and by its load): {sums}.\n"
     )

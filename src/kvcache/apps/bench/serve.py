@@ -1,28 +1,12 @@
 """Suite ``serve``: ``kvcache serve`` under concurrent streaming chat clients, against ``transformers
 serve --continuous-batching``, and a second replica warmed only through Redis; SmolLM2-135M-Instruct
-(fp32), each server a subprocess on a loopback port with ``threads`` (2) torch threads.
-
-1. Loads (issue 25): for each client count in ``clients`` (1, 4, 16, 32), each server is started,
-   warmed up, loaded and stopped in turn, the order rotated by one per client count. A load is
-   ``clients`` clients, each sending chat requests one after another for ``window_s`` seconds (every
-   request sent by then runs to its end): a shared system message of about ``shared`` tokens (1,024)
-   and a distinct user message of about ``user`` tokens (64), both the package's source text;
-   ``max_tokens`` ``new_tokens`` (64), temperature 0, streamed. The clients run in this process
-   (``serve_workload``: httpx, one event loop) and time every server-sent event. Before each load
-   ``min(2, clients)`` warm-up requests with another system message run together, unmeasured.
-2. Contenders (``CONTENDERS``, ``--contenders``): ``kvcache`` (``kvcache serve``, its pool sized for
-   ``max_seqs`` (32) sessions of the largest prompt plus ``new_tokens``, nothing shared),
-   ``kvcache+int8`` (the same bytes in int8 blocks) and ``transformers`` (``transformers serve
-   --continuous-batching`` on the same folder, ``--cb-num-blocks`` for the same 32 sessions of its
-   256-token pages); a server whose extra is not installed is a row saying how to install it.
-3. Replicas: a ``redis-server`` (``prompt_request.redis_server``); per repeat a fresh Redis database,
-   replica A (``--prompt-store redis://...``) answers request 0 and stops; then, in rotated order,
-   a fresh replica B on the same database and a cold replica C without a store each answer
-   request 1 (the same system message, another user message) after one warm-up request of another
-   system message. Reported: TTFT (median of the repeats) and ``usage``'s cached prompt tokens.
-
-The targets, judged at 16 clients on the full sizes only: ``kvcache`` at least 1.5x ``transformers``'
-output tokens/s and at most half its TTFT p99 (``serve_report``).
+(fp32), each server a subprocess on a loopback port (``serve_workload``), the workload's sizes in
+``sizes``. For each client count each server is started, warmed up, loaded (``clients`` clients
+sending chat requests one after another for ``window_s`` seconds) and stopped in turn, the order
+rotated by one per client count (``measure_load``); then replicas on one ``redis-server``
+(``measure_replicas``). The targets, judged at 16 clients on the full sizes only (``serve_report``):
+``kvcache`` at least 1.5x ``transformers``' output tokens/s and at most half its TTFT p99. The whole
+workload and how each server is configured: docs/benchmarks.md ("Serving over HTTP").
 """
 
 from __future__ import annotations
@@ -35,11 +19,14 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from ...errors import KVCacheError
 from ..run_options import RunOptions
+from ..serve.server import API_KEY_ENV
+from . import serve_ray
 from .engine import chosen
 from .harness import report
 from .prompt_request import redis_server
-from .serve_report import OURS, PEER, replica_rows, rows, summarize
+from .serve_report import OURS, PEER, load_row, replica_rows, summarize
 from .serve_report import plot as _plot
 from .serve_report import table as _table
 from .serve_workload import (
@@ -130,39 +117,35 @@ class Setup:
 # ---- the servers --------------------------------------------------------------------------------
 
 
-def kvcache_command(setup: Setup, spec: str, store: str | None = None) -> Callable[[int], list[str]]:
-    """``kvcache serve`` on a port: ``spec`` blocks, the pool of ``Setup.max_bytes``, ``store`` a
-    prompt store URL or None."""
+def command(setup: Setup, name: str, store: str | None = None) -> Callable[[int], list[str]]:
+    """Contender ``name``'s server on a port: ``transformers serve --continuous-batching`` (the model
+    forced to the folder), or ``kvcache serve`` with its ``SPECS`` blocks, the pool of
+    ``Setup.max_bytes`` and ``store`` a prompt store URL or None."""
     s = setup.s
-    args = [sys.executable, "-m", "kvcache", "serve", "--model", setup.model, "--host", "127.0.0.1", "--cache", spec,
-            "--max-seqs", str(s.max_seqs), "--max-bytes", str(setup.max_bytes), "--block-size", str(s.block_size),
-            "--max-batch-tokens", str(s.max_batch_tokens), "--log-level", "warning"]  # fmt: skip
+    if name == PEER:
+        args = [sys.executable, "-m", "transformers.cli.transformers", "serve", setup.model, "--continuous-batching",
+                "--device", "cpu", "--dtype", "float32", "--cb-block-size", str(s.page_size), "--cb-num-blocks",
+                str(setup.hf_blocks), "--cb-max-batch-tokens", str(s.max_batch_tokens), "--host", "127.0.0.1",
+                "--log-level", "warning"]  # fmt: skip
+    else:
+        args = [sys.executable, "-m", "kvcache", "serve", "--model", setup.model, "--host", "127.0.0.1", "--cache",
+                SPECS[name], "--max-seqs", str(s.max_seqs), "--max-bytes", str(setup.max_bytes), "--block-size",
+                str(s.block_size), "--max-batch-tokens", str(s.max_batch_tokens), "--log-level", "warning"]  # fmt: skip
     if store is not None:
         args += ["--prompt-store", store, "--store-chunk", str(s.store_chunk)]
     return lambda port: [*args, "--port", str(port)]
 
 
-def transformers_command(setup: Setup) -> Callable[[int], list[str]]:
-    """``transformers serve --continuous-batching`` on a port, the model forced to the folder."""
-    s = setup.s
-    args = [sys.executable, "-m", "transformers.cli.transformers", "serve", setup.model, "--continuous-batching",
-            "--device", "cpu", "--dtype", "float32", "--cb-block-size", str(s.page_size), "--cb-num-blocks",
-            str(setup.hf_blocks), "--cb-max-batch-tokens", str(s.max_batch_tokens), "--host", "127.0.0.1",
-            "--log-level", "warning"]  # fmt: skip
-    return lambda port: [*args, "--port", str(port)]
-
-
-def command(setup: Setup, name: str) -> Callable[[int], list[str]]:
-    return transformers_command(setup) if name == PEER else kvcache_command(setup, SPECS[name])
+#: Contender -> the extra its server needs and the modules it brings.
+EXTRAS = {PEER: ("transformers[serving]", ("fastapi", "uvicorn", "pydantic", "openai")),
+          OURS: ("kvcache[serve]", ("starlette", "uvicorn"))}  # fmt: skip
 
 
 def unavailable(name: str) -> str:
     """Why contender ``name`` cannot run here (its server's packages are missing), or ``""``."""
-    if name == PEER:
-        missing = [m for m in ("fastapi", "uvicorn", "pydantic", "openai") if importlib.util.find_spec(m) is None]
-        return f"not available: pip install 'transformers[serving]' (missing: {', '.join(missing)})" if missing else ""
-    missing = [m for m in ("starlette", "uvicorn") if importlib.util.find_spec(m) is None]
-    return f"not available: pip install 'kvcache[serve]' (missing: {', '.join(missing)})" if missing else ""
+    extra, modules = EXTRAS[PEER if name == PEER else OURS]
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    return f"not available: pip install '{extra}' (missing: {', '.join(missing)})" if missing else ""
 
 
 def configured(setup: Setup) -> dict[str, str]:
@@ -194,8 +177,6 @@ def measure_load(setup: Setup, name: str, clients: int) -> Load:
     if reason:
         return Load(clients, reason=reason)
     log = setup.logs / f"{name}-{clients}.log"
-    from ..serve.server import API_KEY_ENV
-
     try:
         with serving(command(setup, name), server_env(setup.s.threads, [API_KEY_ENV]), log) as url:
             endpoint = url + "/v1/chat/completions"
@@ -219,9 +200,7 @@ REPLICAS = ("A", "B", "C")
 def _ask(setup: Setup, store: str | None, request: int, log: Path) -> Any:
     """A fresh kvcache replica (``store``: its prompt store, or none): one warm-up request of the
     other system message, then request ``request`` alone; returns that request's ``Sample``."""
-    from ..serve.server import API_KEY_ENV
-
-    with serving(kvcache_command(setup, SPECS[OURS], store), server_env(setup.s.threads, [API_KEY_ENV]), log) as url:
+    with serving(command(setup, OURS, store), server_env(setup.s.threads, [API_KEY_ENV]), log) as url:
         endpoint = url + "/v1/chat/completions"
         warm = send_together(endpoint, [setup.body(-1, setup.texts.other_system)])[0]
         if warm.error:
@@ -229,7 +208,7 @@ def _ask(setup: Setup, store: str | None, request: int, log: Path) -> Any:
         return send_together(endpoint, [setup.body(request)])[0]
 
 
-def measure_replicas(setup: Setup, bar: Any = None) -> dict[str, Any]:
+def measure_replicas(setup: Setup, bar: Any) -> dict[str, Any]:
     """Per repeat ``r``: Redis database ``r``; replica A stores request 0's prompt, then B (on that
     database) and C (no store) answer request 1, their order rotated by ``r``. Returns
     ``{"reason", "samples": {replica: [Sample summary per repeat]}}``."""
@@ -245,12 +224,10 @@ def measure_replicas(setup: Setup, bar: Any = None) -> dict[str, Any]:
                 store = url.rsplit("/", 1)[0] + f"/{r}"
                 plan = {"A": (store, 0), "B": (store, 1), "C": (None, 1)}
                 for name in ("A", *(("B", "C") if r % 2 == 0 else ("C", "B"))):
-                    if bar is not None:
-                        bar.set_postfix_str(f"replica {name}, repeat {r + 1}")
+                    bar.set_postfix_str(f"replica {name}, repeat {r + 1}")
                     sample = _ask(setup, *plan[name], setup.logs / f"replica-{name}-{r}.log")
                     samples[name].append(sample.summary())
-                    if bar is not None:
-                        bar.update()
+                    bar.update()
         except ServerError as e:
             return {"reason": f"failed: {e}", "samples": samples}
     return {"reason": "", "samples": samples}
@@ -261,19 +238,11 @@ def measure_replicas(setup: Setup, bar: Any = None) -> dict[str, Any]:
 
 def table(result: dict[str, Any]) -> str:
     """The result's table: the loads and replicas, or (``serve-ray``) the routers."""
-    if result.get("suite") == "serve-ray":
-        from . import serve_ray
-
-        return serve_ray.table(result)
-    return _table(result)
+    return (serve_ray.table if result.get("suite") == "serve-ray" else _table)(result)
 
 
 def plot(result: dict[str, Any], path) -> None:
-    if result.get("suite") == "serve-ray":
-        from . import serve_ray
-
-        return serve_ray.plot(result, path)
-    return _plot(result, path)
+    return (serve_ray.plot if result.get("suite") == "serve-ray" else _plot)(result, path)
 
 
 def run(options: RunOptions = RunOptions(), *, contenders: Sequence[str] | None = None,
@@ -286,11 +255,7 @@ def run(options: RunOptions = RunOptions(), *, contenders: Sequence[str] | None 
     from transformers import AutoTokenizer
 
     if ray:
-        from . import serve_ray
-
         if contenders is not None:
-            from ...errors import KVCacheError
-
             raise KVCacheError("bench serve --ray compares its two routers; --contenders does not apply")
         return serve_ray.run(options, clients=list(clients) if clients else None)
 
@@ -299,8 +264,6 @@ def run(options: RunOptions = RunOptions(), *, contenders: Sequence[str] | None 
     if clients is not None:
         s = replace(s, clients=tuple(dict.fromkeys(clients)))
     if not s.clients or min(s.clients) < 1:
-        from ...errors import KVCacheError
-
         raise KVCacheError(f"client counts must be positive integers, got {list(s.clients)}")
     with scratch_folder() as scratch:
         folder, model_name = model_folder(options, scratch)
@@ -333,7 +296,7 @@ def _report(options: RunOptions, setup: Setup, names: Sequence[str], model_name:
     import torch
 
     s, t = setup.s, setup.texts
-    table_rows = rows(loads)
+    table_rows = [load_row(name, load) for (name, _), load in loads.items()]
     judged = (s.shared, s.user, s.new_tokens) == (FULL.shared, FULL.user, FULL.new_tokens) and 16 in s.clients
     config = asdict(s) | {
         "model": model_name,

@@ -1,26 +1,17 @@
 """``kvcache bench serve --ray``: two ``kvcache serve --ray`` replicas under each router: ``blocks``
 (kvcache's, on the blocks each pool holds), ``prefix`` (Ray Serve's, on text) and ``default`` (Ray
-Serve's power of two choices), on many users of a few system prompts.
+Serve's power of two choices), on many users of a few system prompts (docs/serving.md, "The three
+routers").
 
-The workload: ``systems`` (8) system messages of about ``shared`` tokens (the package's source text,
-each opened by its own words, so no two share a block), and distinct user messages; request ``i``
-takes a system message drawn at random (seeded, the same draw for every router) and user message
-``i``, greedy, ``new_tokens`` new tokens, streamed. ``clients`` clients send the ``requests``
-requests in order, each one after its previous answer ended. Each replica's pool holds half the
-system messages, and the own tokens of every request it may run at once (``--max-seqs``, one per
-client) besides (``Workload.max_bytes``): the two pools together hold every system message, one
-holds half of them, so where a request lands decides what it finds (the case prefix affinity is
-for: more prompts than one replica's memory). (With room for only half the clients' own tokens, a
-replica that runs more than half the clients evicts its own system messages, whatever the router.)
-No prompt store (it would carry prompts between replicas and hide the routing).
-
-Per contender, run in turn, ``repeats`` times, the order rotated each repeat: the server started
-(Ray and its replicas, the model loaded in each), one warm-up request of another system message,
-the load, the server stopped (SIGTERM). Reported per contender (medians over the repeats): the
-share of a system message's whole blocks found cached on its second and later requests
-(``usage.prompt_tokens_details.cached_tokens``, at most the system part counted); TTFT p50 and p95
-over those later requests (a system message's first request computes it under any router) and
-over all requests; output tokens per second over the load's wall time.
+Request ``i`` takes one of ``systems`` system messages (each opened by its own words, so no two
+share a block), drawn at random (seeded, the same draw for every router), and user message ``i``;
+greedy, streamed, ``clients`` clients sending the ``requests`` in order, each after its previous
+answer ended. Each replica's pool holds half the system messages and the own tokens of every
+request it may run at once (``Workload.max_bytes``), so where a request lands decides what it finds
+(the case prefix affinity is for: more prompts than one replica's memory). No prompt store (it
+would carry prompts between replicas and hide the routing). Each router runs ``repeats`` times, the
+order rotated, each time started afresh and warmed up with one request of another system message;
+reported: the medians over the repeats of what ``summarize`` measures.
 """
 
 from __future__ import annotations
@@ -35,8 +26,11 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from ...errors import KVCacheError
 from ..run_options import RunOptions
 from ..serve.ray_app import RayOptions
+from ..serve.text import chat_ids
+from .common import figure, finish_axes, markdown_table
 from .harness import report
 from .serve_workload import (
     Sample, ServerError, chat_body, chat_texts, http_client, kv_bytes_per_token, model_folder, scratch_folder, send_together,
@@ -106,8 +100,7 @@ def workload(folder: Path, s: Sizes) -> Workload:
     systems = tuple(f"Assistant {k} of {s.systems}. {texts.system}" for k in range(s.systems))
 
     def ids(system: str, user: str) -> list[int]:
-        messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+        return chat_ids(tokenizer, [{"role": "system", "content": system}, {"role": "user", "content": user}])
 
     shared = len(os.path.commonprefix([ids(systems[0], texts.users[0]), ids(systems[0], texts.users[1])]))
     rng = random.Random(SEED)
@@ -125,14 +118,11 @@ def command(w: Workload, router: str, max_bytes: int):
 
 
 async def _send_all(url: str, w: Workload) -> tuple[list[Sample], float]:
-    queue: asyncio.Queue = asyncio.Queue()
-    for i in range(w.s.requests):
-        queue.put_nowait(i)
+    numbers = iter(range(w.s.requests))  # requests in order, each to the next free client
     samples: dict[int, Sample] = {}
 
     async def client(http: Any) -> None:
-        while not queue.empty():
-            i = queue.get_nowait()
+        for i in numbers:
             samples[i] = await stream_chat(http, url, w.body(i))
 
     start = time.perf_counter()
@@ -159,7 +149,10 @@ def measure(w: Workload, router: str, max_bytes: int, log: Path) -> dict[str, An
 
 
 def summarize(w: Workload, samples: list[Sample], wall: float) -> dict[str, Any]:
-    """The numbers of one load (see the module docstring)."""
+    """The numbers of one load: the share of a system message's whole blocks found cached on its
+    second and later requests (``usage.prompt_tokens_details.cached_tokens``, at most the system part
+    counted), TTFT p50 and p95 over those later requests (a system message's first request computes
+    it under any router) and over all requests, output tokens per second over the load's wall time."""
     whole = w.system_blocks * w.s.block_size
     repeats = [s for i, s in enumerate(samples) if w.picks[i] in w.picks[:i]]
     cached = sum(min(s.cached_tokens or 0, whole) for s in repeats)
@@ -185,12 +178,9 @@ def run(options: RunOptions = RunOptions(), *, clients: list[int] | None = None)
     ``serve-ray.json``/``.md``/``.png`` into ``options.out``."""
     from tqdm.auto import tqdm
 
-
     s = sizes(options)
     if clients:
         if len(clients) != 1:
-            from ...errors import KVCacheError
-
             raise KVCacheError(f"bench serve --ray takes one client count, got {clients}")
         s = replace(s, clients=clients[0])
     with scratch_folder() as scratch:
@@ -225,8 +215,6 @@ def _row(name: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def table(result: dict[str, Any]) -> str:
-    from .common import markdown_table
-
     c = result["config"]
     head = (f"Two `kvcache serve --ray` replicas, {c['model']}: {c['requests']} requests of {c['systems']} system messages "
             f"({c['system_blocks']} blocks of {c['block_size']} tokens each) from {c['clients']} clients; medians of "
@@ -251,8 +239,6 @@ def table(result: dict[str, Any]) -> str:
 
 def plot(result: dict[str, Any], path) -> None:
     """Each request's TTFT in the order sent, per router (the first repeat)."""
-    from .common import figure, finish_axes
-
     with figure(path, panels=1) as (ax,):
         for name, runs in result.get("runs", {}).items():
             done = [r for r in runs if "samples" in r]

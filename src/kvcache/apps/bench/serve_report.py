@@ -63,10 +63,6 @@ def _pct(xs: list[float], q: float) -> float | None:
     return percentile(xs, q) if xs else None
 
 
-def rows(loads: dict[tuple[str, int], Load]) -> list[dict[str, Any]]:
-    return [load_row(name, load) for (name, _), load in loads.items()]
-
-
 def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 

@@ -30,6 +30,7 @@ from typing import Any
 
 from ...errors import KVCacheError
 from ..run_options import RunOptions
+from ..serve.text import chat_ids
 from .prompt_request import Prompts
 
 #: What the system message opens with, before the source text (as suite ``prompt``'s system turn).
@@ -44,9 +45,9 @@ USER_HEAD = "What does this do?\n"
 class ChatTexts:
     """The messages: one shared ``system`` message, distinct ``users`` (request ``i`` takes user
     ``i`` modulo their number), and ``other_system``, a system message of the same size sharing no
-    text with ``system`` (for warm-up requests: it leaves no block of the measured prompts behind). Token counts are the model's chat template's:
-    ``system_turn`` (the templated system message alone) and ``prompt`` (the largest templated
-    request: system, user and the assistant's opening)."""
+    text with ``system`` (for warm-up requests: it leaves no block of the measured prompts behind).
+    Token counts are the model's chat template's: ``system_turn`` (the templated system message
+    alone) and ``prompt`` (the largest templated request: system, user and the assistant's opening)."""
 
     system: str
     users: tuple[str, ...]
@@ -80,14 +81,9 @@ def chat_texts(tokenizer: Any, system_tokens: int, user_tokens: int, users: int)
     user_texts = tuple(text(USER_HEAD, user_tokens, len(corpus) // 2 + i * 997) for i in range(users))
     other = text("", system_tokens, len(corpus) // 4)  # not even the head in common: no shared block
     texts = ChatTexts(system, user_texts, other, 0, 0, 0)
-    turn = _template_tokens(tokenizer, [{"role": "system", "content": system}], False)
-    prompts = [_template_tokens(tokenizer, texts.messages(i), True) for i in range(users)]
+    turn = len(tokenizer.apply_chat_template([{"role": "system", "content": system}], tokenize=True, return_dict=False))
+    prompts = [len(chat_ids(tokenizer, texts.messages(i))) for i in range(users)]
     return ChatTexts(system, user_texts, other, turn, prompts[0] - turn, max(prompts))
-
-
-def _template_tokens(tokenizer: Any, messages: list[dict[str, str]], generation: bool) -> int:
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=generation, tokenize=True, return_dict=False)
-    return len(ids)
 
 
 def chat_body(model: str, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
@@ -120,8 +116,7 @@ class Sample:
         return self.texts[0] - self.sent if self.texts else None
 
     def gaps_s(self) -> list[float]:
-        """Inter-token latencies: the gaps between text events, then 0 s for each token that came
-        in an event with another (``tokens - 1`` in all)."""
+        """Inter-token latencies (``tokens - 1``; see the module docstring)."""
         gaps = [b - a for a, b in zip(self.texts, self.texts[1:])]
         return gaps + [0.0] * max(0, self.tokens - len(self.texts))
 
@@ -164,7 +159,10 @@ async def stream_chat(client: Any, url: str, body: dict[str, Any]) -> Sample:
                 text = (await response.aread()).decode("utf-8", "replace")
                 sample.error = f"HTTP {response.status_code}: {text[:300]}"
             else:
-                await _read_stream(response, sample)
+                async for line in response.aiter_lines():
+                    now = time.perf_counter()
+                    if line.startswith("data:") and read_event(sample, line[5:].strip(), now):
+                        break
     except (httpx.HTTPError, json.JSONDecodeError, UnicodeDecodeError) as e:
         sample.error = f"broken stream: {type(e).__name__}: {e}"
     sample.end = time.perf_counter()
@@ -173,13 +171,6 @@ async def stream_chat(client: Any, url: str, body: dict[str, Any]) -> Sample:
     if not sample.tokens:
         sample.tokens = len(sample.texts)
     return sample
-
-
-async def _read_stream(response: Any, sample: Sample) -> None:
-    async for line in response.aiter_lines():
-        now = time.perf_counter()
-        if line.startswith("data:") and read_event(sample, line[5:].strip(), now):
-            return
 
 
 # ---- a load of concurrent clients -------------------------------------------------------------
@@ -217,29 +208,30 @@ async def _one_client(client: Any, url: str, body: Callable[[int], dict], number
             await asyncio.sleep(0.1)
 
 
-async def _load(url: str, body: Callable[[int], dict], clients: int, window_s: float, timeout_s: float) -> Load:
-    load = Load(clients, time.perf_counter(), window_s)
-    numbers = itertools.count()  # request i takes user message i: the same sequence on every server
-    async with http_client(clients, timeout_s) as client:
-        deadline = load.start + window_s
-        await asyncio.gather(*(_one_client(client, url, body, numbers, deadline, load.samples) for _ in range(clients)))
-    return load
-
-
 def run_load(url: str, body: Callable[[int], dict], clients: int, window_s: float, timeout_s: float = 600.0) -> Load:
     """``clients`` concurrent clients streaming ``body(i)`` (request ``i``, numbered in the order
     sent) to ``url`` for ``window_s`` seconds (see ``Load``)."""
-    return asyncio.run(_load(url, body, clients, window_s, timeout_s))
+    numbers = itertools.count()  # request i takes user message i: the same sequence on every server
 
+    async def load() -> Load:
+        out = Load(clients, time.perf_counter(), window_s)
+        async with http_client(clients, timeout_s) as client:
+            deadline = out.start + window_s
+            tasks = [_one_client(client, url, body, numbers, deadline, out.samples) for _ in range(clients)]
+            await asyncio.gather(*tasks)
+        return out
 
-async def _together(url: str, bodies: Sequence[dict], timeout_s: float) -> list[Sample]:
-    async with http_client(len(bodies), timeout_s) as client:
-        return list(await asyncio.gather(*(stream_chat(client, url, b) for b in bodies)))
+    return asyncio.run(load())
 
 
 def send_together(url: str, bodies: Sequence[dict], timeout_s: float = 600.0) -> list[Sample]:
     """Each of ``bodies`` streamed to ``url`` at once; their samples in order."""
-    return asyncio.run(_together(url, bodies, timeout_s))
+
+    async def send() -> list[Sample]:
+        async with http_client(len(bodies), timeout_s) as client:
+            return list(await asyncio.gather(*(stream_chat(client, url, b) for b in bodies)))
+
+    return asyncio.run(send())
 
 
 # ---- a server subprocess -----------------------------------------------------------------------
@@ -247,12 +239,6 @@ def send_together(url: str, bodies: Sequence[dict], timeout_s: float = 600.0) ->
 
 class ServerError(KVCacheError):
     """A server that did not start or answer; the message ends with its log's last lines."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def log_tail(path: Path, lines: int = 8) -> str:
@@ -265,7 +251,9 @@ def serving(command: Callable[[int], list[str]], env: dict[str, str], log: Path,
     """``command(port)`` run on a free loopback port, output to ``log``; yields its base URL once
     ``GET /health`` answers 200; stopped on exit (SIGTERM, then SIGKILL after 30 s). ``ServerError``
     if it exits or does not answer within ``startup_s`` seconds."""
-    port = free_port()
+    with socket.socket() as s:  # a free port
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
     with open(log, "w") as out:
         process = subprocess.Popen(command(port), stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -273,7 +261,13 @@ def serving(command: Callable[[int], list[str]], env: dict[str, str], log: Path,
             _wait_healthy(process, url, log, startup_s)
             yield url
         finally:
-            _stop(process)
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+                try:
+                    process.wait(30.0)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
 
 
 def _wait_healthy(process: subprocess.Popen, url: str, log: Path, startup_s: float) -> None:
@@ -288,16 +282,6 @@ def _wait_healthy(process: subprocess.Popen, url: str, log: Path, startup_s: flo
                 return
         time.sleep(0.2)
     raise ServerError(f"did not answer /health within {startup_s:g} s: {log_tail(log)}")
-
-
-def _stop(process: subprocess.Popen, wait_s: float = 30.0) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(wait_s)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def server_env(threads: int, drop: Sequence[str] = ()) -> dict[str, str]:

@@ -4,26 +4,21 @@ time per token and memory against the sequence's length.
 Model: SmolLM2-135M-Instruct in fp32 with a LoRA adapter of rank 8 on q/k/v/o (peft; the base
 weights frozen, as ``kvcache finetune`` trains), 2 threads. Text: the standard library's source
 files (``finetune.documents``). Contenders (``CONTENDERS``), each one step's loss and backward:
+``plain`` on the model's own attention (SDPA), the time to beat, at the lengths where it fits
+(``plain_lengths``), and ``chunked_loss`` through h2o at 25% (both ``grad`` modes) and through
+the full cache (plain training's loss and gradients, chunk by chunk).
 
-- ``plain``: ``model(ids, labels=ids).loss.backward()`` on the model's own attention (SDPA): the
-  time to beat, at the lengths where it fits (``plain_lengths``);
-- ``replay h2o 25%``: ``chunked_loss(..., "h2o:budget=0.25", chunk=256, grad="replay")``;
-- ``detach h2o 25%``: the same with ``grad="detach"``;
-- ``replay full``: ``chunked_loss(..., "growable", chunk=256)``: plain training's loss and gradients,
-  chunk by chunk.
-
-Per (length, contender): the median seconds of ``repeats`` timed steps (contenders alternating,
-their order rotated per repeat) after one warm-up step, tokens per second, the ratio to plain's
-time at that length; from the warm-up step, the peak bytes autograd held for backward (counted by
-saved-tensor hooks, each storage once and the parameters not at all), the archive's and the cache states' bytes, and the
-process's peak resident memory over its baseline (``rss.PeakRSS``). The goals: chunked replay at
-most 1.5x plain's time per token, and its bytes held for backward flat in the length.
+Per (length, contender): the median seconds of ``repeats`` timed steps (contenders alternating)
+after one warm-up step, tokens per second, the ratio to plain's time at that length; from the
+warm-up step, the peak bytes autograd held for backward (``SavedBytes``), the archive's and the
+cache states' bytes, and the process's peak resident memory over its baseline (``rss.PeakRSS``).
+The goals: chunked replay at most ``GOAL_RATIO`` x plain's time per token, and its bytes held for
+backward flat in the length.
 """
 
 from __future__ import annotations
 
 import gc
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -32,8 +27,8 @@ from typing import Any
 import torch
 
 from ..run_options import RunOptions
-from .common import figure, finish_axes, human_bytes, markdown_table, median
-from .harness import report
+from .common import clock, figure, finish_axes, human_bytes, markdown_table, median
+from .harness import alternate, report
 from .rss import PeakRSS, current_rss
 
 #: name -> (spec, grad) for chunked_loss; None: plain training.
@@ -61,8 +56,7 @@ FULL = Sizes("smollm2", (1024, 2048, 4096, 8192), (1024, 2048, 4096), 256, 2)
 
 
 def sizes(options: RunOptions) -> Sizes:
-    """``full``: SmolLM2 at 1K-8K, plain up to 4K, 2 timed repeats; ``quick``: 512 and 1K; ``tiny``: the
-    shipped model at 128 and 256 tokens, chunks of 32."""
+    """The sizes of this run (``tiny``: the shipped model)."""
     return options.pick(
         tiny=Sizes("tiny", (128, 256), (128, 256), 32, 1),
         quick=replace(FULL, lengths=(512, 1024), plain_lengths=(512, 1024)),
@@ -70,50 +64,37 @@ def sizes(options: RunOptions) -> Sizes:
     )
 
 
-class SavedBytes:
-    """Bytes autograd holds for backward (saved-tensor hooks), now and at the peak: each storage
-    counted once however many operations saved it, the model's parameters not at all (they are
-    held whether or not anything trains)."""
+class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
+    """Bytes autograd holds for backward (saved-tensor hooks, while entered), now and at the peak:
+    each storage counted once however many operations saved it, the model's parameters not at all
+    (they are held whether or not anything trains)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.now = self.peak = 0
         self.skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        self.users: dict[int, int] = {}
-
-    def __enter__(self) -> SavedBytes:
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda held: held.tensor)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._hooks.__exit__(*exc)
-
-    def _pack(self, tensor: torch.Tensor) -> _Held:
-        return _Held(tensor, self)
-
-    def add(self, key: int, nbytes: int) -> None:
-        self.users[key] = self.users.get(key, 0) + 1
-        if self.users[key] == 1:
-            self.now += nbytes
-            self.peak = max(self.peak, self.now)
-
-    def remove(self, key: int, nbytes: int) -> None:
-        self.users[key] -= 1
-        if self.users[key] == 0:
-            del self.users[key]
-            self.now -= nbytes
+        self.users: dict[int, int] = {}  # storage address -> saved tensors on it
+        super().__init__(lambda tensor: _Held(tensor, self), lambda held: held.tensor)
 
 
 class _Held:
+    """A tensor autograd saved, counted in ``counter`` until autograd lets it go."""
+
     def __init__(self, tensor: torch.Tensor, counter: SavedBytes) -> None:
         self.tensor, self.counter = tensor, counter
         storage = tensor.untyped_storage()
         self.key = storage.data_ptr()
         self.nbytes = 0 if self.key in counter.skip else storage.nbytes()
-        counter.add(self.key, self.nbytes)
+        counter.users[self.key] = counter.users.get(self.key, 0) + 1
+        if counter.users[self.key] == 1:
+            counter.now += self.nbytes
+            counter.peak = max(counter.peak, counter.now)
 
     def __del__(self) -> None:
-        self.counter.remove(self.key, self.nbytes)
+        users = self.counter.users
+        users[self.key] -= 1
+        if users[self.key] == 0:
+            del users[self.key]
+            self.counter.now -= self.nbytes
 
 
 def step_of(model: Any, name: str, ids: torch.Tensor, chunk: int) -> Callable[[], dict[str, int]]:
@@ -141,7 +122,8 @@ def measure(model: Any, step: Callable[[], dict[str, int]], peak: PeakRSS) -> di
     gc.collect()
     base = current_rss()
     peak.start()
-    with SavedBytes(model) as saved:
+    saved = SavedBytes(model)
+    with saved:
         held = step()
     return {**held, "saved_peak_bytes": saved.peak, "rss_peak_over_base": max(0, peak.window_peak() - base)}
 
@@ -165,31 +147,22 @@ def run(options: RunOptions = RunOptions()) -> dict[str, Any]:
             ids = doc[:, :length]
             here = [n for n in names if n != REFERENCE or length in s.plain_lengths]
             steps = {n: step_of(model, n, ids, s.chunk) for n in here}
-            found = {}
-            for n in here:
-                found[n] = measure(model, steps[n], peak)
-                bar.update()
-            times: dict[str, list[float]] = {n: [] for n in here}
-            for r in range(s.repeats):
-                for n in here[r % len(here) :] + here[: r % len(here)]:
-                    start = time.perf_counter()
-                    steps[n]()
-                    times[n].append(time.perf_counter() - start)
-                    bar.update()
+            found = {n: measure(model, steps[n], peak) for n in here}
+            bar.update(len(here))
+            times = alternate(here, s.repeats, lambda n: clock(steps[n]), bar)
+            plain = median(times[REFERENCE]) if REFERENCE in times else None
             for n in here:
                 rows.append({"length": length, "contender": n, "seconds": median(times[n]), "samples_s": times[n],
-                             "tokens_per_s": length / median(times[n]), **found[n]})  # fmt: skip
-    for row in rows:
-        ref = next((r for r in rows if r["length"] == row["length"] and r["contender"] == REFERENCE), None)
-        row["time_over_plain"] = row["seconds"] / ref["seconds"] if ref else None
+                             "tokens_per_s": length / median(times[n]), **found[n],
+                             "time_over_plain": None if plain is None else median(times[n]) / plain})  # fmt: skip
     config = {"model": s.model, "lengths": list(s.lengths), "plain_lengths": list(s.plain_lengths), "chunk": s.chunk,
               "repeats": s.repeats, "adapter": "LoRA rank 8 (alpha 16) on q/k/v/o, base weights frozen",
               "contenders": {n: ("model(ids, labels=ids).loss.backward()" if h is None else f"chunked_loss(spec={h[0]!r}, grad={h[1]!r})")
                              for n, h in CONTENDERS.items()}, "threads": torch.get_num_threads(), "rss": peak.method}  # fmt: skip
-    return report("train", options, config, rows, table, plot, summary=summarize(rows, s))
+    return report("train", options, config, rows, table, plot, summary=summarize(rows))
 
 
-def summarize(rows: list[dict[str, Any]], s: Sizes) -> dict[str, Any]:
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The worst time ratio of replay h2o at the plain lengths, and its saved bytes' spread."""
     replay = [r for r in rows if r["contender"] == "replay h2o 25%"]
     ratios = [r["time_over_plain"] for r in replay if r["time_over_plain"] is not None]

@@ -29,7 +29,7 @@ from transformers.cache_utils import DynamicLayer
 from transformers.cache_utils import StaticLayer as HFStaticLayer
 
 from ...layers import GrowableLayer, StaticLayer
-from .common import clock, figure, finish_axes, human_bytes, markdown_table, median
+from .common import clock, column_table, figure, finish_axes, human_bytes, median
 from .harness import alternate, report, storage_of
 from ..run_options import RunOptions
 
@@ -71,28 +71,25 @@ class Shape:
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
 
-    def token(self) -> torch.Tensor:
-        return torch.randn(self.batch, self.kv_heads, 1, self.head_dim, dtype=self.dtype, device=self.device)
-
     def chunk(self, n: int) -> torch.Tensor:
         return torch.randn(self.batch, self.kv_heads, n, self.head_dim, dtype=self.dtype, device=self.device)
 
 
 def make_contender(name: str, max_tokens: int):
     """A fresh store and a function returning its storage tensors ``(keys, values)``."""
-    if name == "concat":
-        layer = DynamicLayer()
-        return layer, lambda: (layer.keys, layer.values)
-    if name == "step256":
-        layer = Step256()
-        return layer, lambda: (layer.keys, layer.values)
-    if name == "hf_static":
-        layer = HFStaticLayer(max_cache_len=max_tokens)
-        return layer, lambda: (layer.keys, layer.values)
+    makers = {
+        "concat": DynamicLayer,
+        "step256": Step256,
+        "hf_static": lambda: HFStaticLayer(max_cache_len=max_tokens),
+        "growable": GrowableLayer,
+        "static": lambda: StaticLayer(max_tokens),
+    }
+    if name not in makers:
+        raise ValueError(f"unknown contender {name!r}; valid: {', '.join(CONTENDERS)}")
+    layer = makers[name]()
     if name in ("growable", "static"):
-        layer = GrowableLayer() if name == "growable" else StaticLayer(max_tokens)
         return layer, layer.view  # views of the buffers: their storage is the whole buffer
-    raise ValueError(f"unknown contender {name!r}; valid: {', '.join(CONTENDERS)}")
+    return layer, lambda: (layer.keys, layer.values)
 
 
 def _held(tensors) -> tuple[int, int]:
@@ -106,7 +103,7 @@ def _held(tensors) -> tuple[int, int]:
 def time_per_token(name: str, total: int, shape: Shape, max_tokens: int) -> float:
     """Seconds per appended token around ``total`` tokens (see the module docstring)."""
     layer, _ = make_contender(name, max_tokens)
-    k, v = shape.token(), shape.token()
+    k, v = shape.chunk(1), shape.chunk(1)
     if name == "concat":
         start = 3 * total // 4
         layer.update(shape.chunk(start), shape.chunk(start))
@@ -127,7 +124,7 @@ def time_per_token(name: str, total: int, shape: Shape, max_tokens: int) -> floa
 def growth_profile(name: str, total: int, shape: Shape, max_tokens: int) -> dict[str, int]:
     """Reallocations and peak bytes on the way from 0 to ``total`` tokens (untimed)."""
     layer, tensors = make_contender(name, max_tokens)
-    k, v = shape.token(), shape.token()
+    k, v = shape.chunk(1), shape.chunk(1)
     if name == "concat":
         # Every torch.cat allocates: check that on the last append, which is also the peak.
         layer.update(shape.chunk(total - 1), shape.chunk(total - 1))
@@ -166,32 +163,27 @@ def run(
         lengths = [2**i for i in range(8, int(math.log2(top)) + 1)]
     repeats = repeats or options.pick(1, 3, 5)
     max_tokens = max(lengths)
-    times: dict[tuple[str, int], list[float]] = {}
     bar = tqdm(total=len(lengths) * repeats * len(CONTENDERS), desc="update", disable=not options.progress)
-    for total in lengths:
-        samples = alternate(CONTENDERS, repeats, lambda name: time_per_token(name, total, shape, max_tokens), bar)
-        times.update({(name, total): seconds for name, seconds in samples.items()})
+    times = {
+        total: alternate(CONTENDERS, repeats, lambda name: time_per_token(name, total, shape, max_tokens), bar)
+        for total in lengths
+    }
     bar.close()
 
-    rows = []
-    for total in lengths:
-        concat_us = median(times[("concat", total)]) * 1e6
-        for name in CONTENDERS:
-            us = median(times[(name, total)]) * 1e6
-            rows.append(
-                {
-                    "contender": name,
-                    "tokens": total,
-                    "us_per_token": us,
-                    "speedup_vs_concat": concat_us / us,
-                    "samples_us": [t * 1e6 for t in times[(name, total)]],
-                    **growth_profile(name, total, shape, max_tokens),
-                }
-            )
-    flat = {}
-    for name in CONTENDERS:
-        per = [r["us_per_token"] for r in rows if r["contender"] == name]
-        flat[name] = max(per) / min(per)
+    us = {(t, name): median(samples) * 1e6 for t in lengths for name, samples in times[t].items()}
+    rows = [
+        {
+            "contender": name,
+            "tokens": t,
+            "us_per_token": us[t, name],
+            "speedup_vs_concat": us[t, "concat"] / us[t, name],
+            "samples_us": [s * 1e6 for s in times[t][name]],
+            **growth_profile(name, t, shape, max_tokens),
+        }
+        for t in lengths
+        for name in CONTENDERS
+    ]
+    flat = {name: max(us[t, name] for t in lengths) / min(us[t, name] for t in lengths) for name in CONTENDERS}
     config = {
         "batch": shape.batch,
         "kv_heads": shape.kv_heads,
@@ -205,20 +197,16 @@ def run(
 
 
 def table(result: dict[str, Any]) -> str:
-    header = ["tokens", "contender", "us/token", "x faster than concat", "reallocations", "peak bytes"]
-    body = [
-        [
-            r["tokens"],
-            r["contender"],
-            r["us_per_token"],
-            r["speedup_vs_concat"],
-            r["reallocations"],
-            human_bytes(r["peak_bytes"]),
-        ]
-        for r in result["rows"]
-    ]
+    columns = {
+        "tokens": "tokens",
+        "contender": "contender",
+        "us/token": "us_per_token",
+        "x faster than concat": "speedup_vs_concat",
+        "reallocations": "reallocations",
+        "peak bytes": lambda r: human_bytes(r["peak_bytes"]),
+    }
     flat = ", ".join(f"{k} {v:.2f}x" for k, v in result["flatness_max_over_min"].items())
-    return markdown_table(header, body) + f"\nPer-token cost max/min over T: {flat}\n"
+    return column_table(result["rows"], columns) + f"\nPer-token cost max/min over T: {flat}\n"
 
 
 def plot(result: dict[str, Any], path: Path) -> None:

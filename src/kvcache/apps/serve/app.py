@@ -1,17 +1,13 @@
 """The OpenAI-compatible HTTP app over one ``kvcache.Engine`` (Starlette; ``server.py`` runs it).
 
-Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (the model's chat template),
-streamed as server-sent events or not; ``GET /v1/models``; ``GET /health``; ``GET /metrics``
-(Prometheus text). With an API key every endpoint but ``/health`` wants ``Authorization: Bearer
-KEY``.
-
 A request is checked (``protocol.py``), tokenized, and submitted to the engine (a completions
 request with a batch of prompts: one engine request each, their text merged into one response by
-choice index), which steps on its own thread; the engine's ``on_update`` wakes the request's handler on the event loop, which turns
-new tokens into text (``text.py``: stop strings, whole characters) and sends it. A client that goes
-away mid-stream cancels its request, so its blocks return to the pool at once. When the engine's
-queue holds ``max_queue`` requests, or the server is draining, a request gets 503 with
-``Retry-After``.
+choice index), which steps on its own thread; the engine's ``on_update`` wakes the request's
+handler on the event loop, which turns new tokens into text (``text.py``: stop strings, whole
+characters) and sends it, streamed as server-sent events or not. A client that goes away mid-stream
+cancels its request, so its blocks return to the pool at once. With an API key every endpoint but
+``/health`` wants ``Authorization: Bearer KEY``. When the engine's queue holds ``max_queue``
+requests, or the server is draining, a request gets 503 with ``Retry-After``.
 """
 
 from __future__ import annotations
@@ -22,6 +18,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from starlette.applications import Starlette
@@ -30,11 +27,10 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from ...errors import KVCacheError
-from .logprobs import chat_logprobs, completion_logprobs, covered, length_of
 from .metrics import Metrics
-from .protocol import (ApiError, Params, add_usage, chat_params, chunk_body, completion_body, completion_params, new_id,
+from .protocol import (ApiError, Params, chat_params, chunk_body, completion_body, completion_params, new_id,
                        parse_body, usage)
-from .text import TextStream
+from .text import TextStream, chat_ids, chat_logprobs, completion_logprobs, covered, length_of, text_ids
 
 
 @dataclass
@@ -52,9 +48,6 @@ class Served:
     metrics: Metrics = field(default_factory=Metrics)
     draining: bool = False
 
-    def names(self) -> set[str]:
-        return {self.model_name, *self.aliases}
-
 
 def make_app(served: Served) -> Starlette:
     async def health(request: Request) -> Response:
@@ -67,18 +60,14 @@ def make_app(served: Served) -> Starlette:
         data = [{"id": served.model_name, "object": "model", "created": 0, "owned_by": "kvcache"}]
         return JSONResponse({"object": "list", "data": data})
 
-    async def completions(request: Request) -> Response:
-        return await _generate(served, request, chat=False)
-
-    async def chat(request: Request) -> Response:
-        return await _generate(served, request, chat=True)
-
     routes = [
         Route("/health", health, methods=["GET"]),
         Route("/metrics", _guarded(served, "metrics", metrics), methods=["GET"]),
         Route("/v1/models", _guarded(served, "models", models), methods=["GET"]),
-        Route("/v1/completions", _guarded(served, "completions", completions), methods=["POST"]),
-        Route("/v1/chat/completions", _guarded(served, "chat", chat), methods=["POST"]),
+        Route("/v1/completions", _guarded(served, "completions", partial(_generate, served, chat=False)),
+              methods=["POST"]),
+        Route("/v1/chat/completions", _guarded(served, "chat", partial(_generate, served, chat=True)),
+              methods=["POST"]),
     ]
     return Starlette(routes=routes)
 
@@ -106,7 +95,7 @@ def _guarded(served: Served, endpoint: str, handler):
 async def _generate(served: Served, request: Request, chat: bool) -> Response:
     body = parse_body(await request.body())
     params = chat_params(body) if chat else completion_params(body)
-    if params.model not in served.names():
+    if params.model not in {served.model_name, *served.aliases}:
         raise ApiError(f"the model {params.model!r} does not exist here; this server serves {served.model_name!r}",
                        status=404, param="model", code="model_not_found")  # fmt: skip
     prompts = [_chat_tokens(served, params)] if chat else [_prompt_tokens(served, p) for p in params.prompts or []]
@@ -131,16 +120,6 @@ async def _generate(served: Served, request: Request, chat: bool) -> Response:
         return StreamingResponse(_stream(served, runs, rid, params, chat), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
     return JSONResponse(await _whole(runs, rid, params, chat))
-
-
-def chat_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
-    """A chat's prompt: ``messages`` through the model's chat template, the assistant's turn opened."""
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
-
-
-def text_ids(tokenizer: Any, prompt: str) -> list[int]:
-    """A completion's prompt given as text."""
-    return tokenizer(prompt, add_special_tokens=True)["input_ids"]
 
 
 def _chat_tokens(served: Served, params: Params) -> list[int]:
@@ -220,7 +199,7 @@ async def _whole(runs: list[_Run], rid: str, params: Params, chat: bool) -> dict
     if failed is not None:
         raise ApiError(f"the engine failed this request: {failed.handle.error}", status=500, kind="server_error")
     choices = [run.choice("".join(texts[run.index])) for run in runs]
-    return completion_body(rid, params.model, choices, add_usage([run.usage() for run in runs]), chat)
+    return completion_body(rid, params.model, choices, usage([run.usage() for run in runs]), chat)
 
 
 async def _stream(served: Served, runs: list[_Run], rid: str, params: Params, chat: bool) -> AsyncIterator[str]:
@@ -241,7 +220,7 @@ async def _stream(served: Served, runs: list[_Run], rid: str, params: Params, ch
             else:
                 last = run.streamed(shown[run.index], final=True)
                 yield _event(chunk_body(rid, name, None, run.finish or "stop", chat, index=run.index, logprobs=last))
-        use = add_usage([run.usage() for run in runs])
+        use = usage([run.usage() for run in runs])
         if params.include_usage:
             yield _event(chunk_body(rid, name, None, None, chat, use=use))
         yield "data: [DONE]\n\n"
@@ -310,8 +289,7 @@ class _Run:
                 handle.cancel(wait=False)  # a stop string: the rest is not wanted
                 self.finish = "stop"
             elif done:
-                self.finish = "length" if handle.finish_reason == "length" else handle.finish_reason
-                self.finish = self.finish if self.finish in ("length", "error") else "stop"
+                self.finish = handle.finish_reason if handle.finish_reason in ("length", "error") else "stop"
             if new and not self.params.scoring_only:
                 yield new
             if self.finish is not None:
@@ -369,13 +347,14 @@ class _Run:
         """The prompt as it came (token ids decoded), for ``echo``."""
         return self.prompt if self.prompt is not None else self.served.tokenizer.decode(self.ids)
 
-    def usage(self) -> dict[str, Any]:
-        """This request's usage (counted into the metrics once, when it is asked)."""
-        stats = self.handle.stats
-        cached = stats.reused_pool + stats.reused_store
-        self.served.metrics.finished(len(self.ids), len(self.generated), stats.reused)
-        first = self.index % self.params.n == 0  # a prompt counts once, whatever its n choices
-        return usage(len(self.ids) if first else 0, len(self.generated), cached if first else 0)
+    def usage(self) -> tuple[int, int, int]:
+        """This request's ``(prompt, completion, cached)`` tokens (counted into the metrics once,
+        when asked)."""
+        stats, generated = self.handle.stats, len(self.generated)
+        self.served.metrics.finished(len(self.ids), generated, stats.reused)
+        if self.index % self.params.n:  # a prompt counts once, whatever its n choices
+            return 0, generated, 0
+        return len(self.ids), generated, stats.reused_pool + stats.reused_store
 
 
 def _event(body: dict[str, Any]) -> str:

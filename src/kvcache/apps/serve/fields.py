@@ -1,15 +1,10 @@
 """Every field of the OpenAI request schemas of ``/v1/completions`` and ``/v1/chat/completions``:
-honoured, or refused by name. None is accepted and ignored.
-
-- :data:`HONOURED`: read by ``protocol.py`` and acted on.
-- :data:`NO_EFFECT`: fields whose meaning has no effect on what is generated (an end user's id,
-  a prompt-cache routing hint: prefixes are cached here by content, without a key), accepted.
-- :data:`DEFAULTS`: not built; accepted only at the value that asks for nothing (``n: 1``,
-  ``echo: false``, ``frequency_penalty: 0``, ``tools: []`` ...), refused with a 400 naming the field
-  at any other value.
-- a field in none of them (not in the schemas, a typo, another server's extension) is refused too.
-
-A field given as ``null`` counts as not given, as the OpenAI API treats it.
+honoured (``HONOURED``), without effect on what is generated (``NO_EFFECT``: an end user's id, a
+prompt-cache routing hint, as prefixes are cached here by content), or not built (``DEFAULTS``) and
+then accepted only at the value that asks for nothing (``best_of: 1``, ``frequency_penalty: 0``,
+``tools: []`` ...). Any other value, or a field in none of them (not in the schemas, a typo, another
+server's extension), is refused with a 400 naming the field. A field given as ``null`` counts as
+not given, as the OpenAI API treats it.
 """
 
 from __future__ import annotations
@@ -23,56 +18,35 @@ BOTH = (COMPLETIONS, CHAT)
 #: Field -> the endpoints that honour it (``cache`` is kvcache's own extension; ``ignore_eos`` is
 #: vLLM's, which load generators such as ``vllm bench serve`` send).
 HONOURED: dict[str, tuple[str, ...]] = {
-    "model": BOTH,
-    "prompt": (COMPLETIONS,),
-    "messages": (CHAT,),
-    "max_tokens": BOTH,
-    "max_completion_tokens": (CHAT,),
-    "temperature": BOTH,
-    "top_p": BOTH,
-    "seed": BOTH,
-    "stop": BOTH,
-    "stream": BOTH,
-    "stream_options": BOTH,
-    "cache": BOTH,
-    "logprobs": BOTH,
-    "echo": (COMPLETIONS,),
-    "top_logprobs": (CHAT,),
-    "n": BOTH,
-    "ignore_eos": BOTH,
+    **dict.fromkeys(("model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "cache",
+                     "logprobs", "n", "ignore_eos"), BOTH),  # fmt: skip
+    **dict.fromkeys(("prompt", "echo"), (COMPLETIONS,)),
+    **dict.fromkeys(("messages", "max_completion_tokens", "top_logprobs"), (CHAT,)),
 }
 
 #: Field -> endpoints, for fields that do not change what is generated.
-NO_EFFECT: dict[str, tuple[str, ...]] = {
-    "user": BOTH,
-    "safety_identifier": (CHAT,),
-    "prompt_cache_key": (CHAT,),
-}
+NO_EFFECT: dict[str, tuple[str, ...]] = {"user": BOTH, "safety_identifier": (CHAT,), "prompt_cache_key": (CHAT,)}
 
 
 def _is(*values: Any) -> Callable[[Any], bool]:
+    """A value equal to one of ``values`` and of its type (``0`` is not ``False``, ``[]`` not ``{}``)."""
     return lambda v: any(v == x and type(v) is type(x) for x in values)
 
 
-def _empty(v: Any) -> bool:
-    return v in ({}, [], "") and not isinstance(v, bool)
-
-
-def _zero(v: Any) -> bool:
-    return not isinstance(v, bool) and isinstance(v, (int, float)) and v == 0
-
+_EMPTY = _is({}, [], "")
+_ZERO = _is(0, 0.0)
 
 #: Field -> (endpoints, whether a value asks for nothing, what a value that does not is refused as).
 DEFAULTS: dict[str, tuple[tuple[str, ...], Callable[[Any], bool], str]] = {
     "best_of": ((COMPLETIONS,), _is(1), "best_of is not supported (it must be 1)"),
-    "suffix": ((COMPLETIONS,), _empty, "suffix (insertion) is not supported"),
-    "frequency_penalty": (BOTH, _zero, "frequency_penalty is not supported (it must be 0)"),
-    "presence_penalty": (BOTH, _zero, "presence_penalty is not supported (it must be 0)"),
-    "logit_bias": (BOTH, _empty, "logit_bias is not supported (it must be empty)"),
-    "tools": ((CHAT,), _empty, "tools are not supported"),
+    "suffix": ((COMPLETIONS,), _EMPTY, "suffix (insertion) is not supported"),
+    "frequency_penalty": (BOTH, _ZERO, "frequency_penalty is not supported (it must be 0)"),
+    "presence_penalty": (BOTH, _ZERO, "presence_penalty is not supported (it must be 0)"),
+    "logit_bias": (BOTH, _EMPTY, "logit_bias is not supported (it must be empty)"),
+    "tools": ((CHAT,), _EMPTY, "tools are not supported"),
     "tool_choice": ((CHAT,), _is("none"), "tools are not supported (tool_choice must be 'none')"),
     "parallel_tool_calls": ((CHAT,), lambda v: isinstance(v, bool), "parallel_tool_calls must be a boolean (no tools are called)"),
-    "functions": ((CHAT,), _empty, "functions are not supported"),
+    "functions": ((CHAT,), _EMPTY, "functions are not supported"),
     "function_call": ((CHAT,), _is("none"), "functions are not supported (function_call must be 'none')"),
     "response_format": ((CHAT,), lambda v: v == {"type": "text"}, "response_format other than text is not supported"),
     "modalities": ((CHAT,), lambda v: v == ["text"], "only the text modality is served"),
@@ -82,14 +56,14 @@ DEFAULTS: dict[str, tuple[tuple[str, ...], Callable[[Any], bool], str]] = {
     "reasoning_effort": ((CHAT,), lambda v: False, "reasoning_effort is not supported (the model does not reason)"),
     "verbosity": ((CHAT,), lambda v: False, "verbosity is not supported"),
     "store": ((CHAT,), _is(False), "storing completions is not supported (store must be false)"),
-    "metadata": ((CHAT,), _empty, "metadata is only kept with store, which is not supported"),
+    "metadata": ((CHAT,), _EMPTY, "metadata is only kept with store, which is not supported"),
     "service_tier": ((CHAT,), _is("auto", "default"), "service_tier must be 'auto' or 'default'"),
     "moderation": ((CHAT,), lambda v: False, "moderation is not supported"),
     "prompt_cache_retention": ((CHAT,), _is("in_memory"), "prompts are cached in memory only (prompt_cache_retention must be 'in_memory')"),
-    "prompt_cache_options": ((CHAT,), _empty, "prompt cache options are not supported (prefixes are cached by content)"),
+    "prompt_cache_options": ((CHAT,), _EMPTY,
+                             "prompt cache options are not supported (prefixes are cached by content)"),
     # vLLM's extension, sent at 1.0 by `vllm bench serve`
-    "repetition_penalty": (BOTH, lambda v: not isinstance(v, bool) and isinstance(v, (int, float)) and v == 1,
-                           "repetition_penalty is not supported (it must be 1)"),
+    "repetition_penalty": (BOTH, _is(1, 1.0), "repetition_penalty is not supported (it must be 1)"),
 }
 
 
@@ -103,9 +77,7 @@ def refusal(body: dict[str, Any], endpoint: str) -> tuple[str, str] | None:
     """The first field of ``body`` that ``endpoint`` does not honour at the value given, as
     ``(field, message)``; None when every field is honoured, has no effect, or asks for nothing."""
     for name, value in body.items():
-        if value is None:
-            continue
-        if endpoint in HONOURED.get(name, ()) or endpoint in NO_EFFECT.get(name, ()):
+        if value is None or endpoint in HONOURED.get(name, ()) or endpoint in NO_EFFECT.get(name, ()):
             continue
         if name in DEFAULTS and endpoint in DEFAULTS[name][0]:
             _, asks_nothing, message = DEFAULTS[name]

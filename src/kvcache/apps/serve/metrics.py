@@ -77,60 +77,49 @@ class Metrics:
     def text(self, engine: Any) -> str:
         pool, stats = engine.pool, engine.stats
         with self._lock:
-            lines = [
-                "# HELP kvcache_requests_total HTTP requests answered, by endpoint and status.",
-                "# TYPE kvcache_requests_total counter",
-                *(f'kvcache_requests_total{{endpoint="{e}",status="{s}"}} {n}' for (e, s), n in sorted(self.requests.items())),
-                "# HELP kvcache_prompt_tokens_total Prompt tokens of finished requests.",
-                "# TYPE kvcache_prompt_tokens_total counter",
-                f"kvcache_prompt_tokens_total {self.prompt_tokens}",
-                "# HELP kvcache_generation_tokens_total Tokens generated for finished requests.",
-                "# TYPE kvcache_generation_tokens_total counter",
-                f"kvcache_generation_tokens_total {self.generation_tokens}",
-                "# HELP kvcache_cached_prompt_tokens_total Prompt tokens reused instead of computed, by tier.",
-                "# TYPE kvcache_cached_prompt_tokens_total counter",
-                *(f'kvcache_cached_prompt_tokens_total{{tier="{t}"}} {self.cached_tokens[t]}' for t in ("pool", "store")),
-                "# HELP kvcache_rejected_requests_total Requests answered 503 (pool and queue full, or draining).",
-                "# TYPE kvcache_rejected_requests_total counter",
-                f"kvcache_rejected_requests_total {self.rejected}",
-                "# HELP kvcache_client_disconnects_total Streams whose client went away before the end.",
-                "# TYPE kvcache_client_disconnects_total counter",
-                f"kvcache_client_disconnects_total {self.disconnects}",
-                "# HELP kvcache_time_to_first_token_seconds From a request's arrival to its first token.",
-                "# TYPE kvcache_time_to_first_token_seconds histogram",
-                *self.ttft.lines("kvcache_time_to_first_token_seconds"),
-                "# HELP kvcache_inter_token_latency_seconds Between consecutive tokens of a request.",
-                "# TYPE kvcache_inter_token_latency_seconds histogram",
-                *self.itl.lines("kvcache_inter_token_latency_seconds"),
+            #: (name, type, help or None, value: a number, a Histogram, or [(labels, number)])
+            families = [
+                ("kvcache_requests_total", "counter", "HTTP requests answered, by endpoint and status.",
+                 [(f'endpoint="{e}",status="{s}"', n) for (e, s), n in sorted(self.requests.items())]),
+                ("kvcache_prompt_tokens_total", "counter", "Prompt tokens of finished requests.", self.prompt_tokens),
+                ("kvcache_generation_tokens_total", "counter", "Tokens generated for finished requests.",
+                 self.generation_tokens),
+                ("kvcache_cached_prompt_tokens_total", "counter", "Prompt tokens reused instead of computed, by tier.",
+                 [(f'tier="{t}"', self.cached_tokens[t]) for t in ("pool", "store")]),
+                ("kvcache_rejected_requests_total", "counter",
+                 "Requests answered 503 (pool and queue full, or draining).", self.rejected),
+                ("kvcache_client_disconnects_total", "counter", "Streams whose client went away before the end.",
+                 self.disconnects),
+                ("kvcache_time_to_first_token_seconds", "histogram", "From a request's arrival to its first token.",
+                 self.ttft),
+                ("kvcache_inter_token_latency_seconds", "histogram", "Between consecutive tokens of a request.",
+                 self.itl),
+                ("kvcache_pool_blocks", "gauge",
+                 "Blocks of the engine's pool: free, cached (a registered prefix, reusable) or used.",
+                 [('state="free"', pool.free_count), ('state="cached"', pool.cached_count),
+                  ('state="used"', pool.owned_count)]),
+                ("kvcache_pool_bytes", "gauge", "Bytes the engine's pool allocated.", pool.nbytes),
+                ("kvcache_requests_running", "gauge", "Requests holding blocks; waiting: queued.",
+                 engine.running_count),
+                ("kvcache_requests_waiting", "gauge", None, engine.waiting_count),
+                ("kvcache_preemptions_total", "counter", "Requests preempted (blocks given back, recomputed later).",
+                 stats.preemptions),
+                ("kvcache_engine_steps_total", "counter", "Engine steps (forward passes).", stats.steps),
+                ("kvcache_engine_compiled_steps_total", "counter",
+                 "Engine steps run as a compiled graph (serve --compile).", stats.compiled_steps),
+                ("kvcache_forward_tokens_total", "counter",
+                 "Tokens run through the model (prompt chunks, recomputation, decode rows).", stats.forward_tokens),
+                ("kvcache_shared_prefix_rows_total", "counter",
+                 "Decode rows that read a shared prefix once with other rows.", stats.shared_prefix_rows),
             ]
-        lines += [
-            "# HELP kvcache_pool_blocks Blocks of the engine's pool: free, cached (a registered prefix, reusable) or used.",
-            "# TYPE kvcache_pool_blocks gauge",
-            f'kvcache_pool_blocks{{state="free"}} {pool.free_count}',
-            f'kvcache_pool_blocks{{state="cached"}} {pool.cached_count}',
-            f'kvcache_pool_blocks{{state="used"}} {pool.owned_count}',
-            "# HELP kvcache_pool_bytes Bytes the engine's pool allocated.",
-            "# TYPE kvcache_pool_bytes gauge",
-            f"kvcache_pool_bytes {pool.nbytes}",
-            "# HELP kvcache_requests_running Requests holding blocks; waiting: queued.",
-            "# TYPE kvcache_requests_running gauge",
-            f"kvcache_requests_running {engine.running_count}",
-            "# TYPE kvcache_requests_waiting gauge",
-            f"kvcache_requests_waiting {engine.waiting_count}",
-            "# HELP kvcache_preemptions_total Requests preempted (blocks given back, recomputed later).",
-            "# TYPE kvcache_preemptions_total counter",
-            f"kvcache_preemptions_total {stats.preemptions}",
-            "# HELP kvcache_engine_steps_total Engine steps (forward passes).",
-            "# TYPE kvcache_engine_steps_total counter",
-            f"kvcache_engine_steps_total {stats.steps}",
-            "# HELP kvcache_engine_compiled_steps_total Engine steps run as a compiled graph (serve --compile).",
-            "# TYPE kvcache_engine_compiled_steps_total counter",
-            f"kvcache_engine_compiled_steps_total {stats.compiled_steps}",
-            "# HELP kvcache_forward_tokens_total Tokens run through the model (prompt chunks, recomputation, decode rows).",
-            "# TYPE kvcache_forward_tokens_total counter",
-            f"kvcache_forward_tokens_total {stats.forward_tokens}",
-            "# HELP kvcache_shared_prefix_rows_total Decode rows that read a shared prefix once with other rows.",
-            "# TYPE kvcache_shared_prefix_rows_total counter",
-            f"kvcache_shared_prefix_rows_total {stats.shared_prefix_rows}",
-        ]
+            lines = []
+            for name, kind, about, value in families:
+                lines += [f"# HELP {name} {about}"] if about else []
+                lines.append(f"# TYPE {name} {kind}")
+                if isinstance(value, Histogram):
+                    lines += value.lines(name)
+                elif isinstance(value, list):
+                    lines += [f"{name}{{{labels}}} {n}" for labels, n in value]
+                else:
+                    lines.append(f"{name} {value}")
         return "\n".join(lines) + "\n"

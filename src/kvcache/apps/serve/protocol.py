@@ -79,7 +79,7 @@ MAX_CHOICES = 16
 
 
 def _token_ids(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    return isinstance(value, list) and bool(value) and all(type(t) is int for t in value)
 
 
 def completion_params(body: dict[str, Any]) -> Params:
@@ -99,9 +99,9 @@ def completion_params(body: dict[str, Any]) -> Params:
         raise ApiError("prompt is empty" if len(prompts) == 1 else f"prompt[{empty}] is empty", param="prompt")
     p.prompts = [x if isinstance(x, str) else list(x) for x in prompts]
     p.logprobs = _alternatives(body, "logprobs")
-    p.echo = echo = _boolean(body, "echo", False)
+    p.echo = _boolean(body, "echo", False)
     if type(body.get("max_tokens")) is int and body["max_tokens"] == 0:
-        if not echo:
+        if not p.echo:
             raise ApiError("max_tokens 0 (scoring the prompt only) needs echo: true", param="max_tokens")
         p.max_tokens = 0
     if p.logprobs is not None and p.echo and p.stream:
@@ -157,20 +157,18 @@ def _common(body: dict[str, Any], endpoint: str) -> Params:
         raise ApiError("'model' is required and must be a string", param="model")
     p = Params(model=model)
     tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if type(tokens) is int and tokens == 0 and endpoint == COMPLETIONS:
-        tokens = None  # allowed with echo (completion_params checks)
-    if tokens is not None:
-        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+    # 0 is allowed on completions with echo (completion_params checks)
+    if tokens is not None and not (endpoint == COMPLETIONS and type(tokens) is int and tokens == 0):
+        if type(tokens) is not int or tokens < 1:
             raise ApiError(f"max_tokens must be an integer >= 1, got {tokens!r}", param="max_tokens")
         p.max_tokens = tokens
     p.temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     p.top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
     if p.top_p == 0:
         raise ApiError("top_p must be above 0", param="top_p")
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise ApiError(f"seed must be an integer, got {seed!r}", param="seed")
-    p.seed = seed
+    p.seed = body.get("seed")
+    if p.seed is not None and type(p.seed) is not int:
+        raise ApiError(f"seed must be an integer, got {p.seed!r}", param="seed")
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]
@@ -183,12 +181,9 @@ def _common(body: dict[str, Any], endpoint: str) -> Params:
         if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
             raise ApiError("stream_options must be an object with a boolean include_usage", param="stream_options")
         p.include_usage = bool(options.get("include_usage", False))
-    n = body.get("n", 1)
-    if n is None:
-        n = 1
-    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
-        raise ApiError(f"n must be an integer in [1, {MAX_CHOICES}], got {n!r}", param="n")
-    p.n = n
+    p.n = 1 if body.get("n") is None else body["n"]
+    if type(p.n) is not int or not 1 <= p.n <= MAX_CHOICES:
+        raise ApiError(f"n must be an integer in [1, {MAX_CHOICES}], got {p.n!r}", param="n")
     p.ignore_eos = _boolean(body, "ignore_eos", False)
     cache = body.get("cache")
     if cache is not None and not isinstance(cache, str):
@@ -209,7 +204,7 @@ def _number(body: dict[str, Any], name: str, default: float, low: float, high: f
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not low <= value <= high:
+    if type(value) not in (int, float) or not math.isfinite(value) or not low <= value <= high:
         raise ApiError(f"{name} must be a number in [{low:g}, {high:g}], got {value!r}", param=name)
     return float(value)
 
@@ -221,31 +216,18 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
-    }
-
-
-def add_usage(parts: list[dict[str, Any]]) -> dict[str, Any]:
-    """The usage of several choices' requests, summed."""
-    prompt = sum(u["prompt_tokens"] for u in parts)
-    done = sum(u["completion_tokens"] for u in parts)
-    return usage(prompt, done, sum(u["prompt_tokens_details"]["cached_tokens"] for u in parts))
+def usage(parts: list[tuple[int, int, int]]) -> dict[str, Any]:
+    """A response's usage: its choices' ``(prompt, completion, cached)`` tokens, summed."""
+    prompt, completion, cached = (sum(column) for column in zip(*parts))
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
 
 
 def completion_body(rid: str, model: str, choices: list[tuple[str, str, Any]], use: dict[str, Any], chat: bool) -> dict[str, Any]:
     """The whole answer: ``choices`` ``(text, finish, logprobs)`` in index order."""
-    if chat:
-        out = [{"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": finish, "logprobs": lp}
-               for i, (text, finish, lp) in enumerate(choices)]  # fmt: skip
-        kind = "chat.completion"
-    else:
-        out = [{"index": i, "text": text, "finish_reason": finish, "logprobs": lp} for i, (text, finish, lp) in enumerate(choices)]
-        kind = "text_completion"
+    key, kind = ("message", "chat.completion") if chat else ("text", "text_completion")
+    out = [{"index": i, key: {"role": "assistant", "content": text} if chat else text, "finish_reason": finish,
+            "logprobs": lp} for i, (text, finish, lp) in enumerate(choices)]  # fmt: skip
     return {"id": rid, "object": kind, "created": int(time.time()), "model": model, "choices": out, "usage": use}
 
 

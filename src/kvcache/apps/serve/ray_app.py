@@ -6,23 +6,19 @@ Two deployments:
 - ``kvcache-engine`` (``Replica``, ``--replicas`` of them): each loads the model and runs its own
   ``Engine`` (its own paged pool) on a thread of its own, with the prompt store every replica shares
   (``--prompt-store redis://...``). A replica answers whole HTTP requests with the very app of
-  ``kvcache serve`` (``app.make_app``), called in process (``asgi.call``), so shapes, errors,
+  ``kvcache serve`` (``app.make_app``), called in process (``asgi_call``), so shapes, errors,
   streaming and each replica's metrics are the single server's.
 - ``kvcache-openai`` (``Ingress``, one, no CPU of its own): Ray Serve's HTTP entry. It forwards
   each request to a replica through a deployment handle and streams the answer back. A request
   whose replica dies before the first byte of its answer is sent again (``retries`` times) to
   another; one whose answer has begun is cut off.
 
-Which replica takes a request is the request router's choice, set on ``kvcache-engine``:
-
-- ``blocks`` (``ray_router.BlockAffinityRouter``): the replica whose pool holds the longest prefix
-  of the prompt's blocks, as the replicas report them (``Replica.record_routing_stats``), among
-  those whose queues are within ``imbalance`` of the shortest. It reads ``Call.tokens``, the
-  prompt's token ids, which the ingress computes with the model's tokenizer (``routing_tokens``).
-- ``prefix``: Ray Serve's ``PrefixCacheAffinityRouter``, which matches text: the replica that was
-  sent the longest prefix of ``Call.prompt`` (the chat messages' roles and contents in order, or
-  the completion prompt: ``routing_text``), unless the queues differ by more than ``imbalance``.
-- ``default``: Ray Serve's power of two choices.
+Which replica takes a request is the request router's choice (``ROUTERS``), set on
+``kvcache-engine``: ``blocks`` (``ray_router.py``) matches ``Call.tokens``, the prompt's token ids
+the ingress computes with the model's tokenizer (``routing_tokens``), against the blocks each pool
+holds (``Replica.record_routing_stats``); ``prefix`` (Ray Serve's ``PrefixCacheAffinityRouter``)
+matches text, ``Call.prompt`` (``routing_text``); ``default`` is Ray Serve's power of two choices.
+The first two balance load once the queues differ by more than ``imbalance``.
 
 Ray restarts a replica that dies (its health check is ``Replica.check_health``). ``application``
 builds the app; ``app_builder`` is the same for ``serve run kvcache.apps.serve.ray_app:app_builder
@@ -32,15 +28,17 @@ key=value ...`` and Serve config files (docs/serving.md).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import threading
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from .asgi import call as asgi_call
 from .server import ServeOptions
+from .text import chat_ids, text_ids
 
 #: The ingress logs through Ray Serve's logger, so its lines land in its replica's log file (the
 #: cluster's logs folder, ``serve/replica_kvcache_kvcache-openai_*.log``).
@@ -104,7 +102,7 @@ def request_prompt(path: str, body: bytes) -> list[dict[str, Any]] | str | list[
     prompt = data.get("prompt") if path.endswith("/completions") else None
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         prompt = prompt[0]
-    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    if isinstance(prompt, list) and all(type(t) is int for t in prompt):
         return prompt
     return prompt if isinstance(prompt, str) else None
 
@@ -121,11 +119,9 @@ def routing_text(path: str, body: bytes) -> str:
 
 
 def routing_tokens(tokenizer: Any, path: str, body: bytes) -> tuple[int, ...]:
-    """The token ids of a request's prompt as the replica will compute them (``app.chat_ids``,
-    ``app.text_ids``), for ``blocks``; none when the request has no prompt or the tokenizer refuses
-    it (the replica then answers with the error)."""
-    from .app import chat_ids, text_ids
-
+    """The token ids of a request's prompt as the replica will compute them (``chat_ids``,
+    ``text_ids``), for ``blocks``; none when the request has no prompt or the tokenizer refuses it
+    (the replica then answers with the error)."""
     prompt = request_prompt(path, body)
     try:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
@@ -138,11 +134,55 @@ def routing_tokens(tokenizer: Any, path: str, body: bytes) -> tuple[int, ...]:
 
 
 def _content_text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
     if isinstance(content, list):
         return "".join(part.get("text", "") for part in content if isinstance(part, dict))
-    return ""
+    return content if isinstance(content, str) else ""
+
+
+async def asgi_call(app: Any, method: str, path: str, query: str, headers: tuple[tuple[bytes, bytes], ...],
+                    body: bytes) -> AsyncIterator[Any]:  # fmt: skip
+    """Run the ASGI ``app`` in process on one HTTP request; yields ``(status, headers)`` (headers
+    as ``(bytes, bytes)`` pairs), then each non-empty body chunk as bytes. If the consumer stops
+    early, the app is told the client went away (``http.disconnect``), as a server would."""
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
+        "path": path, "raw_path": path.encode(), "query_string": query.encode(), "root_path": "",
+        "headers": [(k.lower(), v) for k, v in headers], "client": None, "server": None,
+    }  # fmt: skip
+    sent: asyncio.Queue = asyncio.Queue()
+    gone = asyncio.Event()
+    delivered = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def run() -> None:
+        try:
+            await app(scope, receive, sent.put)
+        finally:
+            await sent.put(None)
+
+    task = asyncio.ensure_future(run())
+    try:
+        while (message := await sent.get()) is not None:
+            if message["type"] == "http.response.start":
+                yield message["status"], list(message.get("headers", []))
+            elif message["type"] == "http.response.body":
+                if message.get("body"):
+                    yield message["body"]
+                if not message.get("more_body", False):
+                    break
+        await task
+    finally:
+        gone.set()
+        if not task.done():
+            with contextlib.suppress(asyncio.TimeoutError, Exception):
+                await asyncio.wait_for(task, timeout=5)
 
 
 class Replica:
@@ -164,9 +204,9 @@ class Replica:
                 self.served = build(self.options)
             except BaseException as e:  # noqa: BLE001 (raised again by __init__)
                 self._error = e
-                ready.set()
                 return
-            ready.set()
+            finally:
+                ready.set()
             self.served.engine.run_here(self._stop)
 
         self._thread = threading.Thread(target=run, name="kvcache-engine", daemon=True)

@@ -23,6 +23,7 @@ behind come last. Ray sends the request to the first rank, or to the second when
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -50,12 +51,7 @@ class Candidate:
 
 def matched(keys: Sequence[str], held: Callable[[str], bool]) -> int:
     """How many of ``keys`` (a prompt's block keys in order) ``held`` holds from the first on."""
-    n = 0
-    for key in keys:
-        if not held(key):
-            break
-        n += 1
-    return n
+    return sum(1 for _ in itertools.takewhile(held, keys))
 
 
 def rank(keys: Sequence[str], candidates: Sequence[Candidate], imbalance: float, rng: random.Random) -> list[Candidate]:
@@ -132,9 +128,8 @@ class BlockAffinityRouter(RequestRouter):
             routed[key] = now
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
-        self._routed.pop(replica_id, None)
-        self._unkeyed.pop(replica_id, None)
-        self._reported.pop(replica_id, None)
+        for table in (self._routed, self._unkeyed, self._reported):
+            table.pop(replica_id, None)
         super().on_replica_actor_died(replica_id)
 
     def _keys(self, pending_request: PendingRequest | None, replicas: Sequence[RunningReplica]) -> list[str]:
@@ -151,8 +146,7 @@ class BlockAffinityRouter(RequestRouter):
         return prompt_keys(tokens, self._scheme)
 
     def _candidate(self, replica: RunningReplica, now: float) -> Candidate:
-        rid = replica.replica_id
-        stats = replica.routing_stats
+        rid, stats = replica.replica_id, replica.routing_stats
         last = self._reported.get(rid)
         if last is None or last[0] != stats.get("at"):
             last = (stats.get("at"), frozenset(stats.get("blocks") or ()))

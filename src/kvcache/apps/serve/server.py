@@ -89,10 +89,9 @@ def serve(options: ServeOptions) -> int:
     if options.compile:
         print(f"kvcache serve: compiling decode steps of up to {options.max_seqs} requests", flush=True)
     served = build(options)
-    app = make_app(served)
-    config = uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level,
+    config = uvicorn.Config(make_app(served), host=options.host, port=options.port, log_level=options.log_level,
                             timeout_graceful_shutdown=None, access_log=False)  # fmt: skip
-    server = _DrainingServer(config, served)
+    server = _draining_server(config, served)
     engine = served.engine
     print(f"kvcache serve: {served.model_name} on http://{options.host}:{options.port} ({engine!r})", flush=True)
     # The engine steps on this (the main) thread, which loaded the model, and the HTTP server runs
@@ -120,20 +119,18 @@ def serve(options: ServeOptions) -> int:
     return 0
 
 
-class _DrainingServer:
+def _draining_server(config: Any, served: Any) -> Any:
     """uvicorn's server, which on the first exit signal also marks the app as draining (new requests
     on open connections get 503 while running ones finish). It runs off the main thread, where
     uvicorn installs no signal handlers (so re-raises none after the drain): ``serve`` installs
     them on the main thread and hands them to ``handle_exit``."""
+    import uvicorn
 
-    def __new__(cls, config: Any, served: Any) -> Any:
-        import uvicorn
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if not served.draining:
+                served.draining = True
+                log.info("draining: finishing %d running requests", served.engine.running_count)
+            super().handle_exit(sig, frame)
 
-        class Server(uvicorn.Server):
-            def handle_exit(self, sig: int, frame: Any) -> None:
-                if not served.draining:
-                    served.draining = True
-                    log.info("draining: finishing %d running requests", served.engine.running_count)
-                super().handle_exit(sig, frame)
-
-        return Server(config)
+    return Server(config)
