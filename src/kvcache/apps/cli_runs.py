@@ -143,7 +143,7 @@ def add_eval(subparsers: argparse._SubParsersAction) -> None:
         "or a trained model folder (default: the shipped tiny one)",
     )
     p.add_argument("--lengths", default=None, metavar="N,...", help="real model: context lengths in tokens (default: 1024,2048,4096,8192; --quick 1024,2048)")
-    p.add_argument("--contexts", type=int, default=None, metavar="N", help="real model: contexts per length (default 9; --quick 3)")
+    p.add_argument("--contexts", type=int, default=None, metavar="N", help="real model: contexts per length (default 6; --quick 3)")
     p.add_argument(
         "--needles",
         type=int,

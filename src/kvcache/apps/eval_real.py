@@ -47,13 +47,15 @@ from kvcache import cache_kwargs
 
 from .. import make_cache, use_kvcache_attention
 from ..attention import is_queries
+from ..errors import KVCacheError
 from ..hf import scoring
 from ..layers import mix_of
 from . import needles
 from .eval import kl_and_top1
-from .run_options import RunOptions
-from .eval_real_plan import ANSWER_TOKENS, DEFAULT_CONTEXT_KINDS, DEFAULT_KINDS, runs_for, Setting, setting, SINKS, spec_of
+from .eval_real_plan import ANSWER_TOKENS, DEFAULT_CONTEXT_KINDS, DEFAULT_KINDS, SINKS, Setting, runs_for, setting, spec_of
 from .eval_real_report import write
+from .run_options import RunOptions
+
 
 def run(
     options: RunOptions = RunOptions(),
@@ -149,7 +151,7 @@ def modes_for(model, specs: list[str], question_lengths: list[int]) -> tuple[tup
     for spec in specs:
         try:
             cache = make_cache(model, spec)
-        except Exception:
+        except KVCacheError:  # a spec this model refuses records nothing; its own run says why
             continue
         for store in cache.kv_layers:
             mode = store.weights_for(2) if hasattr(store, "weights_for") else None  # what a prompt pass asks for
