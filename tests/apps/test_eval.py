@@ -91,6 +91,7 @@ def test_specs_cover_budgets_and_bits():
     ("args", "message"),
     [
         (["--caches", "h2o,bogus"], "bogus"),
+        (["--caches", ""], "(none given)"),  # as on a real model: an empty list is no list
         (["--budgets", "0.5,2"], "fraction"),
         (["--budgets", "half"], "fractions"),
         (["--model", "/nonexistent/model"], "no trained model"),

@@ -369,7 +369,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     _refuse_frontier_options(args)
     names = ("lengths", "contexts", "reuse") + (("needles",) if args.needles != 1 else ())
     _refuse(args, names, real_only)
-    kinds = _names(args.caches or ",".join(DEFAULT_KINDS), KINDS, "--caches")
+    kinds = DEFAULT_KINDS if args.caches is None else _names(args.caches, KINDS, "--caches")
     budgets = _budgets(args)
     options = run_options(args)
     plots = say_if_no_plots()
