@@ -82,5 +82,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.max_replicas is not None and args.max_replicas < replicas:
         raise KVCacheError(f"--max-replicas must be at least --replicas ({replicas}), got {args.max_replicas}")
     imbalance = RayOptions.imbalance if args.imbalance is None else args.imbalance
-    ray_options = RayOptions(replicas, args.router or "blocks", imbalance, max_replicas=args.max_replicas)
+    ray_options = RayOptions(replicas=replicas, router=args.router or "blocks", imbalance=imbalance,
+                             max_replicas=args.max_replicas)
     return serve_ray(options, ray_options, args.ray_address)

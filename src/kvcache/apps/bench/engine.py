@@ -90,7 +90,8 @@ def load(options: RunOptions) -> tuple[Any, Prompts, str, int]:
     if options.tiny:
         from ..trained import MODEL_DIR, load_pretrained
 
-        (model, _), tokenizer = load_pretrained(MODEL_DIR, options.device), None
+        model, _ = load_pretrained(MODEL_DIR, options.device)
+        tokenizer = None  # random ids: Prompts draws them
         name = "the shipped tiny model (random ids)"
     else:
         from ... import models

@@ -75,6 +75,18 @@ class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
         self.users: dict[int, int] = {}  # storage address -> saved tensors on it
         super().__init__(lambda tensor: _Held(tensor, self), lambda held: held.tensor)
 
+    def add(self, key: int, nbytes: int) -> None:
+        self.users[key] = self.users.get(key, 0) + 1
+        if self.users[key] == 1:
+            self.now += nbytes
+            self.peak = max(self.peak, self.now)
+
+    def remove(self, key: int, nbytes: int) -> None:
+        self.users[key] -= 1
+        if self.users[key] == 0:
+            del self.users[key]
+            self.now -= nbytes
+
 
 class _Held:
     """A tensor autograd saved, counted in ``counter`` until autograd lets it go."""
@@ -84,17 +96,10 @@ class _Held:
         storage = tensor.untyped_storage()
         self.key = storage.data_ptr()
         self.nbytes = 0 if self.key in counter.skip else storage.nbytes()
-        counter.users[self.key] = counter.users.get(self.key, 0) + 1
-        if counter.users[self.key] == 1:
-            counter.now += self.nbytes
-            counter.peak = max(counter.peak, counter.now)
+        counter.add(self.key, self.nbytes)
 
     def __del__(self) -> None:
-        users = self.counter.users
-        users[self.key] -= 1
-        if users[self.key] == 0:
-            del users[self.key]
-            self.counter.now -= self.nbytes
+        self.counter.remove(self.key, self.nbytes)
 
 
 def step_of(model: Any, name: str, ids: torch.Tensor, chunk: int) -> Callable[[], dict[str, int]]:
