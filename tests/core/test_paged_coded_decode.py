@@ -4,7 +4,7 @@ SDPA over each sequence's keys and values dequantized with ``quant.py``'s refere
 (``dequantize_per_channel`` per block for keys, ``dequantize_per_token`` for values) and
 concatenated in table order with the tail.
 
-Tolerance, float32: ``rtol = atol = 1e-5``, as for the coded decode (``test_fused_coded_decode.py``).
+Tolerance: ``helpers.CODED_TOL``, as for the coded decode (``test_fused_coded_decode.py``).
 Both compute in float32 from the same codes; they differ in the order of their sums (scale and
 minimum folded into the query and the weights, runs of blocks with an online softmax merged by
 log-sum-exp, a polynomial ``exp`` of relative error ~1e-7) and in where the dequantized values are
@@ -23,7 +23,8 @@ from kvcache.attention import fused, fused_paged
 from kvcache.attention.native_build import DISABLE_ENV
 from kvcache.formats import quant
 
-FP32 = {"rtol": 1e-5, "atol": 1e-5}
+from helpers import CODED_TOL
+
 KV_HEADS = 2
 
 
@@ -143,7 +144,7 @@ def test_matches_sdpa_over_each_sequence(bits, group, dim, block_size):
     scale = dim**-0.5
     out = step.run(query, scale)
     assert out.shape == (len(spec), KV_HEADS, group, dim) and out.dtype == torch.float32
-    torch.testing.assert_close(out, step.reference(query, scale), **FP32)
+    torch.testing.assert_close(out, step.reference(query, scale), **CODED_TOL)
     assert not out[4].any()  # the sequence with nothing
 
 
@@ -153,8 +154,8 @@ def test_softcap(bits):
     step = Step(pool_for(spec, bits, 32, 64), spec, share=(0, 6, 2))
     query = queries(len(spec), 3, 64) * 4  # large scores, so the cap bites
     out = step.run(query, 0.3, softcap=5.0)
-    torch.testing.assert_close(out, step.reference(query, 0.3, softcap=5.0), **FP32)
-    assert not torch.allclose(out, step.reference(query, 0.3), **FP32)
+    torch.testing.assert_close(out, step.reference(query, 0.3, softcap=5.0), **CODED_TOL)
+    assert not torch.allclose(out, step.reference(query, 0.3), **CODED_TOL)
 
 
 @pytest.mark.parametrize("bits", [8, 4, 2])
@@ -167,7 +168,7 @@ def test_long_sequences_in_runs_and_tiles(monkeypatch, bits, task_tokens):
     spec = [(70, 5), (0, 16), (33, 0), (100, 16)]
     step = Step(pool_for(spec, bits, 16, 64), spec, share=(3, 0, 50))
     query = queries(len(spec), 4, 64) * 3  # spread the scores, so the maximum moves between tiles
-    torch.testing.assert_close(step.run(query, 0.125), step.reference(query, 0.125), **FP32)
+    torch.testing.assert_close(step.run(query, 0.125), step.reference(query, 0.125), **CODED_TOL)
 
 
 @pytest.mark.parametrize("bits", [8, 4, 2])
@@ -178,7 +179,7 @@ def test_value_groups_and_head_dims(bits, dim, vdim, value_group):
     spec = mixed(32)
     step = Step(pool_for(spec, bits, 32, dim, vdim=vdim, value_group=value_group), spec, share=(0, 6, 2))
     query = queries(len(spec), 3, dim)
-    torch.testing.assert_close(step.run(query, dim**-0.5), step.reference(query, dim**-0.5), **FP32)
+    torch.testing.assert_close(step.run(query, dim**-0.5), step.reference(query, dim**-0.5), **CODED_TOL)
 
 
 @pytest.mark.parametrize("rows", [2, 5, fused.MAX_ROWS])
@@ -187,7 +188,7 @@ def test_rows_per_head(rows):
     spec = mixed(32)
     step = Step(pool_for(spec, 4, 32, 64), spec)
     query = queries(len(spec), rows, 64)
-    torch.testing.assert_close(step.run(query, 0.125), step.reference(query, 0.125), **FP32)
+    torch.testing.assert_close(step.run(query, 0.125), step.reference(query, 0.125), **CODED_TOL)
 
 
 def test_pool_views_with_their_own_strides():
@@ -208,7 +209,7 @@ def test_pool_views_with_their_own_strides():
     tail_keys = padded[..., :64]
     assert keys[0].stride(0) == 2 * KV_HEADS * keys[0].stride(1) and tail_keys.stride(2) == 80
     out = step.run(query, 0.125, keys=keys, values=values, tail_keys=tail_keys)
-    torch.testing.assert_close(out, step.reference(query, 0.125), **FP32)
+    torch.testing.assert_close(out, step.reference(query, 0.125), **CODED_TOL)
 
 
 def test_a_step_of_no_sequences_and_of_empty_ones():

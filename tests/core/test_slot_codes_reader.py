@@ -10,10 +10,10 @@ same codes in float32 but in another order: the reference dequantizes (``codes *
 rounded per element) and then sums D products; the library sums ``scale * (q . codes)`` per group and
 adds ``minimum * sum(q)``, whose two terms can each be several times the score (codes up to 255, a
 minimum near -3), so their rounding (a few float32 ulps of ~30) reaches ~5e-6 on scores up to ~8;
-the largest difference seen is 5.2e-6. Outputs and log-sum-exps: ``rtol = atol = 1e-5`` (as in
+the largest difference seen is 5.2e-6. Outputs and log-sum-exps: ``helpers.CODED_TOL`` (as in
 ``test_fused_coded_decode.py``): an output is a convex combination of values up to ~4, moved by the
-scores' error times a weight and by the polynomial ``exp`` (relative error ~1e-7); the largest
-difference seen is 2.8e-6. A wrong code, group, scale, minimum, token or chunk merge moves a score
+scores' error times a weight, by the polynomial ``exp`` (relative error ~1e-7) and by the library's
+16-bit rounding of ``weights * scale`` on x86 (``test_coded_dots.py``). A wrong code, group, scale, minimum, token or chunk merge moves a score
 or an output by at least a quantization step (>= 1e-2 at 8 bits), far beyond them.
 """
 
@@ -26,7 +26,7 @@ import torch
 
 import kvcache
 from kvcache import cache_kwargs
-from helpers import attention_for, model_for, prompt
+from helpers import CODED_TOL, attention_for, model_for, prompt
 from kvcache.attention import fused
 from kvcache.attention.fused import MAX_ROWS
 from kvcache.attention.native_build import DISABLE_ENV
@@ -36,7 +36,6 @@ from kvcache.formats import Codes
 from kvcache.layers.slots import SlotCodesReader, Slots
 
 SCORES = {"rtol": 2e-5, "atol": 2e-5}
-FP32 = {"rtol": 1e-5, "atol": 1e-5}
 #: (head dim, channels a group): the fast paths (64 and 128 with groups of 16-byte multiples) and
 #: the plain loops (96; and 4/2-bit groups under 16 bytes, e.g. 32 channels at 2 bits).
 DIMS = [(64, 64), (64, 32), (128, 64), (128, 32), (96, 32)]
@@ -110,8 +109,8 @@ def test_one_pass_decode_matches_softmax_over_the_dequantized_slots(bits, dim, g
         q = rows(2, 3, r, dim, seed=r)
         out, lse = fused.token_decode_attention(q, parts(slots, "k"), parts(slots, "v"), bits, T, group, group, 0.3, softcap)
         ref_out, ref_lse = reference_attention(q, keys, values, 0.3, softcap)
-        torch.testing.assert_close(out, ref_out, **FP32)
-        torch.testing.assert_close(lse, ref_lse, **FP32)
+        torch.testing.assert_close(out, ref_out, **CODED_TOL)
+        torch.testing.assert_close(lse, ref_lse, **CODED_TOL)
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 16, 17, 256, 513])
@@ -123,8 +122,8 @@ def test_short_and_odd_lengths(tokens):
     torch.testing.assert_close(scores, q @ keys.transpose(-1, -2), **SCORES)
     out, lse = fused.token_decode_attention(q, parts(slots, "k"), parts(slots, "v"), 4, tokens, 64, 64, 0.1)
     ref_out, ref_lse = reference_attention(q, keys, values, 0.1)
-    torch.testing.assert_close(out, ref_out, **FP32)
-    torch.testing.assert_close(lse, ref_lse, **FP32)
+    torch.testing.assert_close(out, ref_out, **CODED_TOL)
+    torch.testing.assert_close(lse, ref_lse, **CODED_TOL)
 
 
 def test_values_of_another_width_and_group():
@@ -135,8 +134,8 @@ def test_values_of_another_width_and_group():
     out, lse = fused.token_decode_attention(q, parts(slots, "k"), parts(slots, "v"), 8, T, 32, 32, 0.125)
     ref_out, ref_lse = reference_attention(q, keys, values, 0.125)
     assert out.shape == (2, 3, 6, 128)
-    torch.testing.assert_close(out, ref_out, **FP32)
-    torch.testing.assert_close(lse, ref_lse, **FP32)
+    torch.testing.assert_close(out, ref_out, **CODED_TOL)
+    torch.testing.assert_close(lse, ref_lse, **CODED_TOL)
 
 
 def test_only_the_first_tokens_are_read():
@@ -159,8 +158,8 @@ def test_scales_in_the_model_dtype_are_read_as_float32():
     q = rows(2, 3, 4, 64)
     out, lse = fused.token_decode_attention(q, parts(slots, "k"), parts(slots, "v"), 4, 300, 64, 64, 0.125)
     ref_out, ref_lse = reference_attention(q, keys, values, 0.125)
-    torch.testing.assert_close(out, ref_out, **FP32)
-    torch.testing.assert_close(lse, ref_lse, **FP32)
+    torch.testing.assert_close(out, ref_out, **CODED_TOL)
+    torch.testing.assert_close(lse, ref_lse, **CODED_TOL)
 
 
 def test_declines(monkeypatch):
@@ -264,7 +263,7 @@ def test_layer_attention_over_the_codes_matches_the_dequantized_slots(monkeypatc
     spy = Spy(monkeypatch)
     out = layer.attend(query)
     assert spy.calls == fused_calls
-    torch.testing.assert_close(out, ref_out, **FP32)
+    torch.testing.assert_close(out, ref_out, **CODED_TOL)
 
 
 @pytest.mark.parametrize("storage", ["int8", "int4h"])
@@ -280,7 +279,7 @@ def test_sinks_over_the_codes_take_the_one_pass(monkeypatch, storage):
     spy = Spy(monkeypatch)
     out = layer.attend(query, sinks=sinks)
     assert spy.calls == {"token_decode_attention": 1}
-    torch.testing.assert_close(out, weights[..., :-1] @ values, **FP32)
+    torch.testing.assert_close(out, weights[..., :-1] @ values, **CODED_TOL)
 
 
 @pytest.mark.parametrize("storage", ["int4", "int4h"])
@@ -289,7 +288,7 @@ def test_layer_attention_with_the_library_off(monkeypatch, storage):
     query = rows(2, 4, 1, 64)
     keys, values = (t.repeat_interleave(2, dim=1) for t in layer.view())
     monkeypatch.setenv(DISABLE_ENV, "1")
-    torch.testing.assert_close(layer.attend(query), reference_attention(query, keys, values, 0.125)[0], **FP32)
+    torch.testing.assert_close(layer.attend(query), reference_attention(query, keys, values, 0.125)[0], **CODED_TOL)
 
 
 # ---- generation -----------------------------------------------------------------------------------

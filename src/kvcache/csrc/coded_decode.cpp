@@ -261,6 +261,94 @@ KV_INLINE void key_scores_fast(const float* qperm, const float* q, int group, co
     }
 }
 
+#if defined(KV_INT_DOTS)
+constexpr int kAhead = 48;  // tokens ahead whose codes are prefetched
+
+// The middle code, taken from every code: c * s + z = (c - mid) * s + (z + mid * s), and the rounding
+// errors below scale with |c - mid| <= 2^(BITS-1), half of c's largest.
+template <int BITS>
+constexpr int16_t kMid = 1 << (BITS - 1);
+
+// key_scores_fast by integer dot products (simd.h: words_w, dot_pairs): per block, each row's q * scale
+// (split order) is rounded to 16-bit integers against its largest magnitude m, the codes are widened
+// to 16 bits and the products summed exactly in 32 bits, then scaled back by m / 32767. The rounding
+// moves a score by at most m / 65534 * sum_d codes_d, where float products would move it by about
+// 2^-24 of each product; beside the coding error (half a code step a channel) it is some 2^-8 of that.
+// Vector k of a token holds split positions [kWords k, kWords (k + 1)), its bytes from kWords k mod n,
+// chunk kWords k / n: n (the token's bytes) is a multiple of kWords.
+template <int BITS, int NE, int R>
+KV_INLINE void key_scores_words(const float* qperm, const float* q, int group, const uint8_t* codes,
+                                const float* scale, const float* minimum, int first, int last, float* out,
+                                int64_t out_row) {
+    constexpr int dim = NE * kWords, n = dim * BITS / 8;
+    static_assert(n % kWords == 0, "a vector of codes lies in one chunk of the split order");
+    alignas(64) float s_split[dim];
+    alignas(64) float qs[dim];
+    alignas(64) int16_t qi[R * dim];
+    for (int blk = first; blk < last; ++blk) {
+        const float* s = scale + static_cast<int64_t>(blk) * dim;
+        const float* z = minimum + static_cast<int64_t>(blk) * dim;
+        to_split(s, dim, 8 / BITS, s_split);
+        float back[R], bias[R];
+        for (int r = 0; r < R; ++r) {
+            vw top{}, b{};
+            for (int d = 0; d < dim; d += kW) {
+                const vw x = loadw(qperm + r * dim + d) * loadw(s_split + d);
+                __builtin_memcpy(qs + d, &x, sizeof x);
+                const vw mag = x < 0.f ? -x : x;
+                top = mag > top ? mag : top;
+                b += loadw(q + r * dim + d) * loadw(z + d) + x * static_cast<float>(kMid<BITS>);  // codes kept centred
+            }
+            float m = 0.f, sum = 0.f;
+            for (int i = 0; i < kW; ++i) m = std::max(m, top[i]), sum += b[i];
+            const float up = m > 0.f ? 32767.f / m : 0.f;
+            for (int d = 0; d < dim; d += kW) {
+                const vw x = loadw(qs + d) * up;
+                const vw rounded = x + (x < 0.f ? vw{} - 0.5f : vw{} + 0.5f);  // half away from zero, then toward it
+                const iw whole = __builtin_convertvector(rounded, iw);
+                for (int i = 0; i < kW; ++i) qi[r * dim + d + i] = static_cast<int16_t>(whole[i]);
+            }
+            back[r] = m / 32767.f;
+            bias[r] = sum;
+        }
+        ww qv[R][NE];
+        for (int r = 0; r < R; ++r)
+            for (int k = 0; k < NE; ++k) __builtin_memcpy(&qv[r][k], qi + r * dim + kWords * k, sizeof(ww));
+        const uint8_t* block_codes = codes + static_cast<int64_t>(blk) * group * n;
+        auto products = [&](int t, iw* prod) __attribute__((always_inline)) {
+            const uint8_t* bytes = block_codes + static_cast<int64_t>(t) * n;
+            __builtin_prefetch(bytes + kAhead * n);
+            ww c[NE];
+            for (int k = 0; k < NE; ++k) c[k] = words_w<BITS>(bytes + kWords * k % n, BITS * (kWords * k / n)) - kMid<BITS>;
+            for (int r = 0; r < R; ++r) {
+                iw a = dot_pairs(iw{}, c[0], qv[r][0]);
+                for (int k = 1; k < NE; ++k) a = dot_pairs(a, c[k], qv[r][k]);
+                prod[r] = a;
+            }
+        };
+        const int64_t col = static_cast<int64_t>(blk) * group;
+        int t = 0;
+        for (; t + kW <= group; t += kW) {
+            iw partial[R][kW];
+            for (int i = 0; i < kW; ++i) {
+                iw prod[R];
+                products(t + i, prod);
+                for (int r = 0; r < R; ++r) partial[r][i] = prod[r];
+            }
+            for (int r = 0; r < R; ++r) {
+                const vw sums = lane_sums(partial[r]) * back[r] + bias[r];
+                std::memcpy(out + r * out_row + col + t, &sums, sizeof sums);
+            }
+        }
+        for (; t < group; ++t) {
+            iw prod[R];
+            products(t, prod);
+            for (int r = 0; r < R; ++r) out[r * out_row + col + t] = lane_sum(prod[r]) * back[r] + bias[r];
+        }
+    }
+}
+#endif
+
 // gidx[k]: the group of vector k of a token in split order, for groups of `group` channels whose
 // codes take a multiple of 16 bytes (no vector straddles two groups).
 template <int BITS, int NV>
@@ -344,33 +432,144 @@ KV_INLINE void weighted_fast(const float* p, int64_t p_row, int groups, const in
         vw a[R][CV];
         for (int r = 0; r < R; ++r)
             for (int i = 0; i < CV; ++i) a[r][i] = loadw(acc + r * dim + c + kW * i);
-        for (int64_t t = first; t < last; ++t) {
-            float w[R];
-            bool any = false;
-            for (int r = 0; r < R; ++r) {
-                w[r] = p[r * p_row + t];
-                any |= w[r] != 0.f;
+        if (groups == 1) {  // one scale a token: it folds into the rows' weights
+            for (int64_t t = first; t < last; ++t) {
+                float w[R];
+                bool any = false;
+                for (int r = 0; r < R; ++r) {
+                    w[r] = p[r * p_row + t] * scale[t];
+                    any |= w[r] != 0.f;
+                }
+                if (!any) continue;  // masked keys (padding) cost no arithmetic
+                const uint8_t* bytes = codes + t * n + byte;
+                vw x[CV];
+                for (int i = 0; i < CV; ++i) x[i] = codes_w<BITS>(bytes + kW * i, shift);
+                for (int r = 0; r < R; ++r)
+                    for (int i = 0; i < CV; ++i) a[r][i] += w[r] * x[i];
             }
-            if (!any) continue;  // masked keys (padding) cost no arithmetic
-            const uint8_t* bytes = codes + t * n + byte;
-            const float* s = scale + t * groups;
-            vw x[CV];
-            for (int i = 0; i < CV; ++i) x[i] = codes_w<BITS>(bytes + kW * i, shift) * s[g[i]];
-            for (int r = 0; r < R; ++r)
-                for (int i = 0; i < CV; ++i) a[r][i] += w[r] * x[i];
+        } else {
+            for (int64_t t = first; t < last; ++t) {
+                float w[R];
+                bool any = false;
+                for (int r = 0; r < R; ++r) {
+                    w[r] = p[r * p_row + t];
+                    any |= w[r] != 0.f;
+                }
+                if (!any) continue;
+                const uint8_t* bytes = codes + t * n + byte;
+                const float* s = scale + t * groups;
+                vw x[CV];
+                for (int i = 0; i < CV; ++i) x[i] = codes_w<BITS>(bytes + kW * i, shift) * s[g[i]];
+                for (int r = 0; r < R; ++r)
+                    for (int i = 0; i < CV; ++i) a[r][i] += w[r] * x[i];
+            }
         }
         for (int r = 0; r < R; ++r)
             for (int i = 0; i < CV; ++i) __builtin_memcpy(acc + r * dim + c + kW * i, &a[r][i], sizeof(vw));
     }
 }
 
+#if defined(KV_INT_DOTS)
+// A value weight rounded to 16 bits (|x| <= 32767 after scaling).
+KV_INLINE int32_t round_word(float x) { return static_cast<int32_t>(x >= 0.f ? x + 0.5f : x - 0.5f); }
+
+// weighted_fast by integer dot products, for values with one scale a token: per span of up to
+// kSpan tokens, each row's weights times the tokens' scales are rounded to 16 bits against the row's
+// largest w (a weight moves by at most w / 65534); two tokens' codes are widened to 16 bits and
+// interleaved channel by channel (interleave_lo/hi), so one dot_pairs adds both tokens' terms. The
+// sums are exact in 32 bits (128 * 32767 * 256 < 2^31) and go into acc in float every 256 tokens.
+// A lo vector's lane m holds split position c + 8 (m / 4) + m % 4 of its chunk, a hi's 4 more.
+template <int BITS, int NE, int R>
+KV_INLINE void weighted_words(const float* p, int64_t p_row, const uint8_t* codes, const float* scale,
+                              const float* minimum, int64_t first, int64_t last, float* acc, float* zacc) {
+    constexpr int dim = NE * kWords, n = dim * BITS / 8;
+    constexpr int64_t kSpan = 256;
+#if defined(__AVX512F__)
+    constexpr int CW = NE < 2 ? NE : 2;  // chunks of kWords channels summed together
+#else
+    constexpr int CW = 1;  // 16 registers: R x 2 sums a chunk, the codes and the weights
+#endif
+    for (int r = 0; r < R; ++r) {  // the minimums' share
+        const float* __restrict pr = p + r * p_row;
+        float z = 0.f;
+#pragma omp simd reduction(+ : z)
+        for (int64_t t = first; t < last; ++t) z += pr[t] * (minimum[t] + kMid<BITS> * scale[t]);
+        zacc[r] += z;
+    }
+    for (int64_t s0 = first; s0 < last; s0 += kSpan) {
+        const int64_t s1 = std::min(last, s0 + kSpan);
+        const int pairs = static_cast<int>((s1 - s0 + 1) / 2);
+        const int count = static_cast<int>(s1 - s0);
+        alignas(64) float ws[kSpan];
+        alignas(64) int16_t w16[R][kSpan + kW];  // token t's weight at t - s0, then zeros (a pair's missing half)
+        int32_t wp[R][kSpan / 2];
+        float back[R];
+        for (int r = 0; r < R; ++r) {
+            const float* pr = p + r * p_row + s0;
+            const float* sc = scale + s0;
+            vw top{};
+            int i = 0;
+            for (; i + kW <= count; i += kW) {
+                const vw x = loadw(pr + i) * loadw(sc + i);
+                __builtin_memcpy(ws + i, &x, sizeof x);
+                const vw mag = x < 0.f ? -x : x;
+                top = mag > top ? mag : top;
+            }
+            float m = 0.f;
+            for (int l = 0; l < kW; ++l) m = std::max(m, top[l]);
+            for (; i < count; ++i) ws[i] = pr[i] * sc[i], m = std::max(m, std::fabs(ws[i]));
+            const float up = m > 0.f ? 32767.f / m : 0.f;
+            back[r] = m / 32767.f;
+            for (i = 0; i + kW <= count; i += kW) {
+                const vw x = loadw(ws + i) * up;
+                const iw whole = __builtin_convertvector(x + (x < 0.f ? vw{} - 0.5f : vw{} + 0.5f), iw);
+                for (int l = 0; l < kW; ++l) w16[r][i + l] = static_cast<int16_t>(whole[l]);
+            }
+            for (; i < count; ++i) w16[r][i] = static_cast<int16_t>(round_word(ws[i] * up));
+            w16[r][count] = 0;
+            __builtin_memcpy(wp[r], w16[r], sizeof(int32_t) * pairs);
+        }
+        for (int c = 0; c < dim; c += CW * kWords) {
+            iw lo[R][CW] = {}, hi[R][CW] = {};
+            for (int i = 0; i < pairs; ++i) {
+                bool any = false;
+                for (int r = 0; r < R; ++r) any |= wp[r][i] != 0;
+                if (!any) continue;  // masked keys (padding) cost no arithmetic
+                const int64_t t0 = s0 + 2 * i, t1 = std::min(t0 + 1, s1 - 1);  // an odd last token pairs with itself, weight 0
+                if (c == 0) __builtin_prefetch(codes + (t0 + kAhead) * n);
+                for (int j = 0; j < CW; ++j) {
+                    const int at = c + kWords * j, byte = at % n, shift = BITS * (at / n);
+                    const ww a = words_w<BITS>(codes + t0 * n + byte, shift) - kMid<BITS>;
+                    const ww b = words_w<BITS>(codes + t1 * n + byte, shift) - kMid<BITS>;
+                    const ww pl = interleave_lo(a, b), ph = interleave_hi(a, b);
+                    for (int r = 0; r < R; ++r) {
+                        const ww w = pair_words(wp[r][i]);
+                        lo[r][j] = dot_pairs(lo[r][j], pl, w);
+                        hi[r][j] = dot_pairs(hi[r][j], ph, w);
+                    }
+                }
+            }
+            for (int r = 0; r < R; ++r)
+                for (int j = 0; j < CW; ++j) {
+                    float* a = acc + r * dim + c + kWords * j;
+                    for (int m = 0; m < kW; ++m) {
+                        const int at = 8 * (m / 4) + m % 4;
+                        a[at] += static_cast<float>(lo[r][j][m]) * back[r];
+                        a[at + 4] += static_cast<float>(hi[r][j][m]) * back[r];
+                    }
+                }
+        }
+    }
+}
+#endif
+
 // fn(std::integral_constant<int, R>{}, r0) for the rows [r0, r0 + R) of a call: runs of kRowsTogether
 // rows, then the 3, 2 or 1 left, so each fast path keeps a compile-time number of rows in registers.
-template <class Fn>
+template <int MOST = kRowsTogether, class Fn>
 KV_INLINE void in_row_runs(int rows, Fn&& fn) {
     for (int r0 = 0; r0 < rows;) {
         const int left = rows - r0;
-        if (left >= kRowsTogether) fn(std::integral_constant<int, kRowsTogether>{}, r0), r0 += kRowsTogether;
+        if (left >= MOST) fn(std::integral_constant<int, MOST>{}, r0), r0 += MOST;
         else if (left == 3) fn(std::integral_constant<int, 3>{}, r0), r0 += 3;
         else if (left == 2) fn(std::integral_constant<int, 2>{}, r0), r0 += 2;
         else fn(std::integral_constant<int, 1>{}, r0), r0 += 1;
@@ -383,6 +582,15 @@ KV_INLINE void key_scores_rows(const float* q, int rows, int group, const uint8_
     constexpr int dim = NV * 16;
     alignas(64) float qperm[kMaxRows * dim];
     split_rows<BITS>(q, rows, dim, qperm);
+#if defined(KV_INT_DOTS)
+    if constexpr (dim * BITS / 8 % kWords == 0) {
+        in_row_runs<4>(rows, [&](auto R, int r0) __attribute__((always_inline)) {
+            key_scores_words<BITS, dim / kWords, decltype(R)::value>(qperm + r0 * dim, q + r0 * dim, group, codes, scale,
+                                                                     minimum, first, last, out + r0 * out_row, out_row);
+        });
+        return;
+    }
+#endif
     in_row_runs(rows, [&](auto R, int r0) __attribute__((always_inline)) {
         key_scores_fast<BITS, NV, decltype(R)::value>(qperm + r0 * dim, q + r0 * dim, group, codes, scale, minimum,
                                                       first, last, out + r0 * out_row, out_row);
@@ -413,6 +621,17 @@ KV_INLINE void weighted_rows(const float* p, int64_t p_row, int rows, int vgroup
     constexpr int dim = NV * 16;
     const int groups = dim / vgroup;
     int gidx[NV];
+#if defined(KV_INT_DOTS)
+    if constexpr (dim * BITS / 8 % kWords == 0) {
+        if (groups == 1) {
+            in_row_runs<4>(rows, [&](auto R, int r0) __attribute__((always_inline)) {
+                weighted_words<BITS, dim / kWords, decltype(R)::value>(p + r0 * p_row, p_row, codes, scale, minimum,
+                                                                       first, last, acc + r0 * dim, zacc + r0);
+            });
+            return;
+        }
+    }
+#endif
     vector_groups<BITS, NV>(vgroup, gidx);
     in_row_runs(rows, [&](auto R, int r0) __attribute__((always_inline)) {
         weighted_fast<BITS, NV, decltype(R)::value>(p + r0 * p_row, p_row, groups, gidx, codes, scale, minimum, first,

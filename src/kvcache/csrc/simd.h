@@ -12,6 +12,7 @@
 //   exp_and_sum         a row of scores turned into their softmax numerators, and their sum
 //   to_split            a row of floats in the coded kernels' split channel order
 //   pair_at             (AVX-512 BF16) the bfloat16 pair at p in every lane, as vdpbf16ps takes it
+//   words_w / dot_pairs / lane_sums   16-bit integer dot products (below)
 #pragma once
 
 #include <cstdint>
@@ -111,9 +112,9 @@ KV_INLINE v16 codes16(const uint8_t* p, int shift, float scale = 1.f) {
 #if defined(__AVX512F__)
 // Two vectors each holding 16 / WIDTH vectors' partial sums, a group of WIDTH lanes each -> one
 // vector holding all of them in order (a's, then b's), WIDTH / 2 lanes each: each group's upper
-// half added to its lower half.
-template <int WIDTH>
-KV_INLINE v16 fold(v16 a, v16 b) {
+// half added to its lower half. V: 16 floats or 16 32-bit integers.
+template <int WIDTH, typename V>
+KV_INLINE V fold(V a, V b) {
     i16 lo, hi;
     for (int i = 0; i < 16; ++i) {
         constexpr int keys = 16 / WIDTH;
@@ -126,8 +127,9 @@ KV_INLINE v16 fold(v16 a, v16 b) {
 }
 
 // Four rounds of pairwise shuffles and adds (15 of each, against 64 for a horizontal sum a vector).
-KV_INLINE v16 sums16(const v16* part) {
-    v16 l8[8], l4[4], l2[2];
+template <typename V>
+KV_INLINE V sums16(const V* part) {
+    V l8[8], l4[4], l2[2];
     for (int i = 0; i < 8; ++i) l8[i] = fold<16>(part[2 * i], part[2 * i + 1]);
     for (int i = 0; i < 4; ++i) l4[i] = fold<8>(l8[2 * i], l8[2 * i + 1]);
     for (int i = 0; i < 2; ++i) l2[i] = fold<4>(l4[2 * i], l4[2 * i + 1]);
@@ -184,6 +186,94 @@ KV_INLINE float hsum16(v16 a) {
     float x = 0.f;
     for (int i = 0; i < 8; ++i) x += h[i];
     return x;
+}
+#endif
+
+// ---- integer dot products (the coded key scores of coded_decode.cpp): kWords codes widened to 16-bit
+// integers in one register, times a query rounded to 16 bits, adjacent products summed in pairs
+// into kW 32-bit lanes (vpmaddwd, or VNNI's vpdpwssd where the build has it). Codes of at most 8 bits
+// times |query| <= 32767 sum exactly in 32 bits over up to 256 channels.
+//
+//   words_w     kWords codes of BITS bits (bytes p, shifted right by `shift`) as 16-bit integers
+//   dot_pairs   acc + the pairwise sums of a * b
+//   lane_sums   lane t = the sum of the kW lanes of part[t], as floats
+//   interleave_lo / interleave_hi / pair_words   two tokens' words in pairs, and a pair of weights in every lane
+#if (defined(__AVX512F__) && defined(__AVX512BW__)) || (defined(__AVX2__) && !defined(__AVX512F__))
+#define KV_INT_DOTS 1
+typedef int16_t ww __attribute__((vector_size(4 * kW)));
+constexpr int kWords = 2 * kW;
+
+template <int BITS>
+KV_INLINE ww words_w(const uint8_t* p, int shift) {
+    constexpr int mask = (1 << BITS) - 1;
+#if defined(__AVX512F__)
+    __m512i x = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    if (BITS < 8) x = _mm512_and_si512(_mm512_srl_epi16(x, _mm_cvtsi32_si128(shift)), _mm512_set1_epi16(mask));
+#else
+    __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    if (BITS < 8) x = _mm256_and_si256(_mm256_srl_epi16(x, _mm_cvtsi32_si128(shift)), _mm256_set1_epi16(mask));
+#endif
+    return (ww)x;
+}
+
+KV_INLINE iw dot_pairs(iw acc, ww a, ww b) {
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+    return (iw)_mm512_dpwssd_epi32((__m512i)acc, (__m512i)a, (__m512i)b);
+#elif defined(__AVX512F__)
+    return acc + (iw)_mm512_madd_epi16((__m512i)a, (__m512i)b);
+#elif defined(__AVXVNNI__)
+    return (iw)_mm256_dpwssd_avx_epi32((__m256i)acc, (__m256i)a, (__m256i)b);
+#else
+    return acc + (iw)_mm256_madd_epi16((__m256i)a, (__m256i)b);
+#endif
+}
+
+// Words of a and b interleaved in pairs (a_i, b_i), within each 128-bit lane: interleave_lo takes
+// each lane's first four words of a and b, interleave_hi its last four.
+KV_INLINE ww interleave_lo(ww a, ww b) {
+#if defined(__AVX512F__)
+    return (ww)_mm512_unpacklo_epi16((__m512i)a, (__m512i)b);
+#else
+    return (ww)_mm256_unpacklo_epi16((__m256i)a, (__m256i)b);
+#endif
+}
+
+KV_INLINE ww interleave_hi(ww a, ww b) {
+#if defined(__AVX512F__)
+    return (ww)_mm512_unpackhi_epi16((__m512i)a, (__m512i)b);
+#else
+    return (ww)_mm256_unpackhi_epi16((__m256i)a, (__m256i)b);
+#endif
+}
+
+// The 32-bit integer x in every lane, as a vector of words.
+KV_INLINE ww pair_words(int32_t x) {
+#if defined(__AVX512F__)
+    return (ww)_mm512_set1_epi32(x);
+#else
+    return (ww)_mm256_set1_epi32(x);
+#endif
+}
+
+KV_INLINE vw lane_sums(const iw* part) {
+#if defined(__AVX512F__)
+    return __builtin_convertvector(sums16(part), vw);
+#else
+    const __m256i s01 = _mm256_hadd_epi32((__m256i)part[0], (__m256i)part[1]);
+    const __m256i s23 = _mm256_hadd_epi32((__m256i)part[2], (__m256i)part[3]);
+    const __m256i s45 = _mm256_hadd_epi32((__m256i)part[4], (__m256i)part[5]);
+    const __m256i s67 = _mm256_hadd_epi32((__m256i)part[6], (__m256i)part[7]);
+    const __m256i s0123 = _mm256_hadd_epi32(s01, s23), s4567 = _mm256_hadd_epi32(s45, s67);
+    const __m256i sums = _mm256_add_epi32(_mm256_permute2x128_si256(s0123, s4567, 0x20),
+                                          _mm256_permute2x128_si256(s0123, s4567, 0x31));
+    return __builtin_convertvector((iw)sums, vw);
+#endif
+}
+
+KV_INLINE float lane_sum(iw a) {
+    int32_t x = 0;
+    for (int i = 0; i < kW; ++i) x += a[i];
+    return static_cast<float>(x);
 }
 #endif
 
