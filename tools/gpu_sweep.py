@@ -1,8 +1,9 @@
 """Sweep the Triton decode kernel's launch (tokens a tile, warps, pipeline stages, product precision)
 on a CUDA device, for each way in that ``kvcache bench gpu`` measures, against torch's SDPA over the
 same views. Writes ``OUT/sweep.json`` and ``OUT/sweep.md`` after every shape, so a run cut short
-still leaves what it measured. Each row: the median time, the share of the device's copy bandwidth,
-and the largest difference from a reference output (SDPA for the float ways, the default launch for
+still leaves what it measured. Each row: the median time, the bytes it reads, their share of the device's copy
+bandwidth, the speed-up over float paged blocks at the default launch (same rows and tokens), and
+the largest difference from a reference output (SDPA for the float ways, the default launch for
 the coded ones, whose codes SDPA does not read).
 
     OUT=benchmarks/results/gpu python tools/gpu_sweep.py [--quick]
@@ -52,14 +53,14 @@ def main() -> int:
         calls = gpu._kernel_calls(device, dtype, batch, tokens, gen)
         reference = {"float": calls["sdpa"][0]().float().reshape(batch, gpu.KV_HEADS, -1, gpu.HEAD_DIM)}
         sdpa_s = median([clock(calls["sdpa"][0], device) for _ in range(6)][1:])
-        rows.append({"batch": batch, "tokens": tokens, "way": "sdpa", "launch": "-", "ms": sdpa_s * 1e3,
+        rows.append({"batch": batch, "tokens": tokens, "way": "sdpa", "launch": "-", "ms": sdpa_s * 1e3, "bytes": calls["sdpa"][1],
                      "share": calls["sdpa"][1] / sdpa_s / bandwidth, "error": 0.0})  # fmt: skip
         for way in ("views", "paged", "paged-int8", "paged-int4"):
             kind = "float" if way in ("views", "paged") else "coded"
             for launch in launches(kind):
                 kernel, nbytes = calls[way]
                 call = lambda kernel=kernel, launch=launch: kernel(launch)  # noqa: E731
-                row = {"batch": batch, "tokens": tokens, "way": way, "launch": "/".join(map(str, launch))}
+                row = {"batch": batch, "tokens": tokens, "way": way, "launch": "/".join(map(str, launch)), "bytes": nbytes}
                 try:
                     started = time.perf_counter()
                     result = call()
@@ -80,12 +81,27 @@ def main() -> int:
     return 0
 
 
-def write(out: Path, rows: list[dict], bandwidth: float) -> None:
-    (out / "sweep.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "copy_bandwidth": bandwidth, "rows": rows}, indent=1))
+def over_float(rows: list[dict]) -> dict[tuple[int, int], float]:
+    """(batch, tokens) -> the milliseconds of float paged blocks at their default launch: what each
+    row's speed-up is over (the same rows and tokens)."""
+    return {(r["batch"], r["tokens"]): r["ms"] for r in rows if r["way"] == "paged" and r.get("default") and "ms" in r}
+
+
+def write(out: Path, rows: list[dict], bandwidth: float, gpu_name: str | None = None) -> None:
+    gpu_name = gpu_name or torch.cuda.get_device_name()
+    (out / "sweep.json").write_text(json.dumps({"gpu": gpu_name, "copy_bandwidth": bandwidth, "rows": rows}, indent=1))
+    floats = over_float(rows)
+
+    def speedup(r: dict) -> str:
+        base = floats.get((r["batch"], r["tokens"]))
+        return f"{base / r['ms']:.2f}x" if base and "ms" in r else ""
+
     body = [[r["batch"], r["tokens"], r["way"], r["launch"], f"{r['ms']:.3f}" if "ms" in r else r.get("reason", ""),
-             f"{r['share']:.0%}" if "share" in r else "", f"{r['error']:.1e}" if "error" in r else ""] for r in rows]  # fmt: skip
-    title = f"Triton decode launches on {torch.cuda.get_device_name()}; copy bandwidth {bandwidth / 1e9:.0f} GB/s\n\n"
-    (out / "sweep.md").write_text(title + markdown_table(["batch", "tokens", "way", "block/warps/stages/dot", "ms", "share of copy bandwidth", "max error"], body))
+             f"{r['bytes'] / 1e6:.1f}" if "bytes" in r else "", f"{r['share']:.0%}" if "share" in r else "", speedup(r),
+             f"{r['error']:.1e}" if "error" in r else ""] for r in rows]  # fmt: skip
+    title = f"Triton decode launches on {gpu_name}; copy bandwidth {bandwidth / 1e9:.0f} GB/s\n\n"
+    header = ["batch", "tokens", "way", "block/warps/stages/dot", "ms", "MB read", "share of copy bandwidth", "x paged float", "max error"]
+    (out / "sweep.md").write_text(title + markdown_table(header, body))
 
 
 if __name__ == "__main__":

@@ -271,9 +271,10 @@ constexpr int16_t kMid = 1 << (BITS - 1);
 
 // key_scores_fast by integer dot products (simd.h: words_w, dot_pairs): per block, each row's q * scale
 // (split order) is rounded to 16-bit integers against its largest magnitude m, the codes are widened
-// to 16 bits and the products summed exactly in 32 bits, then scaled back by m / 32767. The rounding
-// moves a score by at most m / 65534 * sum_d codes_d, where float products would move it by about
-// 2^-24 of each product; beside the coding error (half a code step a channel) it is some 2^-8 of that.
+// to 16 bits and centred (kMid) and the products summed exactly in 32 bits, then scaled back by
+// m / 32767. The rounding moves a score by at most m / 65534 * sum_d |codes_d - mid|, where float
+// products would move it by about 2^-24 of each product; beside the coding error (half a code step
+// a channel) it is some 2^-8 of that.
 // Vector k of a token holds split positions [kWords k, kWords (k + 1)), its bytes from kWords k mod n,
 // chunk kWords k / n: n (the token's bytes) is a multiple of kWords.
 template <int BITS, int NE, int R>
