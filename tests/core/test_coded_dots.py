@@ -7,7 +7,8 @@ and multiplies 16-bit integers:
 
 - key scores: per key block and query row, ``q * scale`` is rounded against its largest magnitude
   ``m``, an error of at most ``m / 65534`` a channel, so a score moves by at most
-  ``m / 65534 * D * 2^(bits-1)``;
+  ``m / 65534 * D * 2^(bits-1)``; keys coded per token (an evicting layer's slots) round the query
+  once, against its largest ``|q_d|``, and a score moves by at most that times the token's scale;
 - weighted values: per span of tokens and row, ``weight * scale`` is rounded against its largest
   ``w``, so a channel's sum moves by at most ``w / 65534 * T * 2^(bits-1)``.
 
@@ -22,6 +23,7 @@ import pytest
 import torch
 
 from kvcache.attention import fused
+from kvcache.formats import Codes
 from kvcache.layers.quantized import QuantizedLayer
 
 FLOAT_SLACK = 1e-6
@@ -84,5 +86,25 @@ def test_weighted_values_within_the_integer_rounding_bound(bits, dim, tokens):
     scale = v["vscale"][:, :, :tokens].double().amax(-1)  # a token's largest scale ([B, H, T])
     largest = (w * scale.unsqueeze(2)).abs().amax(-1, keepdim=True)  # [B, H, R, 1]
     bound = largest / 65534 * tokens * 2 ** (bits - 1) + FLOAT_SLACK * (w @ values.abs())
+    error = (got.double() - want).abs()
+    assert (error <= bound).all(), f"largest error over its bound: {(error / bound).max():.2f}"
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("dim", [64, 128])
+def test_per_token_key_scores_within_the_integer_rounding_bound(bits, dim):
+    gen = torch.Generator().manual_seed(3)
+    spread, offset = torch.rand(dim, generator=gen) * 2.5 + 0.5, torch.randn(dim, generator=gen)
+    tokens = 333  # not a multiple of 16 tokens
+    codes = Codes(bits, dim)  # one group a token: the integer loop
+    parts = codes.encode_keys(torch.randn(2, 2, tokens, dim, generator=gen) * spread + offset)
+    query = torch.randn(2, 2, 3, dim, generator=gen) * 3
+    got = fused.token_key_scores(query, parts["kcodes"], parts["kscale"], parts["kmin"], bits, dim, tokens)
+    keys = codes.decode_keys(parts, torch.float64)
+    q = query.double()
+    want = q @ keys.transpose(-1, -2)
+    largest = q.abs().amax(-1, keepdim=True)  # [B, H, R, 1]
+    scale = parts["kscale"][..., 0].double().unsqueeze(2)  # [B, H, 1, T]
+    bound = largest * scale / 65534 * dim * 2 ** (bits - 1) + FLOAT_SLACK * (q.abs() @ keys.abs().transpose(-1, -2))
     error = (got.double() - want).abs()
     assert (error <= bound).all(), f"largest error over its bound: {(error / bound).max():.2f}"

@@ -269,6 +269,25 @@ constexpr int kAhead = 48;  // tokens ahead whose codes are prefetched
 template <int BITS>
 constexpr int16_t kMid = 1 << (BITS - 1);
 
+// x [dim] (a multiple of kW) rounded to 16-bit integers against its largest magnitude m (half away
+// from zero), into out; returns m / 32767, what a sum of products with out is scaled back by.
+KV_INLINE float round_words(const float* x, int dim, int16_t* out) {
+    vw top{};
+    for (int d = 0; d < dim; d += kW) {
+        const vw v = loadw(x + d), mag = v < 0.f ? -v : v;
+        top = mag > top ? mag : top;
+    }
+    float m = 0.f;
+    for (int i = 0; i < kW; ++i) m = std::max(m, top[i]);
+    const float up = m > 0.f ? 32767.f / m : 0.f;
+    for (int d = 0; d < dim; d += kW) {
+        const vw v = loadw(x + d) * up;
+        const iw whole = __builtin_convertvector(v + (v < 0.f ? vw{} - 0.5f : vw{} + 0.5f), iw);
+        for (int i = 0; i < kW; ++i) out[d + i] = static_cast<int16_t>(whole[i]);
+    }
+    return m / 32767.f;
+}
+
 // key_scores_fast by integer dot products (simd.h: words_w, dot_pairs): per block, each row's q * scale
 // (split order) is rounded to 16-bit integers against its largest magnitude m, the codes are widened
 // to 16 bits and centred (kMid) and the products summed exactly in 32 bits, then scaled back by
@@ -292,24 +311,15 @@ KV_INLINE void key_scores_words(const float* qperm, const float* q, int group, c
         to_split(s, dim, 8 / BITS, s_split);
         float back[R], bias[R];
         for (int r = 0; r < R; ++r) {
-            vw top{}, b{};
+            vw b{};
             for (int d = 0; d < dim; d += kW) {
                 const vw x = loadw(qperm + r * dim + d) * loadw(s_split + d);
                 __builtin_memcpy(qs + d, &x, sizeof x);
-                const vw mag = x < 0.f ? -x : x;
-                top = mag > top ? mag : top;
                 b += loadw(q + r * dim + d) * loadw(z + d) + x * static_cast<float>(kMid<BITS>);  // codes kept centred
             }
-            float m = 0.f, sum = 0.f;
-            for (int i = 0; i < kW; ++i) m = std::max(m, top[i]), sum += b[i];
-            const float up = m > 0.f ? 32767.f / m : 0.f;
-            for (int d = 0; d < dim; d += kW) {
-                const vw x = loadw(qs + d) * up;
-                const vw rounded = x + (x < 0.f ? vw{} - 0.5f : vw{} + 0.5f);  // half away from zero, then toward it
-                const iw whole = __builtin_convertvector(rounded, iw);
-                for (int i = 0; i < kW; ++i) qi[r * dim + d + i] = static_cast<int16_t>(whole[i]);
-            }
-            back[r] = m / 32767.f;
+            float sum = 0.f;
+            for (int i = 0; i < kW; ++i) sum += b[i];
+            back[r] = round_words(qs, dim, qi + r * dim);
             bias[r] = sum;
         }
         ww qv[R][NE];
@@ -346,6 +356,55 @@ KV_INLINE void key_scores_words(const float* qperm, const float* q, int group, c
             products(t, prod);
             for (int r = 0; r < R; ++r) out[r * out_row + col + t] = lane_sum(prod[r]) * back[r] + bias[r];
         }
+    }
+}
+#endif
+
+#if defined(KV_INT_DOTS)
+// token_scores_fast by integer dot products, for keys with one scale a token: each row (split order)
+// rounded to 16 bits once (round_words), each token's centred codes multiplied and summed exactly in
+// 32 bits, then scaled back: score = s_t (m / 32767) sum + (z_t + mid s_t) sum(q). The rounding
+// moves a score by at most s_t m / 65534 * sum_d |codes_d - mid|. qsum [R]: each row's sum.
+template <int BITS, int NE, int R>
+KV_INLINE void token_scores_words(const float* qperm, const float* qsum, const uint8_t* codes, const float* scale,
+                                  const float* minimum, int first, int last, float* out, int64_t out_row) {
+    constexpr int dim = NE * kWords, n = dim * BITS / 8;
+    alignas(64) int16_t qi[R * dim];
+    float back[R];
+    for (int r = 0; r < R; ++r) back[r] = round_words(qperm + r * dim, dim, qi + r * dim);
+    ww qv[R][NE];
+    for (int r = 0; r < R; ++r)
+        for (int k = 0; k < NE; ++k) __builtin_memcpy(&qv[r][k], qi + r * dim + kWords * k, sizeof(ww));
+    auto products = [&](int64_t t, iw* prod) __attribute__((always_inline)) {
+        const uint8_t* bytes = codes + t * n;
+        __builtin_prefetch(bytes + kAhead * n);
+        ww c[NE];
+        for (int k = 0; k < NE; ++k) c[k] = words_w<BITS>(bytes + kWords * k % n, BITS * (kWords * k / n)) - kMid<BITS>;
+        for (int r = 0; r < R; ++r) {
+            iw a = dot_pairs(iw{}, c[0], qv[r][0]);
+            for (int k = 1; k < NE; ++k) a = dot_pairs(a, c[k], qv[r][k]);
+            prod[r] = a;
+        }
+    };
+    int64_t t = first;
+    for (; t + kW <= last; t += kW) {
+        iw partial[R][kW];
+        for (int i = 0; i < kW; ++i) {
+            iw prod[R];
+            products(t + i, prod);
+            for (int r = 0; r < R; ++r) partial[r][i] = prod[r];
+        }
+        const vw s = loadw(scale + t), z = loadw(minimum + t) + s * static_cast<float>(kMid<BITS>);
+        for (int r = 0; r < R; ++r) {
+            const vw scores = lane_sums(partial[r]) * (s * back[r]) + z * qsum[r];
+            std::memcpy(out + r * out_row + t, &scores, sizeof scores);
+        }
+    }
+    for (; t < last; ++t) {
+        iw prod[R];
+        products(t, prod);
+        const float z = minimum[t] + scale[t] * kMid<BITS>;
+        for (int r = 0; r < R; ++r) out[r * out_row + t] = lane_sum(prod[r]) * (scale[t] * back[r]) + z * qsum[r];
     }
 }
 #endif
@@ -608,6 +667,17 @@ KV_INLINE void token_scores_rows(const float* q, int rows, int group, const uint
     int gidx[NV];
     split_rows<BITS>(q, rows, dim, qperm);
     group_sums(q, rows, dim, group, qsum);
+#if defined(KV_INT_DOTS)
+    if constexpr (dim * BITS / 8 % kWords == 0) {
+        if (groups == 1) {
+            in_row_runs<4>(rows, [&](auto R, int r0) __attribute__((always_inline)) {
+                token_scores_words<BITS, dim / kWords, decltype(R)::value>(qperm + r0 * dim, qsum + r0, codes, scale,
+                                                                           minimum, first, last, out + r0 * out_row, out_row);
+            });
+            return;
+        }
+    }
+#endif
     vector_groups<BITS, NV>(group, gidx);
     in_row_runs(rows, [&](auto R, int r0) __attribute__((always_inline)) {
         token_scores_fast<BITS, NV, decltype(R)::value>(qperm + r0 * dim, qsum + r0 * groups, groups, gidx, codes,
