@@ -288,23 +288,60 @@ KV_INLINE float round_words(const float* x, int dim, int16_t* out) {
     return m / 32767.f;
 }
 
+// Rows x [R, dim] (split order) rounded (round_words) into registers; back[r]: row r's scale back.
+template <int NE, int R>
+KV_INLINE void round_rows(const float* x, ww (&rows)[R][NE], float* back) {
+    constexpr int dim = NE * kWords;
+    alignas(64) int16_t words[dim];
+    for (int r = 0; r < R; ++r) {
+        back[r] = round_words(x + r * dim, dim, words);
+        for (int k = 0; k < NE; ++k) __builtin_memcpy(&rows[r][k], words + kWords * k, sizeof(ww));
+    }
+}
+
+// One token's codes (bytes, centred: kMid) against R rounded rows: the lanes of prod[r] sum to row
+// r's product. Vector k of the token holds split positions [kWords k, kWords (k + 1)), its bytes
+// from kWords k mod n, chunk kWords k / n: n (the token's bytes) is a multiple of kWords.
+template <int BITS, int NE, int R>
+KV_INLINE void word_products(const uint8_t* bytes, const ww (&rows)[R][NE], iw* prod) {
+    constexpr int n = NE * kWords * BITS / 8;
+    static_assert(n % kWords == 0, "a vector of codes lies in one chunk of the split order");
+    __builtin_prefetch(bytes + kAhead * n);
+    ww c[NE];
+    for (int k = 0; k < NE; ++k) c[k] = words_w<BITS>(bytes + kWords * k % n, BITS * (kWords * k / n)) - kMid<BITS>;
+    for (int r = 0; r < R; ++r) {
+        iw a = dot_pairs(iw{}, c[0], rows[r][0]);
+        for (int k = 1; k < NE; ++k) a = dot_pairs(a, c[k], rows[r][k]);
+        prod[r] = a;
+    }
+}
+
+// word_products of kW consecutive tokens (codes from bytes), summed: lane i of sums[r] is token i's.
+template <int BITS, int NE, int R>
+KV_INLINE void word_sums(const uint8_t* bytes, const ww (&rows)[R][NE], vw* sums) {
+    constexpr int n = NE * kWords * BITS / 8;
+    iw partial[R][kW];
+    for (int i = 0; i < kW; ++i) {
+        iw prod[R];
+        word_products<BITS, NE, R>(bytes + i * n, rows, prod);
+        for (int r = 0; r < R; ++r) partial[r][i] = prod[r];
+    }
+    for (int r = 0; r < R; ++r) sums[r] = lane_sums(partial[r]);
+}
+
 // key_scores_fast by integer dot products (simd.h: words_w, dot_pairs): per block, each row's q * scale
 // (split order) is rounded to 16-bit integers against its largest magnitude m, the codes are widened
 // to 16 bits and centred (kMid) and the products summed exactly in 32 bits, then scaled back by
 // m / 32767. The rounding moves a score by at most m / 65534 * sum_d |codes_d - mid|, where float
 // products would move it by about 2^-24 of each product; beside the coding error (half a code step
 // a channel) it is some 2^-8 of that.
-// Vector k of a token holds split positions [kWords k, kWords (k + 1)), its bytes from kWords k mod n,
-// chunk kWords k / n: n (the token's bytes) is a multiple of kWords.
 template <int BITS, int NE, int R>
 KV_INLINE void key_scores_words(const float* qperm, const float* q, int group, const uint8_t* codes,
                                 const float* scale, const float* minimum, int first, int last, float* out,
                                 int64_t out_row) {
     constexpr int dim = NE * kWords, n = dim * BITS / 8;
-    static_assert(n % kWords == 0, "a vector of codes lies in one chunk of the split order");
     alignas(64) float s_split[dim];
-    alignas(64) float qs[dim];
-    alignas(64) int16_t qi[R * dim];
+    alignas(64) float qs[R * dim];
     for (int blk = first; blk < last; ++blk) {
         const float* s = scale + static_cast<int64_t>(blk) * dim;
         const float* z = minimum + static_cast<int64_t>(blk) * dim;
@@ -314,46 +351,29 @@ KV_INLINE void key_scores_words(const float* qperm, const float* q, int group, c
             vw b{};
             for (int d = 0; d < dim; d += kW) {
                 const vw x = loadw(qperm + r * dim + d) * loadw(s_split + d);
-                __builtin_memcpy(qs + d, &x, sizeof x);
+                __builtin_memcpy(qs + r * dim + d, &x, sizeof x);
                 b += loadw(q + r * dim + d) * loadw(z + d) + x * static_cast<float>(kMid<BITS>);  // codes kept centred
             }
             float sum = 0.f;
             for (int i = 0; i < kW; ++i) sum += b[i];
-            back[r] = round_words(qs, dim, qi + r * dim);
             bias[r] = sum;
         }
         ww qv[R][NE];
-        for (int r = 0; r < R; ++r)
-            for (int k = 0; k < NE; ++k) __builtin_memcpy(&qv[r][k], qi + r * dim + kWords * k, sizeof(ww));
+        round_rows<NE, R>(qs, qv, back);
         const uint8_t* block_codes = codes + static_cast<int64_t>(blk) * group * n;
-        auto products = [&](int t, iw* prod) __attribute__((always_inline)) {
-            const uint8_t* bytes = block_codes + static_cast<int64_t>(t) * n;
-            __builtin_prefetch(bytes + kAhead * n);
-            ww c[NE];
-            for (int k = 0; k < NE; ++k) c[k] = words_w<BITS>(bytes + kWords * k % n, BITS * (kWords * k / n)) - kMid<BITS>;
-            for (int r = 0; r < R; ++r) {
-                iw a = dot_pairs(iw{}, c[0], qv[r][0]);
-                for (int k = 1; k < NE; ++k) a = dot_pairs(a, c[k], qv[r][k]);
-                prod[r] = a;
-            }
-        };
         const int64_t col = static_cast<int64_t>(blk) * group;
         int t = 0;
         for (; t + kW <= group; t += kW) {
-            iw partial[R][kW];
-            for (int i = 0; i < kW; ++i) {
-                iw prod[R];
-                products(t + i, prod);
-                for (int r = 0; r < R; ++r) partial[r][i] = prod[r];
-            }
+            vw sums[R];
+            word_sums<BITS, NE, R>(block_codes + static_cast<int64_t>(t) * n, qv, sums);
             for (int r = 0; r < R; ++r) {
-                const vw sums = lane_sums(partial[r]) * back[r] + bias[r];
-                std::memcpy(out + r * out_row + col + t, &sums, sizeof sums);
+                const vw scores = sums[r] * back[r] + bias[r];
+                std::memcpy(out + r * out_row + col + t, &scores, sizeof scores);
             }
         }
         for (; t < group; ++t) {
             iw prod[R];
-            products(t, prod);
+            word_products<BITS, NE, R>(block_codes + static_cast<int64_t>(t) * n, qv, prod);
             for (int r = 0; r < R; ++r) out[r * out_row + col + t] = lane_sum(prod[r]) * back[r] + bias[r];
         }
     }
@@ -368,41 +388,23 @@ KV_INLINE void key_scores_words(const float* qperm, const float* q, int group, c
 template <int BITS, int NE, int R>
 KV_INLINE void token_scores_words(const float* qperm, const float* qsum, const uint8_t* codes, const float* scale,
                                   const float* minimum, int first, int last, float* out, int64_t out_row) {
-    constexpr int dim = NE * kWords, n = dim * BITS / 8;
-    alignas(64) int16_t qi[R * dim];
-    float back[R];
-    for (int r = 0; r < R; ++r) back[r] = round_words(qperm + r * dim, dim, qi + r * dim);
+    constexpr int n = NE * kWords * BITS / 8;
     ww qv[R][NE];
-    for (int r = 0; r < R; ++r)
-        for (int k = 0; k < NE; ++k) __builtin_memcpy(&qv[r][k], qi + r * dim + kWords * k, sizeof(ww));
-    auto products = [&](int64_t t, iw* prod) __attribute__((always_inline)) {
-        const uint8_t* bytes = codes + t * n;
-        __builtin_prefetch(bytes + kAhead * n);
-        ww c[NE];
-        for (int k = 0; k < NE; ++k) c[k] = words_w<BITS>(bytes + kWords * k % n, BITS * (kWords * k / n)) - kMid<BITS>;
-        for (int r = 0; r < R; ++r) {
-            iw a = dot_pairs(iw{}, c[0], qv[r][0]);
-            for (int k = 1; k < NE; ++k) a = dot_pairs(a, c[k], qv[r][k]);
-            prod[r] = a;
-        }
-    };
+    float back[R];
+    round_rows<NE, R>(qperm, qv, back);
     int64_t t = first;
     for (; t + kW <= last; t += kW) {
-        iw partial[R][kW];
-        for (int i = 0; i < kW; ++i) {
-            iw prod[R];
-            products(t + i, prod);
-            for (int r = 0; r < R; ++r) partial[r][i] = prod[r];
-        }
+        vw sums[R];
+        word_sums<BITS, NE, R>(codes + t * n, qv, sums);
         const vw s = loadw(scale + t), z = loadw(minimum + t) + s * static_cast<float>(kMid<BITS>);
         for (int r = 0; r < R; ++r) {
-            const vw scores = lane_sums(partial[r]) * (s * back[r]) + z * qsum[r];
+            const vw scores = sums[r] * (s * back[r]) + z * qsum[r];
             std::memcpy(out + r * out_row + t, &scores, sizeof scores);
         }
     }
     for (; t < last; ++t) {
         iw prod[R];
-        products(t, prod);
+        word_products<BITS, NE, R>(codes + t * n, qv, prod);
         const float z = minimum[t] + scale[t] * kMid<BITS>;
         for (int r = 0; r < R; ++r) out[r * out_row + t] = lane_sum(prod[r]) * (scale[t] * back[r]) + z * qsum[r];
     }
