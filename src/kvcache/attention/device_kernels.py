@@ -53,24 +53,25 @@ def paged_prefill(q, key_pool, value_pool, tables, starts, pasts, scale) -> torc
 
 
 def paged_coded_decode(q, keys, values, bits, value_group, tables, coded, tail_keys, tail_values, tail_blocks, tail_lengths,
-                       scale, softcap=None) -> torch.Tensor | None:  # fmt: skip
-    """``fused_paged.paged_decode_attention`` over coded blocks and open blocks; float32 or None."""
+                       scale, softcap=None, fp8=False) -> torch.Tensor | None:  # fmt: skip
+    """``fused_paged.paged_decode_attention`` over coded blocks and open blocks (``fp8``: e4m3
+    codes); float32 or None."""
     kernel = _choose(q.device, fused_paged.paged_decode_attention, triton_decode.paged_coded_decode)
     args = (q, keys, values, bits, value_group, tables, coded, tail_keys, tail_values, tail_blocks, tail_lengths, scale, softcap)
-    return None if kernel is None else kernel(*args)
+    return None if kernel is None else kernel(*args, fp8=fp8)
 
 
-def token_coded_decode(q, keys, values, bits, tokens, key_group, value_group, scale, softcap=None):
+def token_coded_decode(q, keys, values, bits, tokens, key_group, value_group, scale, softcap=None, fp8=False):
     """``fused.token_decode_attention`` over per-token codes: ``(out, lse)`` float32, or None."""
     kernel = _choose(q.device, fused.token_decode_attention, triton_decode.token_coded_decode)
-    return None if kernel is None else kernel(q, keys, values, bits, tokens, key_group, value_group, scale, softcap)
+    return None if kernel is None else kernel(q, keys, values, bits, tokens, key_group, value_group, scale, softcap, fp8=fp8)
 
 
 def quantized_decode(q, keys, values, bits, value_group, coded_keys, coded_values, exact_keys, exact_values, seen, scale,
-                     softcap=None) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
+                     softcap=None, fp8=False) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
     """A quantized layer's whole decode step in one call (``triton_decode.quantized_decode``):
     ``(out, lse)`` float32, or None: on the CPU the layer's reader splits the step itself over the
     C++ library."""
     kernel = _choose(q.device, None, triton_decode.quantized_decode)
     args = (q, keys, values, bits, value_group, coded_keys, coded_values, exact_keys, exact_values, seen, scale, softcap)
-    return None if kernel is None else kernel(*args)
+    return None if kernel is None else kernel(*args, fp8=fp8)

@@ -22,6 +22,9 @@ like the values, so that a slot can be overwritten alone: ``token_key_scores`` a
 ``sum_g scale_g (q_g . codes_g) + minimum_g sum(q_g)`` per token); ``weighted_values`` serves their
 values as it is.
 
+Every function takes ``fp8``: the codes are e4m3 bytes (``formats/fp8.py``; ``bits`` 8), read by
+the library's fp8 build, with the same scales and minimums (midpoints).
+
 Scales and minimums may come in the model's dtype: the library reads float32, so others are
 converted first (a copy of ``D / group`` numbers a token, small beside the codes).
 
@@ -68,9 +71,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
-def library() -> ctypes.CDLL | None:
-    """The coded decode library, built on first use; None when off or when it cannot build."""
-    return native_build.library("coded_decode", _declare)
+def library(fp8: bool = False) -> ctypes.CDLL | None:
+    """The coded decode library, built on first use; None when off or when it cannot build. With
+    ``fp8``, its build for e4m3 codes (``KV_FP8``: bytes read as e4m3 floats; 8 bits only)."""
+    return native_build.library("coded_decode", _declare, defines=("KV_FP8",) if fp8 else ())
 
 
 #: Tasks per thread the tokens are split into, and the fewest tokens a task gets.
@@ -85,6 +89,7 @@ def key_scores(
     bits: int,
     blocks: int,
     width: int | None = None,
+    fp8: bool = False,
 ) -> torch.Tensor | None:
     """Scores float32 ``[B, Hkv, R, width]`` of query rows ``[B, Hkv, R, D]`` against the first
     ``blocks`` blocks of keys held as per-channel codes ``[B, Hkv, n, G, D * bits / 8]`` with
@@ -94,8 +99,8 @@ def key_scores(
     batch, heads, rows, dim = query.shape
     group = codes.shape[3]
     width = blocks * group if width is None else width
-    lib = library()
-    if lib is None or not fits(rows, dim, bits, query.device) or width < blocks * group or blocks > codes.shape[2]:
+    lib = library(fp8)
+    if lib is None or not fits(rows, dim, bits, query.device, fp8) or width < blocks * group or blocks > codes.shape[2]:
         return None
     out = torch.empty(batch, heads, rows, width, dtype=torch.float32)
     if blocks * group * out.shape[0] * heads * rows == 0:
@@ -115,7 +120,8 @@ def key_scores(
 
 
 def weighted_values(
-    weights: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int, group: int
+    weights: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int, group: int,
+    fp8: bool = False,
 ) -> torch.Tensor | None:
     """``weights @ values`` float32 ``[B, Hkv, R, Dv]`` for weights ``[B, Hkv, R, T]`` and the
     first ``T`` values held as per-token codes ``[B, Hkv, C, Dv * bits / 8]`` (``C >= T``: a
@@ -123,8 +129,8 @@ def weighted_values(
     module docstring)."""
     batch, heads, rows, tokens = weights.shape
     dim = codes.shape[3] * 8 // bits
-    lib = library()
-    if lib is None or not fits(rows, dim, bits, weights.device) or group % (8 // bits) or dim % group or tokens > codes.shape[2]:
+    lib = library(fp8)
+    if lib is None or not fits(rows, dim, bits, weights.device, fp8) or group % (8 // bits) or dim % group or tokens > codes.shape[2]:
         return None
     p = weights.detach().float()
     if p.stride(3) != 1:
@@ -155,6 +161,7 @@ def decode_attention(
     scale: float,
     softcap: float | None = None,
     tail: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+    fp8: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Attention of query rows ``[B, Hkv, R, D]`` over the first ``blocks * G`` tokens of a coded
     store, in one library call: ``(out, lse)``, the normalised output float32 ``[B, Hkv, R, Dv]`` and
@@ -171,10 +178,10 @@ def decode_attention(
     kcodes, kscale, kmin = keys
     vcodes, vscale, vmin = values
     group, vdim = kcodes.shape[3], vcodes.shape[3] * 8 // bits
-    lib = library()
+    lib = library(fp8)
     if (
         lib is None
-        or not fits(rows, max(dim, vdim), bits, query.device)
+        or not fits(rows, max(dim, vdim), bits, query.device, fp8)
         or blocks < 1
         or blocks > kcodes.shape[2]
         or blocks * group > vcodes.shape[2]
@@ -209,15 +216,16 @@ def decode_attention(
 
 
 def token_key_scores(
-    query: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int, group: int, tokens: int
+    query: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int, group: int, tokens: int,
+    fp8: bool = False,
 ) -> torch.Tensor | None:
     """Scores float32 ``[B, Hkv, R, tokens]`` of query rows ``[B, Hkv, R, D]`` against the first
     ``tokens`` keys held as per-token codes ``[B, Hkv, C, D * bits / 8]`` in groups of ``group``
     channels, with scale and minimum ``[B, Hkv, C, D / group]`` (``C >= tokens``: a store's whole
     buffers, of which no view is taken). None: see the module docstring."""
     batch, heads, rows, dim = query.shape
-    lib = library()
-    if lib is None or not _token_keys_fit(query, (codes, scale, minimum), bits, group, tokens):
+    lib = library(fp8)
+    if lib is None or not _token_keys_fit(query, (codes, scale, minimum), bits, group, tokens, fp8):
         return None
     out = torch.empty(batch, heads, rows, tokens, dtype=torch.float32)
     if out.numel() == 0:
@@ -246,6 +254,7 @@ def token_decode_attention(
     value_group: int,
     scale: float,
     softcap: float | None = None,
+    fp8: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``decode_attention`` over the first ``tokens`` slots of a store whose keys are coded per token:
     ``(out, lse)``, the normalised output float32 ``[B, Hkv, R, Dv]`` of query rows ``[B, Hkv, R, D]``
@@ -257,12 +266,12 @@ def token_decode_attention(
     batch, heads, rows, dim = query.shape
     vcodes, vscale, vmin = values
     vdim = vcodes.shape[3] * 8 // bits
-    lib = library()
+    lib = library(fp8)
     if (
         lib is None
         or tokens < 1
-        or not _token_keys_fit(query, keys, bits, key_group, tokens)
-        or not fits(rows, vdim, bits, query.device)
+        or not _token_keys_fit(query, keys, bits, key_group, tokens, fp8)
+        or not fits(rows, vdim, bits, query.device, fp8)
         or vcodes.shape[:2] != (batch, heads)
         or tokens > vcodes.shape[2]
         or value_group < 1
@@ -291,14 +300,15 @@ def token_decode_attention(
 
 
 def _token_keys_fit(
-    query: torch.Tensor, keys: tuple[torch.Tensor, torch.Tensor, torch.Tensor], bits: int, group: int, tokens: int
+    query: torch.Tensor, keys: tuple[torch.Tensor, torch.Tensor, torch.Tensor], bits: int, group: int, tokens: int,
+    fp8: bool = False,
 ) -> bool:
     """Whether the library takes these query rows against the first ``tokens`` of these per-token
     coded keys (codes, scale, minimum; see ``token_key_scores``)."""
     codes, scale, minimum = keys
     batch, heads, rows, dim = query.shape
     return (
-        fits(rows, dim, bits, query.device)
+        fits(rows, dim, bits, query.device, fp8)
         and codes.dtype == torch.uint8
         and codes.dim() == scale.dim() == 4
         and codes.shape[:2] == (batch, heads)
@@ -340,9 +350,10 @@ def merge_attention(
     return torch.lerp(out1, out2, share2)
 
 
-def fits(rows: int, dim: int, bits: int, device: torch.device) -> bool:
-    """Whether the library takes ``rows`` query rows per KV head of head dim ``dim`` at ``bits`` on ``device``."""
-    return device.type == "cpu" and 1 <= rows <= MAX_ROWS and 1 <= dim <= MAX_DIM and bits in (8, 4, 2)
+def fits(rows: int, dim: int, bits: int, device: torch.device, fp8: bool = False) -> bool:
+    """Whether the library takes ``rows`` query rows per KV head of head dim ``dim`` at ``bits`` on
+    ``device`` (``fp8``: e4m3 codes, 8 bits only)."""
+    return device.type == "cpu" and 1 <= rows <= MAX_ROWS and 1 <= dim <= MAX_DIM and bits in ((8,) if fp8 else (8, 4, 2))
 
 
 def inner_contiguous(t: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@ def paged_decode_attention(
     tail_lengths: torch.Tensor,
     scale: float,
     softcap: float | None = None,
+    fp8: bool = False,
 ) -> torch.Tensor | None:
     """A decode step of ``S`` sequences over a pool of coded blocks, in one library call: the
     normalised attention output float32 ``[S, Hkv, R, Dv]`` of query rows ``[S, Hkv, R, D]`` (the rows
@@ -40,13 +41,15 @@ def paged_decode_attention(
     tables[s, 1], ...`` (int32 ``[S, W]``), then ``tail_lengths[s]`` (int64 ``[S]``, ``0..bs``) exact
     tokens from block ``tail_blocks[s]`` (int32 ``[S]``, ignored for an empty tail) of the float32
     pools ``tail_keys`` ``[NT, Hkv, bs, D]`` and ``tail_values`` ``[NT, Hkv, bs, Dv]`` (last dims
-    contiguous). A sequence with no tokens gets zeros.
+    contiguous). A sequence with no tokens gets zeros. ``fp8``: the codes are e4m3 bytes (``bits`` 8).
 
     None: see the module docstring (also for tail pools of another dtype or layout). Raises
     ``ValueError`` for a length, block id or tail block outside the table or the pools."""
     if not _paged_fits(query, keys, values, bits, value_group, tables, coded, tail_keys, tail_values, tail_blocks, tail_lengths):
         return None
-    lib = library()
+    if fp8 and bits != 8:
+        return None
+    lib = library(fp8)
     if lib is None:
         return None
     seqs, heads, rows, dim = query.shape

@@ -8,6 +8,9 @@ or ``~/.cache/kvcache``), named by a hash of the source, the headers beside it (
 command and this CPU's instruction-set flags, so a changed source, header, compiler or CPU builds anew. A library is loaded with ``ctypes`` after
 torch, so its OpenMP calls resolve to the runtime torch already loaded.
 
+A source may be built more than once with macros defined (``library(..., defines=...)``): the coded
+library's fp8 build is ``coded_decode.cpp`` with ``KV_FP8``, a library of its own.
+
 ``KVCACHE_NO_EXTENSION=1`` turns every library off (the pure PyTorch paths then run); so does a
 failed build, with one warning that says why.
 
@@ -57,26 +60,30 @@ def disabled() -> bool:
     return os.environ.get(DISABLE_ENV, "") not in ("", "0")
 
 
-def library(name: str, declare: Callable[[ctypes.CDLL], ctypes.CDLL], torch_abi: bool = False) -> ctypes.CDLL | None:
+def library(
+    name: str, declare: Callable[[ctypes.CDLL], ctypes.CDLL], torch_abi: bool = False, defines: tuple[str, ...] = ()
+) -> ctypes.CDLL | None:
     """The library built from ``csrc/<name>.cpp``, with its functions' types set by ``declare``;
     None when disabled or when it cannot build (warned once). ``torch_abi``: the source uses
     torch's stable C ABI (``torch/csrc/stable``) and links torch's own libraries; loading it
-    registers the operator kernels it declares."""
-    if disabled() or name in _failed:
+    registers the operator kernels it declares. ``defines``: macros defined for this build (each
+    set of them a library of its own)."""
+    key = "+".join((name, *defines))
+    if disabled() or key in _failed:
         return None
-    if name not in _loaded:
+    if key not in _loaded:
         try:
-            _loaded[name] = declare(ctypes.CDLL(str(_build(CSRC / f"{name}.cpp", torch_abi))))
+            _loaded[key] = declare(ctypes.CDLL(str(_build(CSRC / f"{name}.cpp", torch_abi, defines))))
         except (OSError, subprocess.SubprocessError, RuntimeError) as err:
-            _failed[name] = str(err)
+            _failed[key] = str(err)
             warnings.warn(
-                f"kvcache: the {name} library did not build ({_failed[name].strip()[-500:]}); the pure PyTorch "
+                f"kvcache: the {key} library did not build ({_failed[key].strip()[-500:]}); the pure PyTorch "
                 f"path runs instead (set {DISABLE_ENV}=1 to skip the attempt)",
                 RuntimeWarning,
                 stacklevel=3,
             )
             return None
-    return _loaded[name]
+    return _loaded[key]
 
 
 def _cache_dir() -> Path:
@@ -149,11 +156,11 @@ def _torch_version() -> str:
     return torch.__version__
 
 
-def _build(source_path: Path, torch_abi: bool = False) -> Path:
+def _build(source_path: Path, torch_abi: bool = False, defines: tuple[str, ...] = ()) -> Path:
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not compiler:
         raise RuntimeError("no C++ compiler found (g++ or c++ on PATH, or $CXX)")
-    flags = [*_FLAGS, _march()]
+    flags = [*_FLAGS, _march(), *(f"-D{d}" for d in defines)]
     # The headers beside the sources (simd.h) count as part of each: a changed header builds anew.
     source = source_path.read_bytes() + b"".join(h.read_bytes() for h in sorted(source_path.parent.glob("*.h")))
     built_for = (compiler, flags, sys.platform, cpu_flags())
@@ -161,7 +168,8 @@ def _build(source_path: Path, torch_abi: bool = False) -> Path:
     if torch_abi:  # another torch builds anew
         built_for += (extra, _torch_version())
     tag = hashlib.sha256(source + repr(built_for).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"{source_path.stem}-{tag}.so"
+    stem = "-".join((source_path.stem, *(d.lower() for d in defines)))
+    target = _cache_dir() / f"{stem}-{tag}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

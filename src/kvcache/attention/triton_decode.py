@@ -8,12 +8,12 @@ compile-time flags of the one kernel (``triton_kernel.py``):
   last), with an optional key mask per batch row and a soft-cap;
 - ``paged_decode``: float blocks ``[NB, Hkv, bs, D]`` read through each sequence's block table,
   ragged lengths;
-- ``paged_coded_decode``: int8/int4/int2 blocks (keys per channel over the block, values per token
-  in groups) through block tables, then each sequence's exact open block (float32);
+- ``paged_coded_decode``: int8/int4/int2 or fp8 blocks (keys per channel over the block, values per
+  token in groups) through block tables, then each sequence's exact open block (float32);
 - ``token_coded_decode``: a store's per-token codes (an evicting layer's coded slots).
 
 Codes are read straight from their bytes and dequantized in registers as ``quant.py`` does
-(``code * scale + minimum`` in float32), so no step dequantizes a store. Every program takes one
+(``code * scale + minimum`` in float32; fp8 codes, ``fp8=True``, are e4m3 bytes, as ``fp8.py``), so no step dequantizes a store. Every program takes one
 (sequence, KV head) pair and one split of its tokens (split-K, so a long context of one sequence
 still fills the GPU); it keeps an online softmax over tiles of ``Launch.block`` tokens and writes
 its unnormalised output with its running maximum and sum, which a second kernel (``_merge``) merges
@@ -109,7 +109,7 @@ def _precision(q, keys, values, key_codes, value_codes, tail, launch) -> tuple[b
     return key16, launch.dot, dot_pv
 
 
-def _run(q, rows, vdim, lengths, longest, *, keys, values, key_codes=0, value_codes=0, bits=8, key_group=1,
+def _run(q, rows, vdim, lengths, longest, *, keys, values, key_codes=0, value_codes=0, bits=8, fp8=False, key_group=1,
          value_group=1, key_block=1, key_scale=None, value_scale=None, paged=None, tail=None, keep=None, scale, softcap,
          launch=None):  # fmt: skip
     """Launch ``_decode`` over ``q`` ``[S, Hkv, R, D]`` and merge the splits: ``(out, lse)``, float32
@@ -154,7 +154,7 @@ def _run(q, rows, vdim, lengths, longest, *, keys, values, key_codes=0, value_co
             tail_blocks, coded, coded_v, table, table.stride(0), lengths, keep_t, keep_t.stride(0),
             o, m, l_sum,
             heads, rows, dim, vdim, per, float(scale), float(softcap or 1.0),
-            BS=bs, PAGED=paged is not None, KEY_CODES=key_codes, VALUE_CODES=value_codes, BITS=bits,
+            BS=bs, PAGED=paged is not None, KEY_CODES=key_codes, VALUE_CODES=value_codes, BITS=bits, FP8=fp8,
             KG=key_group, KB=key_block, VG=value_group, HAS_TAIL=tail is not None, HAS_KEEP=keep is not None,
             HAS_CAP=softcap is not None, R_PAD=R_PAD, D_PAD=D_PAD, DV_PAD=DV_PAD, BLOCK=launch.block,
             EVEN=even, DOT=dot, DOT_PV=dot_pv, KEY16=key16, KROWS=krows, VGROUPS=vgroups,
@@ -222,11 +222,14 @@ def paged_coded_decode(
     values: tuple[torch.Tensor, torch.Tensor, torch.Tensor], bits: int, value_group: int, tables: torch.Tensor,
     coded: torch.Tensor, tail_keys: torch.Tensor, tail_values: torch.Tensor, tail_blocks: torch.Tensor,
     tail_lengths: torch.Tensor, scale: float, softcap: float | None = None, launch: Launch | None = None,
+    fp8: bool = False,
 ) -> torch.Tensor | None:
     """``fused_paged.paged_decode_attention``'s step (same arguments and result) in Triton."""
     kcodes, kscale, kmin = keys
     vcodes, vscale, vmin = values
     seqs, heads, rows, dim = query.shape
+    if fp8 and bits != 8:
+        return None
     if not available() or rows > MAX_ROWS or not _tensors_ok(query, kcodes, vcodes, tail_keys, tail_values):
         return None
     if kscale.stride() != kmin.stride() or vscale.stride() != vmin.stride() or kscale.stride(-1) != 1 or vscale.stride(-1) != 1:
@@ -241,7 +244,7 @@ def paged_coded_decode(
     out, _ = _run(
         query, rows, vcodes.shape[3] * 8 // bits, lengths, longest,
         keys=(kcodes, *kcodes.stride()[:3]), values=(vcodes, *vcodes.stride()[:3]), key_codes=1, value_codes=2,
-        bits=bits, value_group=value_group, key_scale=(kscale, kmin, kscale.stride(0), kscale.stride(1), 0),
+        bits=bits, fp8=fp8, value_group=value_group, key_scale=(kscale, kmin, kscale.stride(0), kscale.stride(1), 0),
         value_scale=(vscale, vmin, *vscale.stride()[:3]), paged=(tables, kcodes.shape[2]), tail=tail,
         scale=scale, softcap=softcap, launch=launch,
     )  # fmt: skip
@@ -251,12 +254,14 @@ def paged_coded_decode(
 def token_coded_decode(
     query: torch.Tensor, keys: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     values: tuple[torch.Tensor, torch.Tensor, torch.Tensor], bits: int, tokens: int, key_group: int, value_group: int,
-    scale: float, softcap: float | None = None, launch: Launch | None = None,
+    scale: float, softcap: float | None = None, launch: Launch | None = None, fp8: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``fused.token_decode_attention``'s step (same arguments and result: ``(out, lse)``) in Triton."""
     kcodes, kscale, kmin = keys
     vcodes, vscale, vmin = values
     batch, heads, rows, dim = query.shape
+    if fp8 and bits != 8:
+        return None
     if not available() or rows > MAX_ROWS or tokens < 1 or not _tensors_ok(query, kcodes, vcodes, kscale, vscale):
         return None
     if kscale.stride() != kmin.stride() or vscale.stride() != vmin.stride():
@@ -265,7 +270,7 @@ def token_coded_decode(
     return _run(
         query, rows, vcodes.shape[3] * 8 // bits, lengths, int(tokens),
         keys=(kcodes, *kcodes.stride()[:3]), values=(vcodes, *vcodes.stride()[:3]), key_codes=2, value_codes=2,
-        bits=bits, key_group=key_group, value_group=value_group, key_scale=(kscale, kmin, *kscale.stride()[:3]),
+        bits=bits, fp8=fp8, key_group=key_group, value_group=value_group, key_scale=(kscale, kmin, *kscale.stride()[:3]),
         value_scale=(vscale, vmin, *vscale.stride()[:3]), scale=scale, softcap=softcap, launch=launch,
     )  # fmt: skip
 
@@ -274,7 +279,7 @@ def quantized_decode(
     query: torch.Tensor, keys: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     values: tuple[torch.Tensor, torch.Tensor, torch.Tensor], bits: int, value_group: int, coded_keys: int,
     coded_values: int, exact_keys: torch.Tensor, exact_values: torch.Tensor, seen: int, scale: float,
-    softcap: float | None = None, launch: Launch | None = None,
+    softcap: float | None = None, launch: Launch | None = None, fp8: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A quantized layer's decode step over all ``seen`` tokens in one call: its key blocks
     (codes ``[B, Hkv, n, G, D']``, scale and minimum ``[B, Hkv, n, D]``) up to ``coded_keys``, its
@@ -285,7 +290,7 @@ def quantized_decode(
     kcodes, kscale, kmin = keys
     vcodes, vscale, vmin = values
     batch, heads, rows, dim = query.shape
-    if not available() or rows > MAX_ROWS or seen < 1 or kcodes.dim() != 5:
+    if not available() or rows > MAX_ROWS or seen < 1 or kcodes.dim() != 5 or (fp8 and bits != 8):
         return None
     if not _tensors_ok(query, kcodes, vcodes, kscale, vscale, exact_keys, exact_values):
         return None
@@ -299,6 +304,6 @@ def quantized_decode(
     return _run(
         query, rows, vcodes.shape[3] * 8 // bits, lengths, int(seen),
         keys=(flat_codes, *flat_codes.stride()[:3]), values=(vcodes, *vcodes.stride()[:3]), key_codes=1, value_codes=2,
-        bits=bits, key_block=group, value_group=value_group, key_scale=(kscale, kmin, *kscale.stride()[:3]),
+        bits=bits, fp8=fp8, key_block=group, value_group=value_group, key_scale=(kscale, kmin, *kscale.stride()[:3]),
         value_scale=(vscale, vmin, *vscale.stride()[:3]), tail=tail, scale=scale, softcap=softcap, launch=launch,
     )  # fmt: skip

@@ -25,7 +25,7 @@ def _decode(
     O, M, L,
     heads, rows, dim, vdim, split_tokens, scale, softcap,
     BS: tl.constexpr, PAGED: tl.constexpr, KEY_CODES: tl.constexpr, VALUE_CODES: tl.constexpr,
-    BITS: tl.constexpr, KG: tl.constexpr, KB: tl.constexpr, VG: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_KEEP: tl.constexpr,
+    BITS: tl.constexpr, FP8: tl.constexpr, KG: tl.constexpr, KB: tl.constexpr, VG: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_KEEP: tl.constexpr,
     HAS_CAP: tl.constexpr, R_PAD: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK: tl.constexpr,
     EVEN: tl.constexpr, DOT: tl.constexpr, DOT_PV: tl.constexpr, KEY16: tl.constexpr, KROWS: tl.constexpr, VGROUPS: tl.constexpr,
 ):  # fmt: skip
@@ -34,7 +34,7 @@ def _decode(
     ``KEY_CODES``: 0 float keys, 1 codes with a scale per channel over each block of ``KB`` tokens
     (paged: the pool's block), 2 codes with a scale per token and group of ``KG`` channels;
     ``VALUE_CODES``: 0 float, 2 per token in groups of ``VG``. Codes pack ``8 // BITS`` a byte,
-    lowest bits first. ``HAS_TAIL``: keys from token ``CODED[s]`` and values from ``CODED_V[s]`` on
+    lowest bits first; ``FP8``: each byte (``BITS`` 8) an e4m3 float. ``HAS_TAIL``: keys from token ``CODED[s]`` and values from ``CODED_V[s]`` on
     are exact, in tail block ``TAIL_BLOCK[s]`` of ``TK``/``TV`` from its slot 0. ``EVEN``: the dims
     are their padded sizes, so loads are masked by token only (and vectorise along the dim).
     ``KEY16``: float keys and the query in one 16-bit type, multiplied as they are. ``DOT``/``DOT_PV``:
@@ -96,8 +96,11 @@ def _decode(
             if not KEY16:
                 k = k.to(tl.float32)
         else:
-            byte = tl.load(K + k_at[:, None] + (d // PER)[None, :], mask=kmask, other=0).to(tl.int32)
-            code = ((byte >> ((d % PER) * BITS)[None, :]) & LEVELS).to(tl.float32)
+            byte = tl.load(K + k_at[:, None] + (d // PER)[None, :], mask=kmask, other=0)
+            if FP8:
+                code = byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            else:
+                code = ((byte.to(tl.int32) >> ((d % PER) * BITS)[None, :]) & LEVELS).to(tl.float32)
             if KEY_CODES == 1 and KROWS > 0:  # the tile's scale rows (KROWS of them), each spread over its tokens
                 rb = t0 // (BLOCK // KROWS) + tl.arange(0, KROWS)
                 rlive = rb * (BLOCK // KROWS) < tl.minimum(stop, coded)
@@ -123,8 +126,11 @@ def _decode(
         if VALUE_CODES == 0:
             v = tl.load(V + v_at[:, None] + dv[None, :], mask=vmask, other=0.0).to(tl.float32)
         else:
-            vbyte = tl.load(V + v_at[:, None] + (dv // PER)[None, :], mask=vmask, other=0).to(tl.int32)
-            vcode = ((vbyte >> ((dv % PER) * BITS)[None, :]) & LEVELS).to(tl.float32)
+            vbyte = tl.load(V + v_at[:, None] + (dv // PER)[None, :], mask=vmask, other=0)
+            if FP8:
+                vcode = vbyte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            else:
+                vcode = ((vbyte.to(tl.int32) >> ((dv % PER) * BITS)[None, :]) & LEVELS).to(tl.float32)
             if VGROUPS > 0:  # a token's VGROUPS scales, each spread over its group of channels
                 g = tl.arange(0, VGROUPS)
                 vsc_at = vs_at[:, None] + g[None, :]

@@ -54,12 +54,11 @@ constexpr int kMaxDim = 512;
 template <int BITS>
 KV_INLINE void unpack_split(const uint8_t* __restrict bytes, int dim, float* __restrict out) {
     constexpr int per_byte = 8 / BITS;
-    constexpr int mask = (1 << BITS) - 1;
     const int n = dim / per_byte;
     for (int j = 0; j < per_byte; ++j) {
         float* __restrict o = out + j * n;
 #pragma omp simd
-        for (int i = 0; i < n; ++i) o[i] = static_cast<float>((bytes[i] >> (BITS * j)) & mask);
+        for (int i = 0; i < n; ++i) o[i] = code_at<BITS>(bytes[i], BITS * j);
     }
 }
 
@@ -110,7 +109,6 @@ template <int BITS>
 KV_INLINE void unpack_scaled(const uint8_t* __restrict bytes, const float* __restrict scale, int dim, int group,
                              float* __restrict out) {
     constexpr int per_byte = 8 / BITS;
-    constexpr int mask = (1 << BITS) - 1;
     const int n = dim / per_byte, groups = dim / group, group_bytes = group / per_byte;
     for (int j = 0; j < per_byte; ++j)
         for (int g = 0; g < groups; ++g) {
@@ -118,7 +116,7 @@ KV_INLINE void unpack_scaled(const uint8_t* __restrict bytes, const float* __res
             float* __restrict o = out + j * n + g * group_bytes;
             const uint8_t* bg = bytes + g * group_bytes;
 #pragma omp simd
-            for (int i = 0; i < group_bytes; ++i) o[i] = static_cast<float>((bg[i] >> (BITS * j)) & mask) * sg;
+            for (int i = 0; i < group_bytes; ++i) o[i] = code_at<BITS>(bg[i], BITS * j) * sg;
         }
 }
 
@@ -740,8 +738,10 @@ KV_INLINE void weighted_rows(const float* p, int64_t p_row, int rows, int vgroup
         else token_scores_run<BITS>(q, rows, dim, group, codes, scale, minimum, first, last, out, out_row); \
     }
 KV_WRAP(8)
+#if !defined(KV_FP8)
 KV_WRAP(4)
 KV_WRAP(2)
+#endif
 
 // ---- the whole decode step in one pass ("flash decoding"): per (batch row, KV head, chunk of key
 // blocks) task, a tile of blocks is scored with the helpers above, folded into a running softmax
@@ -762,9 +762,14 @@ struct CodedKernels {
 };
 
 CodedKernels kernels_for(int bits) {
+#if defined(KV_FP8)
+    (void)bits;  // the entry points check bits == 8
+    return {key_scores_8, weighted_8, token_scores_8};
+#else
     if (bits == 8) return {key_scores_8, weighted_8, token_scores_8};
     if (bits == 4) return {key_scores_4, weighted_4, token_scores_4};
     return {key_scores_2, weighted_2, token_scores_2};
+#endif
 }
 
 // How a call's keys are coded, for the one pass: `scores` is handed `group` and a key block's codes,
@@ -1008,9 +1013,18 @@ void merge_chunks(float* states, int64_t chunks, const Dims& d, float* out, floa
     }
 }
 
+// The code widths this build reads: 8, 4 and 2 bits; the fp8 build (KV_FP8) bytes only.
+bool width_ok(int bits) {
+#if defined(KV_FP8)
+    return bits == 8;
+#else
+    return bits == 8 || bits == 4 || bits == 2;
+#endif
+}
+
 // Whether the library takes a one-pass decode of these sizes (per-token values in groups of vgroup).
 bool decode_sizes_ok(int rows, int dim, int vdim, int vgroup, int bits) {
-    if (bits != 8 && bits != 4 && bits != 2) return false;
+    if (!width_ok(bits)) return false;
     const int per_byte = 8 / bits;
     return rows >= 1 && rows <= kMaxRows && dim >= 1 && dim <= kMaxDim && vdim >= 1 && vdim <= kMaxDim &&
            dim % per_byte == 0 && vgroup >= 1 && vdim % vgroup == 0 && vgroup % per_byte == 0;
@@ -1018,7 +1032,7 @@ bool decode_sizes_ok(int rows, int dim, int vdim, int vgroup, int bits) {
 
 // Whether keys of dim channels coded per token in groups of `group` have sizes the library takes.
 bool token_keys_ok(int dim, int group, int bits) {
-    return (bits == 8 || bits == 4 || bits == 2) && dim >= 1 && dim <= kMaxDim && group >= 1 && dim % group == 0 &&
+    return width_ok(bits) && dim >= 1 && dim <= kMaxDim && group >= 1 && dim % group == 0 &&
            group % (8 / bits) == 0;
 }
 
@@ -1080,7 +1094,7 @@ int kv_coded_key_scores(const float* q, const uint8_t* codes, const float* scale
                         int64_t batch, int64_t heads, int rows, int dim, int group, int bits, int64_t nblk,
                         int64_t codes_b, int64_t codes_h, int64_t scale_b, int64_t scale_h, int64_t out_b,
                         int64_t out_h, int64_t out_row, int64_t chunk_blocks, int threads) {
-    if (rows < 1 || rows > kMaxRows || dim < 1 || dim > kMaxDim || dim % (8 / bits)) return 1;
+    if (!width_ok(bits) || rows < 1 || rows > kMaxRows || dim < 1 || dim > kMaxDim || dim % (8 / bits)) return 1;
     scores_in_chunks(kernels_for(bits).scores, q, codes, scale, minimum, out, batch, heads, rows, dim, group, nblk,
                      codes_b, codes_h, scale_b, scale_h, out_b, out_h, out_row, chunk_blocks, threads);
     return 0;
@@ -1106,10 +1120,12 @@ int kv_coded_weighted(const float* p, const uint8_t* codes, const float* scale, 
                       float* scratch, int64_t batch, int64_t heads, int rows, int dim, int vgroup, int bits,
                       int64_t tokens, int64_t p_b, int64_t p_h, int64_t p_row, int64_t codes_b, int64_t codes_h,
                       int64_t scale_b, int64_t scale_h, int64_t chunk_tokens, int threads) {
+    if (!width_ok(bits)) return 1;
     const int per_byte = 8 / bits;
     if (rows < 1 || rows > kMaxRows || dim < 1 || dim > kMaxDim || vgroup < 1 || dim % vgroup ||
         vgroup % per_byte)
         return 1;
+    const WeightedFn weighted = kernels_for(bits).weighted;
     const int groups = dim / vgroup, n = dim / per_byte;
     const int64_t chunks = tokens > 0 ? (tokens + chunk_tokens - 1) / chunk_tokens : 1;
     const int64_t tasks = batch * heads * chunks, part = static_cast<int64_t>(rows) * (dim + groups);
@@ -1124,9 +1140,7 @@ int kv_coded_weighted(const float* p, const uint8_t* codes, const float* scale, 
         const uint8_t* cb = codes + b * codes_b + h * codes_h;
         const float* sb = scale + b * scale_b + h * scale_h;
         const float* zb = minimum + b * scale_b + h * scale_h;
-        if (bits == 8) weighted_8(pb, p_row, rows, dim, vgroup, cb, sb, zb, first, last, acc, zacc);
-        else if (bits == 4) weighted_4(pb, p_row, rows, dim, vgroup, cb, sb, zb, first, last, acc, zacc);
-        else weighted_2(pb, p_row, rows, dim, vgroup, cb, sb, zb, first, last, acc, zacc);
+        weighted(pb, p_row, rows, dim, vgroup, cb, sb, zb, first, last, acc, zacc);
     }
     // Sum the chunks, and put the channels back in order: element per_byte * i + j sits at j * n + i.
 #pragma omp parallel for schedule(static) num_threads(threads)

@@ -7,7 +7,8 @@
 //   load16 / loadw   floats, or bfloat16 bits widened in registers (a bfloat16 is the top half of a float32)
 //   sums16  lane t = the sum of the 16 lanes of part[t], for 16 vectors at once
 //   hsum16  the sum of one vector's 16 lanes
-//   codes_w / codes16   codes of BITS bits as floats, widened in registers from bytes
+//   codes_w / codes16   codes of BITS bits as floats, widened in registers from bytes (KV_FP8: e4m3 bytes)
+//   code_at             one code as a float
 //   exp_nonpositive     e^x for x <= 0, on a float or a vw
 //   exp_and_sum         a row of scores turned into their softmax numerators, and their sum
 //   to_split            a row of floats in the coded kernels' split channel order
@@ -76,11 +77,61 @@ KV_INLINE vw loadw(const float* p) {
 
 KV_INLINE vw loadw(const bf16* p) { return widen_bits<vw, hw, iw>(p); }
 
+#if defined(KV_FP8)
+// ---- e4m3 codes (the coded library's fp8 build: coded_decode.cpp compiled with KV_FP8): each byte
+// is a float of 1 sign, 4 exponent (bias 7) and 3 mantissa bits, subnormal below exponent 1, with
+// no infinities (0x7f/0xff are NaN, which the coder never writes). kE4M3[b]: the value of byte b.
+struct E4M3Values {
+    float value[256];
+    E4M3Values() {
+        for (int b = 0; b < 256; ++b) {
+            const int e = (b >> 3) & 15, m = b & 7;
+            const float mag = e ? __builtin_ldexpf(8.f + m, e - 10) : __builtin_ldexpf(static_cast<float>(m), -9);
+            value[b] = b & 0x80 ? -mag : mag;
+        }
+    }
+};
+inline const E4M3Values kE4M3{};
+#endif
+
+// The code at `shift` of a byte, as a float: (byte >> shift) & (2^BITS - 1), or (KV_FP8) the
+// e4m3 value of the byte (BITS 8).
+template <int BITS>
+KV_INLINE float code_at(uint8_t byte, int shift) {
+#if defined(KV_FP8)
+    static_assert(BITS == 8, "fp8 codes are bytes");
+    return kE4M3.value[byte];
+#else
+    return static_cast<float>((byte >> shift) & ((1 << BITS) - 1));
+#endif
+}
+
 // kW floats from kW bytes: (byte >> shift) & (2^BITS - 1), each a code of BITS bits (shift 0 for 8).
+// KV_FP8: each byte's e4m3 value. With F16C the byte goes into the top of a 16-bit word, its
+// exponent and mantissa one bit lower (arithmetic shift, the sign's copy cleared): a float16 of
+// 2^-8 times the value (float16's exponent bias is 8 more, subnormals line up), widened by vcvtph2ps.
 template <int BITS>
 KV_INLINE vw codes_w(const uint8_t* p, int shift) {
     constexpr int mask = (1 << BITS) - 1;
+#if defined(KV_FP8) && defined(__F16C__) && defined(__AVX2__)
+    static_assert(BITS == 8, "fp8 codes are bytes");
+    (void)mask;
+    (void)shift;
 #if defined(__AVX512F__)
+    const __m256i hi = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 8);
+    const __m256i h = _mm256_and_si256(_mm256_srai_epi16(hi, 1), _mm256_set1_epi16(static_cast<short>(0xBFFF)));
+    return (vw)_mm512_cvtph_ps(h) * 256.f;
+#else
+    const __m128i hi = _mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), 8);
+    const __m128i h = _mm_and_si128(_mm_srai_epi16(hi, 1), _mm_set1_epi16(static_cast<short>(0xBFFF)));
+    return (vw)_mm256_cvtph_ps(h) * 256.f;
+#endif
+#elif defined(KV_FP8)
+    (void)mask;
+    vw v;
+    for (int i = 0; i < kW; ++i) v[i] = code_at<BITS>(p[i], shift);
+    return v;
+#elif defined(__AVX512F__)
     __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     if (BITS < 8) x = _mm512_and_si512(_mm512_srl_epi32(x, _mm_cvtsi32_si128(shift)), _mm512_set1_epi32(mask));
     return (vw)_mm512_cvtepi32_ps(x);
@@ -198,7 +249,8 @@ KV_INLINE float hsum16(v16 a) {
 //   dot_pairs   acc + the pairwise sums of a * b
 //   lane_sums   lane t = the sum of the kW lanes of part[t], as floats
 //   interleave_lo / interleave_hi / pair_words   two tokens' words in pairs, and a pair of weights in every lane
-#if (defined(__AVX512F__) && defined(__AVX512BW__)) || (defined(__AVX2__) && !defined(__AVX512F__))
+// Not for e4m3 codes (KV_FP8): their values are not small integers.
+#if ((defined(__AVX512F__) && defined(__AVX512BW__)) || (defined(__AVX2__) && !defined(__AVX512F__))) && !defined(KV_FP8)
 #define KV_INT_DOTS 1
 typedef int16_t ww __attribute__((vector_size(4 * kW)));
 constexpr int kWords = 2 * kW;

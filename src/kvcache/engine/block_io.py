@@ -156,6 +156,7 @@ class OpenBlockIO:
             (coded["vcodes"], coded["vscale"], coded["vmin"]),
             pool.format.bits, pool.format.group_of(pool.value_dim), step.decode_tables, self.decode_coded,
             tail["keys"], tail["values"], self.decode_tails.to(torch.int32), self.decode_open, scale,
+            fp8=pool.format.fp8,
         )  # fmt: skip
         if got is not None:
             return got.reshape(seqs, q_heads, -1)

@@ -2,7 +2,7 @@
 
 - ``"growable"``: full-precision blocks in the model's dtype (``formats.FullPrecision``);
 - ``"quantized:bits=8"`` (or 4, 2; ``group_size`` = channels per value group, default 64 or the
-  value head dim if smaller): coded blocks (``formats.Codes``, keys per channel over the block) with
+  value head dim if smaller; ``codes=fp8``: e4m3 codes, 8 bits): coded blocks (``formats.Codes``, keys per channel over the block) with
   one full-precision open block per running request. The kind's ``residual`` is not an option here: the open block is the
   engine's exact residual (between 1 and ``block_size`` recent tokens).
 - a bounded kind (``"window:window=1024,sinks=4"``, ``"h2o:budget=256"``, ``"snapkv:budget=0.25"``,
@@ -61,8 +61,9 @@ def make_pool(
     tails = 0
     format: Format = FullPrecision(g.dtype)
     if spec.kind == "quantized":
-        bits = int(spec.options.get("bits", 4))
-        format = Codes(bits, int(spec.options.get("group_size", min(64, g.head_dim))), key_block=block_size)
+        fp8 = spec.options.get("codes", "int") == "fp8"
+        bits = int(spec.options.get("bits", 8 if fp8 else 4))
+        format = Codes(bits, int(spec.options.get("group_size", min(64, g.head_dim))), key_block=block_size, fp8=fp8)
         tails = max(max_seqs, 2)
     per_block = block_bytes(format, *shape, g.dtype if format.exact else torch.float32)
     fixed = tails * block_bytes(FullPrecision(torch.float32), *shape, torch.float32)

@@ -7,7 +7,8 @@ attention reads straight also answers ``base.CodedFormat`` (its bits and groups,
 for the query and output). Three formats exist:
 
 - ``FullPrecision``: the keys and values as computed, in their dtype;
-- ``Codes``: int8/int4/int2 codes with a scale and minimum per group. Values are coded per token
+- ``Codes``: int8/int4/int2 codes with a scale and minimum per group, or fp8 (e4m3) codes with a
+  scale and midpoint per group (``fp8.py``). Values are coded per token
   in groups of channels; keys either per token the same way (a slot can then be overwritten alone:
   what evicting layers need) or per channel over a block of ``key_block`` tokens (KIVI: keys have
   outlier channels; a block is written whole: the quantized layer and the engine's coded pool);
@@ -29,16 +30,18 @@ from .rotated import Rotated
 STORAGES = ("full", "int8", "int4", "int2")
 #: ... and codes of rotated keys and values.
 ROTATED = ("full", "int8h", "int4h", "int2h")
-#: Every slot storage name.
-SLOT_STORAGES = (*STORAGES, *ROTATED[1:])
+#: Every slot storage name (fp8: e4m3 codes, beside the integer ones).
+SLOT_STORAGES = (*STORAGES, *ROTATED[1:], "fp8")
 
 
 def format_named(name: str, group: int = 64) -> Format:
     """The slot format a ``storage=`` option names: ``full``; ``int8``/``int4``/``int2`` coded per
     token (keys too) in groups of ``group`` channels; ``int8h``/``int4h``/``int2h`` the same over
-    rotated keys and values."""
+    rotated keys and values; ``fp8`` e4m3 codes per token in groups of ``group`` channels."""
     if name == "full":
         return FullPrecision()
+    if name == "fp8":
+        return Codes(8, group, fp8=True)
     if name in STORAGES[1:]:
         return Codes(int(name[3:]), group)
     if name in ROTATED[1:]:

@@ -59,6 +59,8 @@ class CodedFormat(Format, Protocol):
 
     #: Bits a code: 8, 4 or 2.
     bits: int
+    #: Whether a code is an e4m3 float (``fp8.py``; 8 bits) rather than an integer.
+    fp8: bool
 
     def group_of(self, dim: int) -> int:
         """Channels per (scale, minimum) pair of a token's code of ``dim`` channels."""

@@ -31,11 +31,12 @@ _VALUE_SAVED = SAVED[3:]
 
 
 class CodedStore:
-    """Codes of ``bits`` bits by blocks of ``group_size`` tokens, and ``residual`` exact tokens."""
+    """Codes of ``bits`` bits (e4m3 with ``fp8``) by blocks of ``group_size`` tokens, and
+    ``residual`` exact tokens."""
 
-    def __init__(self, bits: int, group_size: int, residual: int) -> None:
+    def __init__(self, bits: int, group_size: int, residual: int, fp8: bool = False) -> None:
         self.bits, self.group_size, self.residual = bits, group_size, residual
-        self.format = Codes(bits, group_size, key_block=group_size)
+        self.format = Codes(bits, group_size, key_block=group_size, fp8=fp8)
         self.keys = SlotStore(layout=self._key_layout)
         self.values = SlotStore(layout=self._value_layout)
         #: Slots in use: ``seen - quantized_keys`` and ``seen - quantized_values``.

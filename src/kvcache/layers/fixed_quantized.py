@@ -30,9 +30,12 @@ class FixedQuantizedLayer(FixedDecodeAttention, QuantizedLayer):
     """``quantized`` whose decode steps keep fixed shapes, for at most ``capacity`` tokens (rounded
     up to a multiple of ``group_size``). Same kind, options and saved state as ``QuantizedLayer``."""
 
-    def __init__(self, bits: int = 4, group_size: int = 64, residual: int = 32, block: int = 512, *, capacity: int) -> None:
+    def __init__(
+        self, bits: int | None = None, group_size: int = 64, residual: int = 32, block: int = 512, codes: str = "int", *,
+        capacity: int,
+    ) -> None:  # fmt: skip
         self.seen_counter = Counter()
-        super().__init__(bits, group_size, residual, block)
+        super().__init__(bits, group_size, residual, block, codes)
         if int(capacity) < 1:
             raise ValueError(f"capacity must be a positive number of tokens, got {capacity}")
         self.token_capacity = math.ceil(int(capacity) / self.group_size) * self.group_size

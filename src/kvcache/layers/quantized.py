@@ -1,4 +1,5 @@
-"""int8/int4/int2 storage with a full-precision residual of recent tokens (KIVI, Liu et al., 2024).
+"""int8/int4/int2 storage with a full-precision residual of recent tokens (KIVI, Liu et al., 2024);
+fp8 (e4m3) codes in the same layout with ``codes="fp8"`` (``formats/fp8.py``).
 
 Keys are quantized per channel over blocks of ``group_size`` tokens (keys have outlier channels,
 so each channel gets its own range); values per token, in groups of ``group_size`` channels. Codes
@@ -32,6 +33,9 @@ import torch
 from ..attention import BlockReader, Reads, device_kernels, fused
 from ..errors import UnsupportedOperation
 from ..formats.quant import BITS
+
+#: What a code is: an integer (``bits`` wide) or an e4m3 float (8 bits).
+CODES = ("int", "fp8")
 from .checks import Geometry
 from .codes import CodedStore
 from .options import Option
@@ -45,18 +49,29 @@ class QuantizedLayer(OwnAttentionLayer):
 
     kind = "quantized"
     exact = False  # type: ignore[assignment]
-    spec_options = {"bits": Option(int), "group_size": Option(int, least=1), "residual": Option(int, least=0)}
+    spec_options = {
+        "bits": Option(int), "group_size": Option(int, least=1), "residual": Option(int, least=0), "codes": Option(str),
+    }  # fmt: skip
     keyword_options = {"block": Option(int, least=1)}
     spec_order = 3
 
-    def __init__(self, bits: int = 4, group_size: int = 64, residual: int = 32, block: int = 512) -> None:
+    def __init__(
+        self, bits: int | None = None, group_size: int = 64, residual: int = 32, block: int = 512, codes: str = "int"
+    ) -> None:
         super().__init__()
+        if codes not in CODES:
+            raise ValueError(f"codes must be one of {CODES} (integer or e4m3 codes), got {codes!r}")
+        if bits is None:
+            bits = 8 if codes == "fp8" else 4
         if int(bits) not in BITS:
             raise ValueError(f"bits must be one of {BITS}, got {bits}")
+        if codes == "fp8" and int(bits) != 8:
+            raise ValueError(f"fp8 codes are 8 bits; drop bits or give bits=8, got bits={bits}")
         checked = self.check_options(bits=bits, group_size=group_size, residual=residual, block=block)
         self.bits, self.group_size, self.residual = checked["bits"], checked["group_size"], checked["residual"]
         self.block = max(self.group_size, checked["block"] // self.group_size * self.group_size)
-        self.codes = CodedStore(self.bits, self.group_size, self.residual)
+        self.fp8 = codes == "fp8"
+        self.codes = CodedStore(self.bits, self.group_size, self.residual, fp8=self.fp8)
         self._viewed: tuple[torch.Tensor, torch.Tensor] | tuple[None, None] | None = None
         self._viewed_at: tuple[int, int] | None = None  # (codes.version, seen) of _viewed
         self._reset_storage()
@@ -180,7 +195,8 @@ class QuantizedLayer(OwnAttentionLayer):
             self.geometry = replace(self.geometry, batch=self.codes.rebatch(fn))
 
     def options(self) -> dict[str, Any]:
-        return {"bits": self.bits, "group_size": self.group_size, "residual": self.residual, "block": self.block}
+        options = {"bits": self.bits, "group_size": self.group_size, "residual": self.residual, "block": self.block}
+        return {**options, "codes": "fp8"} if self.fp8 else options
 
     def state(self) -> LayerState:
         return LayerState(self.kind, self.options(), self.seen, self.codes.saved())
@@ -188,6 +204,11 @@ class QuantizedLayer(OwnAttentionLayer):
     def check_state(self, state: LayerState) -> None:
         if state.kind != self.kind:
             raise ValueError(f"state of kind {state.kind!r} cannot load into a {self.kind!r} layer")
+        theirs = state.options.get("codes", "int") if isinstance(state.options, dict) else "int"
+        if theirs != ("fp8" if self.fp8 else "int"):  # the same shapes: only the options tell them apart
+            raise ValueError(
+                f"state holds {theirs} codes; this layer keeps {'fp8' if self.fp8 else 'int'} codes (its codes option)"
+            )
         if not state.tensors:
             if int(state.seen):
                 raise ValueError(f"quantized layer state holds no tokens but {state.seen} seen")
@@ -249,7 +270,8 @@ class StoreReader(BlockReader):
         layer, codes = self.layer, self.layer.codes
         tk = codes.quantized_keys
         k = codes.keys.tensors  # whole buffers, read up to tk: not even a view is made of the codes
-        scores = fused.key_scores(query, k["kcodes"], k["kscale"], k["kmin"], layer.bits, tk // layer.group_size, layer.seen)
+        scores = fused.key_scores(query, k["kcodes"], k["kscale"], k["kmin"], layer.bits, tk // layer.group_size, layer.seen,
+                                   fp8=layer.fp8)
         if scores is not None and layer.seen > tk:
             exact = codes.exact_keys[:, :, : layer.seen - tk]
             scores[..., tk:] = torch.matmul(query, exact.transpose(-1, -2))
@@ -261,7 +283,8 @@ class StoreReader(BlockReader):
         layer, codes = self.layer, self.layer.codes
         tv = codes.quantized_values
         v = codes.values.tensors
-        out = fused.weighted_values(weights[..., :tv], v["vcodes"], v["vscale"], v["vmin"], layer.bits, layer.value_group)
+        out = fused.weighted_values(weights[..., :tv], v["vcodes"], v["vscale"], v["vmin"], layer.bits, layer.value_group,
+                                    fp8=layer.fp8)
         if out is None:
             return None
         if layer.seen > tv:
@@ -287,7 +310,7 @@ class StoreReader(BlockReader):
             whole = device_kernels.quantized_decode(
                 query, (k["kcodes"], k["kscale"], k["kmin"]), (v["vcodes"], v["vscale"], v["vmin"]), layer.bits,
                 layer.value_group, codes.quantized_keys, codes.quantized_values, codes.exact_keys, codes.exact_values,
-                layer.seen, scale, softcap,
+                layer.seen, scale, softcap, fp8=layer.fp8,
             )  # fmt: skip
             if whole is not None:
                 return whole[0].to(query.dtype), whole[1]
@@ -297,10 +320,10 @@ class StoreReader(BlockReader):
         keys, values = (k["kcodes"], k["kscale"], k["kmin"]), (v["vcodes"], v["vscale"], v["vmin"])
         blocks, tail = coded // layer.group_size, self._exact_tail(coded)
         if tail is not None:  # the usual case: the tail in the same library call
-            whole = fused.decode_attention(query, keys, values, layer.bits, blocks, layer.value_group, scale, softcap, tail)
+            whole = fused.decode_attention(query, keys, values, layer.bits, blocks, layer.value_group, scale, softcap, tail, fp8=layer.fp8)
             if whole is not None:
                 return whole[0].to(query.dtype), whole[1]
-        head = fused.decode_attention(query, keys, values, layer.bits, blocks, layer.value_group, scale, softcap)
+        head = fused.decode_attention(query, keys, values, layer.bits, blocks, layer.value_group, scale, softcap, fp8=layer.fp8)
         if head is None:
             return None
         out, lse = head

@@ -15,6 +15,7 @@ full-precision keys and values for attention.
 - ``int8h`` / ``int4h`` / ``int2h``: the same codes of the keys and values turned by a Hadamard
   rotation (``formats/rotated.py``). A decode step from the codes turns the query the same way and
   the output back.
+- ``fp8``: e4m3 codes (``formats/fp8.py``) per token in groups of channels, as ``int8`` lays them out.
 """
 
 from __future__ import annotations
@@ -124,14 +125,16 @@ class SlotCodesReader(BlockReader):
         """Scores float32 ``[B, Hkv, R, length]`` of scaled query rows ``[B, Hkv, R, D]`` straight
         from the key codes, or None when the library cannot run."""
         turned = self.format.rotate(query)
-        return fused.token_key_scores(turned, *self._codes("k"), self.format.bits, self._group("k"), self.length)
+        return fused.token_key_scores(
+            turned, *self._codes("k"), self.format.bits, self._group("k"), self.length, fp8=self.format.fp8
+        )
 
     def decode_values(self, weights: torch.Tensor) -> torch.Tensor | None:
         """``weights @ values`` ``[B, Hkv, R, Dv]`` in the weights' dtype for weights ``[B, Hkv, R,
         length]`` straight from the value codes, or None when the library cannot run."""
         if torch.is_grad_enabled() and weights.requires_grad:  # the library computes no gradients
             return None
-        out = fused.weighted_values(weights, *self._codes("v"), self.format.bits, self._group("v"))
+        out = fused.weighted_values(weights, *self._codes("v"), self.format.bits, self._group("v"), fp8=self.format.fp8)
         return None if out is None else self.format.unrotate(out).to(weights.dtype)
 
     def decode_attention(
@@ -143,11 +146,13 @@ class SlotCodesReader(BlockReader):
         (the library cannot run, or no slots)."""
         keys, values, groups = self._codes("k"), self._codes("v"), (self._group("k"), self._group("v"))
         turned = self.format.rotate(query)
-        done = device_kernels.token_coded_decode(turned, keys, values, self.format.bits, self.length, *groups, scale, softcap)
+        done = device_kernels.token_coded_decode(
+            turned, keys, values, self.format.bits, self.length, *groups, scale, softcap, fp8=self.format.fp8
+        )
         return None if done is None else (self.format.unrotate(done[0]).to(query.dtype), done[1])
 
 
 def get_storage(name: str) -> Slots:
-    """The slots a ``storage=`` option names (``full``, ``int8``, ``int4``, ``int2``, and
-    ``int8h``, ``int4h``, ``int2h`` over rotated keys and values)."""
+    """The slots a ``storage=`` option names (``full``, ``int8``, ``int4``, ``int2``,
+    ``int8h``, ``int4h``, ``int2h`` over rotated keys and values, and ``fp8``)."""
     return Slots(format_named(name))
