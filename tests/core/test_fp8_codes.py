@@ -295,6 +295,49 @@ def test_a_state_loads_only_into_a_layer_of_its_own_codes():
         again.load_state(filled_int_state())
 
 
+def test_specs_name_fp8_codes_and_refuse_what_they_cannot_be():
+    from kvcache import Engine, make_cache
+
+    from helpers import model_for
+
+    model = model_for("llama")
+    layer = make_cache(model, "quantized:codes=fp8,group_size=16").layers[0].layer
+    assert layer.fp8 and layer.bits == 8
+    with pytest.raises(ValueError, match="fp8 codes are 8 bits"):
+        make_cache(model, "quantized:codes=fp8,bits=4")
+    with pytest.raises(ValueError, match="codes must be one of"):
+        Engine(model, "quantized:codes=e5m2", block_size=8, blocks=8)
+
+
+@pytest.mark.usefixtures("library")
+def test_generation_over_fp8_codes_with_the_library_on_and_off(monkeypatch):
+    """A quantized layer's fp8 codes under ``generate``: the same tokens with the coded library and
+    with the PyTorch path (blocks dequantized), the logits within the tiny models' float32 tolerance."""
+    import kvcache
+    from kvcache import cache_kwargs
+
+    from helpers import attention_for, model_for, prompt
+
+    model = model_for("llama")
+
+    def run():
+        cache = kvcache.make_cache(model, "quantized:codes=fp8,group_size=16,residual=4")
+        with torch.no_grad(), attention_for(model, cache):
+            out = model.generate(prompt(60, seed=5), **cache_kwargs(model, cache), max_new_tokens=16, do_sample=False,
+                                 output_logits=True, return_dict_in_generate=True)  # fmt: skip
+        return out.sequences, torch.stack(out.logits)
+
+    calls = []
+    real = fused.decode_attention
+    monkeypatch.setattr(fused, "decode_attention", lambda *a, **k: calls.append(k.get("fp8")) or real(*a, **k))
+    tokens, logits = run()
+    assert calls and set(calls) == {True}
+    monkeypatch.setenv(DISABLE_ENV, "1")
+    plain_tokens, plain_logits = run()
+    assert torch.equal(tokens, plain_tokens)
+    torch.testing.assert_close(logits, plain_logits, rtol=1e-4, atol=1e-4)
+
+
 def filled_int_state():
     layer = QuantizedLayer(bits=8, group_size=32, residual=8)
     layer.update(torch.randn(1, 2, 50, 64), torch.randn(1, 2, 50, 64))

@@ -254,7 +254,7 @@ class Spy:
         ("h2o", {}, {"token_key_scores": 1, "weighted_values": 1}),  # weights asked: the two products
     ],
 )
-@pytest.mark.parametrize("storage", ["int8", "int4", "int2", "int8h", "int4h", "int2h"])
+@pytest.mark.parametrize("storage", ["int8", "int4", "int2", "int8h", "int4h", "int2h", "fp8"])
 def test_layer_attention_over_the_codes_matches_the_dequantized_slots(monkeypatch, policy, options, fused_calls, storage):
     layer = filled_layer(policy, storage, **options)
     keys, values = (t.repeat_interleave(2, dim=1) for t in layer.view())
@@ -312,7 +312,7 @@ def decode_logits(model, spec):
 @pytest.mark.parametrize(
     "spec,read_by",
     [("snapkv:budget=40,storage=int4", "token_decode_attention"), ("h2o:budget=40,storage=int8", "token_key_scores"),
-     ("snapkv:budget=40,storage=int4h", "token_decode_attention")],
+     ("snapkv:budget=40,storage=int4h", "token_decode_attention"), ("snapkv:budget=40,storage=fp8", "token_decode_attention")],
 )
 def test_generation_with_the_library_on_and_off(monkeypatch, spec, read_by):
     """The same tokens either way; the logits within the tiny models' float32 tolerance (``helpers``:

@@ -17,12 +17,15 @@ import torch
 from transformers import DynamicCache
 
 from kvcache import cache_kwargs
+from kvcache.formats import fp8 as e4m3
 from kvcache.formats import quant
 
 
 def coded_reference(
-    model, prompt: list[int], new_tokens: int, bs: int, bits: int, group: int, chunks: list[int] | None = None
+    model, prompt: list[int], new_tokens: int, bs: int, bits: int, group: int, chunks: list[int] | None = None,
+    fp8: bool = False,
 ) -> tuple[list[int], list[float]]:
+    """``fp8``: blocks coded as e4m3 (``kvcache.formats.fp8``) instead of ``bits``-bit integers."""
     chunks = chunks or [len(prompt)]
     assert sum(chunks) == len(prompt)
     cache = DynamicCache(config=model.config)
@@ -31,7 +34,7 @@ def coded_reference(
         for n in chunks:
             logits = _forward(model, cache, tokens[done : done + n], done)
             done += n
-            coded = _code_filled(cache, coded, done, bs, bits, group)
+            coded = _code_filled(cache, coded, done, bs, bits, group, fp8)
         for _ in range(new_tokens):
             top = logits.float().topk(2)
             gaps.append(float(top.values[0] - top.values[1]))
@@ -40,7 +43,7 @@ def coded_reference(
                 break
             logits = _forward(model, cache, tokens[-1:], done)
             done += 1
-            coded = _code_filled(cache, coded, done, bs, bits, group)
+            coded = _code_filled(cache, coded, done, bs, bits, group, fp8)
     return tokens[len(prompt) :], gaps
 
 
@@ -54,7 +57,7 @@ def _forward(model, cache, ids: list[int], start: int) -> torch.Tensor:
     return out.logits[0, -1]
 
 
-def _code_filled(cache: DynamicCache, coded: int, length: int, bs: int, bits: int, group: int) -> int:
+def _code_filled(cache: DynamicCache, coded: int, length: int, bs: int, bits: int, group: int, fp8: bool) -> int:
     """Quantize-dequantize blocks ``coded // bs`` up to the last full block of ``length`` tokens."""
     full = length // bs * bs
     if full <= coded:
@@ -63,9 +66,12 @@ def _code_filled(cache: DynamicCache, coded: int, length: int, bs: int, bits: in
         for side, per_token in ((layer.keys, False), (layer.values, True)):
             for start in range(coded, full, bs):
                 block = side[:, :, start : start + bs].float()
-                if per_token:
-                    q = quant.quantize_per_token(block, bits, group)
-                    block = quant.dequantize_per_token(q, group)
+                if per_token and fp8:
+                    block = e4m3.dequantize_per_token(e4m3.quantize_per_token(block, group), group)
+                elif per_token:
+                    block = quant.dequantize_per_token(quant.quantize_per_token(block, bits, group), group)
+                elif fp8:
+                    block = e4m3.dequantize_per_channel(e4m3.quantize_per_channel(block))
                 else:
                     block = quant.dequantize_per_channel(quant.quantize_per_channel(block, bits))
                 side[:, :, start : start + bs] = block.to(side.dtype)

@@ -62,16 +62,16 @@ def run(engine: Engine, prompts, new=NEW):
     return handles, chunks
 
 
-def assert_match_coded(model, prompts, handles, chunks, bs, bits, group, new=NEW, most_ties=0):
+def assert_match_coded(model, prompts, handles, chunks, bs, bits, group, new=NEW, most_ties=0, fp8=False):
     ties = 0
     for i, (p, h) in enumerate(zip(prompts, handles)):
         recorded = chunks[h.id]
         if sum(reference_chunks(recorded)) != len(p):  # a recomputation's decode rows: the prompt grew
             extra = sum(reference_chunks(recorded)) - len(p)
             p_ref, out = p + h.result()[:extra], h.result()[extra:]
-            expected = coded_reference(model, p_ref, new - extra, bs, bits, group, reference_chunks(recorded))
+            expected = coded_reference(model, p_ref, new - extra, bs, bits, group, reference_chunks(recorded), fp8)
         else:
-            out, expected = h.result(), coded_reference(model, p, new, bs, bits, group, reference_chunks(recorded))
+            out, expected = h.result(), coded_reference(model, p, new, bs, bits, group, reference_chunks(recorded), fp8)
         ties += same_or_near_tie(out, expected, f"request {i} ({len(p)} tokens, chunks {recorded})")
     assert ties <= most_ties
 
@@ -92,6 +92,18 @@ def test_every_request_matches_the_coded_reference(model, bits, bs, budget):
     prompts = compositions(bs)
     handles, chunks = run(engine, prompts)
     assert_match_coded(model, prompts, handles, chunks, bs, bits, group)
+
+
+@pytest.mark.parametrize("bs,budget", [(8, 512), (16, 13)])
+def test_fp8_blocks_match_the_coded_reference(model, bs, budget):
+    """``quantized:codes=fp8``: e4m3 blocks (``formats/fp8.py``), read by the coded library's fp8 build."""
+    group = 8
+    engine = Engine(model, f"quantized:codes=fp8,group_size={group}", block_size=bs, blocks=64,
+                    max_batch_tokens=budget, max_seqs=4, share_prefixes=False)  # fmt: skip
+    assert engine.pool.format.fp8 and engine.pool.format.name == "fp8"
+    prompts = compositions(bs)
+    handles, chunks = run(engine, prompts)
+    assert_match_coded(model, prompts, handles, chunks, bs, 8, group, fp8=True)
 
 
 def test_shared_coded_blocks_match_the_reference_and_are_computed_once(model):

@@ -61,6 +61,7 @@ CASES = [
     ("llama", "quantized:bits=8,group_size=4,residual=3"),
     ("llama", "quantized:bits=4,group_size=4,residual=0"),
     ("llama", "quantized:bits=4,group_size=8,residual=2"),
+    ("llama", "quantized:codes=fp8,group_size=4,residual=3"),  # e4m3 codes: float8 casts in the graph
 ]
 
 #: Token capacity of the compiled quantized layers in these tests (``compile=`` a number).

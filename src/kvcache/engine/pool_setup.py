@@ -25,6 +25,7 @@ from ..errors import UnsupportedOperation
 from ..formats import Codes, Format, FullPrecision
 from ..formats.blocks import block_bytes
 from ..hf.spec import CacheSpec, parse_spec
+from ..layers.quantized import CODES
 from ..persist.fingerprint import AmbiguousGlobalPerLayerAttributeError, text_config
 from .pool import BlockPool
 
@@ -61,7 +62,10 @@ def make_pool(
     tails = 0
     format: Format = FullPrecision(g.dtype)
     if spec.kind == "quantized":
-        fp8 = spec.options.get("codes", "int") == "fp8"
+        codes = spec.options.get("codes", "int")
+        if codes not in CODES:
+            raise ValueError(f"codes must be one of {CODES} (integer or e4m3 codes), got {codes!r}")
+        fp8 = codes == "fp8"
         bits = int(spec.options.get("bits", 8 if fp8 else 4))
         format = Codes(bits, int(spec.options.get("group_size", min(64, g.head_dim))), key_block=block_size, fp8=fp8)
         tails = max(max_seqs, 2)
