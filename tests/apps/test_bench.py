@@ -299,18 +299,19 @@ def test_resume_round_trips_and_floor(tiny_results):
 
 def test_attention_quantized_rows(tiny_results):
     """The quantized part: every contender at every (batch, T), bytes read as the layouts say
-    (int8 a quarter of fp32 plus scales and the residual, int4 less again), outputs near fp32's."""
+    (int8 and fp8 a quarter of fp32 plus scales and the residual, int4 less again), outputs near fp32's."""
     _, result = tiny_results("attention")
     rows = result["quantized_rows"]
     cases = {(r["batch"], r["tokens"]) for r in rows}
-    assert len(rows) == 5 * len(cases)
+    assert len(rows) == 7 * len(cases)
     for batch, tokens in cases:
         by = {r["contender"]: r for r in rows if (r["batch"], r["tokens"]) == (batch, tokens)}
-        assert set(by) == {"fp32", "int8", "int4", "int8-pytorch", "int4-pytorch"}
+        assert set(by) == {"fp32", "int8", "int4", "fp8", "int8-pytorch", "int4-pytorch", "fp8-pytorch"}
         assert by["fp32"]["bytes_read"] == 2 * batch * 3 * tokens * 64 * 4
-        assert by["int4"]["bytes_read"] < by["int8"]["bytes_read"] < by["fp32"]["bytes_read"] / 2
+        assert by["int4"]["bytes_read"] < by["int8"]["bytes_read"] == by["fp8"]["bytes_read"] < by["fp32"]["bytes_read"] / 2
         assert by["int8"]["bytes_read"] == by["int8-pytorch"]["bytes_read"]
         assert by["int8"]["max_abs_diff_vs_fp32"] < 0.05 and by["int4"]["max_abs_diff_vs_fp32"] < 0.5
+        assert by["fp8"]["max_abs_diff_vs_fp32"] < 0.1  # 3 mantissa bits: coarser than int8's 256 levels a group
         for r in by.values():
             assert r["ms"] > 0 and r["bandwidth_fraction"] > 0 and len(r["samples_ms"]) > 0
 
@@ -321,13 +322,13 @@ def test_attention_paged_rows(tiny_results):
     _, result = tiny_results("attention")
     rows = result["paged_rows"]
     sizes = {r["block_size"] for r in rows}
-    assert len(rows) == 4 * len(sizes)
+    assert len(rows) == 5 * len(sizes)
     for bs in sizes:
         by = {r["contender"]: r for r in rows if r["block_size"] == bs}
-        assert set(by) == {"paged", "paged-bf16", "paged-int8", "dense"}
+        assert set(by) == {"paged", "paged-bf16", "paged-int8", "paged-fp8", "dense"}
         assert by["paged-bf16"]["bytes_read"] * 2 == by["paged"]["bytes_read"] == 2 * by["paged"]["tokens"] * 3 * 64 * 4
-        assert by["paged-int8"]["bytes_read"] < by["paged-bf16"]["bytes_read"]
-        near = {"paged": 1e-4, "paged-bf16": 2e-2, "paged-int8": 0.05, "dense": 0.0}
+        assert by["paged-int8"]["bytes_read"] == by["paged-fp8"]["bytes_read"] < by["paged-bf16"]["bytes_read"]
+        near = {"paged": 1e-4, "paged-bf16": 2e-2, "paged-int8": 0.05, "paged-fp8": 0.1, "dense": 0.0}
         for name, r in by.items():
             assert r["max_abs_diff_vs_dense"] <= near[name], (name, r["max_abs_diff_vs_dense"])
             assert r["ms"] > 0 and r["bandwidth_fraction"] > 0 and len(r["samples_ms"]) > 0

@@ -1,7 +1,8 @@
 """``KVCACHE_ISA`` caps the instruction set the C++ libraries are built for, so this machine tests
 the code a CPU with less would run: the float decode library's tests (dense and paged decode
-against SDPA, shared-prefix attention against per-row SDPA), the coded decode library's (against
-attention over the dequantized keys and values) and the panel linear library's (against float64
+against SDPA, shared-prefix attention against per-row SDPA), the coded decode library's, its fp8
+build's too (against attention over the dequantized keys and values; the fp8 build also under the
+generic cap, which reads e4m3 bytes from a table instead of with F16C) and the panel linear library's (against float64
 matrix products) pass when they are built for AVX2+FMA (the generic baseline on a CPU without
 AVX2), in a fresh process whose extension folder holds only that cap's builds; where the CPU has
 AVX-512 BF16, the panel library's and the bfloat16 attention library's bfloat16 tests pass built for
@@ -48,10 +49,21 @@ def test_the_kernels_pass_their_tests_built_for_a_capped_isa(isa):
     done = run(["-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider", "-W", "error::RuntimeWarning",
                 "tests/core/test_native_decode.py", "tests/engine/test_shared_prefix.py", "tests/core/test_panels.py",
                 "tests/core/test_fused_coded_decode.py", "tests/core/test_paged_coded_decode.py",
-                "-k", "not engine"], isa, folder)  # fmt: skip
+                "tests/core/test_fp8_codes.py", "-k", "not engine"], isa, folder)  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    for name in ("float_decode", "linear", "coded_decode"):
+    for name in ("float_decode", "linear", "coded_decode", "coded_decode-kv_fp8"):
         assert list(folder.glob(f"{name}-*.so")), f"the {name} library was not built under the cap"
+
+
+@pytest.mark.skipif(not X86, reason="the generic x86 build is the one without F16C")
+def test_fp8_codes_read_through_the_table_where_the_build_has_no_f16c():
+    """The generic x86-64-v2 build has no F16C: the fp8 build reads each byte from its table of
+    e4m3 values instead, and passes the same tests."""
+    folder = capped_folder("generic")
+    done = run(["-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider", "-W", "error::RuntimeWarning",
+                "tests/core/test_fp8_codes.py", "-k", "not triton and not generation"], "generic", folder)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert list(folder.glob("coded_decode-kv_fp8-*.so"))
 
 
 @pytest.mark.skipif(not X86 or "avx512_bf16" not in cpu_flags().split(), reason="this CPU has no AVX-512 BF16")

@@ -35,6 +35,7 @@ SPECS: dict[str, str] = {
     "quantized-int8": "quantized:bits=8",
     "quantized-int4": "quantized:bits=4",
     "quantized-int2": "quantized:bits=2",
+    "quantized-fp8": "quantized:codes=fp8",
 }
 
 #: Hugging Face's quantized caches: contender name -> (backend, bits).

@@ -7,8 +7,8 @@ one question each, all submitted at once to an ``Engine`` whose pool has the byt
 ``fp32_sessions`` full-precision sessions of ``length + new_tokens`` tokens. Every format gets
 the same bytes (its pool's blocks, scales and open blocks all count) and the same requests.
 
-Formats (``FORMATS``): ``growable`` (fp32 blocks), ``quantized:bits=8`` and ``bits=4`` (coded
-blocks, one exact open block per running request), and bounded kinds, each request's context in a
+Formats (``FORMATS``): ``growable`` (fp32 blocks), ``quantized:bits=8``, ``bits=4`` and
+``codes=fp8`` (coded blocks, one exact open block per running request), and bounded kinds, each request's context in a
 cache of its own once its prompt is computed (``engine/compression.py``): ``snapkv:budget=0.25``
 (a quarter of the tokens, the question's last 32 tokens its observation window),
 ``adakv:budget=0.25,storage=int8`` (Ada-KV's head-adaptive budgets over int8 slots) and
@@ -39,8 +39,8 @@ from ..run_options import RunOptions
 from .common import figure, markdown_table
 from .harness import report
 
-FORMATS = ("growable", "quantized:bits=8", "quantized:bits=4", "snapkv:budget=0.25", "adakv:budget=0.25,storage=int8",
-           "auto:bytes=0.125")
+FORMATS = ("growable", "quantized:bits=8", "quantized:bits=4", "quantized:codes=fp8", "snapkv:budget=0.25",
+           "adakv:budget=0.25,storage=int8", "auto:bytes=0.125")
 AUTO = "auto:bytes=0.125"
 #: summary key -> (format, least sessions over fp32's, most accuracy below fp32's, what the table says):
 #: int8 at the same accuracy (issue 24), ``auto:bytes=0.125`` within 5 points (issue 41).

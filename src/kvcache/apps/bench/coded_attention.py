@@ -1,10 +1,11 @@
-"""The quantized part of suite ``attention``: decode attention over int8/int4 caches next to fp32.
+"""The quantized part of suite ``attention``: decode attention over int8/int4/fp8 caches next to fp32.
 
 Setting: SmolLM2-135M's geometry (3 KV heads x 64, 9 query heads: groups of 3), batch 1 and 8,
 4K and 16K tokens (fewer for ``tiny``). Contenders, alternating within each repeat: ``fp32``
-(``attend`` over views of a growable buffer), ``int8``/``int4`` (a ``QuantizedLayer``'s store read by
-the kernel: the coded decode library where it builds) and ``int8-pytorch``/``int4-pytorch`` (the
-same with the library off: a block dequantized at a time). Each row reports the bytes the
+(``attend`` over views of a growable buffer), ``int8``/``int4``/``fp8`` (a ``QuantizedLayer``'s store
+read by the kernel: the coded decode library where it builds; ``fp8`` its e4m3 build) and
+``int8-pytorch``/``int4-pytorch``/``fp8-pytorch`` (the same with the library off: a block
+dequantized at a time). Each row reports the bytes the
 contender reads (codes, scales and minimums in use, plus the full-precision residual; K and V for
 fp32), its median time, that time over fp32's, and the fraction of the read bandwidth
 (measured by the suite in the same run) it achieves on those bytes.
@@ -26,15 +27,16 @@ from .common import clock_cold, markdown_table, median
 from .harness import alternate
 
 KV_HEADS, Q_HEADS, HEAD_DIM = 3, 9, 64  # SmolLM2-135M
-BITS = (8, 4)
-CONTENDERS = ("fp32", *(f"int{b}" for b in BITS), *(f"int{b}-pytorch" for b in BITS))
+#: The coded layers, by name: their options.
+CODED = {"int8": {"bits": 8}, "int4": {"bits": 4}, "fp8": {"codes": "fp8"}}
+CONTENDERS = ("fp32", *CODED, *(f"{name}-pytorch" for name in CODED))
 
 
 def run(options: RunOptions, bandwidth: float, repeats: int) -> list[dict[str, Any]]:
     """Rows (one per batch, length and contender) of the quantized decode attention."""
     batches = options.pick([1, 2], [1, 8], [1, 8])
     lengths = options.pick([300, 600], [4096, 16384], [4096, 16384])
-    fused.library()  # build it before timing anything
+    fused.library(), fused.library(fp8=True)  # build them before timing anything
     gen = torch.Generator().manual_seed(0)
     cases = itertools.product(batches, lengths)
     return [row for batch, tokens in cases for row in _one(batch, tokens, gen, options.device, bandwidth, repeats)]
@@ -45,15 +47,15 @@ def _one(batch, tokens, gen, device, bandwidth, repeats) -> list[dict[str, Any]]
     kbuf, vbuf = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
     key, value = kbuf[:, :, :tokens], vbuf[:, :, :tokens]
     query = torch.randn(batch, Q_HEADS, 1, HEAD_DIM, generator=gen)
-    layers = {bits: _filled(bits, key, value) for bits in BITS}
-    nbytes = {"fp32": key.nbytes + value.nbytes, **{f"int{b}": _bytes_read(layer) for b, layer in layers.items()}}
+    layers = {name: _filled(options, key, value) for name, options in CODED.items()}
+    nbytes = {"fp32": key.nbytes + value.nbytes, **{name: _bytes_read(layer) for name, layer in layers.items()}}
 
     def call(name: str):
         if name == "fp32":
             return attend(query, key, value)
-        bits, _, fallback = name.removeprefix("int").partition("-")
+        coded, _, fallback = name.partition("-")
         with _library_off(bool(fallback)):
-            return attend_weighted(query, StoreReader(layers[int(bits)]), None)[0]
+            return attend_weighted(query, StoreReader(layers[coded]), None)[0]
 
     reference = call("fp32")
     diffs = {name: (call(name) - reference).abs().max().item() for name in CONTENDERS}  # warm-up + check
@@ -91,9 +93,10 @@ def _library_off(off: bool):
             os.environ[DISABLE_ENV] = previous
 
 
-def _filled(bits: int, key: torch.Tensor, value: torch.Tensor) -> QuantizedLayer:
-    """A quantized layer (default options) holding ``key``/``value``: a prefill, then one decode step."""
-    layer = QuantizedLayer(bits=bits)
+def _filled(options: dict[str, Any], key: torch.Tensor, value: torch.Tensor) -> QuantizedLayer:
+    """A quantized layer (default options but ``options``) holding ``key``/``value``: a prefill, then
+    one decode step."""
+    layer = QuantizedLayer(**options)
     layer.update(key[:, :, :-1].contiguous(), value[:, :, :-1].contiguous())
     layer.settle()
     layer.update(key[:, :, -1:].contiguous(), value[:, :, -1:].contiguous())

@@ -10,7 +10,7 @@ alternating within each repeat, every call after ``evict_caches``:
   rows: ``csrc/bf16_attention.cpp`` reads blocks of 32 tokens and more in place where the CPU has
   AVX-512 BF16, else the float kernel widens them);
 - ``paged-int8``: ``fused_paged.paged_decode_attention`` over int8 blocks with an exact open block
-  per sequence (what ``PagedStep`` runs over a coded pool);
+  per sequence (what ``PagedStep`` runs over a coded pool); ``paged-fp8`` the same over e4m3 blocks;
 - ``dense``: ``kvcache.attend`` over one padded contiguous batch ``[S, Hkv, longest, D]`` with a
   padding mask, the layout of a batched ``generate`` (a reference point: it reads the padding's
   keys too, not its values).
@@ -35,7 +35,7 @@ from .common import clock_cold, markdown_table, median
 from .harness import alternate
 
 KV_HEADS, Q_HEADS, HEAD_DIM = 3, 9, 64  # SmolLM2-135M
-CONTENDERS = ("paged", "paged-bf16", "paged-int8", "dense")
+CONTENDERS = ("paged", "paged-bf16", "paged-int8", "paged-fp8", "dense")
 
 
 def run(options: RunOptions, bandwidth: float, repeats: int) -> list[dict[str, Any]]:
@@ -64,6 +64,7 @@ def _one(bs: int, lengths: list[int], gen: torch.Generator, bandwidth: float, re
     blocks = pool.storage.layer(0)
     half = {name: blocks[name].bfloat16() for name in ("keys", "values")}
     coded, coded_bytes = _coded(keys, values, table, lengths, bs)
+    fp8, fp8_bytes = _coded(keys, values, table, lengths, bs, fp8=True)
     query = torch.randn(seqs, KV_HEADS, Q_HEADS // KV_HEADS, HEAD_DIM, generator=gen)
     lens = torch.tensor(lengths, dtype=torch.int64)
     dense_k, dense_v, mask = _dense(pool, tables, lengths)
@@ -74,6 +75,7 @@ def _one(bs: int, lengths: list[int], gen: torch.Generator, bandwidth: float, re
         "paged": lambda: native.paged_decode(query, blocks["keys"], blocks["values"], table, lens, scale),
         "paged-bf16": lambda: native.paged_decode(query_bf16, half["keys"], half["values"], table, lens, scale),
         "paged-int8": lambda: coded(query, scale),
+        "paged-fp8": lambda: fp8(query, scale),
         "dense": lambda: attend(q4, dense_k, dense_v, mask=mask, scale=scale),
     }
 
@@ -83,8 +85,8 @@ def _one(bs: int, lengths: list[int], gen: torch.Generator, bandwidth: float, re
     reference = call("dense")
     diffs = {name: (call(name) - reference).abs().max().item() for name in CONTENDERS}  # warm-up + check
     live = sum(lengths) * KV_HEADS * HEAD_DIM  # keys (or values) in use
-    # int8: codes, scales, minimums and the open blocks; dense: every key row, value rows of live tokens only
-    read = {"paged": 2 * live * 4, "paged-bf16": 2 * live * 2, "paged-int8": coded_bytes}
+    # codes: codes, scales, minimums and the open blocks; dense: every key row, value rows of live tokens only
+    read = {"paged": 2 * live * 4, "paged-bf16": 2 * live * 2, "paged-int8": coded_bytes, "paged-fp8": fp8_bytes}
     read["dense"] = dense_k.nbytes + live * 4
     times = alternate(CONTENDERS, repeats, lambda name: clock_cold(lambda: call(name)))
     seconds = {name: median(times[name]) for name in CONTENDERS}
@@ -117,11 +119,12 @@ def _dense(pool: BlockPool, tables: list[list[int]], lengths: list[int]):
     return k, v, mask
 
 
-def _coded(keys: torch.Tensor, values: torch.Tensor, table: torch.Tensor, lengths: list[int], bs: int):
-    """An int8 pool of the same blocks: every full block coded, each sequence's last partial block
-    in its open block; the call and the bytes it reads."""
+def _coded(keys: torch.Tensor, values: torch.Tensor, table: torch.Tensor, lengths: list[int], bs: int, fp8: bool = False):
+    """An int8 (``fp8``: e4m3) pool of the same blocks: every full block coded, each sequence's last
+    partial block in its open block; the call and the bytes it reads."""
     seqs = len(lengths)
-    pool = BlockPool(1, KV_HEADS, HEAD_DIM, bs, keys.shape[0], format=Codes(8, HEAD_DIM, key_block=bs), tails=seqs)
+    format = Codes(8, HEAD_DIM, key_block=bs, fp8=fp8)
+    pool = BlockPool(1, KV_HEADS, HEAD_DIM, bs, keys.shape[0], format=format, tails=seqs)
     pool.allocate(keys.shape[0])
     pool.storage.write_blocks(0, torch.arange(keys.shape[0]), keys, values)
     tail = pool.open.layer(0)
@@ -139,7 +142,7 @@ def _coded(keys: torch.Tensor, values: torch.Tensor, table: torch.Tensor, length
         c = pool.storage.layer(0)
         return fused_paged.paged_decode_attention(
             query, (c["kcodes"], c["kscale"], c["kmin"]), (c["vcodes"], c["vscale"], c["vmin"]), 8, HEAD_DIM,
-            table, coded, tail["keys"], tail["values"], tails, open_, scale,
+            table, coded, tail["keys"], tail["values"], tails, open_, scale, fp8=fp8,
         )  # fmt: skip
 
     return call, nbytes

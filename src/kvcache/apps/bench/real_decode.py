@@ -64,6 +64,7 @@ CONTENDERS: dict[str, Contender] = {
     "static+compile": Contender("static", ATTENTION_NAME, compiled=True),
     "quantized-int8": Contender("quantized-int8", ATTENTION_NAME, quantized=True),
     "quantized-int4": Contender("quantized-int4", ATTENTION_NAME, quantized=True),
+    "quantized-fp8": Contender("quantized-fp8", ATTENTION_NAME, quantized=True),
 }
 
 #: How each contender is configured, as the table says (``{capacity}``: ``capacity_for``).
@@ -77,6 +78,7 @@ CONFIGURED: dict[str, str] = {
     "static+compile": "make_cache(model, 'static:capacity={capacity}', compile=True), model.forward compiled",
     "quantized-int8": "make_cache(model, 'quantized:bits=8') (group 64, residual 32), model on the kvcache attention",
     "quantized-int4": "make_cache(model, 'quantized:bits=4') (group 64, residual 32), model on the kvcache attention",
+    "quantized-fp8": "make_cache(model, 'quantized:codes=fp8') (e4m3, group 64, residual 32), model on the kvcache attention",
 }
 
 #: What every row is compared with.
