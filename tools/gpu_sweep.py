@@ -55,7 +55,7 @@ def main() -> int:
         sdpa_s = median([clock(calls["sdpa"][0], device) for _ in range(6)][1:])
         rows.append({"batch": batch, "tokens": tokens, "way": "sdpa", "launch": "-", "ms": sdpa_s * 1e3, "bytes": calls["sdpa"][1],
                      "share": calls["sdpa"][1] / sdpa_s / bandwidth, "error": 0.0})  # fmt: skip
-        for way in ("views", "paged", "paged-int8", "paged-int4"):
+        for way in ("views", "paged", "paged-int8", "paged-int4", "paged-fp8"):
             kind = "float" if way in ("views", "paged") else "coded"
             for launch in launches(kind):
                 kernel, nbytes = calls[way]

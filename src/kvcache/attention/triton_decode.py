@@ -91,6 +91,12 @@ def _splits(pairs: int, longest: int, device: torch.device, block: int) -> tuple
     return -(-longest // per), per
 
 
+def _fp8_ok(bits: int, device: torch.device) -> bool:
+    """Whether e4m3 codes of ``bits`` can be read on ``device``: 8 bits, and Triton's e4m3 type
+    (``float8e4nv``) converts there (the interpreter; CUDA from compute capability 8.9, Ada/Hopper)."""
+    return bits == 8 and (device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9))
+
+
 def _power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
@@ -228,7 +234,7 @@ def paged_coded_decode(
     kcodes, kscale, kmin = keys
     vcodes, vscale, vmin = values
     seqs, heads, rows, dim = query.shape
-    if fp8 and bits != 8:
+    if fp8 and not _fp8_ok(bits, query.device):
         return None
     if not available() or rows > MAX_ROWS or not _tensors_ok(query, kcodes, vcodes, tail_keys, tail_values):
         return None
@@ -260,7 +266,7 @@ def token_coded_decode(
     kcodes, kscale, kmin = keys
     vcodes, vscale, vmin = values
     batch, heads, rows, dim = query.shape
-    if fp8 and bits != 8:
+    if fp8 and not _fp8_ok(bits, query.device):
         return None
     if not available() or rows > MAX_ROWS or tokens < 1 or not _tensors_ok(query, kcodes, vcodes, kscale, vscale):
         return None
@@ -290,7 +296,7 @@ def quantized_decode(
     kcodes, kscale, kmin = keys
     vcodes, vscale, vmin = values
     batch, heads, rows, dim = query.shape
-    if not available() or rows > MAX_ROWS or seen < 1 or kcodes.dim() != 5 or (fp8 and bits != 8):
+    if not available() or rows > MAX_ROWS or seen < 1 or kcodes.dim() != 5 or (fp8 and not _fp8_ok(bits, query.device)):
         return None
     if not _tensors_ok(query, kcodes, vcodes, kscale, vscale, exact_keys, exact_values):
         return None

@@ -197,13 +197,14 @@ constexpr int kRowsTogether = 2;  // 16 registers of 8 floats: more rows' sums w
 
 // One token's codes as NV float vectors in split order (see the top of the file), widened in
 // registers: vector k holds split positions [16k, 16k + 16), the bytes from 16k mod n on, chunk 16k / n
-// (n = the token's bytes); `scale`, where given, times each vector its group's (gidx: vector_groups).
+// (n = the token's bytes); `scale`, where given, times each vector its group's (gidx: vector_groups);
+// without it the codes are in units of kCodeUnit (simd.h), which the caller folds in.
 template <int BITS, int NV>
 KV_INLINE void unpack_vectors(const uint8_t* __restrict bytes, v16* out, const float* scale = nullptr,
                               const int* gidx = nullptr) {
     constexpr int n = NV * 16 * BITS / 8;
     for (int k = 0; k < NV; ++k)
-        out[k] = codes16<BITS>(bytes + 16 * k % n, BITS * (16 * k / n), scale ? scale[gidx[k]] : 1.f);
+        out[k] = codes16<BITS>(bytes + 16 * k % n, BITS * (16 * k / n), scale ? scale[gidx[k]] * kCodeUnit : 1.f);
 }
 
 // Scores of R rows (qperm: the rows in split order, q: in channel order) against blocks [first, last).
@@ -222,7 +223,7 @@ KV_INLINE void key_scores_fast(const float* qperm, const float* q, int group, co
         for (int r = 0; r < R; ++r) {
             v16 b = {};
             for (int k = 0; k < NV; ++k) {
-                qs[r][k] = load16(qperm + r * dim + 16 * k) * load16(s_split + 16 * k);
+                qs[r][k] = load16(qperm + r * dim + 16 * k) * load16(s_split + 16 * k) * kCodeUnit;  // unscaled codes: in kCodeUnit
                 b += load16(q + r * dim + 16 * k) * load16(z + 16 * k);
             }
             bias[r] = hsum16(b);
@@ -497,7 +498,7 @@ KV_INLINE void weighted_fast(const float* p, int64_t p_row, int groups, const in
                 float w[R];
                 bool any = false;
                 for (int r = 0; r < R; ++r) {
-                    w[r] = p[r * p_row + t] * scale[t];
+                    w[r] = p[r * p_row + t] * (scale[t] * kCodeUnit);
                     any |= w[r] != 0.f;
                 }
                 if (!any) continue;  // masked keys (padding) cost no arithmetic
@@ -519,7 +520,7 @@ KV_INLINE void weighted_fast(const float* p, int64_t p_row, int groups, const in
                 const uint8_t* bytes = codes + t * n + byte;
                 const float* s = scale + t * groups;
                 vw x[CV];
-                for (int i = 0; i < CV; ++i) x[i] = codes_w<BITS>(bytes + kW * i, shift) * s[g[i]];
+                for (int i = 0; i < CV; ++i) x[i] = codes_w<BITS>(bytes + kW * i, shift) * (s[g[i]] * kCodeUnit);
                 for (int r = 0; r < R; ++r)
                     for (int i = 0; i < CV; ++i) a[r][i] += w[r] * x[i];
             }

@@ -7,7 +7,8 @@
 //   load16 / loadw   floats, or bfloat16 bits widened in registers (a bfloat16 is the top half of a float32)
 //   sums16  lane t = the sum of the 16 lanes of part[t], for 16 vectors at once
 //   hsum16  the sum of one vector's 16 lanes
-//   codes_w / codes16   codes of BITS bits as floats, widened in registers from bytes (KV_FP8: e4m3 bytes)
+//   codes_w / codes16   codes of BITS bits as floats, widened in registers from bytes (KV_FP8: e4m3
+//                       bytes, in units of kCodeUnit)
 //   code_at             one code as a float
 //   exp_nonpositive     e^x for x <= 0, on a float or a vw
 //   exp_and_sum         a row of scores turned into their softmax numerators, and their sum
@@ -107,9 +108,16 @@ KV_INLINE float code_at(uint8_t byte, int shift) {
 }
 
 // kW floats from kW bytes: (byte >> shift) & (2^BITS - 1), each a code of BITS bits (shift 0 for 8).
-// KV_FP8: each byte's e4m3 value. With F16C the byte goes into the top of a 16-bit word, its
-// exponent and mantissa one bit lower (arithmetic shift, the sign's copy cleared): a float16 of
-// 2^-8 times the value (float16's exponent bias is 8 more, subnormals line up), widened by vcvtph2ps.
+// KV_FP8: each byte's e4m3 value over kCodeUnit. With F16C the byte is sign-extended to 16 bits and
+// shifted left by 7 (its exponent and mantissa into float16's, below a copy of the sign that is then
+// cleared): a float16 of 2^-8 times the value (float16's exponent bias is 8 more; subnormals line
+// up), widened by vcvtph2ps. The callers fold kCodeUnit into the scale they apply anyway.
+#if defined(KV_FP8) && defined(__F16C__) && defined(__AVX2__)
+constexpr float kCodeUnit = 256.f;
+#else
+constexpr float kCodeUnit = 1.f;
+#endif
+
 template <int BITS>
 KV_INLINE vw codes_w(const uint8_t* p, int shift) {
     constexpr int mask = (1 << BITS) - 1;
@@ -118,13 +126,13 @@ KV_INLINE vw codes_w(const uint8_t* p, int shift) {
     (void)mask;
     (void)shift;
 #if defined(__AVX512F__)
-    const __m256i hi = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 8);
-    const __m256i h = _mm256_and_si256(_mm256_srai_epi16(hi, 1), _mm256_set1_epi16(static_cast<short>(0xBFFF)));
-    return (vw)_mm512_cvtph_ps(h) * 256.f;
+    const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i h = _mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16(static_cast<short>(0xBFFF)));
+    return (vw)_mm512_cvtph_ps(h);
 #else
-    const __m128i hi = _mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), 8);
-    const __m128i h = _mm_and_si128(_mm_srai_epi16(hi, 1), _mm_set1_epi16(static_cast<short>(0xBFFF)));
-    return (vw)_mm256_cvtph_ps(h) * 256.f;
+    const __m128i w = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m128i h = _mm_and_si128(_mm_slli_epi16(w, 7), _mm_set1_epi16(static_cast<short>(0xBFFF)));
+    return (vw)_mm256_cvtph_ps(h);
 #endif
 #elif defined(KV_FP8)
     (void)mask;

@@ -6,8 +6,8 @@ lent GPU machine has no network for a checkpoint): Llama-3.1-8B in bfloat16 for 
 the decode step, SmolLM2-135M's shape for the engine. Three parts, each a list of rows:
 
 - ``kernel``: one decode call of the 8B shape's attention (one layer) at batch x tokens: over views
-  (``views``), over paged blocks of 16 tokens (``paged``) and coded int8 / int4 (``paged-int8``,
-  ``paged-int4``; an open block per sequence), and torch's SDPA over the same views (``sdpa``,
+  (``views``), over paged blocks of 16 tokens (``paged``) and coded int8 / int4 / fp8 (``paged-int8``,
+  ``paged-int4``, ``paged-fp8``: e4m3; an open block per sequence), and torch's SDPA over the same views (``sdpa``,
   HF's path). Each row: the bytes the call must read, its median time (``clock``), and that as a
   share of the copy bandwidth measured in the same run (``copy_bandwidth``).
 - ``step``: a whole decode step of the 8B shape (batch x context): ``kvcache`` (``make_cache``
@@ -54,7 +54,7 @@ SHAPES = {
 }  # fmt: skip
 #: Every contender of the three parts (a run reports each, with its numbers or why it could not run).
 CONTENDERS = (
-    "sdpa", "views", "paged", "paged-int8", "paged-int4",
+    "sdpa", "views", "paged", "paged-int8", "paged-int4", "paged-fp8",
     "dynamic", "kvcache", "static", "static-compiled",
     "kvcache-engine", "transformers-generate_batch",
 )  # fmt: skip
@@ -146,18 +146,19 @@ def _kernel_calls(device, dtype, batch, tokens, gen) -> dict[str, tuple[Any, int
     calls["paged"] = (lambda launch=None: _kernel("paged_decode", launch, q, kb, vb, table, lengths, scale), kv_bytes)
     for bits in (8, 4):
         calls[f"paged-int{bits}"] = _coded_call(q, kb, vb, table, tokens, bits, scale)
+    calls["paged-fp8"] = _coded_call(q, kb, vb, table, tokens, 8, scale, fp8=True)
     return calls
 
 
-def _kernel(name: str, launch, *args) -> torch.Tensor:
-    """The decode call measured: ``device_kernels.<name>(*args)`` (the library's choice), or with a
-    ``launch`` Triton's kernel with it; a kernel that declines the call raises."""
+def _kernel(name: str, launch, *args, **keywords) -> torch.Tensor:
+    """The decode call measured: ``device_kernels.<name>(*args, **keywords)`` (the library's
+    choice), or with a ``launch`` Triton's kernel with it; a kernel that declines the call raises."""
     if launch is None:
-        out = getattr(device_kernels, name)(*args)
+        out = getattr(device_kernels, name)(*args, **keywords)
     else:
         from ...attention import triton_decode
 
-        out = getattr(triton_decode, name)(*args, launch=launch)
+        out = getattr(triton_decode, name)(*args, launch=launch, **keywords)
     if out is None:
         raise KVCacheError("the device's kernel declined the call (see attention.device_kernels)")
     return out
@@ -170,13 +171,14 @@ def _as_blocks(x: torch.Tensor, batch: int, per_seq: int) -> torch.Tensor:
     return x.view(batch, KV_HEADS, per_seq, BLOCK, HEAD_DIM).permute(0, 2, 1, 3, 4).reshape(batch * per_seq, KV_HEADS, BLOCK, HEAD_DIM)
 
 
-def _coded_call(q, kb, vb, table, tokens, bits, scale) -> tuple[Any, int]:
-    """An int ``bits`` pool of the same blocks (full blocks coded, each sequence's last partial one
-    in its open block) and the bytes a step reads: codes, scales and minimums, and the open tokens."""
+def _coded_call(q, kb, vb, table, tokens, bits, scale, fp8=False) -> tuple[Any, int]:
+    """An int ``bits`` (``fp8``: e4m3) pool of the same blocks (full blocks coded, each sequence's
+    last partial one in its open block) and the bytes a step reads: codes, scales and minimums, and
+    the open tokens."""
     from ...formats import BlockStorage, Codes
 
     device, batch = q.device, q.shape[0]
-    fmt = Codes(bits, 64, key_block=BLOCK)
+    fmt = Codes(bits, 64, key_block=BLOCK, fp8=fp8)
     storage = BlockStorage(fmt, 1, kb.shape[0], KV_HEADS, BLOCK, HEAD_DIM, HEAD_DIM, torch.float32, device)
     for start in range(0, kb.shape[0], 4096):  # a float32 copy of 4,096 blocks at a time, not of all
         index = torch.arange(start, min(start + 4096, kb.shape[0]), device=device)
@@ -197,7 +199,7 @@ def _coded_call(q, kb, vb, table, tokens, bits, scale) -> tuple[Any, int]:
     def call(launch=None):
         return _kernel(
             "paged_coded_decode", launch, q, (c["kcodes"], c["kscale"], c["kmin"]),
-            (c["vcodes"], c["vscale"], c["vmin"]), bits, 64, table, coded, tails_k, tails_v, tails, open_, scale,
+            (c["vcodes"], c["vscale"], c["vmin"]), bits, 64, table, coded, tails_k, tails_v, tails, open_, scale, fp8=fp8,
         )  # fmt: skip
 
     return call, nbytes
