@@ -338,6 +338,23 @@ def test_generation_over_fp8_codes_with_the_library_on_and_off(monkeypatch):
     torch.testing.assert_close(logits, plain_logits, rtol=1e-4, atol=1e-4)
 
 
+def test_a_saved_fp8_cache_loads_as_fp8(tmp_path):
+    import kvcache
+    from kvcache import cache_kwargs
+
+    from helpers import attention_for, model_for, prompt
+
+    model = model_for("llama")
+    cache = kvcache.make_cache(model, "quantized:codes=fp8,group_size=16,residual=4")
+    with torch.no_grad(), attention_for(model, cache):
+        model(prompt(50), **cache_kwargs(model, cache), use_cache=True)
+    cache.save(tmp_path / "fp8.kvc")
+    loaded = kvcache.load_cache(tmp_path / "fp8.kvc", model)
+    for mine, theirs in zip(cache.layers, loaded.layers):
+        assert theirs.layer.fp8 and theirs.layer.options() == mine.layer.options()
+        assert all(torch.equal(a, b) for a, b in zip(theirs.layer.view(), mine.layer.view()))
+
+
 def filled_int_state():
     layer = QuantizedLayer(bits=8, group_size=32, residual=8)
     layer.update(torch.randn(1, 2, 50, 64), torch.randn(1, 2, 50, 64))

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import ShapeError
-from .quant import _FP16_MAX, _ROUNDING, _U32, Quantized, _check_input, _check_out_dtype, _check_range, _round_up
+from .quant import _FP16_MAX, _U32, Quantized, _check_input, _check_out_dtype, _check_range, _round_up, finish_bound
 
 #: e4m3's largest finite value.
 E4M3_MAX = 448.0
@@ -82,7 +82,8 @@ def error_bound(q: Quantized, dtype: torch.dtype | None = None) -> torch.Tensor:
     and ``m`` the stored scale and midpoint, ``|x - m| <= 448 s``, so
 
     - the code: at most ``16 s``, half of e4m3's spacing of 32 in its top binade ``[256, 448]``
-      (below it the spacing halves with each binade, down to ``2^-9`` among subnormals); computing ``(x - m) / s`` in float32 moves it by ``2 * 448 * u32 * s`` before rounding, and
+      (below it the spacing halves with each binade, down to ``2^-9`` among subnormals);
+      computing ``(x - m) / s`` in float32 moves it by ``2 * 448 * u32 * s`` before rounding, and
       ``code * s + m`` rounds by ``u32 * (448 s + Y)`` after, ``Y = |m| + 448 s``;
     - rounding to a narrower dtype adds ``u * Y`` plus half its smallest subnormal.
     A constant group (``s == 0``) is exact whenever ``dtype`` can hold its value."""
@@ -90,12 +91,7 @@ def error_bound(q: Quantized, dtype: torch.dtype | None = None) -> torch.Tensor:
     s, m = q.scale.double(), q.minimum.double()
     y = m.abs() + E4M3_MAX * s * (1 + _U32)
     bound = s * (16.0 + 3.001 * E4M3_MAX * _U32) + _U32 * y + 2.0**-149
-    if dtype not in (torch.float32, torch.float64):
-        unit, tiniest = _ROUNDING[dtype]
-        bound = bound + unit * y * (1 + _U32) + tiniest / 2
-    constant = (q.minimum.to(dtype).double() - m).abs()
-    bound = torch.where(s == 0, constant, bound)
-    return (bound * (1 + 2.0**-20)).float()
+    return finish_bound(bound, y, s, m, dtype)
 
 
 def _encode(x: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

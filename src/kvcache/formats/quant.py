@@ -202,10 +202,17 @@ def error_bound(q: Quantized, dtype: torch.dtype | None = None) -> torch.Tensor:
     top = m + levels * s * (1 + _U32)
     y = torch.maximum(m.abs(), top.abs())
     bound = s * (0.5 + 3.001 * levels * _U32) + _U32 * y + 2.0**-149
+    return finish_bound(bound, y, s, m, dtype)
+
+
+def finish_bound(bound: torch.Tensor, y: torch.Tensor, s: torch.Tensor, m: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A group's float32 error ``bound`` (float64; dequantized values of magnitude up to ``y``)
+    with the rounding to ``dtype`` added, exact for a constant group (scale ``s`` 0: its value ``m``
+    as ``dtype`` holds it), as float32 (an error bound of :mod:`quant` or :mod:`fp8` codes)."""
     if dtype not in (torch.float32, torch.float64):
         unit, tiniest = _ROUNDING[dtype]
         bound = bound + unit * y * (1 + _U32) + tiniest / 2
-    constant = (q.minimum.to(dtype).double() - m).abs()
+    constant = (m.to(dtype).double() - m).abs()
     bound = torch.where(s == 0, constant, bound)
     # Some slack so that rounding the float64 bound to float32 cannot pull it below the error.
     return (bound * (1 + 2.0**-20)).float()

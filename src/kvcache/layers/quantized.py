@@ -33,14 +33,14 @@ import torch
 from ..attention import BlockReader, Reads, device_kernels, fused
 from ..errors import UnsupportedOperation
 from ..formats.quant import BITS
-
-#: What a code is: an integer (``bits`` wide) or an e4m3 float (8 bits).
-CODES = ("int", "fp8")
 from .checks import Geometry
 from .codes import CodedStore
 from .options import Option
 from .own_attention import OwnAttentionLayer
 from .state import LayerState
+
+#: What a code is: an integer (``bits`` wide) or an e4m3 float (8 bits).
+CODES = ("int", "fp8")
 
 
 class QuantizedLayer(OwnAttentionLayer):
@@ -204,7 +204,7 @@ class QuantizedLayer(OwnAttentionLayer):
     def check_state(self, state: LayerState) -> None:
         if state.kind != self.kind:
             raise ValueError(f"state of kind {state.kind!r} cannot load into a {self.kind!r} layer")
-        theirs = state.options.get("codes", "int") if isinstance(state.options, dict) else "int"
+        theirs = state.options.get("codes", "int")
         if theirs != ("fp8" if self.fp8 else "int"):  # the same shapes: only the options tell them apart
             raise ValueError(
                 f"state holds {theirs} codes; this layer keeps {'fp8' if self.fp8 else 'int'} codes (its codes option)"
@@ -270,8 +270,9 @@ class StoreReader(BlockReader):
         layer, codes = self.layer, self.layer.codes
         tk = codes.quantized_keys
         k = codes.keys.tensors  # whole buffers, read up to tk: not even a view is made of the codes
-        scores = fused.key_scores(query, k["kcodes"], k["kscale"], k["kmin"], layer.bits, tk // layer.group_size, layer.seen,
-                                   fp8=layer.fp8)
+        scores = fused.key_scores(
+            query, k["kcodes"], k["kscale"], k["kmin"], layer.bits, tk // layer.group_size, layer.seen, fp8=layer.fp8
+        )
         if scores is not None and layer.seen > tk:
             exact = codes.exact_keys[:, :, : layer.seen - tk]
             scores[..., tk:] = torch.matmul(query, exact.transpose(-1, -2))
@@ -283,8 +284,9 @@ class StoreReader(BlockReader):
         layer, codes = self.layer, self.layer.codes
         tv = codes.quantized_values
         v = codes.values.tensors
-        out = fused.weighted_values(weights[..., :tv], v["vcodes"], v["vscale"], v["vmin"], layer.bits, layer.value_group,
-                                    fp8=layer.fp8)
+        out = fused.weighted_values(
+            weights[..., :tv], v["vcodes"], v["vscale"], v["vmin"], layer.bits, layer.value_group, fp8=layer.fp8
+        )
         if out is None:
             return None
         if layer.seen > tv:
@@ -320,10 +322,14 @@ class StoreReader(BlockReader):
         keys, values = (k["kcodes"], k["kscale"], k["kmin"]), (v["vcodes"], v["vscale"], v["vmin"])
         blocks, tail = coded // layer.group_size, self._exact_tail(coded)
         if tail is not None:  # the usual case: the tail in the same library call
-            whole = fused.decode_attention(query, keys, values, layer.bits, blocks, layer.value_group, scale, softcap, tail, fp8=layer.fp8)
+            whole = fused.decode_attention(
+                query, keys, values, layer.bits, blocks, layer.value_group, scale, softcap, tail, fp8=layer.fp8
+            )
             if whole is not None:
                 return whole[0].to(query.dtype), whole[1]
-        head = fused.decode_attention(query, keys, values, layer.bits, blocks, layer.value_group, scale, softcap, fp8=layer.fp8)
+        head = fused.decode_attention(
+            query, keys, values, layer.bits, blocks, layer.value_group, scale, softcap, fp8=layer.fp8
+        )
         if head is None:
             return None
         out, lse = head
