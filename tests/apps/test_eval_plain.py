@@ -61,6 +61,25 @@ def test_verdicts_fail_a_kind_far_below_the_full_cache_or_degenerating():
         "kvzip:0.5: " + got[("kvzip", 0.5)]["reason"], "tova:0.5: " + got[("tova", 0.5)]["reason"]]
 
 
+def test_a_kind_that_fails_one_needle_set_or_way_of_asking_fails():
+    """Over 10 prompts a part, a kind that finds every primed key but 6 of 10 chat ones: 80% in all
+    is within 25 points, the chat part is not."""
+    rows = []
+    for ask in ("primed", "chat"):
+        for c in range(10):
+            rows.append(_row("growable", None, c, 0.5, True) | {"set": "doors", "ask": ask, "digits": 1.0})
+            found = ask == "primed" or c < 6
+            rows.append(_row("kvzip", 0.5, c, 0.5, found) | {"set": "doors", "ask": ask, "digits": 1.0 if found else 0.6})
+    (kvzip,) = [v for v in eval_plain.verdicts(_result(rows)) if v["cache"] == "kvzip"]
+    assert kvzip["accuracy"] == 0.8 and kvzip["by_prompt"]["doors/chat"]["accuracy"] == 0.6
+    assert not kvzip["ok"] and kvzip["reason"] == "doors/chat: 60% found against the full cache's 100%"
+    assert kvzip["digits"] == pytest.approx(0.92)
+    few = [r for r in rows if r["context"] < 5]  # 5 prompts a part: too few to judge a part alone
+    (kvzip,) = [v for v in eval_plain.verdicts(_result(few)) if v["cache"] == "kvzip"]
+    assert kvzip["ok"]
+    assert "| doors/primed | doors/chat |" in eval_plain.table(_result(rows) | {"verdicts": eval_plain.verdicts(_result(rows))})
+
+
 @pytest.mark.parametrize(("args", "words"), [
     (["--frontier"], "two different runs"),
     (["--lengths", "1024,2048"], "one length"),

@@ -20,6 +20,18 @@ def test_paragraphs_read_as_prose_and_splits_do_not_share_any():
         assert 120 <= len(p) <= 800 and ">>>" not in p and p[0].isupper()
 
 
+def test_the_reference_prose_is_another_text():
+    reference = needles.reference_paragraphs()
+    assert len(reference) > 300
+    assert not set(reference) & (set(needles.paragraphs("train")) | set(needles.paragraphs("heldout")))
+
+
+def test_digits_right_is_partial_credit_in_place():
+    assert needles.digits_right("55454", "The key is 5545.") == 0.8
+    assert needles.digits_right("55454", " 55454.") == 1.0
+    assert needles.digits_right("75716", "729") == 0.2 and needles.digits_right("75716", "none") == 0.0
+
+
 def test_answer_of_takes_the_first_number():
     assert needles.answer_of(" 39539.") == "39539"
     assert needles.answer_of(" is 12 or 13") == "12"
@@ -144,3 +156,27 @@ def test_paragraphs_are_kept_on_disk_and_read_back_unchanged(tmp_path, monkeypat
             assert tuple(json.loads(kept.read_text())) == parsed
     finally:
         needles._paragraphs_of.cache_clear()
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("needle_set", list(needles.SETS))
+def test_every_needle_set_asks_primed_and_as_a_chat_question(needle_set):
+    from kvcache.models import load
+
+    _, tokenizer = load("smollm2", progress=False)
+    kind = needles.SETS[needle_set]
+    ctx = needles.make_context(tokenizer, 1024, 4, split="heldout", needle_set=needle_set)
+    (q,) = ctx.questions
+    text = tokenizer.decode(ctx.prefix_ids)
+    assert kind.needle.format(door=q.door, key=q.key) in text
+    primed, chat = tokenizer.decode(q.asked("primed")), tokenizer.decode(q.asked("chat"))
+    assert primed.rstrip().endswith(kind.answer.format(door=q.door)) and primed.startswith(chat)
+    assert chat.rstrip().endswith("assistant") and kind.question.format(door=q.door) in chat
+    assert len(ctx.prefix_ids) + len(q.ids) <= 1024
+    with pytest.raises(ValueError, match="one of primed, chat"):
+        q.asked("shouted")
+    if not kind.doors:
+        with pytest.raises(ValueError, match="one needle a context"):
+            needles.make_context(tokenizer, 1024, 4, count=3, needle_set=needle_set)
+    with pytest.raises(ValueError, match="unknown needle set"):
+        needles.make_context(tokenizer, 1024, 4, needle_set="licences")

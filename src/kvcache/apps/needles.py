@@ -23,7 +23,14 @@ any cache compresses, so a one-token key would test no cache at all. The prompt 
 
 ``Context.prefix_ids`` ends with ``</document>``: everything before the question, shared by the
 three questions (``Question.ids``: the question, the end of the user turn and the assistant's
-opening). ``Context.document`` is where the document's tokens start, for KVzip's repetition.
+opening, primed with the answer's start; ``Question.chat_ids`` the same without the priming, the
+question as a user asks it in a chat). ``Context.document`` is where the document's tokens start,
+for KVzip's repetition.
+
+Needle sets (:data:`SETS`): ``doors`` is the above; ``secret`` hides one secret pass key ("The
+secret pass key is 55454. ...", asked "What is the secret pass key?") in another text, paragraphs
+of the Python Language Reference that ships with the standard library (``pydoc_data.topics``: PSF
+License), which no rule of the project was tuned on (it has no train/held-out split).
 """
 
 from __future__ import annotations
@@ -54,6 +61,31 @@ QUESTION = "Question: What is the pass key for the {door} door? Answer with the 
 ANSWER = "The pass key for the {door} door:"
 INTRO = "There is important information hidden inside a lot of irrelevant text. Find it and memorize it. I will quiz you about the important information there."
 MARK = "\x00QUESTION\x00"
+
+
+@dataclass(frozen=True)
+class NeedleSet:
+    """One way of hiding pass keys: the prose around them, the needle, the question and the
+    primed opening of the answer (``{door}``, ``{key}`` filled in)."""
+
+    name: str
+    prose: str  # "docstrings" (train/held-out splits) or "reference" (one set, held out)
+    needle: str
+    question: str
+    answer: str
+    doors: bool  # whether a context may hold several needles, told apart by their doors
+
+
+#: The needle sets, by name.
+SETS = {
+    "doors": NeedleSet("doors", "docstrings", NEEDLE, QUESTION, ANSWER, True),
+    "secret": NeedleSet(
+        "secret", "reference", "The secret pass key is {key}. Remember it. {key} is the secret pass key.",
+        "Question: What is the secret pass key? Answer with the number only.", "The secret pass key is", False,
+    ),
+}
+#: How a question is asked: its answer primed (``Question.ids``) or as a chat turn (``chat_ids``).
+ASKS = ("primed", "chat")
 #: What KVzip's repetition asks (its context follows in the assistant's turn).
 REPEAT = "Repeat the document above exactly."
 
@@ -63,7 +95,14 @@ class Question:
     door: str
     key: str
     depth: float
-    ids: list[int]  # the question and the assistant's opening, after Context.prefix_ids
+    ids: list[int]  # the question and the assistant's opening, primed, after Context.prefix_ids
+    chat_ids: list[int]  # the same, the assistant's turn opened with nothing in it
+
+    def asked(self, ask: str) -> list[int]:
+        """The question's ids as ``ask`` (one of :data:`ASKS`) asks it."""
+        if ask not in ASKS:
+            raise ValueError(f"unknown way of asking {ask!r}; one of {', '.join(ASKS)}")
+        return self.ids if ask == "primed" else self.chat_ids
 
 
 @dataclass(frozen=True)
@@ -161,9 +200,27 @@ def _prose(text: str) -> bool:
     return letters / len(text) >= 0.85 and text[0].isupper() and text.rstrip()[-1] in ".:)"
 
 
-def prose(tokenizer, tokens: int, seed: int, split: str = "train") -> list[str]:
-    """Paragraphs of ``split`` drawn in a seeded order until they hold about ``tokens`` tokens."""
-    pool = list(paragraphs(split))
+@functools.lru_cache(maxsize=None)
+def reference_paragraphs() -> tuple[str, ...]:
+    """English-looking paragraphs of the Python Language Reference's topics (``pydoc_data.topics``),
+    by topic name, unique, none that a docstring also holds."""
+    from pydoc_data.topics import topics
+
+    seen: set[str] = set(_paragraphs_of("train")) | set(_paragraphs_of("heldout"))
+    out: list[str] = []
+    for name in sorted(topics):
+        for para in re.split(r"\n\s*\n", topics[name]):
+            para = " ".join(para.split())
+            if _prose(para) and para not in seen:
+                seen.add(para)
+                out.append(para)
+    return tuple(out)
+
+
+def prose(tokenizer, tokens: int, seed: int, split: str = "train", source: str = "docstrings") -> list[str]:
+    """Paragraphs of ``split`` (of ``source``: "docstrings", or "reference", which has no split)
+    drawn in a seeded order until they hold about ``tokens`` tokens."""
+    pool = list(paragraphs(split) if source == "docstrings" else reference_paragraphs())
     rng = random.Random(f"needles-{split}-{seed}")
     rng.shuffle(pool)
     out, total = [], 0
@@ -173,14 +230,14 @@ def prose(tokenizer, tokens: int, seed: int, split: str = "train") -> list[str]:
         out.append(para)
         total += len(_ids(tokenizer, para)) + 1
     if total < tokens:
-        raise RuntimeError(f"the standard library's docstrings hold fewer than {tokens} tokens of prose here")
+        raise RuntimeError(f"the standard library's {source} holds fewer than {tokens} tokens of prose here")
     return out
 
 
-def haystack(tokenizer, tokens: int, seed: int, split: str, planted: list[tuple[float, str]]) -> str:
+def haystack(tokenizer, tokens: int, seed: int, split: str, planted: list[tuple[float, str]], source: str = "docstrings") -> str:
     """Paragraphs of ``split`` (:func:`prose`) within ``tokens`` tokens, each planted ``(depth, text)`` at
     the paragraph boundary nearest its depth (boundary i: after paragraph i - 1), between document tags."""
-    paras = prose(tokenizer, tokens, seed, split)
+    paras = prose(tokenizer, tokens, seed, split, source)
     sizes = [len(_ids(tokenizer, p)) + 1 for p in paras]
     while sum(sizes) > tokens and len(paras) > 1:  # drop the last paragraph while over
         paras, sizes = paras[:-1], sizes[:-1]
@@ -192,26 +249,38 @@ def haystack(tokenizer, tokens: int, seed: int, split: str, planted: list[tuple[
     return "<document>\n" + "\n".join(body) + "\n</document>"
 
 
-def make_context(tokenizer, length: int, seed: int, reserve: int = 48, count: int = 1, split: str = "train") -> Context:
+def make_context(
+    tokenizer, length: int, seed: int, reserve: int = 48, count: int = 1, split: str = "train", needle_set: str = "doors"
+) -> Context:
     """A context of about ``length - reserve`` tokens (the prefix) with ``count`` needles (3: one at
     each of ``DEPTHS``; 1: at ``DEPTHS[seed % 3]``) and one question per needle; ``reserve`` leaves
-    room for the question and the answer; the prose comes from ``split``'s files."""
-    rng = random.Random(f"needles-keys-{seed}")
+    room for the question and the answer; the prose comes from ``split``'s files (``needle_set``:
+    one of :data:`SETS`, whose needles, questions and prose it uses; ``secret`` holds one needle)."""
+    if needle_set not in SETS:
+        raise ValueError(f"unknown needle set {needle_set!r}; one of {', '.join(SETS)}")
+    kind = SETS[needle_set]
+    if count != 1 and not kind.doors:
+        raise ValueError(f"needle set {needle_set!r} holds one needle a context, got count={count}")
+    rng = random.Random(f"needles-keys-{seed}" if needle_set == "doors" else f"needles-keys-{needle_set}-{seed}")
     doors = rng.sample(DOORS, len(DEPTHS))
     keys = [str(rng.randrange(10000, 100000)) for _ in DEPTHS]
     depths = DEPTHS if count == 3 else (DEPTHS[seed % 3],)
     doors, keys = doors[: len(depths)], keys[: len(depths)]
     # The prose leaves room for the template, the introduction, the document tags and three needles.
-    room = " ".join(NEEDLE.format(door="violet", key="12345") for _ in DEPTHS)
+    room = " ".join(kind.needle.format(door="violet", key="12345") for _ in DEPTHS)
     overhead = len(_ids(tokenizer, _chat(tokenizer, f"{INTRO}\n\n<document>\n{room}\n</document>", prompt=False)))
-    planted = [(depth, NEEDLE.format(door=door, key=key)) for depth, door, key in zip(depths, doors, keys)]
-    doc = haystack(tokenizer, length - reserve - overhead, seed, split, planted)
+    planted = [(depth, kind.needle.format(door=door, key=key)) for depth, door, key in zip(depths, doors, keys)]
+    doc = haystack(tokenizer, length - reserve - overhead, seed, split, planted, kind.prose)
     head, tail = _chat(tokenizer, f"{INTRO}\n\n{doc}{MARK}").split(MARK)
     intro_at = head.index("<document>")
     intro = _ids(tokenizer, head[:intro_at])
     prefix_ids = intro + _ids(tokenizer, head[intro_at:])
     questions = tuple(
-        Question(door, key, depth, _ids(tokenizer, "\n\n" + QUESTION.format(door=door) + tail + ANSWER.format(door=door)))
+        Question(
+            door if kind.doors else "", key, depth,
+            _ids(tokenizer, "\n\n" + kind.question.format(door=door) + tail + kind.answer.format(door=door)),
+            _ids(tokenizer, "\n\n" + kind.question.format(door=door) + tail),
+        )
         for door, key, depth in zip(doors, keys, depths)
     )
     # The end of the document's user turn, the request in a new one, and the assistant's turn repeating the document.
@@ -233,6 +302,13 @@ def answer_of(text: str) -> str | None:
     """The first whole number in a generated answer, or None."""
     found = re.search(r"\d+", text)
     return found.group(0) if found else None
+
+
+def digits_right(key: str, text: str) -> float:
+    """The share of ``key``'s digits that the answer's number (:func:`answer_of`) has in the same
+    places: partial credit, shown beside exact answers, never instead of them."""
+    got = answer_of(text) or ""
+    return sum(a == b for a, b in zip(key, got)) / len(key)
 
 
 def heldout_text(tokenizer, tokens: int, seed: int) -> list[int]:
