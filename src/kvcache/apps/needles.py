@@ -96,12 +96,14 @@ class Question:
     key: str
     depth: float
     ids: list[int]  # the question and the assistant's opening, primed, after Context.prefix_ids
-    chat_ids: list[int]  # the same, the assistant's turn opened with nothing in it
+    chat_ids: list[int] | None = None  # the same, the assistant's turn opened with nothing in it (None: none made)
 
     def asked(self, ask: str) -> list[int]:
         """The question's ids as ``ask`` (one of :data:`ASKS`) asks it."""
         if ask not in ASKS:
             raise ValueError(f"unknown way of asking {ask!r}; one of {', '.join(ASKS)}")
+        if ask == "chat" and self.chat_ids is None:
+            raise ValueError("this question was made without a chat form (make_context makes one)")
         return self.ids if ask == "primed" else self.chat_ids
 
 
