@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import ShapeError
-from .quant import _FP16_MAX, _U32, Quantized, _check_input, _check_out_dtype, _check_range, _round_up, finish_bound
+from .quant import _FP16_MAX, _U32, Quantized, _check_group, _check_input, _check_out_dtype, _check_range, _round_up, finish_bound
 
 #: e4m3's largest finite value.
 E4M3_MAX = 448.0
@@ -33,11 +33,8 @@ def quantize_per_token(x: torch.Tensor, group: int) -> Quantized:
     """``x`` ``[..., T, D]`` as e4m3 codes in groups of ``group`` consecutive channels of each
     token: codes ``[..., T, D]`` uint8, scale and minimum (midpoint) ``[..., T, D // group]``."""
     _check_input(x)
-    if int(group) < 1:
-        raise ValueError(f"group must be a positive number of channels, got {group}")
+    _check_group(x, group)
     d = x.shape[-1]
-    if d % group:
-        raise ShapeError(f"head dim {d} is not a multiple of the group size {group}")
     grouped = x.reshape(*x.shape[:-1], d // group, group)
     mn, mx = torch.aminmax(grouped, dim=-1, keepdim=True)
     codes, scale, mid = _encode(grouped, mn, mx)

@@ -110,11 +110,8 @@ def quantize_per_token(x: torch.Tensor, bits: int, group: int) -> Quantized:
     """
     _check_bits(bits)
     _check_input(x)
-    if int(group) < 1:
-        raise ValueError(f"group must be a positive number of channels, got {group}")
+    _check_group(x, group)
     d = x.shape[-1]
-    if d % group:
-        raise ShapeError(f"head dim {d} is not a multiple of the group size {group}")
     _check_packable(d, bits)
     from . import quant_native  # (imported here: it loads the attention package)
 
@@ -302,6 +299,14 @@ def _check_packable(d: int, bits: int) -> None:
     per_byte = 8 // bits
     if d % per_byte:
         raise ShapeError(f"{bits}-bit codes pack {per_byte} a byte, so the head dim must be a multiple of {per_byte}, got {d}")
+
+
+def _check_group(x: torch.Tensor, group: int) -> None:
+    """``group`` is a positive number of channels that divides ``x``'s last dim."""
+    if int(group) < 1:
+        raise ValueError(f"group must be a positive number of channels, got {group}")
+    if x.shape[-1] % group:
+        raise ShapeError(f"head dim {x.shape[-1]} is not a multiple of the group size {group}")
 
 
 def _check_input(x: torch.Tensor) -> None:

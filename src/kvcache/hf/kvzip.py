@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from . import scoring
 from .bridge import use_kvcache_attention
 from .cache import KVCache
 from .cache_arg import cache_kwargs
@@ -132,8 +133,6 @@ def compress_context(
     """A cache of ``spec`` (a ``kvzip`` kind: ``"kvzip:budget=0.3"``) holding ``context_ids``
     (one sequence) compressed by KVzip's scores (:func:`scores` over :func:`chunks` from ``start``,
     the end of the chat template's opening). Any question may follow (fork it per question)."""
-    from . import scoring
-
     cache = scoring.recording_cache(model, (ALL_QUERIES,))
     ids = torch.tensor([context_ids], device=model.device)
     with use_kvcache_attention(model):
