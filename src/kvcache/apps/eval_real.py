@@ -10,7 +10,8 @@ Two ways to use a bounded cache, both measured:
   (the protocol of SnapKV, Ada-KV, PyramidKV: the compression may look at the question);
 - ``context``: the document is compressed once, at its end, and each question is then appended
   to (a fork of) the compressed cache: what a prompt store serving many requests does. KVzip
-  (``scoring.compress_context``) runs only this way.
+  (``hf/kvzip.py``: the model reconstructs the document, one choice over every layer and head)
+  runs only this way, its budget the share of the document kept.
 
 How the model runs: each context's document is prefilled once into a ``scoring.recording_cache``
 that records the attention weights every policy scores by; each question is fed once on a fork.
@@ -48,7 +49,7 @@ from kvcache import cache_kwargs
 from .. import make_cache, use_kvcache_attention
 from ..attention import is_queries
 from ..errors import KVCacheError
-from ..hf import scoring
+from ..hf import kvzip, scoring
 from ..layers import mix_of
 from . import needles
 from .eval import kl_and_top1
@@ -282,11 +283,12 @@ def run_context(
     info: dict[str, Any] = {"profiles": []}
     with use_kvcache_attention(model):
         wants_kvzip = any(k == "kvzip" for k, _, _ in plan)
-        rec = scoring.recording_cache(model, doc_modes + ((scoring.KVZIP_MODE,) if wants_kvzip else ()))
+        rec = scoring.recording_cache(model, doc_modes + ((kvzip.ALL_QUERIES,) if wants_kvzip else ()))
         model(prefix, **cache_kwargs(model, rec), use_cache=True)
         doc_weights = recorded_weights(rec, doc_modes)
         started = time.perf_counter()
-        kvzip = scoring.repeat_scores(model, rec, torch.tensor([ctx.repeat_ids], device=device)) if wants_kvzip else None
+        start = kvzip.opening(tokenizer, ctx.prefix_ids)
+        zipped = (kvzip.scores(model, rec, kvzip.chunks(tokenizer, ctx.prefix_ids, start)), start) if wants_kvzip else None
         info["repeat_seconds"] = time.perf_counter() - started
         doc_kv = scoring.keys_values(rec)
 
@@ -308,7 +310,8 @@ def run_context(
             if mode != "context":
                 continue
             spec = specs[(kind, budget)]
-            shared = _document_cache(model, kind, spec, prefix, doc_kv, doc_weights, kvzip)
+            room = max(len(q.ids) for q in ctx.questions) + answer_tokens  # what follows the document
+            shared = _document_cache(model, kind, spec, prefix, doc_kv, doc_weights, zipped, budget, room)
             for q in ctx.questions:
                 cache = shared.fork()
                 tokens = _answer_after(model, cache, q.ids, answer_tokens)
@@ -345,15 +348,20 @@ def run_context(
     return rows, info
 
 
-def _document_cache(model, kind: str, spec: str, prefix: torch.Tensor, kv=None, weights=None, kvzip=None):
+def _document_cache(model, kind: str, spec: str, prefix: torch.Tensor, kv=None, weights=None, zipped=None, share=None, room=None):
     """A cache of ``spec`` holding the document ``prefix`` ``[1, T]``: a window prefilled for real
-    (its prompt pass is masked), every other kind compressed from the recording's keys and values
-    ``kv`` with the document's ``weights`` (kvzip: with its repetition scores ``kvzip``)."""
+    (its prompt pass is masked), kvzip the ``share`` of the context its scores choose (``zipped``:
+    ``kvzip.scores``' and where the context starts; ``room``: the tokens that will follow it,
+    default ``kvzip.ROOM``), every other kind compressed from the
+    recording's keys and values ``kv`` with the document's ``weights``."""
     if kind == "window":
         cache = make_cache(model, spec)
         model(prefix, **cache_kwargs(model, cache), use_cache=True)
         return cache
-    return scoring.compress(model, spec, kv, {scoring.KVZIP_MODE: kvzip} if kind == "kvzip" else weights)
+    if kind == "kvzip":
+        scores, start = zipped
+        return kvzip.kept_cache(model, kv, kvzip.select(scores, share, start), scores, room or kvzip.ROOM)
+    return scoring.compress(model, spec, kv, weights)
 
 
 @torch.inference_mode()
@@ -371,15 +379,15 @@ def text_runs(model, tokenizer, plan, s: Setting, seed: int, spec_for=None) -> l
     doc_modes, _ = modes_for(model, [spec_for(k, b, 64) for k, _, b in plan if k != "full"], [])
     out, reference = [], None
     with use_kvcache_attention(model):
-        rec = scoring.recording_cache(model, doc_modes + (scoring.KVZIP_MODE,))
+        wants_kvzip = any(k == "kvzip" for k, _, _ in plan)
+        rec = scoring.recording_cache(model, doc_modes + ((kvzip.ALL_QUERIES,) if wants_kvzip else ()))
         first = model(prefix, **cache_kwargs(model, rec), use_cache=True).logits[:, -1].float().log_softmax(-1)
         weights = recorded_weights(rec, doc_modes)
-        repeat = tokenizer("\n\nRepeat the text above exactly:\n", add_special_tokens=False)["input_ids"] + ids[:half]
-        kvzip = scoring.repeat_scores(model, rec, torch.tensor([repeat], device=model.device))
+        zipped = (kvzip.scores(model, rec, kvzip.chunks(tokenizer, ids[:half], 0)), 0) if wants_kvzip else None
         kv = scoring.keys_values(rec)
         for kind, budget in dict.fromkeys((kind, budget) for kind, _, budget in plan):
             spec = spec_for(kind, budget, half)
-            cache = _document_cache(model, kind, spec, prefix, kv, weights, kvzip)
+            cache = _document_cache(model, kind, spec, prefix, kv, weights, zipped, budget, len(rest))
             logps = [first]
             for t in rest[:-1]:
                 logits = model(torch.tensor([[t]], device=model.device), **cache_kwargs(model, cache), use_cache=True).logits[:, -1]

@@ -86,8 +86,6 @@ SETS = {
 }
 #: How a question is asked: its answer primed (``Question.ids``) or as a chat turn (``chat_ids``).
 ASKS = ("primed", "chat")
-#: What KVzip's repetition asks (its context follows in the assistant's turn).
-REPEAT = "Repeat the document above exactly."
 
 
 @dataclass(frozen=True)
@@ -114,7 +112,6 @@ class Context:
     prefix_ids: list[int]
     document: int  # index in prefix_ids where the document's tokens start
     questions: tuple[Question, ...]
-    repeat_ids: list[int]  # KVzip: ask for the document, then the document's own tokens
 
 
 @functools.lru_cache(maxsize=None)
@@ -285,9 +282,7 @@ def make_context(
         )
         for door, key, depth in zip(doors, keys, depths)
     )
-    # The end of the document's user turn, the request in a new one, and the assistant's turn repeating the document.
-    repeat_ids = _ids(tokenizer, _chat(tokenizer, MARK, REPEAT).split(MARK, 1)[1]) + prefix_ids[len(intro) :]
-    return Context(length, seed, prefix_ids, len(intro), questions, repeat_ids)
+    return Context(length, seed, prefix_ids, len(intro), questions)
 
 
 def _chat(tokenizer, *turns: str, prompt: bool = True) -> str:

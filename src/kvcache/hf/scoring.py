@@ -10,12 +10,8 @@ forward pass, need not run once per policy:
 - ``compress(model, spec, keys_values, weights)``: a cache of ``spec`` holding exactly what it would
   hold had it attended those tokens itself in one pass with those weights (the layers' own
   ``update`` then ``settle(weights)``: the same code path as a forward pass);
-- ``repeat_scores`` / ``compress_context``: KVzip (Kim et al., 2025, "KVzip: Query-Agnostic KV
-  Cache Compression with Context Reconstruction"): a slot's score is the largest attention any
-  query pays it while the model is asked to repeat the context, so what is kept serves any later
-  question, not only the one in the prompt. It costs one more pass over the context (the
-  repetition, as long as the context), once per context. The ``kvzip`` spec kind's policy,
-  ``policies.RepeatScores``, keeps the running maximum those weights give.
+KVzip, which scores a context by having the model reconstruct it and chooses over the whole cache,
+is ``kvzip.py``; it records with this module's ``recording_cache``.
 """
 
 from __future__ import annotations
@@ -33,11 +29,8 @@ from .build import make_cache
 from .cache import KVCache
 from .cache_arg import cache_kwargs
 
-#: The weights mode KVzip scores by: the most any query of the repetition paid each slot.
+#: The weights mode the plain ``kvzip`` kind scores by: the most any query paid each slot.
 KVZIP_MODE = RepeatScores.weights
-
-#: What KVzip asks, in a chat model's user turn, after the context (the paper's prompt, in spirit).
-REPEAT_REQUEST = "Repeat the previous context exactly."
 
 
 def recording_cache(model: Any, modes: Sequence[str]) -> KVCache:
@@ -112,39 +105,3 @@ def compress(
             # (a flat store reads a pass per KV head too: by_head.py)
             layer.settle(weights[mode][i] if isinstance(mode, str) else {m: weights[m][i] for m in modes})
     return cache
-
-
-@torch.inference_mode()
-def repeat_scores(model: Any, cache: KVCache, repeat_ids: torch.Tensor, *, chunk: int = 1024) -> list[torch.Tensor | None]:
-    """KVzip's score of every slot of ``cache`` (a ``recording_cache`` recording ``KVZIP_MODE``,
-    holding the context): feed ``repeat_ids`` ``[B, R]`` (a request to repeat the context, then
-    the context itself) in chunks of ``chunk`` tokens and keep, per slot, the largest weight any of
-    those queries paid it. The repetition is removed from the cache afterwards. Returns, per layer,
-    float32 ``[B, Hkv, T]`` over the context's ``T`` slots."""
-    context = cache.seen
-    scores: list[torch.Tensor | None] = [None] * len(cache.kv_layers)
-    try:
-        with use_kvcache_attention(model):
-            for start in range(0, repeat_ids.shape[1], chunk):
-                model(repeat_ids[:, start : start + chunk], **cache_kwargs(model, cache), use_cache=True)
-                for i, w in enumerate(recorded(cache, KVZIP_MODE)):
-                    if w is not None:
-                        w = w[..., :context]
-                        scores[i] = w.clone() if scores[i] is None else torch.maximum(scores[i], w)
-    finally:
-        cache.crop(-(cache.seen - context))
-    return scores
-
-
-@torch.inference_mode()
-def compress_context(model: Any, ids: torch.Tensor, spec: str, repeat_ids: torch.Tensor, *, chunk: int = 1024) -> KVCache:
-    """A cache of ``spec`` (a ``kvzip`` kind: ``"kvzip:budget=0.25"``) holding the context ``ids``
-    ``[B, T]`` compressed by KVzip's scores: prefill, ask the model to repeat (``repeat_ids``, see
-    ``repeat_scores``), keep the best slots. Reusable for any question appended after it (fork it
-    per question). The model runs twice over about the context's length."""
-    cache = recording_cache(model, (KVZIP_MODE,))
-    with use_kvcache_attention(model):
-        for start in range(0, ids.shape[1], chunk):
-            model(ids[:, start : start + chunk], **cache_kwargs(model, cache), use_cache=True)
-    scores = repeat_scores(model, cache, repeat_ids, chunk=chunk)
-    return compress(model, spec, keys_values(cache), {KVZIP_MODE: scores})

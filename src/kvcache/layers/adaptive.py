@@ -29,6 +29,10 @@ the row keeps its best ``Hkv * budget``. A decode step does not rescore (SnapKV 
 prompt): a generated token scores 0, so once it leaves the window it is the first to go, and the
 prompt's chosen slots stay. With a budget at least the sequence nothing is evicted and attention
 equals the full cache's.
+
+``compressed`` (a keyword, not a spec option): slots the layer holds beside its budget, a context compressed
+across a whole cache (KVzip's choice over every layer and head, ``kvcache.hf.kvzip``), where each
+layer keeps a different number; the layer keeps ``compressed + Hkv * budget`` slots and a file records it.
 """
 
 from __future__ import annotations
@@ -73,13 +77,17 @@ class AdaptiveLayer(SelectingLayer):
         "floor": Option(float, least=0.0),
         "storage": SELECTION_OPTIONS["storage"],
     }
+    keyword_options = {"compressed": Option(int, least=0)}
     required_options = ("budget",)
     spec_order = 5
 
-    def __init__(self, budget: int | float, window: int = 32, pool: int = 7, floor: float = 0.2, storage: str = "full") -> None:
+    def __init__(
+        self, budget: int | float, window: int = 32, pool: int = 7, floor: float = 0.2, storage: str = "full", compressed: int = 0
+    ) -> None:
         super().__init__()
         self.storage = get_storage(storage)
         checked = self.check_options(budget=budget, window=window, pool=pool, floor=floor)
+        self.compressed = AdaptiveLayer.check_options(compressed=compressed)["compressed"]
         self.budget = check_budget(checked["budget"], "token per head")
         self.window, self.pool, self.floor = checked["window"], checked["pool"], checked["floor"]
         if self.floor > 1:
@@ -109,10 +117,10 @@ class AdaptiveLayer(SelectingLayer):
         return self.geometry.heads if self.geometry is not None else 0
 
     def _keep_now(self, seen: int | None = None) -> int:
-        return self.kv_heads * self.budget_now(seen)
+        return self.kv_heads * self.budget_now(seen) + self.compressed
 
     def _capacity_for(self, seen: int) -> int:
-        return self.kv_heads * (self.budget_now(seen) + 1)
+        return self.kv_heads * (self.budget_now(seen) + 1) + self.compressed
 
     def _layout(self, g: Geometry) -> Layout:
         tags = {"positions": ((), torch.int32), "heads": ((), torch.int16), "scores": ((), torch.float32)}
@@ -245,6 +253,7 @@ class AdaptiveLayer(SelectingLayer):
     def reset(self) -> None:
         super().reset()
         self._by_head = None
+        self.compressed = 0  # an emptied layer holds nothing beside its budget
 
     def check_trim(self, n: int) -> None:
         super().check_trim(n)
@@ -268,7 +277,13 @@ class AdaptiveLayer(SelectingLayer):
     # ---- state ----------------------------------------------------------------------------
 
     def options(self) -> dict[str, Any]:
-        return {"budget": self.budget, "window": self.window, "pool": self.pool, "floor": self.floor, "storage": self.storage.name}
+        compressed = {"compressed": self.compressed} if self.compressed else {}
+        return {"budget": self.budget, "window": self.window, "pool": self.pool, "floor": self.floor, "storage": self.storage.name, **compressed}
+
+    @staticmethod
+    def spec_options_of(options: Any) -> Any:
+        """The options but ``compressed``, which each layer of a compressed context has its own of."""
+        return {k: v for k, v in options.items() if k != "compressed"} if isinstance(options, dict) else options
 
     def state(self) -> LayerState:
         """The kept slots (views), plus ``head_lengths`` ``[B, Hkv]``, which carries the head count."""
@@ -283,13 +298,20 @@ class AdaptiveLayer(SelectingLayer):
         seen = int(state.seen)
         if seen < 0:
             raise ValueError(f"adakv layer state: seen must be >= 0, got {seen}")
+        compressed = self._compressed_of(state)
         if state.tensors:
             budget = self.budget if isinstance(self.budget, int) else max(1, math.ceil(self.budget * seen))
-            check_flat_state(state.tensors, self.storage, self.store, seen, budget)
+            check_flat_state(state.tensors, self.storage, self.store, seen, budget, compressed)
+
+    @staticmethod
+    def _compressed_of(state: LayerState) -> int:
+        """The slots ``state`` holds beside its budget (its own count: the content's, not the spec's)."""
+        return AdaptiveLayer.check_options(compressed=state.options.get("compressed", 0) if isinstance(state.options, dict) else 0)["compressed"]
 
     def load_state(self, state: LayerState) -> None:
         self.check_state(state)
         self.reset()
+        self.compressed = self._compressed_of(state)
         self._seen = int(state.seen)
         if state.tensors:
             t = {name: x for name, x in state.tensors.items() if name != "head_lengths"}

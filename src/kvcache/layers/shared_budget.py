@@ -149,9 +149,9 @@ def moves_in_place(live: dict[str, torch.Tensor], kv_heads: int, keep: int, rece
     return torch.where(filling, holes, movers).unsqueeze(1), movers.unsqueeze(1)
 
 
-def check_flat_state(t: dict[str, torch.Tensor], storage, store, seen: int, budget: int) -> None:
+def check_flat_state(t: dict[str, torch.Tensor], storage, store, seen: int, budget: int, compressed: int = 0) -> None:
     """Raise unless ``t`` is a flat store's content ``seen`` tokens in, at most ``budget`` slots per
-    head on average (+1 spare): the codec's tensors ``[B, 1, N, ...]``, ``positions``/``heads``/
+    head on average (+1 spare) besides ``compressed``: the codec's tensors ``[B, 1, N, ...]``, ``positions``/``heads``/
     ``scores`` ``[B, 1, N]`` (``store``'s dtypes), int64 ``head_lengths`` ``[B, Hkv]`` agreeing with
     ``heads``, positions in ``[0, seen)``, none twice in one head. Untrusted input: changes nothing."""
     tags = ("positions", "heads", "scores")
@@ -176,8 +176,11 @@ def check_flat_state(t: dict[str, torch.Tensor], storage, store, seen: int, budg
         raise ShapeError(f"adakv layer state: head_lengths should be [{batch}, Hkv >= 1], got {tuple(counts.shape)}")
     store.check("adakv layer", t, replace(g, batch=batch, heads=1), n)
     pos, heads = t["positions"].long(), t["heads"].long()
-    if n > kv_heads * min(seen, budget + 1):
-        raise ValueError(f"adakv layer state holds {n} slots for {kv_heads} heads after {seen} tokens, budget {budget} per head")
+    if n > min(kv_heads * seen, kv_heads * (budget + 1) + compressed):
+        raise ValueError(
+            f"adakv layer state holds {n} slots for {kv_heads} heads after {seen} tokens, budget {budget} per head"
+            + (f" and {compressed} compressed" if compressed else "")
+        )
     if n and (int(pos.min()) < 0 or int(pos.max()) >= seen or int(heads.min()) < 0 or int(heads.max()) >= kv_heads):
         raise ValueError(f"adakv layer state has positions outside [0, {seen}) or heads outside [0, {kv_heads})")
     if not torch.equal(head_counts(t["heads"], kv_heads), counts):
