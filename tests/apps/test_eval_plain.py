@@ -99,10 +99,16 @@ def test_plain_is_refused_for_the_tiny_model(capsys):
 @pytest.mark.real_model
 @pytest.mark.slow  # SmolLM2 end to end (about 12 s); the plan, the verdicts and the refusals are checked above
 def test_a_tiny_plain_run_on_smollm2_writes_its_report(tmp_path):
+    from kvcache.apps.eval_plain import _prompt
     from kvcache.apps.run_options import RunOptions
 
-    result = eval_plain.run(RunOptions(tiny=True, out=tmp_path, progress=False), kinds=("growable", "kvzip", "quantized-int4"))
-    assert [(v["cache"], v["budget"]) for v in result["verdicts"]] == [("growable", None), ("kvzip", 0.5), ("quantized-int4", None)]
+    kinds = ("growable", "kvzip", "kvzip-context", "quantized-int4")
+    result = eval_plain.run(RunOptions(tiny=True, out=tmp_path, progress=False), kinds=kinds)
+    assert [(v["cache"], v["budget"]) for v in result["verdicts"]] == [("growable", None), ("kvzip", 0.5), ("kvzip-context", 0.5), ("quantized-int4", None)]
     for r in result["runs"]:
         assert r["prompt_tokens"] <= 384 and not r["degenerate"], r
+    full = {_prompt(r): r["bytes"] for r in result["runs"] if r["cache"] == "growable"}
+    for r in result["runs"]:
+        if r["cache"] == "kvzip-context":  # half the context, plus the room for the question and answer
+            assert r["bytes"] < 0.8 * full[_prompt(r)], r
     assert (tmp_path / "plain.json").exists() and "| kvzip | 50% |" in (tmp_path / "plain.md").read_text()

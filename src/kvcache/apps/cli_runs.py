@@ -180,8 +180,8 @@ def add_eval(subparsers: argparse._SubParsersAction) -> None:
         "--plain",
         action="store_true",
         default=None,
-        help="real model: every documented kind used plainly (make_cache in generate, the question in the prompt) at "
-        "--budgets (default 0.5,0.25) on pass keys in held-out prose (--lengths: one length, default 2048; --contexts, "
+        help="real model: every documented kind used plainly (make_cache in generate, the question in the prompt; "
+        "kvzip-context: kvzip.compress_context on the context, then the question) at --budgets (default 0.5,0.25) on pass keys in held-out prose (--lengths: one length, default 2048; --contexts, "
         "default 15); exits 1 when a kind finds far fewer needles than the full cache or an answer degenerates; "
         "writes plain.json and plain.md",
     )

@@ -259,7 +259,7 @@ def _decode(model, cache, first: torch.Tensor, steps: int) -> list[int]:
     return out
 
 
-def _answer_after(model, cache, ids: list[int], steps: int) -> list[int]:
+def answer_after(model, cache, ids: list[int], steps: int) -> list[int]:
     """Feed ``ids`` through ``cache`` (a real pass), then decode greedily."""
     logits = model(torch.tensor([ids], device=model.device), **cache_kwargs(model, cache), use_cache=True).logits[:, -1]
     return _decode(model, cache, logits.argmax(-1, keepdim=True), steps)
@@ -314,7 +314,7 @@ def run_context(
             shared = _document_cache(model, kind, spec, prefix, doc_kv, doc_weights, zipped, budget, room)
             for q in ctx.questions:
                 cache = shared.fork()
-                tokens = _answer_after(model, cache, q.ids, answer_tokens)
+                tokens = answer_after(model, cache, q.ids, answer_tokens)
                 emit(kind, mode, budget, spec, q, tokens, cache, needle_kept(shared, spans[q.key]))
 
         # The question in the prompt: one recorded question pass, then every kind compressed from it.
@@ -338,7 +338,7 @@ def run_context(
                     if spec not in windows:  # the document prefilled once, a fork per question
                         windows[spec] = _document_cache(model, kind, spec, prefix)
                     cache = windows[spec].fork()
-                    tokens, kept = _answer_after(model, cache, q.ids, answer_tokens), None
+                    tokens, kept = answer_after(model, cache, q.ids, answer_tokens), None
                 else:
                     cache = scoring.compress(model, spec, kv, weights)
                     kept = needle_kept(cache, span)

@@ -220,24 +220,44 @@ def kept_cache(
     return KVCache(layers, plain.spec, plain.config_summary, plain.attention_config, dict(plain.others))
 
 
+@dataclass(frozen=True)
+class Scored:
+    """A context's keys and values (per layer ``[1, Hkv, T, D]``), KVzip's scores of its slots (per
+    layer ``[1, Hkv, T]``) and where the context starts: what any number of choices is made from."""
+
+    past: list[tuple[torch.Tensor, torch.Tensor] | None]
+    scores: list[torch.Tensor | None]
+    start: int
+
+    def compressed(self, model: Any, ratio: float, level: str = "pair", room: int = ROOM) -> KVCache:
+        """A cache holding the ``ratio`` share of the context :func:`select` keeps at ``level``."""
+        return kept_cache(model, self.past, select(self.scores, ratio, self.start, level), self.scores, room)
+
+
 @torch.inference_mode()
-def compress_context(
-    model: Any, tokenizer: Any, context_ids: list[int], ratio: float, *, start: int | None = None, level: str = "pair",
-    room: int = ROOM, chunk: int = CHUNK,
-) -> KVCache:
-    """KVzip: a cache holding ``context_ids`` (one sequence: the chat template's opening, then the
-    context) compressed to ``ratio`` of its context slots, for any question that follows (fork it
-    per question). ``start``: where the context begins (default: after the template's opening,
-    :func:`opening`); :func:`scores` over :func:`chunks`, :func:`select` at ``level``,
-    :func:`kept_cache` with ``room``. The model runs over the context twice."""
+def score_context(model: Any, tokenizer: Any, context_ids: list[int], *, start: int | None = None, chunk: int = CHUNK) -> Scored:
+    """Prefill ``context_ids`` (one sequence: the chat template's opening, then the context) and
+    score its slots (:func:`scores` over :func:`chunks`). ``start``: where the context begins
+    (default: after the template's opening, :func:`opening`). The model runs over it twice."""
     start = opening(tokenizer, context_ids) if start is None else start
     if not 0 <= start < len(context_ids):
         raise ValueError(f"start must be a context position, got {start} for {len(context_ids)} tokens")
-    select([torch.zeros(1, 1, len(context_ids))], ratio, start, level)  # bad arguments fail before the model runs
     cache = scoring.recording_cache(model, (ALL_QUERIES,))
     ids = torch.tensor([context_ids], device=model.device)
     with use_kvcache_attention(model):
         for first in range(0, ids.shape[1], chunk):
             model(ids[:, first : first + chunk], **cache_kwargs(model, cache), use_cache=True)
     got = scores(model, cache, chunks(tokenizer, context_ids, start, chunk, OVERLAP))
-    return kept_cache(model, scoring.keys_values(cache), select(got, ratio, start, level), got, room)
+    return Scored(scoring.keys_values(cache), got, start)
+
+
+def compress_context(
+    model: Any, tokenizer: Any, context_ids: list[int], ratio: float, *, start: int | None = None, level: str = "pair",
+    room: int = ROOM, chunk: int = CHUNK,
+) -> KVCache:
+    """KVzip: a cache holding ``context_ids`` (one sequence: the chat template's opening, then the
+    context) compressed to ``ratio`` of its context slots, for any question that follows (fork it
+    per question): :func:`score_context`, then :meth:`Scored.compressed` at ``level`` with ``room``.
+    Bad arguments are refused before the model runs."""
+    select([torch.zeros(1, 1, len(context_ids))], ratio, 0, level)
+    return score_context(model, tokenizer, context_ids, start=start, chunk=chunk).compressed(model, ratio, level, room)
