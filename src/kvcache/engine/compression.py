@@ -36,7 +36,8 @@ from ..hf.spec import CacheSpec
 from ..layers.own_attention import OwnAttentionLayer
 
 #: Kinds the engine does not build this way, and why.
-REFUSED = {"kvzip": "KVzip scores the prompt by a second pass that repeats it, which the engine does not run"}
+REFUSED = {"kvzip": "KVzip scores the prompt by a second pass that reconstructs it, which the engine does not run; compress a "
+                     "context once with kvcache.hf.kvzip.compress_context and generate from a fork of it"}
 
 
 @dataclass(frozen=True)
