@@ -16,6 +16,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import kvcache
 from kvcache.errors import ShapeError, UnsupportedOperation
@@ -345,3 +347,62 @@ def test_query_heads_must_split_under_the_kv_heads():
     with pytest.raises(ShapeError, match="multiple"):
         layer.attend(torch.randn(1, 3, 3, 8))
     assert layer.attend(torch.randn(1, 4, 3, 8)).shape == (1, 4, 3, 8)
+
+
+# ---- a compressed context held beside the budget (KVzip's choice across the cache) ------------
+
+
+def _compressed_layer(kept: list[list[bool]], room: int, dim: int = 4, seed: int = 0) -> AdaptiveLayer:
+    """A layer holding ``kept[h][t]`` slots of a ``len(kept[0])``-token context as compressed slots."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.tensor(kept)
+    head, position = mask.nonzero(as_tuple=True)
+    n = head.numel()
+    state = LayerState("adakv", {"budget": room, "window": 32, "pool": 7, "floor": 0.0, "storage": "full", "compressed": n}, mask.shape[1], {
+        "keys": torch.randn(1, 1, n, dim, generator=g), "values": torch.randn(1, 1, n, dim, generator=g),
+        "positions": position.to(torch.int32).view(1, 1, n), "heads": head.to(torch.int16).view(1, 1, n),
+        "scores": torch.rand(1, 1, n, generator=g), "head_lengths": mask.sum(-1).view(1, -1),
+    })  # fmt: skip
+    return AdaptiveLayer.from_state(state)
+
+
+def _slots(layer) -> set[tuple[int, int]]:
+    return set(zip(layer.heads()[0, 0].tolist(), layer.positions()[0, 0].tolist()))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    heads=st.integers(1, 3), length=st.integers(2, 12), room=st.integers(1, 4), steps=st.integers(0, 7), seed=st.integers(0, 99),
+    data=st.data(),
+)
+def test_a_compressed_context_stays_until_the_room_is_used_then_the_layer_keeps_its_count(heads, length, room, steps, seed, data):
+    kept = [data.draw(st.lists(st.booleans(), min_size=length, max_size=length)) for _ in range(heads)]
+    kept[0][0] = True  # a context keeps at least one slot
+    layer = _compressed_layer(kept, room, seed=seed)
+    compressed = _slots(layer)
+    assert layer.compressed == len(compressed) and layer.seen == length
+    g = torch.Generator().manual_seed(seed + 1)
+    for step in range(1, steps + 1):
+        layer.append(torch.randn(1, heads, 1, 4, generator=g), torch.randn(1, heads, 1, 4, generator=g))
+        layer.settle(None)
+        if step <= room:  # nothing evicted: the context and every new token
+            assert _slots(layer) == compressed | {(h, length + i) for h in range(heads) for i in range(step)}
+        else:  # Ada-KV's rule keeps the compressed count plus the room
+            assert layer.length == layer.compressed + heads * room
+        copy = AdaptiveLayer.from_state(layer.state())
+        assert copy.compressed == layer.compressed and _slots(copy) == _slots(layer)
+        assert torch.equal(copy.view()[0], layer.view()[0])
+
+
+def test_a_compressed_state_is_checked_against_its_own_count():
+    layer = _compressed_layer([[True, False, True], [True, True, True]], room=1)
+    state = layer.state()
+    state.options = {**state.options, "compressed": 0}  # 5 slots after 3 tokens cannot fit 2 * (1 + 1)
+    with pytest.raises(ValueError, match="holds 5 slots"):
+        AdaptiveLayer(budget=1).check_state(state)
+    state.options = {**state.options, "compressed": -1}
+    with pytest.raises(ValueError, match="compressed"):
+        AdaptiveLayer(budget=1).check_state(state)
+    fresh = AdaptiveLayer(budget=1, compressed=4)
+    fresh.reset()
+    assert fresh.compressed == 0  # an emptied layer holds nothing beside its budget
