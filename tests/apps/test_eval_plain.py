@@ -23,7 +23,7 @@ def test_plan_puts_the_reference_first_and_budgets_only_bounded_kinds():
 
 
 def test_specs_are_the_documented_ones():
-    assert eval_plain.spec_of("kvzip", 0.5, 2000) == "kvzip:budget=0.5"
+    assert eval_plain.spec_of("kvzip", 0.5, 2000) == "kvzip:budget=0.5,queries=prompt"
     assert eval_plain.spec_of("window", 0.5, 2000) == "window:window=996,sinks=4"
     assert eval_plain.spec_of("static", None, 2000) == f"static:capacity={2000 + eval_plain.NEW_TOKENS}"
     assert eval_plain.spec_of("auto", 0.25, 2000) == "auto:bytes=0.25"

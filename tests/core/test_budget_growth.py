@@ -28,7 +28,7 @@ SPECS = [
     "tova:budget=0.5",
     "tova-layer:budget=0.5",
     "lastrec:budget=0.5",
-    "kvzip:budget=0.5",
+    "kvzip:budget=0.5,queries=prompt",
     "snapkv:budget=0.25,window=8,storage=int8",
     "h2o:budget=0.5,storage=int4",
     "adakv:budget=0.25,window=8,storage=int4",

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 OPTIONS = {
     "static": "capacity=64", "window": "window=8", "quantized": "bits=4,group_size=4,residual=4",
     "adakv": "budget=6,window=2", "snapkv": "budget=6,window=2", "pyramidkv": "budget=6,window=2", "auto": "bytes=0.25,window=2",
-    "auto-heads": "bytes=0.25,window=2",
+    "auto-heads": "bytes=0.25,window=2", "kvzip": "budget=6,queries=prompt",
 }
 BUDGETED = "budget=6"
 
@@ -150,9 +150,9 @@ def test_each_documented_kind_builds_and_loads_in_a_fresh_process(fresh_runs, ki
 def test_the_cli_generates_with_kvzip_in_a_fresh_process():
     """The command the issue that found the registration bug ran, as a user runs it."""
     proc = subprocess.run(
-        [sys.executable, "-m", "kvcache", "generate", "--cache", "kvzip:budget=64", "--prompt", "The quick brown fox",
+        [sys.executable, "-m", "kvcache", "generate", "--cache", "kvzip:budget=64,queries=prompt", "--prompt", "The quick brown fox",
          "--max-new-tokens", "4"],
         capture_output=True, text=True, cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "cache kvzip:budget=64" in proc.stderr
+    assert "cache kvzip:budget=64,queries=prompt" in proc.stderr

@@ -12,6 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kvcache
+from kvcache.apps.tiny import tiny_model
 from kvcache.layers import EvictingLayer
 from kvcache.layers.policies import RepeatScores, get_policy
 from test_query_aware import KV_HEADS, Q_HEADS, crafted, probs
@@ -36,14 +38,14 @@ def kvzip_reference(q, k, budget: int, recent: int) -> list[set[int]]:
 
 @pytest.mark.parametrize(("budget", "recent"), [(16, 8), (64, 32), (80, 32)])
 def test_kvzip_protects_min_of_32_and_half_the_budget(budget, recent):
-    assert get_policy("kvzip").recent_for(budget) == recent
+    assert get_policy("kvzip", queries="prompt").recent_for(budget) == recent
     assert RepeatScores.RECENT == 32
 
 
 @pytest.mark.parametrize("budget", [12, 20])
 def test_kvzip_prefill_keeps_the_references_slots(budget):
     q, k, v = crafted(seed=3, total=PROMPT, heavy=({3, 11, 20}, {6, 15, 24}))
-    layer = EvictingLayer(budget, policy="kvzip")
+    layer = EvictingLayer(budget, policy="kvzip", queries="prompt")
     layer.update(k.float(), v.float())
     assert layer.pending.weights == "max"
     layer.attend(q.float())
@@ -55,7 +57,7 @@ def test_kvzip_keeps_the_tokens_it_generates_while_they_are_recent():
     q, k, v = crafted(seed=4, total=PROMPT + 12, heavy=({3, 11}, {6, 15}))
     budget = 16
     recent = min(32, budget // 2)
-    layer = EvictingLayer(budget, policy="kvzip")
+    layer = EvictingLayer(budget, policy="kvzip", queries="prompt")
     layer.update(k[:, :, :PROMPT].float(), v[:, :, :PROMPT].float())
     layer.attend(q[:, :, :PROMPT].float())
     for t in range(PROMPT, PROMPT + 12):
@@ -68,5 +70,14 @@ def test_kvzip_keeps_the_tokens_it_generates_while_they_are_recent():
 
 
 def test_an_explicit_recent_still_wins():
-    layer = EvictingLayer(16, policy="kvzip", recent=2)
+    layer = EvictingLayer(16, policy="kvzip", recent=2, queries="prompt")
     assert layer.recent_now() == 2
+
+
+def test_plain_kvzip_is_refused_with_how_to_run_kvzip_itself():
+    with pytest.raises(ValueError, match=r"compress_context\(model, tokenizer, context_ids, ratio\).*queries=prompt"):
+        EvictingLayer(16, policy="kvzip")
+    with pytest.raises(kvcache.SpecError, match="compress_context"):
+        kvcache.make_cache(tiny_model("llama"), "kvzip:budget=16")
+    with pytest.raises(ValueError, match="takes 'prompt' only"):
+        get_policy("kvzip", queries="context")

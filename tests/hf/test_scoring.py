@@ -21,7 +21,7 @@ SPECS = (
     "h2o:budget=16",
     "tova:budget=12,sinks=2",
     "lastrec:budget=0.5",
-    "kvzip:budget=20",
+    "kvzip:budget=20,queries=prompt",
     "snapkv:budget=16,window=8,pool=3",
     "pyramidkv:budget=0.5,window=4",
     "tova-layer:budget=12",

@@ -191,7 +191,7 @@ def test_only_parameters_that_require_gradients_get_them():
 
 EVICTING = [
     "h2o:budget=12", "tova:budget=12", "tova-layer:budget=12", "lastrec:budget=12", "snapkv:budget=12,window=4,pool=3",
-    "pyramidkv:budget=14,window=4", "kvzip:budget=12",
+    "pyramidkv:budget=14,window=4", "kvzip:budget=12,queries=prompt",
 ]  # fmt: skip
 
 

@@ -59,8 +59,8 @@ PLAIN: dict[str, str] = {
     "static": "static:capacity={capacity}",
     "concat": "concat",
     "window": "window:window={window},sinks=4",
-    **{k: k + ":budget={share}"
-       for k in ("h2o", "tova", "tova-layer", "lastrec", "snapkv", "pyramidkv", "adakv", "kvzip")},
+    **{k: k + ":budget={share}" for k in ("h2o", "tova", "tova-layer", "lastrec", "snapkv", "pyramidkv", "adakv")},
+    "kvzip": "kvzip:budget={share},queries=prompt",
     **{f"quantized-int{bits}": f"quantized:bits={bits}" for bits in (8, 4, 2)},
     **{k: k + ":bytes={share}" for k in ("auto", "auto-heads")},
     CONTEXT_KVZIP: "kvzip.compress_context(ratio={share})",

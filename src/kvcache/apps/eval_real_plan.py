@@ -22,7 +22,7 @@ KINDS: dict[str, str] = {
     "window": "window:window={window},sinks=" + str(SINKS),
     **{k: k + ":budget={slots}" for k in ("lastrec", "h2o", "tova", "tova-layer", "snapkv", "pyramidkv", "adakv")},
     "adakv-int4": "adakv:budget={slots},storage=int4",
-    "kvzip": "kvzip:budget={slots}",
+    "kvzip": "kvzip.compress_context({slots} of the tokens)",  # hf/kvzip.py, not a spec: eval_real builds it
     "snapkv-int4": "snapkv:budget={slots},storage=int4",
     **{f"quantized-int{bits}": f"quantized:bits={bits}" for bits in (8, 4, 2)},
 }

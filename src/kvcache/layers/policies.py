@@ -219,11 +219,16 @@ class DepthPyramid(ObservationWindow):
 
 
 class RepeatScores(Policy):
-    """KVzip (Kim et al., 2025, "KVzip: Query-Agnostic KV Cache Compression with Context
-    Reconstruction"): the largest attention weight each slot received from any query, summed over
-    the query heads of its KV head, kept as a running maximum over passes. Given the weights of a
-    pass that repeats the context (``kvcache.hf.scoring.compress_context``), this is KVzip's
-    query-agnostic score; in an ordinary forward pass it scores by the prompt's own queries.
+    """KVzip's score read in one pass (Kim et al., 2025, "KVzip: Query-Agnostic KV Cache
+    Compression with Context Reconstruction"): the largest attention weight each slot received from
+    any query, summed over the query heads of its KV head, kept as a running maximum over passes.
+
+    KVzip scores a context by the weights the model pays it while reconstructing it, and chooses
+    once over every layer and head (``kvcache.hf.kvzip``); a layer in a pass of ``generate`` can do
+    neither, and its only queries are the prompt's own. So the kind asks for that to be said:
+    ``kvzip:budget=N,queries=prompt`` scores by the prompt's own queries (query-aware like H2O,
+    with a maximum for a sum), and ``kvzip:budget=N`` alone is refused with a message that says
+    how to run KVzip itself (:data:`REFUSAL`).
 
     The most recent ``RECENT`` tokens (at most half the budget) are protected, as SnapKV protects
     its observation window. Without that, a plain ``generate`` lost its question and every token it
@@ -235,8 +240,22 @@ class RepeatScores(Policy):
 
     name = "kvzip"
     weights = "max"
+    spec_options = {"queries": Option(str)}
     #: Recent tokens protected by default (a question and the start of its answer).
     RECENT: ClassVar[int] = 32
+    #: Why ``kvzip`` without ``queries=prompt`` is refused, and what to do instead.
+    REFUSAL: ClassVar[str] = (
+        "KVzip scores a context by having the model reconstruct it and chooses over every layer and head, which "
+        "a cache in generate cannot do: compress the context with kvcache.hf.kvzip.compress_context(model, tokenizer, "
+        "context_ids, ratio) and generate from a fork of it (docs/kinds.md); or add queries=prompt "
+        "(kvzip:budget=N,queries=prompt) to score by the prompt's own queries, an approximation"
+    )
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        if self.settings.get("queries") != "prompt":
+            given = self.settings.get("queries")
+            raise ValueError(self.REFUSAL if given is None else f"kvzip's queries= takes 'prompt' only, got {given!r}")
 
     def recent_for(self, budget):
         return min(self.RECENT, budget // 2)

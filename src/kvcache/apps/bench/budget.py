@@ -10,8 +10,8 @@ kvcache), one prompt of real text (``workload.make_prompts``) of ``prompt`` toke
 pass, then ``new`` greedy tokens one step at a time, all inside ``use_kvcache_attention``.
 Contenders: every kind with a fractional budget at ``share`` of the tokens seen, beside the same
 kind with the count that share reaches at the end (``ceil(share * (prompt + new))``), so both keep
-the same number of slots when the run ends. kvzip runs without its repetition pass (an ordinary
-forward scores slots by the prompt's own queries).
+the same number of slots when the run ends. kvzip runs without its repetition pass
+(``queries=prompt``: an ordinary forward scores slots by the prompt's own queries).
 
 Per contender: cache bytes (``cache.nbytes``, every allocated slot) after the prompt and at the
 end, the most it held, the slots it keeps at the end (per KV head, summed over layers), the
@@ -38,7 +38,8 @@ from .workload import load_model, make_prompts
 
 #: The kinds whose budget can be a share of the sequence, with the options each runs with.
 KINDS = {
-    **{k: f"{k}:budget={{budget}}" for k in ("snapkv", "pyramidkv", "adakv", "h2o", "tova", "lastrec", "kvzip")},
+    **{k: f"{k}:budget={{budget}}" for k in ("snapkv", "pyramidkv", "adakv", "h2o", "tova", "lastrec")},
+    "kvzip": "kvzip:budget={budget},queries=prompt",
     "snapkv-int8": "snapkv:budget={budget},storage=int8",
 }
 BUDGET_TYPES = ("share", "count")
