@@ -11,7 +11,8 @@ and loads it.
   ``compiled_decode``;
 - ``spec``: cache spec strings; ``build``: ``make_cache``; ``cachefile``: ``load_cache`` /
   ``save_cache``, a file checked against its model;
-- ``prefill``: a prompt a chunk at a time; ``scoring``: score once, compress many ways (KVzip);
+- ``prefill``: a prompt a chunk at a time; ``scoring``: score once, compress many ways; ``kvzip``:
+  KVzip as its paper has it (``compress_context``);
   ``linears``: a model's linear layers on prepacked weights inside a block.
 
 This package re-exports the bridge's names (``from kvcache.hf import use_kvcache_attention``);
@@ -21,7 +22,7 @@ for users, from ``kvcache`` itself (``make_cache``, ``KVCache``, ``load_cache``,
 Design: docs/architecture.md, "The transformers bridge".
 """
 
-from . import scoring
+from . import kvzip, scoring
 from .bridge import (
     ATTENTION_NAME,
     EAGER_MASKS,
@@ -51,6 +52,7 @@ __all__ = [
     "hf_attention_forward",
     "kvcache_mask",
     "register_attention",
+    "kvzip",
     "runs_kvcache_attention",
     "scoring",
     "use_kvcache_attention",
