@@ -266,7 +266,7 @@ def write(result: dict[str, Any], out: Path) -> None:
     c = result["config"]
     head = (
         f"Every kind used plainly on {c['model']}: `make_cache(model, spec)` in `generate`, greedy, the question in the "
-        f"prompt; {c['contexts']} pass keys a needle set at {c['length']} tokens (depths 0.1/0.5/0.9 in turn), needle sets "
+        f"prompt (`{CONTEXT_KVZIP}`: `kvcache.hf.kvzip.compress_context` on the context, then the question on it); {c['contexts']} pass keys a needle set at {c['length']} tokens (depths 0.1/0.5/0.9 in turn), needle sets "
         f"{', '.join(c.get('sets', ['doors']))} (doors: a door's key in held-out docstrings; secret: the secret pass key in the "
         f"Python Language Reference), asked {' and '.join(c.get('asks', ['primed']))} (primed: the answer's start in the "
         f"assistant's turn; chat: the turn opened with nothing in it). A key counts only when answered whole; the digits in "
