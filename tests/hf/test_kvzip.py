@@ -220,3 +220,16 @@ def test_compress_context_is_the_choice_of_the_papers_scores():
     assert kept == total // 2
     with pytest.raises(ValueError, match="ratio"):
         kvzip.compress_context(model, tok, context, 0.0)
+
+
+def test_a_model_with_sliding_windows_is_refused_before_it_runs():
+    model, tok = model_for("gemma2"), _Tokenizer()
+    context = tok("<user>")["input_ids"] + prompt(20, seed=16)[0].tolist()
+    calls = []
+    hook = model.register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        with pytest.raises(ValueError, match="sliding windows"):
+            kvzip.compress_context(model, tok, context, 0.5)
+    finally:
+        hook.remove()
+    assert not calls

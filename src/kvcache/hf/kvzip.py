@@ -194,16 +194,15 @@ def kept_cache(
     keys and values ``[1, Hkv, T, D]``): ``adakv`` layers of budget ``room``, each holding its kept
     slots as ``compressed`` ones (module docstring), scored by ``scores`` (per layer ``[1, Hkv, T]``;
     default 0) should Ada-KV's rule evict after ``room``. One sequence; every attention layer cached."""
-    spec = f"adakv:budget={room},floor=0"
-    plain = make_cache(model, spec)
+    plain = _flat_cache(model, room)
     layers: list[Any] = []
     for i, (layer, pair, mask) in enumerate(zip(plain.kv_layers, past, masks)):
         score = None if scores is None else scores[i]
         if layer is None:
             layers.append(None)
             continue
-        if not isinstance(layer, AdaptiveLayer) or pair is None or mask is None:
-            raise ValueError(f"KVzip compresses every attention layer; layer {i} is {getattr(layer, 'kind', None)!r} (a sliding window?)")
+        if pair is None or mask is None:
+            raise ValueError(f"layer {i}: no keys, values or mask for an attention layer")
         keys, values = pair
         if keys.shape[0] != 1 or mask.shape != keys.shape[:3]:
             raise ValueError(f"layer {i}: one sequence's keys [1, Hkv, T, D] and a mask [1, Hkv, T], got {tuple(keys.shape)} and {tuple(mask.shape)}")
@@ -234,6 +233,16 @@ class Scored:
         return kept_cache(model, self.past, select(self.scores, ratio, self.start, level), self.scores, room)
 
 
+def _flat_cache(model: Any, room: int) -> KVCache:
+    """An empty cache of ``adakv`` layers of budget ``room`` for ``model``; ``ValueError`` for a
+    model with layers of another kind (sliding windows), whose context KVzip does not choose."""
+    plain = make_cache(model, f"adakv:budget={room},floor=0")
+    other = sorted({layer.kind for layer in plain.kv_layers if layer is not None and not isinstance(layer, AdaptiveLayer)})
+    if other:
+        raise ValueError(f"KVzip chooses over every layer of the cache; this model has {other} layers (sliding windows)")
+    return plain
+
+
 @torch.inference_mode()
 def score_context(model: Any, tokenizer: Any, context_ids: list[int], *, start: int | None = None, chunk: int = CHUNK) -> Scored:
     """Prefill ``context_ids`` (one sequence: the chat template's opening, then the context) and
@@ -242,6 +251,7 @@ def score_context(model: Any, tokenizer: Any, context_ids: list[int], *, start: 
     start = opening(tokenizer, context_ids) if start is None else start
     if not 0 <= start < len(context_ids):
         raise ValueError(f"start must be a context position, got {start} for {len(context_ids)} tokens")
+    _flat_cache(model, ROOM)  # a model KVzip cannot serve is refused before it runs
     cache = scoring.recording_cache(model, (ALL_QUERIES,))
     ids = torch.tensor([context_ids], device=model.device)
     with use_kvcache_attention(model):
