@@ -126,7 +126,7 @@ def as_context(item: Item) -> needles.Context:
     """``item`` as the needle eval's context: the prompt up to its question as the prefix, the rest
     (the question and the answer's opening) as its one question, ``door`` the family's name."""
     question = needles.Question(item.family, item.answer, item.depth, item.prompt_ids[item.question_start :])
-    return needles.Context(item.length, item.seed, item.prompt_ids[: item.question_start], 0, (question,), [])
+    return needles.Context(item.length, item.seed, item.prompt_ids[: item.question_start], 0, (question,))
 
 
 def _key(rng: random.Random, kind: str) -> str:
