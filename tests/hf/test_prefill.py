@@ -24,7 +24,9 @@ CHUNK = 8
 NEW = 6
 
 #: Each bounded kind with room for the whole run (prompt + new tokens): nothing is dropped.
-ROOMY = ["window:window=64", "quantized:bits=8,residual=64", *(f"{name}:budget=64" for name in sorted(POLICIES))]
+#: What a policy's spec must say besides its budget (kvzip: which queries score, docs/kinds.md).
+REQUIRED = {"kvzip": ",queries=prompt"}
+ROOMY = ["window:window=64", "quantized:bits=8,residual=64", *(f"{name}:budget=64{REQUIRED.get(name, '')}" for name in sorted(POLICIES))]
 
 
 def last_logits(model, ids, cache, **kwargs) -> torch.Tensor:
@@ -93,7 +95,7 @@ def slot_bytes(layer) -> int:
     return kv + (g.batch * g.heads * (8 + 4) if isinstance(layer, EvictingLayer) else 0)
 
 
-@pytest.mark.parametrize("spec", ["window:window=12,sinks=2", *(f"{name}:budget=12" for name in sorted(POLICIES))])
+@pytest.mark.parametrize("spec", ["window:window=12,sinks=2", *(f"{name}:budget=12{REQUIRED.get(name, '')}" for name in sorted(POLICIES))])
 def test_every_layer_holds_at_most_budget_plus_one_chunk_after_every_chunk(spec):
     model = model_for("llama")
     budget, chunk, length = 14 if spec.startswith("window") else 12, 10, 120
