@@ -288,7 +288,7 @@ def run_context(
         doc_weights = recorded_weights(rec, doc_modes)
         started = time.perf_counter()
         start = kvzip.opening(tokenizer, ctx.prefix_ids)
-        zipped = (kvzip.scores(model, rec, kvzip.chunks(tokenizer, ctx.prefix_ids, start)), start) if wants_kvzip else None
+        zipped = kvzip.score_recorded(model, tokenizer, rec, ctx.prefix_ids, start) if wants_kvzip else None
         info["repeat_seconds"] = time.perf_counter() - started
         doc_kv = scoring.keys_values(rec)
 
@@ -351,16 +351,15 @@ def run_context(
 def _document_cache(model, kind: str, spec: str, prefix: torch.Tensor, kv=None, weights=None, zipped=None, share=None, room=None):
     """A cache of ``spec`` holding the document ``prefix`` ``[1, T]``: a window prefilled for real
     (its prompt pass is masked), kvzip the ``share`` of the context its scores choose (``zipped``:
-    ``kvzip.scores``' and where the context starts; ``room``: the tokens that will follow it,
-    default ``kvzip.ROOM``), every other kind compressed from the
+    a ``kvzip.Scored``; ``room``: the tokens that will follow it, default ``kvzip.ROOM``), every
+    other kind compressed from the
     recording's keys and values ``kv`` with the document's ``weights``."""
     if kind == "window":
         cache = make_cache(model, spec)
         model(prefix, **cache_kwargs(model, cache), use_cache=True)
         return cache
     if kind == "kvzip":
-        scores, start = zipped
-        return kvzip.kept_cache(model, kv, kvzip.select(scores, share, start), scores, room or kvzip.ROOM)
+        return zipped.compressed(model, share, room=room or kvzip.ROOM)
     return scoring.compress(model, spec, kv, weights)
 
 
@@ -383,7 +382,7 @@ def text_runs(model, tokenizer, plan, s: Setting, seed: int, spec_for=None) -> l
         rec = scoring.recording_cache(model, doc_modes + ((kvzip.ALL_QUERIES,) if wants_kvzip else ()))
         first = model(prefix, **cache_kwargs(model, rec), use_cache=True).logits[:, -1].float().log_softmax(-1)
         weights = recorded_weights(rec, doc_modes)
-        zipped = (kvzip.scores(model, rec, kvzip.chunks(tokenizer, ids[:half], 0)), 0) if wants_kvzip else None
+        zipped = kvzip.score_recorded(model, tokenizer, rec, ids[:half], 0) if wants_kvzip else None
         kv = scoring.keys_values(rec)
         for kind, budget in dict.fromkeys((kind, budget) for kind, _, budget in plan):
             spec = spec_for(kind, budget, half)

@@ -163,10 +163,7 @@ def select(scores: list[torch.Tensor | None], ratio: float, start: int, level: s
     every layer and head (``level="pair"``: one threshold, so layers and heads keep different
     counts) or in each head (``"head"``); every slot before ``start`` is kept. Ties at the
     threshold are kept."""
-    if not 0 < ratio <= 1:
-        raise ValueError(f"ratio is the share of the context kept, in (0, 1], got {ratio!r}")
-    if level not in LEVELS:
-        raise ValueError(f"level is one of {', '.join(LEVELS)}, got {level!r}")
+    _check_choice(ratio, level)
     live = [s for s in scores if s is not None]
     if not live or not 0 <= start < live[0].shape[-1]:
         raise ValueError(f"start must be a context position, got {start} for {live[0].shape[-1] if live else 0} slots")
@@ -184,6 +181,13 @@ def select(scores: list[torch.Tensor | None], ratio: float, start: int, level: s
         mask[..., :start] = True
         out.append(mask)
     return out
+
+
+def _check_choice(ratio: float, level: str) -> None:
+    if not 0 < ratio <= 1:
+        raise ValueError(f"ratio is the share of the context kept, in (0, 1], got {ratio!r}")
+    if level not in LEVELS:
+        raise ValueError(f"level is one of {', '.join(LEVELS)}, got {level!r}")
 
 
 def kept_cache(
@@ -257,6 +261,14 @@ def score_context(model: Any, tokenizer: Any, context_ids: list[int], *, start: 
     with use_kvcache_attention(model):
         for first in range(0, ids.shape[1], chunk):
             model(ids[:, first : first + chunk], **cache_kwargs(model, cache), use_cache=True)
+    return score_recorded(model, tokenizer, cache, context_ids, start, chunk)
+
+
+def score_recorded(
+    model: Any, tokenizer: Any, cache: KVCache, context_ids: list[int], start: int, chunk: int = CHUNK
+) -> Scored:
+    """:func:`score_context` for a ``scoring.recording_cache`` already holding ``context_ids`` and
+    recording :data:`ALL_QUERIES` (among other modes, for a harness that scores other kinds too)."""
     got = scores(model, cache, chunks(tokenizer, context_ids, start, chunk, OVERLAP))
     return Scored(scoring.keys_values(cache), got, start)
 
@@ -269,5 +281,5 @@ def compress_context(
     context) compressed to ``ratio`` of its context slots, for any question that follows (fork it
     per question): :func:`score_context`, then :meth:`Scored.compressed` at ``level`` with ``room``.
     Bad arguments are refused before the model runs."""
-    select([torch.zeros(1, 1, len(context_ids))], ratio, 0, level)
+    _check_choice(ratio, level)
     return score_context(model, tokenizer, context_ids, start=start, chunk=chunk).compressed(model, ratio, level, room)
