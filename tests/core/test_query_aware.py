@@ -280,8 +280,8 @@ def test_policy_options_parse_list_and_build():
     assert spec.options == {"budget": 0.25, "window": 32, "pool": 7}
     assert str(spec) == "snapkv:budget=0.25,window=32,pool=7"
     listing = valid_specs()
-    assert "snapkv (options: budget=<number>, recent=<int>, sinks=<int>, storage=<str>, window=<int>, pool=<int>)" in listing
-    assert "tova-layer (options: budget=<number>, recent=<int>, sinks=<int>, storage=<str>)" in listing
+    assert "snapkv (options: budget=<number>, recent=<int>, sinks=<int>, storage=<str>, fine=<str>, fine_share=<float>, window=<int>, pool=<int>)" in listing
+    assert "tova-layer (options: budget=<number>, recent=<int>, sinks=<int>, storage=<str>, fine=<str>, fine_share=<float>)" in listing
     config = tiny_config()
     cache = kvcache.make_cache(config, "snapkv:budget=16", window=5, pool=3)
     layer = cache.kv_layers[0]

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from ..attention import Reads
-from ..errors import UnsupportedOperation
+from ..errors import ShapeError, UnsupportedOperation
 from .options import Option
 from .budget import check_budget
 from .by_head import ByHead
@@ -53,6 +53,7 @@ from .checks import Geometry
 from .shared_budget import (
     OwnHeads,
     check_flat_state,
+    check_flat_tags,
     flatten_heads,
     gather_slots,
     head_counts,
@@ -76,14 +77,17 @@ class AdaptiveLayer(SelectingLayer):
         "pool": Option(int, least=1),
         "floor": Option(float, least=0.0),
         "storage": SELECTION_OPTIONS["storage"],
+        "fine": SELECTION_OPTIONS["fine"],
+        "fine_share": SELECTION_OPTIONS["fine_share"],
     }
     keyword_options = {"compressed": Option(int, least=0)}
     required_options = ("budget",)
     spec_order = 5
 
     def __init__(
-        self, budget: int | float, window: int = 32, pool: int = 7, floor: float = 0.2, storage: str = "full", compressed: int = 0
-    ) -> None:
+        self, budget: int | float, window: int = 32, pool: int = 7, floor: float = 0.2, storage: str = "full", compressed: int = 0,
+        fine: str | None = None, fine_share: float | None = None,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.storage = get_storage(storage)
         checked = self.check_options(budget=budget, window=window, pool=pool, floor=floor)
@@ -93,6 +97,7 @@ class AdaptiveLayer(SelectingLayer):
         if self.floor > 1:
             raise ValueError(f"floor is a share of each head's uniform budget, in [0, 1], got {floor}")
         self.store = SlotStore(layout=self._layout)
+        self._use_tiers(fine, fine_share)
         #: The per-head layout of the pending pass of several tokens, until it settles.
         self._by_head: ByHead | None = None
 
@@ -237,6 +242,10 @@ class AdaptiveLayer(SelectingLayer):
         """SnapKV's score: the window's weights ``[B, 1, N]`` max-pooled over each head's positions."""
         return pooled_by_head(weights.float(), slots["heads"], slots["positions"], self.kv_heads, self.pool)
 
+    def _rank(self, slots: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The window (always kept) first, then by score."""
+        return slots["scores"].masked_fill(slots["positions"] >= self.seen - self.recent_now(), math.inf)
+
     def _keep_best(self, slots: dict[str, torch.Tensor], keep: int) -> None:
         """Store the ``keep`` best of ``slots`` (``[B, 1, N(, X)]``, not views of the store)."""
         if slots["positions"].shape[2] > keep:
@@ -278,7 +287,8 @@ class AdaptiveLayer(SelectingLayer):
 
     def options(self) -> dict[str, Any]:
         compressed = {"compressed": self.compressed} if self.compressed else {}
-        return {"budget": self.budget, "window": self.window, "pool": self.pool, "floor": self.floor, "storage": self.storage.name, **compressed}
+        return {"budget": self.budget, "window": self.window, "pool": self.pool, "floor": self.floor, "storage": self.storage_name,
+                **self.tier_options(), **compressed}  # fmt: skip
 
     @staticmethod
     def spec_options_of(options: Any) -> Any:
@@ -290,7 +300,8 @@ class AdaptiveLayer(SelectingLayer):
         self._check_settled("take its state")
         if not self.store.allocated:
             return LayerState(self.kind, self.options(), self.seen, {})
-        return LayerState(self.kind, self.options(), self.seen, {**self.store.in_use(), "head_lengths": self.head_lengths()})
+        tensors = self.store.saved() if self.tiered else self.store.in_use()
+        return LayerState(self.kind, self.options(), self.seen, {**tensors, "head_lengths": self.head_lengths()})
 
     def check_state(self, state: LayerState) -> None:
         if state.kind != self.kind:
@@ -299,9 +310,24 @@ class AdaptiveLayer(SelectingLayer):
         if seen < 0:
             raise ValueError(f"adakv layer state: seen must be >= 0, got {seen}")
         compressed = self._compressed_of(state)
-        if state.tensors:
+        if state.tensors and self.tiered:
+            self._check_tiered_state(state.tensors, seen, compressed)
+        elif state.tensors:
             budget = self.budget if isinstance(self.budget, int) else max(1, math.ceil(self.budget * seen))
             check_flat_state(state.tensors, self.storage, self.store, seen, budget, compressed)
+
+    def _check_tiered_state(self, tensors: dict[str, torch.Tensor], seen: int, compressed: int) -> None:
+        """A mixed layer's saved runs: checked as a flat state of full-precision slots would be."""
+        lengths = tensors.get("head_lengths")
+        runs = self.store.split_saved({name: t for name, t in tensors.items() if name != "head_lengths"})
+        g = self.store.geometry_of(runs)
+        if g.heads != 1:
+            raise ShapeError(f"adakv layer state: a flat store's runs are [B, 1, slots, ...], got {g.heads} heads")
+        self.store.check_saved("adakv layer", runs, g)
+        if lengths is None:
+            raise ValueError("adakv layer state lacks ['head_lengths']")
+        budget = self.budget if isinstance(self.budget, int) else max(1, math.ceil(self.budget * seen))
+        check_flat_tags(self.store.joined(runs, "positions"), self.store.joined(runs, "heads"), lengths, seen, budget, compressed)
 
     @staticmethod
     def _compressed_of(state: LayerState) -> int:
@@ -313,7 +339,12 @@ class AdaptiveLayer(SelectingLayer):
         self.reset()
         self.compressed = self._compressed_of(state)
         self._seen = int(state.seen)
-        if state.tensors:
+        if state.tensors and self.tiered:
+            runs = self.store.split_saved({name: x for name, x in state.tensors.items() if name != "head_lengths"})
+            g = self.store.geometry_of(runs)
+            self.geometry = replace(g, heads=state.tensors["head_lengths"].shape[1])
+            self.store.load_saved(runs, g, self._capacity_for(self.seen))
+        elif state.tensors:
             t = {name: x for name, x in state.tensors.items() if name != "head_lengths"}
             g = self.storage.geometry(t)
             self.geometry = replace(g, heads=state.tensors["head_lengths"].shape[1])

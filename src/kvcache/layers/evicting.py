@@ -46,6 +46,8 @@ class EvictingLayer(SelectingLayer):
         "recent": Option(int, least=0),
         "sinks": Option(int, least=0),
         "storage": SELECTION_OPTIONS["storage"],
+        "fine": SELECTION_OPTIONS["fine"],
+        "fine_share": SELECTION_OPTIONS["fine_share"],
     }
     #: The layer's place among the cache's layers, for policies whose budget depends on it.
     keyword_options = {"layer": Option(int, least=0), "layers": Option(int, least=1)}
@@ -71,6 +73,8 @@ class EvictingLayer(SelectingLayer):
         storage: str = "full",
         layer: int | None = None,
         layers: int | None = None,
+        fine: str | None = None,
+        fine_share: float | None = None,
         **policy_options: Any,
     ) -> None:
         """``policy_options``: the policy's own (``window=32`` for SnapKV); ``layer`` of ``layers``:
@@ -87,6 +91,7 @@ class EvictingLayer(SelectingLayer):
         #: The codec's tensors, each slot's position and score: name -> [B, Hkv, C(, D)]. Sized
         #: by the budget (``_capacity_for``), not by a growth strategy.
         self.store = SlotStore(layout=self._layout)
+        self._use_tiers(fine, fine_share)
 
     # ---- sizes ----------------------------------------------------------------------------
 
@@ -200,6 +205,9 @@ class EvictingLayer(SelectingLayer):
         protected = (positions < self.sinks) | (positions >= self.seen - self.recent_now())
         return scores.masked_fill(protected, math.inf)
 
+    def _rank(self, slots: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self._eviction_key(slots["scores"], slots["positions"])
+
     def _evict(self, count: int) -> None:
         live = self.store.in_use()
         if count != 1:
@@ -246,7 +254,8 @@ class EvictingLayer(SelectingLayer):
             "policy": self.policy.name,
             "recent": self.recent,
             "sinks": self.sinks,
-            "storage": self.storage.name,
+            "storage": self.storage_name,
+            **self.tier_options(),
             **self.policy.options(),
             **depth,
         }
@@ -257,13 +266,20 @@ class EvictingLayer(SelectingLayer):
 
     def state(self) -> LayerState:
         self._check_settled("take its state")
-        tensors = self.store.in_use()
+        tensors = self.store.saved() if self.tiered else self.store.in_use()
         return LayerState(self.kind, self.options(), self.seen, tensors)
 
     def check_state(self, state: LayerState) -> None:
         super().check_state(state)
         t = state.tensors
         if not t:
+            return
+        if self.tiered:
+            runs = self.store.split_saved(t)
+            g = self.store.geometry_of(runs)
+            self.store.check_saved("evicting layer", runs, g)
+            t = {"positions": self.store.joined(runs, "positions")}
+            self._check_positions(t["positions"], int(state.seen))
             return
         missing = [name for name in (*self.storage.names, "positions", "scores") if name not in t]
         if missing:
@@ -279,7 +295,11 @@ class EvictingLayer(SelectingLayer):
         if not g.dtype.is_floating_point:
             raise DTypeError(f"evicting layer state: keys or scales must be floating-point, got {g.dtype}")
         self.store.check("evicting layer", t, replace(g, batch=batch), n)
-        seen = int(state.seen)
+        self._check_positions(pos, int(state.seen))
+
+    def _check_positions(self, pos: torch.Tensor, seen: int) -> None:
+        """Raise unless saved slots at positions ``pos`` ``[B, Hkv, n]`` fit the budget after ``seen``, once each."""
+        n = pos.shape[2]
         if n > min(seen, self._capacity_for(seen)):
             raise ValueError(f"evicting layer state holds {n} slots after {seen} tokens, budget {self.budget_now(seen)}")
         if n and (int(pos.min()) < 0 or int(pos.max()) >= seen):
@@ -290,7 +310,11 @@ class EvictingLayer(SelectingLayer):
     def load_state(self, state: LayerState) -> None:
         self.check_state(state)
         self.reset()
-        if state.tensors:
+        if state.tensors and self.tiered:
+            runs = self.store.split_saved(state.tensors)
+            self.geometry = self.store.geometry_of(runs)
+            self.store.load_saved(runs, self.geometry, self._capacity_for(int(state.seen)))
+        elif state.tensors:
             t = dict(state.tensors)
             self.geometry = self.storage.geometry(t)
             t["positions"], t["scores"] = t["positions"].long(), t["scores"].float()

@@ -30,12 +30,19 @@ from .options import Option, number
 from .own_attention import OwnAttentionLayer
 from .budget import holds_wrong_size, slots_to_allocate
 from .checks import Geometry
-from .slots import Slots
+from .slots import Slots, get_storage
+from .tiers import SOURCE, TieredStore, precision
 
 
 #: The options every selecting kind takes: a budget (a count, or a share of the tokens seen, in
-#: ``budget.py``'s unit) and the codec of the kept slots (``slots.py``: full, int8, int4, int2).
-SELECTION_OPTIONS = {"budget": Option(number, least=0, inclusive=False), "storage": Option(str)}
+#: ``budget.py``'s unit), the codec of the kept slots (``slots.py``: full, int8, int4, int2) and,
+#: for mixed precision (``tiers.py``), a finer codec for the ``fine_share`` of them ranked highest.
+SELECTION_OPTIONS = {
+    "budget": Option(number, least=0, inclusive=False), "storage": Option(str), "fine": Option(str),
+    "fine_share": Option(float, least=0.0, inclusive=False),
+}  # fmt: skip
+#: The share of kept slots in the ``fine`` storage when it is given without ``fine_share``.
+FINE_SHARE = 0.25
 
 
 class SelectingLayer(OwnAttentionLayer):
@@ -47,7 +54,47 @@ class SelectingLayer(OwnAttentionLayer):
 
     @property
     def exact(self) -> bool:
-        return self.storage.format.exact
+        return self.storage.format.exact and not self.tiered
+
+    # ---- mixed precision (``tiers.py``) -----------------------------------------------------
+
+    @property
+    def tiered(self) -> bool:
+        """Whether the kept slots are in two storages (``fine=``)."""
+        return isinstance(self.store, TieredStore)
+
+    def _use_tiers(self, fine: str | None, share: float | None) -> None:
+        """With ``fine``: keep the ``share`` (default ``FINE_SHARE``) of the kept slots that
+        ``_rank`` puts first in storage ``fine``, the rest in ``storage``; the layer's candidates
+        are then full precision (``self.storage`` is ``full``). Call after ``storage`` and ``store`` are set."""
+        if fine is None:
+            if share is not None:
+                raise ValueError("fine_share is the share of slots kept in the fine storage: give fine= with it")
+            return
+        share = FINE_SHARE if share is None else self.check_options(fine_share=share)["fine_share"]
+        if not 0 < share < 1:
+            raise ValueError(f"fine_share is the share of kept slots in the fine storage, in (0, 1), got {share}")
+        coarse, finer = self.storage, get_storage(fine)
+        if precision(finer) <= precision(coarse):
+            raise ValueError(f"fine={fine!r} must be finer than storage={coarse.name!r} (fine keeps the highest-ranked slots)")
+        self.storage = get_storage("full")
+        full = self.storage.names
+        self.store = TieredStore(finer, coarse, share, lambda g: {k: v for k, v in self._layout(g).items() if k not in full}, self._rank)
+
+    def _rank(self, slots: dict[str, torch.Tensor]) -> torch.Tensor:
+        """How the kept ``slots`` rank for the fine run (higher first) ``[B, H, N]``: their scores."""
+        return slots["scores"]
+
+    @property
+    def storage_name(self) -> str:
+        """The storage of the kept slots (the coarse one of a mixed layer), as its options name it."""
+        return self.store.coarse.name if isinstance(self.store, TieredStore) else self.storage.name
+
+    def tier_options(self) -> dict[str, object]:
+        """``fine`` and ``fine_share`` of a mixed layer, else nothing."""
+        if not isinstance(self.store, TieredStore):
+            return {}
+        return {"fine": self.store.fine.name, "fine_share": self.store.share}
 
     # ---- what a kind supplies -------------------------------------------------------------
 
@@ -110,6 +157,8 @@ class SelectingLayer(OwnAttentionLayer):
     # ---- appending ------------------------------------------------------------------------
 
     def _append(self, key: torch.Tensor, value: torch.Tensor) -> Reads:
+        if self.tiered:
+            return self._append_to_candidates(key, value)
         if self._set is not None or self.length > self._keep_now():
             self._settle(None)  # a store loaded with its spare slots in use: choose now
         n, seen = key.shape[2], self.seen
@@ -135,6 +184,22 @@ class SelectingLayer(OwnAttentionLayer):
         self._seen = seen + n
         return self._record(keys, values, self._set, seen, n)
 
+    def _append_to_candidates(self, key: torch.Tensor, value: torch.Tensor) -> Reads:
+        """A mixed layer's update: the kept slots decoded and the new tokens, one candidate set."""
+        if self._set is not None:
+            self._settle(None)
+        n, seen = key.shape[2], self.seen
+        new = self._new_slots(key, value, seen)
+        self.geometry = self.geometry or Geometry.of(key, value)
+        new[SOURCE] = torch.full(new["positions"].shape, -1, dtype=torch.long, device=key.device)
+        if self.store.allocated and self.length:
+            stored = self.store.in_use()
+            self._set = {name: torch.cat([stored[name], t], dim=2) for name, t in new.items()}
+        else:
+            self._set = new
+        self._seen = seen + n
+        return self._record(self._set["keys"], self._set["values"], self._set, seen, n)
+
     def _fitted_view(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """What an update that fitted hands the model (``Reads.returned``): the stored slots as
         views. A kind whose attention reads its slots otherwise (coded slots, through a reader)
@@ -156,6 +221,10 @@ class SelectingLayer(OwnAttentionLayer):
                 s["scores"] = self._scored(weights, s)
             self._keep_best(s, self._keep_now())
             return
+        if self.tiered:  # nothing pending: keep the budget (a mixed layer's slots are not rewritten in place)
+            if self.length > self._keep_now():
+                self._keep_best(self.store.in_use(), self._keep_now())
+            return
         self._settle_in_place(weights)
 
     def _store_kept(self, slots: dict[str, torch.Tensor]) -> None:
@@ -171,6 +240,14 @@ class SelectingLayer(OwnAttentionLayer):
         self.store.length = kept
 
     # ---- rollback, reuse, batch work ------------------------------------------------------
+
+    def check_trim(self, n: int) -> None:
+        super().check_trim(n)
+        if int(n) and self.tiered:
+            raise UnsupportedOperation(
+                f"cannot remove {n} tokens from a {self.selection_name} layer with fine={self.store.fine.name}: "
+                f"its slots are re-split between two storages after every update, so none can be taken back"
+            )
 
     def _check_settled(self, what: str) -> None:
         if self._set is not None:

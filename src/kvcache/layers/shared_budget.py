@@ -175,7 +175,17 @@ def check_flat_state(t: dict[str, torch.Tensor], storage, store, seen: int, budg
     if kv_heads < 1 or counts.shape[0] != batch:
         raise ShapeError(f"adakv layer state: head_lengths should be [{batch}, Hkv >= 1], got {tuple(counts.shape)}")
     store.check("adakv layer", t, replace(g, batch=batch, heads=1), n)
-    pos, heads = t["positions"].long(), t["heads"].long()
+    check_flat_tags(t["positions"], t["heads"], counts, seen, budget, compressed)
+
+
+def check_flat_tags(positions: torch.Tensor, heads: torch.Tensor, counts: torch.Tensor, seen: int, budget: int, compressed: int = 0) -> None:
+    """Raise unless a flat store's tags ``positions``/``heads`` ``[B, 1, N]`` fit ``budget`` per head
+    (+1 spare) besides ``compressed`` after ``seen`` tokens, agree with ``counts`` (int64 ``[B, Hkv]``),
+    and hold no position twice in one head."""
+    if counts.dim() != 2 or counts.dtype != torch.long or counts.shape[0] != positions.shape[0] or counts.shape[1] < 1:
+        raise ShapeError(f"adakv layer state: head_lengths should be int64 [{positions.shape[0]}, Hkv >= 1], got {counts.dtype} {tuple(counts.shape)}")
+    n, kv_heads = positions.shape[2], counts.shape[1]
+    pos, heads = positions.long(), heads.long()
     if n > min(kv_heads * seen, kv_heads * (budget + 1) + compressed):
         raise ValueError(
             f"adakv layer state holds {n} slots for {kv_heads} heads after {seen} tokens, budget {budget} per head"
@@ -183,7 +193,7 @@ def check_flat_state(t: dict[str, torch.Tensor], storage, store, seen: int, budg
         )
     if n and (int(pos.min()) < 0 or int(pos.max()) >= seen or int(heads.min()) < 0 or int(heads.max()) >= kv_heads):
         raise ValueError(f"adakv layer state has positions outside [0, {seen}) or heads outside [0, {kv_heads})")
-    if not torch.equal(head_counts(t["heads"], kv_heads), counts):
+    if not torch.equal(head_counts(heads, kv_heads), counts):
         raise ValueError("adakv layer state: head_lengths disagree with the slots' heads")
     if n > 1 and not bool(((heads * (seen + 1) + pos).sort(dim=-1).values.diff(dim=-1) > 0).all()):
         raise ValueError("adakv layer state holds a position twice in one head")
