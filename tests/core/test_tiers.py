@@ -287,3 +287,28 @@ def test_make_cache_takes_the_options_on_a_model():
     assert layer.tiered and layer.options()["fine"] == "int8"
     heads = model.config.num_key_value_heads
     assert layer.store.runs["fine"].length == round(0.25 * heads * 16)
+
+
+@pytest.mark.parametrize("kind", ["evicting", "adakv"])
+def test_batch_rows_move_with_both_runs(kind):
+    q, k, v = inputs(40, seed=3)
+    q2, k2, v2 = (torch.cat([x, y]) for x, y in zip(inputs(40, seed=4), (q, k, v)))  # row 1 is the single row
+    make = {
+        "evicting": lambda: EvictingLayer(10, policy="h2o", storage="int4", fine="int8", fine_share=0.3),
+        "adakv": lambda: AdaptiveLayer(10, window=4, storage="int4", fine="int8", fine_share=0.3),
+    }[kind]
+    single, batch = make(), make()
+    for layer, (qq, kk, vv) in ((single, (q, k, v)), (batch, (q2, k2, v2))):
+        layer.update(kk[:, :, :30], vv[:, :, :30])
+        layer.attend(qq[:, :, :30])
+    batch.select([1])
+    batch.repeat(2)  # two copies of the row, as beams would
+    fork = batch.fork()
+    for n in range(30, 40):
+        single.update(k[:, :, n : n + 1], v[:, :, n : n + 1])
+        want = single.attend(q[:, :, n : n + 1])
+        for layer in (batch, fork):
+            layer.update(k[:, :, n : n + 1].expand(2, -1, -1, -1), v[:, :, n : n + 1].expand(2, -1, -1, -1))
+            got = layer.attend(q[:, :, n : n + 1].expand(2, -1, -1, -1))
+            torch.testing.assert_close(got, want.expand(2, -1, -1, -1), rtol=1e-5, atol=1e-5)
+    assert fork.nbytes == batch.nbytes == 2 * single.nbytes
