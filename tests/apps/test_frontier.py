@@ -22,7 +22,8 @@ from helpers import model_for, prompt
 
 @pytest.mark.parametrize("share", [0.5, 0.125, 0.0625])
 @pytest.mark.parametrize("mix", frontier_points.mixes(frontier_points.EVICTION) + list(frontier_points.AUTO)
-                         + ["snapkv/int4h", "adakv/int2h", "auto,codes=rotated", "auto-heads,codes=rotated"])
+                         + ["snapkv/int4h", "adakv/int2h", "auto,codes=rotated", "auto-heads,codes=rotated",
+                            "adakv/int8@0.25+int4", "snapkv/full@0.1+int2", "h2o/int8@0.5+int2"])
 def test_each_point_allocates_within_its_byte_budget(mix, share):
     model = model_for("llama")
     g = frontier_points.geometry_of(model)
@@ -41,6 +42,7 @@ def test_a_mix_that_affords_every_token_keeps_every_token():
     assert frontier_points.spec_for("full", None, 300, g, room=5) == "static:capacity=305"
     assert frontier_points.spec_for("auto", 0.125, 300, g) == "auto:bytes=0.125"
     assert frontier_points.spec_for("auto-heads", 0.125, 300, g) == "auto-heads:bytes=0.125"
+    assert frontier_points.spec_for("adakv/int8@0.25+int4", 0.5, 300, g) == "adakv:budget=300,storage=int4,fine=int8,fine_share=0.25"
 
 
 def line(point, budget, b, acc):
@@ -88,7 +90,15 @@ def test_the_report_counts_answers_bytes_and_the_best_fixed_mix():
                                           (["eval", "--model", "smollm2", "--frontier", "--autos", "auto,nope=1"], "unknown option 'nope'"),
                                           (["eval", "--model", "smollm2", "--frontier", "--autos", ";"], "no auto points given"),
                                           (["eval", "--model", "smollm2", "--frontier", "--autos", "auto", "--merge", "x"],
-                                           "--merge runs nothing: give one")])  # fmt: skip
+                                           "--merge runs nothing: give one"),
+                                          (["eval", "--model", "smollm2", "--storages", "int4"], "--storages applies to --frontier"),
+                                          (["eval", "--model", "smollm2", "--frontier", "--storages", "int4,int3"], "unknown slot storage 'int3'"),
+                                          (["eval", "--model", "smollm2", "--frontier", "--storages", "int4@0.5+int8"],
+                                           "int4 must be finer than int8"),
+                                          (["eval", "--model", "smollm2", "--frontier", "--storages", "int8@half+int4"],
+                                           "write it fine@share+coarse"),
+                                          (["eval", "--model", "smollm2", "--frontier", "--storages", "int8@1+int4"],
+                                           "the fine share must be in (0, 1)")])  # fmt: skip
 def test_the_cli_refuses_what_the_frontier_does_not_take(argv, message, capsys):
     assert main(argv) == 2
     assert message in capsys.readouterr().err

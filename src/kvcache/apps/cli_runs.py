@@ -163,7 +163,13 @@ def add_eval(subparsers: argparse._SubParsersAction) -> None:
         "--autos",
         metavar="POINT;...",
         help="with --frontier: the points that choose their own mix, auto or auto-heads with options after a comma "
-        "(e.g. 'auto;auto-heads,tolerance=0.3,margin=0.01'; default auto;auto-heads)",
+        "(e.g. 'auto;auto-heads,tolerance=0.3,margin=0.01'; default auto;auto-heads; none: no such point)",
+    )
+    p.add_argument(
+        "--storages",
+        metavar="STORAGE,...",
+        help="with --frontier: the slot storages of the fixed mixes (default full,int8,int4,int2); fine@share+coarse is "
+        "mixed precision inside a layer, e.g. int8@0.25+int4: the quarter of the kept slots ranked highest in int8, the rest in int4",
     )
     p.add_argument(
         "--tasks",
@@ -234,7 +240,7 @@ def _refuse(args: argparse.Namespace, names: tuple[str, ...], why: str) -> None:
 
 def _refuse_frontier_options(args: argparse.Namespace) -> None:
     """Options that only ``--frontier`` takes, refused elsewhere."""
-    names = ("merge", "tasks", "split", "autos") + (("first_context",) if args.first_context else ())
+    names = ("merge", "tasks", "split", "autos", "storages") + (("first_context",) if args.first_context else ())
     _refuse(args, names, "applies to --frontier")
 
 
@@ -296,9 +302,19 @@ def _eval_frontier(args: argparse.Namespace, lengths: tuple[int, ...] | None) ->
         if args.merge is not None:
             raise KVCacheError("--autos runs points; --merge runs nothing: give one")
         try:
-            autos = frontier_points.check_autos(_items(args.autos, ";"))
+            autos = () if args.autos.strip() == "none" else frontier_points.check_autos(_items(args.autos, ";"))
         except ValueError as e:
             raise KVCacheError(f"--autos: {e}") from None
+    storages = frontier_points.STORAGES
+    if args.storages is not None:
+        if args.merge is not None:
+            raise KVCacheError("--storages runs points; --merge runs nothing: give one")
+        storages = _items(args.storages)
+        try:
+            for storage in storages or ("",):
+                frontier_points.storage_options(storage)
+        except ValueError as e:
+            raise KVCacheError(f"--storages: {e}") from None
     options = run_options(args)
     plots = say_if_no_plots()
     try:
@@ -309,7 +325,7 @@ def _eval_frontier(args: argparse.Namespace, lengths: tuple[int, ...] | None) ->
         else:
             result = eval_frontier.run(options, model_name=args.model, kinds=kinds, lengths=lengths, contexts=args.contexts,
                                        needles_per_context=args.needles, budgets=_budgets(args), first_context=args.first_context,
-                                       tasks=tasks, split=args.split or "held-out", autos=autos)  # fmt: skip
+                                       tasks=tasks, split=args.split or "held-out", autos=autos, storages=storages)  # fmt: skip
     except ValueError as e:
         raise KVCacheError(str(e)) from e
     print(eval_frontier.budget_table(eval_frontier.points_of(result), result["config"]["budgets"]))

@@ -21,6 +21,40 @@ FAMILY_ANSWER_TOKENS = 12
 UNBOUNDED = {"full": None, "quantized-int8": "quantized:bits=8", "quantized-int4": "quantized:bits=4", "quantized-int2": "quantized:bits=2"}
 
 
+def storage_options(storage: str) -> tuple[dict[str, Any], float]:
+    """A fixed mix's storage as spec options and its mean slot size's parts: ``"int4"`` one storage;
+    ``"int8@0.25+int4"`` mixed precision inside a layer (``layers/tiers.py``): a quarter of the
+    kept slots, the highest ranked, in int8 and the rest in int4. Returns the options and the
+    share in the fine storage (0 for one storage); ``ValueError`` names a bad name."""
+    from ..layers.slots import get_storage
+
+    if "+" not in storage:
+        get_storage(storage)
+        return {"storage": storage}, 0.0
+    fine_part, _, coarse = storage.partition("+")
+    fine, _, share = fine_part.partition("@")
+    try:
+        value = float(share)
+    except ValueError:
+        raise ValueError(f"mixed storage {storage!r}: write it fine@share+coarse, e.g. int8@0.25+int4") from None
+    if not 0 < value < 1:
+        raise ValueError(f"mixed storage {storage!r}: the fine share must be in (0, 1), got {share}")
+    from ..layers.tiers import precision
+
+    if precision(get_storage(fine)) <= precision(get_storage(coarse)):
+        raise ValueError(f"mixed storage {storage!r}: {fine} must be finer than {coarse}")
+    return {"storage": coarse, "fine": fine, "fine_share": value}, value
+
+
+def mean_slot_bytes(storage: str, geometry: Any) -> float:
+    """Bytes of one kept slot of a fixed mix's storage, on average over a mixed layer's two runs."""
+    from ..layers import slot_bytes
+
+    options, share = storage_options(storage)
+    coarse = slot_bytes(options["storage"], geometry)
+    return coarse if not share else share * slot_bytes(options["fine"], geometry) + (1 - share) * coarse
+
+
 def mixes(kinds: tuple[str, ...] = EVICTION, storages: tuple[str, ...] = STORAGES) -> list[str]:
     """Every fixed mix's name, ``kind/storage``."""
     return [f"{k}/{s}" for k in kinds for s in storages]
@@ -43,7 +77,7 @@ def spec_for(name: str, share: float | None, tokens: int, geometry: Any, room: i
     share; a fixed mix keeping the most tokens whose slots (and one spare) fit ``share`` of the fp32
     bytes of ``tokens`` (all of them if they fit); the unbounded kinds as they are (the full cache
     a static one of ``tokens + room``, the tokens to be decoded after the prompt)."""
-    from ..layers import fp32_bytes, slot_bytes
+    from ..layers import fp32_bytes
 
     kind, *extra = name.split(",")
     if kind in AUTO:  # "auto-heads,rule=output": an auto kind with options of its own
@@ -51,8 +85,9 @@ def spec_for(name: str, share: float | None, tokens: int, geometry: Any, room: i
     if name in UNBOUNDED:
         return UNBOUNDED[name] or f"static:capacity={tokens + room}"
     kind, storage = name.split("/")
-    slots = math.floor(share * tokens * fp32_bytes(geometry) / slot_bytes(storage, geometry)) - 1
-    return f"{kind}:budget={min(tokens, max(SINKS + 1, slots))},storage={storage}"
+    slots = math.floor(share * tokens * fp32_bytes(geometry) / mean_slot_bytes(storage, geometry)) - 1
+    options = storage_options(storage)[0]
+    return f"{kind}:budget={min(tokens, max(SINKS + 1, slots))}" + "".join(f",{k}={v}" for k, v in options.items())
 
 
 def check_autos(points: tuple[str, ...]) -> tuple[str, ...]:
