@@ -37,6 +37,11 @@ def add_bench(subparsers: argparse._SubParsersAction) -> None:
     engine = p.add_argument_group("suite engine (the paged engine; also --contenders)")
     engine.add_argument("--arrivals", type=name_list, default=None, metavar="NAME,...", help="some of burst, poisson (default: both)")
     engine.add_argument("--eager", action="store_true", default=None, help="the engines' steps eagerly (default: compile=True, compiled before each engine's first run)")
+    capacity = p.add_argument_group("suite capacity (sessions one pool holds)")
+    capacity.add_argument(
+        "--formats", type=spec_list, default=None, metavar="SPEC;...",
+        help="engine specs to run, ';' between them (default: kvcache.apps.bench.capacity.FORMATS); growable is fp32's reference",
+    )  # fmt: skip
     serve = p.add_argument_group("suite serve (kvcache serve against transformers serve; also --contenders)")
     serve.add_argument("--clients", type=int_list, default=None, metavar="N,...", help="concurrent client counts (default: 1,4,16,32; --quick 1,4; --ray: one count, 8)")
     serve.add_argument("--ray", action="store_true", default=None, help="two kvcache serve --ray replicas under each router: blocks, prefix (Ray Serve's, on text) and default (needs kvcache[ray])")
@@ -45,7 +50,7 @@ def add_bench(subparsers: argparse._SubParsersAction) -> None:
 SUITE_OPTIONS = {
     "model": ("real", "mixes"), "contexts": ("real",), "batches": ("real",), "prefill_dir": ("real",), "contenders": ("real", "engine", "serve"),
     "shapes": ("attention",), "workloads": ("prompt",), "arrivals": ("engine",), "eager": ("engine",), "clients": ("serve",),
-    "ray": ("serve",),
+    "ray": ("serve",), "formats": ("capacity",),
 }  # fmt: skip
 
 
@@ -64,6 +69,13 @@ def name_list(text: str) -> list[str]:
     if not names:
         raise argparse.ArgumentTypeError(f"expected names like growable,hf_static, got {text!r}")
     return names
+
+
+def spec_list(text: str) -> list[str]:
+    specs = list(_items(text, ";"))
+    if not specs:
+        raise argparse.ArgumentTypeError(f"expected cache specs separated by ';', got {text!r}")
+    return specs
 
 
 def shape_list(text: str) -> list:

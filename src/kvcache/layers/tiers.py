@@ -172,24 +172,34 @@ class TieredStore:
         for run in _RUNS:
             index = chosen[run]
             part = {name: _gather(t, index) for name, t in slots.items() if name != SOURCE}
-            storage = self.storages[run]
-            coded = storage.encode(part["keys"], part["values"])
-            old = self.runs[run]
-            if source is not None and old.allocated and old.length:
-                src = _gather(source, index)
-                lo, hi = (0, old.length) if run == "fine" else (limit, limit + old.length)
-                stays = (src >= lo) & (src < hi)  # [B, H, k]
-                at = (src - lo).clamp(0, old.length - 1)
-                for name in coded:
-                    kept = _gather(old.tensors[name][:, :, : old.length], at)
-                    coded[name] = torch.where(_widen(stays, kept), kept, coded[name])
-            written[run] = {**coded, **{name: part[name] for name in self.tag_names(g)}}
+            written[run] = {**self._coded(run, part, None if source is None else _gather(source, index), limit),
+                            **{name: part[name] for name in self.tag_names(g)}}  # fmt: skip
         for run in _RUNS:
             store, t = self.runs[run], written[run]
             k = t["positions"].shape[2]
             store.allocate(k, g, keep=False)
             store.write(0, t)
             store.length = k
+
+    def _coded(self, run: str, part: dict[str, torch.Tensor], source: torch.Tensor | None, limit: int) -> dict[str, torch.Tensor]:
+        """The codes of the slots ``part`` (decoded, ``[B, H, k, D]``) for run ``run``: a slot whose
+        ``source`` is in that run already is copied from it; only the columns where some row or
+        head has a slot from elsewhere are coded (a decode step moves a few slots)."""
+        storage, old = self.storages[run], self.runs[run]
+        if source is None or not old.allocated or not old.length:
+            return storage.encode(part["keys"], part["values"])
+        lo = 0 if run == "fine" else limit
+        stays = (source >= lo) & (source < lo + old.length)  # [B, H, k]
+        coded = {name: _gather(t[:, :, : old.length], (source - lo).clamp(0, old.length - 1)) for name, t in old.tensors.items()
+                 if name in storage.names}  # fmt: skip
+        movers = (~stays).any(dim=1).any(dim=0).nonzero().flatten()  # the columns with a slot from elsewhere
+        if movers.numel():
+            fresh = storage.encode(part["keys"].index_select(2, movers), part["values"].index_select(2, movers))
+            moved = (~stays).index_select(2, movers)
+            for name, t in fresh.items():
+                column = coded[name].index_select(2, movers)
+                coded[name].index_copy_(2, movers, torch.where(_widen(moved, t), t, column))
+        return coded
 
     def rebatch(self, fn, capacity: int | None = None, *, count: bool = True) -> int:
         """Replace each run's slots in use by ``fn(slots)`` (another batch: ``[B, ...]`` -> ``[B', ...]``)."""
