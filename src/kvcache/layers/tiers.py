@@ -171,9 +171,8 @@ class TieredStore:
         written = {}
         for run in _RUNS:
             index = chosen[run]
-            part = {name: _gather(t, index) for name, t in slots.items() if name != SOURCE}
-            written[run] = {**self._coded(run, part, None if source is None else _gather(source, index), limit),
-                            **{name: part[name] for name in self.tag_names(g)}}  # fmt: skip
+            tags = {name: _gather(slots[name], index) for name in self.tag_names(g)}
+            written[run] = {**self._coded(run, slots, index, None if source is None else _gather(source, index), limit), **tags}
         for run in _RUNS:
             store, t = self.runs[run], written[run]
             k = t["positions"].shape[2]
@@ -181,20 +180,22 @@ class TieredStore:
             store.write(0, t)
             store.length = k
 
-    def _coded(self, run: str, part: dict[str, torch.Tensor], source: torch.Tensor | None, limit: int) -> dict[str, torch.Tensor]:
-        """The codes of the slots ``part`` (decoded, ``[B, H, k, D]``) for run ``run``: a slot whose
-        ``source`` is in that run already is copied from it; only the columns where some row or
-        head has a slot from elsewhere are coded (a decode step moves a few slots)."""
+    def _coded(self, run: str, slots: dict[str, torch.Tensor], index: torch.Tensor, source: torch.Tensor | None,
+               limit: int) -> dict[str, torch.Tensor]:  # fmt: skip
+        """The codes of the candidates ``slots`` (decoded, ``[B, H, N, D]``) at ``index`` ``[B, H, k]``
+        for run ``run``: a slot whose ``source`` is in that run already is copied from it; only the
+        columns where some row or head has a slot from elsewhere are coded (a decode step moves a few)."""
         storage, old = self.storages[run], self.runs[run]
         if source is None or not old.allocated or not old.length:
-            return storage.encode(part["keys"], part["values"])
+            return storage.encode(_gather(slots["keys"], index), _gather(slots["values"], index))
         lo = 0 if run == "fine" else limit
         stays = (source >= lo) & (source < lo + old.length)  # [B, H, k]
-        coded = {name: _gather(t[:, :, : old.length], (source - lo).clamp(0, old.length - 1)) for name, t in old.tensors.items()
-                 if name in storage.names}  # fmt: skip
+        at = (source - lo).clamp(0, old.length - 1)
+        coded = {name: _gather(old.tensors[name][:, :, : old.length], at) for name in storage.names}
         movers = (~stays).any(dim=1).any(dim=0).nonzero().flatten()  # the columns with a slot from elsewhere
         if movers.numel():
-            fresh = storage.encode(part["keys"].index_select(2, movers), part["values"].index_select(2, movers))
+            where = index.index_select(2, movers)
+            fresh = storage.encode(_gather(slots["keys"], where), _gather(slots["values"], where))
             moved = (~stays).index_select(2, movers)
             for name, t in fresh.items():
                 column = coded[name].index_select(2, movers)
