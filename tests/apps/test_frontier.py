@@ -23,7 +23,8 @@ from helpers import model_for, prompt
 @pytest.mark.parametrize("share", [0.5, 0.125, 0.0625])
 @pytest.mark.parametrize("mix", frontier_points.mixes(frontier_points.EVICTION) + list(frontier_points.AUTO)
                          + ["snapkv/int4h", "adakv/int2h", "auto,codes=rotated", "auto-heads,codes=rotated",
-                            "adakv/int8@0.25+int4", "snapkv/full@0.1+int2", "h2o/int8@0.5+int2"])
+                            "adakv/int8@0.25+int4", "snapkv/full@0.1+int2", "h2o/int8@0.5+int2",
+                            "auto,fine_share=0.25", "auto-heads,fine_share=0.25"])
 def test_each_point_allocates_within_its_byte_budget(mix, share):
     model = model_for("llama")
     g = frontier_points.geometry_of(model)

@@ -22,37 +22,27 @@ UNBOUNDED = {"full": None, "quantized-int8": "quantized:bits=8", "quantized-int4
 
 
 def storage_options(storage: str) -> tuple[dict[str, Any], float]:
-    """A fixed mix's storage as spec options and its mean slot size's parts: ``"int4"`` one storage;
-    ``"int8@0.25+int4"`` mixed precision inside a layer (``layers/tiers.py``): a quarter of the
-    kept slots, the highest ranked, in int8 and the rest in int4. Returns the options and the
-    share in the fine storage (0 for one storage); ``ValueError`` names a bad name."""
+    """A fixed mix's storage as spec options and the share of its slots in the fine storage:
+    ``"int4"`` one storage (share 0); ``"int8@0.25+int4"`` mixed precision inside a layer
+    (``layers/tiers.py``): a quarter of the kept slots, the highest ranked, in int8 and the rest in
+    int4. ``ValueError`` names a bad name."""
     from ..layers.slots import get_storage
+    from ..layers.tiers import mixed_parts
 
-    if "+" not in storage:
+    parts = mixed_parts(storage)
+    if parts is None:
         get_storage(storage)
         return {"storage": storage}, 0.0
-    fine_part, _, coarse = storage.partition("+")
-    fine, _, share = fine_part.partition("@")
-    try:
-        value = float(share)
-    except ValueError:
-        raise ValueError(f"mixed storage {storage!r}: write it fine@share+coarse, e.g. int8@0.25+int4") from None
-    if not 0 < value < 1:
-        raise ValueError(f"mixed storage {storage!r}: the fine share must be in (0, 1), got {share}")
-    from ..layers.tiers import precision
-
-    if precision(get_storage(fine)) <= precision(get_storage(coarse)):
-        raise ValueError(f"mixed storage {storage!r}: {fine} must be finer than {coarse}")
-    return {"storage": coarse, "fine": fine, "fine_share": value}, value
+    fine, share, coarse = parts
+    return {"storage": coarse, "fine": fine, "fine_share": share}, share
 
 
 def mean_slot_bytes(storage: str, geometry: Any) -> float:
     """Bytes of one kept slot of a fixed mix's storage, on average over a mixed layer's two runs."""
     from ..layers import slot_bytes
+    from ..layers.tiers import mean_slot_bytes as mean
 
-    options, share = storage_options(storage)
-    coarse = slot_bytes(options["storage"], geometry)
-    return coarse if not share else share * slot_bytes(options["fine"], geometry) + (1 - share) * coarse
+    return mean(storage, lambda name: slot_bytes(name, geometry))
 
 
 def mixes(kinds: tuple[str, ...] = EVICTION, storages: tuple[str, ...] = STORAGES) -> list[str]:

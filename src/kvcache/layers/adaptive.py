@@ -316,8 +316,9 @@ class AdaptiveLayer(SelectingLayer):
             budget = self.budget if isinstance(self.budget, int) else max(1, math.ceil(self.budget * seen))
             check_flat_state(state.tensors, self.storage, self.store, seen, budget, compressed)
 
-    def _check_tiered_state(self, tensors: dict[str, torch.Tensor], seen: int, compressed: int) -> None:
-        """A mixed layer's saved runs: checked as a flat state of full-precision slots would be."""
+    def _check_tiered_state(self, tensors: dict[str, torch.Tensor], seen: int, compressed: int, budget: int | None = None) -> None:
+        """A mixed layer's saved runs: checked as a flat state of full-precision slots would be,
+        against ``budget`` slots per head (default: the layer's after ``seen`` tokens)."""
         lengths = tensors.get("head_lengths")
         runs = self.store.split_saved({name: t for name, t in tensors.items() if name != "head_lengths"})
         g = self.store.geometry_of(runs)
@@ -326,7 +327,8 @@ class AdaptiveLayer(SelectingLayer):
         self.store.check_saved("adakv layer", runs, g)
         if lengths is None:
             raise ValueError("adakv layer state lacks ['head_lengths']")
-        budget = self.budget if isinstance(self.budget, int) else max(1, math.ceil(self.budget * seen))
+        if budget is None:
+            budget = self.budget if isinstance(self.budget, int) else max(1, math.ceil(self.budget * seen))
         check_flat_tags(self.store.joined(runs, "positions"), self.store.joined(runs, "heads"), lengths, seen, budget, compressed)
 
     @staticmethod

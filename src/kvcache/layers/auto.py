@@ -59,6 +59,7 @@ from .evicting import EvictingLayer
 from .options import Option, number
 from .slots import get_storage
 from .state import LayerState
+from .tiers import mean_slot_bytes, mixed_parts
 
 #: Bytes of one token's key and value per KV head in the fp32 cache a share is taken of, per channel.
 
@@ -212,6 +213,7 @@ class AutoLayer(ByteBudget, EvictingLayer):
         codes: str = "plain",
         tolerance: float | None = None,
         margin: float | None = None,
+        fine_share: float | None = None,
         **policy_options: Any,
     ) -> None:
         """``bytes``: a share (below 1) or bytes of the whole cache; ``storage``: where the layer
@@ -222,11 +224,15 @@ class AutoLayer(ByteBudget, EvictingLayer):
         among those whose coding part is at most it (not with ``drop``); ``margin``: with
         ``tolerance``, the finest case within it of the least dropped wins; ``codes``: ``plain``
         chooses among full, int8, int4 and int2, ``rotated`` among full, int8h, int4h and int2h
-        (``formats/rotated.py``)."""
+        (``formats/rotated.py``); ``fine_share``: also among the mixed storage of each two next
+        storages (``byte_budget.mixed_ladder``, ``tiers.py``)."""
         checked = self.check_options(bytes=bytes, drop=drop)
         size = checked["bytes"]
-        self._init_budget(size, rule, checked["drop"], codes, storage, tolerance, margin)
-        super().__init__(size if isinstance(size, float) else 1 << 62, "snapkv", recent, sinks, storage, layer, layers, **policy_options)
+        self._init_budget(size, rule, checked["drop"], codes, storage, tolerance, margin, fine_share)
+        start = "full" if mixed_parts(storage) else storage
+        super().__init__(size if isinstance(size, float) else 1 << 62, "snapkv", recent, sinks, start, layer, layers, **policy_options)
+        if start != storage:  # a saved layer's mixed storage
+            self._enter_storage(storage)
         self.byte_budget = size
 
     def budget_now(self, seen: int | None = None) -> int:
@@ -234,7 +240,11 @@ class AutoLayer(ByteBudget, EvictingLayer):
         if self.geometry is None:
             return 1
         seen = self.seen if seen is None else seen
-        return max(1, slots_within(self.allowed_bytes(seen), slot_bytes(self.storage.name, self.geometry), self._growing))
+        return max(1, slots_within(self.allowed_bytes(seen), self._slot_bytes(self.stored_as), self._growing))
+
+    def _slot_bytes(self, storage: str) -> float:
+        """Bytes of one slot in ``storage`` (a mixed one's mean) in the layer's geometry."""
+        return mean_slot_bytes(storage, lambda name: slot_bytes(name, self.geometry))
 
     def recent_now(self, seen: int | None = None) -> int:
         return self.recent if self.recent is not None else self.policy.recent_for(self.budget_now(seen))
@@ -274,8 +284,8 @@ class AutoLayer(ByteBudget, EvictingLayer):
                 raise ValueError(f"auto layer with rule=attention: a decision needs the window's queries ('queries:{self.policy.window}')")
             reference = window(queries, keys, values, slots["positions"], self.seen)
         estimates = []
-        for name in self.ladder[self.ladder.index(self.storage.name) :]:
-            count = min(n, slots_within(allowed, slot_bytes(name, g), self._growing))
+        for name in self.ladder[self.ladder.index(self.stored_as) :]:
+            count = min(n, slots_within(allowed, self._slot_bytes(name), self._growing))
             if count < 1:
                 continue
             recent = self.recent if self.recent is not None else self.policy.recent_for(count)
@@ -284,7 +294,7 @@ class AutoLayer(ByteBudget, EvictingLayer):
             if reference is not None:
                 estimates.append(Estimate(name, count, *measure(name, kept, reference, g)))
             else:
-                estimates.append(weigh(name, count, kept, mass, keys, values, g.heads, g, self.rule))
+                estimates.append(self._weigh(name, count, kept, slots, mass, keys, values, g, g))
         if not estimates:  # not even one slot is affordable: the coarsest storage, one slot
             estimates.append(Estimate(self.ladder[-1], 1, 1.0, 0.0))
         best = self._best(estimates)
@@ -295,9 +305,9 @@ class AutoLayer(ByteBudget, EvictingLayer):
     def options(self) -> dict[str, Any]:
         """The spec's options and the storage chosen (``storage``); a file's loader compares the
         spec's options only (``spec_options_of``)."""
-        return {"bytes": self.byte_budget, "recent": self.recent, "sinks": self.sinks, "storage": self.storage.name,
+        return {"bytes": self.byte_budget, "recent": self.recent, "sinks": self.sinks, "storage": self.stored_as,
                 **self.policy.options(), "layers": self.layer_count, "rule": self.rule, "drop": self.drop, "codes": self.codes,
-                "tolerance": self.tolerance, "margin": self.margin}  # fmt: skip
+                "tolerance": self.tolerance, "margin": self.margin, "fine_share": self.fine_share}  # fmt: skip
 
     def load_state(self, state: LayerState) -> None:
         self._load_in_storage(state, super().load_state)
@@ -305,13 +315,11 @@ class AutoLayer(ByteBudget, EvictingLayer):
     def check_state(self, state: LayerState) -> None:
         """The eviction layer's checks, read in the state's storage and geometry (its slots are
         counted against the budget that storage affords)."""
-        storage = self._state_storage(state, self.storage.name)
-        previous = self.storage, self.geometry
-        self.storage = get_storage(storage)
-        try:
-            if state.tensors and self.geometry is None and all(n in state.tensors for n in (*self.storage.names, "positions")):
+        storage = self._state_storage(state, self.stored_as)
+        with self._in_storage(storage):
+            if state.tensors and self.geometry is None and self.tiered:
+                self.geometry = self.store.geometry_of(self.store.split_saved(dict(state.tensors)))
+            elif state.tensors and self.geometry is None and all(n in state.tensors for n in (*self.storage.names, "positions")):
                 batch = state.tensors["positions"].shape[0]
                 self.geometry = replace(self.storage.geometry(dict(state.tensors)), batch=batch)
             super().check_state(state)
-        finally:
-            self.storage, self.geometry = previous

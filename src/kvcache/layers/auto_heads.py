@@ -37,6 +37,7 @@ from .options import Option
 from .shared_budget import check_flat_state, keep_across_heads
 from .slots import get_storage
 from .state import LayerState
+from .tiers import mean_slot_bytes, mixed_parts
 
 #: Bytes of a flat slot's tags: position (int32), head (int16), score (float32).
 _TAGS = 4 + 2 + 4
@@ -87,13 +88,17 @@ class AutoHeadsLayer(ByteBudget, AdaptiveLayer):
         codes: str = "plain",
         tolerance: float | None = None,
         margin: float | None = None,
+        fine_share: float | None = None,
     ) -> None:
         checked = self.check_options(bytes=bytes, drop=drop)
         size = checked["bytes"]
         if rule == "attention":
             raise ValueError("auto-heads: rule='attention' is auto's only (it measures per KV head); use rule='mass' or 'output'")
-        self._init_budget(size, rule, checked["drop"], codes, storage, tolerance, margin)
-        super().__init__(1, window, pool, floor, storage)
+        self._init_budget(size, rule, checked["drop"], codes, storage, tolerance, margin, fine_share)
+        start = "full" if mixed_parts(storage) else storage
+        super().__init__(1, window, pool, floor, start)
+        if start != storage:  # a saved layer's mixed storage
+            self._enter_storage(storage)
         if layers is not None:
             self.at_depth(layer, layers)
 
@@ -102,10 +107,10 @@ class AutoHeadsLayer(ByteBudget, AdaptiveLayer):
         if self.geometry is None:
             return 1
         seen = self.seen if seen is None else seen
-        return self._budget_in(self.storage.name, seen, self.geometry)
+        return self._budget_in(self.stored_as, seen, self.geometry)
 
     def _budget_in(self, storage: str, seen: int, g: Geometry) -> int:
-        per_slot = flat_slot_bytes(storage, g)
+        per_slot = mean_slot_bytes(storage, lambda name: flat_slot_bytes(name, g))
         return max(1, flat_slots_within(self.allowed_bytes(seen, g), per_slot, g.heads, self._growing))
 
     # ---- the decision ---------------------------------------------------------------------------
@@ -131,13 +136,13 @@ class AutoHeadsLayer(ByteBudget, AdaptiveLayer):
         per_head = torch.zeros(mass.shape[0], 1, g.heads, device=mass.device).scatter_add_(2, heads, mass)
         mass = mass / per_head.gather(2, heads).clamp_min(torch.finfo(torch.float32).tiny)
         estimates = []
-        for name in self.ladder[self.ladder.index(self.storage.name) :]:
+        for name in self.ladder[self.ladder.index(self.stored_as) :]:
             count = self._budget_in(name, self.seen, g)
             keep = min(n, g.heads * count)
             recent = min(self.window, count // 2)
             floor = max(1, int(self.floor * (count - recent)))
             kept = keep_across_heads(slots["scores"], slots["heads"], slots["positions"], keep, g.heads, floor, self.seen - recent)
-            estimates.append(weigh(name, count, kept, mass, keys, values, g.heads, flat, self.rule, slots["heads"]))
+            estimates.append(self._weigh(name, count, kept, slots, mass, keys, values, g, flat, slots["heads"]))
         best = self._best(estimates) if estimates else Estimate(self.ladder[-1], 1, 1.0, 0.0)
         return Choice(best.storage, best.slots, self.seen, tuple(estimates))
 
@@ -150,8 +155,8 @@ class AutoHeadsLayer(ByteBudget, AdaptiveLayer):
         """The spec's options and the storage chosen (``storage``); a file's loader compares the
         spec's options only (``spec_options_of``)."""
         return {"bytes": self.byte_budget, "window": self.window, "pool": self.pool, "floor": self.floor,
-                "storage": self.storage.name, "layers": self.layer_count, "rule": self.rule, "drop": self.drop, "codes": self.codes,
-                "tolerance": self.tolerance, "margin": self.margin}  # fmt: skip
+                "storage": self.stored_as, "layers": self.layer_count, "rule": self.rule, "drop": self.drop, "codes": self.codes,
+                "tolerance": self.tolerance, "margin": self.margin, "fine_share": self.fine_share}  # fmt: skip
 
     def check_state(self, state: LayerState) -> None:
         """The flat store's checks, read in the state's storage (its slots counted against the
@@ -161,17 +166,21 @@ class AutoHeadsLayer(ByteBudget, AdaptiveLayer):
         seen = int(state.seen)
         if seen < 0:
             raise ValueError(f"auto-heads layer state: seen must be >= 0, got {seen}")
-        storage = self._state_storage(state, self.storage.name)
+        storage = self._state_storage(state, self.stored_as)
         if not state.tensors:
             return
-        codec, t = get_storage(storage), state.tensors
-        previous, self.storage = self.storage, codec  # the store's layout is the state's storage's
-        try:
-            check_flat_state(t, codec, self.store, seen, seen)  # every check but the budget's
-        finally:
-            self.storage = previous
-        n, kv_heads = t["positions"].shape[2], t["head_lengths"].shape[1]
-        g = replace(codec.geometry(dict(t)), batch=t["positions"].shape[0], heads=kv_heads)
+        t = state.tensors
+        with self._in_storage(storage):  # the store's layout is the state's storage's
+            if self.tiered:
+                self._check_tiered_state(t, seen, 0, budget=seen)  # every check but the budget's
+                runs = self.store.split_saved({name: x for name, x in t.items() if name != "head_lengths"})
+                g = self.store.geometry_of(runs)
+            else:
+                check_flat_state(t, self.storage, self.store, seen, seen)
+                g = self.storage.geometry(dict(t))
+        n = sum(x.shape[2] for name, x in t.items() if name in ("positions", "fine.positions", "coarse.positions"))
+        kv_heads = t["head_lengths"].shape[1]
+        g = replace(g, batch=t["head_lengths"].shape[0], heads=kv_heads)
         budget = self._budget_in(storage, seen, g)
         if n > kv_heads * min(seen, budget + 1):
             raise ValueError(f"auto-heads layer state holds {n} slots for {kv_heads} heads after {seen} tokens, budget {budget} per head")

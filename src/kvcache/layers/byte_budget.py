@@ -16,8 +16,9 @@ import torch
 
 from .checks import Geometry
 from .options import Option, number
-from .slots import ROTATED, STORAGES, get_storage
+from .slots import ROTATED, STORAGES
 from .state import LayerState
+from .tiers import SOURCE, mixed_name, mixed_parts
 
 #: How a case's error is scored: ``mass``, the first-order estimate (dropped mass plus the
 #: mass-weighted relative coding error); ``output``, the change of the window's mean attention output
@@ -37,10 +38,20 @@ BYTE_BUDGET_OPTIONS = {
     "tolerance": Option(float, least=0),
     "margin": Option(float, least=0),
     "codes": Option(str),
+    "fine_share": Option(float, least=0, inclusive=False),
 }
 #: Dropped parts closer than this are equal under ``tolerance`` (the finer storage wins): a mass
 #: summed in float32 over every candidate is 1 only to about this.
 SAME_DROP = 1e-5
+
+
+def mixed_ladder(ladder: tuple[str, ...], share: float) -> tuple[str, ...]:
+    """``ladder`` with, between each storage and the next coarser one, the mixed storage of the two
+    (``share`` of the kept slots in the finer): finest first, each no finer than the one before."""
+    out = [ladder[0]]
+    for finer, coarser in zip(ladder, ladder[1:]):
+        out += [mixed_name(finer, share, coarser), coarser]
+    return tuple(out)
 
 
 def fp32_bytes(g: Geometry) -> int:
@@ -54,10 +65,11 @@ class ByteBudget:
     chosen among, finest first), ``choice`` (the last ``Choice``, None before one)."""
 
     def _init_budget(self, size: int | float, rule: str, drop: float = 1.0, codes: str = "plain", storage: str = "full",
-                     tolerance: float | None = None, margin: float | None = None) -> None:  # fmt: skip
+                     tolerance: float | None = None, margin: float | None = None, fine_share: float | None = None) -> None:  # fmt: skip
         """``size`` and ``drop`` as the constructor's ``check_options`` read them; ``tolerance``
         (None: compare by ``drop``) and ``margin`` (None: 0; only with ``tolerance``) as given, read
-        here; ``storage``: where the layer starts, which must be on the ladder ``codes`` names."""
+        here; ``storage``: where the layer starts, which must be on the ladder ``codes`` names;
+        ``fine_share``: the ladder holds mixed storages too (``mixed_ladder``), weighed by ``mass``."""
         if tolerance is not None:
             tolerance = self.check_options(tolerance=tolerance)["tolerance"]
         if margin is not None:
@@ -71,6 +83,14 @@ class ByteBudget:
         if codes not in LADDERS:
             raise ValueError(f"codes must be one of {tuple(LADDERS)}, got {codes!r}")
         self.codes, self.ladder = codes, LADDERS[codes]
+        self.fine_share = None
+        if fine_share is not None:
+            self.fine_share = self.check_options(fine_share=fine_share)["fine_share"]
+            if not self.fine_share < 1:
+                raise ValueError(f"fine_share is the share of kept slots a mixed storage keeps finer, in (0, 1), got {fine_share}")
+            if rule != "mass":
+                raise ValueError(f"fine_share weighs mixed storages by the mass rule (its parts add up); rule={rule!r} does not")
+            self.ladder = mixed_ladder(self.ladder, self.fine_share)
         if storage not in self.ladder:
             raise ValueError(f"storage must be one of {self.ladder} (codes={codes}), got {storage!r}")
         self.rule = rule
@@ -120,27 +140,44 @@ class ByteBudget:
         rule that measures), choose their storage, move them into it and keep the best."""
         slots["scores"] = self._scored(weights, slots)
         choice = self.choose(slots, weights) if queries is None else self.choose(slots, weights, queries)
-        if choice.storage != self.storage.name:
+        if choice.storage != self.stored_as:
             self._recode(slots, choice.storage)
         self.choice = choice
         self._keep_best(slots, self._keep_now())
 
     def _recode(self, slots: dict[str, torch.Tensor], storage: str) -> None:
-        """Rewrite candidate ``slots`` in place into ``storage``, which the layer then stores."""
+        """Rewrite candidate ``slots`` in place into ``storage`` (one, or a mixed one), which the
+        layer then stores, in a new store."""
         n = slots["positions"].shape[2]
         keys, values = self.storage.decode(slots, n, self._slot_geometry())
-        for name in self.storage.names:
-            del slots[name]
-        self.storage = get_storage(storage)
+        for name in (*self.storage.names, SOURCE):
+            slots.pop(name, None)
+        self._enter_storage(storage)
         slots.update(self.storage.encode(keys, values))
-        self.store.drop()  # the next allocation takes the new storage's layout
+
+    def _weigh(self, name: str, count: int, kept: torch.Tensor, slots: dict[str, torch.Tensor], mass: torch.Tensor,
+               keys: torch.Tensor, values: torch.Tensor, g: Geometry, layout: Geometry, head_of: torch.Tensor | None = None) -> Any:  # fmt: skip
+        """``weigh``'s case of keeping ``kept`` of ``slots`` in storage ``name``; a mixed storage's
+        kept slots split as its store splits them (``_rank``), each part coded by its storage."""
+        from .auto import Estimate, weigh
+
+        parts = mixed_parts(name)
+        if parts is None:
+            return weigh(name, count, kept, mass, keys, values, g.heads, layout, self.rule, head_of)
+        fine, share, coarse = parts
+        k = kept.shape[2]
+        order = self._rank(slots).gather(2, kept).argsort(dim=-1, descending=True, stable=True)
+        top = kept.gather(2, order[..., : min(k, round(share * k))])
+        rest = kept.gather(2, order[..., top.shape[2] :])
+        a, b = (weigh(s, count, part, mass, keys, values, g.heads, layout, self.rule, head_of) for s, part in ((fine, top), (coarse, rest)))
+        return Estimate(name, count, max(0.0, a.dropped + b.dropped - 1), a.coding + b.coding)
 
     @staticmethod
     def spec_options_of(options: Any) -> Any:
         """What of a layer's ``options()`` its spec fixes: all but the storage, the layer's own
         choice (a file saved before ``rule``, ``drop``, ``codes``, ``tolerance`` or ``margin`` existed scored
         by ``mass``, ``drop=1``, over plain codes, with no tolerance and no margin)."""
-        defaults = {"rule": "mass", "drop": 1.0, "codes": "plain", "tolerance": None, "margin": None}
+        defaults = {"rule": "mass", "drop": 1.0, "codes": "plain", "tolerance": None, "margin": None, "fine_share": None}
         return {**defaults, **{k: v for k, v in options.items() if k != "storage"}} if isinstance(options, Mapping) else options
 
     def _state_storage(self, state: LayerState, default: str) -> str:
@@ -152,11 +189,27 @@ class ByteBudget:
 
     def _load_in_storage(self, state: LayerState, load: Callable[[LayerState], None]) -> None:
         """``load(state)`` with the layer in the state's storage; on failure the layer is as before."""
-        previous = self.storage
-        self.storage = get_storage(self._state_storage(state, "full"))
+        self.check_state(state)
+        previous = self.storage, self.store
+        self._enter_storage(self._state_storage(state, "full"))
         try:
             load(state)
         except Exception:
-            self.storage = previous
+            self.storage, self.store = previous
             raise
         self.choice = None
+
+    def _in_storage(self, name: str):
+        """A context in which the layer holds storage ``name`` in a new store, then what it held."""
+        from contextlib import contextmanager
+
+        @contextmanager
+        def entered():
+            previous = self.storage, self.store, self.geometry
+            self._enter_storage(name)
+            try:
+                yield
+            finally:
+                self.storage, self.store, self.geometry = previous
+
+        return entered()

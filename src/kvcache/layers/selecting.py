@@ -31,7 +31,8 @@ from .own_attention import OwnAttentionLayer
 from .budget import holds_wrong_size, slots_to_allocate
 from .checks import Geometry
 from .slots import Slots, get_storage
-from .tiers import SOURCE, TieredStore, precision
+from .store import SlotStore
+from .tiers import SOURCE, TieredStore, mixed_name, mixed_parts, precision
 
 
 #: The options every selecting kind takes: a budget (a count, or a share of the tokens seen, in
@@ -89,6 +90,22 @@ class SelectingLayer(OwnAttentionLayer):
     def storage_name(self) -> str:
         """The storage of the kept slots (the coarse one of a mixed layer), as its options name it."""
         return self.store.coarse.name if isinstance(self.store, TieredStore) else self.storage.name
+
+    @property
+    def stored_as(self) -> str:
+        """The kept slots' storage by name: one storage's, or a mixed one's ``fine@share+coarse``."""
+        if isinstance(self.store, TieredStore):
+            return mixed_name(self.store.fine.name, self.store.share, self.store.coarse.name)
+        return self.storage.name
+
+    def _enter_storage(self, name: str) -> None:
+        """Hold the kept slots in storage ``name`` (one storage, or ``fine@share+coarse``) from now
+        on, in a new empty store (the old one is left as it was, for a caller that restores it)."""
+        parts = mixed_parts(name)
+        self.storage = get_storage(name if parts is None else parts[2])
+        self.store = SlotStore(layout=self._layout)
+        if parts is not None:
+            self._use_tiers(parts[0], parts[1])
 
     def tier_options(self) -> dict[str, object]:
         """``fine`` and ``fine_share`` of a mixed layer, else nothing."""

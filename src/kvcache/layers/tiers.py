@@ -40,6 +40,40 @@ SOURCE = "source"
 _RUNS = ("fine", "coarse")
 
 
+def mixed_parts(name: str) -> tuple[str, float, str] | None:
+    """``"int8@0.25+int4"`` -> ``("int8", 0.25, "int4")``: the name of a mixed storage (the fine
+    storage, its share of the kept slots, the coarse storage), checked; None for one storage's name."""
+    from .slots import get_storage
+
+    if "+" not in name:
+        return None
+    fine_part, _, coarse = name.partition("+")
+    fine, _, share = fine_part.partition("@")
+    try:
+        value = float(share)
+    except ValueError:
+        raise ValueError(f"mixed storage {name!r}: write it fine@share+coarse, e.g. int8@0.25+int4") from None
+    if not 0 < value < 1:
+        raise ValueError(f"mixed storage {name!r}: the fine share must be in (0, 1), got {share}")
+    if precision(get_storage(fine)) <= precision(get_storage(coarse)):
+        raise ValueError(f"mixed storage {name!r}: {fine} must be finer than {coarse}")
+    return fine, value, coarse
+
+
+def mixed_name(fine: str, share: float, coarse: str) -> str:
+    return f"{fine}@{share:g}+{coarse}"
+
+
+def mean_slot_bytes(name: str, per_slot: Callable[[str], float]) -> float:
+    """Bytes of one kept slot of storage ``name`` (one storage's, or a mixed one's mean over its
+    two runs), ``per_slot(storage)`` giving one storage's."""
+    parts = mixed_parts(name)
+    if parts is None:
+        return per_slot(name)
+    fine, share, coarse = parts
+    return share * per_slot(fine) + (1 - share) * per_slot(coarse)
+
+
 def precision(storage: Slots) -> float:
     """Bits a storage keeps of a channel (inf for full precision): finer is more."""
     return math.inf if storage.format.exact else float(getattr(storage.format, "bits", 8))
@@ -102,8 +136,10 @@ class TieredStore:
         return min(kept, round(self.share * kept))
 
     def allocate(self, capacity: int, geometry: Geometry, *, keep: bool = True, zeroed: bool = False) -> None:
-        """Record the geometry and the slots the layer may hold; each run is sized when written."""
-        if not keep or (self.geometry is not None and self.geometry.batch != geometry.batch):
+        """Record the geometry and the slots the layer may hold; each run is sized when written.
+        The runs stay until then, whatever ``keep`` says (``write`` copies the codes of the slots
+        that stay), unless the batch changes."""
+        if self.geometry is not None and self.geometry.batch != geometry.batch:
             self.drop()
         self.geometry, self.capacity = geometry, capacity
         self.reallocations += 1
