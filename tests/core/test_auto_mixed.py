@@ -15,7 +15,7 @@ import kvcache
 from kvcache import cache_kwargs
 from helpers import model_for, prompt
 from kvcache.layers import AutoHeadsLayer, AutoLayer
-from kvcache.layers.auto import weigh
+from kvcache.layers.auto import weigh, weigh_storage
 from kvcache.layers.byte_budget import mixed_ladder
 from kvcache.layers.mix import mix_of
 
@@ -58,7 +58,7 @@ def test_the_mixed_estimate_adds_its_parts():
     kept = mass.topk(20, dim=-1).indices
     rank = layer._rank(slots).gather(2, kept).argsort(dim=-1, descending=True, stable=True)
     top, rest = kept.gather(2, rank[..., :5]), kept.gather(2, rank[..., 5:])
-    got = layer._weigh("int8@0.25+int4", 20, kept, slots, mass, keys, values, layer.geometry, layer.geometry)
+    got = weigh_storage("int8@0.25+int4", 20, kept, layer._rank(slots), mass, keys, values, 2, layer.geometry)
     a = weigh("int8", 20, top, mass, keys, values, 2, layer.geometry)
     b = weigh("int4", 20, rest, mass, keys, values, 2, layer.geometry)
     whole = weigh("full", 20, kept, mass, keys, values, 2, layer.geometry)

@@ -26,12 +26,10 @@ def storage_options(storage: str) -> tuple[dict[str, Any], float]:
     ``"int4"`` one storage (share 0); ``"int8@0.25+int4"`` mixed precision inside a layer
     (``layers/tiers.py``): a quarter of the kept slots, the highest ranked, in int8 and the rest in
     int4. ``ValueError`` names a bad name."""
-    from ..layers.slots import get_storage
-    from ..layers.tiers import mixed_parts
+    from ..layers import mixed_parts
 
     parts = mixed_parts(storage)
     if parts is None:
-        get_storage(storage)
         return {"storage": storage}, 0.0
     fine, share, coarse = parts
     return {"storage": coarse, "fine": fine, "fine_share": share}, share
@@ -39,8 +37,8 @@ def storage_options(storage: str) -> tuple[dict[str, Any], float]:
 
 def mean_slot_bytes(storage: str, geometry: Any) -> float:
     """Bytes of one kept slot of a fixed mix's storage, on average over a mixed layer's two runs."""
+    from ..layers import mean_slot_bytes as mean
     from ..layers import slot_bytes
-    from ..layers.tiers import mean_slot_bytes as mean
 
     return mean(storage, lambda name: slot_bytes(name, geometry))
 

@@ -18,6 +18,7 @@ from .quantized import QuantizedLayer, StoreReader
 from .sliding import SlidingLayer
 from .static import StaticLayer
 from .store import SlotStore
+from .tiers import mean_slot_bytes, mixed_parts
 from .window import WindowLayer
 
 __all__ = [
@@ -37,6 +38,8 @@ __all__ = [
     "StoreReader",
     "WindowLayer",
     "fp32_bytes",
+    "mean_slot_bytes",
     "mix_of",
+    "mixed_parts",
     "slot_bytes",
 ]

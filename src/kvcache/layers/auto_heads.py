@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from .adaptive import AdaptiveLayer
-from .auto import Choice, Estimate, weigh
+from .auto import Choice, Estimate, weigh_storage
 from .budget import slots_to_allocate
 from .byte_budget import BYTE_BUDGET_OPTIONS, ByteBudget
 from .checks import Geometry
@@ -142,7 +142,7 @@ class AutoHeadsLayer(ByteBudget, AdaptiveLayer):
             recent = min(self.window, count // 2)
             floor = max(1, int(self.floor * (count - recent)))
             kept = keep_across_heads(slots["scores"], slots["heads"], slots["positions"], keep, g.heads, floor, self.seen - recent)
-            estimates.append(self._weigh(name, count, kept, slots, mass, keys, values, g, flat, slots["heads"]))
+            estimates.append(weigh_storage(name, count, kept, self._rank(slots), mass, keys, values, g.heads, flat, self.rule, slots["heads"]))
         best = self._best(estimates) if estimates else Estimate(self.ladder[-1], 1, 1.0, 0.0)
         return Choice(best.storage, best.slots, self.seen, tuple(estimates))
 

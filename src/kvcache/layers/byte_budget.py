@@ -18,7 +18,7 @@ from .checks import Geometry
 from .options import Option, number
 from .slots import ROTATED, STORAGES
 from .state import LayerState
-from .tiers import SOURCE, mixed_name, mixed_parts
+from .tiers import SOURCE, mixed_name
 
 #: How a case's error is scored: ``mass``, the first-order estimate (dropped mass plus the
 #: mass-weighted relative coding error); ``output``, the change of the window's mean attention output
@@ -154,23 +154,6 @@ class ByteBudget:
             slots.pop(name, None)
         self._enter_storage(storage)
         slots.update(self.storage.encode(keys, values))
-
-    def _weigh(self, name: str, count: int, kept: torch.Tensor, slots: dict[str, torch.Tensor], mass: torch.Tensor,
-               keys: torch.Tensor, values: torch.Tensor, g: Geometry, layout: Geometry, head_of: torch.Tensor | None = None) -> Any:  # fmt: skip
-        """``weigh``'s case of keeping ``kept`` of ``slots`` in storage ``name``; a mixed storage's
-        kept slots split as its store splits them (``_rank``), each part coded by its storage."""
-        from .auto import Estimate, weigh
-
-        parts = mixed_parts(name)
-        if parts is None:
-            return weigh(name, count, kept, mass, keys, values, g.heads, layout, self.rule, head_of)
-        fine, share, coarse = parts
-        k = kept.shape[2]
-        order = self._rank(slots).gather(2, kept).argsort(dim=-1, descending=True, stable=True)
-        top = kept.gather(2, order[..., : min(k, round(share * k))])
-        rest = kept.gather(2, order[..., top.shape[2] :])
-        a, b = (weigh(s, count, part, mass, keys, values, g.heads, layout, self.rule, head_of) for s, part in ((fine, top), (coarse, rest)))
-        return Estimate(name, count, max(0.0, a.dropped + b.dropped - 1), a.coding + b.coding)
 
     @staticmethod
     def spec_options_of(options: Any) -> Any:
