@@ -44,10 +44,11 @@ def mixed_parts(name: str) -> tuple[str, float, str] | None:
     """``"int8@0.25+int4"`` -> ``("int8", 0.25, "int4")``: the name of a mixed storage (the fine
     storage, its share of the kept slots, the coarse storage), checked; None for one storage's name
     (checked too: ``ValueError`` names an unknown one)."""
-    from .slots import get_storage
+    from .slots import SLOT_STORAGES, get_storage
 
     if "+" not in name:
-        get_storage(name)
+        if name not in SLOT_STORAGES:
+            get_storage(name)  # raises, naming the storages there are
         return None
     fine_part, _, coarse = name.partition("+")
     fine, _, share = fine_part.partition("@")
