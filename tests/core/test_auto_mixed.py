@@ -18,6 +18,7 @@ from kvcache.layers import AutoHeadsLayer, AutoLayer
 from kvcache.layers.auto import weigh, weigh_storage
 from kvcache.layers.byte_budget import mixed_ladder
 from kvcache.layers.mix import mix_of
+from kvcache.layers.tiers import ranked
 
 SPECS = ["auto:bytes=0.125,fine_share=0.25", "auto-heads:bytes=0.0625,fine_share=0.25"]
 
@@ -56,9 +57,9 @@ def test_the_mixed_estimate_adds_its_parts():
     layer.settle(mass)  # geometry and scores
     slots = {"keys": keys, "values": values, "positions": torch.arange(40).expand(1, 2, 40), "scores": mass}
     kept = mass.topk(20, dim=-1).indices
-    rank = layer._rank(slots).gather(2, kept).argsort(dim=-1, descending=True, stable=True)
+    rank = ranked(layer._rank(slots).gather(2, kept), slots["positions"].gather(2, kept))
     top, rest = kept.gather(2, rank[..., :5]), kept.gather(2, rank[..., 5:])
-    got = weigh_storage("int8@0.25+int4", 20, kept, layer._rank(slots), mass, keys, values, 2, layer.geometry)
+    got = weigh_storage("int8@0.25+int4", 20, kept, layer._rank(slots), slots["positions"], mass, keys, values, 2, layer.geometry)
     a = weigh("int8", 20, top, mass, keys, values, 2, layer.geometry)
     b = weigh("int4", 20, rest, mass, keys, values, 2, layer.geometry)
     whole = weigh("full", 20, kept, mass, keys, values, 2, layer.geometry)

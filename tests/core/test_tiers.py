@@ -312,3 +312,21 @@ def test_batch_rows_move_with_both_runs(kind):
             got = layer.attend(q[:, :, n : n + 1].expand(2, -1, -1, -1))
             torch.testing.assert_close(got, want.expand(2, -1, -1, -1), rtol=1e-5, atol=1e-5)
     assert fork.nbytes == batch.nbytes == 2 * single.nbytes
+
+
+@pytest.mark.parametrize("kind", ["evicting", "adakv"])
+def test_of_equally_ranked_slots_the_newest_are_the_fine_ones(kind):
+    """The recent tokens all rank first (they are never evicted); when they outnumber the fine run,
+    the newest of them are the ones kept finer."""
+    q, k, v = inputs(60)
+    layer = {
+        "evicting": lambda: EvictingLayer(20, policy="snapkv", window=4, recent=16, storage="int4", fine="int8", fine_share=0.25),
+        "adakv": lambda: AdaptiveLayer(20, window=16, storage="int4", fine="int8", fine_share=0.25),
+    }[kind]()
+    layer.update(k[:, :, :50], v[:, :, :50])
+    layer.attend(q[:, :, :50])
+    for n in range(50, 60):
+        layer.update(k[:, :, n : n + 1], v[:, :, n : n + 1])
+        layer.attend(q[:, :, n : n + 1])
+        fine = layer.store.runs["fine"].in_use()["positions"]
+        assert int(fine.min()) >= n + 1 - fine.shape[2] // (2 if kind == "adakv" else 1)

@@ -59,7 +59,7 @@ from .evicting import EvictingLayer
 from .options import Option, number
 from .slots import get_storage
 from .state import LayerState
-from .tiers import mean_slot_bytes, mixed_parts
+from .tiers import mean_slot_bytes, mixed_parts, ranked
 
 #: Bytes of one token's key and value per KV head in the fp32 cache a share is taken of, per channel.
 
@@ -165,17 +165,19 @@ def weigh(storage: str, count: int, kept: torch.Tensor, mass: torch.Tensor, keys
     return Estimate(storage, count, dropped, coding)
 
 
-def weigh_storage(name: str, count: int, kept: torch.Tensor, rank: torch.Tensor, mass: torch.Tensor, keys: torch.Tensor,
-                  values: torch.Tensor, heads: int, g: Geometry, rule: str = "mass", head_of: torch.Tensor | None = None) -> Estimate:  # fmt: skip
+def weigh_storage(name: str, count: int, kept: torch.Tensor, rank: torch.Tensor, positions: torch.Tensor, mass: torch.Tensor,
+                  keys: torch.Tensor, values: torch.Tensor, heads: int, g: Geometry, rule: str = "mass",
+                  head_of: torch.Tensor | None = None) -> Estimate:  # fmt: skip
     """``weigh``'s case of keeping ``kept`` in storage ``name``; a mixed storage's (``tiers.py``)
-    kept slots split as its store splits them, by ``rank`` ``[B, H', N]`` (higher first), each part
-    weighed in its storage: the ``mass`` rule's parts add up (coding), and what both leave out is dropped."""
+    kept slots split as its store splits them (``tiers.ranked`` by ``rank`` and ``positions``
+    ``[B, H', N]``), each part weighed in its storage: the ``mass`` rule's parts add up (coding),
+    and what both leave out is dropped."""
     parts = mixed_parts(name)
     if parts is None:
         return weigh(name, count, kept, mass, keys, values, heads, g, rule, head_of)
     fine, share, coarse = parts
     k = kept.shape[2]
-    order = rank.gather(2, kept).argsort(dim=-1, descending=True, stable=True)
+    order = ranked(rank.gather(2, kept), positions.gather(2, kept))
     top = kept.gather(2, order[..., : min(k, round(share * k))])
     rest = kept.gather(2, order[..., top.shape[2] :])
     a, b = (weigh(s, count, part, mass, keys, values, heads, g, rule, head_of) for s, part in ((fine, top), (coarse, rest)))
@@ -311,7 +313,7 @@ class AutoLayer(ByteBudget, EvictingLayer):
             if reference is not None:
                 estimates.append(Estimate(name, count, *measure(name, kept, reference, g)))
             else:
-                estimates.append(weigh_storage(name, count, kept, self._rank(slots), mass, keys, values, g.heads, g, self.rule))
+                estimates.append(weigh_storage(name, count, kept, self._rank(slots), slots["positions"], mass, keys, values, g.heads, g, self.rule))
         if not estimates:  # not even one slot is affordable: the coarsest storage, one slot
             estimates.append(Estimate(self.ladder[-1], 1, 1.0, 0.0))
         best = self._best(estimates)

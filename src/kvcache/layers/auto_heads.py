@@ -142,7 +142,8 @@ class AutoHeadsLayer(ByteBudget, AdaptiveLayer):
             recent = min(self.window, count // 2)
             floor = max(1, int(self.floor * (count - recent)))
             kept = keep_across_heads(slots["scores"], slots["heads"], slots["positions"], keep, g.heads, floor, self.seen - recent)
-            estimates.append(weigh_storage(name, count, kept, self._rank(slots), mass, keys, values, g.heads, flat, self.rule, slots["heads"]))
+            estimates.append(weigh_storage(name, count, kept, self._rank(slots), slots["positions"], mass, keys, values, g.heads, flat,
+                                           self.rule, slots["heads"]))  # fmt: skip
         best = self._best(estimates) if estimates else Estimate(self.ladder[-1], 1, 1.0, 0.0)
         return Choice(best.storage, best.slots, self.seen, tuple(estimates))
 

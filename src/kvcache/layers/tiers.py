@@ -77,6 +77,13 @@ def mean_slot_bytes(name: str, per_slot: Callable[[str], float]) -> float:
     return share * per_slot(fine) + (1 - share) * per_slot(coarse)
 
 
+def ranked(rank: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The order ``[B, H, N]`` in which slots go to the fine run: by ``rank``, highest first, and of
+    equal ranks (the protected recent tokens, all ranked infinite) the newest first."""
+    newest = positions.argsort(dim=-1, descending=True, stable=True)
+    return newest.gather(2, rank.gather(2, newest).argsort(dim=-1, descending=True, stable=True))
+
+
 def precision(storage: Slots) -> float:
     """Bits a storage keeps of a channel (inf for full precision): finer is more."""
     return math.inf if storage.format.exact else float(getattr(storage.format, "bits", 8))
@@ -203,7 +210,7 @@ class TieredStore:
         assert g is not None
         n = slots["positions"].shape[2]
         f = self.fine_count(n)
-        order = self.rank(slots).argsort(dim=-1, descending=True, stable=True)  # [B, H, N]
+        order = ranked(self.rank(slots), slots["positions"])  # [B, H, N]
         chosen = {"fine": order[..., :f].sort(dim=-1).values, "coarse": order[..., f:].sort(dim=-1).values}
         source = slots.get(SOURCE)
         limit = self._fine_limit()
