@@ -310,15 +310,15 @@ class AdaptiveLayer(SelectingLayer):
         if seen < 0:
             raise ValueError(f"adakv layer state: seen must be >= 0, got {seen}")
         compressed = self._compressed_of(state)
+        budget = self.budget if isinstance(self.budget, int) else max(1, math.ceil(self.budget * seen))
         if state.tensors and self.tiered:
-            self._check_tiered_state(state.tensors, seen, compressed)
+            self._check_tiered_state(state.tensors, seen, budget, compressed)
         elif state.tensors:
-            budget = self.budget if isinstance(self.budget, int) else max(1, math.ceil(self.budget * seen))
             check_flat_state(state.tensors, self.storage, self.store, seen, budget, compressed)
 
-    def _check_tiered_state(self, tensors: dict[str, torch.Tensor], seen: int, compressed: int, budget: int | None = None) -> None:
+    def _check_tiered_state(self, tensors: dict[str, torch.Tensor], seen: int, budget: int, compressed: int) -> Geometry:
         """A mixed layer's saved runs: checked as a flat state of full-precision slots would be,
-        against ``budget`` slots per head (default: the layer's after ``seen`` tokens)."""
+        against ``budget`` slots per head. Returns the runs' (flat) geometry."""
         lengths = tensors.get("head_lengths")
         runs = self.store.split_saved({name: t for name, t in tensors.items() if name != "head_lengths"})
         g = self.store.geometry_of(runs)
@@ -327,9 +327,8 @@ class AdaptiveLayer(SelectingLayer):
         self.store.check_saved("adakv layer", runs, g)
         if lengths is None:
             raise ValueError("adakv layer state lacks ['head_lengths']")
-        if budget is None:
-            budget = self.budget if isinstance(self.budget, int) else max(1, math.ceil(self.budget * seen))
         check_flat_tags(self.store.joined(runs, "positions"), self.store.joined(runs, "heads"), lengths, seen, budget, compressed)
+        return g
 
     @staticmethod
     def _compressed_of(state: LayerState) -> int:

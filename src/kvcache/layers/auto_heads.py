@@ -173,9 +173,7 @@ class AutoHeadsLayer(ByteBudget, AdaptiveLayer):
         t = state.tensors
         with self._in_storage(storage):  # the store's layout is the state's storage's
             if self.tiered:
-                self._check_tiered_state(t, seen, 0, budget=seen)  # every check but the budget's
-                runs = self.store.split_saved({name: x for name, x in t.items() if name != "head_lengths"})
-                g = self.store.geometry_of(runs)
+                g = self._check_tiered_state(t, seen, seen, 0)  # every check but the budget's
             else:
                 check_flat_state(t, self.storage, self.store, seen, seen)
                 g = self.storage.geometry(dict(t))
