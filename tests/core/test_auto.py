@@ -13,6 +13,7 @@ from kvcache import cache_kwargs
 from kvcache.layers import AutoLayer, EvictingLayer
 from kvcache.layers import mix_of
 from kvcache.layers.auto import slot_bytes, slots_within
+from kvcache.layers.byte_budget import TOLERANCE
 from kvcache.layers.slots import ROTATED, STORAGES
 from kvcache.layers.budget import slots_to_allocate
 from kvcache.layers.checks import Geometry
@@ -119,7 +120,7 @@ def reference_best(want: dict[str, tuple[int, float, float]], drop: float, toler
     """The storage the rule takes from ``want`` (storage -> slots, dropped, coding, finest first)."""
     if tolerance is None:
         return min(want, key=lambda s: drop * want[s][1] + want[s][2])
-    within = [s for s in want if want[s][2] <= tolerance]
+    within = [s for s in want if want[s][2] <= tolerance * (1 - want[s][1])]  # the kept slots' mean error
     if not within:
         return min(want, key=lambda s: want[s][2])
     if margin is None:
@@ -134,11 +135,13 @@ def reference_best(want: dict[str, tuple[int, float, float]], drop: float, toler
     (0.1, 2, 8.0, "rotated", None, None), (0.2, 1, 1.0, "plain", 0.3, None), (0.1, 2, 1.0, "plain", 0.31, None),
     (0.2, 1, 1.0, "plain", 0.05, None), (0.5, 0, 1.0, "plain", 0.3, None), (0.2, 1, 1.0, "rotated", 0.3, None),
     (0.2, 1, 1.0, "plain", 0.3, MARGIN_SMALL), (0.2, 1, 1.0, "plain", 0.3, MARGIN_WIDE), (0.1, 2, 1.0, "plain", 0.31, 0.1),
-    (0.2, 1, 1.0, "plain", 0.3, 10.0)])  # fmt: skip
+    (0.2, 1, 1.0, "plain", 0.3, 10.0), (0.5, 0, None, "plain", None, None), (0.2, 1, None, "plain", None, None),
+    (0.1, 2, None, "rotated", None, None), (0.2, 1, None, "plain", None, MARGIN_WIDE)])  # fmt: skip
 def test_the_choice_follows_the_stated_rule(share, seed, drop, codes, tolerance, margin):
     """Every case as the module states it; the lowest ``drop * dropped + coding`` wins, or with
-    ``tolerance`` the least dropped of the cases coded within it (with ``margin``, the finest of
-    those within it of the least); ``codes`` names the storages weighed."""
+    ``tolerance`` (by default ``TOLERANCE`` when ``drop`` is not given) the least dropped of the
+    cases coded within it (with ``margin``, the finest of those within it of the least); ``codes``
+    names the storages weighed."""
     g = torch.Generator().manual_seed(seed)
     n, window = 200, 4
     keys = torch.randn(1, 2, n, 16, generator=g)
@@ -155,8 +158,10 @@ def test_the_choice_follows_the_stated_rule(share, seed, drop, codes, tolerance,
     for name in want:
         assert got[name][0] == want[name][0]
         assert got[name][1:] == pytest.approx(want[name][1:], abs=1e-5)  # float32 sums of ~200 terms
-    best = reference_best(want, drop, tolerance, margin)
+    stated = TOLERANCE if drop is None and tolerance is None else tolerance  # (the mass rule)
+    best = reference_best(want, 1.0 if drop is None else drop, stated, margin)
     assert layer.choice.storage == best == layer.storage.name
+    assert layer.tolerance == stated
     assert layer.length == want[best][0]
 
 
@@ -293,7 +298,7 @@ def test_a_saved_auto_cache_loads_with_its_choices(tmp_path, spec):
                                         ("auto-heads:bytes=0.1,tolerance=x", "tolerance"),
                                         ("auto:bytes=0.1,drop=4,tolerance=0.3", "drop=4 and tolerance=0.3 .* give one"),
                                         ("auto-heads:bytes=0.1,drop=2,tolerance=0.3", "give one"),
-                                        ("auto:bytes=0.1,margin=0.01", "margin=0.01 .* give tolerance=t with it"),
+                                        ("auto:bytes=0.1,drop=2,margin=0.01", "margin=0.01 .* drop=2 compares by distortion"),
                                         ("auto-heads:bytes=0.1,tolerance=0.3,margin=-1", "'margin' .* must be >= 0"),
                                         ("auto:bytes=0.1,tolerance=0.3,margin=x", "margin")])  # fmt: skip
 def test_bad_specs_are_refused_by_name(spec, match):

@@ -15,12 +15,14 @@ import kvcache
 from kvcache import cache_kwargs
 from helpers import model_for, prompt
 from kvcache.layers import AutoHeadsLayer, AutoLayer
-from kvcache.layers.auto import weigh, weigh_storage
+from kvcache.layers.auto import Estimate, weigh, weigh_storage
 from kvcache.layers.byte_budget import mixed_ladder
 from kvcache.layers.mix import mix_of
 from kvcache.layers.tiers import ranked
 
-SPECS = ["auto:bytes=0.125,fine_share=0.25", "auto-heads:bytes=0.0625,fine_share=0.25"]
+#: ``drop=1``: compared by distortion, under which the tiny model's layers take mixed storages
+#: (tokens first, the default, takes the coarsest storage within its tolerance).
+SPECS = ["auto:bytes=0.125,fine_share=0.25,drop=1", "auto-heads:bytes=0.0625,fine_share=0.25,drop=1"]
 
 
 def test_the_ladder_puts_each_mixed_storage_between_its_two_storages():
@@ -52,7 +54,7 @@ def test_the_mixed_estimate_adds_its_parts():
     keys, values = torch.randn(1, 2, 40, 16, generator=g), torch.randn(1, 2, 40, 16, generator=g)
     mass = torch.rand(1, 2, 40, generator=g)
     mass = mass / mass.sum(-1, keepdim=True)
-    layer = AutoLayer(bytes=0.3, fine_share=0.25, window=4)
+    layer = AutoLayer(bytes=0.3, fine_share=0.25, window=4, drop=1)
     layer.append(keys, values)
     layer.settle(mass)  # geometry and scores
     slots = {"keys": keys, "values": values, "positions": torch.arange(40).expand(1, 2, 40), "scores": mass}
@@ -64,6 +66,9 @@ def test_the_mixed_estimate_adds_its_parts():
     b = weigh("int4", 20, rest, mass, keys, values, 2, layer.geometry)
     whole = weigh("full", 20, kept, mass, keys, values, 2, layer.geometry)
     assert got.coding == pytest.approx(a.coding + b.coding) and got.dropped == pytest.approx(whole.dropped, abs=1e-6)
+    worse = max(a.coding / (1 - a.dropped), b.coding / (1 - b.dropped))  # each part's mean error over its own mass
+    assert got.worst_part == pytest.approx(worse, rel=1e-5) and got.bounded == got.worst_part
+    assert whole.worst_part is None and whole.bounded == pytest.approx(whole.coding / (1 - whole.dropped))
 
 
 @pytest.mark.parametrize("spec", SPECS)
@@ -101,9 +106,23 @@ def test_a_state_in_a_mixed_storage_is_checked_and_refused_without_changing_the_
     bad.tensors["fine.positions"] = bad.tensors["fine.positions"] + 10_000
     with pytest.raises(ValueError):
         layer.load_state(bad)
-    small = AutoHeadsLayer(bytes=0.01, fine_share=0.25)
+    small = AutoHeadsLayer(bytes=0.01, fine_share=0.25, drop=1)
     with pytest.raises(ValueError, match="budget"):
         small.load_state(state)
     after = layer.state()
     assert after.options == before.options
     assert all(torch.equal(after.tensors[n], before.tensors[n]) for n in before.tensors)
+
+
+@pytest.mark.parametrize("cls", [AutoLayer, AutoHeadsLayer])
+def test_tokens_first_bounds_a_mixed_case_by_its_worse_part(cls):
+    """Under a tolerance a mix is judged by its coarse part's error, not by the sum that its fine
+    part dilutes: int4@0.25+int2 codes 0.2 in all but its int2 part 0.55 a slot (one storage is
+    judged by its kept slots' mean error: int4's 0.12 over the 0.9 it keeps)."""
+    layer = cls(bytes=0.1, fine_share=0.25)
+    assert layer.tolerance == 0.3
+    cases = [Estimate("int8", 10, 0.30, 0.01), Estimate("int4", 20, 0.10, 0.12), Estimate("int4@0.25+int2", 30, 0.05, 0.20, 0.55)]
+    assert layer._best(cases).storage == "int4"
+    cases[2] = Estimate("int4@0.25+int2", 30, 0.05, 0.20, 0.25)
+    assert layer._best(cases).storage == "int4@0.25+int2"
+    assert cls(bytes=0.1, fine_share=0.25, drop=1)._best(cases).storage == "int4"  # by distortion: 0.22 against 0.31 and 0.25

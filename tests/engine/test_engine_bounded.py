@@ -66,10 +66,10 @@ KINDS = [
     "snapkv:budget=0.5,window=4,storage=int4",
     "snapkv:budget=0.5,window=4,storage=int4,fine=int8,fine_share=0.25",
     "adakv:budget=0.4,window=4,storage=int2,fine=full,fine_share=0.5",
-    "auto:bytes=0.2,window=4,fine_share=0.25",
-    "auto-heads:bytes=0.15,window=4,fine_share=0.25",
+    "auto:bytes=0.2,window=4,fine_share=0.25,drop=1",  # by distortion, mixes are taken
+    "auto-heads:bytes=0.15,window=4,fine_share=0.25,drop=1",
     "auto:bytes=0.2,window=4,codes=rotated",
-    "auto-heads:bytes=0.2,window=4,tolerance=0.3",
+    "auto-heads:bytes=0.2,window=4,drop=1",
     "window:window=12,sinks=2",
     "window:window=20",
 ]

@@ -29,14 +29,18 @@ reported (the last ``window`` queries' attention, as SnapKV scores by):
    With ``rule=output`` (:func:`weigh`) the two parts are measured on the window's mean attention
    output instead (``o = sum p v`` per head, against the kept candidates' renormalised, then with
    their values coded); keys, which move the weights, keep the first-order term.
-3. The storage with the lowest estimate wins (a tie goes to the finer one); with ``drop=w`` the
-   lowest ``w * dropped + coding`` (``w`` above 1 prefers keeping more tokens, coarser); with
-   ``tolerance=t`` the one that drops the least mass of those whose ``coding`` is at most ``t``
-   (the finer of equals): keep every token the bytes afford, in the finest storage that affords
-   them, short of a coding error past ``t``; with ``margin=m`` too, the finest of those that drops
-   at most ``m`` more than the least (a coarser storage must drop clearly less to win). The layer
-   recodes its kept slots into it and keeps ``Choice`` (``layer.choice``: the storage, the slots,
-   every candidate's estimate) for reports (``mix_of(cache)``).
+3. Tokens first (the default of the ``mass`` rule): of the storages whose kept slots' mean coding
+   error (``coding`` over the kept mass; a mixed storage's worse part's) is at most ``tolerance``
+   (``byte_budget.TOLERANCE``, 0.3, unless given), the one that drops the least mass wins (the
+   finer of equals): the layer keeps every token the bytes afford, in the finest storage that
+   affords them, short of a coding error past the tolerance. With ``margin=m``, the finest of
+   those that drops at most ``m`` more than the least (a coarser storage must drop clearly less).
+   With ``drop=w`` instead, cases are compared by distortion: the lowest ``w * dropped + coding``
+   wins (``drop=1``: the estimate itself, the default of the measuring rules; ``w`` above 1
+   prefers keeping more tokens, coarser). Exact answers on the task families reward tokens kept
+   over precision, the prose KL precision (docs/quality.md). The layer recodes its kept slots into
+   the storage chosen and keeps ``Choice`` (``layer.choice``: the storage, the slots, every
+   candidate's estimate) for reports (``mix_of(cache)``).
 
 Every head of a layer keeps the same number of slots in the same storage (the store is one
 ``[B, Hkv, C]`` run); which tokens each head keeps is its own.
@@ -72,10 +76,21 @@ class Estimate:
     slots: int
     dropped: float
     coding: float
+    #: A mixed storage's worse part's mean coding error (the part's coding over its own mass): what
+    #: ``tolerance`` bounds, so a fine part cannot dilute a coarse part's error. None: one storage.
+    worst_part: float | None = None
 
     @property
     def total(self) -> float:
         return self.dropped + self.coding
+
+    @property
+    def bounded(self) -> float:
+        """What ``tolerance`` compares: the kept slots' mean coding error (``coding`` over the kept
+        mass, so dropping more does not make coarse codes pass), or ``worst_part`` for a mix."""
+        if self.worst_part is not None:
+            return self.worst_part
+        return self.coding / max(1 - self.dropped, torch.finfo(torch.float32).tiny)
 
 
 @dataclass(frozen=True)
@@ -171,7 +186,8 @@ def weigh_storage(name: str, count: int, kept: torch.Tensor, rank: torch.Tensor,
     """``weigh``'s case of keeping ``kept`` in storage ``name``; a mixed storage's (``tiers.py``)
     kept slots split as its store splits them (``tiers.ranked`` by ``rank`` and ``positions``
     ``[B, H', N]``), each part weighed in its storage: the ``mass`` rule's parts add up (coding),
-    and what both leave out is dropped."""
+    and what both leave out is dropped; ``worst_part`` is the larger of the two parts' mean errors
+    (each part's coding over its own mass)."""
     parts = mixed_parts(name)
     if parts is None:
         return weigh(name, count, kept, mass, keys, values, heads, g, rule, head_of)
@@ -181,7 +197,8 @@ def weigh_storage(name: str, count: int, kept: torch.Tensor, rank: torch.Tensor,
     top = kept.gather(2, order[..., : min(k, round(share * k))])
     rest = kept.gather(2, order[..., top.shape[2] :])
     a, b = (weigh(s, count, part, mass, keys, values, heads, g, rule, head_of) for s, part in ((fine, top), (coarse, rest)))
-    return Estimate(name, count, max(0.0, a.dropped + b.dropped - 1), a.coding + b.coding)
+    dropped = max(0.0, a.dropped + b.dropped - 1)
+    return Estimate(name, count, dropped, a.coding + b.coding, max(a.bounded, b.bounded))
 
 
 def _per_head(head_of: torch.Tensor | None, heads: int):
@@ -228,7 +245,7 @@ class AutoLayer(ByteBudget, EvictingLayer):
         layer: int | None = None,
         layers: int | None = None,
         rule: str = "mass",
-        drop: float = 1.0,
+        drop: float | None = None,
         codes: str = "plain",
         tolerance: float | None = None,
         margin: float | None = None,
@@ -237,17 +254,16 @@ class AutoLayer(ByteBudget, EvictingLayer):
     ) -> None:
         """``bytes``: a share (below 1) or bytes of the whole cache; ``storage``: where the layer
         starts (a saved layer's choice; a new one starts in full precision and chooses); ``rule``:
-        how a case is scored (:data:`RULES`, :func:`weigh`); ``drop``: how much a case's dropped
-        part counts against its coding part when cases are compared (the lowest
-        ``drop * dropped + coding`` wins); ``tolerance``: compare cases by what they drop instead,
-        among those whose coding part is at most it (not with ``drop``); ``margin``: with
-        ``tolerance``, the finest case within it of the least dropped wins; ``codes``: ``plain``
+        how a case is scored (:data:`RULES`, :func:`weigh`); ``tolerance``: cases are compared by
+        what they drop, among those whose coding part is at most it (default
+        ``byte_budget.TOLERANCE`` unless ``drop`` is given); ``drop``: compare by distortion
+        instead, the lowest ``drop * dropped + coding`` winning; ``margin``: with a tolerance, the
+        finest case within it of the least dropped wins; ``codes``: ``plain``
         chooses among full, int8, int4 and int2, ``rotated`` among full, int8h, int4h and int2h
         (``formats/rotated.py``); ``fine_share``: also among the mixed storage of each two next
         storages (``byte_budget.mixed_ladder``, ``tiers.py``)."""
-        checked = self.check_options(bytes=bytes, drop=drop)
-        size = checked["bytes"]
-        self._init_budget(size, rule, checked["drop"], codes, storage, tolerance, margin, fine_share)
+        size = self.check_options(bytes=bytes)["bytes"]
+        self._init_budget(size, rule, drop, codes, storage, tolerance, margin, fine_share)
         start = "full" if mixed_parts(storage) else storage
         super().__init__(size if isinstance(size, float) else 1 << 62, "snapkv", recent, sinks, start, layer, layers, **policy_options)
         if start != storage:  # a saved layer's mixed storage

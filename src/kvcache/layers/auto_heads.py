@@ -84,17 +84,16 @@ class AutoHeadsLayer(ByteBudget, AdaptiveLayer):
         layer: int | None = None,
         layers: int | None = None,
         rule: str = "mass",
-        drop: float = 1.0,
+        drop: float | None = None,
         codes: str = "plain",
         tolerance: float | None = None,
         margin: float | None = None,
         fine_share: float | None = None,
     ) -> None:
-        checked = self.check_options(bytes=bytes, drop=drop)
-        size = checked["bytes"]
+        size = self.check_options(bytes=bytes)["bytes"]
         if rule == "attention":
             raise ValueError("auto-heads: rule='attention' is auto's only (it measures per KV head); use rule='mass' or 'output'")
-        self._init_budget(size, rule, checked["drop"], codes, storage, tolerance, margin, fine_share)
+        self._init_budget(size, rule, drop, codes, storage, tolerance, margin, fine_share)
         start = "full" if mixed_parts(storage) else storage
         super().__init__(1, window, pool, floor, start)
         if start != storage:  # a saved layer's mixed storage

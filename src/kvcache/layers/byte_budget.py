@@ -40,6 +40,11 @@ BYTE_BUDGET_OPTIONS = {
     "codes": Option(str),
     "fine_share": Option(float, least=0, inclusive=False),
 }
+#: The coding part a case may carry, by default, and still be compared by what it drops alone:
+#: between what int4 codes weigh on SmolLM2 (about 0.12) and what int2 codes weigh (about 0.6). Set
+#: before any answer was run (docs/quality.md, "Tokens first"), on the ``mass`` rule's scale, the
+#: only rule it is the default of; ``drop=w`` compares by distortion.
+TOLERANCE = 0.3
 #: Dropped parts closer than this are equal under ``tolerance`` (the finer storage wins): a mass
 #: summed in float32 over every candidate is 1 only to about this.
 SAME_DROP = 1e-5
@@ -64,20 +69,28 @@ class ByteBudget:
     ``layer_count``, ``rule``, ``drop``, ``tolerance``, ``margin``, ``codes`` and its ``ladder`` (the storages
     chosen among, finest first), ``choice`` (the last ``Choice``, None before one)."""
 
-    def _init_budget(self, size: int | float, rule: str, drop: float = 1.0, codes: str = "plain", storage: str = "full",
+    def _init_budget(self, size: int | float, rule: str, drop: float | None = None, codes: str = "plain", storage: str = "full",
                      tolerance: float | None = None, margin: float | None = None, fine_share: float | None = None) -> None:  # fmt: skip
-        """``size`` and ``drop`` as the constructor's ``check_options`` read them; ``tolerance``
-        (None: compare by ``drop``) and ``margin`` (None: 0; only with ``tolerance``) as given, read
-        here; ``storage``: where the layer starts, which must be on the ladder ``codes`` names;
-        ``fine_share``: the ladder holds mixed storages too (``mixed_ladder``), weighed by ``mass``."""
+        """``size`` as the constructor's ``check_options`` reads it; ``drop``, ``tolerance`` and
+        ``margin`` as given, read here: with neither ``drop`` nor ``tolerance`` cases are compared by
+        what they drop within :data:`TOLERANCE` (the ``mass`` rule's scale: the measuring rules,
+        whose coding parts are smaller, compare by distortion); ``drop`` alone compares by distortion (``drop=1``
+        with a tolerance, as a layer's ``options()`` record it, is the tolerance's); ``margin``
+        (None: 0) widens a tolerance. ``storage``: where the layer starts, which must be on the
+        ladder ``codes`` names; ``fine_share``: the ladder holds mixed storages too
+        (``mixed_ladder``), weighed by ``mass``."""
+        if drop is not None:
+            drop = self.check_options(drop=drop)["drop"]
         if tolerance is not None:
             tolerance = self.check_options(tolerance=tolerance)["tolerance"]
         if margin is not None:
             margin = self.check_options(margin=margin)["margin"]
-        if tolerance is not None and drop != 1.0:
+        if tolerance is not None and drop not in (None, 1.0):
             raise ValueError(f"drop={drop:g} and tolerance={tolerance:g} are two ways to compare cases; give one")
-        if margin is not None and tolerance is None:
-            raise ValueError(f"margin={margin:g} widens tolerance's comparison of dropped mass; give tolerance=t with it")
+        if margin is not None and tolerance is None and drop is not None:
+            raise ValueError(f"margin={margin:g} widens a tolerance's comparison of dropped mass; drop={drop:g} compares by distortion")
+        if tolerance is None and drop is None and rule == "mass":
+            tolerance = TOLERANCE
         if rule not in RULES:
             raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
         if codes not in LADDERS:
@@ -94,7 +107,7 @@ class ByteBudget:
         if storage not in self.ladder:
             raise ValueError(f"storage must be one of {self.ladder} (codes={codes}), got {storage!r}")
         self.rule = rule
-        self.drop = float(drop)
+        self.drop = 1.0 if drop is None else float(drop)
         self.tolerance = tolerance
         self.margin = margin
         self.byte_budget = size
@@ -119,13 +132,13 @@ class ByteBudget:
 
     def _best(self, estimates: list[Any]) -> Any:
         """The case with the lowest ``drop * dropped + coding`` (the first, the finer storage, of
-        equals). With ``tolerance``: of the cases whose ``coding`` is at most ``tolerance``, the
-        finest that drops at most ``margin`` more than the least any of them drops (so with no
-        margin, the one that drops the least, the finer of equals); if none is, the lowest
-        ``coding``. ``estimates`` come finest first."""
+        equals). With ``tolerance``: of the cases whose ``bounded`` coding (a mixed storage's worse
+        part's) is at most ``tolerance``, the finest that drops at most ``margin`` more than the
+        least any of them drops (so with no margin, the one that drops the least, the finer of
+        equals); if none is, the lowest ``coding``. ``estimates`` come finest first."""
         if self.tolerance is None:
             return min(estimates, key=lambda e: self.drop * e.dropped + e.coding)
-        within = [e for e in estimates if e.coding <= self.tolerance]
+        within = [e for e in estimates if e.bounded <= self.tolerance]
         if not within:
             return min(estimates, key=lambda e: e.coding)
         least = min(e.dropped for e in within)
