@@ -65,9 +65,6 @@ from .slots import get_storage
 from .state import LayerState
 from .tiers import mean_slot_bytes, mixed_parts, ranked
 
-#: Bytes of one token's key and value per KV head in the fp32 cache a share is taken of, per channel.
-
-
 @dataclass(frozen=True)
 class Estimate:
     """One storage's case at a decision: the slots it affords and its estimated error."""
@@ -129,8 +126,6 @@ def relative_error(x: torch.Tensor, coded: torch.Tensor) -> torch.Tensor:
     """``|x - coded| / |x|`` per token ``[B, H, N]`` (0 where ``x`` is 0)."""
     x, coded = x.float(), coded.float()
     return (x - coded).norm(dim=-1) / x.norm(dim=-1).clamp_min(torch.finfo(torch.float32).tiny)
-
-
 
 
 def weigh(storage: str, count: int, kept: torch.Tensor, mass: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -255,10 +250,11 @@ class AutoLayer(ByteBudget, EvictingLayer):
         """``bytes``: a share (below 1) or bytes of the whole cache; ``storage``: where the layer
         starts (a saved layer's choice; a new one starts in full precision and chooses); ``rule``:
         how a case is scored (:data:`RULES`, :func:`weigh`); ``tolerance``: cases are compared by
-        what they drop, among those whose coding part is at most it (default
-        ``byte_budget.TOLERANCE`` unless ``drop`` is given); ``drop``: compare by distortion
-        instead, the lowest ``drop * dropped + coding`` winning; ``margin``: with a tolerance, the
-        finest case within it of the least dropped wins; ``codes``: ``plain``
+        what they drop, among those whose kept slots' mean coding error (``Estimate.bounded``) is
+        at most it (default ``byte_budget.TOLERANCE`` under the ``mass`` rule unless ``drop`` is
+        given); ``drop``: compare by distortion instead, the lowest ``drop * dropped + coding``
+        winning; ``margin``: with a tolerance, the finest case within it of the least dropped
+        wins; ``codes``: ``plain``
         chooses among full, int8, int4 and int2, ``rotated`` among full, int8h, int4h and int2h
         (``formats/rotated.py``); ``fine_share``: also among the mixed storage of each two next
         storages (``byte_budget.mixed_ladder``, ``tiers.py``)."""

@@ -72,13 +72,13 @@ class ByteBudget:
     def _init_budget(self, size: int | float, rule: str, drop: float | None = None, codes: str = "plain", storage: str = "full",
                      tolerance: float | None = None, margin: float | None = None, fine_share: float | None = None) -> None:  # fmt: skip
         """``size`` as the constructor's ``check_options`` reads it; ``drop``, ``tolerance`` and
-        ``margin`` as given, read here: with neither ``drop`` nor ``tolerance`` cases are compared by
-        what they drop within :data:`TOLERANCE` (the ``mass`` rule's scale: the measuring rules,
-        whose coding parts are smaller, compare by distortion); ``drop`` alone compares by distortion (``drop=1``
-        with a tolerance, as a layer's ``options()`` record it, is the tolerance's); ``margin``
-        (None: 0) widens a tolerance. ``storage``: where the layer starts, which must be on the
-        ladder ``codes`` names; ``fine_share``: the ladder holds mixed storages too
-        (``mixed_ladder``), weighed by ``mass``."""
+        ``margin`` as given, read here: with neither ``drop`` nor ``tolerance`` cases are compared
+        by what they drop within :data:`TOLERANCE` (on the ``mass`` rule's scale; the measuring
+        rules, whose coding parts are smaller, compare by distortion); ``drop`` alone compares by
+        distortion (``drop=1`` with a tolerance, as a layer's ``options()`` record it, is the
+        tolerance's); ``margin`` (None: 0) widens a tolerance. ``storage``: where the layer starts,
+        which must be on the ladder ``codes`` names; ``fine_share``: the ladder holds mixed
+        storages too (``mixed_ladder``), weighed by ``mass``."""
         if drop is not None:
             drop = self.check_options(drop=drop)["drop"]
         if tolerance is not None:
